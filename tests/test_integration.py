@@ -1,0 +1,80 @@
+"""Real processes: the CLI on a tiny model, clear errors, and the real SmolLM2 learning the demo data."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DEMO_DATA, REPO
+
+YETO = [sys.executable, "-m", "yeto"]
+
+
+def run(args, **kw):
+    return subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=600, **kw)
+
+
+def test_learner_module_trains_and_saves(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    r = run([sys.executable, "-m", "yeto.learner", "--model", str(tiny_model("lfm2")), "--data", str(DEMO_DATA),
+             "--out", str(out), "--max-steps", "4", "--seq-len", "64", "--batch-size", "2", "--grad-accum", "2",
+             "--eval-every", "2", "--lora-r", "4", "--no-progress"])
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3, 4]
+    assert all(e["tokens"] == 2 * 2 * 64 and 0 < e["loss_tokens"] < e["tokens"] for e in steps)
+    assert [e["step"] for e in events if e["event"] == "eval"] == [0, 2, 4]
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    g = run(YETO + ["generate", "--model", str(tiny_model("lfm2")), "--adapter", str(out), "--prompt", "Hi", "--max-new-tokens", "4"])
+    assert g.returncode == 0, g.stderr
+    assert "with adapter" in g.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "smollm9"], "error: unknown model 'smollm9'"),
+    (["--data", "no/such.jsonl"], "error: data file not found: no/such.jsonl"),
+    (["--loss-function", "focal"], "error: unknown --loss-function 'focal'"),
+])
+def test_cli_errors_are_one_clear_line(args, message, tiny_model):
+    base = ["--model", str(tiny_model("llama")), "--data", str(DEMO_DATA), "--max-steps", "1", "--no-progress"]
+    r = run(YETO + ["train"] + base + args)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_reports_a_bad_record(tmp_path, tiny_model):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"answer": 42}) + "\n")
+    r = run(YETO + ["train", "--model", str(tiny_model("llama")), "--data", str(bad), "--no-progress"])
+    assert r.returncode == 2 and "bad.jsonl:2: record fits no format" in r.stderr
+
+
+def test_every_command_documents_every_flag():
+    for cmd in (["train"], ["generate"], ["models"], []):
+        r = run(YETO + cmd + ["--help"], env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "TERM": "dumb"})
+        assert r.returncode == 0, r.stderr
+    from yeto.learner import TrainConfig
+
+    r = run(YETO + ["train", "--help"], env={"COLUMNS": "250", "TERM": "dumb"})
+    for field in TrainConfig.__dataclass_fields__:
+        assert "--" + field.replace("_", "-") in r.stdout, field
+
+
+@pytest.mark.slow
+def test_smollm2_learns_the_demo_data(tmp_path):
+    from yeto.generate import compare
+    from yeto.learner import TrainConfig, train
+
+    cfg = TrainConfig(model="smollm2-135m", data=str(DEMO_DATA), out=str(tmp_path / "run"), seq_len=128, batch_size=4,
+                      max_steps=12, lr=1e-3, warmup_steps=2, eval_every=0)
+    s = train(cfg, show_progress=False)
+    assert s["eval_loss_after"] < s["eval_loss_before"] - 0.2, s
+    steps = [json.loads(line) for line in Path(cfg.out, "metrics.jsonl").read_text().splitlines() if '"step"' in line]
+    losses = [e["loss"] for e in steps if e["event"] == "step"]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    ((_, base, tuned),) = compare("smollm2-135m", s["adapter"], ["What is the capital of France?"], max_new_tokens=24)
+    assert "Paris" in base
+    assert tuned != base

@@ -1,0 +1,3 @@
+from yeto.cli import main
+
+main()

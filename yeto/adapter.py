@@ -1,0 +1,72 @@
+"""The saved adapter: a peft directory, plus yeto's provenance in its metadata.
+
+`adapter_config.json` + `adapter_model.safetensors` is exactly what
+`PeftModel.from_pretrained(base, dir)` reads; the provenance rides along in the
+safetensors header (`yeto.provenance`) and in `yeto_run.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from yeto import YetoError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+RUN_RECORD = "yeto_run.json"
+METADATA_KEY = "yeto.provenance"
+
+
+def find_adapter_dir(path: str | Path) -> Path:
+    """Accept the adapter directory itself or a run directory holding `adapter/`."""
+    p = Path(path).expanduser()
+    for cand in (p, p / "adapter"):
+        if (cand / ADAPTER_CONFIG).is_file():
+            return cand
+    raise YetoError(f"no peft adapter at {p} (expected {ADAPTER_CONFIG} in it or in {p / 'adapter'})")
+
+
+def save_adapter(peft_model, out_dir: str | Path, record: dict[str, Any]) -> Path:
+    """Write the adapter atomically (temp dir, then rename over the old one)."""
+    from safetensors.torch import load_file, save_file
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        cfg = peft_model.peft_config["default"]
+        model = record.get("model", {})
+        cfg.base_model_name_or_path = model.get("hub_id") or model.get("path") or cfg.base_model_name_or_path
+        cfg.revision = model.get("revision") if model.get("source") == "hub" else None
+        peft_model.save_pretrained(str(tmp), save_embedding_layers=False)
+        weights = tmp / ADAPTER_WEIGHTS
+        save_file(load_file(weights), weights, metadata={"format": "pt", METADATA_KEY: json.dumps(record, sort_keys=True)})
+        (tmp / RUN_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
+        os.chmod(tmp, 0o755)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_provenance(adapter_dir: str | Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(str(find_adapter_dir(adapter_dir) / ADAPTER_WEIGHTS), framework="pt") as f:
+        meta = f.metadata() or {}
+    if METADATA_KEY not in meta:
+        raise YetoError(f"{adapter_dir}: adapter has no yeto provenance metadata")
+    return json.loads(meta[METADATA_KEY])

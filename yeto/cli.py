@@ -1,0 +1,97 @@
+"""The `yeto` command: train, generate, models."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from yeto import YetoError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="LoRA fine-tuning across independent islands, DiLoCo-style.")
+
+
+def run_typer(fn: Callable) -> None:
+    """Run a single-command typer app, turning YetoError into one clear line and exit 2."""
+    single = typer.Typer(add_completion=False)
+    single.command()(fn)
+    _guarded(single)
+
+
+def _guarded(typer_app: typer.Typer) -> None:
+    try:
+        typer_app(standalone_mode=False)
+    except YetoError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        sys.exit(2)
+    except typer.Abort:
+        typer.secho("aborted", err=True)
+        sys.exit(130)
+    except (typer.Exit, SystemExit) as e:
+        sys.exit(getattr(e, "exit_code", getattr(e, "code", 0)))
+    except Exception as e:  # click usage errors
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+
+
+def _register() -> None:
+    from yeto.learner import train_command
+
+    app.command("train")(train_command)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[list[str], typer.Option(help="A prompt to answer (repeat for several).")],
+    adapter: Annotated[str, typer.Option(help="The adapter directory (or a run directory holding adapter/).")],
+    model: Annotated[str, typer.Option(help="Base model alias, local directory or hub id.")] = "smollm2-135m",
+    model_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the base model.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per answer (greedy).")] = 64,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own code to run.")] = False,
+) -> None:
+    """Show the fine-tuned model's answers next to the base model's (greedy decoding)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from yeto.generate import compare
+
+    rows = compare(model, adapter, prompt, max_new_tokens, model_revision, device, trust_remote_code)
+    table = Table(title=f"{model}: base vs adapter {adapter}", show_lines=True)
+    table.add_column("prompt", style="bold")
+    table.add_column("base")
+    table.add_column("with adapter", style="green")
+    for p, before, after in rows:
+        table.add_row(p, before, after)
+    Console().print(table)
+
+
+@app.command()
+def models() -> None:
+    """List the model aliases and where each resolves."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from yeto.models import ALIASES
+
+    table = Table(title="model aliases")
+    table.add_column("alias")
+    table.add_column("hub id")
+    table.add_column("offline source")
+    for name, a in ALIASES.items():
+        table.add_row(name, a.hub_id, f"pip package {a.package.replace('_', '-')}" if a.package else "-")
+    Console().print(table)
+
+
+def main() -> None:
+    _register()
+    _guarded(app)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Greedy answers from the base model and from base + adapter, side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from yeto.adapter import find_adapter_dir
+from yeto.models import default_device, load_model, load_tokenizer, resolve_model
+
+
+def _prompt_ids(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+@torch.no_grad()
+def greedy(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat: bool = True) -> str:
+    ids = _prompt_ids(tokenizer, prompt, chat).to(model.device)
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def compare(model_name: str, adapter: str | Path, prompts: list[str], max_new_tokens: int = 64,
+            model_revision: str | None = None, device: str = "auto", trust_remote_code: bool = False) -> list[tuple[str, str, str]]:
+    """[(prompt, base answer, adapted answer)]; the adapter is loaded by peft itself."""
+    from peft import PeftModel
+
+    adapter_dir = find_adapter_dir(adapter)
+    artifact = resolve_model(model_name, model_revision)
+    device = default_device() if device == "auto" else device
+    tokenizer = load_tokenizer(artifact, trust_remote_code)
+    base = load_model(artifact, device, trust_remote_code=trust_remote_code).eval()
+    before = [greedy(base, tokenizer, p, max_new_tokens) for p in prompts]
+    tuned = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    after = [greedy(tuned, tokenizer, p, max_new_tokens) for p in prompts]
+    return list(zip(prompts, before, after))

