@@ -31,6 +31,16 @@ def find_adapter_dir(path: str | Path) -> Path:
     raise YetoError(f"no peft adapter at {p} (expected {ADAPTER_CONFIG} in it or in {p / 'adapter'})")
 
 
+def peft_config_dict(peft_model, record: dict[str, Any]) -> dict[str, Any]:
+    """adapter_config.json's content, with the base model named as provenance resolved it."""
+    cfg = peft_model.peft_config["default"]
+    model = record.get("model", {})
+    cfg.base_model_name_or_path = model.get("hub_id") or model.get("path") or cfg.base_model_name_or_path
+    cfg.revision = model.get("revision") if model.get("source") == "hub" else None
+    d = cfg.to_dict()
+    return json.loads(json.dumps(d, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
+
+
 def save_adapter(peft_model, out_dir: str | Path, record: dict[str, Any]) -> Path:
     """Write the adapter atomically (temp dir, then rename over the old one)."""
     from safetensors.torch import load_file, save_file
@@ -39,10 +49,7 @@ def save_adapter(peft_model, out_dir: str | Path, record: dict[str, Any]) -> Pat
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        cfg = peft_model.peft_config["default"]
-        model = record.get("model", {})
-        cfg.base_model_name_or_path = model.get("hub_id") or model.get("path") or cfg.base_model_name_or_path
-        cfg.revision = model.get("revision") if model.get("source") == "hub" else None
+        peft_config_dict(peft_model, record)  # names the base model as resolved
         peft_model.save_pretrained(str(tmp), save_embedding_layers=False)
         weights = tmp / ADAPTER_WEIGHTS
         save_file(load_file(weights), weights, metadata={"format": "pt", METADATA_KEY: json.dumps(record, sort_keys=True)})

@@ -40,9 +40,28 @@ def _guarded(typer_app: typer.Typer) -> None:
 
 
 def _register() -> None:
+    from yeto.launch.local import launch_command
     from yeto.learner import train_command
+    from yeto.sync.server import syncer_command
 
     app.command("train")(train_command)
+    app.command("syncer")(syncer_command)
+    app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch_command)
+
+
+@app.command()
+def tape(
+    run_dir: Annotated[str, typer.Argument(help="The syncer's --out directory (or its tape.jsonl).")],
+    plot: Annotated[bool, typer.Option(help="Also draw loss and per-island contribution over rounds to a PNG.")] = False,
+    png: Annotated[Optional[str], typer.Option(help="Where to write the plot (default: RUN_DIR/tape.png).")] = None,
+) -> None:
+    """Summarize a syncer's event tape: a table per round (responders, weights, tokens, bytes, loss)."""
+    from yeto.tape import plot as plot_tape
+    from yeto.tape import summarize
+
+    summarize(run_dir)
+    if plot or png:
+        typer.echo(f"plot: {plot_tape(run_dir, png)}")
 
 
 @app.command()

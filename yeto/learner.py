@@ -60,6 +60,11 @@ class TrainConfig:
     dtype: str = "auto"
     gradient_checkpointing: bool = False
     full_logits: bool = False
+    syncer: Optional[str] = None
+    overlap: bool = False
+    threads: int = 0
+    max_inner_steps: int = 0
+    step_delay: float = 0.0
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -115,10 +120,14 @@ def masked_loss(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, loss_fn
 
 
 class TorchLearner:
-    """Model + LoRA + data + AdamW: the state of one island's inner loop."""
+    """Model + LoRA + data + AdamW: the state of one island's inner loop (a `yeto.diloco.Island`)."""
+
+    backend = "torch"
 
     def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print):
         self.cfg = cfg
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
         self.device = default_device() if cfg.device == "auto" else cfg.device
         dtype = None if cfg.dtype == "auto" else {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
         if cfg.dtype != "auto" and dtype is None:
@@ -202,11 +211,28 @@ class TorchLearner:
                 weight += w
         return total / weight if weight else None
 
-    def adapter_state(self) -> dict[str, torch.Tensor]:
-        """The canonical `{peft name: tensor}` view: what the saved adapter and the syncer see."""
-        from peft import get_peft_model_state_dict
+    def adapter_state(self) -> dict[str, np.ndarray]:
+        """The canonical `{peft parameter name: fp32 array}` view the syncer exchanges
+        (`base_model.model.<path>.lora_A.default.weight`)."""
+        return {k: p.detach().float().cpu().numpy().copy() for k, p in self.trainable.items()}
 
-        return {k: v.detach().float().cpu().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+    @torch.no_grad()
+    def load_adapter_state(self, state: dict[str, np.ndarray]) -> None:
+        missing = set(self.trainable) - set(state)
+        if missing:
+            raise YetoError(f"adapter state lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
+        for k, p in self.trainable.items():
+            p.copy_(torch.from_numpy(np.asarray(state[k])).to(p.dtype))
+
+    def adapter_config(self) -> dict[str, Any]:
+        from yeto.adapter import peft_config_dict
+
+        return peft_config_dict(self.model, self.record())
+
+    def set_total_steps(self, total: int) -> None:
+        """Stretch the LR schedule over the whole run (the syncer knows how long it is)."""
+        cfg = self.cfg
+        self.scheduler.lr_lambdas[0] = lambda s: lr_lambda(s, cfg.warmup_steps, total, cfg.min_lr_ratio)
 
     def record(self) -> dict[str, Any]:
         return {
@@ -251,6 +277,8 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
     learner = TorchLearner(cfg, log=lambda s: console.print(f"[dim]{s}[/dim]"))
     metrics = MetricsLog(out / "metrics.jsonl")
     (out / "run.json").write_text(json.dumps(learner.record(), indent=2))
+    if cfg.syncer:
+        return train_island(learner, cfg, metrics, console)
     eval0 = learner.evaluate()
     metrics.write(event="eval", step=0, eval_loss=eval0)
     history: list[dict[str, Any]] = []
@@ -299,6 +327,36 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
     return summary
 
 
+def train_island(learner: TorchLearner, cfg: TrainConfig, metrics: MetricsLog, console) -> dict[str, Any]:
+    """One island of a DiLoCo run: the syncer decides rounds, merges and the end."""
+    from yeto.diloco import run_island
+
+    out = Path(cfg.out)
+    eval0 = learner.evaluate()
+    metrics.write(event="eval", step=0, eval_loss=eval0)
+    tag = f"[bold]island {cfg.learner_id}[/bold]"
+
+    def on_round(r: dict[str, Any]) -> None:
+        metrics.write(event="round", **r)
+        console.print(f"{tag} round {r['round']}: {r['steps']} steps, loss {r['loss']:.4f}, {r['tokens']} tokens")
+
+    stats = run_island(learner, cfg.syncer, cfg.learner_id, overlap=cfg.overlap, progress=on_round,
+                       max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
+                       log_fn=lambda s: console.print(f"{tag} [dim]{s}[/dim]"))
+    final_eval = learner.evaluate()
+    metrics.write(event="eval", step=learner.step_count, eval_loss=final_eval)
+    adapter = learner.save(out / "adapter")
+    summary = {"adapter": str(adapter), "steps": learner.step_count, "eval_loss_before": eval0, "eval_loss_after": final_eval,
+               "tokens": learner.tokens_seen, "loss_tokens": learner.loss_tokens_seen, **stats}
+    metrics.write(event="done", **summary)
+    metrics.close()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    ev = f"eval loss {eval0:.3f} -> {final_eval:.3f}" if eval0 is not None and final_eval is not None else "no eval split"
+    console.print(f"{tag} [green]done[/green]: {stats['rounds']} rounds, {learner.step_count} steps, utilization "
+                  f"{stats['utilization']:.1%}, {ev}; adapter: {adapter}")
+    return summary
+
+
 # ----------------------------------------------------------------------------- CLI
 
 D = TrainConfig()
@@ -334,6 +392,11 @@ def train_command(
     dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16 or float16.")] = D.dtype,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute activations in the backward pass to save memory.")] = False,
     full_logits: Annotated[bool, typer.Option(help="Compute the LM head on every position (default: loss-bearing positions only).")] = False,
+    syncer: Annotated[Optional[str], typer.Option(help="HOST:PORT of a syncer: train as one DiLoCo island of its run (default: standalone).")] = None,
+    overlap: Annotated[bool, typer.Option(help="With --syncer: keep training while a merge is in flight, then apply it as a correction.")] = False,
+    threads: Annotated[int, typer.Option(help="torch CPU threads (0: torch's default).")] = D.threads,
+    max_inner_steps: Annotated[int, typer.Option(help="With --syncer: do at most this many inner steps per round (a weaker island contributing less; 0: the syncer's policy).")] = D.max_inner_steps,
+    step_delay: Annotated[float, typer.Option(help="Sleep this long after each inner step, to simulate a slow island (tests, benchmarks).")] = D.step_delay,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
     """Train a LoRA adapter on one island (standalone)."""

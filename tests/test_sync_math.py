@@ -1,0 +1,167 @@
+"""Property tests of the pure sync math: layout/fragments, quantization, merge, outer step."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from yeto.sync.layout import build_layout, flatten, layout_from_json, layout_mismatch, pack_fragment, unflatten, unpack_fragment
+from yeto.sync.outer import merge_deltas, merge_weights, nesterov_step
+from yeto.sync.quant import BLOCK, ErrorFeedback, QuantError, block_steps, dequantize, encoded_size, quantize
+
+names = st.text("abcdefghij._", min_size=1, max_size=12)
+shapes = st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple)
+adapters = st.dictionaries(names, shapes, min_size=1, max_size=12)
+
+
+def make(spec, seed=0):
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in spec.items()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=adapters, bound=st.integers(1, 200))
+def test_pack_unpack_are_exact_inverses(spec, bound):
+    tensors = make(spec)
+    layout = build_layout(tensors, bound)
+    assert [n for f in layout.fragments for n in f.names] == sorted(spec)
+    for f in layout.fragments:
+        assert f.numel <= bound or len(f.names) == 1  # bounded, except a lone oversized tensor
+        back = unpack_fragment(layout, f.index, pack_fragment(layout, f.index, tensors))
+        for n in f.names:
+            np.testing.assert_array_equal(back[n], tensors[n])
+    flat = flatten(layout, tensors)
+    assert flat.size == layout.numel == sum(t.size for t in tensors.values())
+    assert all(np.array_equal(unflatten(layout, flat)[k], v) for k, v in tensors.items())
+
+
+@settings(max_examples=30, deadline=None)
+@given(spec=adapters, bound=st.integers(1, 200))
+def test_layout_depends_on_names_and_shapes_only(spec, bound):
+    a = build_layout(make(spec, 1), bound)
+    b = build_layout({k: torch.zeros(s, dtype=torch.bfloat16) for k, s in reversed(list(spec.items()))}, bound)
+    assert a == b and layout_mismatch(a, b) is None
+    assert layout_from_json(a.to_json()) == a
+
+
+def test_layout_mismatch_names_the_first_differing_tensor():
+    base = {"a.lora_A": np.zeros((4, 8)), "b.lora_A": np.zeros((4, 8)), "c.lora_B": np.zeros((8, 4))}
+    other = dict(base, **{"b.lora_A": np.zeros((2, 8))})
+    msg = layout_mismatch(build_layout(base), build_layout(other))
+    assert "b.lora_A" in msg and "[4, 8]" in msg and "[2, 8]" in msg
+    missing = {k: v for k, v in base.items() if k != "a.lora_A"}
+    assert "a.lora_A" in layout_mismatch(build_layout(base), build_layout(missing))
+
+
+finite = arrays(np.float32, st.integers(1, 700), elements=st.floats(-1e3, 1e3, width=32))
+
+
+@settings(max_examples=80, deadline=None)
+@given(x=finite, bits=st.sampled_from([4, 8]))
+def test_quantization_error_is_at_most_half_a_step_per_block(x, bits):
+    buf = quantize(x, bits)
+    assert len(buf) == encoded_size(x.size, bits)
+    y = dequantize(buf, x.size, bits)
+    steps = np.repeat(block_steps(buf, x.size, bits), BLOCK)[: x.size]
+    err = np.abs(y - x)
+    assert (err <= steps / 2 + 1e-6 * (1 + np.abs(x))).all()
+    # the step itself is tight: the block's range (widened by the fp16 rounding of its minimum) over the levels
+    for b in range(0, x.size, BLOCK):
+        blk = x[b : b + BLOCK]
+        widened = blk.max() - blk.min() + float(np.spacing(np.float16(blk.min())))
+        assert block_steps(buf, x.size, bits)[b // BLOCK] <= widened / ((1 << bits) - 1) * 1.002 + 1e-7
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=finite)
+def test_32_bits_round_trip_exactly_and_16_closely(x):
+    np.testing.assert_array_equal(dequantize(quantize(x, 32), x.size, 32), x)
+    np.testing.assert_allclose(dequantize(quantize(x, 16), x.size, 16), x, rtol=1e-3, atol=1e-4)
+
+
+def test_four_bits_cost_less_than_a_seventh_of_fp32():
+    n = 1_000_000
+    assert encoded_size(n, 4) / (4 * n) < 1 / 7
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_input_is_rejected(bad):
+    x = np.ones(300, dtype=np.float32)
+    x[137] = bad
+    for bits in (4, 8, 16, 32):
+        with pytest.raises(QuantError, match="index 137"):
+            quantize(x, bits)
+
+
+def test_malformed_payloads_are_rejected():
+    x = np.linspace(-1, 1, 300, dtype=np.float32)
+    buf = quantize(x, 4)
+    with pytest.raises(QuantError, match="must be"):
+        dequantize(buf[:-1], 300, 4)
+    corrupt = bytearray(buf)
+    corrupt[0:2] = np.float16(np.nan).tobytes()
+    with pytest.raises(QuantError, match="non-finite"):
+        dequantize(bytes(corrupt), 300, 4)
+
+
+def test_error_feedback_keeps_the_running_sum_unbiased():
+    rng = np.random.default_rng(0)
+    ef = ErrorFeedback(1000)
+    true_sum = np.zeros(1000, np.float32)
+    sent_sum = np.zeros(1000, np.float32)
+    for _ in range(50):
+        d = (rng.standard_normal(1000) * 1e-3 + 2e-4).astype(np.float32)
+        _, sent = ef.encode(d, 4, [(0, 600), (600, 400)])
+        true_sum += d
+        sent_sum += sent
+    # the gap is one round's residual, not fifty rounds' worth of error
+    np.testing.assert_allclose(sent_sum + ef.residual, true_sum, atol=1e-6)
+    one_round_err = np.abs(dequantize(quantize(d, 4), 1000, 4) - d).max()
+    assert np.abs(sent_sum - true_sum).max() <= one_round_err * 1.5
+
+
+@settings(max_examples=50, deadline=None)
+@given(tokens=st.lists(st.integers(1, 10**6), min_size=1, max_size=16))
+def test_merge_weights_are_token_proportional(tokens):
+    w = merge_weights(tokens)
+    assert w.sum() == pytest.approx(1.0)
+    np.testing.assert_allclose(w * sum(tokens), tokens, rtol=1e-9)
+
+
+def test_merge_weights_reject_empty_or_zero():
+    for bad in ([], [0, 0], [5, -1]):
+        with pytest.raises(ValueError):
+            merge_weights(bad)
+
+
+def test_merge_is_the_weighted_mean():
+    d = [np.full(4, 1.0, np.float32), np.full(4, 10.0, np.float32)]
+    np.testing.assert_allclose(merge_deltas(d, merge_weights([900, 100])), np.full(4, 1.9))
+
+
+def test_outer_step_matches_a_hand_computed_nesterov_update():
+    params = np.array([1.0, -2.0], np.float32)
+    m = np.array([0.5, 0.0], np.float32)
+    delta = np.array([0.1, 0.2], np.float32)  # mean local progress
+    lr, mu = 0.7, 0.9
+    # by hand: g = -delta = [-0.1, -0.2]; m' = 0.9*[0.5, 0] + g = [0.35, -0.2]
+    # step = g + 0.9*m' = [-0.1 + 0.315, -0.2 - 0.18] = [0.215, -0.38]; p' = p - 0.7*step
+    new, m2 = nesterov_step(params, delta, m, lr, mu)
+    np.testing.assert_allclose(m2, [0.35, -0.2], rtol=1e-6)
+    np.testing.assert_allclose(new, [1.0 - 0.7 * 0.215, -2.0 + 0.7 * 0.38], rtol=1e-6)
+
+
+def test_outer_step_agrees_with_torch_sgd_nesterov():
+    rng = np.random.default_rng(0)
+    p = rng.standard_normal(10).astype(np.float32)
+    tp = torch.nn.Parameter(torch.from_numpy(p.copy()))
+    opt = torch.optim.SGD([tp], lr=0.7, momentum=0.9, nesterov=True)
+    m = np.zeros(10, np.float32)
+    for _ in range(5):
+        delta = rng.standard_normal(10).astype(np.float32) * 0.1
+        p, m = nesterov_step(p, delta, m, 0.7, 0.9)
+        tp.grad = torch.from_numpy(-delta)
+        opt.step()
+    np.testing.assert_allclose(p, tp.detach().numpy(), rtol=1e-5, atol=1e-6)

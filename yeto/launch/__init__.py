@@ -1,0 +1,1 @@
+"""Launching fleets: `local` runs a syncer and N learners on this machine."""

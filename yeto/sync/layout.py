@@ -1,0 +1,163 @@
+"""The adapter's wire layout: tensors sorted by canonical (peft) name, packed into fragments.
+
+Fragments are built from names and sizes only, so two learners whose adapters
+have the same names and shapes get identical fragments whatever their backend.
+The fingerprint (a hash of names, shapes and dtypes) is exchanged at join; a
+learner whose layout differs is refused with the first mismatching tensor named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+DEFAULT_FRAGMENT_NUMEL = 1 << 22  # 4M values: 16 MiB fp32, 2 MiB at 4 bits
+WIRE_DTYPE = "float32"  # every backend exchanges fp32 views, whatever it trains in
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = WIRE_DTYPE
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+@dataclass(frozen=True)
+class Fragment:
+    index: int
+    names: tuple[str, ...]
+    offsets: tuple[int, ...]  # start of each tensor inside the fragment
+    numel: int
+    start: int  # offset of the fragment inside the whole flat adapter
+
+
+@dataclass(frozen=True)
+class Layout:
+    specs: tuple[TensorSpec, ...]
+    fragments: tuple[Fragment, ...]
+    fingerprint: str
+    max_fragment_numel: int = DEFAULT_FRAGMENT_NUMEL
+
+    @property
+    def numel(self) -> int:
+        return sum(f.numel for f in self.fragments)
+
+    def spec(self, name: str) -> TensorSpec:
+        return self._by_name[name]
+
+    @property
+    def _by_name(self) -> dict[str, TensorSpec]:
+        return {s.name: s for s in self.specs}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"specs": [[s.name, list(s.shape), s.dtype] for s in self.specs], "fingerprint": self.fingerprint,
+                "fragment_numel": self.max_fragment_numel}
+
+
+def fingerprint(specs: tuple[TensorSpec, ...]) -> str:
+    blob = json.dumps([[s.name, list(s.shape), s.dtype] for s in specs], separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def specs_of(named: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(name, tuple(int(d) for d in named[name].shape)) for name in sorted(named))
+
+
+def build_layout(named: Mapping[str, Any], max_fragment_numel: int = DEFAULT_FRAGMENT_NUMEL) -> Layout:
+    """Sort by name, then fill fragments greedily up to `max_fragment_numel` values.
+
+    A single tensor larger than the bound gets a fragment of its own.
+    """
+    if not named:
+        raise ValueError("an adapter layout needs at least one tensor")
+    specs = specs_of(named)
+    return layout_from_specs(specs, max_fragment_numel)
+
+
+def layout_from_specs(specs: tuple[TensorSpec, ...], max_fragment_numel: int = DEFAULT_FRAGMENT_NUMEL) -> Layout:
+    if max_fragment_numel < 1:
+        raise ValueError("max_fragment_numel must be positive")
+    specs = tuple(sorted(specs, key=lambda s: s.name))
+    fragments: list[Fragment] = []
+    names: list[str] = []
+    offsets: list[int] = []
+    size = 0
+    start = 0
+
+    def close() -> None:
+        nonlocal names, offsets, size, start
+        if names:
+            fragments.append(Fragment(len(fragments), tuple(names), tuple(offsets), size, start))
+            start += size
+        names, offsets, size = [], [], 0
+
+    for s in specs:
+        if names and size + s.numel > max_fragment_numel:
+            close()
+        names.append(s.name)
+        offsets.append(size)
+        size += s.numel
+    close()
+    return Layout(specs, tuple(fragments), fingerprint(specs), max_fragment_numel)
+
+
+def layout_from_json(d: Mapping[str, Any]) -> Layout:
+    specs = tuple(TensorSpec(str(n), tuple(int(x) for x in shape), str(dt)) for n, shape, dt in d["specs"])
+    return layout_from_specs(specs, int(d.get("fragment_numel") or DEFAULT_FRAGMENT_NUMEL))
+
+
+def layout_mismatch(expected: Layout, got: Layout) -> str | None:
+    """None if the layouts agree, else a message naming the first tensor that differs."""
+    if expected.fingerprint == got.fingerprint and [f.numel for f in expected.fragments] == [f.numel for f in got.fragments]:
+        return None
+    a, b = {s.name: s for s in expected.specs}, {s.name: s for s in got.specs}
+    for name in sorted(set(a) | set(b)):
+        if name not in b:
+            return f"tensor {name} {list(a[name].shape)} is missing from the learner's adapter"
+        if name not in a:
+            return f"tensor {name} {list(b[name].shape)} is not in the syncer's adapter"
+        if a[name] != b[name]:
+            return f"tensor {name}: syncer has {list(a[name].shape)} {a[name].dtype}, learner has {list(b[name].shape)} {b[name].dtype}"
+    return "fragment sizes differ (different --fragment-numel)"
+
+
+def pack_fragment(layout: Layout, index: int, tensors: Mapping[str, Any]) -> np.ndarray:
+    """The fragment's tensors, flattened in name order into one fp32 vector."""
+    frag = layout.fragments[index]
+    out = np.empty(frag.numel, dtype=np.float32)
+    for name, off in zip(frag.names, frag.offsets):
+        t = np.asarray(tensors[name], dtype=np.float32)
+        n = layout.spec(name).numel
+        if t.size != n:
+            raise ValueError(f"tensor {name} has {t.size} values, layout expects {n}")
+        out[off : off + n] = t.reshape(-1)
+    return out
+
+
+def unpack_fragment(layout: Layout, index: int, flat: np.ndarray) -> dict[str, np.ndarray]:
+    frag = layout.fragments[index]
+    if flat.size != frag.numel:
+        raise ValueError(f"fragment {index} has {flat.size} values, layout expects {frag.numel}")
+    by_name = layout._by_name
+    return {name: flat[off : off + by_name[name].numel].reshape(by_name[name].shape).copy()
+            for name, off in zip(frag.names, frag.offsets)}
+
+
+def flatten(layout: Layout, tensors: Mapping[str, Any]) -> np.ndarray:
+    """The whole adapter as one fp32 vector (fragments back to back)."""
+    return np.concatenate([pack_fragment(layout, f.index, tensors) for f in layout.fragments])
+
+
+def unflatten(layout: Layout, flat: np.ndarray) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for f in layout.fragments:
+        out.update(unpack_fragment(layout, f.index, flat[f.start : f.start + f.numel]))
+    return out

@@ -1,0 +1,144 @@
+"""The event tape: an append-only JSONL record of everything the syncer did.
+
+One line per event (`seq`, `time`, `event`, fields). The syncer writes it; `yeto
+tape DIR` reads it back as a table per round, and `--plot` draws the loss and
+each island's contribution over rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+TAPE_FILE = "tape.jsonl"
+
+
+class Tape:
+    def __init__(self, out_dir: str | Path):
+        self.path = Path(out_dir) / TAPE_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.seq = sum(1 for _ in open(self.path)) if self.path.exists() else 0
+        self._f = open(self.path, "a", buffering=1)
+
+    def append(self, event: str, **fields: Any) -> dict[str, Any]:
+        rec = {"seq": self.seq, "time": round(time.time(), 4), "event": event, **fields}
+        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        self.seq += 1
+        return rec
+
+    def sync(self) -> None:
+        """Flush to disk (at checkpoints, so the tape is never behind the state)."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_tape(path: str | Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / TAPE_FILE
+    if not p.is_file():
+        from yeto import YetoError
+
+        raise YetoError(f"no event tape at {p}")
+    events = []
+    with open(p) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a torn last line after a crash
+    return events
+
+
+def rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per merged round: responders, weights, tokens, bytes, mean loss."""
+    deltas: dict[int, list[dict]] = defaultdict(list)
+    out = []
+    for e in events:
+        if e["event"] == "delta":
+            deltas[e["round"]].append(e)
+        elif e["event"] == "merge":
+            ds = {d["learner"]: d for d in deltas.get(e["round"], [])}
+            out.append({
+                "round": e["round"],
+                "responders": e["responders"],
+                "weights": e["weights"],
+                "tokens": [ds[r]["loss_tokens"] for r in e["responders"] if r in ds],
+                "bytes": sum(ds[r]["bytes"] for r in e["responders"] if r in ds),
+                "loss": {r: ds[r]["loss"] for r in e["responders"] if r in ds},
+                "update_norm": e.get("update_norm"),
+                "seconds": e.get("seconds"),
+            })
+    return out
+
+
+def summarize(path: str | Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    events = read_tape(path)
+    counts: dict[str, int] = defaultdict(int)
+    for e in events:
+        counts[e["event"]] += 1
+    table = Table(title=f"event tape {path}: {len(events)} events")
+    for col in ("round", "responders", "weights", "loss-bearing tokens", "bytes in", "mean loss", "|update|"):
+        table.add_column(col, justify="right" if col != "responders" else "left")
+    for r in rounds(events):
+        losses = list(r["loss"].values())
+        table.add_row(str(r["round"]), ", ".join(map(str, r["responders"])), ", ".join(f"{w:.3f}" for w in r["weights"]),
+                      ", ".join(map(str, r["tokens"])), f"{r['bytes']:,}",
+                      f"{sum(losses) / len(losses):.4f}" if losses else "-",
+                      f"{r['update_norm']:.4g}" if r["update_norm"] is not None else "-")
+    console = Console()
+    console.print(table)
+    console.print("events: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    for e in events:
+        if e["event"] in ("refuse", "reject", "quorum_wait", "leave"):
+            console.print(f"[yellow]{e['event']}[/yellow] " + json.dumps({k: v for k, v in e.items() if k not in ('seq', 'time', 'event')}))
+
+
+def plot(path: str | Path, png: str | Path | None = None) -> Path:
+    """Loss per island and each island's merge weight, over rounds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = rounds(read_tape(path))
+    if not rs:
+        from yeto import YetoError
+
+        raise YetoError(f"{path}: the tape has no merges to plot")
+    learners = sorted({r for x in rs for r in x["responders"]})
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for lid in learners:
+        xs = [x["round"] for x in rs if str(lid) in map(str, x["loss"]) or lid in x["loss"]]
+        ys = [x["loss"].get(lid, x["loss"].get(str(lid))) for x in rs if lid in x["loss"] or str(lid) in x["loss"]]
+        ax1.plot(xs, ys, marker="o", label=f"island {lid}")
+    ax1.set_ylabel("mean inner loss in round")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    bottom = [0.0] * len(rs)
+    for lid in learners:
+        w = [x["weights"][x["responders"].index(lid)] if lid in x["responders"] else 0.0 for x in rs]
+        ax2.bar([x["round"] for x in rs], w, bottom=bottom, label=f"island {lid}")
+        bottom = [b + v for b, v in zip(bottom, w)]
+    ax2.set_ylabel("merge weight (token share)")
+    ax2.set_xlabel("outer round")
+    ax2.legend()
+    fig.suptitle("yeto: loss and per-island contribution")
+    fig.tight_layout()
+    base = Path(path)
+    out = Path(png) if png else (base if base.is_dir() else base.parent) / "tape.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
