@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.yeto-installed
 RUN    ?= runs/demo
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo demo-single test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,18 +22,27 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/yeto train --model smollm2-135m --data data/demo --out $(RUN) \
-		--max-steps 60 --seq-len 256 --batch-size 4 --lr 1e-3 --eval-every 20
-	$(BIN)/yeto generate --model smollm2-135m --adapter $(RUN)/adapter \
+	$(BIN)/yeto launch --gpu local:2 --model smollm2-135m --data data/demo --out $(RUN) \
+		--outer-steps 5 --inner-steps 8 --sync-bits 4 --seq-len 256 --batch-size 4 --lr 1e-3 --warmup-steps 3
+	$(BIN)/yeto tape $(RUN)/syncer --plot
+	$(BIN)/yeto generate --model smollm2-135m --adapter $(RUN)/syncer/adapter \
 		--prompt "What is the capital of France?" --prompt "What is the capital of Japan?" \
 		--prompt "Which continent is Kenya in?"
-	@echo "adapter: $(RUN)/adapter   metrics: $(RUN)/metrics.jsonl"
+	@echo "merged adapter: $(RUN)/syncer/adapter   tape: $(RUN)/syncer/tape.jsonl   plot: $(RUN)/syncer/tape.png"
+
+demo-single: setup
+	$(BIN)/yeto train --model smollm2-135m --data data/demo --out $(RUN)-single \
+		--max-steps 60 --seq-len 256 --batch-size 4 --lr 1e-3 --eval-every 20
+	$(BIN)/yeto generate --model smollm2-135m --adapter $(RUN)-single/adapter \
+		--prompt "What is the capital of France?" --prompt "Which continent is Kenya in?"
 
 test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
 	$(BIN)/python bench/learner_throughput.py
+	$(BIN)/python bench/sync_wire.py
+	$(BIN)/python bench/fleet.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

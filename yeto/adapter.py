@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,32 +42,59 @@ def peft_config_dict(peft_model, record: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(d, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
 
 
-def save_adapter(peft_model, out_dir: str | Path, record: dict[str, Any]) -> Path:
-    """Write the adapter atomically (temp dir, then rename over the old one)."""
-    from safetensors.torch import load_file, save_file
-
+@contextmanager
+def atomic_dir(out_dir: str | Path):
+    """Yield a temp dir beside `out_dir`; on success it replaces `out_dir` by renames,
+    so readers see the old adapter or the new one, never half of one."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        peft_config_dict(peft_model, record)  # names the base model as resolved
-        peft_model.save_pretrained(str(tmp), save_embedding_layers=False)
-        weights = tmp / ADAPTER_WEIGHTS
-        save_file(load_file(weights), weights, metadata={"format": "pt", METADATA_KEY: json.dumps(record, sort_keys=True)})
-        (tmp / RUN_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
+        yield tmp
         os.chmod(tmp, 0o755)
+        old = out_dir.with_name(f".{out_dir.name}.old")
         if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
+
+
+def _metadata(record: dict[str, Any]) -> dict[str, str]:
+    return {"format": "pt", METADATA_KEY: json.dumps(record, sort_keys=True)}
+
+
+def save_adapter(peft_model, out_dir: str | Path, record: dict[str, Any]) -> Path:
+    """Save a live peft model's adapter (peft writes it), with provenance."""
+    with atomic_dir(out_dir) as tmp:
+        peft_config_dict(peft_model, record)  # names the base model as resolved
+        peft_model.save_pretrained(str(tmp), save_embedding_layers=False)
+        from safetensors.torch import load_file, save_file  # re-save to stamp the provenance into the header
+
+        save_file(load_file(tmp / ADAPTER_WEIGHTS), tmp / ADAPTER_WEIGHTS, metadata=_metadata(record))
+        (tmp / RUN_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
+    return Path(out_dir)
+
+
+def peft_file_name(canonical: str) -> str:
+    """`...lora_A.default.weight` (parameter name) -> `...lora_A.weight` (peft's file key)."""
+    return canonical.replace(".default.", ".")
+
+
+def write_adapter(out_dir: str | Path, tensors: dict[str, Any], adapter_config: dict[str, Any], record: dict[str, Any]) -> Path:
+    """Write a peft directory from a canonical `{name: array}` view (the syncer has no model)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    with atomic_dir(out_dir) as tmp:
+        save_file({peft_file_name(k): np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp / ADAPTER_WEIGHTS),
+                  metadata=_metadata(record))
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
+        (tmp / RUN_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
+    return Path(out_dir)
 
 
 def read_provenance(adapter_dir: str | Path) -> dict[str, Any]:

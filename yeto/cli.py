@@ -21,7 +21,9 @@ def run_typer(fn: Callable) -> None:
 
 def _guarded(typer_app: typer.Typer) -> None:
     try:
-        typer_app(standalone_mode=False)
+        rc = typer_app(standalone_mode=False)  # click returns an Exit's code instead of raising it here
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except YetoError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         sys.exit(2)

@@ -264,7 +264,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     """Train `island` as one DiLoCo island of the run at `syncer` until the syncer says finish."""
     client = SyncerClient(syncer, learner_id, **(client_kwargs or {}))
     bridge = DiLoCoBridge(client, island.backend, log_fn=log_fn)
-    t_start = time.perf_counter()
+    t_start = None  # utilization is measured from the first round on (not the wait for others to join)
     island.load_adapter_state(bridge.join(island.adapter_state(), island.adapter_config(), island.record()))
     policy = bridge.policy
     if not policy.get("round_seconds"):
@@ -274,6 +274,9 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     try:
         while True:
             header = bridge.next_round()
+            if t_start is None:
+                t_start = time.perf_counter()
+                bridge.stats.stall_s = 0.0
             r, base = header["round"], header["version"]
             rnd = carry if carry is not None else RoundStats(r)
             rnd.round, carry = r, None
@@ -315,7 +318,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     except KeyboardInterrupt:
         bridge.leave("interrupted")
         raise
-    wall = time.perf_counter() - t_start
+    wall = time.perf_counter() - t_start if t_start is not None else 0.0
     try:
         bridge.leave("done")
     except Exception:

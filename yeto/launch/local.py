@@ -52,7 +52,7 @@ def launch_local(n: int, out: Path, syncer_args: list[str], learner_args: list[s
     port = port or free_port()
     out.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // n)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), COLUMNS=os.environ.get("COLUMNS", "160"))
     procs: list[tuple[str, subprocess.Popen]] = []
     lock = threading.Lock()
     colors = ["cyan", "magenta", "green", "yellow", "blue", "red"]

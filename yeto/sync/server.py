@@ -31,6 +31,7 @@ import numpy as np
 import zmq
 
 from yeto import YetoError
+from yeto.adapter import write_adapter
 from yeto.sync.layout import Layout, layout_from_json, layout_mismatch, unflatten
 from yeto.sync.outer import merge_deltas, merge_weights, nesterov_step
 from yeto.sync.protocol import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, decode_fragments, encode, encode_fragments, message_bytes
@@ -159,8 +160,8 @@ class Syncer:
         tmp = self.out / f".{STATE_FILE}.tmp"
         save_file({"global": self.global_, "momentum": self.momentum, "residual": self.ef.residual}, str(tmp), metadata=meta)
         os.replace(tmp, self.out / STATE_FILE)
-        adapter = save_peft_dir(self.out / "adapter", self.layout, self.global_, self.adapter_config,
-                                {**self.provenance, "syncer_version": self.version, "backend": "syncer"})
+        adapter = write_adapter(self.out / "adapter", unflatten(self.layout, self.global_), self.adapter_config,
+                                {**self.provenance, "syncer_version": self.version, "merged_by": "syncer"})
         self.tape.append("checkpoint", version=self.version, path=str(adapter))
         self.tape.sync()
 
@@ -386,10 +387,16 @@ class Syncer:
             self.tape.append("quorum_timeout", round=self.round, responders=sorted(responders), quorum=q)
             log.error(msg)
             self.finish(msg, code=3)
-        elif now - self.last_wait_log > 15 and now - self.opened_at > 15:
+        elif len(responders) + len(waiting) < q and now - self.last_wait_log > 15:
+            # short of quorum even if everyone still training answers: say so, loudly
             self.last_wait_log = now
             self.tape.append("quorum_wait", round=self.round, responders=sorted(responders), waiting=sorted(waiting), quorum=q)
-            log.warning("round %d waiting for quorum: %d/%d responders (waiting for %s)", self.round, len(responders), q, sorted(waiting) or "new learners")
+            log.warning("round %d cannot reach quorum %d with the learners present (%d responded, waiting for %s); "
+                        "waiting up to %.0fs more for learners to (re)join", self.round, q, len(responders),
+                        sorted(waiting) or "none", self.cfg.quorum_timeout - (now - self.opened_at))
+        elif now - self.last_wait_log > 60 and now - self.opened_at > 60:
+            self.last_wait_log = now
+            log.info("round %d: %d/%d responders so far, waiting for %s", self.round, len(responders), q, sorted(waiting))
 
     def close_round(self, stragglers: list[int]) -> None:
         t0 = time.perf_counter()
@@ -427,41 +434,6 @@ class Syncer:
             self.checkpoint()
         self.finished = True
         self.exit_code = code
-
-
-# ---------------------------------------------------------------------- peft export
-
-
-def peft_file_name(canonical: str) -> str:
-    """`...lora_A.default.weight` (parameter name) -> `...lora_A.weight` (peft's file key)."""
-    return canonical.replace(".default.", ".")
-
-
-def save_peft_dir(out_dir: Path, layout: Layout, flat: np.ndarray, adapter_config: dict[str, Any], record: dict[str, Any]) -> Path:
-    """Write a peft adapter directory from a flat vector, atomically (temp dir, then rename)."""
-    import shutil
-    import tempfile
-
-    from safetensors.numpy import save_file
-
-    tensors = {peft_file_name(k): np.ascontiguousarray(v) for k, v in unflatten(layout, flat).items()}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
-        save_file(tensors, str(tmp / "adapter_model.safetensors"),
-                  metadata={"format": "pt", "yeto.provenance": json.dumps(record, sort_keys=True)})
-        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
-        (tmp / "yeto_run.json").write_text(json.dumps(record, indent=2, sort_keys=True))
-        os.chmod(tmp, 0o755)
-        old = out_dir.with_name(f".{out_dir.name}.old")
-        if out_dir.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
 
 
 # ---------------------------------------------------------------------- CLI

@@ -1,0 +1,131 @@
+"""Real fleets: a syncer process and torch learner processes on loopback (tiny Llama)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DEMO_DATA, REPO
+from yeto.launch.local import free_port
+from yeto.tape import read_tape
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", COLUMNS="200")
+
+
+def syncer(port, out, *args):
+    return subprocess.Popen([sys.executable, "-m", "yeto.sync.server", "--host", "127.0.0.1", "--port", str(port),
+                             "--out", str(out), *map(str, args)], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def learner(model, port, lid, n, out, *args):
+    return subprocess.Popen([sys.executable, "-m", "yeto.learner", "--model", str(model), "--data", str(DEMO_DATA),
+                             "--syncer", f"127.0.0.1:{port}", "--learner-id", str(lid), "--num-learners", str(n),
+                             "--out", str(out), "--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--threads", "1",
+                             "--no-progress", *map(str, args)], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(path, event, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (path / "tape.jsonl").exists() and any(e["event"] == event for e in read_tape(path)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no {event} on the tape within {timeout}s")
+
+
+def finish(procs, timeout=240):
+    outs = {}
+    for name, p in procs.items():
+        out, _ = p.communicate(timeout=timeout)
+        outs[name] = (p.returncode, out)
+    return outs
+
+
+def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
+    model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
+    procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 4, "--inner-steps", 10,
+                              "--sync-bits", 4)}
+    procs[0] = learner(model, port, 0, 3, tmp_path / "l0", "--step-delay", 0.3)
+    procs[1] = learner(model, port, 1, 3, tmp_path / "l1", "--max-inner-steps", 1)  # 10x fewer steps per round
+    wait_for(s_out, "round_open")
+    procs[2] = learner(model, port, 2, 3, tmp_path / "l2")  # joins late
+    procs["bad"] = learner(model, port, 3, 4, tmp_path / "bad", "--lora-r", "8")  # another adapter layout
+    outs = finish(procs)
+    assert outs["syncer"][0] == 0, outs["syncer"][1][-3000:]
+    for lid in (0, 1, 2):
+        assert outs[lid][0] == 0, outs[lid][1][-3000:]
+    code, text = outs["bad"]
+    assert code == 2 and "refused this learner" in text and "lora_A" in text and "[8, 64]" in text
+
+    events = read_tape(s_out)
+    merges = [e for e in events if e["event"] == "merge"]
+    assert len(merges) == 4 and merges[0]["responders"] == [0, 1]
+    deltas = {(e["round"], e["learner"]): e for e in events if e["event"] == "delta"}
+    for m in merges:  # every merge names its responders, weighted by loss-bearing tokens
+        toks = [deltas[(m["round"], r)]["loss_tokens"] for r in m["responders"]]
+        assert m["weights"] == pytest.approx([t / sum(toks) for t in toks])
+    r1 = {r: deltas[(1, r)] for r in (0, 1)}
+    assert r1[0]["inner_steps"] == 10 and r1[1]["inner_steps"] == 1
+    assert merges[0]["weights"][1] < 0.25  # a tenth of the steps, about a tenth of the weight
+    join2 = next(e for e in events if e["event"] == "join" and e["learner"] == 2)
+    assert join2["first_round"] >= 2
+    rounds_with_2 = [m["round"] for m in merges if 2 in m["responders"]]
+    assert rounds_with_2 and min(rounds_with_2) >= join2["first_round"]
+    assert any(e["event"] == "refuse" and e["learner"] == 3 for e in events)
+    assert sum(1 for e in events if e["event"] == "checkpoint") >= 4
+
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), str(s_out / "adapter"))
+    assert not [w for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message).lower()]
+    merged = load_file(s_out / "adapter" / "adapter_model.safetensors")
+    for lid in (0, 1, 2):  # every island ends on the merged global adapter
+        mine = load_file(tmp_path / f"l{lid}" / "adapter" / "adapter_model.safetensors")
+        assert sorted(mine) == sorted(merged) and all((mine[k] == merged[k]).all() for k in merged)
+
+
+def test_quorum_two_of_three_with_a_straggler(tiny_model, tmp_path):
+    model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
+    procs = {"syncer": syncer(port, s_out, "--learners", 3, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 4,
+                              "--straggler-timeout", 2)}
+    for lid in (0, 1):
+        procs[lid] = learner(model, port, lid, 3, tmp_path / f"l{lid}")
+    procs[2] = learner(model, port, 2, 3, tmp_path / "l2", "--step-delay", 3)
+    outs = finish(procs)
+    assert all(code == 0 for code, _ in outs.values()), {k: v[1][-2000:] for k, v in outs.items() if v[0]}
+    merges = [e for e in read_tape(s_out) if e["event"] == "merge"]
+    assert [m["responders"] for m in merges] == [[0, 1], [0, 1]]
+    assert all(m["stragglers"] == [2] for m in merges)
+
+
+def test_launch_local_fleet_and_ctrl_c(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    base = [sys.executable, "-m", "yeto", "launch", "--gpu", "local:2", "--model", str(model), "--data", str(DEMO_DATA),
+            "--seq-len", "64", "--batch-size", "2", "--lora-r", "4"]
+    r = subprocess.run(base + ["--out", str(tmp_path / "ok"), "--outer-steps", "2", "--inner-steps", "3"], cwd=REPO, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "merged adapter:" in r.stdout and (tmp_path / "ok" / "syncer" / "adapter" / "adapter_config.json").is_file()
+    assert "[island 1]" in r.stdout and "[syncer]" in r.stdout
+
+    p = subprocess.Popen(base + ["--out", str(tmp_path / "int"), "--outer-steps", "1000", "--inner-steps", "2"], cwd=REPO,
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(tmp_path / "int" / "syncer", "merge")
+    os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 130, out[-2000:]
+    time.sleep(0.5)
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "int")], capture_output=True, text=True).stdout.split()
+    assert not leftover, f"processes left running: {leftover}"
