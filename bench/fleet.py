@@ -2,6 +2,7 @@
 
 Runs, each as real processes on this machine:
   single   one island (`yeto train`), T steps, all cores
+  single, 2x batch   one island, T/2 steps of twice the batch (what synchronous data parallel would do)
   32-bit   `yeto launch --gpu local:2 --sync-bits 32`, T/2 steps per island
   4-bit    the same at 4 bits (error feedback on both directions)
   4-bit+ov the same with --overlap
@@ -46,14 +47,20 @@ def main() -> None:
     p.add_argument("--json")
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="yeto-bench-"))
-    common = ["--model", a.model, "--data", a.data, "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size),
-              "--lr", str(a.lr), "--warmup-steps", "3", "--eval-every", "0"]
+    base = ["--model", a.model, "--data", a.data, "--seq-len", str(a.seq_len),
+            "--lr", str(a.lr), "--warmup-steps", "3", "--eval-every", "0"]
+    common = base + ["--batch-size", str(a.batch_size)]
     yeto = [sys.executable, "-m", "yeto"]
     results = {}
     wall = run(yeto + ["train", *common, "--max-steps", str(a.total_steps), "--out", str(tmp / "single"), "--no-progress"])
     s = json.loads((tmp / "single" / "summary.json").read_text())
     results["single"] = {"eval_loss": s["eval_loss_after"], "eval_before": s["eval_loss_before"], "wall_s": wall}
     per_island = a.total_steps // 2
+    # the synchronous data-parallel equivalent of a 2-island fleet: twice the batch, half the steps
+    wall = run(yeto + ["train", *base, "--batch-size", str(2 * a.batch_size),
+                       "--max-steps", str(per_island), "--out", str(tmp / "single-2x-batch"), "--no-progress"])
+    s = json.loads((tmp / "single-2x-batch" / "summary.json").read_text())
+    results["single, 2x batch"] = {"eval_loss": s["eval_loss_after"], "wall_s": wall}
     rounds = per_island // a.inner_steps
     for name, extra in [("32-bit", ["--sync-bits", "32"]), ("4-bit", ["--sync-bits", "4"]),
                         ("4-bit+overlap", ["--sync-bits", "4", "--overlap"])]:
@@ -75,7 +82,9 @@ def main() -> None:
     print(f"eval loss before training: {results['single']['eval_before']:.4f}")
     q = results["4-bit"]["eval_loss"] / results["32-bit"]["eval_loss"]
     print(f"ratio 4-bit / 32-bit eval loss: {q:.4f} ({(q - 1) * 100:+.2f}%)")
-    print(f"ratio 32-bit fleet / single island eval loss: {results['32-bit']['eval_loss'] / results['single']['eval_loss']:.4f}")
+    print(f"ratio 32-bit fleet / single island eval loss: {results['32-bit']['eval_loss'] / results['single']['eval_loss']:.4f}; "
+          f"/ single island at 2x batch (same steps and tokens as the fleet): "
+          f"{results['32-bit']['eval_loss'] / results['single, 2x batch']['eval_loss']:.4f}")
     u0 = sum(results["4-bit"]["utilization"]) / 2
     u1 = sum(results["4-bit+overlap"]["utilization"]) / 2
     print(f"utilization 4-bit: {u0:.1%}; with overlap: {u1:.1%}; eval loss with overlap / without: "

@@ -121,9 +121,8 @@ def plot(path: str | Path, png: str | Path | None = None) -> Path:
     learners = sorted({r for x in rs for r in x["responders"]})
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for lid in learners:
-        xs = [x["round"] for x in rs if str(lid) in map(str, x["loss"]) or lid in x["loss"]]
-        ys = [x["loss"].get(lid, x["loss"].get(str(lid))) for x in rs if lid in x["loss"] or str(lid) in x["loss"]]
-        ax1.plot(xs, ys, marker="o", label=f"island {lid}")
+        pts = [(x["round"], x["loss"][lid]) for x in rs if lid in x["loss"]]
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"island {lid}")
     ax1.set_ylabel("mean inner loss in round")
     ax1.legend()
     ax1.grid(alpha=0.3)
@@ -134,6 +133,9 @@ def plot(path: str | Path, png: str | Path | None = None) -> Path:
         bottom = [b + v for b, v in zip(bottom, w)]
     ax2.set_ylabel("merge weight (token share)")
     ax2.set_xlabel("outer round")
+    from matplotlib.ticker import MaxNLocator
+
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.legend()
     fig.suptitle("yeto: loss and per-island contribution")
     fig.tight_layout()

@@ -16,10 +16,13 @@ def merge_weights(tokens: Sequence[int]) -> np.ndarray:
 
 
 def merge_deltas(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
-    out = np.zeros_like(deltas[0], dtype=np.float32)
+    """sum_i w_i * delta_i, accumulated in place (torch: one multi-threaded pass per delta)."""
+    import torch
+
+    out = torch.zeros(deltas[0].size, dtype=torch.float32)
     for d, w in zip(deltas, weights):
-        out += np.float32(w) * d  # in place: no per-responder temporaries beyond one
-    return out
+        out.add_(torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32).reshape(-1)), alpha=float(w))
+    return out.numpy().reshape(deltas[0].shape)
 
 
 def nesterov_step(params: np.ndarray, avg_delta: np.ndarray, momentum: np.ndarray, lr: float, mu: float) -> tuple[np.ndarray, np.ndarray]:

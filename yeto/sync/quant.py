@@ -30,30 +30,8 @@ def encoded_size(numel: int, bits: int) -> int:
     return 4 * blocks + codes  # fp16 mins + fp16 steps, then codes
 
 
-def quantize(x: np.ndarray, bits: int) -> bytes:
-    """Encode a 1-D fp32 vector; `dequantize(quantize(x, b), x.size, b)` approximates x."""
-    if bits not in BITS:
-        raise QuantError(f"unsupported wire precision {bits} bits (use one of {BITS})")
-    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    if not np.isfinite(x).all():
-        bad = int(np.flatnonzero(~np.isfinite(x))[0])
-        raise QuantError(f"non-finite value {x[bad]} at index {bad}: refusing to send it")
-    if bits == 32:
-        return x.tobytes()
-    if bits == 16:
-        h = x.astype(np.float16)
-        if not np.isfinite(h).all():
-            raise QuantError("value beyond the fp16 range: use --sync-bits 32")
-        return h.tobytes()
-    levels = (1 << bits) - 1
-    n = x.size
-    blocks = -(-n // BLOCK)
-    padded = np.empty(blocks * BLOCK, dtype=np.float32)
-    padded[:n] = x
-    padded[n:] = x[-1] if n else 0.0
-    v = padded.reshape(blocks, BLOCK)
-    lo = v.min(axis=1)
-    hi = v.max(axis=1)
+def _fp16_bounds(lo: np.ndarray, hi: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block fp16 minimum (rounded down) and step (rounded up): the grid covers the block."""
     lo16 = lo.astype(np.float16)
     down = lo16.astype(np.float32) > lo
     lo16[down] = np.nextafter(lo16[down], np.float16(-np.inf))
@@ -61,20 +39,55 @@ def quantize(x: np.ndarray, bits: int) -> bytes:
     step16 = step.astype(np.float16)
     up = step16.astype(np.float32) < step
     step16[up] = np.nextafter(step16[up], np.float16(np.inf))
+    return lo16, step16
+
+
+def quantize(x: np.ndarray, bits: int) -> bytes:
+    """Encode a 1-D fp32 vector; `dequantize(quantize(x, b), x.size, b)` approximates x.
+
+    The elementwise work runs in torch (multi-threaded, in place); the per-block
+    fp16 rounding in numpy.
+    """
+    import torch
+
+    if bits not in BITS:
+        raise QuantError(f"unsupported wire precision {bits} bits (use one of {BITS})")
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    t = torch.from_numpy(x)
+    finite = torch.isfinite(t)
+    if not bool(finite.all()):
+        bad = int((~finite).nonzero()[0, 0])
+        raise QuantError(f"non-finite value {x[bad]} at index {bad}: refusing to send it")
+    if bits == 32:
+        return x.tobytes()
+    if bits == 16:
+        h = t.half()
+        if not bool(torch.isfinite(h).all()):
+            raise QuantError("value beyond the fp16 range: use --sync-bits 32")
+        return h.numpy().tobytes()
+    levels = (1 << bits) - 1
+    n = x.size
+    blocks = -(-n // BLOCK)
+    v = torch.empty(blocks * BLOCK, dtype=torch.float32)
+    v[:n] = t
+    v[n:] = t[-1] if n else 0.0
+    v = v.view(blocks, BLOCK)
+    lo16, step16 = _fp16_bounds(v.amin(1).numpy(), v.amax(1).numpy(), levels)
     if not (np.isfinite(lo16).all() and np.isfinite(step16).all()):
         raise QuantError(f"values beyond the fp16 range of the {bits}-bit block scales: use --sync-bits 32")
-    s = step16.astype(np.float32)[:, None]
-    safe = np.where(s > 0, s, 1.0)
-    codes = np.clip(np.rint((v - lo16.astype(np.float32)[:, None]) / safe), 0, levels).astype(np.uint8)
-    codes[(s == 0).repeat(BLOCK, axis=1)] = 0
-    codes = codes.reshape(-1)
+    lo = torch.from_numpy(lo16.astype(np.float32))[:, None]
+    step = torch.from_numpy(step16.astype(np.float32))[:, None]
+    # a zero step means a constant block equal to its (exact) minimum: (v - lo) is 0 there
+    codes = v.sub_(lo).div_(torch.where(step > 0, step, torch.ones_like(step))).round_().clamp_(0, levels).to(torch.uint8).view(-1)
     if bits == 4:
         codes = codes[0::2] | (codes[1::2] << 4)
-    return lo16.tobytes() + step16.tobytes() + codes.tobytes()
+    return lo16.tobytes() + step16.tobytes() + codes.numpy().tobytes()
 
 
 def dequantize(buf: bytes | memoryview, numel: int, bits: int) -> np.ndarray:
     """Decode; a buffer of the wrong length or with non-finite scales is an error."""
+    import torch
+
     if bits not in BITS:
         raise QuantError(f"unsupported wire precision {bits} bits")
     want = encoded_size(numel, bits)
@@ -86,14 +99,16 @@ def dequantize(buf: bytes | memoryview, numel: int, bits: int) -> np.ndarray:
         out = np.frombuffer(buf, dtype=np.float16).astype(np.float32)
     else:
         blocks = -(-numel // BLOCK)
-        raw = np.frombuffer(buf, dtype=np.uint8)
-        lo = np.frombuffer(raw[: 2 * blocks].tobytes(), dtype=np.float16).astype(np.float32)
-        step = np.frombuffer(raw[2 * blocks : 4 * blocks].tobytes(), dtype=np.float16).astype(np.float32)
+        raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+        lo = raw[: 2 * blocks].view(torch.float16).float()[:, None]
+        step = raw[2 * blocks : 4 * blocks].view(torch.float16).float()[:, None]
+        if not (bool(torch.isfinite(lo).all()) and bool(torch.isfinite(step).all())):
+            raise QuantError("payload decodes to non-finite values (block scales)")
         codes = raw[4 * blocks :]
         if bits == 4:
-            codes = np.stack([codes & 0x0F, codes >> 4], axis=1).reshape(-1)
-        v = lo[:, None] + codes.reshape(blocks, BLOCK).astype(np.float32) * step[:, None]
-        out = v.reshape(-1)[:numel]
+            codes = torch.stack([codes & 0x0F, codes >> 4], dim=1)
+        v = codes.reshape(blocks, BLOCK).float().mul_(step).add_(lo)
+        out = v.view(-1)[:numel].numpy()
     if not np.isfinite(out).all():
         raise QuantError("payload decodes to non-finite values")
     return out
