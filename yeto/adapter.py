@@ -32,9 +32,8 @@ def find_adapter_dir(path: str | Path) -> Path:
     raise YetoError(f"no peft adapter at {p} (expected {ADAPTER_CONFIG} in it or in {p / 'adapter'})")
 
 
-def peft_config_dict(peft_model, record: dict[str, Any]) -> dict[str, Any]:
-    """adapter_config.json's content, with the base model named as provenance resolved it."""
-    cfg = peft_model.peft_config["default"]
+def peft_config_dict(cfg, record: dict[str, Any]) -> dict[str, Any]:
+    """adapter_config.json's content for a peft LoraConfig, with the base model named as provenance resolved it."""
     model = record.get("model", {})
     cfg.base_model_name_or_path = model.get("hub_id") or model.get("path") or cfg.base_model_name_or_path
     cfg.revision = model.get("revision") if model.get("source") == "hub" else None
@@ -70,7 +69,7 @@ def _metadata(record: dict[str, Any]) -> dict[str, str]:
 def save_adapter(peft_model, out_dir: str | Path, record: dict[str, Any]) -> Path:
     """Save a live peft model's adapter (peft writes it), with provenance."""
     with atomic_dir(out_dir) as tmp:
-        peft_config_dict(peft_model, record)  # names the base model as resolved
+        peft_config_dict(peft_model.peft_config["default"], record)  # names the base model as resolved
         peft_model.save_pretrained(str(tmp), save_embedding_layers=False)
         from safetensors.torch import load_file, save_file  # re-save to stamp the provenance into the header
 

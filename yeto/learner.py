@@ -227,7 +227,7 @@ class TorchLearner:
     def adapter_config(self) -> dict[str, Any]:
         from yeto.adapter import peft_config_dict
 
-        return peft_config_dict(self.model, self.record())
+        return peft_config_dict(self.model.peft_config["default"], self.record())
 
     def set_total_steps(self, total: int) -> None:
         """Stretch the LR schedule over the whole run (the syncer knows how long it is)."""
@@ -266,15 +266,16 @@ class MetricsLog:
         self._f.close()
 
 
-def train(cfg: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
-    """Standalone training: steps, periodic eval, final eval, adapter saved under `out/adapter`."""
+def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """Train one island: standalone (steps, periodic eval, final eval) or, with --syncer, as part
+    of a DiLoCo run. The adapter is saved under `out/adapter`. `learner_cls` picks the backend."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     console = Console(stderr=True)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    learner = TorchLearner(cfg, log=lambda s: console.print(f"[dim]{s}[/dim]"))
+    learner = (learner_cls or TorchLearner)(cfg, log=lambda s: console.print(f"[dim]{s}[/dim]"))
     metrics = MetricsLog(out / "metrics.jsonl")
     (out / "run.json").write_text(json.dumps(learner.record(), indent=2))
     if cfg.syncer:
@@ -327,7 +328,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
     return summary
 
 
-def train_island(learner: TorchLearner, cfg: TrainConfig, metrics: MetricsLog, console) -> dict[str, Any]:
+def train_island(learner, cfg: TrainConfig, metrics: MetricsLog, console) -> dict[str, Any]:
     """One island of a DiLoCo run: the syncer decides rounds, merges and the end."""
     from yeto.diloco import run_island
 
@@ -362,7 +363,23 @@ def train_island(learner: TorchLearner, cfg: TrainConfig, metrics: MetricsLog, c
 D = TrainConfig()
 
 
-def train_command(
+def make_train_command(learner_cls: Callable[..., Any] | None = None, doc: str = "Train a LoRA adapter on one island.") -> Callable[..., None]:
+    """The `train` command with every flag, for any backend (the MLX learner reuses it)."""
+
+    def command(**kwargs: Any) -> None:
+        progress = kwargs.pop("progress")
+        train(TrainConfig(**kwargs), show_progress=progress, learner_cls=learner_cls)
+
+    import functools
+    import inspect
+
+    wrapper = functools.wraps(_train_signature)(command)
+    wrapper.__signature__ = inspect.signature(_train_signature, eval_str=True)
+    wrapper.__doc__ = doc
+    return wrapper
+
+
+def _train_signature(
     model: Annotated[str, typer.Option(help="Model alias (see `yeto models`), local HF directory, or hub id.")] = D.model,
     data: Annotated[str, typer.Option(help="Data: a .jsonl/.json/.parquet/.csv/.txt file, a directory of them, or a hub dataset id.")] = D.data,
     out: Annotated[str, typer.Option(help="Run directory: metrics.jsonl, run.json, summary.json and adapter/.")] = D.out,
@@ -399,9 +416,10 @@ def train_command(
     step_delay: Annotated[float, typer.Option(help="Sleep this long after each inner step, to simulate a slow island (tests, benchmarks).")] = D.step_delay,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
-    """Train a LoRA adapter on one island (standalone)."""
-    cfg = TrainConfig(**{k: v for k, v in locals().items() if k in TrainConfig.__dataclass_fields__})
-    train(cfg, show_progress=progress)
+    """(the flags of `yeto train`; see make_train_command)"""
+
+
+train_command = make_train_command(doc="Train a LoRA adapter on one island (torch + peft): standalone, or with --syncer as part of a DiLoCo run.")
 
 
 def main() -> None:

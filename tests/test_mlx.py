@@ -1,0 +1,209 @@
+"""The MLX island: LoRA parity with peft, names, data, shim, adapters that torch loads."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core")
+
+from tests.conftest import DEMO_DATA, REPO  # noqa: E402
+from yeto import YetoError  # noqa: E402
+from yeto.learner import TorchLearner, TrainConfig  # noqa: E402
+from yeto.mlx.compat import load_mlx_model, mlx_config_shim  # noqa: E402
+from yeto.mlx.lora import LoRALinear, to_mlx_path, to_peft_name  # noqa: E402
+from yeto.mlx.parity import name_parity  # noqa: E402
+
+
+def test_lora_linear_matches_peft():
+    import mlx.nn as nn
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(24, 12, bias=False)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    peft_model = get_peft_model(Tiny(), LoraConfig(r=4, lora_alpha=12, target_modules=["proj"], lora_dropout=0.0))
+    layer = peft_model.base_model.model.proj
+    torch.nn.init.normal_(layer.lora_B["default"].weight)  # a non-zero B, so the LoRA path counts
+    A, B = layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach()
+    W = layer.base_layer.weight.detach()
+    x = torch.randn(3, 5, 24)
+    want = peft_model(x).detach().numpy()
+
+    base = nn.Linear(24, 12, bias=False)
+    base.weight = mx.array(W.numpy())
+    ours = LoRALinear(base, r=4, alpha=12)
+    assert ours.lora_A.shape == tuple(A.shape) == (4, 24) and ours.lora_B.shape == tuple(B.shape) == (12, 4)
+    assert ours.scale == layer.scaling["default"] == 3.0
+    ours.lora_A, ours.lora_B = mx.array(A.numpy()), mx.array(B.numpy())
+    np.testing.assert_allclose(np.array(ours(mx.array(x.numpy()))), want, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_init_is_peft_like():
+    import mlx.nn as nn
+
+    mx.random.seed(0)
+    ours = LoRALinear(nn.Linear(400, 30), r=64, alpha=16)
+    a = np.array(ours.lora_A)
+    bound = 1 / np.sqrt(400)
+    assert np.abs(a).max() <= bound and np.abs(a).max() > 0.95 * bound  # uniform(-1/sqrt(in), 1/sqrt(in))
+    assert abs(a.std() - bound / np.sqrt(3)) < 0.05 * bound
+    assert not np.array(ours.lora_B).any()
+
+
+def test_canonical_names_both_ways():
+    path = "model.layers.3.self_attn.q_proj.lora_A"
+    name = "base_model.model.model.layers.3.self_attn.q_proj.lora_A.default.weight"
+    assert to_peft_name(path) == name and to_mlx_path(name) == path
+    with pytest.raises(ValueError):
+        to_mlx_path("model.layers.3.self_attn.q_proj.weight")
+
+
+@pytest.mark.parametrize("kind", ["llama", "lfm2"])
+def test_name_parity_on_tiny_configs(tiny_model, kind):
+    for mode in ("attention", "all-linear"):
+        n_torch, n_mlx, problems = name_parity(str(tiny_model(kind)), mode, r=4)
+        assert problems == [] and n_torch == n_mlx > 0
+
+
+def test_name_parity_on_smollm2_and_the_script(smollm2):
+    n_torch, n_mlx, problems = name_parity("smollm2-135m")
+    assert (n_torch, n_mlx, problems) == (240, 240, [])
+    r = subprocess.run([sys.executable, "scripts/check_name_parity.py", "--model", "smollm2-135m"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "torch 240 trainable tensors, MLX 240" in r.stdout, r.stderr[-2000:]
+
+
+def test_config_shim_flattens_rope_parameters():
+    cfg = {"model_type": "llama", "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
+    assert mlx_config_shim(cfg) == {"rope_theta": 100000.0}
+    assert mlx_config_shim({"rope_theta": 5.0, "rope_parameters": {"rope_theta": 5.0}}) == {}
+    scaled = mlx_config_shim({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}})
+    assert scaled["rope_theta"] == 5e5 and scaled["rope_scaling"] == {"type": "llama3", "rope_type": "llama3", "factor": 8.0}
+
+
+def greedy_mlx(model, ids, n):
+    ids = list(ids)
+    for _ in range(n):
+        logits = model(mx.array([ids]))
+        ids.append(int(mx.argmax(logits[0, -1]).item()))
+    return ids
+
+
+def test_shimmed_smollm2_generates_what_torch_generates(smollm2, tokenizer):
+    import mlx_lm
+    from transformers import AutoModelForCausalLM
+
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    torch_model = AutoModelForCausalLM.from_pretrained(smollm2.path).eval()
+    with torch.no_grad():
+        want = torch_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()
+    got = greedy_mlx(load_mlx_model(smollm2.path), prompt, 8)
+    assert got == want and "Paris" in tokenizer.decode(got[len(prompt):])
+    # without the shim mlx-lm uses its default rope theta and the answer changes
+    unshimmed, _ = mlx_lm.utils.load_model(__import__("pathlib").Path(smollm2.path))
+    assert greedy_mlx(unshimmed, prompt, 8) != want
+
+
+def mlx_learner(tiny_model, kind="llama", **kw):
+    from yeto.mlx.learner import MLXLearner
+
+    cfg = TrainConfig(model=str(tiny_model(kind)), data=str(DEMO_DATA), seq_len=64, batch_size=2, max_steps=4, lora_r=4,
+                      lora_dropout=0.0, lr=1e-2, warmup_steps=1, **kw)
+    return MLXLearner(cfg, log=lambda s: None)
+
+
+def test_same_blocks_as_the_torch_learner(tiny_model):
+    cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, lora_r=4, learner_id=1, num_learners=2)
+    t = TorchLearner(cfg, log=lambda s: None)
+    m = mlx_learner(tiny_model, learner_id=1, num_learners=2)
+    np.testing.assert_array_equal(t.data.train.input_ids, m.data.train.input_ids)
+    np.testing.assert_array_equal(t.data.train.loss_mask, m.data.train.loss_mask)
+    assert sorted(t.adapter_state()) == sorted(m.adapter_state())
+    assert {k: v.shape for k, v in t.adapter_state().items()} == {k: v.shape for k, v in m.adapter_state().items()}
+    # same weights -> same loss: the MLX loss is the torch sft_loss re-derived
+    m.load_adapter_state({k: v + 0.01 for k, v in t.adapter_state().items()})
+    t.load_adapter_state({k: v + 0.01 for k, v in t.adapter_state().items()})
+    assert m.evaluate() == pytest.approx(t.evaluate(), rel=1e-4)
+
+
+def test_mlx_adapter_loads_in_torch_with_matching_logits(tiny_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    m = mlx_learner(tiny_model)
+    before = m.evaluate()
+    for _ in range(4):
+        m.step()
+    assert m.evaluate() < before  # it learns
+    out = m.save(tmp_path / "adapter")
+    ids = m.data.train.input_ids[:2]
+    m.model.eval()
+    mlx_logits = np.array(m.model(mx.array(ids)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(m.cfg.model), str(out)).eval()
+    assert not [w for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message).lower()]
+    with torch.no_grad():
+        torch_logits = tuned(input_ids=torch.from_numpy(ids)).logits.numpy()
+    np.testing.assert_allclose(torch_logits, mlx_logits, atol=2e-4, rtol=1e-4)
+    with torch.no_grad(), tuned.disable_adapter():
+        assert np.abs(tuned(input_ids=torch.from_numpy(ids)).logits.numpy() - mlx_logits).max() > 1e-3
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["peft_type"] == "LORA"
+
+
+def test_mlx_learner_refuses_a_torch_loss(tiny_model):
+    with pytest.raises(YetoError, match="cross_entropy only"):
+        mlx_learner(tiny_model, loss_function="mymod:fn")
+
+
+def test_heterogeneous_fleet_torch_and_mlx(tiny_model, tmp_path):
+    from tests.test_fleet import ENV, finish, syncer
+    from yeto.launch.local import free_port
+    from yeto.tape import read_tape
+
+    model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
+    common = ["--model", str(model), "--data", str(DEMO_DATA), "--syncer", f"127.0.0.1:{port}", "--num-learners", "2",
+              "--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--threads", "1", "--no-progress"]
+    procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 4)}
+    procs["torch"] = subprocess.Popen([sys.executable, "-m", "yeto.learner", "--learner-id", "0", "--out", str(tmp_path / "t"), *common],
+                                      cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs["mlx"] = subprocess.Popen([sys.executable, "-m", "yeto.mlx.learner", "--learner-id", "1", "--out", str(tmp_path / "m"), *common],
+                                    cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outs = finish(procs)
+    assert all(code == 0 for code, _ in outs.values()), {k: v[1][-2500:] for k, v in outs.items()}
+    events = read_tape(s_out)
+    joins = {e["learner"]: e["backend"] for e in events if e["event"] == "join"}
+    assert joins == {0: "torch", 1: "mlx"}
+    deltas = {(e["round"], e["learner"]): e for e in events if e["event"] == "delta"}
+    merges = [e for e in events if e["event"] == "merge"]
+    assert len(merges) == 3
+    for m in merges:
+        assert m["responders"] == [0, 1]
+        toks = [deltas[(m["round"], r)]["loss_tokens"] for r in (0, 1)]
+        assert m["weights"] == pytest.approx([t / sum(toks) for t in toks])
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), str(s_out / "adapter"))
+    merged = load_file(s_out / "adapter" / "adapter_model.safetensors")
+    for d in ("t", "m"):  # both islands applied every broadcast and ended on the merged adapter
+        mine = load_file(tmp_path / d / "adapter" / "adapter_model.safetensors")
+        assert sorted(mine) == sorted(merged)
+        assert max(float(np.abs(mine[k] - merged[k]).max()) for k in merged) < 1e-6

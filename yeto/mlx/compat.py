@@ -1,0 +1,107 @@
+"""Compatibility shims between mlx-lm, transformers and Linux.
+
+- `import_mlx_lm`: mlx-lm, or a clear error naming the fix when it fails to import.
+- `mlx_config_shim`: transformers >= 4.54 writes `rope_parameters: {rope_theta: ...}` instead of a
+  top-level `rope_theta`; mlx-lm then silently falls back to its default theta and, for SmolLM2,
+  generates garbage. The shim hoists those keys back to where mlx-lm reads them, and fills the
+  few keys mlx-lm requires that transformers 5 stopped writing (LFM2's `block_dim`).
+- `fast_blas_env`: the Linux `mlx[cpu]` wheel bundles a reference BLAS (~3.5 GFLOP/s matmul);
+  Debian's OpenBLAS (`libopenblas0-pthread`) is ~30x faster when preloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from yeto import YetoError
+
+OPENBLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+)
+
+
+def import_mlx_lm():
+    """Import mlx_lm, or explain what to install."""
+    try:
+        import mlx.core  # noqa: F401
+    except ImportError as e:
+        raise YetoError(f"MLX is not installed ({e}); install yeto's mlx extra: pip install 'yeto[mlx]' "
+                        "(on Linux this pulls mlx[cpu])") from e
+    try:
+        import mlx_lm
+        import mlx_lm.utils  # noqa: F401
+    except ImportError as e:
+        # mlx-lm releases before 0.28 import tokenizer internals that transformers 5 removed;
+        # yeto never uses mlx-lm's tokenizer wrapper, but the import itself fails.
+        import transformers
+
+        raise YetoError(f"mlx-lm failed to import under transformers {transformers.__version__} ({e}); "
+                        "upgrade it: pip install -U 'mlx-lm>=0.28'") from e
+    return mlx_lm
+
+
+ROPE_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor")
+# keys mlx-lm requires that transformers 5 no longer writes, derived from ones it does write
+DERIVED_KEYS = {"lfm2": {"block_dim": "hidden_size"}}
+
+
+def mlx_config_shim(config: dict[str, Any]) -> dict[str, Any]:
+    """Config overrides for mlx-lm: hoist `rope_parameters` entries to the top level."""
+    rope = config.get("rope_parameters")
+    out: dict[str, Any] = {}
+    if isinstance(rope, dict):
+        if "rope_theta" in rope and "rope_theta" not in config:
+            out["rope_theta"] = rope["rope_theta"]
+        kind = rope.get("rope_type", "default")
+        if kind not in (None, "default") and "rope_scaling" not in config:
+            out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"} | {"type": kind}
+        if "partial_rotary_factor" in rope and "partial_rotary_factor" not in config:
+            out["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    for key, source in DERIVED_KEYS.get(config.get("model_type", ""), {}).items():
+        if key not in config and source in config:
+            out[key] = config[source]
+    for sub in ("text_config",):
+        if isinstance(config.get(sub), dict):
+            inner = mlx_config_shim(config[sub])
+            if inner:
+                out[sub] = {**config[sub], **inner}
+    return out
+
+
+def load_mlx_model(path: str | Path):
+    """mlx-lm's model for a HF directory, with the config shim applied."""
+    mlx_lm = import_mlx_lm()
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    model, _ = mlx_lm.utils.load_model(path, model_config=mlx_config_shim(config))
+    return model
+
+
+def fast_blas_library() -> str | None:
+    for cand in OPENBLAS_CANDIDATES:
+        if os.path.exists(cand):
+            return cand
+    return None
+
+
+def fast_blas_env(env: dict[str, str] | None = None) -> dict[str, str] | None:
+    """The environment with OpenBLAS preloaded, or None if not on Linux / not installed / already set."""
+    env = dict(os.environ if env is None else env)
+    lib = fast_blas_library()
+    if not sys.platform.startswith("linux") or lib is None or lib in env.get("LD_PRELOAD", "") or env.get("YETO_NO_FAST_BLAS"):
+        return None
+    env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
+    return env
+
+
+def reexec_with_fast_blas() -> None:
+    """Re-exec this process with OpenBLAS preloaded (before MLX is imported), once."""
+    env = fast_blas_env()
+    if env is None or "mlx.core" in sys.modules:
+        return
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
