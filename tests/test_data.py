@@ -164,12 +164,14 @@ def test_packing_is_deterministic_and_keeps_examples_whole(tokenizer):
 @given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=30), seq_len=st.integers(8, 48))
 def test_pack_preserves_every_token_and_mask(lens, seq_len):
     examples = [([k * 1000 + j for j in range(n)], [(k + j) % 2 for j in range(n)]) for k, n in enumerate(lens)]
-    examples = [e for e in examples if any(e[1])]
     blocks, stats = pack_examples(examples, seq_len, pad_id=-1)
+    # what must survive: every piece (an example, or a block-sized chunk of a longer one) with a target
+    pieces = [(ids[i : i + seq_len], m[i : i + seq_len]) for ids, m in examples for i in range(0, len(ids), seq_len)]
+    kept = [p for p in pieces if any(p[1][1:])]
     got = blocks.input_ids[blocks.input_ids >= 0]
-    want = np.concatenate([np.asarray(ids) for ids, _ in examples]) if examples else np.zeros(0)
+    want = np.concatenate([np.asarray(ids) for ids, _ in kept]) if kept else np.zeros(0)
     assert sorted(got.tolist()) == sorted(want.tolist())
-    assert blocks.loss_mask.sum() == sum(sum(m) for _, m in examples)
+    assert blocks.loss_mask.sum() == sum(sum(m) for _, m in kept)
     assert (blocks.loss_mask[blocks.input_ids < 0] == 0).all()  # padding never carries loss
     again, _ = pack_examples(examples, seq_len, pad_id=-1)
     np.testing.assert_array_equal(blocks.input_ids, again.input_ids)

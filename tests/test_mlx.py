@@ -187,6 +187,10 @@ def test_heterogeneous_fleet_torch_and_mlx(tiny_model, tmp_path):
                                     cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     outs = finish(procs)
     assert all(code == 0 for code, _ in outs.values()), {k: v[1][-2500:] for k, v in outs.items()}
+    from yeto.mlx.compat import fast_blas_library
+
+    if sys.platform.startswith("linux") and fast_blas_library():  # the MLX learner re-exec'd itself with OpenBLAS
+        assert "OpenBLAS preloaded" in outs["mlx"][1]
     events = read_tape(s_out)
     joins = {e["learner"]: e["backend"] for e in events if e["event"] == "join"}
     assert joins == {0: "torch", 1: "mlx"}

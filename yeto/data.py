@@ -289,13 +289,15 @@ def pack_examples(examples: list[tuple[list[int], list[int]]], seq_len: int, pad
     open_from = 0  # blocks before this index are closed
     split = 0
     for ids, mask in examples:
-        if not any(mask):
+        if not any(mask[1:]):
             continue  # nothing to learn from this example
         pieces = [(ids, mask)]
         if len(ids) > seq_len:
             split += 1
             pieces = [(ids[i : i + seq_len], mask[i : i + seq_len]) for i in range(0, len(ids), seq_len)]
         for pid, pm in pieces:
+            if not any(pm[1:]):
+                continue  # a chunk with no target to predict (position 0 is never predicted) costs compute, teaches nothing
             for b in range(max(open_from, len(blocks) - window), len(blocks)):
                 if len(blocks[b][0]) + len(pid) <= seq_len:
                     blocks[b][0].extend(pid)

@@ -44,7 +44,10 @@ def _stream(proc: subprocess.Popen, prefix: str, color: str, console, lock: thre
 
 
 def launch_local(n: int, out: Path, syncer_args: list[str], learner_args: list[str], port: int = 0,
-                 grace_s: float = 15.0) -> int:
+                 grace_s: float = 15.0, mlx_learners: int = 0) -> int:
+    """Run the fleet; the last `mlx_learners` of the n islands use the MLX backend."""
+    if not 0 <= mlx_learners <= n:
+        raise YetoError(f"--mlx-learners must be between 0 and the number of learners ({n}), got {mlx_learners}")
     from rich.console import Console
     from rich.markup import escape
 
@@ -67,7 +70,8 @@ def launch_local(n: int, out: Path, syncer_args: list[str], learner_args: list[s
                      "--learners", str(n), "--out", str(syncer_out), *syncer_args], "bold white")
     time.sleep(0.5)
     for i in range(n):
-        start(f"island {i}", [sys.executable, "-m", "yeto.learner", "--syncer", f"127.0.0.1:{port}", "--learner-id", str(i),
+        mlx = i >= n - mlx_learners
+        start(f"island {i}{' mlx' if mlx else ''}", [sys.executable, "-m", "yeto.mlx.learner" if mlx else "yeto.learner", "--syncer", f"127.0.0.1:{port}", "--learner-id", str(i),
                               "--num-learners", str(n), "--threads", str(threads), "--out", str(out / f"island-{i}"),
                               "--no-progress", *learner_args], colors[i % len(colors)])
     console.print(f"[bold]fleet[/bold]: syncer on 127.0.0.1:{port}, {n} islands x {threads} threads; run dir {out}")
@@ -124,6 +128,7 @@ def launch_command(
     outer_lr: Annotated[float, typer.Option(help="Outer learning rate.")] = 0.7,
     outer_momentum: Annotated[float, typer.Option(help="Outer Nesterov momentum.")] = 0.9,
     overlap: Annotated[bool, typer.Option(help="Learners keep training while a merge is in flight.")] = False,
+    mlx_learners: Annotated[int, typer.Option(help="How many of the N local learners run the MLX backend (a mixed torch + MLX fleet).")] = 0,
 ) -> None:
     """Run a DiLoCo fleet. Any other flag (e.g. --seq-len 128 --lr 1e-3) is passed to every learner (see `yeto train --help`)."""
     n = parse_gpu(gpu)
@@ -131,7 +136,7 @@ def launch_command(
                    "--quorum", str(quorum or n), "--sync-bits", str(sync_bits), "--outer-lr", str(outer_lr),
                    "--outer-momentum", str(outer_momentum)]
     learner_args = ["--model", model, "--data", data, *(["--overlap"] if overlap else []), *ctx.args]
-    code = launch_local(n, Path(out), syncer_args, learner_args, port)
+    code = launch_local(n, Path(out), syncer_args, learner_args, port, mlx_learners=mlx_learners)
     raise typer.Exit(code)
 
 

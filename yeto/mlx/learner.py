@@ -72,7 +72,10 @@ class MLXLearner:
         self.targets = select_targets(linears, hf_config, cfg.lora_targets, ["lm_head"])
         apply_lora(self.model, self.targets, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
         n_train = sum(int(np.prod(v.shape)) for v in self.adapter_state().values())
-        log(f"model: {self.model_artifact.name} @ {self.model_artifact.revision[:19]} on MLX {mx.default_device()}; "
+        import os
+
+        blas = "OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") else "MLX's bundled BLAS"
+        log(f"model: {self.model_artifact.name} @ {self.model_artifact.revision[:19]} on MLX {mx.default_device()} ({blas}); "
             f"LoRA r={cfg.lora_r} on {len(self.targets)} linears, {n_train / 1e6:.2f}M trainable params")
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=cfg.weight_decay)
         self.total_steps = cfg.max_steps
@@ -124,11 +127,13 @@ class MLXLearner:
             g = tree_map(lambda x: x * share, g)
             grads = g if grads is None else tree_map(lambda a, b: a + b, grads, g)
             loss_sum += float(loss) * wsum
-        grads, norm = clip_grad_norm(grads, cfg.max_grad_norm)
         lr = cfg.lr * lr_lambda(self.step_count, cfg.warmup_steps, self.total_steps, cfg.min_lr_ratio)
-        self.optimizer.learning_rate = lr
-        self.optimizer.update(self.model, grads)
-        mx.eval(self.model.trainable_parameters(), self.optimizer.state)
+        norm = 0.0
+        if grads is not None:  # every micro-batch may lack targets only in degenerate data; then no update
+            grads, norm = clip_grad_norm(grads, cfg.max_grad_norm)
+            self.optimizer.learning_rate = lr
+            self.optimizer.update(self.model, grads)
+            mx.eval(self.model.trainable_parameters(), self.optimizer.state)
         self.step_count += 1
         tokens = sum(int(m[0].size) for m in micro)
         self.tokens_seen += tokens
