@@ -1,5 +1,5 @@
-# The two commands: `make demo` (set up, then train on the packaged SmolLM2 and
-# show before/after answers) and `make test` (set up, then run the tests).
+# The two commands: `make demo` (set up, then run a 2-island DiLoCo fleet on the packaged
+# SmolLM2 and show before/after answers) and `make test` (set up, then run the tests).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -11,6 +11,8 @@ STAMP  := $(VENV)/.yeto-installed
 OPENBLAS = $(firstword $(wildcard /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3))
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RUN    ?= runs/demo
+# make demo MLX_LEARNERS=1: one of the two islands runs on MLX
+MLX_LEARNERS ?= 0
 
 .PHONY: setup demo demo-single demo-mixed test bench clean
 
@@ -29,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/yeto launch --gpu local:2 --model smollm2-135m --data data/demo --out $(RUN) \
+	$(BIN)/yeto launch --gpu local:2 --mlx-learners $(MLX_LEARNERS) --model smollm2-135m --data data/demo --out $(RUN) \
 		--outer-steps 5 --inner-steps 8 --sync-bits 4 --seq-len 256 --batch-size 4 --lr 1e-3 --warmup-steps 3
 	$(BIN)/yeto tape $(RUN)/syncer --plot
 	$(BIN)/yeto generate --model smollm2-135m --adapter $(RUN)/syncer/adapter \
@@ -52,12 +54,8 @@ bench: setup
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python bench/mlx_throughput.py
 
-demo-mixed: setup
-	$(BIN)/yeto launch --gpu local:2 --mlx-learners 1 --model smollm2-135m --data data/demo --out $(RUN)-mixed \
-		--outer-steps 5 --inner-steps 8 --sync-bits 4 --seq-len 256 --batch-size 4 --lr 1e-3 --warmup-steps 3
-	$(BIN)/yeto tape $(RUN)-mixed/syncer --plot
-	$(BIN)/yeto generate --model smollm2-135m --adapter $(RUN)-mixed/syncer/adapter \
-		--prompt "What is the capital of France?" --prompt "Which continent is Kenya in?"
+demo-mixed:
+	$(MAKE) demo MLX_LEARNERS=1 RUN=$(RUN)-mixed
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -81,6 +81,9 @@ def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
     assert rounds_with_2 and min(rounds_with_2) >= join2["first_round"]
     assert any(e["event"] == "refuse" and e["learner"] == 3 for e in events)
     assert sum(1 for e in events if e["event"] == "checkpoint") >= 4
+    t = subprocess.run([sys.executable, "-m", "yeto", "tape", str(s_out), "--plot"], cwd=REPO, env=ENV, capture_output=True, text=True)
+    assert t.returncode == 0 and "responders" in t.stdout and "refuse" in t.stdout, t.stderr
+    assert (s_out / "tape.png").stat().st_size > 10_000
 
     from peft import PeftModel
     from safetensors.numpy import load_file

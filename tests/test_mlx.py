@@ -127,7 +127,7 @@ def mlx_learner(tiny_model, kind="llama", **kw):
     return MLXLearner(cfg, log=lambda s: None)
 
 
-def test_same_blocks_as_the_torch_learner(tiny_model):
+def test_same_blocks_as_the_torch_learner(tiny_model, tmp_path):
     cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, lora_r=4, learner_id=1, num_learners=2)
     t = TorchLearner(cfg, log=lambda s: None)
     m = mlx_learner(tiny_model, learner_id=1, num_learners=2)
@@ -135,6 +135,21 @@ def test_same_blocks_as_the_torch_learner(tiny_model):
     np.testing.assert_array_equal(t.data.train.loss_mask, m.data.train.loss_mask)
     assert sorted(t.adapter_state()) == sorted(m.adapter_state())
     assert {k: v.shape for k, v in t.adapter_state().items()} == {k: v.shape for k, v in m.adapter_state().items()}
+    # same fragments on both backends, and an MLX adapter packs, writes and reads back exactly
+    from safetensors.numpy import load_file
+
+    from yeto.adapter import peft_file_name, write_adapter
+    from yeto.sync.layout import build_layout, pack_fragment, unpack_fragment
+
+    lt, lm = build_layout(t.adapter_state(), 1000), build_layout(m.adapter_state(), 1000)
+    assert lt == lm and len(lm.fragments) > 1
+    state = m.adapter_state()
+    for f in lm.fragments:
+        back = unpack_fragment(lm, f.index, pack_fragment(lm, f.index, state))
+        assert all(np.array_equal(back[n], state[n]) for n in f.names)
+    out = write_adapter(tmp_path / "a", state, m.adapter_config(), m.record())
+    saved = load_file(out / "adapter_model.safetensors")
+    assert all(np.array_equal(saved[peft_file_name(k)], v) for k, v in state.items())
     # same weights -> same loss: the MLX loss is the torch sft_loss re-derived
     m.load_adapter_state({k: v + 0.01 for k, v in t.adapter_state().items()})
     t.load_adapter_state({k: v + 0.01 for k, v in t.adapter_state().items()})

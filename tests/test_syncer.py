@@ -281,3 +281,20 @@ def test_islands_survive_a_syncer_restart(start_syncer, tmp_path):
     assert any(e["event"] == "resume" for e in events)
     joins = [e for e in events if e["event"] == "join"]
     assert len(joins) >= 2  # the island re-joined the restarted syncer
+
+
+def test_time_window_rounds_weight_a_slow_island_by_its_tokens(start_syncer, tmp_path):
+    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=2, round_seconds=0.6, sync_bits=32)
+    fast, slow = QuadraticIsland(1.0, 10, lr=0.1), QuadraticIsland(-1.0, 10, lr=0.1)
+    results = {}
+    threads = [island_thread(fast, port, 0, results, step_delay=0.02), island_thread(slow, port, 1, results, step_delay=0.2)]
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(r, dict) for r in results.values()), results
+    events = read_tape(tmp_path / "syncer")
+    deltas = {(e["round"], e["learner"]): e for e in events if e["event"] == "delta"}
+    for m in (e for e in events if e["event"] == "merge"):
+        f, s = deltas[(m["round"], 0)], deltas[(m["round"], 1)]
+        assert f["inner_steps"] > 2 * s["inner_steps"] >= 2  # the slow island still contributes what it did
+        assert m["weights"] == pytest.approx([f["loss_tokens"] / (f["loss_tokens"] + s["loss_tokens"]),
+                                              s["loss_tokens"] / (f["loss_tokens"] + s["loss_tokens"])])

@@ -235,20 +235,25 @@ class TorchLearner:
         self.scheduler.lr_lambdas[0] = lambda s: lr_lambda(s, cfg.warmup_steps, total, cfg.min_lr_ratio)
 
     def record(self) -> dict[str, Any]:
-        return {
-            "yeto_version": __version__,
-            "backend": "torch",
-            "model": self.model_artifact.to_dict(),
-            "data": self.data.artifact.to_dict(),
-            "data_stats": self.data.stats,
-            "config": asdict(self.cfg),
-            "steps": self.step_count,
-            "tokens": self.tokens_seen,
-            "loss_tokens": self.loss_tokens_seen,
-        }
+        return island_record(self)
 
     def save(self, out_dir: str | Path) -> Path:
         return save_adapter(self.model, out_dir, self.record())
+
+
+def island_record(learner) -> dict[str, Any]:
+    """What a saved adapter and run.json say about the island that made it (any backend)."""
+    return {
+        "yeto_version": __version__,
+        "backend": learner.backend,
+        "model": learner.model_artifact.to_dict(),
+        "data": learner.data.artifact.to_dict(),
+        "data_stats": learner.data.stats,
+        "config": asdict(learner.cfg),
+        "steps": learner.step_count,
+        "tokens": learner.tokens_seen,
+        "loss_tokens": learner.loss_tokens_seen,
+    }
 
 
 class MetricsLog:

@@ -10,15 +10,14 @@ torch learner, crossing mx -> numpy only at round boundaries.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from yeto import YetoError, __version__
+from yeto import YetoError
 from yeto.data import Blocks, prepare_data
-from yeto.learner import BatchSampler, TrainConfig, lr_lambda, make_train_command
+from yeto.learner import BatchSampler, TrainConfig, island_record, lr_lambda, make_train_command
 from yeto.models import load_tokenizer, resolve_model
 
 
@@ -180,17 +179,7 @@ class MLXLearner:
         self.total_steps = total
 
     def record(self) -> dict[str, Any]:
-        return {
-            "yeto_version": __version__,
-            "backend": "mlx",
-            "model": self.model_artifact.to_dict(),
-            "data": self.data.artifact.to_dict(),
-            "data_stats": self.data.stats,
-            "config": asdict(self.cfg),
-            "steps": self.step_count,
-            "tokens": self.tokens_seen,
-            "loss_tokens": self.loss_tokens_seen,
-        }
+        return island_record(self)
 
     def save(self, out_dir: str | Path) -> Path:
         from yeto.adapter import write_adapter
