@@ -1,13 +1,11 @@
 """Real fleets: a syncer process and torch learner processes on loopback (tiny Llama)."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 

@@ -52,15 +52,31 @@ def test_cli_reports_a_bad_record(tmp_path, tiny_model):
     assert r.returncode == 2 and "bad.jsonl:2: record fits no format" in r.stderr
 
 
-def test_every_command_documents_every_flag():
-    for cmd in (["train"], ["generate"], ["models"], []):
-        r = run(YETO + cmd + ["--help"], env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "TERM": "dumb"})
-        assert r.returncode == 0, r.stderr
-    from yeto.learner import TrainConfig
+def help_lines(args):
+    r = run(args + ["--help"], env={"COLUMNS": "300", "TERM": "dumb", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    return r.stdout
 
-    r = run(YETO + ["train", "--help"], env={"COLUMNS": "250", "TERM": "dumb"})
-    for field in TrainConfig.__dataclass_fields__:
-        assert "--" + field.replace("_", "-") in r.stdout, field
+
+def test_every_command_documents_every_flag():
+    import re
+
+    from yeto.learner import TrainConfig
+    from yeto.sync.server import SyncerConfig
+
+    cases = [(YETO + ["train"], TrainConfig), ([sys.executable, "-m", "yeto.learner"], TrainConfig),
+             ([sys.executable, "-m", "yeto.mlx.learner"], TrainConfig), (YETO + ["syncer"], SyncerConfig)]
+    for args, cfg in cases:
+        out = help_lines(args)
+        for field in cfg.__dataclass_fields__:
+            assert "--" + field.replace("_", "-") in out, (args, field)
+    for cmd in (["train"], ["syncer"], ["launch"], ["generate"], ["tape"], ["models"]):
+        out = help_lines(YETO + cmd)
+        # every option row carries a help text, not just a type and a default
+        for line in out.splitlines():
+            m = re.match(r"\W*(--[a-z-]+)(?:\s+--no-[a-z-]+)?\s+<\w+>\s*(.*)", line)
+            if m and m.group(1) != "--help":
+                assert m.group(2) and not m.group(2).startswith("[default"), (cmd, line)
 
 
 @pytest.mark.slow

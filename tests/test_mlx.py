@@ -1,7 +1,6 @@
 """The MLX island: LoRA parity with peft, names, data, shim, adapters that torch loads."""
 
 import json
-import os
 import subprocess
 import sys
 import warnings

@@ -114,7 +114,7 @@ class DiLoCoBridge:
         while not self.joined:
             if time.monotonic() > deadline:
                 raise YetoError(f"no answer from the syncer at {self.client.endpoint} within {timeout_s:.0f}s")
-            self._pump(self.client.heartbeat_s)
+            self.pump(self.client.heartbeat_s)
             if not self.joined and self.client.peer_dead:
                 self.client.reconnect()
                 self._hello()
@@ -128,7 +128,7 @@ class DiLoCoBridge:
 
     # ------------------------------------------------------------------ messages
 
-    def _pump(self, timeout_s: float) -> bool:
+    def pump(self, timeout_s: float) -> bool:
         """Handle at most the messages that arrive within `timeout_s`; True if any did."""
         msg = self.client.recv(timeout_s)
         if msg is None:
@@ -209,7 +209,7 @@ class DiLoCoBridge:
                 self.open_round = None
                 self.stats.stall_s += time.perf_counter() - t0
                 return r
-            self._pump(self.client.heartbeat_s)
+            self.pump(self.client.heartbeat_s)
 
     def push(self, state: dict[str, np.ndarray], rnd: RoundStats, base_version: int) -> None:
         """Send this round's pseudo-gradient (local minus global), quantized with error feedback."""
@@ -235,7 +235,7 @@ class DiLoCoBridge:
         while not self.merged(base_version):
             if self.finish is not None and self.finish["version"] <= self.version:
                 break
-            self._pump(self.client.heartbeat_s)
+            self.pump(self.client.heartbeat_s)
         self.stats.stall_s += time.perf_counter() - t0
 
     def global_state(self) -> dict[str, np.ndarray]:
@@ -291,7 +291,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
 
             while not round_over():
                 inner_step(island, rnd, bridge, step_delay)
-                bridge._pump(0)  # heartbeats, and notice a finish or a restart early
+                bridge.pump(0)  # heartbeats, and notice a finish or a restart early
                 if bridge.finish is not None:
                     raise Finished(bridge.finish["reason"])
             bridge.push(island.adapter_state(), rnd, base)
@@ -303,7 +303,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 limit = max_inner_steps or (header["inner_steps"] if not header["round_seconds"] else 10**9)
                 while not bridge.merged(base) and nxt.steps < limit and bridge.finish is None:
                     inner_step(island, rnd=nxt, bridge=bridge, step_delay=step_delay)
-                    bridge._pump(0)
+                    bridge.pump(0)
                 bridge.wait_merged(base)
                 progress_since_push = flatten(bridge.layout, island.adapter_state()) - pushed
                 island.load_adapter_state(unflatten(bridge.layout, bridge.global_ + progress_since_push))

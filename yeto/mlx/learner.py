@@ -96,7 +96,6 @@ class MLXLearner:
 
     def _loss(self, model, ids, rows, targets, weights):
         """Loss on the loss-bearing rows only: the LM head runs on those rows (as the torch learner)."""
-        mx = self.mx
         hidden = model.model(ids)
         h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[rows]
         return sft_loss_mx(self._head(h), targets, weights)

@@ -25,9 +25,10 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import numpy as np
+import typer
 import zmq
 
 from yeto import YetoError
@@ -437,9 +438,6 @@ class Syncer:
 
 
 # ---------------------------------------------------------------------- CLI
-
-import typer  # noqa: E402
-from typing import Annotated  # noqa: E402
 
 _D = SyncerConfig()
 
