@@ -394,7 +394,7 @@ def _train_signature(
     seq_len: Annotated[int, typer.Option(help="Tokens per packed block.")] = D.seq_len,
     batch_size: Annotated[int, typer.Option(help="Blocks per micro-batch.")] = D.batch_size,
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step (gradient accumulation).")] = D.grad_accum,
-    max_steps: Annotated[int, typer.Option(help="Optimizer steps to run.")] = D.max_steps,
+    max_steps: Annotated[int, typer.Option(help="Optimizer steps to run (with --syncer the syncer decides when to stop; this is then the LR schedule's horizon for --round-seconds runs).")] = D.max_steps,
     lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = D.lr,
     warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = D.warmup_steps,
     min_lr_ratio: Annotated[float, typer.Option(help="Cosine decays to this fraction of --lr.")] = D.min_lr_ratio,
