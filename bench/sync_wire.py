@@ -24,8 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from yeto.sync.layout import TensorSpec, layout_from_specs  # noqa: E402
-from yeto.sync.outer import merge_deltas, merge_weights, nesterov_step  # noqa: E402
-from yeto.sync.protocol import decode, decode_fragments, encode, encode_fragments, message_bytes  # noqa: E402
+from yeto.sync.outer import outer_update  # noqa: E402
+from yeto.sync.protocol import decode, decode_fragments, encode, encode_fragments, encode_fragments_ef, message_bytes  # noqa: E402
 from yeto.sync.quant import ErrorFeedback  # noqa: E402
 
 
@@ -103,14 +103,12 @@ def merge_throughput(n_learners: int, repeats: int) -> None:
     g = np.zeros(layout.numel, np.float32)
     m = np.zeros_like(g)
     ef = ErrorFeedback(layout.numel)
-    pieces = [(f.start, f.numel) for f in layout.fragments]
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats):  # the syncer's own merge path (Syncer.on_delta + close_round)
         t = time.perf_counter()
         deltas = [decode_fragments(layout, msg) for msg in msgs]
-        avg = merge_deltas(deltas, merge_weights(tokens))
-        new_g, m = nesterov_step(g, avg, m, 0.7, 0.9)
-        _, sent = ef.encode(new_g - g, 4, pieces)
+        new_g, m, _ = outer_update(g, m, deltas, tokens, 0.7, 0.9)
+        _, _, sent = encode_fragments_ef(layout, new_g - g, 4, ef)
         g = g + sent
         best = min(best, time.perf_counter() - t)
         del deltas

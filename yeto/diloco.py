@@ -26,7 +26,7 @@ import numpy as np
 from yeto import YetoError
 from yeto.sync.client import SyncerClient
 from yeto.sync.layout import DEFAULT_FRAGMENT_NUMEL, Layout, build_layout, flatten, unflatten
-from yeto.sync.protocol import Message, decode_fragments, encode_fragments
+from yeto.sync.protocol import Message, decode_fragments, encode_fragments, encode_fragments_ef
 from yeto.sync.quant import ErrorFeedback
 
 log = logging.getLogger("yeto.diloco")
@@ -92,9 +92,6 @@ class DiLoCoBridge:
         self.ef: Optional[ErrorFeedback] = None
         self.open_round: Optional[dict[str, Any]] = None  # the latest 'round' message not yet trained
         self.finish: Optional[dict[str, Any]] = None
-        self.acked: set[int] = set()
-        self.stale: set[int] = set()
-        self.broadcasts: dict[int, dict[str, Any]] = {}  # round -> broadcast header (after applying)
         self.joined = False
         self._hello_args: tuple = ()
         self._residual_before_push: Optional[np.ndarray] = None
@@ -172,20 +169,16 @@ class DiLoCoBridge:
                 update = decode_fragments(self.layout, msg)
                 self.global_ = self.global_ + update
                 self.version = h["version"]
-                self.broadcasts[h["round"]] = h
             elif h["version"] > self.version + 1:
                 self.client.send("sync")
         elif msg.type == "state":
             self.global_ = decode_fragments(self.layout, msg)
             self.version = h["version"]
-        elif msg.type == "ack":
-            self.acked.add(h["round"])
         elif msg.type == "finish":
             self.finish = h
         elif msg.type == "error":
             reason = h["reason"]
             if h.get("stale"):
-                self.stale.add(int(h.get("round", -1)))
                 if self._residual_before_push is not None:
                     self.ef.residual = self._residual_before_push  # that payload never counted
             elif "has not joined" in reason and self.joined:
@@ -193,8 +186,7 @@ class DiLoCoBridge:
                 self._hello()
             else:
                 self.log(f"syncer error: {reason}")
-        elif msg.type == "pong":
-            pass
+        # ack and pong carry nothing the bridge needs: any message proves the syncer alive
 
     # ------------------------------------------------------------------ rounds
 
@@ -211,19 +203,19 @@ class DiLoCoBridge:
                 return r
             self.pump(self.client.heartbeat_s)
 
-    def push(self, state: dict[str, np.ndarray], rnd: RoundStats, base_version: int) -> None:
-        """Send this round's pseudo-gradient (local minus global), quantized with error feedback."""
-        delta = flatten(self.layout, state) - self.global_
+    def push(self, state: dict[str, np.ndarray], rnd: RoundStats, base_version: int) -> np.ndarray:
+        """Send this round's pseudo-gradient (local minus global), quantized with error feedback;
+        returns the flat local adapter it was computed from."""
+        local = flatten(self.layout, state)
         bits = int(self.policy.get("sync_bits", 4))
         self._residual_before_push = self.ef.residual.copy()
-        pieces = [(f.start, f.numel) for f in self.layout.fragments]
-        payloads, _ = self.ef.encode(delta, bits, pieces)
-        descs = [{"index": f.index, "numel": f.numel, "bits": bits} for f in self.layout.fragments]
+        descs, payloads, _ = encode_fragments_ef(self.layout, local - self.global_, bits, self.ef)
         header = {"round": rnd.round, "base_version": base_version, "tokens": rnd.tokens, "loss_tokens": rnd.loss_tokens,
                   "inner_steps": rnd.steps, "loss": rnd.loss, "compute_s": round(rnd.compute_s, 4), "fragments": descs}
         self._last_push = (rnd.round, base_version, header, payloads)
         n = self.client.send("delta", header, payloads)
         self.stats.delta_bytes.append(n)
+        return local
 
     def merged(self, base_version: int) -> bool:
         """True once the global adapter has moved past the version our delta was computed on
@@ -294,11 +286,10 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 bridge.pump(0)  # heartbeats, and notice a finish or a restart early
                 if bridge.finish is not None:
                     raise Finished(bridge.finish["reason"])
-            bridge.push(island.adapter_state(), rnd, base)
+            pushed = bridge.push(island.adapter_state(), rnd, base)
             if progress:
                 progress({"round": r, "steps": rnd.steps, "loss": rnd.loss, "tokens": rnd.tokens})
             if overlap:
-                pushed = flatten(bridge.layout, island.adapter_state())
                 nxt = RoundStats(r + 1)
                 limit = max_inner_steps or (header["inner_steps"] if not header["round_seconds"] else 10**9)
                 while not bridge.merged(base) and nxt.steps < limit and bridge.finish is None:

@@ -275,7 +275,6 @@ def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..
     """Train one island: standalone (steps, periodic eval, final eval) or, with --syncer, as part
     of a DiLoCo run. The adapter is saved under `out/adapter`. `learner_cls` picks the backend."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     console = Console(stderr=True)
     out = Path(cfg.out)
@@ -283,10 +282,34 @@ def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..
     learner = (learner_cls or TorchLearner)(cfg, log=lambda s: console.print(f"[dim]{s}[/dim]"))
     metrics = MetricsLog(out / "metrics.jsonl")
     (out / "run.json").write_text(json.dumps(learner.record(), indent=2))
-    if cfg.syncer:
-        return train_island(learner, cfg, metrics, console)
     eval0 = learner.evaluate()
     metrics.write(event="eval", step=0, eval_loss=eval0)
+    if cfg.syncer:
+        tag = f"[bold]island {cfg.learner_id}[/bold] "
+        extra = _island_loop(learner, cfg, metrics, console, tag)
+        done = f"{extra['rounds']} rounds, {learner.step_count} steps, utilization {extra['utilization']:.1%}"
+    else:
+        tag = ""
+        extra = _standalone_loop(learner, cfg, metrics, console, eval0, show_progress)
+        done = f"{learner.step_count} steps, {extra['tok_s']:.0f} tok/s"
+    final_eval = learner.evaluate()
+    metrics.write(event="eval", step=learner.step_count, eval_loss=final_eval)
+    adapter = learner.save(out / "adapter")
+    summary = {"adapter": str(adapter), "steps": learner.step_count, "eval_loss_before": eval0, "eval_loss_after": final_eval,
+               "tokens": learner.tokens_seen, "loss_tokens": learner.loss_tokens_seen, **extra}
+    metrics.write(event="done", **summary)
+    metrics.close()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    ev = f"eval loss {eval0:.3f} -> {final_eval:.3f}" if eval0 is not None and final_eval is not None else "no eval split"
+    console.print(f"{tag}[green]done[/green]: {done}, {ev}; adapter: {adapter}")
+    return summary
+
+
+def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,
+                     show_progress: bool) -> dict[str, Any]:
+    """`--max-steps` steps with a progress bar and periodic eval."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
     history: list[dict[str, Any]] = []
     progress = Progress(
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -311,56 +334,21 @@ def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..
             ev = f" eval {last_eval:.3f}" if last_eval is not None else ""
             progress.update(task, advance=1, info=f"loss {s['loss']:.3f}{ev} {s['tok_s']:.0f} tok/s")
     elapsed = time.perf_counter() - t0
-    final_eval = learner.evaluate()
-    metrics.write(event="eval", step=learner.step_count, eval_loss=final_eval)
-    adapter = learner.save(out / "adapter")
-    summary = {
-        "adapter": str(adapter),
-        "steps": learner.step_count,
-        "first_loss": history[0]["loss"],
-        "last_loss": history[-1]["loss"],
-        "eval_loss_before": eval0,
-        "eval_loss_after": final_eval,
-        "tokens": learner.tokens_seen,
-        "tok_s": learner.tokens_seen / elapsed,
-        "loss_tok_s": learner.loss_tokens_seen / elapsed,
-    }
-    metrics.write(event="done", **summary)
-    metrics.close()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    ev = f"eval loss {eval0:.3f} -> {final_eval:.3f}" if eval0 is not None and final_eval is not None else "no eval split"
-    console.print(f"[green]done[/green]: {learner.step_count} steps, {summary['tok_s']:.0f} tok/s, {ev}; adapter: {adapter}")
-    return summary
+    return {"first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
+            "tok_s": learner.tokens_seen / elapsed, "loss_tok_s": learner.loss_tokens_seen / elapsed}
 
 
-def train_island(learner, cfg: TrainConfig, metrics: MetricsLog, console) -> dict[str, Any]:
+def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: str) -> dict[str, Any]:
     """One island of a DiLoCo run: the syncer decides rounds, merges and the end."""
     from yeto.diloco import run_island
 
-    out = Path(cfg.out)
-    eval0 = learner.evaluate()
-    metrics.write(event="eval", step=0, eval_loss=eval0)
-    tag = f"[bold]island {cfg.learner_id}[/bold]"
-
     def on_round(r: dict[str, Any]) -> None:
         metrics.write(event="round", **r)
-        console.print(f"{tag} round {r['round']}: {r['steps']} steps, loss {r['loss']:.4f}, {r['tokens']} tokens")
+        console.print(f"{tag}round {r['round']}: {r['steps']} steps, loss {r['loss']:.4f}, {r['tokens']} tokens")
 
-    stats = run_island(learner, cfg.syncer, cfg.learner_id, overlap=cfg.overlap, progress=on_round,
-                       max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
-                       log_fn=lambda s: console.print(f"{tag} [dim]{s}[/dim]"))
-    final_eval = learner.evaluate()
-    metrics.write(event="eval", step=learner.step_count, eval_loss=final_eval)
-    adapter = learner.save(out / "adapter")
-    summary = {"adapter": str(adapter), "steps": learner.step_count, "eval_loss_before": eval0, "eval_loss_after": final_eval,
-               "tokens": learner.tokens_seen, "loss_tokens": learner.loss_tokens_seen, **stats}
-    metrics.write(event="done", **summary)
-    metrics.close()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    ev = f"eval loss {eval0:.3f} -> {final_eval:.3f}" if eval0 is not None and final_eval is not None else "no eval split"
-    console.print(f"{tag} [green]done[/green]: {stats['rounds']} rounds, {learner.step_count} steps, utilization "
-                  f"{stats['utilization']:.1%}, {ev}; adapter: {adapter}")
-    return summary
+    return run_island(learner, cfg.syncer, cfg.learner_id, overlap=cfg.overlap, progress=on_round,
+                      max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
+                      log_fn=lambda s: console.print(f"{tag}[dim]{s}[/dim]"))
 
 
 # ----------------------------------------------------------------------------- CLI

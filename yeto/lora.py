@@ -96,16 +96,15 @@ def torch_linears(model) -> tuple[list[Linear], list[str]]:
     return linears, exclude
 
 
-def lora_config_for(linears: list[Linear], exclude: Iterable[str], config, mode: str = "auto", r: int = 16,
-                    alpha: float = 32.0, dropout: float = 0.05):
-    """The peft LoraConfig any backend describes its adapter with, from its linears and HF config."""
+def lora_config_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha: float = 32.0, dropout: float = 0.05):
+    """The peft LoraConfig any backend describes its adapter with: the linears `select_targets`
+    chose, among all of the model's `linears`."""
     from peft import LoraConfig
 
     if r < 1:
         raise YetoError(f"--lora-r must be at least 1, got {r}")
     if not 0.0 <= dropout < 1.0:
         raise YetoError(f"--lora-dropout must be in [0, 1), got {dropout}")
-    chosen = select_targets(linears, config, mode, exclude)
     targets = peft_target_modules(chosen, [n for n, _, _ in linears])
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM", bias="none")
 
@@ -113,4 +112,4 @@ def lora_config_for(linears: list[Linear], exclude: Iterable[str], config, mode:
 def lora_config(model, mode: str = "auto", r: int = 16, alpha: float = 32.0, dropout: float = 0.05):
     """A peft LoraConfig for a torch `model` under the rule `mode`."""
     linears, exclude = torch_linears(model)
-    return lora_config_for(linears, exclude, model.config, mode, r, alpha, dropout)
+    return lora_config_for(select_targets(linears, model.config, mode, exclude), linears, r, alpha, dropout)

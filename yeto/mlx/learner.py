@@ -51,7 +51,7 @@ class MLXLearner:
         import mlx.optimizers as optim
         from transformers import AutoConfig
 
-        from yeto.lora import lora_config_for
+        from yeto.lora import lora_config_for, select_targets
         from yeto.mlx.lora import apply_lora, mlx_linears
 
         self.cfg = cfg
@@ -65,10 +65,8 @@ class MLXLearner:
         self.model = load_mlx_model(self.model_artifact.path)
         hf_config = AutoConfig.from_pretrained(self.model_artifact.path, trust_remote_code=cfg.trust_remote_code)
         linears = mlx_linears(self.model)
-        self.lora = lora_config_for(linears, ["lm_head"], hf_config, cfg.lora_targets, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
-        from yeto.lora import select_targets
-
         self.targets = select_targets(linears, hf_config, cfg.lora_targets, ["lm_head"])
+        self.lora = lora_config_for(self.targets, linears, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
         apply_lora(self.model, self.targets, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
         n_train = sum(int(np.prod(v.shape)) for v in self.adapter_state().values())
         import os

@@ -25,6 +25,14 @@ def merge_deltas(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarra
     return out.numpy().reshape(deltas[0].shape)
 
 
+def outer_update(params: np.ndarray, momentum: np.ndarray, deltas: Sequence[np.ndarray], loss_tokens: Sequence[int],
+                 lr: float, mu: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One outer round: (new params, new momentum, merge weights) from the responders' deltas."""
+    weights = merge_weights(loss_tokens)
+    new_params, new_momentum = nesterov_step(params, merge_deltas(deltas, weights), momentum, lr, mu)
+    return new_params, new_momentum, weights
+
+
 def nesterov_step(params: np.ndarray, avg_delta: np.ndarray, momentum: np.ndarray, lr: float, mu: float) -> tuple[np.ndarray, np.ndarray]:
     """DiLoCo's outer step: the pseudo-gradient is -avg_delta (global minus the mean
     local result); SGD with Nesterov momentum, as torch.optim.SGD(nesterov=True):

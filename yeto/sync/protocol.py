@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from yeto.sync.layout import Layout
-from yeto.sync.quant import BITS, QuantError, dequantize, encoded_size, quantize
+from yeto.sync.quant import BITS, ErrorFeedback, QuantError, dequantize, encoded_size, quantize
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 256 << 20  # enforced by ZMQ_MAXMSGSIZE on the syncer's socket and here
@@ -96,13 +96,19 @@ def decode(parts: Sequence[bytes | memoryview]) -> Message:
 # ----------------------------------------------------------------------------- tensor payloads
 
 
+def fragment_descs(layout: Layout, bits: int) -> list[dict[str, int]]:
+    return [{"index": f.index, "numel": f.numel, "bits": bits} for f in layout.fragments]
+
+
 def encode_fragments(layout: Layout, flat: np.ndarray, bits: int) -> tuple[list[dict[str, int]], list[bytes]]:
     """(fragment descriptors for the header, payload frames) of a whole flat adapter vector."""
-    descs, frames = [], []
-    for f in layout.fragments:
-        frames.append(quantize(flat[f.start : f.start + f.numel], bits))
-        descs.append({"index": f.index, "numel": f.numel, "bits": bits})
-    return descs, frames
+    return fragment_descs(layout, bits), [quantize(flat[f.start : f.start + f.numel], bits) for f in layout.fragments]
+
+
+def encode_fragments_ef(layout: Layout, flat: np.ndarray, bits: int, ef: ErrorFeedback) -> tuple[list[dict[str, int]], list[bytes], np.ndarray]:
+    """As `encode_fragments`, with error feedback; also returns what the receiver will decode."""
+    frames, sent = ef.encode(flat, bits, [(f.start, f.numel) for f in layout.fragments])
+    return fragment_descs(layout, bits), frames, sent
 
 
 def decode_fragments(layout: Layout, msg: Message) -> np.ndarray:

@@ -34,8 +34,9 @@ import zmq
 from yeto import YetoError
 from yeto.adapter import write_adapter
 from yeto.sync.layout import Layout, layout_from_json, layout_mismatch, unflatten
-from yeto.sync.outer import merge_deltas, merge_weights, nesterov_step
-from yeto.sync.protocol import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, decode_fragments, encode, encode_fragments, message_bytes
+from yeto.sync.outer import outer_update
+from yeto.sync.protocol import (MAX_MESSAGE_BYTES, Message, ProtocolError, decode, decode_fragments, encode,
+                                encode_fragments, encode_fragments_ef, message_bytes)
 from yeto.sync.quant import BITS, ErrorFeedback
 from yeto.tape import Tape
 
@@ -403,11 +404,9 @@ class Syncer:
         t0 = time.perf_counter()
         ids = sorted(self.pending)
         ds = [self.pending[i] for i in ids]
-        weights = merge_weights([d.loss_tokens for d in ds])
-        avg = merge_deltas([d.flat for d in ds], weights)
-        new_global, self.momentum = nesterov_step(self.global_, avg, self.momentum, self.cfg.outer_lr, self.cfg.outer_momentum)
-        pieces = [(f.start, f.numel) for f in self.layout.fragments]
-        payloads, sent = self.ef.encode(new_global - self.global_, self.cfg.sync_bits, pieces)
+        new_global, self.momentum, weights = outer_update(self.global_, self.momentum, [d.flat for d in ds],
+                                                          [d.loss_tokens for d in ds], self.cfg.outer_lr, self.cfg.outer_momentum)
+        descs, payloads, sent = encode_fragments_ef(self.layout, new_global - self.global_, self.cfg.sync_bits, self.ef)
         self.global_ = self.global_ + sent
         self.version += 1
         self.round_open = False
@@ -415,7 +414,6 @@ class Syncer:
         self.tape.append("merge", round=self.round, version=self.version, responders=ids, weights=[float(w) for w in weights],
                          loss_tokens=[d.loss_tokens for d in ds], stragglers=stragglers, update_norm=float(np.linalg.norm(sent)),
                          seconds=round(merge_s, 6))
-        descs = [{"index": f.index, "numel": f.numel, "bits": self.cfg.sync_bits} for f in self.layout.fragments]
         header = {"version": self.version, "round": self.round, "responders": ids, "weights": [float(w) for w in weights], "fragments": descs}
         to, nbytes = [], 0
         for m in self._active():
