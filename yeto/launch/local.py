@@ -57,13 +57,15 @@ def launch_local(n: int, out: Path, syncer_args: list[str], learner_args: list[s
     threads = max(1, (os.cpu_count() or 1) // n)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), COLUMNS=os.environ.get("COLUMNS", "160"))
     procs: list[tuple[str, subprocess.Popen]] = []
+    streams: list[threading.Thread] = []
     lock = threading.Lock()
     colors = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 
     def start(name: str, cmd: list[str], color: str) -> None:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
         procs.append((name, p))
-        threading.Thread(target=_stream, args=(p, escape(f"[{name}]"), color, console, lock), daemon=True).start()
+        streams.append(threading.Thread(target=_stream, args=(p, escape(f"[{name}]"), color, console, lock), daemon=True))
+        streams[-1].start()
 
     syncer_out = out / "syncer"
     start("syncer", [sys.executable, "-m", "yeto.sync.server", "--host", "127.0.0.1", "--port", str(port),
@@ -93,7 +95,8 @@ def launch_local(n: int, out: Path, syncer_args: list[str], learner_args: list[s
         _stop(procs, grace_s)
         return 1
     codes = {name: p.returncode for name, p in procs}
-    time.sleep(0.2)
+    for t in streams:  # every child's last lines are printed before the summary
+        t.join(timeout=5)
     ok = all(c == 0 for c in codes.values())
     console.print(f"[bold]fleet done[/bold]: exit codes {codes}")
     console.print(f"merged adapter: {syncer_out / 'adapter'}")

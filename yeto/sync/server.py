@@ -91,12 +91,10 @@ class Member:
 
 @dataclass
 class Delta:
+    """What a merge needs of an accepted delta (the rest of it is on the tape)."""
+
     flat: np.ndarray
-    tokens: int
     loss_tokens: int
-    inner_steps: int
-    loss: float
-    bytes: int
 
 
 class Syncer:
@@ -308,10 +306,9 @@ class Syncer:
         if h["loss_tokens"] <= 0 or h["tokens"] <= 0 or h["inner_steps"] <= 0:
             raise ProtocolError(f"delta with no training behind it (tokens {h['tokens']}, loss tokens {h['loss_tokens']}, steps {h['inner_steps']})")
         flat = decode_fragments(self.layout, msg)  # validates sizes, bits and finiteness
-        nbytes = msg.nbytes
-        self.pending[m.learner] = Delta(flat, h["tokens"], h["loss_tokens"], h["inner_steps"], float(h["loss"]), nbytes)
+        self.pending[m.learner] = Delta(flat, h["loss_tokens"])
         self.tape.append("delta", learner=m.learner, round=self.round, tokens=h["tokens"], loss_tokens=h["loss_tokens"],
-                         inner_steps=h["inner_steps"], bytes=nbytes, norm=float(np.linalg.norm(flat)), loss=float(h["loss"]),
+                         inner_steps=h["inner_steps"], bytes=msg.nbytes, norm=float(np.linalg.norm(flat)), loss=float(h["loss"]),
                          bits=msg.header["fragments"][0]["bits"] if msg.header["fragments"] else None)
         self.send(identity, "ack", {"round": self.round})
         self.maybe_close()
