@@ -14,7 +14,10 @@ RUN    ?= runs/demo
 # make demo MLX_LEARNERS=1: one of the two islands runs on MLX
 MLX_LEARNERS ?= 0
 
-.PHONY: setup demo demo-single demo-mixed test bench clean
+# make sim N=100000: that many seeded fault schedules through the coordination cores (CI runs a few hundred)
+N ?= 10000
+
+.PHONY: setup demo demo-single demo-mixed test sim bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@if [ "$$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 \
@@ -47,6 +50,9 @@ demo-single: setup
 
 test: setup
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q
+
+sim: setup
+	$(BIN)/python -m yeto.sync.sim --seeds $(N) --workers $$(nproc 2>/dev/null || sysctl -n hw.ncpu)
 
 bench: setup
 	$(BIN)/python bench/learner_throughput.py

@@ -9,7 +9,8 @@ import typer
 
 from yeto import YetoError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="LoRA fine-tuning across independent islands, DiLoCo-style.")
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="LoRA fine-tuning across independent islands, DiLoCo-style.")
 
 
 def run_typer(fn: Callable) -> None:
@@ -54,13 +55,26 @@ def _register() -> None:
 @app.command()
 def tape(
     run_dir: Annotated[str, typer.Argument(help="The syncer's --out directory (or its tape.jsonl).")],
-    plot: Annotated[bool, typer.Option(help="Also draw loss and per-island contribution over rounds to a PNG.")] = False,
+    plot: Annotated[bool, typer.Option(help="Also draw loss and per-island contribution over rounds to a PNG.")
+                    ] = False,
     png: Annotated[Optional[str], typer.Option(help="Where to write the plot (default: RUN_DIR/tape.png).")] = None,
+    audit: Annotated[bool, typer.Option(help="Prove from the tape that every accepted delta went into exactly one "
+                                             "merge, every merge had quorum, versions are consecutive and every "
+                                             "restart resumed at the last durable checkpoint; exit 1 naming the first "
+                                             "violation.")] = False,
 ) -> None:
     """Summarize a syncer's event tape: a table per round (responders, weights, tokens, bytes, loss)."""
     from yeto.tape import plot as plot_tape
     from yeto.tape import summarize
 
+    if audit:
+        from yeto.sync.audit import audit_run
+
+        report = audit_run(run_dir)
+        typer.secho(report.summary(), fg="green" if report.ok else "red")
+        if not report.ok:
+            raise typer.Exit(1)
+        return
     summarize(run_dir)
     if plot or png:
         typer.echo(f"plot: {plot_tape(run_dir, png)}")

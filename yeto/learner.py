@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,6 +67,8 @@ class TrainConfig:
     threads: int = 0
     max_inner_steps: int = 0
     step_delay: float = 0.0
+    syncer_timeout: float = 30.0
+    give_up_after: float = 1800.0
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -286,7 +290,16 @@ def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..
     metrics.write(event="eval", step=0, eval_loss=eval0)
     if cfg.syncer:
         tag = f"[bold]island {cfg.learner_id}[/bold] "
-        extra = _island_loop(learner, cfg, metrics, console, tag)
+        try:
+            extra = _island_loop(learner, cfg, metrics, console, tag)
+        except BaseException as e:  # refused, gave up on the syncer, Ctrl-C, SIGTERM, a crash: keep the adapter
+            try:
+                adapter = learner.save(out / "adapter")
+                metrics.write(event="aborted", steps=learner.step_count, reason=repr(e)[:300])
+                console.print(f"{tag}[yellow]stopped early[/yellow]; adapter (the last global it received): {adapter}")
+            except Exception as save_error:  # never hide the first error behind a second one
+                console.print(f"{tag}[red]could not save the adapter[/red]: {save_error!r}")
+            raise
         done = f"{extra['rounds']} rounds, {learner.step_count} steps, utilization {extra['utilization']:.1%}"
     else:
         tag = ""
@@ -340,15 +353,27 @@ def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, ev
 
 def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: str) -> dict[str, Any]:
     """One island of a DiLoCo run: the syncer decides rounds, merges and the end."""
+    from rich.markup import escape
+
     from yeto.diloco import run_island
+    from yeto.sync.core.learner import LinkTimeouts
 
     def on_round(r: dict[str, Any]) -> None:
         metrics.write(event="round", **r)
         console.print(f"{tag}round {r['round']}: {r['steps']} steps, loss {r['loss']:.4f}, {r['tokens']} tokens")
 
-    return run_island(learner, cfg.syncer, cfg.learner_id, overlap=cfg.overlap, progress=on_round,
-                      max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
-                      log_fn=lambda s: console.print(f"{tag}[dim]{s}[/dim]"))
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # unwinds the training loop, which says goodbye; train() saves the adapter
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    try:
+        return run_island(learner, cfg.syncer, cfg.learner_id, overlap=cfg.overlap, progress=on_round,
+                          max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
+                          timeouts=LinkTimeouts(dead_after_s=cfg.syncer_timeout, give_up_s=cfg.give_up_after),
+                          log_fn=lambda s: console.print(f"{tag}[dim]{escape(s)}[/dim]"))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -407,6 +432,8 @@ def _train_signature(
     threads: Annotated[int, typer.Option(help="torch CPU threads (0: torch's default).")] = D.threads,
     max_inner_steps: Annotated[int, typer.Option(help="With --syncer: do at most this many inner steps per round (a weaker island contributing less; 0: the syncer's policy).")] = D.max_inner_steps,
     step_delay: Annotated[float, typer.Option(help="Sleep this long after each inner step, to simulate a slow island (tests, benchmarks).")] = D.step_delay,
+    syncer_timeout: Annotated[float, typer.Option(help="With --syncer: silence (seconds) after which the connection is presumed dead and remade, with backoff.")] = D.syncer_timeout,
+    give_up_after: Annotated[float, typer.Option(help="With --syncer: give up (exit 2, adapter saved) after the syncer has been unreachable this long.")] = D.give_up_after,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
     """(the flags of `yeto train`; see make_train_command)"""

@@ -15,14 +15,44 @@ from pathlib import Path
 from typing import Any
 
 TAPE_FILE = "tape.jsonl"
+# events the summary prints one by one: what went wrong, and how the run recovered
+NOTABLE = ("refuse", "reject", "quorum_wait", "leave", "supersede", "refuse_delta", "resume", "rollback", "discard",
+           "send_dropped", "internal_error", "tape_repair", "checkpoint_damaged", "adapter_write_failed")
 
 
 class Tape:
+    """The syncer's writer: one JSON line per event, `seq` counting from 0 across restarts.
+
+    Opening an existing tape cuts off a torn last line (the syncer died while writing
+    it; nothing after it was ever fsynced), so the next event continues the sequence.
+    """
+
     def __init__(self, out_dir: str | Path):
         self.path = Path(out_dir) / TAPE_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.seq = sum(1 for _ in open(self.path)) if self.path.exists() else 0
+        self.repaired_bytes = 0
+        self.seq = self._repair() if self.path.exists() else 0
         self._f = open(self.path, "a", buffering=1)
+
+    def _repair(self) -> int:
+        data = self.path.read_bytes()
+        keep = data.rfind(b"\n") + 1
+        if keep and keep == len(data):
+            last = data[data.rfind(b"\n", 0, keep - 1) + 1 : keep]
+            try:
+                json.loads(last)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                keep = data.rfind(b"\n", 0, keep - 1) + 1  # a complete but garbled last line: torn too
+        if keep < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(keep)
+                f.flush()
+                os.fsync(f.fileno())
+            self.repaired_bytes = len(data) - keep
+        return data[:keep].count(b"\n")
+
+    def read_all(self) -> list[dict[str, Any]]:
+        return read_tape(self.path)
 
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
         rec = {"seq": self.seq, "time": round(time.time(), 4), "event": event, **fields}
@@ -31,7 +61,7 @@ class Tape:
         return rec
 
     def sync(self) -> None:
-        """Flush to disk (at checkpoints, so the tape is never behind the state)."""
+        """Flush to disk (before anything durable, so the tape is never behind the state)."""
         self._f.flush()
         os.fsync(self._f.fileno())
 
@@ -66,10 +96,13 @@ def rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for e in events:
         if e["event"] == "delta":
             deltas[e["round"]].append(e)
+        elif e["event"] == "rollback":  # that merge never happened (its checkpoint was not durable)
+            out = [r for r in out if r["version"] != e["version"]]
         elif e["event"] == "merge":
             ds = {d["learner"]: d for d in deltas.get(e["round"], [])}
             out.append({
                 "round": e["round"],
+                "version": e.get("version"),
                 "responders": e["responders"],
                 "weights": e["weights"],
                 "tokens": [ds[r]["loss_tokens"] for r in e["responders"] if r in ds],
@@ -94,16 +127,17 @@ def summarize(path: str | Path) -> None:
         table.add_column(col, justify="right" if col != "responders" else "left")
     for r in rounds(events):
         losses = list(r["loss"].values())
-        table.add_row(str(r["round"]), ", ".join(map(str, r["responders"])), ", ".join(f"{w:.3f}" for w in r["weights"]),
-                      ", ".join(map(str, r["tokens"])), f"{r['bytes']:,}",
+        table.add_row(str(r["round"]), ", ".join(map(str, r["responders"])),
+                      ", ".join(f"{w:.3f}" for w in r["weights"]), ", ".join(map(str, r["tokens"])), f"{r['bytes']:,}",
                       f"{sum(losses) / len(losses):.4f}" if losses else "-",
                       f"{r['update_norm']:.4g}" if r["update_norm"] is not None else "-")
     console = Console()
     console.print(table)
     console.print("events: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     for e in events:
-        if e["event"] in ("refuse", "reject", "quorum_wait", "leave"):
-            console.print(f"[yellow]{e['event']}[/yellow] " + json.dumps({k: v for k, v in e.items() if k not in ('seq', 'time', 'event')}))
+        if e["event"] in NOTABLE:
+            fields = {k: v for k, v in e.items() if k not in ("seq", "time", "event")}
+            console.print(f"[yellow]{e['event']}[/yellow] " + json.dumps(fields))
 
 
 def plot(path: str | Path, png: str | Path | None = None) -> Path:

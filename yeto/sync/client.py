@@ -1,25 +1,41 @@
-"""A learner's connection to the syncer: one ZeroMQ DEALER socket with a stable identity.
+"""A learner's link to the syncer: two DEALER connections served by an I/O thread, around `LearnerCore`.
 
-ZeroMQ reconnects dropped TCP connections by itself (with its own exponential
-reconnect interval); what it cannot know is that the syncer on the other end
-restarted and forgot us, or that a peer went silent. `SyncerClient` adds that:
-heartbeats while waiting, a dead-peer timeout, and a fresh socket after an
-exponential backoff with full jitter, so a fleet does not reconnect in lockstep.
+The I/O thread owns the sockets: it receives and sends, feeds the core every
+message, every connection break (from ZeroMQ's socket monitor) and a timer tick,
+and carries out what the core decides (send, reconnect after a backoff). So
+heartbeats go out and the syncer's messages are handled whatever the training
+thread is doing: a ten-minute inner step, or a delta uploading over a slow link,
+never looks like a dead learner or a dead syncer.
+
+The training thread talks to the same core through `next_task`, `after_step`
+and `push`, under one lock; its sends are queued for the I/O thread.
+
+Connections: control (`learner-<id>-<session>`: hello, pings, acks, round
+announcements) and bulk (the same id plus `/bulk`: deltas, broadcasts, states),
+so a heartbeat never waits behind an adapter on the same TCP stream.
 """
 
 from __future__ import annotations
 
 import logging
-import random
+import threading
 import time
-from typing import Any, Sequence
+from collections import deque
+from typing import Callable, Optional
 
+import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from yeto import YetoError
-from yeto.sync.protocol import Message, ProtocolError, decode, encode, message_bytes
+from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
+from yeto.sync.core.learner import LearnerCore, Task, Verdict, Wait
+from yeto.sync.protocol import BULK_SUFFIX, ProtocolError, decode, encode, is_bulk, message_bytes
 
 log = logging.getLogger("yeto.client")
+IO_TICK_S = 0.05  # the I/O thread's poll timeout: timer resolution, and the longest a queued send waits
+RECONNECT_IVL_MS = 200  # ZeroMQ's own reconnect interval after a TCP break (it reconnects by itself)
+CLOSE_LINGER_MS = 2000  # on close, give the goodbye this long to leave
 
 
 def parse_address(address: str) -> str:
@@ -31,89 +47,193 @@ def parse_address(address: str) -> str:
     return f"tcp://{host}:{int(port)}"
 
 
-def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
-    """Exponential backoff with full jitter: uniform in [0, min(cap, base * 2**attempt)]."""
-    return rng.uniform(0.0, min(cap, base * (2 ** attempt)))
-
-
-class SyncerClient:
-    def __init__(self, address: str, learner_id: int, *, heartbeat_s: float = 5.0, dead_after_s: float = 30.0,
-                 backoff_base_s: float = 0.5, backoff_max_s: float = 30.0, give_up_s: float = 1800.0, seed: int | None = None):
+class SyncerLink:
+    def __init__(self, address: str, core: LearnerCore, log_fn: Callable[[str], None] = log.info):
         self.endpoint = parse_address(address)
-        self.learner_id = learner_id
-        self.identity = f"learner-{learner_id}".encode()
-        self.heartbeat_s = heartbeat_s
-        self.dead_after_s = dead_after_s
-        self.backoff_base_s = backoff_base_s
-        self.backoff_max_s = backoff_max_s
-        self.give_up_s = give_up_s
-        self.rng = random.Random(seed if seed is not None else learner_id * 7919 + int(time.time()))
+        self.core = core
+        self.log_fn = log_fn
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.outbox: deque[Out] = deque()  # sends decided on the training thread
         self.ctx = zmq.Context.instance()
-        self.sock: zmq.Socket | None = None
-        self.attempt = 0
+        self.ctl: Optional[zmq.Socket] = None
+        self.bulk: Optional[zmq.Socket] = None
+        self.monitors: list[zmq.Socket] = []
+        self.reconnect_at: Optional[float] = None
+        self.stopping = False
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.last_heard = time.monotonic()
-        self.last_sent = 0.0
-        self.connect()
+        self.thread = threading.Thread(target=self._run, name=f"yeto-link-{core.learner_id}", daemon=True)
 
-    def connect(self) -> None:
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.ROUTING_ID, self.identity)
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.setsockopt(zmq.RECONNECT_IVL, 200)
-        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.backoff_max_s * 1000))
-        self.sock.connect(self.endpoint)
-        self.last_heard = time.monotonic()
+    # ------------------------------------------------------------------ the training thread's side
 
-    def reconnect(self) -> None:
-        """Drop the socket (and whatever it had queued), wait a jittered backoff, connect afresh."""
-        silent = time.monotonic() - self.last_heard
-        if silent > self.give_up_s:
-            raise YetoError(f"the syncer at {self.endpoint} has been unreachable for {silent:.0f}s; giving up")
-        delay = backoff_delay(self.attempt, self.backoff_base_s, self.backoff_max_s, self.rng)
-        self.attempt += 1
-        log.warning("syncer at %s silent; reconnecting in %.1fs (attempt %d)", self.endpoint, delay, self.attempt)
-        heard = self.last_heard
-        self.close(linger=0)
-        time.sleep(delay)
-        self.connect()
-        self.last_heard = heard  # a new socket is not news from the syncer
+    def start(self) -> "SyncerLink":
+        self.thread.start()
+        return self
 
-    def close(self, linger: int = 2000) -> None:
-        if self.sock is not None:
-            self.sock.close(linger=linger)
-            self.sock = None
+    def next_task(self, timeout_s: Optional[float] = None) -> Task:
+        """Block until the core has something for the training loop (a round to train, or the end)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self.changed:
+            while True:
+                task = self.core.next_task(time.monotonic())
+                if not isinstance(task, Wait) or (deadline is not None and time.monotonic() >= deadline):
+                    return task
+                if not self.thread.is_alive():
+                    raise YetoError("the link to the syncer stopped unexpectedly")
+                self.changed.wait(IO_TICK_S)
 
-    def send(self, msg_type: str, header: dict[str, Any] | None = None, frames: Sequence[bytes] = ()) -> int:
-        parts = encode(msg_type, {"learner": self.learner_id, **(header or {})}, frames)
-        self.sock.send_multipart(parts, copy=False)
-        n = message_bytes(parts)
-        self.bytes_sent += n
-        self.last_sent = time.monotonic()
-        return n
+    def after_step(self, steps_done: int) -> Verdict:
+        with self.lock:
+            return self.core.after_step(steps_done, time.monotonic())
 
-    def recv(self, timeout_s: float) -> Message | None:
-        """The next valid message within `timeout_s`, or None; heartbeats keep the syncer aware of us."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            now = time.monotonic()
-            if now - self.last_sent > self.heartbeat_s:
-                self.send("ping")
-            wait = max(0.0, min(deadline - now, self.heartbeat_s))
-            if self.sock.poll(int(wait * 1000), zmq.POLLIN):
-                parts = self.sock.recv_multipart()
-                self.bytes_received += message_bytes(parts)
-                self.last_heard = time.monotonic()
-                self.attempt = 0
+    def push(self, local: np.ndarray, tokens: int, loss_tokens: int, steps: int, loss: float, compute_s: float) -> int:
+        """Queue the round's delta; returns its size on the wire (0 if the round was abandoned meanwhile)."""
+        with self.lock:
+            actions = self.core.push(local, tokens, loss_tokens, steps, loss, compute_s)
+            self._queue(actions)
+        return sum(message_bytes(encode(a.type, a.header, a.frames)) for a in actions
+                   if isinstance(a, Out) and a.type == "delta")
+
+    def awaiting_merge(self) -> bool:
+        """Our pushed delta has not been merged (nor refused) yet (for --overlap)."""
+        with self.lock:
+            c = self.core
+            return c.pushed is not None and c.pushed.base_version == c.version and c.finish is None and not c.refused
+
+    def global_flat(self) -> Optional[np.ndarray]:
+        with self.lock:
+            return None if self.core.global_ is None else self.core.global_.copy()
+
+    def close(self, reason: str) -> None:
+        """Say goodbye (if connected) and stop the I/O thread."""
+        with self.lock:
+            if self.core.connected:
+                self._queue(self.core.leave(reason))
+            self.stopping = True
+        self.thread.join(timeout=CLOSE_LINGER_MS / 1000 + 5)
+
+    def _queue(self, actions: list[LearnerAction]) -> None:
+        for a in actions:
+            if isinstance(a, Out):
+                self.outbox.append(a)
+            elif isinstance(a, Log):
+                self._log(a)
+
+    def _log(self, a: Log) -> None:
+        if a.level in ("warning", "error"):
+            self.log_fn(f"{a.level}: {a.text}")
+        else:
+            self.log_fn(a.text)
+
+    # ------------------------------------------------------------------ the I/O thread
+
+    def _run(self) -> None:
+        try:
+            self._connect()
+            with self.lock:
+                self._do(self.core.connected_now(time.monotonic()))
+            while True:
+                with self.lock:
+                    if self.stopping:
+                        self._flush_outbox()
+                        break
+                if self.reconnect_at is not None and time.monotonic() >= self.reconnect_at:
+                    self.reconnect_at = None
+                    self._connect()
+                    with self.lock:
+                        self._do(self.core.connected_now(time.monotonic()))
+                self._poll()
+                with self.changed:
+                    self._do(self.core.tick(time.monotonic()))
+                    self._flush_outbox()
+                    self.changed.notify_all()
+        except Exception as e:  # never die silently: the training thread sees the thread gone and raises
+            log.exception("the link's I/O thread failed")
+            self.log_fn(f"error: the link to the syncer failed: {e!r}")
+        finally:
+            self._close_sockets(CLOSE_LINGER_MS)
+            with self.changed:
+                self.changed.notify_all()
+
+    def _poll(self) -> None:
+        if self.ctl is None:
+            time.sleep(IO_TICK_S)
+            return
+        poller = zmq.Poller()
+        for s in (self.ctl, self.bulk, *self.monitors):
+            poller.register(s, zmq.POLLIN)
+        ready = dict(poller.poll(int(IO_TICK_S * 1000)))
+        for mon in self.monitors:
+            if mon in ready:
+                while mon.poll(0):
+                    event = recv_monitor_message(mon)
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        with self.lock:
+                            self._do(self.core.link_lost(time.monotonic()))
+        for sock in (self.ctl, self.bulk):
+            if sock is None or sock not in ready:
+                continue
+            while True:
                 try:
-                    return decode(parts)
+                    parts = sock.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.bytes_received += message_bytes(parts)
+                try:
+                    msg = decode(parts)
                 except ProtocolError as e:
-                    log.warning("ignoring a malformed message from the syncer: %s", e)
+                    self.log_fn(f"warning: ignoring a malformed message from the syncer: {e}")
                     continue
-            if time.monotonic() >= deadline:
-                return None
+                with self.changed:
+                    self._do(self.core.receive(msg, time.monotonic()))
+                    self.changed.notify_all()
+                if self.ctl is None:  # the core asked to reconnect
+                    return
 
-    @property
-    def peer_dead(self) -> bool:
-        return time.monotonic() - self.last_heard > self.dead_after_s
+    def _do(self, actions: list[LearnerAction]) -> None:
+        """Carry out the core's actions (on the I/O thread, lock held)."""
+        for a in actions:
+            if isinstance(a, Out):
+                self.outbox.append(a)
+            elif isinstance(a, Reconnect):
+                self.outbox.clear()  # what was queued goes with the old connections; the core re-sends what matters
+                self._close_sockets(0)
+                self.reconnect_at = time.monotonic() + a.delay_s
+            elif isinstance(a, Log):
+                self._log(a)
+        self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        while self.outbox and self.ctl is not None:
+            a = self.outbox.popleft()
+            parts = encode(a.type, a.header, a.frames)
+            (self.bulk if is_bulk(a.type) else self.ctl).send_multipart(parts, copy=False)
+            self.bytes_sent += message_bytes(parts)
+
+    def _connect(self) -> None:
+        ident = f"learner-{self.core.learner_id}-{self.core.session}".encode()
+        socks = []
+        for suffix in (b"", BULK_SUFFIX):
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.ROUTING_ID, ident + suffix)
+            s.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+            s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.core.t.backoff_max_s * 1000))
+            self.monitors.append(s.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+            s.connect(self.endpoint)
+            socks.append(s)
+        self.ctl, self.bulk = socks
+
+    def _close_sockets(self, linger_ms: int) -> None:
+        for s in (self.ctl, self.bulk):
+            if s is not None:
+                try:
+                    s.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                s.close(linger=linger_ms)
+        for m in self.monitors:
+            m.close(linger=0)
+        self.monitors = []
+        self.ctl = self.bulk = None

@@ -116,7 +116,8 @@ def layout_from_json(d: Mapping[str, Any]) -> Layout:
 
 def layout_mismatch(expected: Layout, got: Layout) -> str | None:
     """None if the layouts agree, else a message naming the first tensor that differs."""
-    if expected.fingerprint == got.fingerprint and [f.numel for f in expected.fragments] == [f.numel for f in got.fragments]:
+    same_fragments = [f.numel for f in expected.fragments] == [f.numel for f in got.fragments]
+    if expected.fingerprint == got.fingerprint and same_fragments:
         return None
     a, b = {s.name: s for s in expected.specs}, {s.name: s for s in got.specs}
     for name in sorted(set(a) | set(b)):
@@ -125,7 +126,8 @@ def layout_mismatch(expected: Layout, got: Layout) -> str | None:
         if name not in a:
             return f"tensor {name} {list(b[name].shape)} is not in the syncer's adapter"
         if a[name] != b[name]:
-            return f"tensor {name}: syncer has {list(a[name].shape)} {a[name].dtype}, learner has {list(b[name].shape)} {b[name].dtype}"
+            return (f"tensor {name}: syncer has {list(a[name].shape)} {a[name].dtype}, "
+                    f"learner has {list(b[name].shape)} {b[name].dtype}")
     return "fragment sizes differ (different --fragment-numel)"
 
 

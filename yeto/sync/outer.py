@@ -33,7 +33,8 @@ def outer_update(params: np.ndarray, momentum: np.ndarray, deltas: Sequence[np.n
     return new_params, new_momentum, weights
 
 
-def nesterov_step(params: np.ndarray, avg_delta: np.ndarray, momentum: np.ndarray, lr: float, mu: float) -> tuple[np.ndarray, np.ndarray]:
+def nesterov_step(params: np.ndarray, avg_delta: np.ndarray, momentum: np.ndarray, lr: float,
+                  mu: float) -> tuple[np.ndarray, np.ndarray]:
     """DiLoCo's outer step: the pseudo-gradient is -avg_delta (global minus the mean
     local result); SGD with Nesterov momentum, as torch.optim.SGD(nesterov=True):
     m <- mu*m + g;  params <- params - lr*(g + mu*m)."""

@@ -1,17 +1,23 @@
-"""yeto's wire protocol over ZeroMQ (ROUTER syncer, DEALER learners).
+"""yeto's wire protocol over ZeroMQ (ROUTER syncer, two DEALER connections per learner).
 
 A message is a multipart ZeroMQ message: frame 0 is a UTF-8 JSON header
 `{"v": PROTOCOL_VERSION, "type": ..., ...}`; frames 1..n are raw tensor
 payloads, one per layout fragment, encoded by `yeto.sync.quant` (never pickle).
 Every header field is checked against `SCHEMA` before a handler sees it, so a
-malformed message becomes a `ProtocolError`, never a crash. docs/PROTOCOL.md
-describes each message.
+malformed message becomes a `ProtocolError`, never a crash.
+
+Each learner keeps two connections to the syncer: *control* (join, heartbeats,
+round announcements, acks: small and never queued behind a tensor) and *bulk*
+(messages that carry an adapter). A multi-minute upload on the bulk connection
+therefore never delays a heartbeat. docs/PROTOCOL.md describes each message.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Sequence
 
 import numpy as np
@@ -19,34 +25,71 @@ import numpy as np
 from yeto.sync.layout import Layout
 from yeto.sync.quant import BITS, ErrorFeedback, QuantError, dequantize, encoded_size, quantize
 
-PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 256 << 20  # enforced by ZMQ_MAXMSGSIZE on the syncer's socket and here
+PROTOCOL_VERSION = 2
+DEFAULT_MAX_MESSAGE_MB = 1024  # the syncer's default inbound limit (--max-message-mb)
 MAX_HEADER_BYTES = 4 << 20
+HEADER_SLACK_BYTES = 64 << 10  # room for a delta's JSON header next to its payload when sizing a message
+MAX_REASON_CHARS = 500  # error texts echoed to a peer or written to the tape are cut to this
 
-# type -> {field: python type}; every listed field is required.
+_opt_int = (int, type(None))
+_opt_list = (list, type(None))
+_number = (int, float)
+
+# type -> {field: python type}; every listed field is required (None allowed where the type says so).
 SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
-    # learner -> syncer
-    "hello": {"learner": int, "backend": str, "layout": dict, "adapter_config": dict, "version": int, "fragments": list},
-    "delta": {"learner": int, "round": int, "base_version": int, "tokens": int, "loss_tokens": int,
-              "inner_steps": int, "loss": (int, float), "fragments": list},
-    "ping": {"learner": int},
-    "leave": {"learner": int, "reason": str},
-    "sync": {"learner": int},
+    # learner -> syncer (each also carries "learner": int and "session": str)
+    "hello": {"backend": str, "layout": dict, "adapter_config": dict, "version": int, "digest": str},
+    "init": {"fragments": list},
+    "delta": {"round": int, "base_version": int, "tokens": int, "loss_tokens": int, "inner_steps": int,
+              "loss": _number, "fragments": list},
+    "ping": {"version": int, "pushed": _opt_list},
+    "sync": {"version": int, "pushed": _opt_list},
+    "leave": {"reason": str},
     # syncer -> learner
-    "welcome": {"version": int, "round": int, "policy": dict, "fragments": list},
-    "refuse": {"reason": str},
-    "error": {"reason": str},
-    "ack": {"round": int},
-    "round": {"round": int, "version": int, "inner_steps": int, "round_seconds": (int, float)},
-    "broadcast": {"version": int, "round": int, "responders": list, "weights": list, "fragments": list},
-    "state": {"version": int, "round": int, "fragments": list},
-    "pong": {"version": int, "round": int},
-    "finish": {"version": int, "reason": str},
+    "welcome": {"incarnation": str, "version": int, "digest": str, "policy": dict, "open_round": (dict, type(None)),
+                "contributed": bool, "last_merged": _opt_list, "finished": bool},
+    "init_request": {"bits": int},
+    "refuse": {"code": str, "reason": str},
+    "error": {"code": str, "reason": str},
+    "ack": {"round": int, "base_version": int, "digest": str, "duplicate": bool},
+    "round": {"round": int, "version": int, "inner_steps": int, "round_seconds": _number},
+    "broadcast": {"version": int, "round": int, "digest": str, "responders": list, "weights": list, "deltas": list,
+                  "fragments": list},
+    "state": {"version": int, "digest": str, "last_merged": _opt_list, "fragments": list},
+    "pong": {"incarnation": str, "version": int, "round": int, "round_open": bool, "have_delta": bool,
+             "finished": bool},
+    "finish": {"version": int, "reason": str, "complete": bool},
 }
+LEARNER_TYPES = frozenset({"hello", "init", "delta", "ping", "sync", "leave"})
+BULK_TYPES = frozenset({"init", "delta", "state", "broadcast"})  # the messages that carry an adapter
+BULK_SUFFIX = b"/bulk"  # a learner's bulk connection has its control connection's routing id plus this
+
+
+class Code(StrEnum):
+    """Why a message was refused or answered with an error; learners branch on these, never on the text."""
+
+    MALFORMED = "malformed"  # the message does not parse or fails its schema
+    NOT_JOINED = "not_joined"  # say hello first (e.g. the syncer restarted, or dropped a silent learner)
+    SUPERSEDED = "superseded"  # a newer session of this learner id joined; final for the old one
+    LAYOUT = "layout_mismatch"  # the adapter's tensors differ from the run's; final
+    TOO_LARGE = "too_large"  # this learner's messages cannot fit --max-message-mb; final
+    BAD_CONFIG = "bad_config"  # hello's adapter config or provenance is unusable; final
+    STALE = "stale"  # a delta for a round that is not open, or against another base version
+    REFUSED = "refused"  # a delta whose content was refused (counts, values, or its merge failed)
+    DUPLICATE = "duplicate"  # this learner already contributed a different delta to the round
+    WRONG_PHASE = "wrong_phase"  # e.g. an initial adapter nobody asked for
+    INTERNAL = "internal"  # a syncer bug; recorded, the message had no effect
+
+
+FINAL_CODES = frozenset({Code.SUPERSEDED, Code.LAYOUT, Code.TOO_LARGE, Code.BAD_CONFIG})
 
 
 class ProtocolError(ValueError):
-    pass
+    """A message that cannot be accepted; `code` says why in a form a program can branch on."""
+
+    def __init__(self, reason: str, code: Code = Code.MALFORMED):
+        super().__init__(reason)
+        self.code = code
 
 
 @dataclass
@@ -57,6 +100,10 @@ class Message:
     nbytes: int = 0  # size on the wire, all frames
 
 
+def truncate(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def encode(msg_type: str, header: dict[str, Any] | None = None, frames: Sequence[bytes] = ()) -> list[bytes]:
     if msg_type not in SCHEMA:
         raise ProtocolError(f"unknown message type {msg_type!r}")
@@ -64,13 +111,14 @@ def encode(msg_type: str, header: dict[str, Any] | None = None, frames: Sequence
     return [head, *frames]
 
 
-def decode(parts: Sequence[bytes | memoryview]) -> Message:
+def decode(parts: Sequence[bytes | memoryview], max_bytes: int | None = None) -> Message:
     """Parse and validate one message; any defect is a ProtocolError naming it."""
     if not parts:
         raise ProtocolError("empty message")
     total = sum(len(p) for p in parts)
-    if total > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {total} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    if max_bytes is not None and total > max_bytes:
+        raise ProtocolError(f"message of {total} bytes exceeds the {max_bytes}-byte limit (--max-message-mb)",
+                            Code.TOO_LARGE)
     if len(parts[0]) > MAX_HEADER_BYTES:
         raise ProtocolError("header frame too large")
     try:
@@ -80,17 +128,44 @@ def decode(parts: Sequence[bytes | memoryview]) -> Message:
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
     if header.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {header.get('v')!r} not supported (this side speaks {PROTOCOL_VERSION})")
+        raise ProtocolError(f"protocol version {truncate(repr(header.get('v')), 20)} not supported (this side speaks "
+                            f"{PROTOCOL_VERSION}): run the same yeto version on the syncer and the learners")
     msg_type = header.get("type")
     if msg_type not in SCHEMA:
-        raise ProtocolError(f"unknown message type {msg_type!r}")
-    for name, typ in SCHEMA[msg_type].items():
+        raise ProtocolError(f"unknown message type {truncate(repr(msg_type), 80)}")
+    fields = dict(SCHEMA[msg_type])
+    if msg_type in LEARNER_TYPES:
+        fields.update(learner=int, session=str)
+    for name, typ in fields.items():
         if name not in header:
             raise ProtocolError(f"{msg_type}: missing field {name!r}")
         value = header[name]
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        if not isinstance(value, typ) or (isinstance(value, bool) and bool not in _as_tuple(typ)):
             raise ProtocolError(f"{msg_type}: field {name!r} has type {type(value).__name__}")
     return Message(msg_type, header, [bytes(p) for p in parts[1:]], total)
+
+
+def _as_tuple(typ: type | tuple[type, ...]) -> tuple[type, ...]:
+    return typ if isinstance(typ, tuple) else (typ,)
+
+
+def is_bulk(msg_type: str) -> bool:
+    return msg_type in BULK_TYPES
+
+
+# ----------------------------------------------------------------------------- digests
+
+
+def digest_bytes(chunks: Sequence[bytes | memoryview]) -> str:
+    """A short content hash (sha256, 16 hex digits): names a payload or a global adapter on the tape."""
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(c)
+    return h.hexdigest()[:16]
+
+
+def array_digest(flat: np.ndarray) -> str:
+    return digest_bytes([np.ascontiguousarray(flat, dtype=np.float32).tobytes()])
 
 
 # ----------------------------------------------------------------------------- tensor payloads
@@ -105,10 +180,16 @@ def encode_fragments(layout: Layout, flat: np.ndarray, bits: int) -> tuple[list[
     return fragment_descs(layout, bits), [quantize(flat[f.start : f.start + f.numel], bits) for f in layout.fragments]
 
 
-def encode_fragments_ef(layout: Layout, flat: np.ndarray, bits: int, ef: ErrorFeedback) -> tuple[list[dict[str, int]], list[bytes], np.ndarray]:
+def encode_fragments_ef(layout: Layout, flat: np.ndarray, bits: int,
+                        ef: ErrorFeedback) -> tuple[list[dict[str, int]], list[bytes], np.ndarray]:
     """As `encode_fragments`, with error feedback; also returns what the receiver will decode."""
     frames, sent = ef.encode(flat, bits, [(f.start, f.numel) for f in layout.fragments])
     return fragment_descs(layout, bits), frames, sent
+
+
+def message_size(layout: Layout, bits: int) -> int:
+    """Upper bound of the bytes of a message carrying the whole adapter at `bits`."""
+    return sum(encoded_size(f.numel, bits) for f in layout.fragments) + HEADER_SLACK_BYTES
 
 
 def decode_fragments(layout: Layout, msg: Message) -> np.ndarray:
@@ -120,17 +201,18 @@ def decode_fragments(layout: Layout, msg: Message) -> np.ndarray:
     out = np.empty(layout.numel, dtype=np.float32)
     for f, desc, frame in zip(layout.fragments, descs, msg.frames):
         if not isinstance(desc, dict) or desc.get("index") != f.index or desc.get("numel") != f.numel:
-            raise ProtocolError(f"{msg.type}: fragment descriptor {desc!r} does not match layout fragment {f.index} ({f.numel} values)")
+            raise ProtocolError(f"{msg.type}: fragment descriptor {truncate(repr(desc), 120)} does not match layout "
+                                f"fragment {f.index} ({f.numel} values)")
         bits = desc.get("bits")
         if bits not in BITS:
-            raise ProtocolError(f"{msg.type}: fragment {f.index} has unsupported bits {bits!r}")
+            raise ProtocolError(f"{msg.type}: fragment {f.index} has unsupported bits {truncate(repr(bits), 40)}")
         if len(frame) != encoded_size(f.numel, bits):
             raise ProtocolError(f"{msg.type}: fragment {f.index} payload is {len(frame)} bytes, "
                                 f"{bits}-bit encoding of {f.numel} values is {encoded_size(f.numel, bits)}")
         try:
             out[f.start : f.start + f.numel] = dequantize(frame, f.numel, bits)
         except QuantError as e:
-            raise ProtocolError(f"{msg.type}: fragment {f.index}: {e}") from e
+            raise ProtocolError(f"{msg.type}: fragment {f.index}: {e}", Code.REFUSED) from e
     return out
 
 

@@ -78,7 +78,8 @@ def quantize(x: np.ndarray, bits: int) -> bytes:
     lo = torch.from_numpy(lo16.astype(np.float32))[:, None]
     step = torch.from_numpy(step16.astype(np.float32))[:, None]
     # a zero step means a constant block equal to its (exact) minimum: (v - lo) is 0 there
-    codes = v.sub_(lo).div_(torch.where(step > 0, step, torch.ones_like(step))).round_().clamp_(0, levels).to(torch.uint8).view(-1)
+    safe_step = torch.where(step > 0, step, torch.ones_like(step))
+    codes = v.sub_(lo).div_(safe_step).round_().clamp_(0, levels).to(torch.uint8).view(-1)
     if bits == 4:
         codes = codes[0::2] | (codes[1::2] << 4)
     return lo16.tobytes() + step16.tobytes() + codes.numpy().tobytes()
@@ -128,7 +129,8 @@ class ErrorFeedback:
     def __init__(self, numel: int):
         self.residual = np.zeros(numel, dtype=np.float32)
 
-    def encode(self, x: np.ndarray, bits: int, pieces: list[tuple[int, int]] | None = None) -> tuple[list[bytes], np.ndarray]:
+    def encode(self, x: np.ndarray, bits: int,
+               pieces: list[tuple[int, int]] | None = None) -> tuple[list[bytes], np.ndarray]:
         """(one payload per (start, numel) piece, the vector the receiver will decode)."""
         target = x.astype(np.float32) + self.residual
         pieces = pieces or [(0, target.size)]

@@ -1,0 +1,254 @@
+"""The coordination cores, driven by hand: messages in, actions out, time injected. No sockets, no sleeps.
+
+Each test is one scenario the issue names (a restarted learner shut out of its
+round, a late joiner subtracting a newer adapter, a lost broadcast, round
+announcement or finish, a restart with saved deltas) played exactly.
+"""
+
+import random
+
+import numpy as np
+
+from yeto.sync.audit import audit
+from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
+from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdict
+from yeto.sync.core.syncer import SyncerConfig, SyncerCore
+from yeto.sync.layout import build_layout
+from yeto.sync.protocol import decode, encode
+
+SHAPES = {"m.q.lora_A.default.weight": (2, 4), "m.q.lora_B.default.weight": (4, 2)}
+CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"]}
+LINK = LinkTimeouts(heartbeat_s=1.0, dead_after_s=5.0)
+
+
+class Fleet:
+    """A syncer core and learner cores with a hand-cranked network: `run()` delivers until quiet.
+    `drop(pred)` loses the messages pred(direction, learner, type) selects; the tape and disk are kept."""
+
+    def __init__(self, n=2, **cfg):
+        cfg = {"learners": n, "quorum": n, "outer_steps": 3, "inner_steps": 2, "sync_bits": 32,
+               "learner_timeout": 6.0, "straggler_timeout": 3.0, **cfg}
+        self.cfg = SyncerConfig(**cfg)
+        self.now = 0.0
+        self.layout = build_layout({k: np.zeros(v, np.float32) for k, v in SHAPES.items()})
+        self.tape: list[dict] = []
+        self.disk = {"checkpoint": None, "deltas": {}}
+        self.syncer = self._boot_syncer(Durable())
+        self.learners = {i: self.new_learner(i) for i in range(n)}
+        self.queue: list[tuple[str, int, list[bytes]]] = []
+        self.lost = lambda direction, lid, msg_type: False
+        for i in self.learners:
+            self.to_syncer(i, self.learners[i].connected_now(self.now))
+        self.run()
+
+    def _boot_syncer(self, durable):
+        core = SyncerCore(self.cfg, incarnation=f"inc{len(self.tape)}")
+        self.apply(core.start(self.now, durable))
+        return core
+
+    def new_learner(self, lid, seed=0):
+        init = np.random.default_rng([seed, lid]).standard_normal(self.layout.numel).astype(np.float32)
+        return LearnerCore(lid, "test", self.layout, init, CONFIG, {}, random.Random(lid + 100 * seed), LINK)
+
+    def apply(self, actions):
+        for a in actions:
+            if isinstance(a, Send):
+                self.queue.append(("down", a.peer, encode(a.type, a.header, a.frames)))
+            elif isinstance(a, Record):
+                self.tape.append({"seq": len(self.tape), "event": a.event, **a.fields})
+            elif isinstance(a, SaveCheckpoint):
+                self.disk["checkpoint"] = a.checkpoint
+            elif isinstance(a, SaveDelta):
+                self.disk["deltas"][(a.delta.round, a.delta.learner)] = a.delta
+            elif isinstance(a, DropDeltas):
+                self.disk["deltas"] = {k: v for k, v in self.disk["deltas"].items()
+                                       if not (k[0] <= a.through_round or k == (a.round, a.learner))}
+
+    def to_syncer(self, lid, actions):
+        for a in actions:
+            if isinstance(a, Out):
+                self.queue.append(("up", lid, encode(a.type, a.header, a.frames)))
+
+    def peer(self, lid):
+        return f"learner-{lid}-{self.learners[lid].session}"
+
+    def run(self):
+        while self.queue:
+            direction, lid, parts = self.queue.pop(0)
+            msg = decode(parts)
+            who = lid if direction == "up" else int(lid.split("-")[1])
+            if self.lost(direction, who, msg.type):
+                continue
+            if direction == "up":
+                self.apply(self.syncer.receive(f"learner-{lid}-{msg.header['session']}", parts, self.now))
+            else:  # lid is the peer id: deliver to the learner process holding that session, if any
+                to = next((c for i, c in self.learners.items() if lid == f"learner-{i}-{c.session}"), None)
+                if to is not None:
+                    self.to_syncer(to.learner_id, to.receive(msg, self.now))
+
+    def tick(self, dt=0.5, times=1):
+        for _ in range(times):
+            self.now += dt
+            self.apply(self.syncer.tick(self.now))
+            for lid, c in self.learners.items():
+                self.to_syncer(lid, c.tick(self.now))
+            self.run()
+
+    def train(self, lid, steps=None, delta=0.01):
+        """Run the learner's round: load the task's adapter, step, push. Returns the Train task."""
+        c = self.learners[lid]
+        task = c.next_task(self.now)
+        assert isinstance(task, Train), task
+        local = task.adapter.copy()
+        n = 0
+        while True:
+            local += delta
+            n += 1
+            verdict = c.after_step(n, self.now)
+            if verdict is not Verdict.CONTINUE or (steps is not None and n >= steps):
+                break
+        if verdict is Verdict.PUSH:
+            self.to_syncer(lid, c.push(local, 100 * n, 50 * n, n, 1.0, 0.1))
+            self.run()
+        return task, verdict
+
+
+def test_a_learner_restarted_mid_round_is_admitted_to_the_open_round_and_counts():
+    """The issue's reproduction: quorum = learners; learner 1 dies after the first merge and comes back with the same
+    command. It used to be shut out of the open round, which then could never reach quorum."""
+    f = Fleet(n=2)
+    for lid in (0, 1):
+        f.train(lid)
+    assert f.syncer.version == 1
+    f.train(0)  # round 2: learner 0 answered; learner 1 is killed before it does
+    f.learners[1] = f.new_learner(1, seed=1)  # the same learner id, a new process (new session, new adapter)
+    f.to_syncer(1, f.learners[1].connected_now(f.now))
+    f.run()
+    join = [e for e in f.tape if e["event"] == "join" and e["learner"] == 1][-1]
+    assert join["rejoin"] and join["round"] == 2 and not join["contributed"]
+    f.tick()  # its welcome said version 1 and it held none: it asked for the state, got it
+    global_1 = f.syncer.run.global_.copy()
+    task, verdict = f.train(1)
+    assert (task.round, task.base_version) == (2, 1) and verdict is Verdict.PUSH
+    np.testing.assert_array_equal(task.adapter, global_1)
+    merge2 = [e for e in f.tape if e["event"] == "merge" and e["version"] == 2][0]
+    assert merge2["responders"] == [0, 1]
+    assert audit(f.tape).ok, audit(f.tape).summary()
+
+
+def test_a_member_gone_stops_blocking_and_one_that_returns_is_counted_again():
+    f = Fleet(n=3, quorum=2, straggler_timeout=100.0, learner_timeout=3.0)
+    for lid in (0, 1, 2):
+        f.train(lid)
+    f.train(0)  # round 2: 0 answered; 1 goes quiet (its network died); 2 is still training
+    silent = f.learners.pop(1)
+    f.tick(dt=1.0, times=4)  # learner 1 is dropped after --learner-timeout ...
+    assert any(e["event"] == "leave" and e["learner"] == 1 for e in f.tape)
+    _, absent = f.syncer._expected(f.now)
+    waiting, _ = f.syncer._expected(f.now)
+    assert waiting == [2] and absent == []  # ... and no longer expected; 2 still is
+    f.learners[1] = silent  # it comes back: pings get "not joined", it says hello again, is counted again
+    f.tick(dt=1.0, times=8)
+    waiting, _ = f.syncer._expected(f.now)
+    assert sorted(waiting) == [1, 2]
+    f.train(1)
+    f.train(2)
+    assert [e["responders"] for e in f.tape if e["event"] == "merge"][-1] == [0, 1, 2]
+
+
+def test_a_late_joiner_trains_from_the_welcome_and_never_subtracts_a_newer_adapter():
+    f = Fleet(n=2, quorum=2, learners=2)
+    f.train(0)
+    f.train(1)
+    late = f.new_learner(2, seed=7)
+    f.learners[2] = late
+    f.to_syncer(2, late.connected_now(f.now))
+    f.run()
+    f.tick()
+    task = late.next_task(f.now)
+    assert isinstance(task, Train) and task.base_version == f.syncer.version == 1
+    np.testing.assert_array_equal(task.adapter, f.syncer.run.global_)  # the welcome's state, not its own init
+    # round 2 closes without it (quorum 2 of 3 answered, straggler timeout): the global moves on mid-training
+    f.train(0)
+    f.train(1)
+    f.tick(dt=1.0, times=4)
+    assert f.syncer.version == 2 and late.version == 2
+    assert late.after_step(1, f.now) is Verdict.ABANDON  # it drops the round instead of pushing local - v2
+    task = late.next_task(f.now)
+    assert isinstance(task, Train) and task.base_version == 2
+
+
+def test_lost_broadcast_round_announcement_and_finish_are_noticed_and_recovered():
+    f = Fleet(n=2, outer_steps=2)
+    f.lost = lambda d, lid, t: lid == 1 and t in ("broadcast", "round")
+    f.train(0)
+    f.train(1)
+    assert f.syncer.version == 1 and f.learners[1].version == 0  # learner 1 missed the broadcast and round 2
+    f.lost = lambda d, lid, t: False
+    syncs = []
+    orig = f.syncer.receive
+    f.syncer.receive = lambda peer, parts, now: (syncs.append(decode(parts).type), orig(peer, parts, now))[1]
+    f.tick(dt=1.0, times=5)  # pongs say version 1, round 2 open: it asks for the missing broadcast, learns the round
+    assert "sync" in syncs and f.learners[1].version == 1
+    assert np.array_equal(f.learners[1].global_, f.syncer.run.global_)
+    f.train(0)
+    f.lost = lambda d, lid, t: lid == 1 and t in ("finish", "broadcast")
+    f.train(1)
+    assert f.syncer.finished_at is not None and f.learners[1].finish is None
+    f.lost = lambda d, lid, t: False
+    f.tick(dt=1.0, times=4)  # the next ping gets the finish again, then the final adapter
+    done = f.learners[1].next_task(f.now)
+    assert isinstance(done, Done) and done.complete
+    assert np.array_equal(f.learners[1].global_, f.syncer.run.global_)
+
+
+def test_a_refused_or_stale_delta_gives_its_error_feedback_residual_back():
+    f = Fleet(n=1, sync_bits=4)
+    c = f.learners[0]
+    task = c.next_task(f.now)
+    before = c.ef.residual.copy()
+    c.after_step(2, f.now)
+    f.lost = lambda d, lid, t: t == "delta"  # the syncer never sees it; then the round is over for us
+    f.to_syncer(0, c.push(task.adapter + 0.0123, 100, 50, 2, 1.0, 0.1))
+    f.run()
+    assert not np.array_equal(c.ef.residual, before)
+    msg = decode(encode("error", {"code": "stale", "reason": "x", "round": task.round, "base_version": 0}))
+    c.receive(msg, f.now)
+    np.testing.assert_array_equal(c.ef.residual, before)
+    assert c.pushed is None
+
+
+def test_restart_reconciliation_from_a_crafted_disk():
+    """A tape that recorded the merge of round 2 and three accepted deltas, a disk that holds only checkpoint 1 and
+    two of those deltas: the restart rolls merge 2 back, restores the two, discards the third (its learner sends it
+    again), and the tape stays auditable."""
+    f = Fleet(n=3, quorum=3, outer_steps=4)
+    for lid in (0, 1, 2):
+        f.train(lid)
+    checkpoint_1 = f.disk["checkpoint"]
+    saved = {}
+    orig = f.apply
+
+    def keep_deltas(actions):
+        for a in actions:
+            if isinstance(a, SaveDelta):
+                saved[(a.delta.round, a.delta.learner)] = a.delta
+        orig(actions)
+
+    f.apply = keep_deltas
+    for lid in (0, 1, 2):
+        f.train(lid)
+    assert f.syncer.version == 2
+    merge_2 = next(i for i, e in enumerate(f.tape) if e["event"] == "merge" and e["version"] == 2)
+    f.tape = f.tape[: merge_2 + 1]  # the crash: the merge was recorded, the checkpoint after it never written
+    durable = Durable(checkpoint_1, [saved[(2, 0)], saved[(2, 1)]], list(f.tape))
+    f.apply = orig
+    f.syncer = f._boot_syncer(durable)
+    events = {e["event"]: e for e in f.tape[-6:]}
+    assert events["rollback"]["version"] == 2
+    assert events["discard"]["learner"] == 2 and events["discard"]["round"] == 2
+    assert events["resume"]["version"] == 1 and events["resume"]["restored"] == [0, 1]
+    assert sorted(f.syncer.pending) == [0, 1] and f.syncer.round.number == 2
+    report = audit(f.tape)
+    assert report.ok, report.summary()
+    assert report.version == 1

@@ -1,0 +1,133 @@
+"""What the coordination cores ask their shells to do, and what survives on the syncer's disk.
+
+The syncer core returns `Send`, `Record` (append to the tape), `SaveCheckpoint`,
+`SaveDelta`, `DropDeltas`, `Log` and `Exit`; a learner core returns `Out`,
+`Reconnect` and `Log`. A shell executes them in order. `Checkpoint`,
+`AcceptedDelta` and `Durable` are the syncer's durable state, written by
+`SaveCheckpoint`/`SaveDelta` and handed back to `SyncerCore.start` after a restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from yeto.sync.layout import Layout
+
+
+@dataclass(frozen=True)
+class Send:
+    peer: str  # the learner's control-connection id; the shell routes adapter-carrying types to its bulk one
+    type: str
+    header: dict[str, Any]
+    frames: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class Record:
+    """Append one event to the tape."""
+
+    event: str
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint:
+    checkpoint: "Checkpoint"
+
+
+@dataclass(frozen=True)
+class SaveDelta:
+    delta: "AcceptedDelta"
+
+
+@dataclass(frozen=True)
+class DropDeltas:
+    """Delete saved deltas: those of rounds up to `through_round`, or the one of (`round`, `learner`)."""
+
+    through_round: int = -1
+    round: int = -1
+    learner: int = -1
+
+
+@dataclass(frozen=True)
+class Log:
+    level: str  # "info" | "warning" | "error"
+    text: str
+
+
+@dataclass(frozen=True)
+class Exit:
+    code: int
+
+
+@dataclass(frozen=True)
+class Out:
+    """Send a message to the syncer (the shell picks the control or bulk connection by type)."""
+
+    type: str
+    header: dict[str, Any]
+    frames: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reconnect:
+    """Drop both connections (and what they queued); connect again after `delay_s`."""
+
+    delay_s: float
+
+
+Action = Union[Send, Record, SaveCheckpoint, SaveDelta, DropDeltas, Log, Exit]  # from the syncer core
+LearnerAction = Union[Out, Reconnect, Log]  # from a learner core
+
+
+# ---------------------------------------------------------------------------------------------- durable state
+
+
+@dataclass
+class Checkpoint:
+    """Everything a restart needs, written after every merge (arrays are never mutated once in here)."""
+
+    version: int
+    layout: Layout
+    adapter_config: dict[str, Any]
+    provenance: dict[str, Any]
+    global_: np.ndarray
+    momentum: np.ndarray
+    residual: np.ndarray
+    digest: str
+    config: dict[str, Any]
+    members: list[int]  # learner ids that ever joined: after a restart the round waits a while for them
+    last_merged: dict[int, list]  # learner -> [round, delta digest] of its last merged delta
+
+
+@dataclass
+class AcceptedDelta:
+    learner: int
+    session: str
+    round: int
+    base_version: int
+    tokens: int
+    loss_tokens: int
+    inner_steps: int
+    loss: float
+    digest: str
+    descs: list[dict[str, int]]
+    frames: tuple[bytes, ...]
+    flat: Optional[np.ndarray] = field(default=None, repr=False)  # decoded; not saved
+    peak: float = 0.0  # largest |value|: the first suspect when a merge fails
+
+    def saved_fields(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k not in ("frames", "flat", "peak")}
+
+
+@dataclass
+class Durable:
+    """What survived on disk, handed to `start`."""
+
+    checkpoint: Optional[Checkpoint] = None
+    deltas: list[AcceptedDelta] = field(default_factory=list)
+    tape: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[Record] = field(default_factory=list)  # e.g. a repaired tape, a fallback checkpoint

@@ -1,0 +1,502 @@
+"""A learner's side of the round protocol, as a deterministic state machine.
+
+The core holds what the learner knows of the run (the global adapter and its
+version, the open round, the delta it pushed and whether it was acked) and
+decides, from messages, timer ticks and training progress, what to send and
+what to train. The training loop (`yeto.diloco.run_island`) and the I/O thread
+(`yeto.sync.client.SyncerLink`) only carry its decisions out; the simulator
+drives the same core with a simulated clock and network.
+
+Rules it keeps:
+- Train round r only from the global adapter of the round's base version, and
+  push `local - that adapter` with that version, so a delta is always computed
+  against the adapter it trained from. Broadcasts, welcomes and states are
+  applied before training, never during it; if the global moves on while a
+  round trains (the round closed without us), the round is abandoned.
+- Notice every lost message. Messages are lost only where a connection breaks,
+  so: welcome, pong and round headers say where the syncer is, and a learner
+  behind asks for the missing broadcast (or the whole state), with backoff; a
+  delta not acked when a connection broke, or that a welcome says the syncer
+  lacks, is sent again; a finish missed is repeated on the next ping.
+- The error-feedback residual follows what really counted: a pushed delta that
+  was not merged (stale, refused, lost) gives its residual back.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
+from yeto.sync.layout import Layout
+from yeto.sync.protocol import (Code, FINAL_CODES, Message, ProtocolError, array_digest, decode_fragments,
+                                digest_bytes, encode_fragments, encode_fragments_ef)
+from yeto.sync.quant import ErrorFeedback, QuantError, dequantize
+
+HELLO_RETRY_HEARTBEATS = 2  # not welcomed after this many heartbeats: say hello again
+FINISH_CATCHUP_DEAD_AFTERS = 3  # after a finish, try this many dead-peer timeouts to fetch the final adapter
+
+
+@dataclass(frozen=True)
+class LinkTimeouts:
+    """How a learner judges the syncer's silence (seconds)."""
+
+    heartbeat_s: float = 5.0  # ping at least this often (the syncer's policy may ask for more often)
+    dead_after_s: float = 30.0  # silence after which the connection is presumed dead and remade
+    give_up_s: float = 1800.0  # silence after which the learner gives up (saving its adapter)
+    backoff_base_s: float = 0.5  # reconnect backoff: uniform in [0, min(max, base * 2**attempt)]
+    backoff_max_s: float = 30.0
+
+
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+
+
+@dataclass(frozen=True)
+class Wait:
+    pass
+
+
+@dataclass(frozen=True)
+class Train:
+    round: int
+    base_version: int
+    adapter: np.ndarray  # the global adapter of base_version: load it, train, push local - it
+    steps: int  # 0 in time-window rounds
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Done:
+    reason: str
+    complete: bool = False  # the syncer finished the run (not stopped early)
+    error: bool = False  # refused, or gave up: the learner exits non-zero
+
+
+Task = Union[Wait, Train, Done]
+
+
+class Verdict(Enum):
+    CONTINUE = "continue"
+    PUSH = "push"  # the round's work is done: push it
+    ABANDON = "abandon"  # the round closed without us (or our adapter is unusable): drop the work
+    STOP = "stop"  # the run is over for this learner
+
+
+@dataclass
+class Training:
+    round: int
+    base_version: int
+    base: np.ndarray
+    started_at: float
+    steps: int
+    seconds: float
+
+
+@dataclass
+class Pushed:
+    round: int
+    base_version: int
+    digest: str
+    header: dict[str, Any]
+    frames: tuple[bytes, ...]
+    residual_before: np.ndarray = field(repr=False)
+    acked: bool = False
+    resend: bool = False  # a connection broke before the ack: send again when the syncer is heard from
+
+
+class LearnerCore:
+    def __init__(self, learner_id: int, backend: str, layout: Layout, init_flat: np.ndarray,
+                 adapter_config: dict[str, Any], provenance: dict[str, Any], rng: random.Random,
+                 timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0):
+        self.learner_id = learner_id
+        self.backend = backend
+        self.layout = layout
+        self.init_flat = init_flat
+        self.adapter_config = adapter_config
+        self.provenance = provenance
+        self.rng = rng
+        self.t = timeouts
+        self.max_inner_steps = max_inner_steps
+        self.session = f"{rng.getrandbits(64):016x}"
+        self.ef = ErrorFeedback(layout.numel)
+        # the link
+        self.connected = False
+        self.joined = False
+        self.incarnation: Optional[str] = None
+        self.policy: dict[str, Any] = {}
+        self.last_heard = 0.0  # news from the syncer, or a fresh connection
+        self.silent_since: Optional[float] = None  # last news from the syncer (a connection is not news)
+        self.attempt = 0
+        self.hello_at = -math.inf
+        self.ping_at = -math.inf
+        # the run as this learner knows it
+        self.global_: Optional[np.ndarray] = None
+        self.version = -1
+        self.digest = ""
+        self.syncer_version = -1
+        self.need_state = False
+        self.behind_since: Optional[float] = None
+        self.sync_attempt = 0
+        self.next_sync_at = -math.inf
+        self.open_round: Optional[dict[str, Any]] = None
+        self.training: Optional[Training] = None
+        self.pushed: Optional[Pushed] = None
+        self.contributed: Optional[tuple[int, int]] = None  # (round, base) an earlier session of ours delivered
+        self.init_sent: Optional[tuple[dict[str, Any], tuple[bytes, ...]]] = None  # our founding upload
+        self.resend_init = False
+        self.finish: Optional[dict[str, Any]] = None
+        self.finish_at = 0.0
+        self.refused: Optional[str] = None
+        self.gave_up: Optional[str] = None
+        self.out: list[LearnerAction] = []
+
+    # ------------------------------------------------------------------ link events
+
+    @property
+    def heartbeat_s(self) -> float:
+        return min(self.t.heartbeat_s, float(self.policy.get("heartbeat_s", self.t.heartbeat_s)))
+
+    def connected_now(self, now: float) -> list[LearnerAction]:
+        """A fresh pair of connections is up: introduce ourselves."""
+        self.out = []
+        self.connected = True
+        self.joined = False
+        self.last_heard = now
+        if self.silent_since is None:
+            self.silent_since = now
+        self._hello(now)
+        return self._flush()
+
+    def link_lost(self, now: float) -> list[LearnerAction]:
+        """A connection broke under us (ZeroMQ reconnects by itself, but what was in flight is gone):
+        a delta not yet acked goes again once the syncer is heard from."""
+        if self.pushed is not None and not self.pushed.acked:
+            self.pushed.resend = True
+        self.resend_init = self.init_sent is not None and not self.joined
+        self.next_sync_at = -math.inf  # a sync request may be lost too
+        return []
+
+    def receive(self, msg: Message, now: float) -> list[LearnerAction]:
+        self.out = []
+        self.last_heard = self.silent_since = now
+        self.attempt = 0
+        p = self.pushed
+        if p is not None and p.resend and not p.acked and self.finish is None:
+            p.resend = False
+            self._resend_pushed()
+        if self.resend_init and self.init_sent is not None and not self.joined:
+            self.resend_init = False
+            self._send("init", *self.init_sent)
+        try:
+            getattr(self, f"_on_{msg.type}", self._on_other)(msg, now)
+        except ProtocolError as e:  # a payload that does not fit our layout: ignore it, catch up from versions
+            self._log("warning", f"ignoring a {msg.type} from the syncer: {e}")
+        return self._flush()
+
+    def tick(self, now: float) -> list[LearnerAction]:
+        self.out = []
+        if self.refused or self.gave_up or not self.connected:
+            return self._flush()
+        if self.silent_since is not None and now - self.silent_since > self.t.give_up_s:
+            self.gave_up = f"the syncer has been unreachable for {now - self.silent_since:.0f}s; giving up"
+            self._log("error", self.gave_up)
+            return self._flush()
+        if now - self.last_heard > self.t.dead_after_s:
+            delay = self.rng.uniform(0.0, min(self.t.backoff_max_s, self.t.backoff_base_s * (2 ** self.attempt)))
+            self.attempt += 1
+            self.connected = self.joined = False
+            self.init_sent = None
+            self._log("warning", f"syncer silent for {now - self.last_heard:.0f}s; reconnecting in {delay:.1f}s "
+                                 f"(attempt {self.attempt})")
+            self.out.append(Reconnect(delay))
+            return self._flush()
+        if not self.joined and now - self.hello_at >= HELLO_RETRY_HEARTBEATS * self.heartbeat_s:
+            self._hello(now)  # the hello or its welcome was lost (a welcome carries no adapter: cheap to repeat)
+        if now - self.ping_at >= self.heartbeat_s:
+            self.ping_at = now
+            self._send("ping", {"version": self.version, "pushed": self._pushed_ref()})
+        self._maybe_sync(now)
+        return self._flush()
+
+    def leave(self, reason: str) -> list[LearnerAction]:
+        return [Out("leave", self._ids({"reason": reason}))]
+
+    # ------------------------------------------------------------------ training events
+
+    def next_task(self, now: float) -> Task:
+        """What the training loop should do now."""
+        if self.refused:
+            return Done(self.refused, error=True)
+        if self.gave_up:
+            return Done(self.gave_up, error=True)
+        if self.finish is not None:
+            caught_up = self.version >= self.finish["version"] and not self.need_state
+            if caught_up:
+                return Done(self.finish["reason"], complete=bool(self.finish["complete"]))
+            if now - self.finish_at >= FINISH_CATCHUP_DEAD_AFTERS * self.t.dead_after_s:
+                return Done(f"{self.finish['reason']}; this learner could not fetch the final adapter (version "
+                            f"{self.finish['version']}; it holds {self.version}): the syncer's adapter is the result")
+            return Wait()
+        t = self.training
+        if t is not None:
+            return Train(t.round, t.base_version, t.base, t.steps, t.seconds)
+        if not self.joined or self.global_ is None or self.need_state:
+            return Wait()
+        if self.pushed is not None and self.pushed.base_version == self.version:
+            return Wait()  # our delta awaits its merge
+        if self.contributed is not None and self.contributed[1] == self.version:
+            return Wait()
+        r = self.open_round
+        if r is None or r["version"] != self.version:
+            return Wait()
+        steps = 0 if r["round_seconds"] else int(r["inner_steps"])
+        if self.max_inner_steps:
+            steps = min(steps, self.max_inner_steps) if steps else self.max_inner_steps
+        self.training = Training(r["round"], self.version, self.global_.copy(), now, steps, float(r["round_seconds"]))
+        return Train(r["round"], self.version, self.training.base, steps, float(r["round_seconds"]))
+
+    def after_step(self, steps_done: int, now: float) -> Verdict:
+        if self.refused or self.gave_up or self.finish is not None:
+            self.training = None
+            return Verdict.STOP
+        t = self.training
+        if t is None or t.base_version != self.version or self.need_state:
+            self.training = None
+            return Verdict.ABANDON
+        if (t.steps and steps_done >= t.steps) or (t.seconds and steps_done >= 1 and now - t.started_at >= t.seconds):
+            return Verdict.PUSH
+        return Verdict.CONTINUE
+
+    def push(self, local: np.ndarray, tokens: int, loss_tokens: int, steps: int, loss: float,
+             compute_s: float) -> list[LearnerAction]:
+        """Send the round's delta (local - the adapter it trained from), quantized with error feedback."""
+        self.out = []
+        t, self.training = self.training, None
+        if t is None or t.base_version != self.version:
+            return self._flush()
+        residual_before = self.ef.residual
+        try:
+            descs, frames, _ = encode_fragments_ef(self.layout, local - t.base, int(self.policy["sync_bits"]), self.ef)
+        except QuantError as e:
+            self.ef.residual = residual_before
+            self._log("error", f"round {t.round}: the adapter cannot be sent ({e}); dropping the round's work")
+            return self._flush()
+        header = {"round": t.round, "base_version": t.base_version, "tokens": tokens, "loss_tokens": loss_tokens,
+                  "inner_steps": steps, "loss": loss, "compute_s": round(compute_s, 4), "fragments": descs}
+        self.pushed = Pushed(t.round, t.base_version, digest_bytes(frames), header, tuple(frames), residual_before)
+        self._send("delta", header, self.pushed.frames)
+        return self._flush()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _flush(self) -> list[LearnerAction]:
+        out, self.out = self.out, []
+        return out
+
+    def _log(self, level: str, text: str) -> None:
+        self.out.append(Log(level, text))
+
+    def _ids(self, header: dict[str, Any]) -> dict[str, Any]:
+        return {"learner": self.learner_id, "session": self.session, **header}
+
+    def _send(self, msg_type: str, header: dict[str, Any], frames: tuple[bytes, ...] = ()) -> None:
+        self.out.append(Out(msg_type, self._ids(header), frames))
+
+    def _hello(self, now: float) -> None:
+        self.hello_at = now
+        self._send("hello", {"backend": self.backend, "layout": self.layout.to_json(),
+                             "adapter_config": self.adapter_config, "provenance": self.provenance,
+                             "version": self.version, "digest": self.digest})
+
+    def _pushed_ref(self) -> Optional[list]:
+        p = self.pushed
+        return [p.round, p.base_version, p.digest] if p is not None else None
+
+    def _resend_pushed(self) -> None:
+        p = self.pushed
+        if p is not None and p.frames:
+            self._send("delta", p.header, p.frames)
+
+    def _maybe_sync(self, now: float) -> None:
+        """Behind the syncer (a broadcast lost, or a welcome on another version): ask, with backoff."""
+        target = max(self.syncer_version, self.finish["version"] if self.finish else -1)
+        if not self.joined or not (self.need_state or target > self.version):
+            self.behind_since = None
+            self.sync_attempt = 0
+            return
+        if self.behind_since is None:
+            self.behind_since = now
+        grace = 0.0 if self.need_state else 2 * self.heartbeat_s  # a broadcast may still be on its way
+        if now - self.behind_since < grace or now < self.next_sync_at:
+            return
+        self._send("sync", {"version": -1 if self.need_state else self.version, "pushed": self._pushed_ref()})
+        self.next_sync_at = now + min(4 * self.t.dead_after_s, 2 * self.heartbeat_s * (2 ** self.sync_attempt))
+        self.sync_attempt += 1
+
+    def _adopt(self, version: int, flat: np.ndarray, digest: str, merged: list[str]) -> None:
+        """Hold a new global adapter; settle the pushed delta by whether it was among the merged ones."""
+        self.global_, self.version, self.digest = flat, version, digest
+        self.need_state = False
+        p = self.pushed
+        if p is not None and p.base_version != version:
+            if p.digest not in merged:
+                self.ef.residual = p.residual_before  # it never counted: its quantization error is not ours to carry
+            self.pushed = None
+        if self.contributed is not None and self.contributed[1] != version:
+            self.contributed = None
+        if self.open_round is not None and self.open_round["version"] < version:
+            self.open_round = None
+        self._maybe_sync_reset()
+
+    def _maybe_sync_reset(self) -> None:
+        if self.version >= self.syncer_version:
+            self.behind_since = None
+            self.sync_attempt = 0
+            self.next_sync_at = -math.inf
+
+    def _settle_refused(self, h: dict[str, Any]) -> None:
+        p = self.pushed
+        if p is not None and h.get("round") == p.round and h.get("base_version") == p.base_version:
+            self.ef.residual = p.residual_before
+            self.pushed = None
+
+    def _set_open_round(self, r: dict[str, Any]) -> None:
+        cur = self.open_round
+        if cur is None or r["round"] > cur["round"]:
+            self.open_round = dict(r)
+
+    # ------------------------------------------------------------------ messages
+
+    def _on_other(self, msg: Message, now: float) -> None:
+        self._log("warning", f"ignoring an unexpected {msg.type} from the syncer")
+
+    def _on_welcome(self, msg: Message, now: float) -> None:
+        h = msg.header
+        self.joined = True
+        self.init_sent = None
+        self.incarnation = h["incarnation"]
+        self.policy = h["policy"]
+        self.syncer_version = h["version"]
+        if self.global_ is None or self.version != h["version"] or self.digest != h["digest"]:
+            self.need_state = True
+            self.next_sync_at = -math.inf
+        self.open_round = dict(h["open_round"]) if h["open_round"] else None
+        self.contributed = None
+        r = self.open_round
+        if r is not None and h["contributed"]:
+            p = self.pushed
+            if p is not None and [p.round, p.base_version] == [r["round"], r["version"]]:
+                p.acked = True
+            else:
+                self.contributed = (r["round"], r["version"])
+        elif r is not None and self.pushed is not None and [self.pushed.round, self.pushed.base_version] == [
+                r["round"], r["version"]]:
+            self._resend_pushed()  # the syncer lost it (it restarted before the delta was saved)
+        self._log("info", f"joined the syncer at version {h['version']}; policy {self.policy}")
+        self._maybe_sync(now)
+
+    def _on_init_request(self, msg: Message, now: float) -> None:
+        """Found the run: upload our initial adapter at the run's wire precision. Asked again (our hello was
+        repeated while the upload is on its way), we do not start another one: a lost upload is sent again when a
+        broken connection is noticed (`link_lost`)."""
+        if self.joined or self.init_sent is not None:
+            return
+        bits = msg.header["bits"]
+        descs, frames = encode_fragments(self.layout, self.init_flat, bits)
+        self.init_sent = ({"fragments": descs}, tuple(frames))
+        self._send("init", *self.init_sent)
+        # what the syncer will decode: hold it too, so the welcome finds us current
+        flat = np.concatenate([dequantize(fr, f.numel, bits) for fr, f in zip(frames, self.layout.fragments)])
+        self.global_, self.version, self.digest = flat, 0, array_digest(flat)
+        self._log("info", f"founding the run: sent the initial adapter at {bits} bits")
+
+    def _on_round(self, msg: Message, now: float) -> None:
+        h = msg.header
+        if h["version"] < self.version:
+            return
+        self.syncer_version = max(self.syncer_version, h["version"])
+        self._set_open_round(h)
+        self._maybe_sync(now)
+
+    def _on_broadcast(self, msg: Message, now: float) -> None:
+        h = msg.header
+        self.syncer_version = max(self.syncer_version, h["version"])
+        if h["version"] != self.version + 1 or self.global_ is None or self.need_state:
+            return  # a duplicate, or we are further behind: catch-up asks for what is missing
+        flat = self.global_ + decode_fragments(self.layout, msg)
+        digest = array_digest(flat)
+        if digest != h["digest"]:
+            self.need_state = True
+            self._log("warning", f"broadcast {h['version']} does not reproduce the syncer's adapter "
+                                 f"({digest} != {h['digest']}): asking for the full state")
+            return
+        self._adopt(h["version"], flat, digest, list(h["deltas"]))
+
+    def _on_state(self, msg: Message, now: float) -> None:
+        h = msg.header
+        if not (self.need_state or h["version"] > self.version):
+            return
+        flat = decode_fragments(self.layout, msg)
+        if array_digest(flat) != h["digest"]:
+            self._log("warning", f"state {h['version']} arrived damaged; asking again")
+            return
+        merged = [h["last_merged"][1]] if h["last_merged"] else []
+        self.syncer_version = max(self.syncer_version, h["version"])
+        self._adopt(h["version"], flat, h["digest"], merged)
+
+    def _on_pong(self, msg: Message, now: float) -> None:
+        h = msg.header
+        if h["incarnation"] != self.incarnation:
+            return  # from a syncer process that is gone
+        self.syncer_version = max(self.syncer_version, h["version"])
+        p = self.pushed
+        if h["round_open"] and h["version"] >= self.version:  # (trained once we hold that version)
+            mine = p is not None and p.round == h["round"]
+            if not mine and not (self.contributed and self.contributed[0] == h["round"]) and (
+                    self.training is None or self.training.round != h["round"]):
+                self._set_open_round({"round": h["round"], "version": h["version"],
+                                      "inner_steps": self.policy.get("inner_steps", 1),
+                                      "round_seconds": self.policy.get("round_seconds", 0.0)})
+            if p is not None and h["have_delta"] and [p.round, p.base_version] == [h["round"], h["version"]]:
+                p.acked = True  # (a pong without it proves nothing: the delta may still be on its way)
+        self._maybe_sync(now)
+
+    def _on_ack(self, msg: Message, now: float) -> None:
+        h = msg.header
+        p = self.pushed
+        if p is not None and [p.round, p.base_version, p.digest] == [h["round"], h["base_version"], h["digest"]]:
+            p.acked = True
+
+    def _on_error(self, msg: Message, now: float) -> None:
+        h = msg.header
+        code = h["code"]
+        if code == Code.NOT_JOINED:
+            self.init_sent = None  # a syncer that forgot us forgot any founding upload too: upload again if asked
+            if self.joined or now - self.hello_at >= self.heartbeat_s:
+                self.joined = False
+                self._hello(now)
+        elif code in FINAL_CODES:
+            self.refused = h["reason"]
+        elif code in (Code.STALE, Code.REFUSED, Code.DUPLICATE):
+            self._settle_refused(h)
+            self._log("warning", f"delta not counted ({code}): {h['reason']}")
+        else:
+            self._log("warning", f"syncer error ({code}): {h['reason']}")
+
+    def _on_refuse(self, msg: Message, now: float) -> None:
+        self.refused = f"the syncer refused this learner: {msg.header['reason']}"
+        self._log("error", self.refused)
+
+    def _on_finish(self, msg: Message, now: float) -> None:
+        if self.finish is None:
+            self.finish = dict(msg.header)
+            self.finish_at = now
+            self.syncer_version = max(self.syncer_version, msg.header["version"])
+            self._maybe_sync(now)

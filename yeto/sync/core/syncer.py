@@ -1,0 +1,783 @@
+"""The syncer's core: rounds, membership, quorum, merges and recovery as a deterministic state machine.
+
+Events in: `receive(peer, parts, now)` (a message from a learner's connection),
+`tick(now)` (a timer), `stop(now, ...)` (a signal), and `start(now, durable)`
+(a process start, with whatever survived on disk). Actions out: `Send`,
+`Record` (append to the tape), `SaveCheckpoint`, `SaveDelta`, `DropDeltas`,
+`Log` and `Exit`. The shell executes them in order; every durable action makes
+the tape durable first, so the tape is never behind the disk.
+
+The round protocol, in the terms used below:
+- Round r trains from global version r-1 and, once merged, produces version r.
+- A round's expected members are the live members (plus, right after a
+  restart, members that were known before it for one `--learner-timeout`).
+  It closes when quorum responded and either nobody else is expected, or
+  `--straggler-timeout` passed since quorum, or its time window and grace passed.
+- A merge is a transaction: it is computed on copies; a delta that makes it
+  fail is refused (on the tape, to its learner) and the merge is retried
+  without it; state changes only once the merge completed.
+- Durability order: record the accepted delta, save it, then ack it; record the
+  merge, save the checkpoint, then broadcast. A restart resumes at the
+  checkpoint, rolls back recorded merges it does not hold, restores the saved
+  deltas of the open round and discards (on the tape) those that were not saved.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from yeto import YetoError
+from yeto.sync.audit import TapeFold
+from yeto.sync.core.actions import (AcceptedDelta, Action, Checkpoint, DropDeltas, Durable, Exit, Log, Record,
+                                    SaveCheckpoint, SaveDelta, Send)
+from yeto.sync.layout import Layout, layout_from_json, layout_mismatch
+from yeto.sync.outer import outer_update
+from yeto.sync.protocol import (DEFAULT_MAX_MESSAGE_MB, Code, Message, ProtocolError, array_digest, decode,
+                                decode_fragments, digest_bytes, encode_fragments, encode_fragments_ef, message_size,
+                                truncate)
+from yeto.sync.quant import BITS, ErrorFeedback, QuantError
+
+QUORUM_WAIT_LOG_S = 15.0  # how often a round short of quorum says whom it waits for
+PROGRESS_LOG_S = 60.0  # how often a slow round says whom it waits for
+WINDOW_GRACE_CAP_S = 30.0  # a time-window round waits at most this long past its window (or --straggler-timeout)
+HEARTBEATS_PER_TIMEOUT = 4  # learners ping this many times per --learner-timeout
+FINISH_LINGER_TIMEOUTS = 10  # after the finish, serve stragglers at most this many --learner-timeouts
+STOP_LINGER_S = 10.0  # after a signal, wait at most this long for learners to say goodbye
+MAX_TOKENS_PER_DELTA = 1 << 40  # beyond any real round: a larger claim is refused
+MAX_INNER_STEPS_PER_DELTA = 10**7
+MAX_ADAPTER_CONFIG_BYTES = 64 << 10
+MAX_PROVENANCE_BYTES = 256 << 10
+MAX_SESSION_CHARS = 64
+MAX_BACKEND_CHARS = 32
+MAX_RETIRED_SESSIONS = 8  # per learner id: older sessions that get "superseded" instead of "say hello"
+# what a restart may not change: the run's math and its wire format depend on them
+CONTRACT_FIELDS = ("sync_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds")
+
+
+@dataclass
+class SyncerConfig:
+    port: int = 29400
+    host: str = "0.0.0.0"
+    learners: int = 1
+    quorum: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_steps: int = 10
+    inner_steps: int = 50
+    round_seconds: float = 0.0
+    sync_bits: int = 4
+    out: str = "runs/syncer"
+    straggler_timeout: float = 120.0
+    quorum_timeout: float = 1800.0
+    learner_timeout: float = 60.0
+    max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
+
+    def check(self) -> None:
+        if self.sync_bits not in BITS:
+            raise YetoError(f"--sync-bits must be one of {BITS}, got {self.sync_bits}")
+        if self.learners < 1 or self.quorum < 1:
+            raise YetoError("--learners and --quorum must be at least 1")
+        if self.quorum > self.learners:
+            raise YetoError(f"--quorum {self.quorum} exceeds --learners {self.learners}: no round could ever close")
+        if self.outer_steps < 1 or self.inner_steps < 1:
+            raise YetoError("--outer-steps and --inner-steps must be at least 1")
+        if self.round_seconds < 0:
+            raise YetoError("--round-seconds must be >= 0 (0: rounds of --inner-steps steps)")
+        for name in ("straggler_timeout", "quorum_timeout", "learner_timeout"):
+            if getattr(self, name) <= 0:
+                raise YetoError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_message_mb < 1:
+            raise YetoError("--max-message-mb must be at least 1")
+
+    def check_resume(self, saved: dict[str, Any], version: int) -> None:
+        """Refuse a restart whose flags contradict the run in the checkpoint."""
+        for name in CONTRACT_FIELDS:
+            if name in saved and saved[name] != getattr(self, name):
+                flag = "--" + name.replace("_", "-")
+                raise YetoError(f"{flag} {getattr(self, name)} conflicts with the checkpoint in {self.out} ({name} "
+                                f"{saved[name]}): resume with {flag} {saved[name]}, or start a new run with another "
+                                "--out")
+        if self.outer_steps < version:
+            raise YetoError(f"--outer-steps {self.outer_steps} is below the checkpoint's version {version} in "
+                            f"{self.out}: pass --outer-steps {version} or more to resume")
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.learner_timeout / HEARTBEATS_PER_TIMEOUT
+
+    def policy(self) -> dict[str, Any]:
+        return {"inner_steps": self.inner_steps, "round_seconds": self.round_seconds, "outer_steps": self.outer_steps,
+                "sync_bits": self.sync_bits, "quorum": self.quorum, "heartbeat_s": self.heartbeat_s}
+
+
+# ---------------------------------------------------------------------------------------------- state
+
+
+@dataclass
+class Member:
+    learner: int
+    session: str
+    peer: str
+    backend: str
+    last_seen: float
+    active: bool = True
+    welcomed: bool = False
+
+
+@dataclass
+class OpenRound:
+    number: int
+    base_version: int
+    opened_at: float
+    quorum_at: Optional[float] = None
+    last_wait_log: float = -math.inf
+
+
+@dataclass
+class Founding:
+    """The run has a layout but no initial adapter yet: one member is asked to upload it."""
+
+    layout: Layout
+    adapter_config: dict[str, Any]
+    provenance: dict[str, Any]
+    asked: Optional[int] = None  # learner id asked for the adapter
+
+
+@dataclass
+class Broadcast:
+    version: int
+    header: dict[str, Any]
+    frames: tuple[bytes, ...]
+
+
+class MergeError(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- the core
+
+
+class SyncerCore:
+    def __init__(self, cfg: SyncerConfig, incarnation: str):
+        cfg.check()
+        self.cfg = cfg
+        self.incarnation = incarnation
+        self.max_message_bytes = cfg.max_message_mb << 20
+        self.founding: Optional[Founding] = None
+        self.founder: Optional[int] = None  # who uploaded the initial adapter (this process)
+        self.run: Optional[Checkpoint] = None  # the committed run state (None until founded)
+        self.ef: Optional[ErrorFeedback] = None
+        self.members: dict[int, Member] = {}
+        self.retired: dict[int, list[str]] = {}  # learner id -> its sessions that a newer one took over
+        self.seen: set[int] = set()
+        self.last_merged: dict[int, list] = {}
+        self.round: Optional[OpenRound] = None
+        self.pending: dict[int, AcceptedDelta] = {}
+        self.last_broadcast: Optional[Broadcast] = None
+        self.started = False  # round 1 has opened (the --learners gate is behind us)
+        self.gate_since: Optional[float] = None
+        self.absent_until = -math.inf  # after a restart: members known before it are expected until then
+        self.finished_at: Optional[float] = None
+        self.linger_until = math.inf
+        self.finish_header: Optional[dict[str, Any]] = None
+        self.exit_code: Optional[int] = None
+        self.internal_errors: set[str] = set()
+        self.out: list[Action] = []
+
+    # ------------------------------------------------------------------ events
+
+    def start(self, now: float, durable: Durable) -> list[Action]:
+        """A process start: resume from what survived, reconciling the tape with the disk."""
+        self.out = []
+        self._record("start", config=asdict(self.cfg), incarnation=self.incarnation)
+        self.out.extend(durable.notes)
+        ck = durable.checkpoint
+        fold = TapeFold()
+        for e in durable.tape:
+            fold.feed(e)
+        if ck is not None:
+            self.cfg.check_resume(ck.config, ck.version)
+        rolled_back = [v for v in range(fold.version, (ck.version if ck else -1), -1)]
+        for v in rolled_back:
+            self._record("rollback", version=v, reason="its checkpoint was not durable when the syncer stopped")
+            fold.rollback(v)
+        if ck is None:  # nothing durable: a fresh run (anything the tape accepted before is void)
+            for (rnd, lid), ev in sorted(fold.outstanding.items()):
+                self._record("discard", learner=lid, round=rnd, digest=ev["digest"], reason="the run restarted from "
+                             "scratch: no checkpoint was durable")
+            if durable.deltas:
+                self.out.append(DropDeltas(through_round=max(d.round for d in durable.deltas)))
+            return self._flush()
+        self.run = ck
+        self.ef = ErrorFeedback(ck.layout.numel)
+        self.ef.residual = ck.residual
+        self.seen = set(ck.members)
+        self.last_merged = {int(k): v for k, v in ck.last_merged.items()}
+        open_round = ck.version + 1
+        saved = {(d.round, d.learner): d for d in durable.deltas}
+        for (rnd, lid), ev in sorted(fold.outstanding.items()):
+            d = saved.get((rnd, lid))
+            if rnd != open_round or d is None or d.digest != ev["digest"]:
+                self._record("discard", learner=lid, round=rnd, digest=ev["digest"],
+                             reason="not saved when the syncer stopped; its learner sends it again")
+        restored = []
+        for (rnd, lid), d in sorted(saved.items()):
+            ev = fold.outstanding.get((rnd, lid))
+            if rnd != open_round or d.base_version != ck.version or (ev is None and fold.resolved(rnd, lid, d.digest)):
+                continue
+            if ev is not None and ev["digest"] != d.digest:
+                continue
+            try:
+                d.flat = decode_fragments(ck.layout, Message("delta", {"fragments": d.descs}, list(d.frames)))
+            except ProtocolError as e:  # a file that does not fit this run: its learner sends the delta again
+                if ev is not None:
+                    self._record("discard", learner=lid, round=rnd, digest=d.digest, reason=truncate(str(e)))
+                continue
+            d.peak = float(np.abs(d.flat).max()) if d.flat.size else 0.0
+            if ev is None:  # saved, but its tape line was lost: account for it now
+                self._record("delta", **self._delta_fields(d), recovered=True)
+            self.pending[lid] = d
+            restored.append(lid)
+        self.out.append(DropDeltas(through_round=ck.version))
+        for (rnd, lid), d in saved.items():
+            if rnd == open_round and lid not in self.pending:
+                self.out.append(DropDeltas(round=rnd, learner=lid))
+        self.started = ck.version > 0 or bool(self.pending)
+        self.absent_until = now + self.cfg.learner_timeout
+        self._record("resume", version=ck.version, digest=ck.digest, restored=restored, rolled_back=rolled_back)
+        self._log("info", f"resumed at version {ck.version} ({len(restored)} delta(s) of round {open_round} restored)")
+        self._maybe_open(now)
+        return self._flush()
+
+    def receive(self, peer: str, parts: list[bytes], now: float) -> list[Action]:
+        """One message from a learner connection; nothing a peer sends can raise out of here."""
+        self.out = []
+        try:
+            msg = decode(parts, self.max_message_bytes)
+            getattr(self, f"_on_{msg.type}", self._on_unexpected)(peer, msg, now)
+        except ProtocolError as e:
+            self._reject(peer, str(e), e.code)
+        except Exception as e:  # a bug must not take the fleet down: record it, answer, go on
+            self._reject(peer, f"syncer could not process the message: {e!r}", Code.INTERNAL)
+        return self._flush()
+
+    def tick(self, now: float) -> list[Action]:
+        self.out = []
+        try:
+            self._tick(now)
+        except Exception as e:  # a bug must not take the fleet down: record it (once per kind), go on
+            key = f"{type(e).__name__}: {e}"
+            if key not in self.internal_errors:
+                self.internal_errors.add(key)
+                self._record("internal_error", where="tick", error=truncate(key))
+                self._log("error", f"internal error on the timer path (the run goes on): {key}")
+        return self._flush()
+
+    def _tick(self, now: float) -> None:
+        for m in self._active():
+            if now - m.last_seen > self.cfg.learner_timeout:
+                self._drop(m, f"silent for {self.cfg.learner_timeout:g}s", now)
+        if self.finished_at is not None:
+            # stay until every learner has the finish (and the final adapter): each leaves or goes silent
+            if not self._active() or now >= self.linger_until:
+                self._exit()
+            return
+        self._ask_founder()
+        self._maybe_open(now)
+        self._maybe_close(now)
+
+    def stop(self, now: float, reason: str, code: int) -> list[Action]:
+        """A signal: checkpoint, tell every learner to finish (saving its adapter), then exit with `code`."""
+        self.out = []
+        if self.finished_at is None:
+            self._record("stop", reason=reason, version=self.version)
+            if self.run is not None:
+                self.out.append(SaveCheckpoint(self._checkpoint()))
+            self._finish(reason, now, code=code, complete=False,
+                         linger_s=min(STOP_LINGER_S, self.cfg.learner_timeout))
+        else:
+            self._exit()
+        return self._flush()
+
+    @property
+    def version(self) -> int:
+        return self.run.version if self.run is not None else -1
+
+    @property
+    def done(self) -> bool:
+        return self.exit_code is not None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _flush(self) -> list[Action]:
+        out, self.out = self.out, []
+        return out
+
+    def _record(self, event: str, **fields: Any) -> None:
+        self.out.append(Record(event, fields))
+
+    def _log(self, level: str, text: str) -> None:
+        self.out.append(Log(level, text))
+
+    def _send(self, peer: str, msg_type: str, header: dict[str, Any], frames: tuple[bytes, ...] = ()) -> None:
+        self.out.append(Send(peer, msg_type, header, frames))
+
+    def _reject(self, peer: str, reason: str, code: Code) -> None:
+        reason = truncate(reason)
+        self._record("reject", peer=truncate(peer, 80), code=str(code), reason=reason)
+        self._send(peer, "error", {"code": str(code), "reason": reason})
+
+    def _refuse(self, peer: str, lid: int, code: Code, reason: str, **fields: Any) -> None:
+        reason = truncate(reason)
+        self._record("refuse", learner=lid, code=str(code), reason=reason, **fields)
+        self._send(peer, "refuse", {"code": str(code), "reason": reason})
+        self._log("warning", f"refused learner {lid}: {reason}")
+
+    def _exit(self) -> None:
+        if self.exit_code is None:
+            self.exit_code = int(self.finish_header.get("code", 0)) if self.finish_header else 0
+            self.out.append(Exit(self.exit_code))
+
+    def _active(self) -> list[Member]:
+        return [m for m in self.members.values() if m.active]
+
+    def _live(self) -> list[Member]:
+        """Members that can train: active and welcomed."""
+        return [m for m in self.members.values() if m.active and m.welcomed]
+
+    def _member(self, msg: Message, now: float) -> Member:
+        lid, session = msg.header["learner"], msg.header["session"]
+        m = self.members.get(lid)
+        if session in self.retired.get(lid, ()):
+            raise ProtocolError(f"learner {lid} has a newer session; this one ({truncate(session, 20)}) is over",
+                                Code.SUPERSEDED)
+        if m is not None and m.session != session:
+            m = None  # a session we have not met: it must say hello (its hello may have been lost)
+        if m is None or not m.active or (not m.welcomed and msg.type not in ("init", "leave", "ping")):
+            raise ProtocolError(f"learner {lid} has not joined: send hello first", Code.NOT_JOINED)
+        m.last_seen = now
+        return m
+
+    def _drop(self, m: Member, reason: str, now: float) -> None:
+        m.active = False
+        self._record("leave", learner=m.learner, reason=truncate(reason), version=self.version)
+        self._log("info", f"learner {m.learner} left ({reason}); {len(self._active())} active")
+
+    def _checkpoint(self) -> Checkpoint:
+        assert self.run is not None and self.ef is not None
+        r = self.run
+        return Checkpoint(r.version, r.layout, r.adapter_config, r.provenance, r.global_, r.momentum, self.ef.residual,
+                          r.digest, asdict(self.cfg), sorted(self.seen), dict(self.last_merged))
+
+    # ------------------------------------------------------------------ handlers
+
+    def _on_unexpected(self, peer: str, msg: Message, now: float) -> None:
+        raise ProtocolError(f"{msg.type} is a syncer-to-learner message")
+
+    def _on_hello(self, peer: str, msg: Message, now: float) -> None:
+        h = msg.header
+        lid, session, backend = h["learner"], h["session"], h["backend"]
+        if self.run is None and self.finished_at is not None:
+            self._send(peer, "finish", self.finish_header_for_wire())
+            return
+        if lid < 0:
+            raise ProtocolError("learner id must be >= 0")
+        if not 0 < len(session) <= MAX_SESSION_CHARS or len(backend) > MAX_BACKEND_CHARS:
+            raise ProtocolError(f"hello: session must be 1-{MAX_SESSION_CHARS} characters and backend at most "
+                                f"{MAX_BACKEND_CHARS}")
+        try:
+            layout = layout_from_json(h["layout"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"hello: malformed layout ({truncate(str(e), 200)})") from e
+        problem = _config_problem(h["adapter_config"], h.get("provenance", {}))
+        if problem:
+            return self._refuse(peer, lid, Code.BAD_CONFIG, problem, backend=backend)
+        run_layout = self.run.layout if self.run else self.founding.layout if self.founding else None
+        if run_layout is not None:
+            problem = layout_mismatch(run_layout, layout)
+            if problem:
+                return self._refuse(peer, lid, Code.LAYOUT, f"adapter layout differs from the run's: {problem}",
+                                    backend=backend)
+        need = message_size(layout, self.cfg.sync_bits)
+        if need > self.max_message_bytes:
+            return self._refuse(peer, lid, Code.TOO_LARGE,
+                                f"this adapter's deltas ({layout.numel:,} values at {self.cfg.sync_bits} bits) need "
+                                f"messages of {need / 2**20:.0f} MiB, above --max-message-mb "
+                                f"{self.cfg.max_message_mb}: "
+                                "restart the syncer with a larger --max-message-mb", backend=backend)
+        old = self.members.get(lid)
+        if session in self.retired.get(lid, ()):
+            raise ProtocolError(f"learner {lid}'s session {truncate(session, 20)} was taken over by a newer one",
+                                Code.SUPERSEDED)
+        if old is not None and old.session != session:
+            retired = self.retired.setdefault(lid, [])
+            retired.append(old.session)
+            del retired[:-MAX_RETIRED_SESSIONS]
+            if old.active:
+                self._send(old.peer, "refuse", {"code": str(Code.SUPERSEDED),
+                                                "reason": f"learner id {lid} was taken over by a new session"})
+            self._record("supersede", learner=lid, old_session=old.session, session=session)
+        rejoin = old is not None or lid in self.seen
+        m = Member(lid, session, peer, backend, now)
+        self.members[lid] = m
+        if self.run is None:
+            if self.founding is None:
+                self.founding = Founding(layout, h["adapter_config"], h.get("provenance") or {})
+                self._record("layout", learner=lid, fingerprint=layout.fingerprint, tensors=len(layout.specs),
+                             numel=layout.numel, fragments=len(layout.fragments))
+            self._record("join", learner=lid, backend=backend, session=session, rejoin=rejoin, waiting_for="init")
+            self._ask_founder(again_from=lid)
+            return
+        self._welcome(m, now, rejoin=rejoin, learner_version=h["version"])
+        self._maybe_open(now)
+
+    def _welcome(self, m: Member, now: float, rejoin: bool, learner_version: int) -> None:
+        assert self.run is not None
+        m.welcomed = True
+        self.seen.add(m.learner)
+        r = self.round
+        mine = self.pending.get(m.learner)
+        contributed = r is not None and mine is not None
+        open_round = None if r is None else {"round": r.number, "version": r.base_version,
+                                              "inner_steps": self.cfg.inner_steps,
+                                              "round_seconds": self.cfg.round_seconds}
+        self._send(m.peer, "welcome", {"incarnation": self.incarnation, "version": self.run.version,
+                                       "digest": self.run.digest, "policy": self.cfg.policy(),
+                                       "open_round": open_round, "contributed": contributed,
+                                       "last_merged": self.last_merged.get(m.learner),
+                                       "finished": self.finished_at is not None})
+        self._record("join", learner=m.learner, backend=m.backend, session=m.session, rejoin=rejoin,
+                     learner_version=learner_version, version=self.run.version,
+                     round=r.number if r is not None else None, contributed=contributed)
+        self._log("info", f"learner {m.learner} {'re' if rejoin else ''}joined ({m.backend}) at version "
+                          f"{self.run.version}; {len(self._live())} live")
+        if self.finish_header is not None:
+            self._send(m.peer, "finish", self.finish_header_for_wire())
+
+    def _ask_founder(self, again_from: Optional[int] = None) -> None:
+        """Ask one live member for the initial adapter: another one if the one asked is gone, the same one
+        again when it says hello or pings again (the request, or its upload, was lost)."""
+        f = self.founding
+        if f is None or self.run is not None:
+            return
+        asked = self.members.get(f.asked) if f.asked is not None else None
+        if asked is not None and asked.active:
+            if again_from == f.asked:
+                self._send(asked.peer, "init_request", {"bits": self.cfg.sync_bits})
+            return
+        candidates = sorted(m.learner for m in self._active())
+        if not candidates:
+            f.asked = None
+            return
+        f.asked = candidates[0]
+        self._send(self.members[f.asked].peer, "init_request", {"bits": self.cfg.sync_bits})
+        self._record("init_request", learner=f.asked, bits=self.cfg.sync_bits)
+
+    def _on_init(self, peer: str, msg: Message, now: float) -> None:
+        m = self._member(msg, now)
+        f = self.founding
+        if self.run is not None and self.founder == m.learner:
+            return  # a repeat of the upload that founded the run
+        if self.run is not None or f is None or f.asked != m.learner:
+            raise ProtocolError("an initial adapter nobody asked for", Code.WRONG_PHASE)
+        self.founder = m.learner
+        flat = decode_fragments(f.layout, msg)
+        bits = sorted({d["bits"] for d in msg.header["fragments"]})
+        digest = array_digest(flat)
+        self.ef = ErrorFeedback(f.layout.numel)
+        self.run = Checkpoint(0, f.layout, f.adapter_config, f.provenance, flat, np.zeros_like(flat),
+                              self.ef.residual, digest, asdict(self.cfg), [], {})
+        self.founding = None
+        self._record("init", learner=m.learner, digest=digest, bits=bits, bytes=msg.nbytes)
+        self.out.append(SaveCheckpoint(self._checkpoint()))
+        self._record("checkpoint", version=0, digest=digest)
+        for other in self._active():
+            self._welcome(other, now, rejoin=other.learner in self.seen, learner_version=-1)
+        self._maybe_open(now)
+
+    def _on_delta(self, peer: str, msg: Message, now: float) -> None:
+        m = self._member(msg, now)
+        h = msg.header
+        where = {"round": h["round"], "base_version": h["base_version"]}
+        r = self.round
+        if r is None or h["round"] != r.number or h["base_version"] != r.base_version:
+            state = f"round {r.number} is open on version {r.base_version}" if r else f"no round is open (version " \
+                                                                                     f"{self.version})"
+            return self._refuse_delta(m, h, Code.STALE, f"stale delta for round {h['round']} on version "
+                                                        f"{h['base_version']}: {state}")
+        problem = _claims_problem(h)
+        if problem:
+            return self._refuse_delta(m, h, Code.REFUSED, problem)
+        digest = digest_bytes(msg.frames)
+        mine = self.pending.get(m.learner)
+        if mine is not None:
+            if mine.digest == digest:
+                self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": True})
+            else:
+                self._refuse_delta(m, h, Code.DUPLICATE, f"learner {m.learner} already contributed to round "
+                                                         f"{r.number} (delta {mine.digest})")
+            return
+        try:
+            flat = decode_fragments(self.run.layout, msg)  # sizes, bits and finiteness
+        except ProtocolError as e:
+            return self._refuse_delta(m, h, Code.REFUSED, str(e))
+        d = AcceptedDelta(m.learner, m.session, r.number, r.base_version, h["tokens"], h["loss_tokens"],
+                          h["inner_steps"], float(h["loss"]), digest, list(h["fragments"]), tuple(msg.frames), flat,
+                          float(np.abs(flat).max()) if flat.size else 0.0)
+        norm = float(np.linalg.norm(flat.astype(np.float64)))
+        self._record("delta", **self._delta_fields(d), bytes=msg.nbytes, norm=norm,
+                     compute_s=h.get("compute_s"))
+        self.out.append(SaveDelta(d))
+        self.pending[m.learner] = d
+        self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": False})
+        self._maybe_close(now)
+
+    @staticmethod
+    def _delta_fields(d: AcceptedDelta) -> dict[str, Any]:
+        return {"learner": d.learner, "round": d.round, "base_version": d.base_version, "digest": d.digest,
+                "tokens": d.tokens, "loss_tokens": d.loss_tokens, "inner_steps": d.inner_steps, "loss": d.loss,
+                "bits": sorted({x["bits"] for x in d.descs})}
+
+    def _refuse_delta(self, m: Member, h: dict[str, Any], code: Code, reason: str) -> None:
+        reason = truncate(reason)
+        self._record("reject", learner=m.learner, round=h["round"], base_version=h["base_version"], code=str(code),
+                     reason=reason)
+        self._send(m.peer, "error", {"code": str(code), "reason": reason, "round": h["round"],
+                                     "base_version": h["base_version"]})
+
+    def _on_ping(self, peer: str, msg: Message, now: float) -> None:
+        m = self._member(msg, now)
+        pushed = msg.header["pushed"]
+        mine = self.pending.get(m.learner)
+        have = bool(pushed and mine is not None and [mine.round, mine.base_version, mine.digest] == pushed[:3])
+        r = self.round
+        self._send(m.peer, "pong", {"incarnation": self.incarnation, "version": self.version,
+                                    "round": r.number if r else self.version, "round_open": r is not None,
+                                    "have_delta": have, "finished": self.finished_at is not None})
+        if self.finish_header is not None:
+            self._send(m.peer, "finish", self.finish_header_for_wire())  # it may have missed the first one
+
+    def _on_sync(self, peer: str, msg: Message, now: float) -> None:
+        m = self._member(msg, now)
+        run = self.run
+        b = self.last_broadcast
+        if b is not None and b.version == run.version and msg.header["version"] == run.version - 1:
+            self._send(m.peer, "broadcast", b.header, b.frames)
+            return
+        descs, frames = encode_fragments(run.layout, run.global_, 32)
+        self._send(m.peer, "state", {"version": run.version, "digest": run.digest,
+                                     "last_merged": self.last_merged.get(m.learner), "fragments": descs},
+                   tuple(frames))
+
+    def _on_leave(self, peer: str, msg: Message, now: float) -> None:
+        m = self._member(msg, now)
+        self._drop(m, msg.header["reason"], now)
+        self._maybe_close(now)
+
+    # ------------------------------------------------------------------ rounds
+
+    def _maybe_open(self, now: float) -> None:
+        run = self.run
+        if run is None or self.round is not None or self.finished_at is not None:
+            return
+        if run.version >= self.cfg.outer_steps:
+            self._finish("outer steps done", now, code=0, complete=True)
+            return
+        live = len(self._live())
+        if not self.started:
+            if live < self.cfg.quorum:
+                self.gate_since = None
+                return
+            if self.gate_since is None:
+                self.gate_since = now
+            if live < self.cfg.learners and now - self.gate_since < self.cfg.straggler_timeout:
+                return  # round 1 waits for --learners, or for quorum plus --straggler-timeout
+        self.started = True
+        self.round = OpenRound(run.version + 1, run.version, now)
+        header = {"round": self.round.number, "version": run.version, "inner_steps": self.cfg.inner_steps,
+                  "round_seconds": self.cfg.round_seconds}
+        members = []
+        for m in self._live():
+            if m.learner not in self.pending:
+                self._send(m.peer, "round", header)
+                members.append(m.learner)
+        self._record("round_open", round=self.round.number, version=run.version, members=sorted(members),
+                     restored=sorted(self.pending))
+        self._log("info", f"round {self.round.number} open with learners {sorted(members)}")
+        self._maybe_close(now)
+
+    def _expected(self, now: float) -> tuple[list[int], list[int]]:
+        """(live members that have not answered, members known before a restart that may still come back)."""
+        waiting = sorted(m.learner for m in self._live() if m.learner not in self.pending)
+        absent = []
+        if now < self.absent_until:
+            live = {m.learner for m in self._live()}
+            absent = sorted(lid for lid in self.seen if lid not in live and lid not in self.pending)
+        return waiting, absent
+
+    def _maybe_close(self, now: float) -> None:
+        r = self.round
+        if r is None:
+            return
+        responders = sorted(self.pending)
+        waiting, absent = self._expected(now)
+        q = self.cfg.quorum
+        if len(responders) >= q:
+            if r.quorum_at is None:
+                r.quorum_at = now
+            window = self.cfg.round_seconds
+            grace = min(WINDOW_GRACE_CAP_S, self.cfg.straggler_timeout)
+            window_over = window > 0 and now - r.opened_at > window + grace
+            if not (waiting or absent) or now - r.quorum_at >= self.cfg.straggler_timeout or window_over:
+                self._close_round(now, stragglers=waiting + absent)
+            return
+        if now - r.opened_at > self.cfg.quorum_timeout:
+            self._record("quorum_timeout", round=r.number, responders=responders, quorum=q)
+            self._log("error", f"round {r.number} did not reach quorum {q} within {self.cfg.quorum_timeout:g}s "
+                               f"({len(responders)} responded): giving up")
+            self._finish(f"round {r.number} did not reach quorum {q}", now, code=3, complete=False)
+            return
+        short = len(responders) + len(waiting) + len(absent) < q
+        if now - max(r.opened_at, r.last_wait_log) >= (QUORUM_WAIT_LOG_S if short else PROGRESS_LOG_S):
+            r.last_wait_log = now
+            gone = sorted(lid for lid in self.seen if lid not in {m.learner for m in self._live()}
+                          and lid not in self.pending)
+            self._record("quorum_wait", round=r.number, responders=responders, waiting=waiting, absent=gone, quorum=q,
+                         short=short)
+            if short:
+                self._log("warning", f"round {r.number} cannot reach quorum {q} with the learners present "
+                                     f"({len(responders)} responded {responders}, training {waiting}, gone {gone}); "
+                                     f"waiting up to {self.cfg.quorum_timeout - (now - r.opened_at):.0f}s more for "
+                                     "learners to (re)join")
+            else:
+                self._log("info", f"round {r.number}: {len(responders)}/{q} responders so far, waiting for {waiting}")
+
+    def _close_round(self, now: float, stragglers: list[int]) -> None:
+        """Merge the round as a transaction; a delta that breaks the merge is refused and the merge retried."""
+        r = self.round
+        assert r is not None and self.run is not None
+        while len(self.pending) >= self.cfg.quorum:
+            ids = sorted(self.pending)
+            try:
+                merged = self._merge([self.pending[i] for i in ids])
+            except MergeError as e:
+                culprit = max(ids, key=lambda i: (self.pending[i].peak, i))
+                self._refuse_merged(culprit, f"round {r.number} could not be merged with this delta: {e}")
+                continue
+            self._commit(r, ids, merged, stragglers, now)
+            return
+        r.quorum_at = None  # refusals took the round back below quorum: it stays open
+
+    def _refuse_merged(self, lid: int, reason: str) -> None:
+        d = self.pending.pop(lid)
+        reason = truncate(reason)
+        self._record("refuse_delta", learner=lid, round=d.round, digest=d.digest, reason=reason)
+        self.out.append(DropDeltas(round=d.round, learner=lid))
+        m = self.members.get(lid)
+        if m is not None and m.active:
+            self._send(m.peer, "error", {"code": str(Code.REFUSED), "reason": reason, "round": d.round,
+                                         "base_version": d.base_version})
+        self._log("warning", f"refused learner {lid}'s delta: {reason}")
+
+    def _merge(self, ds: list[AcceptedDelta]) -> dict[str, Any]:
+        run, cfg = self.run, self.cfg
+        try:
+            with np.errstate(all="ignore"):
+                new_global, momentum, weights = outer_update(run.global_, run.momentum, [d.flat for d in ds],
+                                                             [d.loss_tokens for d in ds], cfg.outer_lr,
+                                                             cfg.outer_momentum)
+                if not (np.isfinite(new_global).all() and np.isfinite(momentum).all()):
+                    raise MergeError("the outer step overflows")
+                ef = ErrorFeedback(run.layout.numel)
+                ef.residual = self.ef.residual
+                descs, frames, sent = encode_fragments_ef(run.layout, new_global - run.global_, cfg.sync_bits, ef)
+                committed = run.global_ + sent
+                if not np.isfinite(committed).all():
+                    raise MergeError("the new global adapter is not finite")
+        except (QuantError, ValueError, FloatingPointError, OverflowError) as e:
+            raise MergeError(str(e)) from e
+        return {"global": committed, "momentum": momentum, "residual": ef.residual, "weights": weights,
+                "descs": descs, "frames": tuple(frames), "sent": sent}
+
+    def _commit(self, r: OpenRound, ids: list[int], merged: dict[str, Any], stragglers: list[int], now: float) -> None:
+        run = self.run
+        version = run.version + 1
+        digest = array_digest(merged["global"])
+        weights = [float(w) for w in merged["weights"]]
+        deltas = [self.pending[i].digest for i in ids]
+        self._record("merge", round=r.number, version=version, responders=ids, weights=weights,
+                     loss_tokens=[self.pending[i].loss_tokens for i in ids], deltas=deltas, digest=digest,
+                     stragglers=stragglers, update_norm=float(np.linalg.norm(merged["sent"])))
+        for i in ids:
+            self.last_merged[i] = [r.number, self.pending[i].digest]
+        self.run = Checkpoint(version, run.layout, run.adapter_config, run.provenance, merged["global"],
+                              merged["momentum"], merged["residual"], digest, asdict(self.cfg), sorted(self.seen),
+                              dict(self.last_merged))
+        self.ef.residual = merged["residual"]
+        self.out.append(SaveCheckpoint(self._checkpoint()))
+        self._record("checkpoint", version=version, digest=digest)
+        self.out.append(DropDeltas(through_round=r.number))
+        self.pending = {}
+        self.round = None
+        header = {"version": version, "round": r.number, "digest": digest, "responders": ids, "weights": weights,
+                  "deltas": deltas, "fragments": merged["descs"]}
+        self.last_broadcast = Broadcast(version, header, merged["frames"])
+        to = []
+        for m in self._live():
+            self._send(m.peer, "broadcast", header, merged["frames"])
+            to.append(m.learner)
+        self._record("broadcast", round=r.number, version=version, to=to, bits=self.cfg.sync_bits)
+        self._log("info", f"round {r.number} merged {ids} weights {[round(w, 3) for w in weights]}; version {version}")
+        self._maybe_open(now)
+
+    def _finish(self, reason: str, now: float, code: int, complete: bool, linger_s: Optional[float] = None) -> None:
+        self.finished_at = now
+        self.linger_until = now + (FINISH_LINGER_TIMEOUTS * self.cfg.learner_timeout if linger_s is None else linger_s)
+        self.round = None
+        self.finish_header = {"version": self.version, "reason": reason, "complete": complete, "code": code}
+        for m in self._active():
+            self._send(m.peer, "finish", self.finish_header_for_wire())
+        self._record("finish", version=self.version, reason=reason, code=code, complete=complete,
+                     outstanding=sorted(self.pending))
+        if not self._active():
+            self._exit()
+
+    def finish_header_for_wire(self) -> dict[str, Any]:
+        assert self.finish_header is not None
+        return {k: v for k, v in self.finish_header.items() if k != "code"}
+
+
+def _config_problem(adapter_config: Any, provenance: Any) -> Optional[str]:
+    """Why a hello's peft config or provenance cannot define (or join) a run, or None."""
+    if not isinstance(provenance, dict):
+        return f"provenance must be a JSON object, got {type(provenance).__name__}"
+    if len(json.dumps(provenance)) > MAX_PROVENANCE_BYTES:
+        return f"provenance is over {MAX_PROVENANCE_BYTES >> 10} KiB"
+    if len(json.dumps(adapter_config)) > MAX_ADAPTER_CONFIG_BYTES:
+        return f"adapter_config is over {MAX_ADAPTER_CONFIG_BYTES >> 10} KiB"
+    if adapter_config.get("peft_type") != "LORA":
+        return f"adapter_config.peft_type must be 'LORA', got {truncate(repr(adapter_config.get('peft_type')), 40)}"
+    r = adapter_config.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        return f"adapter_config.r must be a positive integer, got {truncate(repr(r), 40)}"
+    alpha = adapter_config.get("lora_alpha")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        return f"adapter_config.lora_alpha must be a number, got {truncate(repr(alpha), 40)}"
+    return None
+
+
+def _claims_problem(h: dict[str, Any]) -> Optional[str]:
+    """Why a delta's reported training cannot be true, or None."""
+    tokens, loss_tokens, steps, loss = h["tokens"], h["loss_tokens"], h["inner_steps"], h["loss"]
+    if not 0 < loss_tokens <= tokens <= MAX_TOKENS_PER_DELTA:
+        return f"delta with impossible token counts (tokens {tokens}, loss-bearing tokens {loss_tokens})"
+    if not 0 < steps <= MAX_INNER_STEPS_PER_DELTA:
+        return f"delta with impossible inner step count {steps}"
+    if not math.isfinite(loss):
+        return f"delta with non-finite loss {loss}"
+    return None

@@ -1,0 +1,761 @@
+"""Deterministic simulation of a whole run: the real coordination cores under seeded faults.
+
+One seed is one schedule: a fleet (learners, quorum, round policy, wire bits)
+and a list of faults drawn from the seed: messages lost with their connection,
+duplicated and delayed (so the control and bulk connections reorder), links cut
+for seconds, learners killed and restarted (some for good), the syncer killed
+at any point (also in the middle of an action list) and restarted from its
+simulated disk (where only fsynced writes survive), nodes frozen (a laptop
+asleep: their clock jumps), and slow inner steps. Nothing else varies: no
+threads, no wall clock, no sockets, so a failing seed reproduces exactly.
+
+The syncer is `SyncerCore`, every learner is a `LearnerCore` driven by a
+simulated training loop over a fake island whose steps add known vectors.
+After every schedule, and along the way:
+- the tape passes `yeto.sync.audit.audit`;
+- every delta was computed against the exact global adapter of its base version;
+- a durable version is never redefined;
+- the run finishes (every merge) once faults stop: nobody waits forever;
+- every learner that finished holds the syncer's final global adapter, bit for bit;
+- replaying the merges on the tape from the captured payloads gives that adapter.
+
+    python -m yeto.sync.sim --seeds 1000 [--first 0] [--workers 2]
+    python -m yeto.sync.sim --seed 17 --trace      # one schedule, every event
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import heapq
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from yeto.sync.audit import TapeFold, audit
+from yeto.sync.core.actions import (Checkpoint, DropDeltas, Durable, Exit, Log, Out, Reconnect, Record, SaveCheckpoint,
+                                    SaveDelta, Send)
+from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdict, Wait
+from yeto.sync.core.syncer import SyncerConfig, SyncerCore
+from yeto.sync.layout import build_layout
+from yeto.sync.outer import outer_update
+from yeto.sync.protocol import (Message, array_digest, decode, decode_fragments, digest_bytes, encode,
+                                encode_fragments_ef, is_bulk)
+from yeto.sync.quant import ErrorFeedback
+
+TICK_S = 0.25  # how often each node's timers run (the real shells tick faster)
+FAULT_WINDOW_S = 90.0  # faults happen in [0, this); afterwards the fleet heals
+HEAL_BUDGET_S = 900.0  # once healed, the run must finish within this (simulated) time
+ADAPTER_SHAPES = {"m.layers.0.q.lora_A.default.weight": (2, 8), "m.layers.0.q.lora_B.default.weight": (8, 2),
+                  "m.layers.1.q.lora_A.default.weight": (2, 8), "m.layers.1.q.lora_B.default.weight": (8, 2)}
+FRAGMENT_NUMEL = 24  # small fragments, so payloads span several frames
+ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"], "task_type": "CAUSAL_LM"}
+LINK = LinkTimeouts(heartbeat_s=1.0, dead_after_s=4.0, give_up_s=600.0, backoff_base_s=0.2, backoff_max_s=2.0)
+PROGRESS_CHUNK = 50  # schedules per work unit (and per progress line)
+
+
+class Violation(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- the schedule
+
+
+@dataclass
+class Schedule:
+    seed: int
+    learners: int
+    quorum: int
+    outer_steps: int
+    inner_steps: int
+    round_seconds: float
+    sync_bits: int
+    step_s: list[float]
+    latency_s: tuple[float, float]
+    p_drop: float
+    p_dup: float
+    p_slow_step: float
+    learner_kills: list[tuple[float, int, Optional[float]]]  # (at, learner, down for; None: for good)
+    syncer_kills: list[tuple[float, float, bool]]  # (at, down for, during the next event's actions)
+    cuts: list[tuple[float, int, float]]  # (at, learner, for)
+    pauses: list[tuple[float, int, float]]  # (at, node (-1: syncer), for)
+
+    @staticmethod
+    def draw(seed: int) -> "Schedule":
+        rng = random.Random(seed)
+        n = rng.randint(1, 4)
+        quorum = rng.randint(1, n)
+        lossy = rng.random() < 0.7
+        permanent_budget = n - quorum
+        kills = []
+        for _ in range(rng.choice([0, 0, 1, 2, 3, 5])):
+            lid = rng.randrange(n)
+            forever = permanent_budget > 0 and rng.random() < 0.2
+            permanent_budget -= forever
+            kills.append((rng.uniform(0, FAULT_WINDOW_S), lid, None if forever else rng.uniform(0.5, 20.0)))
+        syncer_kills = [(rng.uniform(0, FAULT_WINDOW_S), rng.uniform(0.2, 25.0), rng.random() < 0.5)
+                        for _ in range(rng.choice([0, 0, 1, 1, 2, 4]))]
+        cuts = [(rng.uniform(0, FAULT_WINDOW_S), rng.randrange(n), rng.uniform(0.5, 15.0))
+                for _ in range(rng.choice([0, 1, 2, 4]))]
+        pauses = [(rng.uniform(0, FAULT_WINDOW_S), rng.randrange(-1, n), rng.uniform(0.5, 12.0))
+                  for _ in range(rng.choice([0, 0, 1, 3]))]
+        return Schedule(
+            seed=seed, learners=n, quorum=quorum, outer_steps=rng.randint(2, 5), inner_steps=rng.randint(1, 4),
+            round_seconds=rng.choice([0.0, 0.0, 0.0, 1.5]), sync_bits=rng.choice([4, 4, 8, 32]),
+            step_s=[rng.uniform(0.05, 0.8) for _ in range(n)],
+            latency_s=(rng.uniform(0.001, 0.05), rng.uniform(0.05, 0.6)),
+            p_drop=rng.uniform(0.0, 0.08) if lossy else 0.0, p_dup=rng.uniform(0.0, 0.05) if lossy else 0.0,
+            p_slow_step=rng.choice([0.0, 0.0, 0.02]), learner_kills=sorted(kills), syncer_kills=sorted(syncer_kills),
+            cuts=sorted(cuts), pauses=sorted(pauses))
+
+    def syncer_config(self) -> SyncerConfig:
+        return SyncerConfig(learners=self.learners, quorum=self.quorum, outer_steps=self.outer_steps,
+                            inner_steps=self.inner_steps, round_seconds=self.round_seconds, sync_bits=self.sync_bits,
+                            straggler_timeout=3.0, quorum_timeout=1e6, learner_timeout=6.0, out="(simulated)")
+
+
+# ---------------------------------------------------------------------------------------------- the world
+
+
+class World:
+    def __init__(self, sched: Schedule, trace: Optional[Callable[[str], None]] = None):
+        self.s = sched
+        self.rng = random.Random(sched.seed * 7919 + 1)
+        self.now = 0.0
+        self.queue: list[tuple[float, int, Callable[[], None]]] = []
+        self.seq = 0
+        self.trace = trace
+        self.layout = build_layout({k: np.zeros(v, np.float32) for k, v in ADAPTER_SHAPES.items()}, FRAGMENT_NUMEL)
+        self.epoch: dict[tuple[int, str], int] = {}  # (learner, channel) -> connection epoch
+        self.last_delivery: dict[tuple[int, str, str], float] = {}  # FIFO per connection and direction
+        self.cut_until: dict[int, float] = {}
+        self.globals: dict[int, tuple[str, np.ndarray]] = {}  # durable version -> (digest, adapter)
+        self.payloads: dict[str, tuple[list, list[bytes]]] = {}  # delta digest -> (descs, frames)
+        self.init_payloads: dict[str, np.ndarray] = {}  # global digest -> initial adapter
+        self.acked: set[tuple[int, int, str]] = set()  # (round, learner, digest) of every ack a learner received
+        self.syncer = SimSyncer(self)
+        self.learners = [SimLearner(self, i) for i in range(sched.learners)]
+        # when the last fault is over (downtimes, cuts and freezes included), with room to reconnect
+        ends = [at + (down or 0.0) for at, _, down in sched.learner_kills] + [at + d for at, d, _ in sched.syncer_kills]
+        ends += [at + d for at, _, d in sched.cuts] + [at + d for at, _, d in sched.pauses]
+        self.healed_at = max(ends, default=0.0) + 5.0 + 2 * LINK.dead_after_s + LINK.backoff_max_s
+
+    def log(self, text: str) -> None:
+        if self.trace:
+            self.trace(f"{self.now:9.3f} {text}")
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self.seq += 1
+        heapq.heappush(self.queue, (t, self.seq, fn))
+
+    # the network --------------------------------------------------------------------------
+
+    def link_epoch(self, lid: int, channel: str) -> int:
+        return self.epoch.get((lid, channel), 0)
+
+    def break_link(self, lid: int, channel: str, notify: bool = True) -> None:
+        self.epoch[(lid, channel)] = self.link_epoch(lid, channel) + 1
+        if notify:
+            self.learners[lid].on_link_lost()
+
+    def transmit(self, lid: int, channel: str, to_syncer: bool, parts: list[bytes],
+                 deliver: Callable[[], None]) -> None:
+        """Carry one message: lost with its connection, duplicated, delayed (FIFO per connection)."""
+        if self.now < self.cut_until.get(lid, -1.0):
+            self.break_link(lid, channel)
+            return
+        if self.rng.random() < self.s.p_drop:
+            self.log(f"net: lost a message on learner {lid}'s {channel} connection")
+            self.break_link(lid, channel)
+            return
+        lo, hi = self.s.latency_s
+        nbytes = sum(len(p) for p in parts)
+        epoch = self.link_epoch(lid, channel)
+        copies = 2 if self.rng.random() < self.s.p_dup else 1
+        for _ in range(copies):
+            key = (lid, channel, "up" if to_syncer else "down")
+            t = max(self.now + self.rng.uniform(lo, hi) + nbytes / 2e6, self.last_delivery.get(key, 0.0))
+            self.last_delivery[key] = t
+
+            def arrive(epoch=epoch) -> None:
+                if self.link_epoch(lid, channel) == epoch and self.now >= self.cut_until.get(lid, -1.0):
+                    deliver()
+
+            self.at(t, arrive)
+
+    # running --------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        s = self.s
+        self.syncer.boot()
+        for i, lrn in enumerate(self.learners):
+            self.at(self.rng.uniform(0.0, 2.0), lrn.boot)
+        for at, lid, down in s.learner_kills:
+            self.at(at, lambda lid=lid, down=down: self.learners[lid].kill(down))
+        for at, down, during in s.syncer_kills:
+            self.at(at, lambda down=down, during=during: self.syncer.kill(down, during))
+        for at, lid, dur in s.cuts:
+            self.at(at, lambda lid=lid, dur=dur: self.cut(lid, dur))
+        for at, node, dur in s.pauses:
+            self.at(at, lambda node=node, dur=dur: (self.syncer if node < 0 else self.learners[node]).pause(dur))
+
+    def cut(self, lid: int, dur: float) -> None:
+        self.log(f"net: learner {lid}'s link cut for {dur:.1f}s")
+        self.cut_until[lid] = max(self.cut_until.get(lid, 0.0), self.now + dur)
+        for ch in ("control", "bulk"):
+            self.break_link(lid, ch)
+
+    def finished(self) -> bool:
+        return self.syncer.exited and all(lrn.ended for lrn in self.learners)
+
+    def run(self) -> None:
+        self.setup()
+        deadline = FAULT_WINDOW_S + HEAL_BUDGET_S
+        while self.queue and not self.finished():
+            t, _, fn = heapq.heappop(self.queue)
+            if t > deadline:
+                break
+            self.now = max(self.now, t)
+            fn()
+        if not self.finished():
+            raise Violation(f"liveness: the run did not finish by t={deadline:.0f}s: {self.status()}")
+        self.check_end()
+
+    def status(self) -> str:
+        c = self.syncer.core
+        r = c.round if c else None
+        return json.dumps({
+            "syncer": {"up": self.syncer.up, "exited": self.syncer.exited, "version": c.version if c else None,
+                       "round": r.number if r else None, "pending": sorted(c.pending) if c else None,
+                       "live": sorted(m.learner for m in c._live()) if c else None},
+            "learners": [lrn.status() for lrn in self.learners]})
+
+    # checks ---------------------------------------------------------------------------------
+
+    def note_durable(self, ck: Checkpoint) -> None:
+        had = self.globals.get(ck.version)
+        if had is not None and had[0] != ck.digest:
+            raise Violation(f"durable version {ck.version} redefined: {had[0]} then {ck.digest}")
+        self.globals[ck.version] = (ck.digest, ck.global_.copy())
+
+    def check_held(self, lid: int, version: int, flat: np.ndarray) -> None:
+        want = self.globals.get(version)
+        if want is None or not np.array_equal(want[1], flat):
+            raise Violation(f"learner {lid} holds version {version} ({array_digest(flat)}), which the syncer's disk "
+                            f"does not ({want[0] if want else 'no such durable version'})")
+
+    def check_base(self, lid: int, version: int, base: np.ndarray) -> None:
+        want = self.globals.get(version)
+        if want is None or not np.array_equal(want[1], base):
+            raise Violation(f"learner {lid} pushed a delta against version {version} but trained from another "
+                            f"adapter ({array_digest(base)} vs {want[0] if want else 'unknown'})")
+
+    def check_end(self) -> None:
+        tape = self.syncer.disk.tape
+        report = audit(tape)
+        if not report.ok:
+            raise Violation(f"audit: {report.violation}")
+        core = self.syncer.core
+        final = core.run
+        if self.syncer.exit_code != 0 or final is None or final.version < self.s.outer_steps:
+            raise Violation(f"the syncer ended with code {self.syncer.exit_code} at version "
+                            f"{final.version if final else None} of {self.s.outer_steps}")
+        for lrn in self.learners:
+            for done, holds, at in lrn.results:
+                if done.complete and not (holds[0] == final.version and np.array_equal(holds[1], final.global_)):
+                    raise Violation(f"learner {lrn.lid} finished holding version {holds[0]}, not the final "
+                                    f"version {final.version} bit for bit")
+                if not done.complete and not done.error and at > self.healed_at:
+                    raise Violation(f"learner {lrn.lid} ended at t={at:.1f}s, with the network healthy since "
+                                    f"t={self.healed_at:.1f}s, without the final adapter: {done.reason}")
+        fold = TapeFold()
+        for e in tape:
+            fold.feed(e)
+        lost = sorted(a for a in self.acked if a not in fold.settled)
+        if lost:
+            raise Violation(f"acked deltas (round, learner, digest) never merged nor refused: {lost}")
+        replayed = self.replay(tape)
+        if not np.array_equal(replayed, final.global_):
+            raise Violation("replaying the tape's merges does not give the final global adapter")
+
+    def replay(self, tape: list[dict[str, Any]]) -> np.ndarray:
+        fold = TapeFold()
+        for e in tape:
+            fold.feed(e)
+        cfg = self.s.syncer_config()
+        g = self.init_payloads[fold.digests[0]].copy()
+        m = np.zeros_like(g)
+        ef = ErrorFeedback(self.layout.numel)
+        for v in sorted(fold.merged):
+            e = fold.merged[v]
+            deltas = [decode_fragments(self.layout, Message("delta", {"fragments": self.payloads[d][0]},
+                                                            self.payloads[d][1])) for d in e["deltas"]]
+            new, m, _ = outer_update(g, m, deltas, e["loss_tokens"], cfg.outer_lr, cfg.outer_momentum)
+            _, _, sent = encode_fragments_ef(self.layout, new - g, cfg.sync_bits, ef)
+            g = g + sent
+            if array_digest(g) != e["digest"]:
+                raise Violation(f"replay of merge {v} gives {array_digest(g)}, the tape says {e['digest']}")
+        return g
+
+
+# ---------------------------------------------------------------------------------------------- the syncer
+
+
+class SimDisk:
+    """Only what was fsynced survives a kill: the tape up to its last sync, saved files."""
+
+    def __init__(self):
+        self.tape: list[dict[str, Any]] = []  # durable lines
+        self.buffer: list[dict[str, Any]] = []  # written, not yet fsynced
+        self.checkpoint: Optional[Checkpoint] = None
+        self.deltas: dict[tuple[int, int], Any] = {}
+        self.torn = False
+
+    def append(self, event: str, fields: dict[str, Any], now: float) -> None:
+        rec = {"seq": len(self.tape) + len(self.buffer), "time": round(now, 4), "event": event, **fields}
+        self.buffer.append(json.loads(json.dumps(rec)))  # what reading the JSON line back gives
+
+    def sync(self) -> None:
+        self.tape.extend(self.buffer)
+        self.buffer = []
+
+    def crash(self, rng: random.Random) -> None:
+        self.torn = bool(self.buffer) and rng.random() < 0.5  # a half-written line, cut off at restart
+        self.buffer = []
+
+
+class SimSyncer:
+    def __init__(self, world: World):
+        self.w = world
+        self.disk = SimDisk()
+        self.core: Optional[SyncerCore] = None
+        self.up = False
+        self.exited = False
+        self.exit_code: Optional[int] = None
+        self.life = 0
+        self.paused_until = 0.0
+        self.cut_short: Optional[type] = None  # a kill waits for the next event with this durable action
+
+    def boot(self) -> None:
+        w = self.w
+        if self.exited:
+            return
+        if self.up:  # a second restart scheduled while up: it is a crash and a restart
+            self._die()
+        self.life += 1
+        self.up = True
+        self.core = SyncerCore(w.s.syncer_config(), incarnation=f"{w.rng.getrandbits(32):08x}")
+        notes = [Record("tape_repair", {"dropped_bytes": 17})] if self.disk.torn else []
+        self.disk.torn = False
+        durable = Durable(copy.deepcopy(self.disk.checkpoint), [copy.copy(d) for d in self.disk.deltas.values()],
+                          list(self.disk.tape), notes)
+        w.log(f"syncer: boot (life {self.life}), checkpoint version "
+              f"{durable.checkpoint.version if durable.checkpoint else None}")
+        self.execute(self.core.start(w.now, durable))
+        self.schedule_tick(self.life)
+
+    def schedule_tick(self, life: int) -> None:
+        self.w.at(self.w.now + TICK_S, lambda: self.guarded(life, lambda: self.execute(self.core.tick(self.w.now)),
+                                                            then=lambda: self.schedule_tick(life)))
+
+    def guarded(self, life: int, fn: Callable[[], None], then: Optional[Callable[[], None]] = None) -> None:
+        """Run fn unless this life is over; a frozen syncer runs it when it wakes up."""
+        if life != self.life or not self.up or self.exited:
+            return
+        if self.w.now < self.paused_until:
+            self.w.at(self.paused_until, lambda: self.guarded(life, fn, then))
+            return
+        fn()
+        if then is not None and life == self.life and self.up and not self.exited:
+            then()
+
+    def receive(self, peer: str, parts: list[bytes]) -> None:
+        w = self.w
+        msg_type = json.loads(parts[0])["type"]
+        if msg_type in ("delta", "init"):
+            msg = decode(parts)
+            if msg_type == "delta":
+                w.payloads[digest_bytes(msg.frames)] = (msg.header["fragments"], msg.frames)
+            else:
+                flat = decode_fragments(w.layout, msg)
+                w.init_payloads[array_digest(flat)] = flat
+        w.log(f"syncer <- {peer}: {msg_type}")
+        self.execute(self.core.receive(peer, parts, w.now))
+
+    def execute(self, actions: list) -> None:
+        w = self.w
+        target = [i for i, a in enumerate(actions) if isinstance(a, self.cut_short or ())]
+        if target:  # die around a durable write of the kind aimed at: the interesting places
+            self.cut_short = None
+            keep = min(len(actions), target[0] + w.rng.choice([-1, 0, 0, 1]))
+            self._run(actions[:max(0, keep)])
+            inside = keep < len(actions) and isinstance(actions[keep], (SaveCheckpoint, SaveDelta, DropDeltas))
+            if inside and w.rng.random() < 0.5:
+                self.disk.sync()  # killed inside the durable write: after its tape fsync, before its file landed
+            w.log(f"syncer: killed after {keep} of {len(actions)} actions{' (inside the next)' if inside else ''}")
+            if not self.exited:
+                self._die()
+            return
+        self._run(actions)
+
+    def _run(self, actions: list) -> None:
+        w = self.w
+        for a in actions:
+            if isinstance(a, Send):
+                lid = int(a.peer.split("-")[1])
+                parts = encode(a.type, a.header, a.frames)
+                channel = "bulk" if is_bulk(a.type) else "control"
+                w.log(f"syncer -> {a.peer}: {a.type} {_brief(a.header)}")
+                to = w.learners[lid]
+                w.transmit(lid, channel, False, parts, lambda to=to, parts=parts, peer=a.peer: to.deliver(peer, parts))
+            elif isinstance(a, Record):
+                self.disk.append(a.event, a.fields, w.now)
+                if a.event in ("merge", "rollback", "discard", "resume", "refuse_delta", "finish"):
+                    w.log(f"tape: {a.event} {_brief(a.fields)}")
+            elif isinstance(a, SaveCheckpoint):
+                self.disk.sync()
+                self.disk.checkpoint = copy.deepcopy(a.checkpoint)
+                w.note_durable(a.checkpoint)
+            elif isinstance(a, SaveDelta):
+                self.disk.sync()
+                d = copy.copy(a.delta)
+                d.flat = None
+                self.disk.deltas[(d.round, d.learner)] = d
+            elif isinstance(a, DropDeltas):
+                self.disk.sync()
+                for key in list(self.disk.deltas):
+                    if key[0] <= a.through_round or key == (a.round, a.learner):
+                        del self.disk.deltas[key]
+            elif isinstance(a, Exit):
+                self.disk.sync()
+                self.exited = True
+                self.exit_code = a.code
+                w.log(f"syncer: exit {a.code}")
+                return
+            elif isinstance(a, Log):
+                w.log(f"syncer {a.level}: {a.text}")
+
+    def kill(self, down: float, during: bool) -> None:
+        if not self.up or self.exited:
+            return
+        if during:  # dies in the middle of the next event that saves a checkpoint (a merge) or a delta
+            self.cut_short = self.w.rng.choice([SaveCheckpoint, SaveDelta])
+            self.w.at(self.w.now + 20.0, lambda life=self.life: self._die_late(life, down))
+            return
+        self._die()
+        self.w.at(self.w.now + down, self.boot)
+
+    def _die_late(self, life: int, down: float) -> None:
+        if self.life == life and self.up:  # nothing happened for it to die during: die now
+            self._die()
+        if not self.exited:
+            self.w.at(self.w.now + down, self.boot)
+
+    def _die(self) -> None:
+        w = self.w
+        w.log("syncer: KILLED")
+        self.up = False
+        self.cut_short = None
+        self.life += 1
+        self.disk.crash(w.rng)
+        for lid in range(len(w.learners)):
+            for ch in ("control", "bulk"):
+                w.break_link(lid, ch)
+
+    def pause(self, dur: float) -> None:
+        self.w.log(f"syncer: frozen for {dur:.1f}s")
+        self.paused_until = max(self.paused_until, self.w.now + dur)
+
+
+# ---------------------------------------------------------------------------------------------- a learner
+
+
+class SimIsland:
+    """A fake island: each step adds a known pseudo-random vector to the adapter."""
+
+    def __init__(self, lid: int, numel: int, seed: int):
+        self.lid, self.seed = lid, seed
+        self.flat = np.random.default_rng([seed, lid, 99]).standard_normal(numel).astype(np.float32) * 0.1
+        self.steps = 0
+
+    def step(self) -> dict[str, Any]:
+        self.steps += 1
+        rng = np.random.default_rng([self.seed, self.lid, self.steps])
+        self.flat = self.flat + (rng.standard_normal(self.flat.size) * 0.01).astype(np.float32)
+        return {"tokens": 40 + 2 * self.lid, "loss_tokens": 20 + self.lid, "loss": 1.0 / self.steps}
+
+
+class SimLearner:
+    def __init__(self, world: World, lid: int):
+        self.w = world
+        self.lid = lid
+        self.core: Optional[LearnerCore] = None
+        self.island: Optional[SimIsland] = None
+        self.alive = False
+        self.ended = False  # exited (or killed for good)
+        self.life = 0
+        self.paused_until = 0.0
+        self.stepping = False
+        self.steps = 0
+        self.stats: dict[str, float] = {}
+        self.results: list[tuple[Done, tuple[int, np.ndarray]]] = []
+
+    @property
+    def peer(self) -> str:
+        return f"learner-{self.lid}-{self.core.session}"
+
+    def status(self) -> dict[str, Any]:
+        c = self.core
+        return {"lid": self.lid, "alive": self.alive, "ended": self.ended,
+                "version": c.version if c else None, "joined": c.joined if c else None,
+                "training": c.training.round if c and c.training else None,
+                "pushed": c._pushed_ref() if c else None, "finish": bool(c and c.finish)}
+
+    def boot(self) -> None:
+        w = self.w
+        if self.ended:
+            return
+        self.life += 1
+        self.alive = True
+        self.stepping = False
+        self.island = SimIsland(self.lid, w.layout.numel, w.s.seed)
+        self.core = LearnerCore(self.lid, "sim", w.layout, self.island.flat.copy(), ADAPTER_CONFIG, {"sim": w.s.seed},
+                                random.Random(w.rng.getrandbits(64)), LINK)
+        w.log(f"learner {self.lid}: boot (life {self.life}, session {self.core.session})")
+        self.execute(self.core.connected_now(w.now))
+        self.schedule_tick(self.life)
+
+    def guarded(self, life: int, fn: Callable[[], None]) -> None:
+        if life != self.life or not self.alive:
+            return
+        if self.w.now < self.paused_until:
+            self.w.at(self.paused_until, lambda: self.guarded(life, fn))
+            return
+        fn()
+
+    def schedule_tick(self, life: int) -> None:
+        def tick() -> None:
+            self.execute(self.core.tick(self.w.now))
+            self.wake()
+            if self.alive and life == self.life:
+                self.schedule_tick(life)
+
+        self.w.at(self.w.now + TICK_S, lambda: self.guarded(life, tick))
+
+    def deliver(self, peer: str, parts: list[bytes]) -> None:
+        life = self.life
+
+        def handle() -> None:
+            msg = decode(parts)
+            self.w.log(f"learner {self.lid} <- {msg.type} {_brief(msg.header)}")
+            before = self.core.version
+            self.execute(self.core.receive(msg, self.w.now))
+            if msg.type == "ack":
+                self.w.acked.add((msg.header["round"], self.lid, msg.header["digest"]))
+            if self.core.version != before and self.core.version >= 0 and msg.type != "init_request":
+                self.w.check_held(self.lid, self.core.version, self.core.global_)
+            self.wake()
+
+        if self.alive and peer == self.peer:
+            self.guarded(life, handle)
+
+    def on_link_lost(self) -> None:
+        if self.alive:
+            self.guarded(self.life, lambda: self.execute(self.core.link_lost(self.w.now)))
+
+    def execute(self, actions: list) -> None:
+        w = self.w
+        for a in actions:
+            if isinstance(a, Out):
+                parts = encode(a.type, a.header, a.frames)
+                channel = "bulk" if is_bulk(a.type) else "control"
+                w.log(f"learner {self.lid} -> {a.type} {_brief(a.header)}")
+                peer = self.peer
+                w.transmit(self.lid, channel, True, parts, lambda parts=parts, peer=peer: (
+                    w.syncer.guarded(w.syncer.life, lambda: w.syncer.receive(peer, parts))))
+            elif isinstance(a, Reconnect):
+                for ch in ("control", "bulk"):
+                    w.break_link(self.lid, ch, notify=False)
+                life = self.life
+                w.at(w.now + a.delay_s, lambda: self.guarded(life, lambda: self.execute(
+                    self.core.connected_now(self.w.now))))
+            elif isinstance(a, Log):
+                w.log(f"learner {self.lid} {a.level}: {a.text}")
+
+    # the training loop ----------------------------------------------------------------------
+
+    def wake(self) -> None:
+        if not self.alive or self.stepping:
+            return
+        task = self.core.next_task(self.w.now)
+        if isinstance(task, Wait):
+            return
+        if isinstance(task, Done):
+            self.results.append((task, (self.core.version, None if self.core.global_ is None else
+                                        self.core.global_.copy()), self.w.now))
+            self.w.log(f"learner {self.lid}: done ({task.reason}; complete={task.complete}, error={task.error})")
+            self.execute(self.core.leave("done"))
+            self.alive = False
+            self.ended = True
+            return
+        assert isinstance(task, Train)
+        self.island.flat = task.adapter.copy()
+        self.steps = 0
+        self.stats = {"tokens": 0, "loss_tokens": 0, "loss": 0.0}
+        self.w.log(f"learner {self.lid}: train round {task.round} from version {task.base_version}")
+        self.start_step()
+
+    def start_step(self) -> None:
+        w = self.w
+        self.stepping = True
+        dt = w.s.step_s[self.lid]
+        if w.rng.random() < w.s.p_slow_step:
+            dt += w.rng.uniform(5.0, 15.0)  # longer than the syncer's --learner-timeout
+        life = self.life
+        w.at(w.now + dt, lambda: self.guarded(life, self.step_done))
+
+    def step_done(self) -> None:
+        w = self.w
+        s = self.island.step()
+        self.steps += 1
+        for k in ("tokens", "loss_tokens"):
+            self.stats[k] += s[k]
+        self.stats["loss"] = s["loss"]
+        verdict = self.core.after_step(self.steps, w.now)
+        if verdict is Verdict.CONTINUE:
+            self.start_step()
+            return
+        self.stepping = False
+        if verdict is Verdict.PUSH:
+            t = self.core.training
+            w.check_base(self.lid, t.base_version, t.base)
+            expect = ErrorFeedback(w.layout.numel)
+            expect.residual = self.core.ef.residual
+            _, frames, _ = encode_fragments_ef(w.layout, self.island.flat - t.base, int(self.core.policy["sync_bits"]),
+                                               expect)
+            actions = self.core.push(self.island.flat.copy(), int(self.stats["tokens"]), int(self.stats["loss_tokens"]),
+                                     self.steps, self.stats["loss"], 0.0)
+            sent = [a for a in actions if isinstance(a, Out) and a.type == "delta"]
+            if sent and list(sent[0].frames) != list(frames):
+                raise Violation(f"learner {self.lid}'s delta for round {t.round} is not its adapter minus the "
+                                f"version {t.base_version} it trained from")
+            self.execute(actions)
+        elif verdict is Verdict.ABANDON:
+            w.log(f"learner {self.lid}: abandoned the round after {self.steps} steps")
+        self.wake()
+
+    # faults ---------------------------------------------------------------------------------
+
+    def kill(self, down: Optional[float]) -> None:
+        if self.ended:
+            return
+        self.w.log(f"learner {self.lid}: KILLED ({'for good' if down is None else f'back in {down:.1f}s'})")
+        self.alive = False
+        self.life += 1
+        for ch in ("control", "bulk"):
+            self.w.break_link(self.lid, ch, notify=False)
+        if down is None:
+            self.ended = True
+        else:
+            self.w.at(self.w.now + down, self.boot)
+
+    def pause(self, dur: float) -> None:
+        self.w.log(f"learner {self.lid}: frozen for {dur:.1f}s")
+        self.paused_until = max(self.paused_until, self.w.now + dur)
+
+
+def _brief(header: dict[str, Any]) -> str:
+    keep = ("round", "version", "base_version", "code", "learner", "responders", "complete", "reason", "have_delta",
+            "contributed", "digest")
+    return json.dumps({k: header[k] for k in keep if k in header})
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+@dataclass
+class Outcome:
+    seed: int
+    ok: bool
+    error: str = ""
+    sim_s: float = 0.0
+    merges: int = 0
+    restarts: int = 0
+
+
+def run_seed(seed: int, trace: Optional[Callable[[str], None]] = None) -> Outcome:
+    w = World(Schedule.draw(seed), trace)
+    try:
+        w.run()
+    except Violation as e:
+        return Outcome(seed, False, str(e), w.now)
+    except Exception as e:  # a crash in a core is a finding too
+        import traceback
+
+        return Outcome(seed, False, f"crash: {e!r}\n{traceback.format_exc()}", w.now)
+    tape = w.syncer.disk.tape
+    return Outcome(seed, True, "", w.now, sum(1 for e in tape if e["event"] == "merge"),
+                   sum(1 for e in tape if e["event"] == "resume"))
+
+
+def _run_range(args: tuple[int, int]) -> list[Outcome]:
+    return [run_seed(s) for s in range(*args)]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="Deterministic simulation of yeto's coordination under faults.")
+    p.add_argument("--seeds", type=int, default=200, help="how many schedules to run")
+    p.add_argument("--first", type=int, default=0, help="the first seed")
+    p.add_argument("--seed", type=int, help="run this one seed")
+    p.add_argument("--trace", action="store_true", help="with --seed: print every event")
+    p.add_argument("--workers", type=int, default=1, help="processes to spread the seeds over")
+    a = p.parse_args(argv)
+    if a.seed is not None:
+        out = run_seed(a.seed, print if a.trace else None)
+        print(json.dumps(Schedule.draw(a.seed).__dict__, default=str))
+        print("ok" if out.ok else f"VIOLATION seed {out.seed}: {out.error}")
+        return 0 if out.ok else 1
+    t0 = time.perf_counter()
+    end = a.first + a.seeds
+    ranges = [(s, min(s + PROGRESS_CHUNK, end)) for s in range(a.first, end, PROGRESS_CHUNK)]
+    outcomes: list[Outcome] = []
+    if a.workers > 1:
+        from multiprocessing import Pool
+
+        with Pool(a.workers) as pool:
+            for res in pool.imap_unordered(_run_range, ranges):
+                outcomes.extend(res)
+                _progress(outcomes, a.seeds, t0)
+    else:
+        for r in ranges:
+            outcomes.extend(_run_range(r))
+            _progress(outcomes, a.seeds, t0)
+    bad = sorted((o for o in outcomes if not o.ok), key=lambda o: o.seed)
+    merges = sum(o.merges for o in outcomes)
+    restarts = sum(o.restarts for o in outcomes)
+    print(f"\n{len(outcomes)} schedules (seeds {a.first}..{a.first + a.seeds - 1}) in {time.perf_counter() - t0:.0f}s: "
+          f"{len(bad)} violation(s); {merges} merges, {restarts} syncer restarts simulated")
+    for o in bad[:20]:
+        print(f"seed {o.seed}: {o.error.splitlines()[0] if o.error else ''}")
+    if bad:
+        print(f"reproduce: python -m yeto.sync.sim --seed {bad[0].seed} --trace")
+    return 1 if bad else 0
+
+
+def _progress(outcomes: list[Outcome], total: int, t0: float) -> None:
+    done, bad = len(outcomes), sum(not o.ok for o in outcomes)
+    line = f"sim: {done}/{total} schedules, {bad} violation(s), {time.perf_counter() - t0:.0f}s"
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + line)
+    elif done == total or done % max(1, total // 20) < PROGRESS_CHUNK:  # a line per ~5% in logs
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
