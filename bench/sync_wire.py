@@ -60,7 +60,7 @@ def llama_1b_specs(r: int = 16) -> tuple[TensorSpec, ...]:
 
 def delta_message(layout, flat, bits) -> list[bytes]:
     descs, frames = encode_fragments(layout, flat, bits)
-    return encode("delta", {"learner": 0, "round": 1, "base_version": 0, "tokens": 4096, "loss_tokens": 1300, "inner_steps": 50,
+    return encode("delta", {"learner": 0, "session": "bench", "round": 1, "base_version": 0, "tokens": 4096, "loss_tokens": 1300, "inner_steps": 50,
                             "loss": 1.234, "fragments": descs}, frames)
 
 
@@ -73,7 +73,8 @@ def wire_bytes() -> None:
     for bits in (32, 16, 8, 4):
         up = message_bytes(delta_message(layout, delta, bits))
         descs, frames = encode_fragments(layout, delta, bits)
-        down = message_bytes(encode("broadcast", {"version": 1, "round": 1, "responders": [0, 1], "weights": [0.5, 0.5],
+        down = message_bytes(encode("broadcast", {"version": 1, "round": 1, "digest": "0" * 16, "responders": [0, 1],
+                                                  "weights": [0.5, 0.5], "deltas": ["0" * 16] * 2,
                                                   "fragments": descs}, frames))
         sizes[bits] = up + down
         print(f"    {bits:>2} bits: delta {up:>10,} B + broadcast {down:>10,} B = {up + down:>10,} B per round per learner")

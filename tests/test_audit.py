@@ -95,7 +95,7 @@ def a_checkpoint(version, seed=0):
     return Checkpoint(version, layout, {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"]},
                       {"model": "x"}, g, rng.standard_normal(layout.numel).astype(np.float32),
                       rng.standard_normal(layout.numel).astype(np.float32), array_digest(g), {"sync_bits": 4}, [0, 1],
-                      {0: [version, "abc"]})
+                      {0: [[version, "abc"]]})
 
 
 def test_a_torn_last_tape_line_is_cut_and_the_sequence_continues(tmp_path):
@@ -120,7 +120,7 @@ def test_checkpoints_round_trip_bit_for_bit_and_a_damaged_one_falls_back_to_the_
     store.save_checkpoint(a_checkpoint(2, seed=2))
     back = store.load().checkpoint
     want = a_checkpoint(2, seed=2)
-    assert back.version == 2 and back.last_merged == {0: [2, "abc"]} and back.members == [0, 1]
+    assert back.version == 2 and back.merged == {0: [[2, "abc"]]} and back.members == [0, 1]
     for name in ("global_", "momentum", "residual"):
         assert getattr(back, name).tobytes() == getattr(want, name).tobytes()
     raw = bytearray((tmp_path / STATE_FILE).read_bytes())

@@ -48,7 +48,8 @@ class Fleet:
 
     def new_learner(self, lid, seed=0):
         init = np.random.default_rng([seed, lid]).standard_normal(self.layout.numel).astype(np.float32)
-        return LearnerCore(lid, "test", self.layout, init, CONFIG, {}, random.Random(lid + 100 * seed), LINK)
+        return LearnerCore(lid, "test", self.layout, init, CONFIG, {}, random.Random(lid + 100 * seed), LINK,
+                           started_at_us=int(self.now * 1e6) + seed)
 
     def apply(self, actions):
         for a in actions:

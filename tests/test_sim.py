@@ -15,6 +15,7 @@ from yeto.sync.core import learner as lcore
 from yeto.sync.core import syncer as score
 
 SEEDS = int(os.environ.get("YETO_SIM_SEEDS", "300"))
+PLANTED_SEEDS = 400  # each planted bug must be found within this many schedules
 
 
 def test_seeded_fault_schedules_keep_every_invariant():
@@ -86,6 +87,21 @@ def _forget_saved_deltas(orig):
     return start
 
 
+def _settle_every_refusal(orig):
+    def settle(self, code, h):  # give the residual back on any refusal, even a "stale" for a delta that was merged
+        p = self.pushed
+        if p is not None and [p.round, p.base_version] == [h.get("round"), h.get("base_version")]:
+            self.ef.residual, self.pushed = p.residual_before, None
+    return settle
+
+
+def _no_merged_ack(orig):
+    def on_delta(self, peer, msg, now):
+        self.merged.clear()  # a delta sent again after a lost ack is called stale, not acked
+        return orig(self, peer, msg, now)
+    return on_delta
+
+
 PLANTED = {
     "a delta against a newer adapter than it trained from": [(lcore.LearnerCore, "after_step",
                                                               _after_step_ignoring_new_versions),
@@ -95,6 +111,8 @@ PLANTED = {
     "merging one responder short of quorum": [(score.SyncerCore, "_maybe_close", _quorum_minus_one)],
     "a restart that forgets the saved deltas": [(score.SyncerCore, "start", _forget_saved_deltas)],
     "a learner that never catches up": [(lcore.LearnerCore, "_maybe_sync", lambda orig: lambda self, now: None)],
+    "an error-feedback residual given back for a delta that counted": [
+        (lcore.LearnerCore, "_settle_refused", _settle_every_refusal), (score.SyncerCore, "_on_delta", _no_merged_ack)],
 }
 
 
@@ -102,8 +120,8 @@ PLANTED = {
 def test_the_simulator_finds_a_planted_bug(bug, monkeypatch):
     for cls, name, wrap in PLANTED[bug]:
         monkeypatch.setattr(cls, name, wrap(getattr(cls, name)))
-    for seed in range(400):
+    for seed in range(PLANTED_SEEDS):
         out = sim.run_seed(seed)
         if not out.ok:
             return
-    pytest.fail(f"400 schedules did not notice: {bug}")
+    pytest.fail(f"{PLANTED_SEEDS} schedules did not notice: {bug}")

@@ -92,7 +92,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     state = island.adapter_state()
     layout = build_layout(state, fragment_numel)
     core = LearnerCore(learner_id, island.backend, layout, flatten(layout, state), island.adapter_config(),
-                       island.record(), random.Random(), timeouts, max_inner_steps)
+                       island.record(), random.Random(), timeouts, max_inner_steps, time.time_ns() // 1000)
     link = SyncerLink(syncer, core, log_fn).start()
     stats = IslandStats()
     t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)

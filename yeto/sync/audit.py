@@ -50,6 +50,7 @@ class TapeFold:
     outstanding: dict[Key, dict[str, Any]] = field(default_factory=dict)
     settled: set[tuple[int, int, str]] = field(default_factory=set)  # (round, learner, digest) merged or refused
     discarded: set[tuple[int, int, str]] = field(default_factory=set)
+    joined: set[int] = field(default_factory=set)  # every learner id that ever joined the run
     quorum: int = 1
     outer_steps: int = 0
     counts: dict[str, int] = field(default_factory=dict)
@@ -76,6 +77,10 @@ class TapeFold:
         cfg = e.get("config") or {}
         self.quorum = int(cfg.get("quorum", self.quorum))
         self.outer_steps = int(cfg.get("outer_steps", self.outer_steps))
+
+    def _on_join(self, e: dict[str, Any]) -> None:
+        if isinstance(e.get("learner"), int):
+            self.joined.add(e["learner"])
 
     def _on_init(self, e: dict[str, Any]) -> None:
         if self.version != -1:

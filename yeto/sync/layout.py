@@ -17,6 +17,7 @@ import numpy as np
 
 DEFAULT_FRAGMENT_NUMEL = 1 << 22  # 4M values: 16 MiB fp32, 2 MiB at 4 bits
 WIRE_DTYPE = "float32"  # every backend exchanges fp32 views, whatever it trains in
+MAX_DIM = 1 << 31  # no adapter tensor dimension (nor fragment) is larger
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,18 @@ def layout_from_specs(specs: tuple[TensorSpec, ...], max_fragment_numel: int = D
 
 
 def layout_from_json(d: Mapping[str, Any]) -> Layout:
+    """A layout as a peer described it; a shape or bound no adapter could have is a ValueError."""
     specs = tuple(TensorSpec(str(n), tuple(int(x) for x in shape), str(dt)) for n, shape, dt in d["specs"])
-    return layout_from_specs(specs, int(d.get("fragment_numel") or DEFAULT_FRAGMENT_NUMEL))
+    if not specs or len({s.name for s in specs}) != len(specs):
+        raise ValueError("a layout needs at least one tensor, each named once")
+    for s in specs:
+        if not s.shape or any(not 0 < x <= MAX_DIM for x in s.shape) or s.dtype != WIRE_DTYPE:
+            raise ValueError(f"tensor {s.name[:80]} has shape {list(s.shape)[:8]} / dtype {s.dtype[:20]}: dimensions "
+                             f"must be 1..{MAX_DIM} and the dtype {WIRE_DTYPE}")
+    bound = int(d.get("fragment_numel") or DEFAULT_FRAGMENT_NUMEL)
+    if not 0 < bound <= MAX_DIM:
+        raise ValueError(f"fragment_numel {bound} is out of range")
+    return layout_from_specs(specs, bound)
 
 
 def layout_mismatch(expected: Layout, got: Layout) -> str | None:

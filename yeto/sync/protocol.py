@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Sequence
@@ -30,6 +31,9 @@ DEFAULT_MAX_MESSAGE_MB = 1024  # the syncer's default inbound limit (--max-messa
 MAX_HEADER_BYTES = 4 << 20
 HEADER_SLACK_BYTES = 64 << 10  # room for a delta's JSON header next to its payload when sizing a message
 MAX_REASON_CHARS = 500  # error texts echoed to a peer or written to the tape are cut to this
+# a gap this long between two timer ticks means the process was not running (suspended, a laptop asleep):
+# its peers' silence over that gap is not held against them
+CLOCK_JUMP_S = 2.0
 
 _opt_int = (int, type(None))
 _opt_list = (list, type(None))
@@ -47,7 +51,7 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "leave": {"reason": str},
     # syncer -> learner
     "welcome": {"incarnation": str, "version": int, "digest": str, "policy": dict, "open_round": (dict, type(None)),
-                "contributed": bool, "last_merged": _opt_list, "finished": bool},
+                "contributed": bool, "merged": list, "finished": bool},
     "init_request": {"bits": int},
     "refuse": {"code": str, "reason": str},
     "error": {"code": str, "reason": str},
@@ -55,9 +59,9 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "round": {"round": int, "version": int, "inner_steps": int, "round_seconds": _number},
     "broadcast": {"version": int, "round": int, "digest": str, "responders": list, "weights": list, "deltas": list,
                   "fragments": list},
-    "state": {"version": int, "digest": str, "last_merged": _opt_list, "fragments": list},
+    "state": {"version": int, "digest": str, "merged": list, "fragments": list},
     "pong": {"incarnation": str, "version": int, "round": int, "round_open": bool, "have_delta": bool,
-             "finished": bool},
+             "contributed": bool, "finished": bool},
     "finish": {"version": int, "reason": str, "complete": bool},
 }
 LEARNER_TYPES = frozenset({"hello", "init", "delta", "ping", "sync", "leave"})
@@ -78,6 +82,7 @@ class Code(StrEnum):
     REFUSED = "refused"  # a delta whose content was refused (counts, values, or its merge failed)
     DUPLICATE = "duplicate"  # this learner already contributed a different delta to the round
     WRONG_PHASE = "wrong_phase"  # e.g. an initial adapter nobody asked for
+    BUSY = "busy"  # this learner id is held by a live, newer session: say hello again later
     INTERNAL = "internal"  # a syncer bug; recorded, the message had no effect
 
 
@@ -151,6 +156,19 @@ def _as_tuple(typ: type | tuple[type, ...]) -> tuple[type, ...]:
 
 def is_bulk(msg_type: str) -> bool:
     return msg_type in BULK_TYPES
+
+
+def session_id(started_at_us: int, rng: random.Random) -> str:
+    """16 hex digits of start time, then 8 random: sessions of one learner id compare by when they started."""
+    return f"{started_at_us & (1 << 64) - 1:016x}{rng.getrandbits(32):08x}"
+
+
+def session_start(session: str) -> int:
+    """The start time a session id carries (0 if it carries none: it counts as the oldest)."""
+    try:
+        return int(session[:16], 16) if len(session) > 16 else 0
+    except ValueError:
+        return 0
 
 
 # ----------------------------------------------------------------------------- digests

@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -51,14 +51,6 @@ class Parked:
     type: str
 
 
-@dataclass
-class Backlog:
-    queues: dict[bytes, deque] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return sum(len(q) for q in self.queues.values())
-
-
 class Syncer:
     """`Syncer(cfg).serve()` runs until the run finishes or a signal stops it; returns the exit code."""
 
@@ -69,9 +61,11 @@ class Syncer:
         self.core = SyncerCore(cfg, incarnation=secrets.token_hex(4))
         self._start_actions = self.core.start(time.monotonic(), self.store.load())  # may refuse (config conflict)
         self.sock: zmq.Socket | None = None
-        self.backlog = Backlog()
+        self.backlog: dict[bytes, deque[Parked]] = {}  # per destination, in order
         self.stopping: tuple[str, int] | None = None
+        self.signals = 0
         self.killed = False
+        self.kill_code = 137
         self.exit_code = 0
 
     # views for tests and logs
@@ -113,7 +107,7 @@ class Syncer:
                 signal.signal(s, h)
             self.store.close()
             sock.close(linger=0 if self.killed else LINGER_MS)
-        self.exit_code = self.core.exit_code if self.core.exit_code is not None else 1
+        self.exit_code = self.core.exit_code if self.core.exit_code is not None else self.kill_code
         return self.exit_code
 
     def _serve_loop(self, sock: zmq.Socket) -> None:
@@ -135,8 +129,10 @@ class Syncer:
             self._retry_backlog(now)
 
     def _on_signal(self, signum: int, frame) -> None:
-        if self.core.finished_at is not None and self.stopping is None:
-            self.killed = True  # a second signal: leave now
+        self.signals += 1
+        if self.signals > 1:
+            self.killed = True  # a second signal: leave now, without waiting for goodbyes
+            self.kill_code = 128 + signum
         self.stopping = (signal.Signals(signum).name, 128 + signum)
 
     def stop(self) -> None:
@@ -184,7 +180,7 @@ class Syncer:
                 self.store.tape.sync()
 
     def _send(self, p: Parked) -> bool:
-        q = self.backlog.queues.get(p.dest)
+        q = self.backlog.get(p.dest)
         if q:  # keep per-learner order: behind what is already parked
             self._park(p)
             return False
@@ -198,14 +194,14 @@ class Syncer:
             return False
 
     def _park(self, p: Parked) -> None:
-        q = self.backlog.queues.setdefault(p.dest, deque())
+        q = self.backlog.setdefault(p.dest, deque())
         q.append(p)
         while len(q) > MAX_BACKLOG_PER_PEER:
             self._dropped(q.popleft(), "too many messages waiting for this learner")
 
     def _retry_backlog(self, now: float) -> None:
-        for dest in list(self.backlog.queues):
-            q = self.backlog.queues[dest]
+        for dest in list(self.backlog):
+            q = self.backlog[dest]
             while q:
                 p = q[0]
                 try:
@@ -219,7 +215,7 @@ class Syncer:
                     q.popleft()
                     self._dropped(p, "not connected" if e.errno == zmq.EHOSTUNREACH else "its connection is full")
             if not q:
-                del self.backlog.queues[dest]
+                del self.backlog[dest]
 
     def _dropped(self, p: Parked, reason: str) -> None:
         self.store.append("send_dropped", {"peer": p.dest.decode(errors="replace")[:80], "type": p.type,

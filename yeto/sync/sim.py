@@ -29,6 +29,7 @@ import argparse
 import copy
 import heapq
 import json
+import math
 import random
 import sys
 import time
@@ -44,16 +45,20 @@ from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdi
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.layout import build_layout
 from yeto.sync.outer import outer_update
-from yeto.sync.protocol import (Message, array_digest, decode, decode_fragments, digest_bytes, encode,
+from yeto.sync.protocol import (Code, Message, array_digest, decode, decode_fragments, digest_bytes, encode,
                                 encode_fragments_ef, is_bulk)
-from yeto.sync.quant import ErrorFeedback
+from yeto.sync.quant import ErrorFeedback, QuantError
 
 TICK_S = 0.25  # how often each node's timers run (the real shells tick faster)
-FAULT_WINDOW_S = 90.0  # faults happen in [0, this); afterwards the fleet heals
+START_S = 2.0  # learners boot in [0, this)
+ROUND_OVERHEAD_S = 1.0  # messages and merge per round, roughly
+HORIZON_STRETCH = 1.5  # faults are drawn over this many times a fault-free run's length
 HEAL_BUDGET_S = 900.0  # once healed, the run must finish within this (simulated) time
 ADAPTER_SHAPES = {"m.layers.0.q.lora_A.default.weight": (2, 8), "m.layers.0.q.lora_B.default.weight": (8, 2),
                   "m.layers.1.q.lora_A.default.weight": (2, 8), "m.layers.1.q.lora_B.default.weight": (8, 2)}
 FRAGMENT_NUMEL = 24  # small fragments, so payloads span several frames
+POISON = -6e4  # fits the learners' fp16 block minimums, but not once the outer step scaled it: the merge fails
+POISON_WEIGHT = 1000  # ... provided it weighs enough in the merge: the poisoned step claims this many more tokens
 ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"], "task_type": "CAUSAL_LM"}
 LINK = LinkTimeouts(heartbeat_s=1.0, dead_after_s=4.0, give_up_s=600.0, backoff_base_s=0.2, backoff_max_s=2.0)
 PROGRESS_CHUNK = 50  # schedules per work unit (and per progress line)
@@ -80,16 +85,27 @@ class Schedule:
     p_drop: float
     p_dup: float
     p_slow_step: float
-    learner_kills: list[tuple[float, int, Optional[float]]]  # (at, learner, down for; None: for good)
+    # (at, learner, down for (None: for good), a zombie: the old process only sleeps and wakes up later)
+    learner_kills: list[tuple[float, int, Optional[float], bool]]
     syncer_kills: list[tuple[float, float, bool]]  # (at, down for, during the next event's actions)
     cuts: list[tuple[float, int, float]]  # (at, learner, for)
     pauses: list[tuple[float, int, float]]  # (at, node (-1: syncer), for)
+    stops: list[tuple[float, float]]  # (at, down for): SIGTERM the syncer, then relaunch the whole fleet
+    poison: Optional[tuple[float, int]]  # (at, learner): its next step jumps by POISON (a delta too big to merge)
+    max_inner_steps: list[int]  # per learner: 0, or a cap on its steps per round (a weaker island)
 
     @staticmethod
     def draw(seed: int) -> "Schedule":
+        """The fleet first, then faults spread over about the time that fleet needs to finish (faults after the end
+        test nothing), with downtimes that often outlast it."""
         rng = random.Random(seed)
         n = rng.randint(1, 4)
         quorum = rng.randint(1, n)
+        outer_steps, inner_steps = rng.randint(2, 6), rng.randint(1, 4)
+        round_seconds = rng.choice([0.0, 0.0, 0.0, 1.5])
+        step_s = [rng.uniform(0.05, 0.8) for _ in range(n)]
+        round_s = round_seconds or inner_steps * max(step_s)
+        horizon = START_S + outer_steps * (round_s + ROUND_OVERHEAD_S) * HORIZON_STRETCH
         lossy = rng.random() < 0.7
         permanent_budget = n - quorum
         kills = []
@@ -97,21 +113,24 @@ class Schedule:
             lid = rng.randrange(n)
             forever = permanent_budget > 0 and rng.random() < 0.2
             permanent_budget -= forever
-            kills.append((rng.uniform(0, FAULT_WINDOW_S), lid, None if forever else rng.uniform(0.5, 20.0)))
-        syncer_kills = [(rng.uniform(0, FAULT_WINDOW_S), rng.uniform(0.2, 25.0), rng.random() < 0.5)
+            kills.append((rng.uniform(0, horizon), lid, None if forever else rng.uniform(0.5, 20.0),
+                          rng.random() < 0.2))
+        syncer_kills = [(rng.uniform(0, horizon), rng.uniform(0.2, 25.0), rng.random() < 0.5)
                         for _ in range(rng.choice([0, 0, 1, 1, 2, 4]))]
-        cuts = [(rng.uniform(0, FAULT_WINDOW_S), rng.randrange(n), rng.uniform(0.5, 15.0))
+        cuts = [(rng.uniform(0, horizon), rng.randrange(n), rng.uniform(0.5, 15.0))
                 for _ in range(rng.choice([0, 1, 2, 4]))]
-        pauses = [(rng.uniform(0, FAULT_WINDOW_S), rng.randrange(-1, n), rng.uniform(0.5, 12.0))
+        pauses = [(rng.uniform(0, horizon), rng.randrange(-1, n), rng.uniform(0.5, 12.0))
                   for _ in range(rng.choice([0, 0, 1, 3]))]
+        stops = [(rng.uniform(0, horizon), rng.uniform(0.5, 10.0))] if rng.random() < 0.1 else []
+        poison = (rng.uniform(0, horizon), rng.randrange(n)) if rng.random() < 0.15 else None
         return Schedule(
-            seed=seed, learners=n, quorum=quorum, outer_steps=rng.randint(2, 5), inner_steps=rng.randint(1, 4),
-            round_seconds=rng.choice([0.0, 0.0, 0.0, 1.5]), sync_bits=rng.choice([4, 4, 8, 32]),
-            step_s=[rng.uniform(0.05, 0.8) for _ in range(n)],
+            seed=seed, learners=n, quorum=quorum, outer_steps=outer_steps, inner_steps=inner_steps,
+            round_seconds=round_seconds, sync_bits=rng.choice([4, 4, 8, 32]), step_s=step_s,
             latency_s=(rng.uniform(0.001, 0.05), rng.uniform(0.05, 0.6)),
             p_drop=rng.uniform(0.0, 0.08) if lossy else 0.0, p_dup=rng.uniform(0.0, 0.05) if lossy else 0.0,
             p_slow_step=rng.choice([0.0, 0.0, 0.02]), learner_kills=sorted(kills), syncer_kills=sorted(syncer_kills),
-            cuts=sorted(cuts), pauses=sorted(pauses))
+            cuts=sorted(cuts), pauses=sorted(pauses), stops=stops, poison=poison,
+            max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)])
 
     def syncer_config(self) -> SyncerConfig:
         return SyncerConfig(learners=self.learners, quorum=self.quorum, outer_steps=self.outer_steps,
@@ -131,18 +150,26 @@ class World:
         self.seq = 0
         self.trace = trace
         self.layout = build_layout({k: np.zeros(v, np.float32) for k, v in ADAPTER_SHAPES.items()}, FRAGMENT_NUMEL)
-        self.epoch: dict[tuple[int, str], int] = {}  # (learner, channel) -> connection epoch
+        self.epoch: dict[tuple[int, str], int] = {}  # (learner process, channel) -> connection epoch
         self.last_delivery: dict[tuple[int, str, str], float] = {}  # FIFO per connection and direction
+        self.net_ids = 0
         self.cut_until: dict[int, float] = {}
         self.globals: dict[int, tuple[str, np.ndarray]] = {}  # durable version -> (digest, adapter)
         self.payloads: dict[str, tuple[list, list[bytes]]] = {}  # delta digest -> (descs, frames)
         self.init_payloads: dict[str, np.ndarray] = {}  # global digest -> initial adapter
         self.acked: set[tuple[int, int, str]] = set()  # (round, learner, digest) of every ack a learner received
+        self.merged: set[tuple[int, int, str]] = set()  # (round, learner, digest) of the deltas in durable merges
+        self.parked: list[tuple] = []  # (process, channel, epoch, deliver) sent while the syncer was down
+        self.relaunches = 0  # fleet relaunches scheduled
+        self.stopped = False  # a fleet stop happened: learners told to stop are relaunched
         self.syncer = SimSyncer(self)
         self.learners = [SimLearner(self, i) for i in range(sched.learners)]
+        self.zombies: list[SimLearner] = []  # replaced learner processes that are still running
         # when the last fault is over (downtimes, cuts and freezes included), with room to reconnect
-        ends = [at + (down or 0.0) for at, _, down in sched.learner_kills] + [at + d for at, d, _ in sched.syncer_kills]
+        ends = [at + (down or 0.0) + (20.0 if zombie else 0.0) for at, _, down, zombie in sched.learner_kills]
+        ends += [at + d for at, d, _ in sched.syncer_kills]
         ends += [at + d for at, _, d in sched.cuts] + [at + d for at, _, d in sched.pauses]
+        ends += [at + d for at, d in sched.stops]
         self.healed_at = max(ends, default=0.0) + 5.0 + 2 * LINK.dead_after_s + LINK.backoff_max_s
 
     def log(self, text: str) -> None:
@@ -155,35 +182,47 @@ class World:
 
     # the network --------------------------------------------------------------------------
 
-    def link_epoch(self, lid: int, channel: str) -> int:
-        return self.epoch.get((lid, channel), 0)
+    def link_epoch(self, node: "SimLearner", channel: str) -> int:
+        return self.epoch.get((node.net_id, channel), 0)
 
-    def break_link(self, lid: int, channel: str, notify: bool = True) -> None:
-        self.epoch[(lid, channel)] = self.link_epoch(lid, channel) + 1
+    def break_link(self, node: "SimLearner", channel: str, notify: bool = True) -> None:
+        """The connection of one learner process breaks: what is in flight on it is lost."""
+        self.epoch[(node.net_id, channel)] = self.link_epoch(node, channel) + 1
         if notify:
-            self.learners[lid].on_link_lost()
+            node.on_link_lost()
 
-    def transmit(self, lid: int, channel: str, to_syncer: bool, parts: list[bytes],
+    def post(self, node: "SimLearner", to_syncer: bool, type_: str, header: dict[str, Any], frames: tuple[bytes, ...],
+             deliver: Callable[[list[bytes]], None]) -> None:
+        """Encode one message as the shells do and carry it on the connection its type travels on."""
+        parts = encode(type_, header, frames)
+        self.transmit(node, "bulk" if is_bulk(type_) else "control", to_syncer, parts, lambda: deliver(parts))
+
+    def transmit(self, node: "SimLearner", channel: str, to_syncer: bool, parts: list[bytes],
                  deliver: Callable[[], None]) -> None:
-        """Carry one message: lost with its connection, duplicated, delayed (FIFO per connection)."""
-        if self.now < self.cut_until.get(lid, -1.0):
-            self.break_link(lid, channel)
+        """Carry one message between the syncer and a learner process: lost with its connection, duplicated,
+        delayed (FIFO per connection). To a syncer that is down, ZeroMQ queues it and delivers it to the restarted
+        one, unless the learner reconnects first."""
+        if to_syncer and not self.syncer.up and not self.syncer.exited:
+            self.parked.append((node, channel, self.link_epoch(node, channel), deliver))
+            return
+        if self.now < self.cut_until.get(node.lid, -1.0):
+            self.break_link(node, channel)
             return
         if self.rng.random() < self.s.p_drop:
-            self.log(f"net: lost a message on learner {lid}'s {channel} connection")
-            self.break_link(lid, channel)
+            self.log(f"net: lost a message on learner {node.lid}'s {channel} connection")
+            self.break_link(node, channel)
             return
         lo, hi = self.s.latency_s
         nbytes = sum(len(p) for p in parts)
-        epoch = self.link_epoch(lid, channel)
+        epoch = self.link_epoch(node, channel)
         copies = 2 if self.rng.random() < self.s.p_dup else 1
         for _ in range(copies):
-            key = (lid, channel, "up" if to_syncer else "down")
+            key = (node.net_id, channel, "up" if to_syncer else "down")
             t = max(self.now + self.rng.uniform(lo, hi) + nbytes / 2e6, self.last_delivery.get(key, 0.0))
             self.last_delivery[key] = t
 
             def arrive(epoch=epoch) -> None:
-                if self.link_epoch(lid, channel) == epoch and self.now >= self.cut_until.get(lid, -1.0):
+                if self.link_epoch(node, channel) == epoch and self.now >= self.cut_until.get(node.lid, -1.0):
                     deliver()
 
             self.at(t, arrive)
@@ -195,27 +234,89 @@ class World:
         self.syncer.boot()
         for i, lrn in enumerate(self.learners):
             self.at(self.rng.uniform(0.0, 2.0), lrn.boot)
-        for at, lid, down in s.learner_kills:
-            self.at(at, lambda lid=lid, down=down: self.learners[lid].kill(down))
+        for at, lid, down, zombie in s.learner_kills:
+            if zombie and down is not None:
+                self.at(at, lambda lid=lid, down=down: self.zombify(lid, down, down + self.rng.uniform(2.0, 20.0)))
+            else:
+                self.at(at, lambda lid=lid, down=down: self.learners[lid].kill(down))
         for at, down, during in s.syncer_kills:
             self.at(at, lambda down=down, during=during: self.syncer.kill(down, during))
         for at, lid, dur in s.cuts:
             self.at(at, lambda lid=lid, dur=dur: self.cut(lid, dur))
         for at, node, dur in s.pauses:
             self.at(at, lambda node=node, dur=dur: (self.syncer if node < 0 else self.learners[node]).pause(dur))
+        for at, down in s.stops:
+            self.at(at, lambda down=down: self.stop_fleet(down))
+        if s.poison is not None:
+            at, lid = s.poison
+            self.at(at, lambda: setattr(self.learners[lid], "poison_next_step", True))
+
+    def processes(self) -> list["SimLearner"]:
+        return self.learners + self.zombies
+
+    def node_for(self, peer: str) -> Optional["SimLearner"]:
+        """The learner process (current, or a zombie) holding the session a peer id names, if any is alive."""
+        for lrn in self.processes():
+            if lrn.alive and lrn.core is not None and lrn.peer == peer:
+                return lrn
+        return None
+
+    def zombify(self, lid: int, down: float, frozen: float) -> None:
+        """A learner "killed" that was only frozen (a VM paused, not gone): its replacement starts after `down`,
+        and the old process wakes up after `frozen`, still holding its old session."""
+        old = self.learners[lid]
+        if old.ended or not old.alive:
+            return
+        self.log(f"learner {lid}: replaced (back in {down:.1f}s) while the old process sleeps {frozen:.1f}s")
+        old.pause(frozen)
+        new = SimLearner(self, lid)
+        self.learners[lid] = new
+        self.zombies.append(old)
+        self.at(self.now + down, new.boot)
+
+    def unpark(self) -> None:
+        """The syncer is back: what learners queued for it (on connections they kept) goes through, first."""
+        parked, self.parked = self.parked, []
+        for node, channel, epoch, deliver in parked:
+            if self.link_epoch(node, channel) == epoch:
+                self.transmit(node, channel, True, [], deliver)
+
+    def stop_fleet(self, down: float) -> None:
+        """SIGTERM the syncer (it finishes every learner), then relaunch the syncer and the learners."""
+        if not self.syncer.up or self.syncer.exited:
+            return
+        self.log("fleet: SIGTERM the syncer")
+        self.syncer.execute(self.syncer.core.stop(self.now, "SIGTERM", 143))
+        self.relaunches += 1
+        self.stopped = True
+        self.at(self.now + down, self.relaunch)
+
+    def relaunch(self) -> None:
+        self.log("fleet: relaunch")
+        self.relaunches -= 1
+        if self.syncer.up and not self.syncer.exited:
+            self.syncer._die()
+        self.syncer.exited, self.syncer.exited_at = False, math.inf
+        self.syncer.boot()
+        for lrn in self.learners:
+            if lrn.ended and not lrn.dead_for_good and not lrn.alive:
+                lrn.ended = False
+                self.at(self.now + self.rng.uniform(0.0, 2.0), lrn.boot)
 
     def cut(self, lid: int, dur: float) -> None:
         self.log(f"net: learner {lid}'s link cut for {dur:.1f}s")
         self.cut_until[lid] = max(self.cut_until.get(lid, 0.0), self.now + dur)
-        for ch in ("control", "bulk"):
-            self.break_link(lid, ch)
+        for node in self.processes():
+            if node.lid == lid:
+                for ch in ("control", "bulk"):
+                    self.break_link(node, ch)
 
     def finished(self) -> bool:
-        return self.syncer.exited and all(lrn.ended for lrn in self.learners)
+        return self.syncer.exited and all(lrn.ended for lrn in self.processes()) and not self.relaunches
 
     def run(self) -> None:
         self.setup()
-        deadline = FAULT_WINDOW_S + HEAL_BUDGET_S
+        deadline = self.healed_at + HEAL_BUDGET_S
         while self.queue and not self.finished():
             t, _, fn = heapq.heappop(self.queue)
             if t > deadline:
@@ -233,7 +334,7 @@ class World:
             "syncer": {"up": self.syncer.up, "exited": self.syncer.exited, "version": c.version if c else None,
                        "round": r.number if r else None, "pending": sorted(c.pending) if c else None,
                        "live": sorted(m.learner for m in c._live()) if c else None},
-            "learners": [lrn.status() for lrn in self.learners]})
+            "learners": [lrn.status() for lrn in self.processes()]})
 
     # checks ---------------------------------------------------------------------------------
 
@@ -262,15 +363,23 @@ class World:
             raise Violation(f"audit: {report.violation}")
         core = self.syncer.core
         final = core.run
-        if self.syncer.exit_code != 0 or final is None or final.version < self.s.outer_steps:
+        if self.syncer.exit_code != 0 or final is None or final.version < core.cfg.outer_steps:
             raise Violation(f"the syncer ended with code {self.syncer.exit_code} at version "
-                            f"{final.version if final else None} of {self.s.outer_steps}")
-        for lrn in self.learners:
-            for done, holds, at in lrn.results:
+                            f"{final.version if final else None} of {core.cfg.outer_steps}")
+        for lrn in self.processes():
+            for done, holds, at, booted in lrn.results:
                 if done.complete and not (holds[0] == final.version and np.array_equal(holds[1], final.global_)):
                     raise Violation(f"learner {lrn.lid} finished holding version {holds[0]}, not the final "
                                     f"version {final.version} bit for bit")
-                if not done.complete and not done.error and at > self.healed_at:
+                # excused: it (re)started after the run was over, or the run ended while faults still cut it off
+                # (a finished syncer waits for silent learners, but not forever)
+                # or a zombie (its replacement holds the id; it may be told so, or give up)
+                # or one kept out because a newer process holds its learner id
+                excused = (booted > self.syncer.exited_at or self.syncer.exited_at < self.healed_at
+                           or lrn in self.zombies or done.code == Code.BUSY)
+                if done.error and not excused:
+                    raise Violation(f"learner {lrn.lid} ended in error at t={at:.1f}s: {done.reason}")
+                if not done.complete and not done.error and at > self.healed_at and lrn not in self.zombies:
                     raise Violation(f"learner {lrn.lid} ended at t={at:.1f}s, with the network healthy since "
                                     f"t={self.healed_at:.1f}s, without the final adapter: {done.reason}")
         fold = TapeFold()
@@ -336,7 +445,10 @@ class SimSyncer:
         self.core: Optional[SyncerCore] = None
         self.up = False
         self.exited = False
+        self.exited_at = math.inf
         self.exit_code: Optional[int] = None
+        self.outer_steps = 0  # restarts may raise --outer-steps, never lower it
+        self.last_merge: Optional[dict[str, Any]] = None
         self.life = 0
         self.paused_until = 0.0
         self.cut_short: Optional[type] = None  # a kill waits for the next event with this durable action
@@ -349,7 +461,13 @@ class SimSyncer:
             self._die()
         self.life += 1
         self.up = True
-        self.core = SyncerCore(w.s.syncer_config(), incarnation=f"{w.rng.getrandbits(32):08x}")
+        cfg = w.s.syncer_config()
+        ck = self.disk.checkpoint
+        if ck is not None and ck.version < cfg.outer_steps and w.rng.random() < 0.3:  # restarted with other flags
+            cfg.quorum = w.rng.randint(1, cfg.quorum)
+            cfg.outer_steps = self.outer_steps = max(self.outer_steps, cfg.outer_steps + w.rng.randint(0, 1))
+        cfg.outer_steps = max(cfg.outer_steps, self.outer_steps)
+        self.core = SyncerCore(cfg, incarnation=f"{w.rng.getrandbits(32):08x}")
         notes = [Record("tape_repair", {"dropped_bytes": 17})] if self.disk.torn else []
         self.disk.torn = False
         durable = Durable(copy.deepcopy(self.disk.checkpoint), [copy.copy(d) for d in self.disk.deltas.values()],
@@ -358,6 +476,7 @@ class SimSyncer:
               f"{durable.checkpoint.version if durable.checkpoint else None}")
         self.execute(self.core.start(w.now, durable))
         self.schedule_tick(self.life)
+        w.unpark()
 
     def schedule_tick(self, life: int) -> None:
         self.w.at(self.w.now + TICK_S, lambda: self.guarded(life, lambda: self.execute(self.core.tick(self.w.now)),
@@ -407,20 +526,24 @@ class SimSyncer:
         w = self.w
         for a in actions:
             if isinstance(a, Send):
-                lid = int(a.peer.split("-")[1])
-                parts = encode(a.type, a.header, a.frames)
-                channel = "bulk" if is_bulk(a.type) else "control"
                 w.log(f"syncer -> {a.peer}: {a.type} {_brief(a.header)}")
-                to = w.learners[lid]
-                w.transmit(lid, channel, False, parts, lambda to=to, parts=parts, peer=a.peer: to.deliver(peer, parts))
+                node = w.node_for(a.peer)
+                if node is not None:  # (to a process that is gone: ZeroMQ has no pipe for it)
+                    w.post(node, False, a.type, a.header, a.frames,
+                           lambda parts, node=node, peer=a.peer: node.deliver(peer, parts))
             elif isinstance(a, Record):
                 self.disk.append(a.event, a.fields, w.now)
+                if a.event == "merge":
+                    self.last_merge = a.fields
                 if a.event in ("merge", "rollback", "discard", "resume", "refuse_delta", "finish"):
                     w.log(f"tape: {a.event} {_brief(a.fields)}")
             elif isinstance(a, SaveCheckpoint):
                 self.disk.sync()
                 self.disk.checkpoint = copy.deepcopy(a.checkpoint)
                 w.note_durable(a.checkpoint)
+                m = self.last_merge
+                if m is not None and m["version"] == a.checkpoint.version:
+                    w.merged.update((m["round"], lid, d) for lid, d in zip(m["responders"], m["deltas"]))
             elif isinstance(a, SaveDelta):
                 self.disk.sync()
                 d = copy.copy(a.delta)
@@ -434,6 +557,7 @@ class SimSyncer:
             elif isinstance(a, Exit):
                 self.disk.sync()
                 self.exited = True
+                self.exited_at = w.now
                 self.exit_code = a.code
                 w.log(f"syncer: exit {a.code}")
                 return
@@ -463,9 +587,9 @@ class SimSyncer:
         self.cut_short = None
         self.life += 1
         self.disk.crash(w.rng)
-        for lid in range(len(w.learners)):
+        for node in w.processes():
             for ch in ("control", "bulk"):
-                w.break_link(lid, ch)
+                w.break_link(node, ch)
 
     def pause(self, dur: float) -> None:
         self.w.log(f"syncer: frozen for {dur:.1f}s")
@@ -494,6 +618,8 @@ class SimLearner:
     def __init__(self, world: World, lid: int):
         self.w = world
         self.lid = lid
+        world.net_ids += 1
+        self.net_id = world.net_ids
         self.core: Optional[LearnerCore] = None
         self.island: Optional[SimIsland] = None
         self.alive = False
@@ -501,6 +627,10 @@ class SimLearner:
         self.life = 0
         self.paused_until = 0.0
         self.stepping = False
+        self.booted_at = 0.0
+        self.dead_for_good = False
+        self.poison_next_step = False
+        self.pushes: list[tuple[tuple[int, int, str], np.ndarray]] = []  # this session's deltas, for the oracle
         self.steps = 0
         self.stats: dict[str, float] = {}
         self.results: list[tuple[Done, tuple[int, np.ndarray]]] = []
@@ -522,10 +652,13 @@ class SimLearner:
             return
         self.life += 1
         self.alive = True
+        self.booted_at = w.now
         self.stepping = False
         self.island = SimIsland(self.lid, w.layout.numel, w.s.seed)
         self.core = LearnerCore(self.lid, "sim", w.layout, self.island.flat.copy(), ADAPTER_CONFIG, {"sim": w.s.seed},
-                                random.Random(w.rng.getrandbits(64)), LINK)
+                                random.Random(w.rng.getrandbits(64)), LINK, w.s.max_inner_steps[self.lid],
+                                started_at_us=int(w.now * 1e6))
+        self.pushes = []
         w.log(f"learner {self.lid}: boot (life {self.life}, session {self.core.session})")
         self.execute(self.core.connected_now(w.now))
         self.schedule_tick(self.life)
@@ -572,15 +705,12 @@ class SimLearner:
         w = self.w
         for a in actions:
             if isinstance(a, Out):
-                parts = encode(a.type, a.header, a.frames)
-                channel = "bulk" if is_bulk(a.type) else "control"
                 w.log(f"learner {self.lid} -> {a.type} {_brief(a.header)}")
-                peer = self.peer
-                w.transmit(self.lid, channel, True, parts, lambda parts=parts, peer=peer: (
+                w.post(self, True, a.type, a.header, a.frames, lambda parts, peer=self.peer: (
                     w.syncer.guarded(w.syncer.life, lambda: w.syncer.receive(peer, parts))))
             elif isinstance(a, Reconnect):
                 for ch in ("control", "bulk"):
-                    w.break_link(self.lid, ch, notify=False)
+                    w.break_link(self, ch, notify=False)
                 life = self.life
                 w.at(w.now + a.delay_s, lambda: self.guarded(life, lambda: self.execute(
                     self.core.connected_now(self.w.now))))
@@ -597,11 +727,15 @@ class SimLearner:
             return
         if isinstance(task, Done):
             self.results.append((task, (self.core.version, None if self.core.global_ is None else
-                                        self.core.global_.copy()), self.w.now))
+                                        self.core.global_.copy()), self.w.now, self.booted_at))
             self.w.log(f"learner {self.lid}: done ({task.reason}; complete={task.complete}, error={task.error})")
             self.execute(self.core.leave("done"))
             self.alive = False
             self.ended = True
+            current = self.w.learners[self.lid] is self  # a zombie's slot belongs to its replacement
+            if self.w.stopped and current and not task.complete and not task.error:  # told to stop: relaunched
+                self.ended = False
+                self.w.at(self.w.now + self.w.rng.uniform(1.0, 5.0), self.boot)
             return
         assert isinstance(task, Train)
         self.island.flat = task.adapter.copy()
@@ -622,6 +756,11 @@ class SimLearner:
     def step_done(self) -> None:
         w = self.w
         s = self.island.step()
+        if self.poison_next_step:
+            self.poison_next_step = False
+            self.island.flat = self.island.flat + np.float32(POISON)
+            s = {k: v * POISON_WEIGHT if k != "loss" else v for k, v in s.items()}  # and it claims most of the weight
+            w.log(f"learner {self.lid}: a poisoned step (+{POISON:g})")
         self.steps += 1
         for k in ("tokens", "loss_tokens"):
             self.stats[k] += s[k]
@@ -633,34 +772,56 @@ class SimLearner:
         self.stepping = False
         if verdict is Verdict.PUSH:
             t = self.core.training
+            bits = int(self.core.policy["sync_bits"])
             w.check_base(self.lid, t.base_version, t.base)
+            self.check_residual(bits)
+            x = self.island.flat - t.base
             expect = ErrorFeedback(w.layout.numel)
             expect.residual = self.core.ef.residual
-            _, frames, _ = encode_fragments_ef(w.layout, self.island.flat - t.base, int(self.core.policy["sync_bits"]),
-                                               expect)
+            try:
+                _, frames, _ = encode_fragments_ef(w.layout, x, bits, expect)
+            except QuantError:
+                frames = None  # the learner cannot send it either: it drops the round
             actions = self.core.push(self.island.flat.copy(), int(self.stats["tokens"]), int(self.stats["loss_tokens"]),
                                      self.steps, self.stats["loss"], 0.0)
             sent = [a for a in actions if isinstance(a, Out) and a.type == "delta"]
-            if sent and list(sent[0].frames) != list(frames):
+            if (frames is None) != (not sent) or (sent and list(sent[0].frames) != list(frames)):
                 raise Violation(f"learner {self.lid}'s delta for round {t.round} is not its adapter minus the "
                                 f"version {t.base_version} it trained from")
+            if sent:
+                self.pushes.append(((t.round, self.lid, self.core.pushed.digest), x))
             self.execute(actions)
         elif verdict is Verdict.ABANDON:
             w.log(f"learner {self.lid}: abandoned the round after {self.steps} steps")
         self.wake()
 
+    def check_residual(self, bits: int) -> None:
+        """The error-feedback residual carries exactly the quantization error of this session's merged deltas
+        (an oracle that knows, from the syncer's disk, which of them were merged)."""
+        r = np.zeros(self.w.layout.numel, np.float32)
+        pieces = [(f.start, f.numel) for f in self.w.layout.fragments]
+        for key, x in self.pushes:
+            if key in self.w.merged:
+                ef = ErrorFeedback(self.w.layout.numel)
+                ef.residual = r
+                ef.encode(x, bits, pieces)
+                r = ef.residual
+        if not np.array_equal(r, self.core.ef.residual):
+            raise Violation(f"learner {self.lid}'s error-feedback residual does not follow what was merged "
+                            f"(off by {float(np.abs(r - self.core.ef.residual).max()):.3g})")
+
     # faults ---------------------------------------------------------------------------------
 
     def kill(self, down: Optional[float]) -> None:
-        if self.ended:
+        if self.ended or not self.alive:  # nothing running to kill (it is down, or not started yet)
             return
         self.w.log(f"learner {self.lid}: KILLED ({'for good' if down is None else f'back in {down:.1f}s'})")
         self.alive = False
         self.life += 1
         for ch in ("control", "bulk"):
-            self.w.break_link(self.lid, ch, notify=False)
+            self.w.break_link(self, ch, notify=False)
         if down is None:
-            self.ended = True
+            self.ended = self.dead_for_good = True
         else:
             self.w.at(self.w.now + down, self.boot)
 

@@ -110,7 +110,8 @@ class DiskStore:
         meta = {"format": STATE_FORMAT, "version": str(ck.version), "layout": json.dumps(ck.layout.to_json()),
                 "adapter_config": json.dumps(ck.adapter_config), "provenance": json.dumps(ck.provenance),
                 "config": json.dumps(ck.config), "digest": ck.digest, "members": json.dumps(ck.members),
-                "last_merged": json.dumps({str(k): v for k, v in ck.last_merged.items()}),
+                "merged": json.dumps({str(k): v for k, v in ck.merged.items()}),
+                "retired": json.dumps({str(k): v for k, v in ck.retired.items()}),
                 "check": _state_check(ck.global_, ck.momentum, ck.residual)}
         state = self.out / STATE_FILE
         if state.exists():  # keep the one before as a fallback: link it aside first, so a state file always exists
@@ -171,7 +172,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(int(meta["version"]), layout_from_json(json.loads(meta["layout"])),
                       json.loads(meta["adapter_config"]), json.loads(meta["provenance"]), arrays["global"],
                       arrays["momentum"], arrays["residual"], meta["digest"], json.loads(meta["config"]),
-                      json.loads(meta["members"]), {int(k): v for k, v in json.loads(meta["last_merged"]).items()})
+                      json.loads(meta["members"]), {int(k): v for k, v in json.loads(meta["merged"]).items()},
+                      {int(k): v for k, v in json.loads(meta.get("retired", "{}")).items()})
 
 
 def read_delta(path: Path) -> AcceptedDelta:

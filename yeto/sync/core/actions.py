@@ -100,7 +100,8 @@ class Checkpoint:
     digest: str
     config: dict[str, Any]
     members: list[int]  # learner ids that ever joined: after a restart the round waits a while for them
-    last_merged: dict[int, list]  # learner -> [round, delta digest] of its last merged delta
+    merged: dict[int, list]  # learner id -> [[round, delta digest], ...] of its latest merged deltas
+    retired: dict[int, list[str]] = field(default_factory=dict)  # learner -> sessions a newer one took over
 
 
 @dataclass

@@ -34,8 +34,8 @@ import numpy as np
 
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
 from yeto.sync.layout import Layout
-from yeto.sync.protocol import (Code, FINAL_CODES, Message, ProtocolError, array_digest, decode_fragments,
-                                digest_bytes, encode_fragments, encode_fragments_ef)
+from yeto.sync.protocol import (CLOCK_JUMP_S, FINAL_CODES, Code, Message, ProtocolError, array_digest,
+                                decode_fragments, digest_bytes, encode_fragments, encode_fragments_ef, session_id)
 from yeto.sync.quant import ErrorFeedback, QuantError, dequantize
 
 HELLO_RETRY_HEARTBEATS = 2  # not welcomed after this many heartbeats: say hello again
@@ -51,8 +51,6 @@ class LinkTimeouts:
     give_up_s: float = 1800.0  # silence after which the learner gives up (saving its adapter)
     backoff_base_s: float = 0.5  # reconnect backoff: uniform in [0, min(max, base * 2**attempt)]
     backoff_max_s: float = 30.0
-
-
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -77,6 +75,7 @@ class Done:
     reason: str
     complete: bool = False  # the syncer finished the run (not stopped early)
     error: bool = False  # refused, or gave up: the learner exits non-zero
+    code: str = ""  # why it was refused (a protocol.Code), if it was
 
 
 Task = Union[Wait, Train, Done]
@@ -109,12 +108,15 @@ class Pushed:
     residual_before: np.ndarray = field(repr=False)
     acked: bool = False
     resend: bool = False  # a connection broke before the ack: send again when the syncer is heard from
+    stale: bool = False  # refused as stale while its round was not open: send again once a pong says it is
 
 
 class LearnerCore:
     def __init__(self, learner_id: int, backend: str, layout: Layout, init_flat: np.ndarray,
                  adapter_config: dict[str, Any], provenance: dict[str, Any], rng: random.Random,
-                 timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0):
+                 timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0, started_at_us: int = 0):
+        """`started_at_us`: wall-clock start of this process (microseconds); it orders two sessions of one learner
+        id, so that a delayed hello from a process that died never takes the id from the one that replaced it."""
         self.learner_id = learner_id
         self.backend = backend
         self.layout = layout
@@ -124,7 +126,7 @@ class LearnerCore:
         self.rng = rng
         self.t = timeouts
         self.max_inner_steps = max_inner_steps
-        self.session = f"{rng.getrandbits(64):016x}"
+        self.session = session_id(started_at_us, rng)
         self.ef = ErrorFeedback(layout.numel)
         # the link
         self.connected = False
@@ -154,7 +156,10 @@ class LearnerCore:
         self.finish: Optional[dict[str, Any]] = None
         self.finish_at = 0.0
         self.refused: Optional[str] = None
+        self.refused_code = ""
+        self.busy = False  # the syncer's last word: another, newer session holds our learner id
         self.gave_up: Optional[str] = None
+        self.last_tick = math.inf  # (no jump before the first tick)
         self.out: list[LearnerAction] = []
 
     # ------------------------------------------------------------------ link events
@@ -188,7 +193,7 @@ class LearnerCore:
         self.last_heard = self.silent_since = now
         self.attempt = 0
         p = self.pushed
-        if p is not None and p.resend and not p.acked and self.finish is None:
+        if p is not None and p.resend and not p.acked and self.joined and self.finish is None:
             p.resend = False
             self._resend_pushed()
         if self.resend_init and self.init_sent is not None and not self.joined:
@@ -198,14 +203,20 @@ class LearnerCore:
             getattr(self, f"_on_{msg.type}", self._on_other)(msg, now)
         except ProtocolError as e:  # a payload that does not fit our layout: ignore it, catch up from versions
             self._log("warning", f"ignoring a {msg.type} from the syncer: {e}")
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # a header we cannot use: same
+            self._log("warning", f"ignoring a malformed {msg.type} from the syncer: {e!r}")
         return self._flush()
 
     def tick(self, now: float) -> list[LearnerAction]:
         self.out = []
+        gap, self.last_tick = now - self.last_tick, now
+        if gap > CLOCK_JUMP_S:  # we were not running (a laptop asleep): the syncer was not silent meanwhile
+            self.last_heard += gap
         if self.refused or self.gave_up or not self.connected:
             return self._flush()
         if self.silent_since is not None and now - self.silent_since > self.t.give_up_s:
-            self.gave_up = f"the syncer has been unreachable for {now - self.silent_since:.0f}s; giving up"
+            self.gave_up = f"the syncer has been unreachable for {now - self.silent_since:.0f}s; giving up" + (
+                f" (another process held learner id {self.learner_id})" if self.busy else "")
             self._log("error", self.gave_up)
             return self._flush()
         if now - self.last_heard > self.t.dead_after_s:
@@ -233,9 +244,9 @@ class LearnerCore:
     def next_task(self, now: float) -> Task:
         """What the training loop should do now."""
         if self.refused:
-            return Done(self.refused, error=True)
+            return Done(self.refused, error=True, code=self.refused_code)
         if self.gave_up:
-            return Done(self.gave_up, error=True)
+            return Done(self.gave_up, error=True, code=Code.BUSY if self.busy else "")
         if self.finish is not None:
             caught_up = self.version >= self.finish["version"] and not self.need_state
             if caught_up:
@@ -340,13 +351,14 @@ class LearnerCore:
         self.next_sync_at = now + min(4 * self.t.dead_after_s, 2 * self.heartbeat_s * (2 ** self.sync_attempt))
         self.sync_attempt += 1
 
-    def _adopt(self, version: int, flat: np.ndarray, digest: str, merged: list[str]) -> None:
-        """Hold a new global adapter; settle the pushed delta by whether it was among the merged ones."""
+    def _adopt(self, version: int, flat: np.ndarray, digest: str, merged: list[list]) -> None:
+        """Hold a new global adapter; settle the pushed delta by whether it was among the merged ones
+        (`merged`: [round, digest] of this learner id's merged deltas the syncer told us about)."""
         self.global_, self.version, self.digest = flat, version, digest
         self.need_state = False
         p = self.pushed
         if p is not None and p.base_version != version:
-            if p.digest not in merged:
+            if [p.round, p.digest] not in merged:
                 self.ef.residual = p.residual_before  # it never counted: its quantization error is not ours to carry
             self.pushed = None
         if self.contributed is not None and self.contributed[1] != version:
@@ -361,11 +373,22 @@ class LearnerCore:
             self.sync_attempt = 0
             self.next_sync_at = -math.inf
 
-    def _settle_refused(self, h: dict[str, Any]) -> None:
+    def _settle_refused(self, code: str, h: dict[str, Any]) -> None:
+        """Our delta for (round, base_version) did not count: give its residual back. But "stale" is final only
+        when the syncer is behind its base (it rolled back): if it has merged the round since, the broadcast or
+        state says whether ours was in; if the round is not open yet (a restarted syncer), it will be, and the
+        delta goes again then (a copy sent meanwhile may even be accepted)."""
+        where = [h.get("round"), h.get("base_version")]
+        if code != Code.STALE and self.contributed is not None and list(self.contributed) == where:
+            self.contributed = None  # an earlier session's delta was refused: this session trains the round itself
         p = self.pushed
-        if p is not None and h.get("round") == p.round and h.get("base_version") == p.base_version:
-            self.ef.residual = p.residual_before
-            self.pushed = None
+        if p is None or [p.round, p.base_version] != where or h.get("digest", p.digest) != p.digest:
+            return  # not about the delta we hold (e.g. an earlier push of this round)
+        if code == Code.STALE and h.get("version", -1) >= p.base_version:
+            p.acked, p.stale = False, True
+            return
+        self.ef.residual = p.residual_before
+        self.pushed = None
 
     def _set_open_round(self, r: dict[str, Any]) -> None:
         cur = self.open_round
@@ -380,6 +403,7 @@ class LearnerCore:
     def _on_welcome(self, msg: Message, now: float) -> None:
         h = msg.header
         self.joined = True
+        self.busy = False
         self.init_sent = None
         self.incarnation = h["incarnation"]
         self.policy = h["policy"]
@@ -423,6 +447,9 @@ class LearnerCore:
             return
         self.syncer_version = max(self.syncer_version, h["version"])
         self._set_open_round(h)
+        p = self.pushed
+        if p is not None and [p.round, p.base_version] == [h["round"], h["version"]]:
+            self._resend_pushed()  # the syncer announces a round only to those whose delta it lacks
         self._maybe_sync(now)
 
     def _on_broadcast(self, msg: Message, now: float) -> None:
@@ -437,7 +464,8 @@ class LearnerCore:
             self._log("warning", f"broadcast {h['version']} does not reproduce the syncer's adapter "
                                  f"({digest} != {h['digest']}): asking for the full state")
             return
-        self._adopt(h["version"], flat, digest, list(h["deltas"]))
+        mine = [[h["round"], d] for lid, d in zip(h["responders"], h["deltas"]) if lid == self.learner_id]
+        self._adopt(h["version"], flat, digest, mine)
 
     def _on_state(self, msg: Message, now: float) -> None:
         h = msg.header
@@ -447,9 +475,8 @@ class LearnerCore:
         if array_digest(flat) != h["digest"]:
             self._log("warning", f"state {h['version']} arrived damaged; asking again")
             return
-        merged = [h["last_merged"][1]] if h["last_merged"] else []
         self.syncer_version = max(self.syncer_version, h["version"])
-        self._adopt(h["version"], flat, h["digest"], merged)
+        self._adopt(h["version"], flat, h["digest"], [list(x) for x in h["merged"]])
 
     def _on_pong(self, msg: Message, now: float) -> None:
         h = msg.header
@@ -457,6 +484,9 @@ class LearnerCore:
             return  # from a syncer process that is gone
         self.syncer_version = max(self.syncer_version, h["version"])
         p = self.pushed
+        c = self.contributed
+        if c is not None and h["round_open"] and [h["round"], h["version"]] == list(c) and not h["contributed"]:
+            self.contributed = None  # the earlier session's delta is gone (refused): this session trains the round
         if h["round_open"] and h["version"] >= self.version:  # (trained once we hold that version)
             mine = p is not None and p.round == h["round"]
             if not mine and not (self.contributed and self.contributed[0] == h["round"]) and (
@@ -464,8 +494,17 @@ class LearnerCore:
                 self._set_open_round({"round": h["round"], "version": h["version"],
                                       "inner_steps": self.policy.get("inner_steps", 1),
                                       "round_seconds": self.policy.get("round_seconds", 0.0)})
-            if p is not None and h["have_delta"] and [p.round, p.base_version] == [h["round"], h["version"]]:
-                p.acked = True  # (a pong without it proves nothing: the delta may still be on its way)
+            if p is not None and [p.round, p.base_version] == [h["round"], h["version"]]:
+                if h["have_delta"]:
+                    p.acked = True  # (a pong without it proves nothing: the delta may still be on its way ...)
+                elif p.stale:  # (... unless the syncer told us it had no round for it: now it has)
+                    p.stale = False
+                    self._resend_pushed()
+                elif p.acked and not h["contributed"]:  # it had it (acked: saved), and with the round still open it
+                    # holds nothing from us any more: refused (the error saying so was lost). A pong sent after the
+                    # ack is received after it (one connection, in order), so it is not news from before the delta.
+                    self.ef.residual = p.residual_before
+                    self.pushed = None
         self._maybe_sync(now)
 
     def _on_ack(self, msg: Message, now: float) -> None:
@@ -479,19 +518,26 @@ class LearnerCore:
         code = h["code"]
         if code == Code.NOT_JOINED:
             self.init_sent = None  # a syncer that forgot us forgot any founding upload too: upload again if asked
+            if self.pushed is not None:
+                self.pushed.resend = True  # and maybe our delta: the welcome or the round says
             if self.joined or now - self.hello_at >= self.heartbeat_s:
                 self.joined = False
                 self._hello(now)
         elif code in FINAL_CODES:
-            self.refused = h["reason"]
+            self.refused, self.refused_code = h["reason"], code
+        elif code == Code.BUSY:
+            self.joined = False  # hello again later: the session holding our id may be a dead one
+            self.busy = True
+            self._log("warning", h["reason"])
         elif code in (Code.STALE, Code.REFUSED, Code.DUPLICATE):
-            self._settle_refused(h)
+            self._settle_refused(code, h)
             self._log("warning", f"delta not counted ({code}): {h['reason']}")
         else:
             self._log("warning", f"syncer error ({code}): {h['reason']}")
 
     def _on_refuse(self, msg: Message, now: float) -> None:
         self.refused = f"the syncer refused this learner: {msg.header['reason']}"
+        self.refused_code = msg.header["code"]
         self._log("error", self.refused)
 
     def _on_finish(self, msg: Message, now: float) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -39,7 +39,7 @@ from yeto.sync.layout import Layout, layout_from_json, layout_mismatch
 from yeto.sync.outer import outer_update
 from yeto.sync.protocol import (DEFAULT_MAX_MESSAGE_MB, Code, Message, ProtocolError, array_digest, decode,
                                 decode_fragments, digest_bytes, encode_fragments, encode_fragments_ef, message_size,
-                                truncate)
+                                CLOCK_JUMP_S, session_start, truncate)
 from yeto.sync.quant import BITS, ErrorFeedback, QuantError
 
 QUORUM_WAIT_LOG_S = 15.0  # how often a round short of quorum says whom it waits for
@@ -47,6 +47,7 @@ PROGRESS_LOG_S = 60.0  # how often a slow round says whom it waits for
 WINDOW_GRACE_CAP_S = 30.0  # a time-window round waits at most this long past its window (or --straggler-timeout)
 HEARTBEATS_PER_TIMEOUT = 4  # learners ping this many times per --learner-timeout
 FINISH_LINGER_TIMEOUTS = 10  # after the finish, serve stragglers at most this many --learner-timeouts
+FINISH_GRACE_TIMEOUTS = 3  # ... and wait for a learner gone silent (asleep?) until it is silent this many
 STOP_LINGER_S = 10.0  # after a signal, wait at most this long for learners to say goodbye
 MAX_TOKENS_PER_DELTA = 1 << 40  # beyond any real round: a larger claim is refused
 MAX_INNER_STEPS_PER_DELTA = 10**7
@@ -54,7 +55,10 @@ MAX_ADAPTER_CONFIG_BYTES = 64 << 10
 MAX_PROVENANCE_BYTES = 256 << 10
 MAX_SESSION_CHARS = 64
 MAX_BACKEND_CHARS = 32
+MAX_LEARNER_ID = (1 << 31) - 1
+MAX_KNOCKING = 4096  # learner ids remembered as trying to rejoin
 MAX_RETIRED_SESSIONS = 8  # per learner id: older sessions that get "superseded" instead of "say hello"
+MERGED_HISTORY = 16  # per learner id, its latest merged deltas: one back from a long absence learns which counted
 # what a restart may not change: the run's math and its wire format depend on them
 CONTRACT_FIELDS = ("sync_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds")
 
@@ -127,6 +131,7 @@ class Member:
     last_seen: float
     active: bool = True
     welcomed: bool = False
+    left: bool = False  # said goodbye (not just went silent)
 
 
 @dataclass
@@ -136,6 +141,7 @@ class OpenRound:
     opened_at: float
     quorum_at: Optional[float] = None
     last_wait_log: float = -math.inf
+    refused: set[str] = field(default_factory=set)  # digests of deltas its merge refused
 
 
 @dataclass
@@ -174,8 +180,9 @@ class SyncerCore:
         self.ef: Optional[ErrorFeedback] = None
         self.members: dict[int, Member] = {}
         self.retired: dict[int, list[str]] = {}  # learner id -> its sessions that a newer one took over
+        self.knocking: dict[int, float] = {}  # learner id of this run -> when it last got "not joined"
         self.seen: set[int] = set()
-        self.last_merged: dict[int, list] = {}
+        self.merged: dict[int, list] = {}  # learner id -> its latest merged deltas, [[round, digest], ...]
         self.round: Optional[OpenRound] = None
         self.pending: dict[int, AcceptedDelta] = {}
         self.last_broadcast: Optional[Broadcast] = None
@@ -187,6 +194,7 @@ class SyncerCore:
         self.finish_header: Optional[dict[str, Any]] = None
         self.exit_code: Optional[int] = None
         self.internal_errors: set[str] = set()
+        self.last_tick = math.inf  # (no jump before the first tick)
         self.out: list[Action] = []
 
     # ------------------------------------------------------------------ events
@@ -216,8 +224,10 @@ class SyncerCore:
         self.run = ck
         self.ef = ErrorFeedback(ck.layout.numel)
         self.ef.residual = ck.residual
-        self.seen = set(ck.members)
-        self.last_merged = {int(k): v for k, v in ck.last_merged.items()}
+        # who the run waits for after a restart: the checkpoint's members, and those who joined since (on the tape)
+        self.seen = set(ck.members) | fold.joined
+        self.merged = {int(k): v for k, v in ck.merged.items()}
+        self.retired = {int(k): list(v) for k, v in ck.retired.items()}
         open_round = ck.version + 1
         saved = {(d.round, d.learner): d for d in durable.deltas}
         for (rnd, lid), ev in sorted(fold.outstanding.items()):
@@ -279,12 +289,16 @@ class SyncerCore:
         return self._flush()
 
     def _tick(self, now: float) -> None:
+        gap = now - self.last_tick
+        self.last_tick = now
+        if gap > CLOCK_JUMP_S:  # this process was not running (suspended): that is not its learners' silence
+            for m in self.members.values():
+                m.last_seen += gap
         for m in self._active():
             if now - m.last_seen > self.cfg.learner_timeout:
                 self._drop(m, f"silent for {self.cfg.learner_timeout:g}s", now)
         if self.finished_at is not None:
-            # stay until every learner has the finish (and the final adapter): each leaves or goes silent
-            if not self._active() or now >= self.linger_until:
+            if self._all_gone(now) or now >= self.linger_until:
                 self._exit()
             return
         self._ask_founder()
@@ -356,12 +370,25 @@ class SyncerCore:
         if session in self.retired.get(lid, ()):
             raise ProtocolError(f"learner {lid} has a newer session; this one ({truncate(session, 20)}) is over",
                                 Code.SUPERSEDED)
+        said_goodbye = m is not None and m.session == session and m.left  # (its late messages are no knock)
         if m is not None and m.session != session:
             m = None  # a session we have not met: it must say hello (its hello may have been lost)
         if m is None or not m.active or (not m.welcomed and msg.type not in ("init", "leave", "ping")):
+            if lid in self.seen and not said_goodbye and len(self.knocking) < MAX_KNOCKING:
+                self.knocking[lid] = now  # a learner of this run trying to get back in: a finished run waits for it
             raise ProtocolError(f"learner {lid} has not joined: send hello first", Code.NOT_JOINED)
         m.last_seen = now
         return m
+
+    def _all_gone(self, now: float) -> bool:
+        """After the finish: has every learner had its chance to get it (and the final adapter)? Each one left, or
+        has been silent for a while (a learner asleep when the run ended comes back for it), and right after a
+        restart the learners known before it had their grace to say hello."""
+        grace = FINISH_GRACE_TIMEOUTS * self.cfg.learner_timeout
+        not_back = [lid for lid in self.seen if lid not in self.members]
+        return (not not_back or now >= self.absent_until) and all(
+            m.left or now - m.last_seen >= grace for m in self.members.values()) and all(
+            now - t >= grace for t in self.knocking.values())
 
     def _drop(self, m: Member, reason: str, now: float) -> None:
         m.active = False
@@ -372,7 +399,8 @@ class SyncerCore:
         assert self.run is not None and self.ef is not None
         r = self.run
         return Checkpoint(r.version, r.layout, r.adapter_config, r.provenance, r.global_, r.momentum, self.ef.residual,
-                          r.digest, asdict(self.cfg), sorted(self.seen), dict(self.last_merged))
+                          r.digest, asdict(self.cfg), sorted(self.seen), dict(self.merged),
+                          {k: list(v) for k, v in self.retired.items()})
 
     # ------------------------------------------------------------------ handlers
 
@@ -385,14 +413,17 @@ class SyncerCore:
         if self.run is None and self.finished_at is not None:
             self._send(peer, "finish", self.finish_header_for_wire())
             return
-        if lid < 0:
-            raise ProtocolError("learner id must be >= 0")
+        if not 0 <= lid <= MAX_LEARNER_ID:
+            raise ProtocolError(f"learner id must be between 0 and {MAX_LEARNER_ID}")
+        if session in self.retired.get(lid, ()):
+            raise ProtocolError(f"learner {lid}'s session {truncate(session, 20)} was taken over by a newer one",
+                                Code.SUPERSEDED)
         if not 0 < len(session) <= MAX_SESSION_CHARS or len(backend) > MAX_BACKEND_CHARS:
             raise ProtocolError(f"hello: session must be 1-{MAX_SESSION_CHARS} characters and backend at most "
                                 f"{MAX_BACKEND_CHARS}")
         try:
             layout = layout_from_json(h["layout"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ProtocolError(f"hello: malformed layout ({truncate(str(e), 200)})") from e
         problem = _config_problem(h["adapter_config"], h.get("provenance", {}))
         if problem:
@@ -411,13 +442,18 @@ class SyncerCore:
                                 f"{self.cfg.max_message_mb}: "
                                 "restart the syncer with a larger --max-message-mb", backend=backend)
         old = self.members.get(lid)
-        if session in self.retired.get(lid, ()):
-            raise ProtocolError(f"learner {lid}'s session {truncate(session, 20)} was taken over by a newer one",
-                                Code.SUPERSEDED)
+        if old is not None and old.session != session and old.active and session_start(session) < session_start(
+                old.session):  # a hello from an older process (delayed, or one that woke up): never the newer's id
+            if self.finish_header is not None:
+                self._send(peer, "finish", self.finish_header_for_wire())  # the run is over anyway: it may stop
+                return
+            raise ProtocolError(f"learner id {lid} is held by a live session that started later; retrying until it "
+                                "goes silent (another process with this --learner-id is running?)", Code.BUSY)
         if old is not None and old.session != session:
-            retired = self.retired.setdefault(lid, [])
-            retired.append(old.session)
-            del retired[:-MAX_RETIRED_SESSIONS]
+            if session_start(session) >= session_start(old.session):  # an older one (it was silent) is not retired:
+                retired = self.retired.setdefault(lid, [])  # it takes the id back when it returns
+                retired.append(old.session)
+                del retired[:-MAX_RETIRED_SESSIONS]
             if old.active:
                 self._send(old.peer, "refuse", {"code": str(Code.SUPERSEDED),
                                                 "reason": f"learner id {lid} was taken over by a new session"})
@@ -440,6 +476,7 @@ class SyncerCore:
         assert self.run is not None
         m.welcomed = True
         self.seen.add(m.learner)
+        self.knocking.pop(m.learner, None)  # it got back in: from here on its member record says when it is done
         r = self.round
         mine = self.pending.get(m.learner)
         contributed = r is not None and mine is not None
@@ -449,7 +486,7 @@ class SyncerCore:
         self._send(m.peer, "welcome", {"incarnation": self.incarnation, "version": self.run.version,
                                        "digest": self.run.digest, "policy": self.cfg.policy(),
                                        "open_round": open_round, "contributed": contributed,
-                                       "last_merged": self.last_merged.get(m.learner),
+                                       "merged": self.merged.get(m.learner, []),
                                        "finished": self.finished_at is not None})
         self._record("join", learner=m.learner, backend=m.backend, session=m.session, rejoin=rejoin,
                      learner_version=learner_version, version=self.run.version,
@@ -493,11 +530,13 @@ class SyncerCore:
         self.run = Checkpoint(0, f.layout, f.adapter_config, f.provenance, flat, np.zeros_like(flat),
                               self.ef.residual, digest, asdict(self.cfg), [], {})
         self.founding = None
+        known = set(self.seen)
+        self.seen.update(x.learner for x in self._active())  # (saved with checkpoint 0: a restart waits for them)
         self._record("init", learner=m.learner, digest=digest, bits=bits, bytes=msg.nbytes)
         self.out.append(SaveCheckpoint(self._checkpoint()))
         self._record("checkpoint", version=0, digest=digest)
         for other in self._active():
-            self._welcome(other, now, rejoin=other.learner in self.seen, learner_version=-1)
+            self._welcome(other, now, rejoin=other.learner in known, learner_version=-1)
         self._maybe_open(now)
 
     def _on_delta(self, peer: str, msg: Message, now: float) -> None:
@@ -505,27 +544,32 @@ class SyncerCore:
         h = msg.header
         where = {"round": h["round"], "base_version": h["base_version"]}
         r = self.round
+        digest = digest_bytes(msg.frames)
+        if [h["round"], digest] in self.merged.get(m.learner, []):  # sent again after a lost ack: it counted
+            self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": True})
+            return
         if r is None or h["round"] != r.number or h["base_version"] != r.base_version:
             state = f"round {r.number} is open on version {r.base_version}" if r else f"no round is open (version " \
                                                                                      f"{self.version})"
-            return self._refuse_delta(m, h, Code.STALE, f"stale delta for round {h['round']} on version "
+            return self._refuse_delta(m, h, digest, Code.STALE, f"stale delta for round {h['round']} on version "
                                                         f"{h['base_version']}: {state}")
         problem = _claims_problem(h)
         if problem:
-            return self._refuse_delta(m, h, Code.REFUSED, problem)
-        digest = digest_bytes(msg.frames)
+            return self._refuse_delta(m, h, digest, Code.REFUSED, problem)
+        if digest in r.refused:  # a copy of a delta this round's merge already refused
+            return self._refuse_delta(m, h, digest, Code.REFUSED, "this delta was refused by the round's merge")
         mine = self.pending.get(m.learner)
         if mine is not None:
             if mine.digest == digest:
                 self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": True})
             else:
-                self._refuse_delta(m, h, Code.DUPLICATE, f"learner {m.learner} already contributed to round "
+                self._refuse_delta(m, h, digest, Code.DUPLICATE, f"learner {m.learner} already contributed to round "
                                                          f"{r.number} (delta {mine.digest})")
             return
         try:
             flat = decode_fragments(self.run.layout, msg)  # sizes, bits and finiteness
         except ProtocolError as e:
-            return self._refuse_delta(m, h, Code.REFUSED, str(e))
+            return self._refuse_delta(m, h, digest, Code.REFUSED, str(e))
         d = AcceptedDelta(m.learner, m.session, r.number, r.base_version, h["tokens"], h["loss_tokens"],
                           h["inner_steps"], float(h["loss"]), digest, list(h["fragments"]), tuple(msg.frames), flat,
                           float(np.abs(flat).max()) if flat.size else 0.0)
@@ -543,12 +587,14 @@ class SyncerCore:
                 "tokens": d.tokens, "loss_tokens": d.loss_tokens, "inner_steps": d.inner_steps, "loss": d.loss,
                 "bits": sorted({x["bits"] for x in d.descs})}
 
-    def _refuse_delta(self, m: Member, h: dict[str, Any], code: Code, reason: str) -> None:
+    def _refuse_delta(self, m: Member, h: dict[str, Any], digest: str, code: Code, reason: str) -> None:
+        """Not accepted: the error names the delta (round, base version, digest), so a learner that has pushed
+        that round again since knows it is not about its newer delta."""
         reason = truncate(reason)
-        self._record("reject", learner=m.learner, round=h["round"], base_version=h["base_version"], code=str(code),
-                     reason=reason)
+        self._record("reject", learner=m.learner, round=h["round"], base_version=h["base_version"], digest=digest,
+                     code=str(code), reason=reason)
         self._send(m.peer, "error", {"code": str(code), "reason": reason, "round": h["round"],
-                                     "base_version": h["base_version"]})
+                                     "base_version": h["base_version"], "digest": digest, "version": self.version})
 
     def _on_ping(self, peer: str, msg: Message, now: float) -> None:
         m = self._member(msg, now)
@@ -558,7 +604,8 @@ class SyncerCore:
         r = self.round
         self._send(m.peer, "pong", {"incarnation": self.incarnation, "version": self.version,
                                     "round": r.number if r else self.version, "round_open": r is not None,
-                                    "have_delta": have, "finished": self.finished_at is not None})
+                                    "have_delta": have, "contributed": r is not None and mine is not None,
+                                    "finished": self.finished_at is not None})
         if self.finish_header is not None:
             self._send(m.peer, "finish", self.finish_header_for_wire())  # it may have missed the first one
 
@@ -571,11 +618,12 @@ class SyncerCore:
             return
         descs, frames = encode_fragments(run.layout, run.global_, 32)
         self._send(m.peer, "state", {"version": run.version, "digest": run.digest,
-                                     "last_merged": self.last_merged.get(m.learner), "fragments": descs},
+                                     "merged": self.merged.get(m.learner, []), "fragments": descs},
                    tuple(frames))
 
     def _on_leave(self, peer: str, msg: Message, now: float) -> None:
         m = self._member(msg, now)
+        m.left = True
         self._drop(m, msg.header["reason"], now)
         self._maybe_close(now)
 
@@ -647,9 +695,9 @@ class SyncerCore:
             r.last_wait_log = now
             gone = sorted(lid for lid in self.seen if lid not in {m.learner for m in self._live()}
                           and lid not in self.pending)
-            self._record("quorum_wait", round=r.number, responders=responders, waiting=waiting, absent=gone, quorum=q,
-                         short=short)
-            if short:
+            if short:  # on the tape too: the run is stuck until someone (re)joins
+                self._record("quorum_wait", round=r.number, responders=responders, waiting=waiting, gone=gone,
+                             quorum=q, short=short)
                 self._log("warning", f"round {r.number} cannot reach quorum {q} with the learners present "
                                      f"({len(responders)} responded {responders}, training {waiting}, gone {gone}); "
                                      f"waiting up to {self.cfg.quorum_timeout - (now - r.opened_at):.0f}s more for "
@@ -681,7 +729,9 @@ class SyncerCore:
         m = self.members.get(lid)
         if m is not None and m.active:
             self._send(m.peer, "error", {"code": str(Code.REFUSED), "reason": reason, "round": d.round,
-                                         "base_version": d.base_version})
+                                         "base_version": d.base_version, "digest": d.digest, "version": self.version})
+        if self.round is not None:
+            self.round.refused.add(d.digest)
         self._log("warning", f"refused learner {lid}'s delta: {reason}")
 
     def _merge(self, ds: list[AcceptedDelta]) -> dict[str, Any]:
@@ -714,10 +764,12 @@ class SyncerCore:
                      loss_tokens=[self.pending[i].loss_tokens for i in ids], deltas=deltas, digest=digest,
                      stragglers=stragglers, update_norm=float(np.linalg.norm(merged["sent"])))
         for i in ids:
-            self.last_merged[i] = [r.number, self.pending[i].digest]
+            history = self.merged.setdefault(i, [])
+            history.append([r.number, self.pending[i].digest])
+            del history[:-MERGED_HISTORY]
         self.run = Checkpoint(version, run.layout, run.adapter_config, run.provenance, merged["global"],
                               merged["momentum"], merged["residual"], digest, asdict(self.cfg), sorted(self.seen),
-                              dict(self.last_merged))
+                              dict(self.merged))
         self.ef.residual = merged["residual"]
         self.out.append(SaveCheckpoint(self._checkpoint()))
         self._record("checkpoint", version=version, digest=digest)
@@ -744,7 +796,7 @@ class SyncerCore:
             self._send(m.peer, "finish", self.finish_header_for_wire())
         self._record("finish", version=self.version, reason=reason, code=code, complete=complete,
                      outstanding=sorted(self.pending))
-        if not self._active():
+        if self._all_gone(now):
             self._exit()
 
     def finish_header_for_wire(self) -> dict[str, Any]:
