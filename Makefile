@@ -59,6 +59,7 @@ bench: setup
 	$(BIN)/python bench/sync_wire.py
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python bench/mlx_throughput.py
+	$(BIN)/python bench/recovery.py
 
 demo-mixed:
 	$(MAKE) demo MLX_LEARNERS=1 RUN=$(RUN)-mixed

@@ -3,7 +3,7 @@
 Runs, each as real processes on this machine (`yeto syncer` + two `yeto train --syncer` learners,
 4-bit, quorum 2, so a round cannot close without both islands):
   baseline        no fault
-  learner kill    island 1 is SIGKILLed in the middle of round 2 and restarted with the same command
+  learner kill    island 1 is SIGKILLed 5 s into round 2 and restarted with the same command
   syncer kill     the syncer is SIGKILLed between the merge of round 2 and its checkpoint, then restarted
 and prints each run's wall time, its ratio to the baseline measured in the same run, whether
 every merge happened and the tape audit passed, and what the recovery cost (extra seconds).
@@ -30,6 +30,7 @@ from yeto.sync.audit import audit_run  # noqa: E402
 from yeto.tape import read_tape  # noqa: E402
 
 POLL_S = 0.2
+KILL_INTO_ROUND_S = 5.0  # island 1 is killed this long after round 2 opens: mid-round (a round takes ~25 s here)
 
 
 def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -69,13 +70,16 @@ def fleet(name: str, tmp: Path, a: argparse.Namespace, fault: str | None) -> dic
     learners = [learner(0), learner(1)]
     recovery_s = 0.0
     if fault == "learner":
-        wait_tape(run / "syncer", "delta", round=2, learner=0)
+        wait_tape(run / "syncer", "round_open", round=2)
+        time.sleep(KILL_INTO_ROUND_S)
+        if any(e["event"] == "delta" and e["round"] == 2 and e["learner"] == 1 for e in read_tape(run / "syncer")):
+            raise SystemExit("island 1 finished round 2 before the kill: lower KILL_INTO_ROUND_S")
         t = time.perf_counter()
         learners[1].send_signal(signal.SIGKILL)
         learners[1].wait()
         learners[1] = learner(1)
         wait_tape(run / "syncer", "merge", round=2)
-        recovery_s = time.perf_counter() - t  # kill -> the round it was killed in is merged
+        recovery_s = time.perf_counter() - t  # kill -> the round it was killed in is merged (restart, retrain)
     elif fault == "syncer":
         syncer.wait()
         t = time.perf_counter()

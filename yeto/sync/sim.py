@@ -33,6 +33,7 @@ import math
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -847,6 +848,12 @@ class Outcome:
     sim_s: float = 0.0
     merges: int = 0
     restarts: int = 0
+    exercised: frozenset[str] = frozenset()  # the fault paths this schedule took (see EXERCISED)
+
+
+# tape events that mark a recovery path, counted per schedule so a sweep shows what it really exercised
+EXERCISED = ("resume", "rollback", "discard", "recovered", "refuse_delta", "supersede", "tape_repair", "quorum_wait",
+             "stop", "reject")
 
 
 def run_seed(seed: int, trace: Optional[Callable[[str], None]] = None) -> Outcome:
@@ -860,8 +867,11 @@ def run_seed(seed: int, trace: Optional[Callable[[str], None]] = None) -> Outcom
 
         return Outcome(seed, False, f"crash: {e!r}\n{traceback.format_exc()}", w.now)
     tape = w.syncer.disk.tape
+    paths = {e["event"] for e in tape if e["event"] in EXERCISED}
+    paths |= {"recovered" for e in tape if e["event"] == "delta" and e.get("recovered")}
+    paths |= {"zombie"} if w.zombies else set()
     return Outcome(seed, True, "", w.now, sum(1 for e in tape if e["event"] == "merge"),
-                   sum(1 for e in tape if e["event"] == "resume"))
+                   sum(1 for e in tape if e["event"] == "resume"), frozenset(paths))
 
 
 def _run_range(args: tuple[int, int]) -> list[Outcome]:
@@ -901,6 +911,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     restarts = sum(o.restarts for o in outcomes)
     print(f"\n{len(outcomes)} schedules (seeds {a.first}..{a.first + a.seeds - 1}) in {time.perf_counter() - t0:.0f}s: "
           f"{len(bad)} violation(s); {merges} merges, {restarts} syncer restarts simulated")
+    took = Counter(p for o in outcomes for p in o.exercised)
+    print("schedules that took each recovery path: " + ", ".join(f"{p} {took[p]}" for p in (*EXERCISED, "zombie")))
     for o in bad[:20]:
         print(f"seed {o.seed}: {o.error.splitlines()[0] if o.error else ''}")
     if bad:
