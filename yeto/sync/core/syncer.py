@@ -399,8 +399,8 @@ class SyncerCore:
         assert self.run is not None and self.ef is not None
         r = self.run
         return Checkpoint(r.version, r.layout, r.adapter_config, r.provenance, r.global_, r.momentum, self.ef.residual,
-                          r.digest, asdict(self.cfg), sorted(self.seen), dict(self.merged),
-                          {k: list(v) for k, v in self.retired.items()})
+                          r.digest, asdict(self.cfg), sorted(self.seen), {k: list(v) for k, v in self.merged.items()},
+                          {k: list(v) for k, v in self.retired.items()})  # (copies: the lists keep changing)
 
     # ------------------------------------------------------------------ handlers
 
