@@ -481,7 +481,14 @@ class LearnerCore:
     def _on_pong(self, msg: Message, now: float) -> None:
         h = msg.header
         if h["incarnation"] != self.incarnation:
-            return  # from a syncer process that is gone
+            # from a syncer process that is gone, or from one whose welcome we lost (it restarted after the welcome
+            # we hold): join it, or we would wait on a process that no longer exists
+            if self.joined and now - self.hello_at >= self.heartbeat_s:
+                self.joined = False
+                if self.pushed is not None:
+                    self.pushed.resend = True  # the welcome says whether it still has our delta
+                self._hello(now)
+            return
         self.syncer_version = max(self.syncer_version, h["version"])
         p = self.pushed
         c = self.contributed
