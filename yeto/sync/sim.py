@@ -61,6 +61,7 @@ FRAGMENT_NUMEL = 24  # small fragments, so payloads span several frames
 POISON = -6e4  # fits the learners' fp16 block minimums, but not once the outer step scaled it: the merge fails
 POISON_WEIGHT = 1000  # ... provided it weighs enough in the merge: the poisoned step claims this many more tokens
 ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"], "task_type": "CAUSAL_LM"}
+ZOMBIE_SLEEPS_LONGER_S = 20.0  # a zombie wakes up at most this long after its replacement started
 DIE_DURING_WITHIN_S = 20.0  # a syncer to be killed inside a durable write dies at the latest this long after
 LINK = LinkTimeouts(heartbeat_s=1.0, dead_after_s=4.0, give_up_s=600.0, backoff_base_s=0.2, backoff_max_s=2.0)
 PROGRESS_CHUNK = 50  # schedules per work unit (and per progress line)
@@ -168,7 +169,8 @@ class World:
         self.learners = [SimLearner(self, i) for i in range(sched.learners)]
         self.zombies: list[SimLearner] = []  # replaced learner processes that are still running
         # when the last fault is over (downtimes, cuts and freezes included), with room to reconnect
-        ends = [at + (down or 0.0) + (20.0 if zombie else 0.0) for at, _, down, zombie in sched.learner_kills]
+        ends = [at + (down or 0.0) + (ZOMBIE_SLEEPS_LONGER_S if zombie else 0.0)
+                for at, _, down, zombie in sched.learner_kills]
         ends += [at + (DIE_DURING_WITHIN_S if during else 0.0) + d for at, d, during in sched.syncer_kills]
         ends += [at + d for at, _, d in sched.cuts] + [at + d for at, _, d in sched.pauses]
         ends += [at + d for at, d in sched.stops]
@@ -238,7 +240,8 @@ class World:
             self.at(self.rng.uniform(0.0, 2.0), lrn.boot)
         for at, lid, down, zombie in s.learner_kills:
             if zombie and down is not None:
-                self.at(at, lambda lid=lid, down=down: self.zombify(lid, down, down + self.rng.uniform(2.0, 20.0)))
+                self.at(at, lambda lid=lid, down=down: self.zombify(
+                    lid, down, down + self.rng.uniform(2.0, ZOMBIE_SLEEPS_LONGER_S)))
             else:
                 self.at(at, lambda lid=lid, down=down: self.learners[lid].kill(down))
         for at, down, during in s.syncer_kills:
