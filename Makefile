@@ -60,6 +60,7 @@ bench: setup
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python bench/mlx_throughput.py
 	$(BIN)/python bench/recovery.py
+	$(BIN)/python bench/soak.py
 
 demo-mixed:
 	$(MAKE) demo MLX_LEARNERS=1 RUN=$(RUN)-mixed

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from yeto.launch.local import free_port  # noqa: E402
+from yeto.sync.auth import JOIN_KEY_FILE, Keyring  # noqa: E402
 from yeto.sync.audit import audit_run  # noqa: E402
 from yeto.tape import read_tape  # noqa: E402
 
@@ -60,7 +61,10 @@ def fleet(name: str, tmp: Path, a: argparse.Namespace, fault: str | None) -> dic
                       f"127.0.0.1:{port}", "--learner-id", str(i), "--num-learners", "2", "--out",
                       str(run / f"island-{i}"), "--seq-len", "128", "--batch-size", "4", "--lr", "1e-3",
                       "--warmup-steps", "3", "--eval-every", "0", "--threads", str(threads), "--no-progress",
-                      "--syncer-timeout", "10"], run / f"island-{i}.log")
+                      "--syncer-timeout", "10", "--join-key", str(run / "syncer" / JOIN_KEY_FILE)],
+                     run / f"island-{i}.log")
+
+    Keyring.ensure(run / "syncer")  # the run's credentials first (as `yeto launch` does)
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if fault == "syncer":

@@ -24,7 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from yeto.sync.layout import TensorSpec, layout_from_specs  # noqa: E402
-from yeto.sync.outer import outer_update  # noqa: E402
+from yeto.sync.aggregate import RoundSum  # noqa: E402
+from yeto.sync.outer import nesterov_step  # noqa: E402
 from yeto.sync.protocol import decode, decode_fragments, encode, encode_fragments, encode_fragments_ef, message_bytes  # noqa: E402
 from yeto.sync.quant import ErrorFeedback  # noqa: E402
 
@@ -105,14 +106,15 @@ def merge_throughput(n_learners: int, repeats: int) -> None:
     m = np.zeros_like(g)
     ef = ErrorFeedback(layout.numel)
     best = float("inf")
-    for _ in range(repeats):  # the syncer's own merge path (Syncer.on_delta + close_round)
+    for _ in range(repeats):  # the syncer's own merge path (decode and add each delta as it arrives, then close)
         t = time.perf_counter()
-        deltas = [decode_fragments(layout, msg) for msg in msgs]
-        new_g, m, _ = outer_update(g, m, deltas, tokens, 0.7, 0.9)
+        s = RoundSum(layout.numel)
+        for i, msg in enumerate(msgs):
+            s.add(i, decode_fragments(layout, msg), int(tokens[i]))
+        new_g, m = nesterov_step(g, s.mean(), m, 0.7, 0.9)
         _, _, sent = encode_fragments_ef(layout, new_g - g, 4, ef)
         g = g + sent
         best = min(best, time.perf_counter() - t)
-        del deltas
     merged_mb = n_learners * mb
     rate = merged_mb / best
     bw = memcpy_bandwidth(int(merged_mb * 1e6), repeats)

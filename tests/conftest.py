@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,28 @@ def chat_file(tmp_path):
         return p
 
     return write
+
+
+@pytest.fixture
+def start_syncer(tmp_path):
+    """start_syncer(**SyncerConfig fields) -> (syncer, port): a real syncer serving on loopback in a thread."""
+    from yeto.launch.local import free_port
+    from yeto.sync.server import Syncer, SyncerConfig
+
+    running = []
+
+    def start(**kw):
+        port = kw.pop("port", None) or free_port()
+        kw.setdefault("insecure", True)  # protocol tests speak in clear; tests/test_security.py runs with keys
+        cfg = SyncerConfig(port=port, host="127.0.0.1", out=str(kw.pop("out", tmp_path / "syncer")), **kw)
+        s = Syncer(cfg)
+        t = threading.Thread(target=s.serve, daemon=True)
+        t.start()
+        running.append((s, t))
+        time.sleep(0.1)
+        return s, port
+
+    yield start
+    for s, t in running:
+        s.kill()
+        t.join(5)

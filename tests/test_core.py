@@ -11,7 +11,7 @@ import numpy as np
 
 from yeto.sync.audit import audit
 from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
-from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdict
+from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdict, Wait
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.layout import build_layout
 from yeto.sync.protocol import decode, encode
@@ -46,10 +46,10 @@ class Fleet:
         self.apply(core.start(self.now, durable))
         return core
 
-    def new_learner(self, lid, seed=0):
+    def new_learner(self, lid, seed=0, identity=None):
         init = np.random.default_rng([seed, lid]).standard_normal(self.layout.numel).astype(np.float32)
         return LearnerCore(lid, "test", self.layout, init, CONFIG, {}, random.Random(lid + 100 * seed), LINK,
-                           started_at_us=int(self.now * 1e6) + seed)
+                           started_at_us=int(self.now * 1e6) + seed, identity=identity or f"test-identity-{lid:08d}")
 
     def apply(self, actions):
         for a in actions:
@@ -253,3 +253,29 @@ def test_restart_reconciliation_from_a_crafted_disk():
     report = audit(f.tape)
     assert report.ok, report.summary()
     assert report.version == 1
+
+
+def test_another_identity_cannot_take_a_live_learners_id_but_gets_it_once_the_holder_is_gone():
+    """Two processes started with the same --learner-id (or a stranger holding the join key): the one holding the id
+    keeps it and its round goes on; the other retries and gets the id only after the holder left."""
+    f = Fleet(n=2)
+    for lid in (0, 1):
+        f.train(lid)
+    holder = f.learners[1]
+    impostor = f.new_learner(1, seed=7, identity="another-identity-entirely")
+    f.learners[1] = impostor
+    f.to_syncer(1, impostor.connected_now(f.now))
+    f.run()
+    assert f.syncer.members[1].session == holder.session  # still the holder's
+    assert any(e["event"] == "reject" and e["code"] == "id_taken" for e in f.tape)
+    assert not impostor.refused and isinstance(impostor.next_task(f.now), Wait)  # not final: it retries
+    f.learners[1] = holder
+    f.train(0)
+    f.train(1)
+    assert f.syncer.version == 2  # the holder's round was undisturbed
+    f.to_syncer(1, holder.leave("done"))
+    f.run()
+    f.learners[1] = impostor
+    f.tick(dt=LINK.heartbeat_s, times=4)  # its hello retries find the id free
+    assert f.syncer.members[1].session == impostor.session and f.syncer.members[1].active
+    assert audit(f.tape).ok, audit(f.tape).summary()

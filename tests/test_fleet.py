@@ -11,14 +11,19 @@ import pytest
 
 from tests.conftest import DEMO_DATA, REPO
 from yeto.launch.local import free_port
+from yeto.sync.auth import JOIN_KEY_ENV, Keyring
 from yeto.tape import read_tape
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", COLUMNS="200")
 
 
 def syncer(port, out, *args, env=None):
+    """A syncer process with the run's credentials made first (as `yeto launch` does); the learners started after
+    it get its join key through the environment."""
+    ENV[JOIN_KEY_ENV] = Keyring.ensure(out).join.text()
+    env = dict(env, **{JOIN_KEY_ENV: ENV[JOIN_KEY_ENV]}) if env is not None else ENV
     return subprocess.Popen([sys.executable, "-m", "yeto.sync.server", "--host", "127.0.0.1", "--port", str(port),
-                             "--out", str(out), *map(str, args)], cwd=REPO, env=env or ENV, stdout=subprocess.PIPE,
+                             "--out", str(out), *map(str, args)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 

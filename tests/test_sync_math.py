@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from yeto.sync.layout import build_layout, flatten, layout_from_json, layout_mismatch, pack_fragment, unflatten, unpack_fragment
-from yeto.sync.outer import merge_deltas, merge_weights, nesterov_step
+from yeto.sync.outer import merge_weights, nesterov_step
 from yeto.sync.quant import BLOCK, ErrorFeedback, QuantError, block_steps, dequantize, encoded_size, quantize
 
 names = st.text("abcdefghij._", min_size=1, max_size=12)
@@ -141,8 +141,12 @@ def test_merge_weights_reject_empty_or_zero():
 
 
 def test_merge_is_the_weighted_mean():
-    d = [np.full(4, 1.0, np.float32), np.full(4, 10.0, np.float32)]
-    np.testing.assert_allclose(merge_deltas(d, merge_weights([900, 100])), np.full(4, 1.9))
+    from yeto.sync.aggregate import RoundSum
+
+    s = RoundSum(4)
+    s.add(0, np.full(4, 1.0, np.float32), 900)
+    s.add(1, np.full(4, 10.0, np.float32), 100)
+    np.testing.assert_allclose(s.mean(), np.full(4, 1.9), rtol=1e-6)
 
 
 def test_outer_step_matches_a_hand_computed_nesterov_update():
@@ -169,3 +173,51 @@ def test_outer_step_agrees_with_torch_sgd_nesterov():
         tp.grad = torch.from_numpy(-delta)
         opt.step()
     np.testing.assert_allclose(p, tp.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- aggregation (yeto.sync.aggregate)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, 10_000), min_size=1, max_size=6), st.integers(0, 2**31))
+def test_running_sum_is_the_token_weighted_mean_whatever_the_arrival_order(tokens, seed):
+    from yeto.sync.aggregate import RoundSum
+
+    rng = np.random.default_rng(seed)
+    deltas = [rng.standard_normal(257).astype(np.float32) for _ in tokens]
+    want = sum(t * d.astype(np.float64) for t, d in zip(tokens, deltas)) / sum(tokens)
+    order = rng.permutation(len(tokens))
+    s = RoundSum(257)
+    for i in order:
+        s.add(int(i), deltas[i], tokens[i])
+    np.testing.assert_allclose(s.mean(), want, rtol=1e-5, atol=1e-6)
+    assert s.order == [int(i) for i in order]
+
+
+def test_norm_clip_scales_only_the_outlier_and_uses_the_history_in_a_pair():
+    from yeto.sync.aggregate import RoundSum, clip_factors, clipped_mean
+
+    assert clip_factors([1.0, 1.2, 100.0], [], 4.0) == [1.0, 1.0, pytest.approx(4 * 1.2 / 100)]
+    assert clip_factors([1.0, 100.0], [], 4.0) == [1.0, 1.0]  # a pair alone: the median is half the outlier
+    assert clip_factors([1.0, 100.0], [1.0, 1.1, 0.9], 4.0)[1] == pytest.approx(4 * 1.0 / 100)  # history decides
+    d = {0: np.ones(8, np.float32), 1: np.full(8, 100.0, np.float32)}
+    s = RoundSum(8)
+    for i in (1, 0):
+        s.add(i, d[i], 10)
+    mean = clipped_mean(s, {1: 0.04}, {0: 10, 1: 10}, d.__getitem__)
+    np.testing.assert_allclose(mean, (1.0 + 100.0 * 0.04) / 2, rtol=1e-6)
+
+
+def test_trimmed_mean_drops_the_extremes_per_coordinate():
+    from yeto.sync.aggregate import trimmed_mean
+    from yeto.sync.layout import build_layout
+
+    layout = build_layout({"a.lora_A.weight": np.zeros((3, 5), np.float32),
+                           "b.lora_A.weight": np.zeros((2, 5), np.float32)}, 15)  # two fragments
+    assert len(layout.fragments) == 2
+    x = np.array([[1.0] * 25, [2.0] * 25, [3.0] * 25, [1e6] * 25, [-1e6] * 25], np.float32)
+    out = trimmed_mean(lambda k: x[:, layout.fragments[k].start:layout.fragments[k].start + layout.fragments[k].numel],
+                       [1, 1, 1, 1, 1], layout)
+    np.testing.assert_allclose(out, 2.0)  # the hostile extremes on both sides are trimmed
+    two = trimmed_mean(lambda k: x[:2, :layout.fragments[k].numel], [3, 1], layout)
+    np.testing.assert_allclose(two, (3 * 1.0 + 2.0) / 4)  # two deltas: nothing to trim, the weighted mean

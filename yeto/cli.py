@@ -1,4 +1,4 @@
-"""The `yeto` command: train, generate, models."""
+"""The `yeto` command: train, syncer, launch, keys, tape, generate, models."""
 
 from __future__ import annotations
 
@@ -50,6 +50,54 @@ def _register() -> None:
     app.command("train")(train_command)
     app.command("syncer")(syncer_command)
     app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch_command)
+
+
+keys_app = typer.Typer(no_args_is_help=True, help="The run's credentials (docs/SECURITY.md): the syncer's key pair, "
+                                                   "the shared join key, and per-learner keys that can be revoked.")
+app.add_typer(keys_app, name="keys")
+OutOption = Annotated[str, typer.Option(help="The syncer's --out directory (its credentials live there).")]
+
+
+@keys_app.command("init")
+def keys_init(out: OutOption) -> None:
+    """Create the run's credentials before the syncer's first start (the syncer does it itself otherwise)."""
+    from yeto.sync.auth import JOIN_KEY_FILE, Keyring
+
+    Keyring.ensure(out)
+    typer.echo(f"join key: {out}/{JOIN_KEY_FILE} (mode 0600; give it to learners with --join-key or YETO_JOIN_KEY)")
+
+
+@keys_app.command("add")
+def keys_add(out: OutOption, learner: Annotated[int, typer.Option(help="The learner id this key admits.")]) -> None:
+    """Issue a key that admits one learner id only (and that `revoke` can withdraw); the running syncer picks it
+    up within seconds. From then on learner I must use it: the shared join key no longer speaks for I."""
+    from yeto.sync.auth import Keyring
+
+    path = Keyring.ensure(out).add_learner(learner)
+    typer.echo(f"learner {learner}'s key: {path} (start it with --join-key {path.name} or YETO_JOIN_KEY)")
+
+
+@keys_app.command("revoke")
+def keys_revoke(out: OutOption, learner: Annotated[int, typer.Option(help="The learner id whose key to revoke.")]
+                ) -> None:
+    """Withdraw a learner's key: the running syncer refuses its handshakes and cuts its connections."""
+    from yeto.sync.auth import Keyring
+
+    path = Keyring.ensure(out).revoke_learner(learner)
+    typer.echo(f"revoked learner {learner}'s key (kept as {path})")
+
+
+@keys_app.command("list")
+def keys_list(out: OutOption) -> None:
+    """The learner keys of the run, and the revoked ones."""
+    from yeto.sync.auth import Keyring
+
+    ring = Keyring.ensure(out)
+    typer.echo(f"join key: {out}/join.key (any learner id without its own key)")
+    for public, lid in sorted(ring.learners.items(), key=lambda kv: kv[1]):
+        typer.echo(f"learner {lid}: key {public.decode()[:8]}...")
+    for lid in sorted(ring.revoked_ids):
+        typer.echo(f"learner {lid}: revoked")
 
 
 @app.command()

@@ -18,16 +18,22 @@ delayed / streaming DiLoCo. Those steps count toward round r+1.
 from __future__ import annotations
 
 import random
+import secrets
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
 from yeto import YetoError
+from yeto.sync.auth import JoinKey, write_secret
 from yeto.sync.client import SyncerLink
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdict
 from yeto.sync.layout import DEFAULT_FRAGMENT_NUMEL, build_layout, flatten, unflatten
+
+
+IDENTITY_FILE = "identity"
 
 
 class Island(Protocol):
@@ -70,6 +76,18 @@ class IslandStats:
     delta_bytes: list[int] = field(default_factory=list)
 
 
+def learner_identity(out: str | Path) -> str:
+    """This learner's identity secret, kept in its run directory (0600): a restart with the same --out proves it
+    is the same learner and takes its id back at once; anyone else waits until the holder is gone."""
+    path = Path(out) / IDENTITY_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        secret = secrets.token_hex(16)
+        write_secret(path, secret + "\n")
+        return secret
+
+
 def inner_step(island: Island, rnd: RoundStats, stats: IslandStats, step_delay: float = 0.0) -> None:
     t = time.perf_counter()
     s = island.step()
@@ -83,8 +101,12 @@ def inner_step(island: Island, rnd: RoundStats, stats: IslandStats, step_delay: 
 def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = False,
                progress: Callable[[dict[str, Any]], None] | None = None, log_fn: Callable[[str], None] = print,
                timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0, step_delay: float = 0.0,
-               fragment_numel: int = DEFAULT_FRAGMENT_NUMEL) -> dict[str, Any]:
+               fragment_numel: int = DEFAULT_FRAGMENT_NUMEL, join_key: Optional[JoinKey] = None,
+               identity: str = "") -> dict[str, Any]:
     """Train `island` as one DiLoCo island of the run at `syncer` until the syncer says finish.
+
+    `join_key`: the run's credentials (None only for an --insecure loopback syncer). `identity`: this learner's
+    secret, the same across its restarts (see `learner_identity`), so a restart may take its id back at once.
 
     On every way out (finish, refusal, giving up on the syncer, Ctrl-C) the island is left holding the
     last global adapter it received, so the caller saves that; a refusal or giving up then raises YetoError.
@@ -92,8 +114,9 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     state = island.adapter_state()
     layout = build_layout(state, fragment_numel)
     core = LearnerCore(learner_id, island.backend, layout, flatten(layout, state), island.adapter_config(),
-                       island.record(), random.Random(), timeouts, max_inner_steps, time.time_ns() // 1000)
-    link = SyncerLink(syncer, core, log_fn).start()
+                       island.record(), random.Random(), timeouts, max_inner_steps, time.time_ns() // 1000,
+                       identity=identity or secrets.token_hex(16))
+    link = SyncerLink(syncer, core, log_fn, join_key).start()
     stats = IslandStats()
     t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
     stall_s = 0.0

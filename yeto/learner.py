@@ -69,6 +69,8 @@ class TrainConfig:
     step_delay: float = 0.0
     syncer_timeout: float = 30.0
     give_up_after: float = 1800.0
+    join_key: Optional[str] = None
+    insecure: bool = False
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -281,6 +283,11 @@ def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..
     from rich.console import Console
 
     console = Console(stderr=True)
+    join_key = None
+    if cfg.syncer:  # before the model loads: a missing or bad key is a one-line error at once
+        from yeto.sync.auth import learner_join_key
+
+        join_key = learner_join_key(cfg.join_key, cfg.insecure, cfg.syncer)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     learner = (learner_cls or TorchLearner)(cfg, log=lambda s: console.print(f"[dim]{s}[/dim]"))
@@ -291,7 +298,7 @@ def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..
     if cfg.syncer:
         tag = f"[bold]island {cfg.learner_id}[/bold] "
         try:
-            extra = _island_loop(learner, cfg, metrics, console, tag)
+            extra = _island_loop(learner, cfg, metrics, console, tag, join_key)
         except BaseException as e:  # refused, gave up on the syncer, Ctrl-C, SIGTERM, a crash: keep the adapter
             try:
                 adapter = learner.save(out / "adapter")
@@ -351,11 +358,11 @@ def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, ev
             "tok_s": learner.tokens_seen / elapsed, "loss_tok_s": learner.loss_tokens_seen / elapsed}
 
 
-def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: str) -> dict[str, Any]:
+def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: str, join_key) -> dict[str, Any]:
     """One island of a DiLoCo run: the syncer decides rounds, merges and the end."""
     from rich.markup import escape
 
-    from yeto.diloco import run_island
+    from yeto.diloco import learner_identity, run_island
     from yeto.sync.core.learner import LinkTimeouts
 
     def on_round(r: dict[str, Any]) -> None:
@@ -369,6 +376,7 @@ def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: s
     try:
         return run_island(learner, cfg.syncer, cfg.learner_id, overlap=cfg.overlap, progress=on_round,
                           max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
+                          join_key=join_key, identity=learner_identity(cfg.out),
                           timeouts=LinkTimeouts(dead_after_s=cfg.syncer_timeout, give_up_s=cfg.give_up_after),
                           log_fn=lambda s: console.print(f"{tag}[dim]{escape(s)}[/dim]"))
     finally:
@@ -434,6 +442,11 @@ def _train_signature(
     step_delay: Annotated[float, typer.Option(help="Sleep this long after each inner step, to simulate a slow island (tests, benchmarks).")] = D.step_delay,
     syncer_timeout: Annotated[float, typer.Option(help="With --syncer: silence (seconds) after which the connection is presumed dead and remade, with backoff.")] = D.syncer_timeout,
     give_up_after: Annotated[float, typer.Option(help="With --syncer: give up (exit 2, adapter saved) after the syncer has been unreachable this long.")] = D.give_up_after,
+    join_key: Annotated[Optional[str], typer.Option(help="With --syncer: the run's join key file (the syncer writes "
+                                                         "DIR/join.key), or set YETO_JOIN_KEY to its contents.")
+                        ] = None,
+    insecure: Annotated[bool, typer.Option(help="With --syncer: no encryption, no key (a syncer on 127.0.0.1 "
+                                                "started with --insecure).")] = False,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
     """(the flags of `yeto train`; see make_train_command)"""

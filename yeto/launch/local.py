@@ -20,6 +20,7 @@ from typing import Annotated
 import typer
 
 from yeto import YetoError
+from yeto.sync.auth import JOIN_KEY_ENV, Keyring
 
 
 def free_port() -> int:
@@ -61,13 +62,16 @@ def launch_local(n: int, out: Path, syncer_args: list[str], learner_args: list[s
     lock = threading.Lock()
     colors = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 
-    def start(name: str, cmd: list[str], color: str) -> None:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+    def start(name: str, cmd: list[str], color: str, extra_env: dict[str, str] | None = None) -> None:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**env, **(extra_env or {})}, bufsize=1)
         procs.append((name, p))
         streams.append(threading.Thread(target=_stream, args=(p, escape(f"[{name}]"), color, console, lock), daemon=True))
         streams[-1].start()
 
     syncer_out = out / "syncer"
+    keys = Keyring.ensure(syncer_out)  # the run's credentials, before anyone starts (the syncer reuses them)
+    learner_env = {JOIN_KEY_ENV: keys.join.text()}  # the key travels in the environment, never on a command line
     start("syncer", [sys.executable, "-m", "yeto.sync.server", "--host", "127.0.0.1", "--port", str(port),
                      "--learners", str(n), "--out", str(syncer_out), *syncer_args], "bold white")
     time.sleep(0.5)
@@ -75,7 +79,7 @@ def launch_local(n: int, out: Path, syncer_args: list[str], learner_args: list[s
         mlx = i >= n - mlx_learners
         start(f"island {i}{' mlx' if mlx else ''}", [sys.executable, "-m", "yeto.mlx.learner" if mlx else "yeto.learner", "--syncer", f"127.0.0.1:{port}", "--learner-id", str(i),
                               "--num-learners", str(n), "--threads", str(threads), "--out", str(out / f"island-{i}"),
-                              "--no-progress", *learner_args], colors[i % len(colors)])
+                              "--no-progress", *learner_args], colors[i % len(colors)], learner_env)
     console.print(f"[bold]fleet[/bold]: syncer on 127.0.0.1:{port}, {n} islands x {threads} threads; run dir {out}")
     try:
         while any(p.poll() is None for _, p in procs):

@@ -10,14 +10,17 @@ never looks like a dead learner or a dead syncer.
 The training thread talks to the same core through `next_task`, `after_step`
 and `push`, under one lock; its sends are queued for the I/O thread.
 
-Connections: control (`learner-<id>-<session>`: hello, pings, acks, round
-announcements) and bulk (the same id plus `/bulk`: deltas, broadcasts, states),
-so a heartbeat never waits behind an adapter on the same TCP stream.
+Connections: control (`learner-<id>-<session>-<nonce>`: hello, pings, acks,
+round announcements) and bulk (the same id plus `/bulk`: deltas, broadcasts,
+states), so a heartbeat never waits behind an adapter on the same TCP stream.
+Both are CURVE clients with the run's join key (`yeto.sync.auth`); a handshake
+the syncer refuses ends the learner with a line that says what to fix.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -28,6 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from yeto import YetoError
+from yeto.sync.auth import JOIN_KEY_ENV, JOIN_KEY_FILE, JoinKey, curve_client
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
 from yeto.sync.core.learner import LearnerCore, Task, Verdict, Wait
 from yeto.sync.protocol import BULK_SUFFIX, ProtocolError, decode, encode, is_bulk, message_bytes
@@ -36,6 +40,10 @@ log = logging.getLogger("yeto.client")
 IO_TICK_S = 0.05  # the I/O thread's poll timeout: timer resolution, and the longest a queued send waits
 RECONNECT_IVL_MS = 200  # ZeroMQ's own reconnect interval after a TCP break (it reconnects by itself)
 CLOSE_LINGER_MS = 2000  # on close, give the goodbye this long to leave
+HANDSHAKE_FAILURES_TO_GIVE_UP = 5  # unexplained handshake failures in a row (no success between): a wrong syncer key
+ZMTP_MECHANISM_MISMATCH = 0x11000002  # ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: one side secure, the other not
+MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 def parse_address(address: str) -> str:
@@ -48,8 +56,13 @@ def parse_address(address: str) -> str:
 
 
 class SyncerLink:
-    def __init__(self, address: str, core: LearnerCore, log_fn: Callable[[str], None] = log.info):
+    def __init__(self, address: str, core: LearnerCore, log_fn: Callable[[str], None] = log.info,
+                 join_key: Optional[JoinKey] = None):
+        """`join_key`: the run's credentials (None: --insecure, a loopback syncer without security)."""
         self.endpoint = parse_address(address)
+        self.join_key = join_key
+        self.nonce = secrets.token_hex(8)  # in the routing id: a connection id nobody else can guess
+        self.handshake_failures = 0
         self.core = core
         self.log_fn = log_fn
         self.lock = threading.Lock()
@@ -171,6 +184,8 @@ class SyncerLink:
                     if event["event"] == zmq.EVENT_DISCONNECTED:
                         with self.lock:
                             self._do(self.core.link_lost(time.monotonic()))
+                    else:
+                        self._handshake(event["event"], event["value"])
         for sock in (self.ctl, self.bulk):
             if sock is None or sock not in ready:
                 continue
@@ -190,6 +205,36 @@ class SyncerLink:
                     self.changed.notify_all()
                 if self.ctl is None:  # the core asked to reconnect
                     return
+
+    def _handshake(self, event: int, value: int) -> None:
+        """A CURVE handshake's outcome: a refusal ends the learner with what to fix (lock taken here)."""
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.handshake_failures = 0
+            return
+        where = f"the syncer at {self.endpoint.removeprefix('tcp://')}"
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            reason = (f"{where} refused this learner's key (not this run's join key, or a revoked learner key): pass "
+                      f"the run's key with --join-key FILE or {JOIN_KEY_ENV} (the syncer writes <its --out>/"
+                      f"{JOIN_KEY_FILE})")
+        else:  # a plain learner at a secure syncer sees a mechanism mismatch, or just its connection cut
+            mismatch = event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == ZMTP_MECHANISM_MISMATCH
+            self.handshake_failures += 1
+            if not mismatch and self.handshake_failures < HANDSHAKE_FAILURES_TO_GIVE_UP:
+                return
+            if self.join_key is None:
+                reason = (f"{where} requires a join key: pass --join-key FILE or {JOIN_KEY_ENV} (the syncer writes "
+                          f"<its --out>/{JOIN_KEY_FILE})")
+            elif mismatch:
+                reason = (f"{where} runs without security (--insecure): start this learner with --insecure too, or "
+                          "the syncer without it")
+            else:
+                reason = (f"no encrypted handshake with {where} after {self.handshake_failures} tries: the join key "
+                          "names another syncer key (a join.key from another run, or from before the syncer's keys "
+                          "were recreated?)")
+        with self.changed:
+            self.core.link_refused(reason)
+            self.stopping = True
+            self.changed.notify_all()
 
     def _do(self, actions: list[LearnerAction]) -> None:
         """Carry out the core's actions (on the I/O thread, lock held)."""
@@ -212,15 +257,17 @@ class SyncerLink:
             self.bytes_sent += message_bytes(parts)
 
     def _connect(self) -> None:
-        ident = f"learner-{self.core.learner_id}-{self.core.session}".encode()
+        ident = f"learner-{self.core.learner_id}-{self.core.session}-{self.nonce}".encode()
         socks = []
         for suffix in (b"", BULK_SUFFIX):
             s = self.ctx.socket(zmq.DEALER)
+            if self.join_key is not None:
+                curve_client(s, self.join_key)
             s.setsockopt(zmq.ROUTING_ID, ident + suffix)
             s.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
             s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
             s.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.core.t.backoff_max_s * 1000))
-            self.monitors.append(s.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+            self.monitors.append(s.get_monitor_socket(MONITORED))
             s.connect(self.endpoint)
             socks.append(s)
         self.ctl, self.bulk = socks

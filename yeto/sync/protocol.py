@@ -42,7 +42,8 @@ _number = (int, float)
 # type -> {field: python type}; every listed field is required (None allowed where the type says so).
 SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     # learner -> syncer (each also carries "learner": int and "session": str)
-    "hello": {"backend": str, "layout": dict, "adapter_config": dict, "version": int, "digest": str},
+    "hello": {"backend": str, "layout": dict, "adapter_config": dict, "version": int, "digest": str,
+              "identity": str, "contract": dict},
     "init": {"fragments": list},
     "delta": {"round": int, "base_version": int, "tokens": int, "loss_tokens": int, "inner_steps": int,
               "loss": _number, "fragments": list},
@@ -83,10 +84,17 @@ class Code(StrEnum):
     DUPLICATE = "duplicate"  # this learner already contributed a different delta to the round
     WRONG_PHASE = "wrong_phase"  # e.g. an initial adapter nobody asked for
     BUSY = "busy"  # this learner id is held by a live, newer session: say hello again later
+    ID_TAKEN = "id_taken"  # this learner id is held by a live learner with another identity: say hello again later
+    IDENTITY = "identity"  # this connection's key may not speak for that learner id; final
+    CONTRACT = "contract_mismatch"  # base model, LoRA settings or layout differ from the run's; final
+    REVOKED = "revoked"  # this learner's key was revoked; final
+    RATE_LIMITED = "rate_limited"  # too many requests of this kind: retry later
     INTERNAL = "internal"  # a syncer bug; recorded, the message had no effect
 
 
-FINAL_CODES = frozenset({Code.SUPERSEDED, Code.LAYOUT, Code.TOO_LARGE, Code.BAD_CONFIG})
+FINAL_CODES = frozenset({Code.SUPERSEDED, Code.LAYOUT, Code.TOO_LARGE, Code.BAD_CONFIG, Code.IDENTITY, Code.CONTRACT,
+                         Code.REVOKED})
+MAX_IDENTITY_CHARS = 128
 
 
 class ProtocolError(ValueError):
@@ -169,6 +177,13 @@ def session_start(session: str) -> int:
         return int(session[:16], 16) if len(session) > 16 else 0
     except ValueError:
         return 0
+
+
+def identity_proof(identity: str) -> str:
+    """What the syncer keeps of a learner's identity secret (sent inside the encrypted channel): its hash."""
+    if not 16 <= len(identity) <= MAX_IDENTITY_CHARS:
+        raise ProtocolError(f"hello: identity must be 16-{MAX_IDENTITY_CHARS} characters")
+    return hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 
 # ----------------------------------------------------------------------------- digests

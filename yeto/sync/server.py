@@ -6,6 +6,12 @@ the actions that come out are executed in order: durable writes first where the
 core put them first, sends last. The core never sees a socket, so the same
 logic runs here and in the simulator (`yeto.sync.sim`).
 
+Security (docs/SECURITY.md): the socket is a CURVE server; every handshake is
+answered by the `Gatekeeper` (ZAP) with the run's keys, so a peer without a
+valid join key never gets a message to the core. Each message carries the
+identity its connection proved (ZAP User-Id), which the core binds to learner
+ids. `--insecure` (no encryption, no authentication) is refused off loopback.
+
 Delivery: the socket is `ROUTER_MANDATORY`, so a message to a learner whose
 pipe is full or not connected raises instead of vanishing; it is kept and
 retried for a while, then dropped with a `send_dropped` event on the tape (the
@@ -24,22 +30,25 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 import zmq
 
 from yeto import YetoError
+from yeto.sync.auth import KEYS_RESCAN_S, Gatekeeper, Keyring, curve_server, require_loopback
 from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
-from yeto.sync.protocol import BULK_SUFFIX, encode, is_bulk
+from yeto.sync.protocol import BULK_SUFFIX, encode, is_bulk, message_size
 from yeto.sync.store import DiskStore, crash_point
 
 log = logging.getLogger("yeto.syncer")
 TICK_S = 0.05  # timer resolution of the core (poll timeout)
 SEND_RETRY_S = 15.0  # a message that cannot be delivered is retried this long, then dropped (on the tape)
 MAX_BACKLOG_PER_PEER = 256
+MAX_BACKLOG_BYTES_PER_PEER = 512 << 20  # beyond this, the oldest messages parked for one learner are dropped
 SNDHWM = 64  # messages queued per learner connection before ZeroMQ says "full" (and we keep them ourselves)
+RCVHWM = 16  # inbound messages queued per connection: with the message size limit, what one peer can make us hold
 LINGER_MS = 5000  # on exit, give queued messages (the finish) this long to leave
 
 
@@ -50,6 +59,10 @@ class Parked:
     since: float
     type: str
 
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.parts)
+
 
 class Syncer:
     """`Syncer(cfg).serve()` runs until the run finishes or a signal stops it; returns the exit code."""
@@ -57,6 +70,11 @@ class Syncer:
     def __init__(self, cfg: SyncerConfig):
         cfg.check()
         self.cfg = cfg
+        if cfg.insecure:
+            require_loopback(cfg.host, "the syncer's --host")
+            self.keys: Keyring | None = None
+        else:
+            self.keys = Keyring.ensure(cfg.out, cfg.join_key)
         self.store = DiskStore(cfg.out)
         self.core = SyncerCore(cfg, incarnation=secrets.token_hex(4))
         self._start_actions = self.core.start(time.monotonic(), self.store.load())  # may refuse (config conflict)
@@ -66,12 +84,18 @@ class Syncer:
         self.signals = 0
         self.killed = False
         self.kill_code = 137
-        self.exit_code = 0
 
     # views for tests and logs
     @property
     def version(self) -> int:
         return self.core.version
+
+    @property
+    def exit_code(self) -> int:
+        """The core's exit code once the run ended; 128+signal if killed before that; 0 while running."""
+        if self.core.exit_code is not None:
+            return self.core.exit_code
+        return self.kill_code if self.killed else 0
 
     @property
     def finished(self) -> bool:
@@ -82,18 +106,32 @@ class Syncer:
         return self.core.run.global_ if self.core.run is not None else None
 
     def serve(self) -> int:
-        ctx = zmq.Context.instance()
+        ctx = zmq.Context()  # its own: the ZAP endpoint is per context, and tests run several syncers in a process
         self.sock = sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # never drop silently: unroutable or full raises
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a learner reconnecting with its id takes over its old pipe
-        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_mb << 20)
+        # a learner reconnecting with its routing id takes over its old pipe; the id carries 64 random bits its
+        # owner never sends in clear, and a message is only believed on the connection that said hello (the core)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.max_message = self._message_limit()
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self.gate = None
+        if self.keys is not None:
+            curve_server(sock, self.keys)
+            self.gate = Gatekeeper(ctx, self.keys, self.cfg.max_connections)
+            self.gate.watch(sock)
+            self._execute(self.core.set_keys(self.keys.bound_ids(), self.keys.revoked_principals(), time.monotonic()))
         try:
             sock.bind(f"tcp://{self.cfg.host}:{self.cfg.port}")
         except zmq.ZMQError as e:
+            if self.gate is not None:
+                self.gate.close()
             raise YetoError(f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e}") from e
-        log.info("syncer listening on %s:%d (incarnation %s)", self.cfg.host, self.cfg.port, self.core.incarnation)
+        log.info("syncer listening on %s:%d (incarnation %s; %s)", self.cfg.host, self.cfg.port,
+                 self.core.incarnation, "INSECURE: no encryption, no authentication" if self.gate is None else
+                 f"CURVE; learners join with {Path(self.cfg.out) / 'join.key'}")
         old = {}
         if threading.current_thread() is threading.main_thread():
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -107,16 +145,29 @@ class Syncer:
                 signal.signal(s, h)
             self.store.close()
             sock.close(linger=0 if self.killed else LINGER_MS)
-        self.exit_code = self.core.exit_code if self.core.exit_code is not None else self.kill_code
+            if self.gate is not None:
+                self.gate.close()
+            ctx.term()
         return self.exit_code
 
     def _serve_loop(self, sock: zmq.Socket) -> None:
         self._execute(self._start_actions)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        next_tick = 0.0
+        for s in self.gate.sockets() if self.gate is not None else []:
+            poller.register(s, zmq.POLLIN)
+        next_tick = next_scan = 0.0
         while not self.core.done and not self.killed:
-            if poller.poll(int(TICK_S * 1000)):
+            ready = dict(poller.poll(int(TICK_S * 1000)))
+            now = time.monotonic()
+            if self.gate is not None:
+                self.gate.handle(now)  # (handshakes first: a learner's hello waits on its ZAP answer)
+                self._record_refusals()
+                if now >= next_scan:
+                    next_scan = now + KEYS_RESCAN_S
+                    if self.keys.rescan():
+                        self._execute(self.core.set_keys(self.keys.bound_ids(), self.keys.revoked_principals(), now))
+            if sock in ready:
                 self._drain()
             now = time.monotonic()
             if self.stopping is not None:
@@ -126,7 +177,24 @@ class Syncer:
             if now >= next_tick:
                 next_tick = now + TICK_S
                 self._execute(self.core.tick(now))
+                if self.core.run is not None and self.max_message != self._message_limit():
+                    self.max_message = self._message_limit()  # the run is founded: its layout bounds every message
+                    sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)  # (for connections made from now on)
             self._retry_backlog(now)
+
+    def _message_limit(self) -> int:
+        """--max-message-mb until the run's layout is known; then what its largest message can be."""
+        run = self.core.run
+        limit = self.cfg.max_message_mb << 20
+        return limit if run is None else min(limit, message_size(run.layout, self.cfg.sync_bits))
+
+    def _record_refusals(self) -> None:
+        refused, more = self.gate.drain()
+        for r in refused:
+            self.store.append("auth_refused", {"address": r.address, "reason": r.reason})
+            log.warning("refused a connection from %s: %s", r.address, r.reason)
+        if more:
+            self.store.append("auth_refused_more", {"count": more})
 
     def _on_signal(self, signum: int, frame) -> None:
         self.signals += 1
@@ -146,12 +214,13 @@ class Syncer:
     def _drain(self) -> None:
         while not self.killed:
             try:
-                parts = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            ident, payload = parts[0], parts[1:]
+            principal = frames[0].get("User-Id") if self.gate is not None else None  # what its handshake proved
+            ident, payload = frames[0].bytes, [f.bytes for f in frames[1:]]
             peer = ident.removesuffix(BULK_SUFFIX).decode(errors="replace")
-            self._execute(self.core.receive(peer, payload, time.monotonic()))
+            self._execute(self.core.receive(peer, payload, time.monotonic(), principal))
 
     # ------------------------------------------------------------------ actions
 
@@ -196,8 +265,8 @@ class Syncer:
     def _park(self, p: Parked) -> None:
         q = self.backlog.setdefault(p.dest, deque())
         q.append(p)
-        while len(q) > MAX_BACKLOG_PER_PEER:
-            self._dropped(q.popleft(), "too many messages waiting for this learner")
+        while len(q) > MAX_BACKLOG_PER_PEER or (len(q) > 1 and sum(x.nbytes for x in q) > MAX_BACKLOG_BYTES_PER_PEER):
+            self._dropped(q.popleft(), "too much waiting for this learner")
 
     def _retry_backlog(self, now: float) -> None:
         for dest in list(self.backlog):
@@ -257,6 +326,23 @@ def syncer_command(
                                                         "per timeout, from their I/O thread).")] = _D.learner_timeout,
     max_message_mb: Annotated[int, typer.Option(help="Largest inbound message (MiB); a learner whose deltas cannot fit "
                                                      "is refused at join.")] = _D.max_message_mb,
+    robust: Annotated[str, typer.Option(help="Robust merge against a bad or hostile learner: norm-clip (clip a delta "
+                                             "above --robust-k x the median norm), trimmed-mean, or off.")
+                      ] = _D.robust,
+    robust_k: Annotated[float, typer.Option(help="norm-clip: clip deltas whose norm exceeds k x the median.")
+                        ] = _D.robust_k,
+    model: Annotated[Optional[str], typer.Option(help="Pin the run's base model (alias or hub id as learners report "
+                                                      "it); default: the first learner's.")] = None,
+    model_revision: Annotated[Optional[str], typer.Option(help="Pin the base model's resolved revision (commit or "
+                                                               "sha256:...); default: the first learner's.")] = None,
+    max_learners: Annotated[int, typer.Option(help="Most learner ids held at once.")] = _D.max_learners,
+    max_connections: Annotated[int, typer.Option(help="Most open connections (two per learner); more are refused "
+                                                      "at the handshake.")] = _D.max_connections,
+    join_key: Annotated[Optional[str], typer.Option(help="Admit learners holding this join key file (default: the "
+                                                         "run's own, created as DIR/join.key on first start).")
+                        ] = None,
+    insecure: Annotated[bool, typer.Option(help="No encryption, no authentication: only with --host 127.0.0.1.")
+                        ] = False,
 ) -> None:
     """Run the syncer: wait for learners, run outer rounds, merge, broadcast, checkpoint."""
     cfg = SyncerConfig(**{k: v for k, v in locals().items() if k in SyncerConfig.__dataclass_fields__})

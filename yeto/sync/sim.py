@@ -45,7 +45,8 @@ from yeto.sync.core.actions import (Checkpoint, DropDeltas, Durable, Exit, Log, 
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdict, Wait
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.layout import build_layout
-from yeto.sync.outer import outer_update
+from yeto.sync.aggregate import RoundSum, clipped_mean
+from yeto.sync.outer import nesterov_step
 from yeto.sync.protocol import (Code, Message, array_digest, decode, decode_fragments, digest_bytes, encode,
                                 encode_fragments_ef, is_bulk)
 from yeto.sync.quant import ErrorFeedback, QuantError
@@ -407,9 +408,16 @@ class World:
         ef = ErrorFeedback(self.layout.numel)
         for v in sorted(fold.merged):
             e = fold.merged[v]
-            deltas = [decode_fragments(self.layout, Message("delta", {"fragments": self.payloads[d][0]},
-                                                            self.payloads[d][1])) for d in e["deltas"]]
-            new, m, _ = outer_update(g, m, deltas, e["loss_tokens"], cfg.outer_lr, cfg.outer_momentum)
+            deltas = {lid: decode_fragments(self.layout, Message("delta", {"fragments": self.payloads[d][0]},
+                                                                 self.payloads[d][1]))
+                      for lid, d in zip(e["responders"], e["deltas"])}
+            tokens = dict(zip(e["responders"], e["loss_tokens"]))
+            s = RoundSum(self.layout.numel)
+            for lid in e["summed"]:
+                s.add(lid, deltas[lid], tokens[lid])
+            clip = {int(k): c for k, c in e["clip"].items()}
+            new, m = nesterov_step(g, clipped_mean(s, clip, tokens, deltas.__getitem__), m, cfg.outer_lr,
+                                   cfg.outer_momentum)
             _, _, sent = encode_fragments_ef(self.layout, new - g, cfg.sync_bits, ef)
             g = g + sent
             if array_digest(g) != e["digest"]:
@@ -662,7 +670,7 @@ class SimLearner:
         self.island = SimIsland(self.lid, w.layout.numel, w.s.seed)
         self.core = LearnerCore(self.lid, "sim", w.layout, self.island.flat.copy(), ADAPTER_CONFIG, {"sim": w.s.seed},
                                 random.Random(w.rng.getrandbits(64)), LINK, w.s.max_inner_steps[self.lid],
-                                started_at_us=int(w.now * 1e6))
+                                started_at_us=int(w.now * 1e6), identity=f"sim-identity-{w.s.seed}-{self.lid}")
         self.pushes = []
         w.log(f"learner {self.lid}: boot (life {self.life}, session {self.core.session})")
         self.execute(self.core.connected_now(w.now))

@@ -112,6 +112,7 @@ class DiskStore:
                 "config": json.dumps(ck.config), "digest": ck.digest, "members": json.dumps(ck.members),
                 "merged": json.dumps({str(k): v for k, v in ck.merged.items()}),
                 "retired": json.dumps({str(k): v for k, v in ck.retired.items()}),
+                "contract": json.dumps(ck.contract), "owners": json.dumps({str(k): v for k, v in ck.owners.items()}),
                 "check": _state_check(ck.global_, ck.momentum, ck.residual)}
         state = self.out / STATE_FILE
         if state.exists():  # keep the one before as a fallback: link it aside first, so a state file always exists
@@ -173,7 +174,9 @@ def read_checkpoint(path: Path) -> Checkpoint:
                       json.loads(meta["adapter_config"]), json.loads(meta["provenance"]), arrays["global"],
                       arrays["momentum"], arrays["residual"], meta["digest"], json.loads(meta["config"]),
                       json.loads(meta["members"]), {int(k): v for k, v in json.loads(meta["merged"]).items()},
-                      {int(k): v for k, v in json.loads(meta.get("retired", "{}")).items()})
+                      {int(k): v for k, v in json.loads(meta.get("retired", "{}")).items()},
+                      json.loads(meta.get("contract", "{}")),
+                      {int(k): v for k, v in json.loads(meta.get("owners", "{}")).items()})
 
 
 def read_delta(path: Path) -> AcceptedDelta:

@@ -102,6 +102,8 @@ class Checkpoint:
     members: list[int]  # learner ids that ever joined: after a restart the round waits a while for them
     merged: dict[int, list]  # learner id -> [[round, delta digest], ...] of its latest merged deltas
     retired: dict[int, list[str]] = field(default_factory=dict)  # learner -> sessions a newer one took over
+    contract: dict[str, Any] = field(default_factory=dict)  # what every learner of the run agrees on
+    owners: dict[int, str] = field(default_factory=dict)  # learner id -> proof of the identity holding it
 
 
 @dataclass
@@ -119,9 +121,10 @@ class AcceptedDelta:
     frames: tuple[bytes, ...]
     flat: Optional[np.ndarray] = field(default=None, repr=False)  # decoded; not saved
     peak: float = 0.0  # largest |value|: the first suspect when a merge fails
+    norm: float = 0.0  # its L2 norm (robust merge); peak and norm are measured again after a restart
 
     def saved_fields(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in ("frames", "flat", "peak")}
+        return {k: v for k, v in asdict(self).items() if k not in ("frames", "flat", "peak", "norm")}
 
 
 @dataclass

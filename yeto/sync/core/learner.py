@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
+from yeto.sync.core.contract import learner_contract, tokens_per_step
 from yeto.sync.layout import Layout
 from yeto.sync.protocol import (CLOCK_JUMP_S, FINAL_CODES, Code, Message, ProtocolError, array_digest,
                                 decode_fragments, digest_bytes, encode_fragments, encode_fragments_ef, session_id)
@@ -114,9 +115,12 @@ class Pushed:
 class LearnerCore:
     def __init__(self, learner_id: int, backend: str, layout: Layout, init_flat: np.ndarray,
                  adapter_config: dict[str, Any], provenance: dict[str, Any], rng: random.Random,
-                 timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0, started_at_us: int = 0):
+                 timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0, started_at_us: int = 0,
+                 identity: str = "", contract: Optional[dict[str, Any]] = None):
         """`started_at_us`: wall-clock start of this process (microseconds); it orders two sessions of one learner
-        id, so that a delayed hello from a process that died never takes the id from the one that replaced it."""
+        id, so that a delayed hello from a process that died never takes the id from the one that replaced it.
+        `identity`: this learner's secret (kept across its restarts): while it holds its id, only a hello that
+        carries the same secret may take the id over. `contract`: what it declares it trains (see core/contract)."""
         self.learner_id = learner_id
         self.backend = backend
         self.layout = layout
@@ -127,6 +131,9 @@ class LearnerCore:
         self.t = timeouts
         self.max_inner_steps = max_inner_steps
         self.session = session_id(started_at_us, rng)
+        self.identity = identity or f"{rng.getrandbits(128):032x}"
+        self.contract = contract if contract is not None else learner_contract(adapter_config, provenance, layout,
+                                                                                tokens_per_step(provenance))
         self.ef = ErrorFeedback(layout.numel)
         # the link
         self.connected = False
@@ -324,7 +331,8 @@ class LearnerCore:
         self.hello_at = now
         self._send("hello", {"backend": self.backend, "layout": self.layout.to_json(),
                              "adapter_config": self.adapter_config, "provenance": self.provenance,
-                             "version": self.version, "digest": self.digest})
+                             "version": self.version, "digest": self.digest, "identity": self.identity,
+                             "contract": self.contract})
 
     def _pushed_ref(self) -> Optional[list]:
         p = self.pushed
@@ -333,6 +341,7 @@ class LearnerCore:
     def _resend_pushed(self) -> None:
         p = self.pushed
         if p is not None and p.frames:
+            p.acked = False  # an ack from a syncer process that lost it says nothing about this copy (sim seed 5316)
             self._send("delta", p.header, p.frames)
 
     def _maybe_sync(self, now: float) -> None:
@@ -532,7 +541,7 @@ class LearnerCore:
                 self._hello(now)
         elif code in FINAL_CODES:
             self.refused, self.refused_code = h["reason"], code
-        elif code == Code.BUSY:
+        elif code in (Code.BUSY, Code.ID_TAKEN):
             self.joined = False  # hello again later: the session holding our id may be a dead one
             self.busy = True
             self._log("warning", h["reason"])
@@ -541,6 +550,10 @@ class LearnerCore:
             self._log("warning", f"delta not counted ({code}): {h['reason']}")
         else:
             self._log("warning", f"syncer error ({code}): {h['reason']}")
+
+    def link_refused(self, reason: str) -> None:
+        """The connection itself was refused (the CURVE handshake failed): final, with what to do about it."""
+        self.refused, self.refused_code = reason, str(Code.IDENTITY)
 
     def _on_refuse(self, msg: Message, now: float) -> None:
         self.refused = f"the syncer refused this learner: {msg.header['reason']}"

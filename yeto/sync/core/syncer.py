@@ -26,21 +26,26 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
 from yeto import YetoError
+from yeto.sync.aggregate import (DEFAULT_CLIP_K, NORM_HISTORY_ROUNDS, ROBUST_MODES, RoundSum, clip_factors,
+                                  clipped_mean, trimmed_mean)
 from yeto.sync.audit import TapeFold
 from yeto.sync.core.actions import (AcceptedDelta, Action, Checkpoint, DropDeltas, Durable, Exit, Log, Record,
                                     SaveCheckpoint, SaveDelta, Send)
+from yeto.sync.core.contract import contract_mismatch, contract_problem, run_contract
+from yeto.sync.core.limits import RateLimit
 from yeto.sync.layout import Layout, layout_from_json, layout_mismatch
-from yeto.sync.outer import outer_update
-from yeto.sync.protocol import (DEFAULT_MAX_MESSAGE_MB, Code, Message, ProtocolError, array_digest, decode,
-                                decode_fragments, digest_bytes, encode_fragments, encode_fragments_ef, message_size,
-                                CLOCK_JUMP_S, session_start, truncate)
-from yeto.sync.quant import BITS, ErrorFeedback, QuantError
+from yeto.sync.outer import merge_weights, nesterov_step
+from yeto.sync.protocol import (DEFAULT_MAX_MESSAGE_MB, PROTOCOL_VERSION, Code, Message, ProtocolError, array_digest,
+                                decode, decode_fragments, digest_bytes, encode_fragments, encode_fragments_ef,
+                                identity_proof, message_size, CLOCK_JUMP_S, session_start, truncate)
+from yeto.sync.quant import BITS, ErrorFeedback, QuantError, dequantize
 
 QUORUM_WAIT_LOG_S = 15.0  # how often a round short of quorum says whom it waits for
 PROGRESS_LOG_S = 60.0  # how often a slow round says whom it waits for
@@ -59,8 +64,14 @@ MAX_LEARNER_ID = (1 << 31) - 1
 MAX_KNOCKING = 4096  # learner ids remembered as trying to rejoin
 MAX_RETIRED_SESSIONS = 8  # per learner id: older sessions that get "superseded" instead of "say hello"
 MERGED_HISTORY = 16  # per learner id, its latest merged deltas: one back from a long absence learns which counted
+MAX_LOSS = 1e4  # a reported mean loss above this is no loss of a language model
+STATE_REQUESTS_PER_WINDOW = 20  # full-state (or broadcast) resends per learner per RATE_WINDOW_S
+REPLIES_PER_WINDOW = 30  # refusals/errors answered and written to the tape per peer per RATE_WINDOW_S
+RATE_WINDOW_S = 60.0
+DEFAULT_MAX_LEARNERS = 1024
 # what a restart may not change: the run's math and its wire format depend on them
-CONTRACT_FIELDS = ("sync_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds")
+CONTRACT_FIELDS = ("sync_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds", "robust", "robust_k",
+                   "model", "model_revision")
 
 
 @dataclass
@@ -80,6 +91,15 @@ class SyncerConfig:
     quorum_timeout: float = 1800.0
     learner_timeout: float = 60.0
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
+    robust: str = "norm-clip"
+    robust_k: float = DEFAULT_CLIP_K
+    model: Optional[str] = None  # pins the run's base model (else the founding learner's is the run's)
+    model_revision: Optional[str] = None
+    max_learners: int = DEFAULT_MAX_LEARNERS
+    # the I/O shell's (security, connections); here so that one config describes the syncer
+    insecure: bool = False
+    join_key: Optional[str] = None
+    max_connections: int = 2 * DEFAULT_MAX_LEARNERS
 
     def check(self) -> None:
         if self.sync_bits not in BITS:
@@ -97,6 +117,14 @@ class SyncerConfig:
                 raise YetoError(f"--{name.replace('_', '-')} must be positive")
         if self.max_message_mb < 1:
             raise YetoError("--max-message-mb must be at least 1")
+        if self.robust not in ROBUST_MODES:
+            raise YetoError(f"--robust must be one of {', '.join(ROBUST_MODES)}, got {self.robust!r}")
+        if not self.robust_k >= 1:
+            raise YetoError(f"--robust-k must be at least 1 (a delta is clipped above k x the median norm), got "
+                            f"{self.robust_k}")
+        if self.max_learners < self.learners or self.max_connections < 1:
+            raise YetoError(f"--max-learners ({self.max_learners}) must be at least --learners ({self.learners}) and "
+                            "--max-connections at least 1")
 
     def check_resume(self, saved: dict[str, Any], version: int) -> None:
         """Refuse a restart whose flags contradict the run in the checkpoint."""
@@ -118,6 +146,11 @@ class SyncerConfig:
         return {"inner_steps": self.inner_steps, "round_seconds": self.round_seconds, "outer_steps": self.outer_steps,
                 "sync_bits": self.sync_bits, "quorum": self.quorum, "heartbeat_s": self.heartbeat_s}
 
+    def pinned(self) -> dict[str, Any]:
+        """The contract fields fixed by the syncer's flags rather than by the founding learner."""
+        pinned = {"base_model": self.model, "base_revision": self.model_revision}
+        return {k: v for k, v in pinned.items() if v is not None}
+
 
 # ---------------------------------------------------------------------------------------------- state
 
@@ -132,6 +165,8 @@ class Member:
     active: bool = True
     welcomed: bool = False
     left: bool = False  # said goodbye (not just went silent)
+    principal: Optional[str] = None  # who its connection authenticated as (ZAP User-Id); None: --insecure
+    tokens_per_step: int = 0  # declared at join: bounds its token claims
 
 
 @dataclass
@@ -151,6 +186,7 @@ class Founding:
     layout: Layout
     adapter_config: dict[str, Any]
     provenance: dict[str, Any]
+    contract: dict[str, Any]
     asked: Optional[int] = None  # learner id asked for the adapter
 
 
@@ -182,6 +218,13 @@ class SyncerCore:
         self.retired: dict[int, list[str]] = {}  # learner id -> its sessions that a newer one took over
         self.knocking: dict[int, float] = {}  # learner id of this run -> when it last got "not joined"
         self.seen: set[int] = set()
+        self.owners: dict[int, str] = {}  # learner id -> proof of the identity that holds it (hash of its secret)
+        self.bound_ids: set[int] = set()  # learner ids only their own key may speak for (yeto keys add)
+        self.revoked: set[str] = set()  # principals whose keys were revoked
+        self.replies = RateLimit(REPLIES_PER_WINDOW, RATE_WINDOW_S)
+        self.state_requests = RateLimit(STATE_REQUESTS_PER_WINDOW, RATE_WINDOW_S)
+        self.sum: Optional[RoundSum] = None  # the open round's running sum of accepted deltas
+        self.norm_history: deque[float] = deque(maxlen=NORM_HISTORY_ROUNDS * 4)
         self.merged: dict[int, list] = {}  # learner id -> its latest merged deltas, [[round, digest], ...]
         self.round: Optional[OpenRound] = None
         self.pending: dict[int, AcceptedDelta] = {}
@@ -195,6 +238,7 @@ class SyncerCore:
         self.exit_code: Optional[int] = None
         self.internal_errors: set[str] = set()
         self.last_tick = math.inf  # (no jump before the first tick)
+        self.principal: Optional[str] = None  # of the message being handled
         self.out: list[Action] = []
 
     # ------------------------------------------------------------------ events
@@ -228,6 +272,8 @@ class SyncerCore:
         self.seen = set(ck.members) | fold.joined
         self.merged = {int(k): v for k, v in ck.merged.items()}
         self.retired = {int(k): list(v) for k, v in ck.retired.items()}
+        self.owners = dict(ck.owners)
+        self.sum = RoundSum(ck.layout.numel)
         open_round = ck.version + 1
         saved = {(d.round, d.learner): d for d in durable.deltas}
         for (rnd, lid), ev in sorted(fold.outstanding.items()):
@@ -243,15 +289,16 @@ class SyncerCore:
             if ev is not None and ev["digest"] != d.digest:
                 continue
             try:
-                d.flat = decode_fragments(ck.layout, Message("delta", {"fragments": d.descs}, list(d.frames)))
+                flat = self._decode(d)
             except ProtocolError as e:  # a file that does not fit this run: its learner sends the delta again
                 if ev is not None:
                     self._record("discard", learner=lid, round=rnd, digest=d.digest, reason=truncate(str(e)))
                 continue
-            d.peak = float(np.abs(d.flat).max()) if d.flat.size else 0.0
+            self._measure(d, flat)
             if ev is None:  # saved, but its tape line was lost: account for it now
-                self._record("delta", **self._delta_fields(d), recovered=True)
+                self._record("delta", **self._delta_fields(d), norm=d.norm, recovered=True)
             self.pending[lid] = d
+            self.sum.add(lid, flat, d.loss_tokens)
             restored.append(lid)
         self.out.append(DropDeltas(through_round=ck.version))
         for (rnd, lid), d in saved.items():
@@ -264,16 +311,33 @@ class SyncerCore:
         self._maybe_open(now)
         return self._flush()
 
-    def receive(self, peer: str, parts: list[bytes], now: float) -> list[Action]:
-        """One message from a learner connection; nothing a peer sends can raise out of here."""
+    def receive(self, peer: str, parts: list[bytes], now: float, principal: Optional[str] = None) -> list[Action]:
+        """One message from a learner connection; nothing a peer sends can raise out of here. `principal`: who the
+        connection authenticated as (the ZAP User-Id: "join" or "learner:<id>"); None without security."""
         self.out = []
         try:
+            if principal is not None and principal in self.revoked:
+                raise ProtocolError(f"the key of {principal} was revoked", Code.REVOKED)
             msg = decode(parts, self.max_message_bytes)
+            self.principal = principal
             getattr(self, f"_on_{msg.type}", self._on_unexpected)(peer, msg, now)
         except ProtocolError as e:
-            self._reject(peer, str(e), e.code)
+            self._reject(peer, str(e), e.code, now)
         except Exception as e:  # a bug must not take the fleet down: record it, answer, go on
-            self._reject(peer, f"syncer could not process the message: {e!r}", Code.INTERNAL)
+            self._reject(peer, f"syncer could not process the message: {e!r}", Code.INTERNAL, now)
+        return self._flush()
+
+    def set_keys(self, bound_ids: set[int], revoked: set[str], now: float) -> list[Action]:
+        """The run's learner keys changed (yeto keys add/revoke): members holding a revoked key are cut off."""
+        self.out = []
+        self.bound_ids, self.revoked = set(bound_ids), set(revoked)
+        for m in self._active():
+            if m.principal is not None and m.principal in self.revoked:
+                self._send(m.peer, "refuse", {"code": str(Code.REVOKED), "reason": f"the key of {m.principal} was "
+                                                                                   "revoked"})
+                self._record("revoked", learner=m.learner, principal=m.principal)
+                self._drop(m, "its key was revoked", now)
+        self._maybe_close(now)
         return self._flush()
 
     def tick(self, now: float) -> list[Action]:
@@ -341,16 +405,29 @@ class SyncerCore:
     def _send(self, peer: str, msg_type: str, header: dict[str, Any], frames: tuple[bytes, ...] = ()) -> None:
         self.out.append(Send(peer, msg_type, header, frames))
 
-    def _reject(self, peer: str, reason: str, code: Code) -> None:
+    def _reject(self, peer: str, reason: str, code: Code, now: float) -> None:
+        if not self._may_reply(peer, now):
+            return
         reason = truncate(reason)
         self._record("reject", peer=truncate(peer, 80), code=str(code), reason=reason)
         self._send(peer, "error", {"code": str(code), "reason": reason})
 
-    def _refuse(self, peer: str, lid: int, code: Code, reason: str, **fields: Any) -> None:
+    def _refuse(self, peer: str, lid: int, code: Code, reason: str, now: float, **fields: Any) -> None:
+        if not self._may_reply(peer, now):
+            return
         reason = truncate(reason)
         self._record("refuse", learner=lid, code=str(code), reason=reason, **fields)
         self._send(peer, "refuse", {"code": str(code), "reason": reason})
         self._log("warning", f"refused learner {lid}: {reason}")
+
+    def _may_reply(self, peer: str, now: float) -> bool:
+        """One peer's refusals cost at most REPLIES_PER_WINDOW tape lines and answers per window; the excess is
+        counted on the tape once the next window opens."""
+        ok = self.replies.allow(peer, now)
+        skipped = self.replies.expired_refusals.pop(peer, 0)
+        if skipped:
+            self._record("replies_suppressed", peer=truncate(peer, 80), count=skipped)
+        return ok
 
     def _exit(self) -> None:
         if self.exit_code is None:
@@ -364,13 +441,16 @@ class SyncerCore:
         """Members that can train: active and welcomed."""
         return [m for m in self.members.values() if m.active and m.welcomed]
 
-    def _member(self, msg: Message, now: float) -> Member:
+    def _member(self, peer: str, msg: Message, now: float) -> Member:
         lid, session = msg.header["learner"], msg.header["session"]
         m = self.members.get(lid)
         if session in self.retired.get(lid, ()):
             raise ProtocolError(f"learner {lid} has a newer session; this one ({truncate(session, 20)}) is over",
                                 Code.SUPERSEDED)
         said_goodbye = m is not None and m.session == session and m.left  # (its late messages are no knock)
+        if m is not None and m.session == session and (peer != m.peer or self.principal != m.principal):
+            raise ProtocolError(f"this connection did not join as learner {lid}: a message is only accepted on the "
+                                "connection that said hello", Code.IDENTITY)
         if m is not None and m.session != session:
             m = None  # a session we have not met: it must say hello (its hello may have been lost)
         if m is None or not m.active or (not m.welcomed and msg.type not in ("init", "leave", "ping")):
@@ -400,7 +480,8 @@ class SyncerCore:
         r = self.run
         return Checkpoint(r.version, r.layout, r.adapter_config, r.provenance, r.global_, r.momentum, self.ef.residual,
                           r.digest, asdict(self.cfg), sorted(self.seen), {k: list(v) for k, v in self.merged.items()},
-                          {k: list(v) for k, v in self.retired.items()})  # (copies: the lists keep changing)
+                          {k: list(v) for k, v in self.retired.items()}, r.contract,
+                          dict(self.owners))  # (copies: they keep changing)
 
     # ------------------------------------------------------------------ handlers
 
@@ -425,23 +506,42 @@ class SyncerCore:
             layout = layout_from_json(h["layout"])
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ProtocolError(f"hello: malformed layout ({truncate(str(e), 200)})") from e
-        problem = _config_problem(h["adapter_config"], h.get("provenance", {}))
+        problem = _config_problem(h["adapter_config"], h.get("provenance", {})) or contract_problem(h["contract"])
         if problem:
-            return self._refuse(peer, lid, Code.BAD_CONFIG, problem, backend=backend)
+            return self._refuse(peer, lid, Code.BAD_CONFIG, problem, now, backend=backend)
+        bound = self._principal_problem(lid)
+        if bound:
+            return self._refuse(peer, lid, Code.IDENTITY, bound, now, principal=self.principal)
         run_layout = self.run.layout if self.run else self.founding.layout if self.founding else None
         if run_layout is not None:
             problem = layout_mismatch(run_layout, layout)
             if problem:
-                return self._refuse(peer, lid, Code.LAYOUT, f"adapter layout differs from the run's: {problem}",
+                return self._refuse(peer, lid, Code.LAYOUT, f"adapter layout differs from the run's: {problem}", now,
                                     backend=backend)
+        contract = self.run.contract if self.run else self.founding.contract if self.founding else self.cfg.pinned()
+        problem = contract_mismatch(contract, h["contract"])
+        if problem:
+            return self._refuse(peer, lid, Code.CONTRACT, f"this learner does not match the run's contract: {problem}"
+                                f"; start it with the run's settings", now, backend=backend)
         need = message_size(layout, self.cfg.sync_bits)
         if need > self.max_message_bytes:
             return self._refuse(peer, lid, Code.TOO_LARGE,
                                 f"this adapter's deltas ({layout.numel:,} values at {self.cfg.sync_bits} bits) need "
                                 f"messages of {need / 2**20:.0f} MiB, above --max-message-mb "
                                 f"{self.cfg.max_message_mb}: "
-                                "restart the syncer with a larger --max-message-mb", backend=backend)
+                                "restart the syncer with a larger --max-message-mb", now, backend=backend)
+        proof = identity_proof(h["identity"])
         old = self.members.get(lid)
+        owner = self.owners.get(lid)
+        if owner is not None and owner != proof and (
+                (old is not None and old.active) or (old is None and lid in self.seen and now < self.absent_until)):
+            # another identity claims a held id: refused while its holder is live (or expected back after a
+            # restart); a relaunched learner on a new machine gets the id once the old holder is gone
+            raise ProtocolError(f"learner id {lid} is held by a live learner with another identity; retrying until it "
+                                "goes silent (two learners with the same --learner-id?)", Code.ID_TAKEN)
+        if old is None and len(self.members) >= self.cfg.max_learners and not self._evict_member():
+            raise ProtocolError(f"the run holds --max-learners {self.cfg.max_learners} live learners; retrying",
+                                Code.BUSY)
         if old is not None and old.session != session and old.active and session_start(session) < session_start(
                 old.session):  # a hello from an older process (delayed, or one that woke up): never the newer's id
             if self.finish_header is not None:
@@ -459,18 +559,42 @@ class SyncerCore:
                                                 "reason": f"learner id {lid} was taken over by a new session"})
             self._record("supersede", learner=lid, old_session=old.session, session=session)
         rejoin = old is not None or lid in self.seen
-        m = Member(lid, session, peer, backend, now)
+        m = Member(lid, session, peer, backend, now, principal=self.principal,
+                   tokens_per_step=h["contract"]["tokens_per_step"])
         self.members[lid] = m
+        if owner != proof:
+            self.owners[lid] = proof
         if self.run is None:
             if self.founding is None:
-                self.founding = Founding(layout, h["adapter_config"], h.get("provenance") or {})
+                contract = run_contract(h["contract"], self.cfg.pinned())
+                self.founding = Founding(layout, h["adapter_config"], _run_provenance(h.get("provenance") or {},
+                                                                                       contract), contract)
                 self._record("layout", learner=lid, fingerprint=layout.fingerprint, tensors=len(layout.specs),
                              numel=layout.numel, fragments=len(layout.fragments))
+                self._record("contract", learner=lid, **contract, sync_bits=self.cfg.sync_bits,
+                             protocol=PROTOCOL_VERSION)
             self._record("join", learner=lid, backend=backend, session=session, rejoin=rejoin, waiting_for="init")
             self._ask_founder(again_from=lid)
             return
         self._welcome(m, now, rejoin=rejoin, learner_version=h["version"])
         self._maybe_open(now)
+
+    def _principal_problem(self, lid: int) -> Optional[str]:
+        """Why this connection's key may not speak for learner `lid`, or None."""
+        p = self.principal
+        if p is not None and p.startswith("learner:") and p != f"learner:{lid}":
+            return f"this connection's key belongs to {p}; it cannot join as learner {lid}"
+        if p == "join" and lid in self.bound_ids:
+            return f"learner {lid} has its own key (yeto keys add): join with that key, not the shared join key"
+        return None
+
+    def _evict_member(self) -> bool:
+        """Make room for a new learner id by forgetting the longest-gone member; False if every member is live."""
+        gone = [m for m in self.members.values() if not m.active]
+        if not gone:
+            return False
+        del self.members[min(gone, key=lambda m: m.last_seen).learner]
+        return True
 
     def _welcome(self, m: Member, now: float, rejoin: bool, learner_version: int) -> None:
         assert self.run is not None
@@ -516,7 +640,7 @@ class SyncerCore:
         self._record("init_request", learner=f.asked, bits=self.cfg.sync_bits)
 
     def _on_init(self, peer: str, msg: Message, now: float) -> None:
-        m = self._member(msg, now)
+        m = self._member(peer, msg, now)
         f = self.founding
         if self.run is not None and self.founder == m.learner:
             return  # a repeat of the upload that founded the run
@@ -528,7 +652,8 @@ class SyncerCore:
         digest = array_digest(flat)
         self.ef = ErrorFeedback(f.layout.numel)
         self.run = Checkpoint(0, f.layout, f.adapter_config, f.provenance, flat, np.zeros_like(flat),
-                              self.ef.residual, digest, asdict(self.cfg), [], {})
+                              self.ef.residual, digest, asdict(self.cfg), [], {}, {}, f.contract)
+        self.sum = RoundSum(f.layout.numel)
         self.founding = None
         known = set(self.seen)
         self.seen.update(x.learner for x in self._active())  # (saved with checkpoint 0: a restart waits for them)
@@ -540,7 +665,7 @@ class SyncerCore:
         self._maybe_open(now)
 
     def _on_delta(self, peer: str, msg: Message, now: float) -> None:
-        m = self._member(msg, now)
+        m = self._member(peer, msg, now)
         h = msg.header
         where = {"round": h["round"], "base_version": h["base_version"]}
         r = self.round
@@ -552,32 +677,32 @@ class SyncerCore:
             state = f"round {r.number} is open on version {r.base_version}" if r else f"no round is open (version " \
                                                                                      f"{self.version})"
             return self._refuse_delta(m, h, digest, Code.STALE, f"stale delta for round {h['round']} on version "
-                                                        f"{h['base_version']}: {state}")
-        problem = _claims_problem(h)
+                                                        f"{h['base_version']}: {state}", now)
+        problem = _claims_problem(h, m.tokens_per_step, 0 if self.cfg.round_seconds else self.cfg.inner_steps)
         if problem:
-            return self._refuse_delta(m, h, digest, Code.REFUSED, problem)
+            return self._refuse_delta(m, h, digest, Code.REFUSED, problem, now)
         if digest in r.refused:  # a copy of a delta this round's merge already refused
-            return self._refuse_delta(m, h, digest, Code.REFUSED, "this delta was refused by the round's merge")
+            return self._refuse_delta(m, h, digest, Code.REFUSED, "this delta was refused by the round's merge", now)
         mine = self.pending.get(m.learner)
         if mine is not None:
             if mine.digest == digest:
                 self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": True})
             else:
                 self._refuse_delta(m, h, digest, Code.DUPLICATE, f"learner {m.learner} already contributed to round "
-                                                         f"{r.number} (delta {mine.digest})")
+                                                         f"{r.number} (delta {mine.digest})", now)
             return
         try:
             flat = decode_fragments(self.run.layout, msg)  # sizes, bits and finiteness
         except ProtocolError as e:
-            return self._refuse_delta(m, h, digest, Code.REFUSED, str(e))
+            return self._refuse_delta(m, h, digest, Code.REFUSED, str(e), now)
         d = AcceptedDelta(m.learner, m.session, r.number, r.base_version, h["tokens"], h["loss_tokens"],
-                          h["inner_steps"], float(h["loss"]), digest, list(h["fragments"]), tuple(msg.frames), flat,
-                          float(np.abs(flat).max()) if flat.size else 0.0)
-        norm = float(np.linalg.norm(flat.astype(np.float64)))
-        self._record("delta", **self._delta_fields(d), bytes=msg.nbytes, norm=norm,
-                     compute_s=h.get("compute_s"))
+                          h["inner_steps"], float(h["loss"]), digest, list(h["fragments"]), tuple(msg.frames))
+        self._measure(d, flat)
+        self._record("delta", **self._delta_fields(d), bytes=msg.nbytes, norm=d.norm,
+                     compute_s=h.get("compute_s") if isinstance(h.get("compute_s"), (int, float)) else None)
         self.out.append(SaveDelta(d))
         self.pending[m.learner] = d
+        self.sum.add(m.learner, flat, d.loss_tokens)  # the decoded copy is dropped: memory is one sum per round
         self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": False})
         self._maybe_close(now)
 
@@ -587,9 +712,22 @@ class SyncerCore:
                 "tokens": d.tokens, "loss_tokens": d.loss_tokens, "inner_steps": d.inner_steps, "loss": d.loss,
                 "bits": sorted({x["bits"] for x in d.descs})}
 
-    def _refuse_delta(self, m: Member, h: dict[str, Any], digest: str, code: Code, reason: str) -> None:
+    def _decode(self, d: AcceptedDelta) -> np.ndarray:
+        return decode_fragments(self.run.layout, Message("delta", {"fragments": d.descs}, list(d.frames)))
+
+    def _decode_fragment(self, d: AcceptedDelta, k: int) -> np.ndarray:
+        return dequantize(d.frames[k], self.run.layout.fragments[k].numel, d.descs[k]["bits"])
+
+    @staticmethod
+    def _measure(d: AcceptedDelta, flat: np.ndarray) -> None:
+        d.peak = float(np.abs(flat).max()) if flat.size else 0.0
+        d.norm = float(np.linalg.norm(flat.astype(np.float64)))
+
+    def _refuse_delta(self, m: Member, h: dict[str, Any], digest: str, code: Code, reason: str, now: float) -> None:
         """Not accepted: the error names the delta (round, base version, digest), so a learner that has pushed
         that round again since knows it is not about its newer delta."""
+        if not self._may_reply(m.peer, now):
+            return
         reason = truncate(reason)
         self._record("reject", learner=m.learner, round=h["round"], base_version=h["base_version"], digest=digest,
                      code=str(code), reason=reason)
@@ -597,7 +735,7 @@ class SyncerCore:
                                      "base_version": h["base_version"], "digest": digest, "version": self.version})
 
     def _on_ping(self, peer: str, msg: Message, now: float) -> None:
-        m = self._member(msg, now)
+        m = self._member(peer, msg, now)
         pushed = msg.header["pushed"]
         mine = self.pending.get(m.learner)
         have = bool(pushed and mine is not None and [mine.round, mine.base_version, mine.digest] == pushed[:3])
@@ -610,7 +748,10 @@ class SyncerCore:
             self._send(m.peer, "finish", self.finish_header_for_wire())  # it may have missed the first one
 
     def _on_sync(self, peer: str, msg: Message, now: float) -> None:
-        m = self._member(msg, now)
+        m = self._member(peer, msg, now)
+        if not self.state_requests.allow(m.learner, now):  # each answer is a whole adapter: bounded per learner
+            raise ProtocolError(f"more than {STATE_REQUESTS_PER_WINDOW} state requests in {RATE_WINDOW_S:g}s; "
+                                "retry later", Code.RATE_LIMITED)
         run = self.run
         b = self.last_broadcast
         if b is not None and b.version == run.version and msg.header["version"] == run.version - 1:
@@ -622,7 +763,7 @@ class SyncerCore:
                    tuple(frames))
 
     def _on_leave(self, peer: str, msg: Message, now: float) -> None:
-        m = self._member(msg, now)
+        m = self._member(peer, msg, now)
         m.left = True
         self._drop(m, msg.header["reason"], now)
         self._maybe_close(now)
@@ -710,9 +851,9 @@ class SyncerCore:
         r = self.round
         assert r is not None and self.run is not None
         while len(self.pending) >= self.cfg.quorum:
-            ids = sorted(self.pending)
+            ids = self._order()
             try:
-                merged = self._merge([self.pending[i] for i in ids])
+                merged = self._merge(ids)
             except MergeError as e:
                 culprit = max(ids, key=lambda i: (self.pending[i].peak, i))
                 self._refuse_merged(culprit, f"round {r.number} could not be merged with this delta: {e}")
@@ -723,6 +864,10 @@ class SyncerCore:
 
     def _refuse_merged(self, lid: int, reason: str) -> None:
         d = self.pending.pop(lid)
+        order = self._order()
+        self.sum = RoundSum(self.run.layout.numel)  # rebuilt without it, in the order the others arrived
+        for i in order:
+            self.sum.add(i, self._decode(self.pending[i]), self.pending[i].loss_tokens)
         reason = truncate(reason)
         self._record("refuse_delta", learner=lid, round=d.round, digest=d.digest, reason=reason)
         self.out.append(DropDeltas(round=d.round, learner=lid))
@@ -734,13 +879,29 @@ class SyncerCore:
             self.round.refused.add(d.digest)
         self._log("warning", f"refused learner {lid}'s delta: {reason}")
 
-    def _merge(self, ds: list[AcceptedDelta]) -> dict[str, Any]:
+    def _order(self) -> list[int]:
+        """The pending deltas' learners in the order they were added to the running sum."""
+        return [i for i in self.sum.order if i in self.pending] if self.sum is not None else sorted(self.pending)
+
+    def _merge(self, ids: list[int]) -> dict[str, Any]:
         run, cfg = self.run, self.cfg
+        ds = [self.pending[i] for i in ids]
+        tokens = {i: self.pending[i].loss_tokens for i in ids}
         try:
             with np.errstate(all="ignore"):
-                new_global, momentum, weights = outer_update(run.global_, run.momentum, [d.flat for d in ds],
-                                                             [d.loss_tokens for d in ds], cfg.outer_lr,
-                                                             cfg.outer_momentum)
+                weights = merge_weights([d.loss_tokens for d in ds])
+                clip: dict[int, float] = {}
+                if cfg.robust == "trimmed-mean":  # fragment by fragment: n fragments in memory, not n adapters
+                    avg = trimmed_mean(lambda k: np.stack([self._decode_fragment(self.pending[i], k) for i in ids]),
+                                       [tokens[i] for i in ids], run.layout)
+                else:
+                    if cfg.robust == "norm-clip":
+                        factors = clip_factors([d.norm for d in ds], list(self.norm_history), cfg.robust_k)
+                        clip = {i: c for i, c in zip(ids, factors) if c < 1.0}
+                    s = RoundSum(run.layout.numel, None if self.sum.total is None else self.sum.total.clone(),
+                                 self.sum.tokens, list(ids))
+                    avg = clipped_mean(s, clip, tokens, lambda i: self._decode(self.pending[i]))
+                new_global, momentum = nesterov_step(run.global_, avg, run.momentum, cfg.outer_lr, cfg.outer_momentum)
                 if not (np.isfinite(new_global).all() and np.isfinite(momentum).all()):
                     raise MergeError("the outer step overflows")
                 ef = ErrorFeedback(run.layout.numel)
@@ -752,29 +913,36 @@ class SyncerCore:
         except (QuantError, ValueError, FloatingPointError, OverflowError) as e:
             raise MergeError(str(e)) from e
         return {"global": committed, "momentum": momentum, "residual": ef.residual, "weights": weights,
-                "descs": descs, "frames": tuple(frames), "sent": sent}
+                "descs": descs, "frames": tuple(frames), "sent": sent, "clip": clip}
 
     def _commit(self, r: OpenRound, ids: list[int], merged: dict[str, Any], stragglers: list[int], now: float) -> None:
         run = self.run
         version = run.version + 1
         digest = array_digest(merged["global"])
-        weights = [float(w) for w in merged["weights"]]
+        summed, ids = ids, sorted(ids)  # the tape lists responders sorted, and the order they were summed in
+        weights = [float(w) for _, w in sorted(zip(summed, merged["weights"]))]
         deltas = [self.pending[i].digest for i in ids]
         self._record("merge", round=r.number, version=version, responders=ids, weights=weights,
                      loss_tokens=[self.pending[i].loss_tokens for i in ids], deltas=deltas, digest=digest,
-                     stragglers=stragglers, update_norm=float(np.linalg.norm(merged["sent"])))
+                     stragglers=stragglers, update_norm=float(np.linalg.norm(merged["sent"])), summed=summed,
+                     robust=self.cfg.robust, clip={str(i): c for i, c in merged["clip"].items()})
+        if merged["clip"]:
+            self._log("warning", f"round {r.number}: robust merge clipped learner(s) "
+                                 f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged['clip'].items())}")
+        self.norm_history.extend(self.pending[i].norm * merged["clip"].get(i, 1.0) for i in ids)
         for i in ids:
             history = self.merged.setdefault(i, [])
             history.append([r.number, self.pending[i].digest])
             del history[:-MERGED_HISTORY]
         self.run = Checkpoint(version, run.layout, run.adapter_config, run.provenance, merged["global"],
                               merged["momentum"], merged["residual"], digest, asdict(self.cfg), sorted(self.seen),
-                              dict(self.merged))
+                              dict(self.merged), contract=run.contract)
         self.ef.residual = merged["residual"]
         self.out.append(SaveCheckpoint(self._checkpoint()))
         self._record("checkpoint", version=version, digest=digest)
         self.out.append(DropDeltas(through_round=r.number))
         self.pending = {}
+        self.sum = RoundSum(run.layout.numel)
         self.round = None
         header = {"version": version, "round": r.number, "digest": digest, "responders": ids, "weights": weights,
                   "deltas": deltas, "fragments": merged["descs"]}
@@ -823,13 +991,25 @@ def _config_problem(adapter_config: Any, provenance: Any) -> Optional[str]:
     return None
 
 
-def _claims_problem(h: dict[str, Any]) -> Optional[str]:
-    """Why a delta's reported training cannot be true, or None."""
+def _claims_problem(h: dict[str, Any], tokens_per_step: int, round_steps: int) -> Optional[str]:
+    """Why a delta's reported training cannot be true, or None: its step count must fit the round (`round_steps`,
+    0 for time windows), its tokens what those steps can consume (`tokens_per_step`, declared at join)."""
     tokens, loss_tokens, steps, loss = h["tokens"], h["loss_tokens"], h["inner_steps"], h["loss"]
     if not 0 < loss_tokens <= tokens <= MAX_TOKENS_PER_DELTA:
         return f"delta with impossible token counts (tokens {tokens}, loss-bearing tokens {loss_tokens})"
-    if not 0 < steps <= MAX_INNER_STEPS_PER_DELTA:
-        return f"delta with impossible inner step count {steps}"
-    if not math.isfinite(loss):
-        return f"delta with non-finite loss {loss}"
+    if not 0 < steps <= (round_steps or MAX_INNER_STEPS_PER_DELTA):
+        return f"delta claims {steps} inner steps; the round allows {round_steps or MAX_INNER_STEPS_PER_DELTA}"
+    if tokens_per_step and tokens > steps * tokens_per_step:
+        return (f"delta claims {tokens} tokens in {steps} steps; this learner declared at most {tokens_per_step} "
+                "tokens per step (batch x accumulation x sequence length)")
+    if not (math.isfinite(loss) and 0 <= loss <= MAX_LOSS):
+        return f"delta with impossible loss {loss}"
     return None
+
+
+def _run_provenance(founder: dict[str, Any], contract: dict[str, Any]) -> dict[str, Any]:
+    """What the syncer's adapter says about its origin: the run's contract and the base model it pins, never one
+    learner's data, config or counts."""
+    model = founder.get("model") if isinstance(founder.get("model"), dict) else {}
+    return {"model": {k: model.get(k) for k in ("name", "kind", "source", "revision", "requested_revision", "hub_id")},
+            "run": contract, "protocol": PROTOCOL_VERSION}

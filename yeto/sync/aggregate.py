@@ -1,0 +1,102 @@
+"""How a round's deltas become one: a running token-weighted sum, and robust merges against one bad learner.
+
+The mean (`--robust off`): mean = sum_i t_i * d_i / sum_i t_i, with t_i the
+delta's loss-bearing tokens. `RoundSum` adds each delta as it arrives, so the
+syncer holds one fp32 vector per round, not one per learner; the deltas
+themselves stay in their wire encoding (4 bits: 1/8 of fp32) for the durable
+copy and for the rare rebuild.
+
+Norm clipping (`--robust norm-clip`, the default): with n_i = |d_i| and
+ref = median(this round's norms and the norms merged in the last
+`NORM_HISTORY_ROUNDS` rounds), a delta with n_i > k * ref is scaled by
+c_i = k * ref / n_i before it is weighted. The history makes it work in a
+two-learner fleet, where the round's own median is the mean of an honest and a
+hostile norm. Applied as a correction on the running sum:
+sum <- sum - (1 - c_i) * t_i * d_i.
+
+Trimmed mean (`--robust trimmed-mean`): per coordinate, drop the
+floor(`TRIM_FRACTION` * n) (at least one) largest and smallest values and take
+the token-weighted mean of the rest; it needs every delta at once, so it walks
+the adapter fragment by fragment (memory: n fragments, not n adapters). With
+fewer than three deltas there is nothing to trim and it is the mean.
+
+Every result is a pure function of the deltas in their accumulation order (the
+tape's `responders`), so the merge replays bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from yeto.sync.layout import Layout
+
+ROBUST_MODES = ("norm-clip", "trimmed-mean", "off")
+DEFAULT_CLIP_K = 4.0
+NORM_HISTORY_ROUNDS = 8
+TRIM_FRACTION = 0.2
+
+
+def accumulate(total: Optional[torch.Tensor], delta: np.ndarray, scale: float) -> torch.Tensor:
+    """total += scale * delta, in place (torch: one multi-threaded pass)."""
+    d = torch.from_numpy(np.ascontiguousarray(delta, dtype=np.float32).reshape(-1))
+    if total is None:
+        total = torch.zeros(d.numel(), dtype=torch.float32)
+    return total.add_(d, alpha=float(scale))
+
+
+@dataclass
+class RoundSum:
+    """sum_i t_i * d_i over the deltas added so far, in arrival order."""
+
+    numel: int
+    total: Optional[torch.Tensor] = None
+    tokens: int = 0
+    order: list[int] = field(default_factory=list)  # learner ids, as added
+
+    def add(self, learner: int, delta: np.ndarray, loss_tokens: int) -> None:
+        self.total = accumulate(self.total, delta, loss_tokens)
+        self.tokens += loss_tokens
+        self.order.append(learner)
+
+    def mean(self) -> np.ndarray:
+        if self.total is None or self.tokens <= 0:
+            raise ValueError("a merge needs at least one delta with loss-bearing tokens")
+        return (self.total / float(self.tokens)).numpy()
+
+
+def clip_factors(norms: Sequence[float], history: Sequence[float], k: float) -> list[float]:
+    """c_i = min(1, k * median(norms + history) / n_i) (1 for a zero norm)."""
+    ref = float(np.median(np.asarray([*norms, *history], dtype=np.float64))) if norms else 0.0
+    return [1.0 if n <= k * ref or n == 0 else k * ref / n for n in norms]
+
+
+def clipped_mean(s: RoundSum, factors: dict[int, float], tokens: dict[int, int],
+                 delta_of: Callable[[int], np.ndarray]) -> np.ndarray:
+    """The running sum's mean after scaling the listed learners' deltas by their factors (< 1)."""
+    for lid in s.order:
+        c = factors.get(lid, 1.0)
+        if c < 1.0:
+            s.total = accumulate(s.total, delta_of(lid), -(1.0 - c) * tokens[lid])
+    return s.mean()
+
+
+def trimmed_mean(block: Callable[[int], np.ndarray], tokens: Sequence[int], layout: Layout) -> np.ndarray:
+    """Coordinate-wise token-weighted trimmed mean; `block(k)` gives the (deltas, numel) values of fragment k."""
+    w = np.asarray(tokens, dtype=np.float64)
+    count = len(w)
+    cut = max(1, int(TRIM_FRACTION * count)) if count >= 3 else 0
+    out = np.empty(layout.numel, dtype=np.float32)
+    for k, f in enumerate(layout.fragments):
+        x = block(k).astype(np.float64)
+        if cut == 0:
+            out[f.start:f.start + f.numel] = (w @ x) / w.sum()
+            continue
+        order = np.argsort(x, axis=0, kind="stable")
+        xs = np.take_along_axis(x, order, axis=0)[cut:count - cut]
+        ws = w[order][cut:count - cut]
+        out[f.start:f.start + f.numel] = (ws * xs).sum(axis=0) / ws.sum(axis=0)
+    return out

@@ -1,0 +1,368 @@
+"""Who may talk to the syncer: the run's CURVE credentials, join keys, and the ZAP gatekeeper.
+
+Encryption and authentication are ZeroMQ's own CURVE (libzmq does the crypto);
+this module only manages keys and answers ZAP requests (ZeroMQ RFC 27).
+
+- The syncer has one key pair (`<out>/keys/syncer.key_secret`, mode 0600).
+- A *join key* (`<out>/join.key`, 0600) is what a learner needs: the syncer's
+  public key plus a client key pair the syncer admits. Every learner may share
+  it; it can name any learner id not bound to a per-learner key.
+- A *learner key* (`yeto keys add`: `<out>/keys/learners/<id>.key`) admits one
+  learner id only, and can be revoked (`yeto keys revoke`) without touching the
+  others; a revoked key is refused at the handshake and its connections are cut.
+
+Why a ZAP handler of our own instead of pyzmq's `Authenticator`: the syncer
+must record each refusal with the peer's address and reason, map a key to the
+learner id it is bound to (ZAP's User-Id, which the syncer sees on every
+message), cap open connections, and run inside its own poll loop. pyzmq's
+credentials callback sees only the key. The handler is a few lines of frame
+parsing; nothing cryptographic happens here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import zmq
+from zmq.auth.certs import load_certificate
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
+
+from yeto import YetoError
+
+JOIN_KEY_FILE = "join.key"
+KEYS_DIR = "keys"
+SYNCER_SECRET_FILE = "syncer.key_secret"
+LEARNER_KEYS = "learners"
+REVOKED_KEYS = "revoked"
+JOIN_KEY_ENV = "YETO_JOIN_KEY"
+JOIN_PRINCIPAL = "join"  # the ZAP User-Id of a connection authenticated by the shared join key
+LEARNER_PRINCIPAL = "learner:"  # ... and of one authenticated by the key of one learner id: "learner:<id>"
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+ZAP_VERSION = b"1.0"
+KEY_CHARS = 40  # a z85-encoded CURVE key
+KEYS_RESCAN_S = 2.0  # how often the syncer looks for added or revoked learner keys
+HANDSHAKE_IVL_MS = 10_000  # a connection that has not finished its handshake by then is closed
+REFUSALS_RECORDED_PER_WINDOW = 20  # ZAP refusals written to the tape one by one per window; the rest are counted
+REFUSAL_WINDOW_S = 60.0
+
+_LINE = re.compile(r'^\s*([a-z-]+)\s*=\s*"?([^"\s]*)"?\s*$')
+
+
+@dataclass(frozen=True)
+class JoinKey:
+    """What a learner needs to reach the run: the syncer's public key and an admitted client key pair."""
+
+    syncer_public: bytes
+    public: bytes
+    secret: bytes
+    learner: Optional[int] = None  # bound to this learner id (a per-learner key), or any id (the join key)
+
+    def text(self) -> str:
+        lines = ["# yeto join key: admits a learner to one run. Keep it secret (it is a credential);",
+                 "# pass it with --join-key FILE or the YETO_JOIN_KEY environment variable.",
+                 f'syncer-public-key = "{self.syncer_public.decode()}"',
+                 f'public-key = "{self.public.decode()}"',
+                 f'secret-key = "{self.secret.decode()}"']
+        if self.learner is not None:
+            lines.append(f"learner = {self.learner}")
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def parse(text: str, where: str) -> "JoinKey":
+        values: dict[str, str] = {}
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            m = _LINE.match(line)
+            if not m:
+                raise YetoError(f"{where}: line {n} is not `name = \"value\"`: not a yeto join key file")
+            values[m.group(1)] = m.group(2)
+        missing = [k for k in ("syncer-public-key", "public-key", "secret-key") if k not in values]
+        if missing:
+            raise YetoError(f"{where}: not a yeto join key (missing {', '.join(missing)}); use the join.key the "
+                            "syncer wrote to its --out directory")
+        keys = {k: values[k].encode() for k in ("syncer-public-key", "public-key", "secret-key")}
+        for k, v in keys.items():
+            if len(v) != KEY_CHARS:
+                raise YetoError(f"{where}: {k} is not a {KEY_CHARS}-character z85 CURVE key")
+        try:
+            derived = zmq.curve_public(keys["secret-key"])
+        except (zmq.ZMQError, ValueError) as e:
+            raise YetoError(f"{where}: secret-key is not a valid CURVE key ({e})") from e
+        if derived != keys["public-key"]:
+            raise YetoError(f"{where}: public-key does not belong to secret-key: the file is damaged")
+        learner = values.get("learner")
+        if learner is not None and not learner.isdigit():
+            raise YetoError(f"{where}: learner must be a learner id, got {learner!r}")
+        return JoinKey(keys["syncer-public-key"], keys["public-key"], keys["secret-key"],
+                       int(learner) if learner is not None else None)
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Write a credential readable by its owner only (0600 from the first byte: never world-readable)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def read_join_key(path: str | Path) -> JoinKey:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise YetoError(f"cannot read the join key {p}: {e.strerror}. The syncer writes it to <its --out>/join.key")
+    return JoinKey.parse(text, str(p))
+
+
+def learner_join_key(path: Optional[str], insecure: bool, syncer: str) -> Optional[JoinKey]:
+    """The join key a learner uses: --join-key FILE, else $YETO_JOIN_KEY (the file's contents); None with
+    --insecure (loopback only). A learner without one gets a one-line error saying where to find it."""
+    if insecure:
+        require_loopback(syncer.removeprefix("tcp://").rpartition(":")[0], "learner --syncer")
+        return None
+    if path:
+        return read_join_key(path)
+    env = os.environ.get(JOIN_KEY_ENV)
+    if env:
+        return JoinKey.parse(env, f"${JOIN_KEY_ENV}")
+    raise YetoError(f"no join key: pass --join-key FILE or set {JOIN_KEY_ENV} to that file's contents (the syncer "
+                    f"writes it to <its --out>/{JOIN_KEY_FILE}); --insecure only for a syncer on this machine")
+
+
+def require_loopback(host: str, what: str) -> None:
+    """--insecure sends everything in clear and admits anyone: refuse it anywhere but loopback."""
+    host = host.strip("[]")
+    try:
+        addrs = {ipaddress.ip_address(host)}
+    except ValueError:
+        try:
+            addrs = {ipaddress.ip_address(a[4][0]) for a in socket.getaddrinfo(host, None)}
+        except OSError:
+            addrs = set()
+    if not addrs or not all(a.is_loopback for a in addrs):
+        raise YetoError(f"--insecure is refused for {what} {host!r}: without security anyone who reaches the port "
+                        "can join and read the run. Use it only on 127.0.0.1; elsewhere use the join key")
+
+
+# ---------------------------------------------------------------------------------------------- the run's keys
+
+
+@dataclass
+class Keyring:
+    """The run's credentials on disk, under the syncer's --out."""
+
+    out: Path
+    syncer_public: bytes = b""
+    syncer_secret: bytes = b""
+    join: Optional[JoinKey] = None
+    learners: dict[bytes, int] = field(default_factory=dict)  # admitted learner-key public key -> its learner id
+    revoked: set[bytes] = field(default_factory=set)
+    revoked_ids: set[int] = field(default_factory=set)
+    scanned: tuple = ()
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.out / KEYS_DIR
+
+    @staticmethod
+    def ensure(out: str | Path, join_key: Optional[str] = None) -> "Keyring":
+        """Load the run's credentials, creating them on first start (`--join-key FILE`: admit that key)."""
+        ring = Keyring(Path(out))
+        secret_path = ring.keys_dir / SYNCER_SECRET_FILE
+        if secret_path.exists():
+            public, secret = load_certificate(secret_path)
+            if secret is None:
+                raise YetoError(f"{secret_path} holds no secret key: restore it, or start a new run with another --out")
+        else:
+            public, secret = zmq.curve_keypair()
+            write_secret(secret_path, f'# the syncer\'s CURVE key pair: keep secret\npublic-key = "{public.decode()}"\n'
+                                      f'secret-key = "{secret.decode()}"\n')
+        ring.syncer_public, ring.syncer_secret = public, secret
+        join_path = ring.out / JOIN_KEY_FILE
+        if join_key is not None:
+            ring.join = read_join_key(join_key)
+            if ring.join.learner is not None:
+                raise YetoError(f"{join_key} is the key of learner {ring.join.learner}, not a join key")
+            if Path(join_key).resolve() != join_path.resolve():
+                write_secret(join_path, ring.join.text())
+        elif join_path.exists():
+            ring.join = read_join_key(join_path)
+        else:
+            client_public, client_secret = zmq.curve_keypair()
+            ring.join = JoinKey(public, client_public, client_secret)
+            write_secret(join_path, ring.join.text())
+        if ring.join.syncer_public != public:
+            raise YetoError(f"the join key {join_key or join_path} was made for another syncer key "
+                            f"({ring.join.syncer_public.decode()[:8]}..., this run's is {public.decode()[:8]}...): "
+                            f"use this run's {join_path}, or `yeto keys init` before the syncer's first start")
+        ring.rescan()
+        return ring
+
+    def rescan(self) -> bool:
+        """Re-read learner keys and revocations; True if anything changed."""
+        keys: dict[str, list[JoinKey]] = {LEARNER_KEYS: [], REVOKED_KEYS: []}
+        stamp = []
+        for sub, into in keys.items():
+            d = self.keys_dir / sub
+            for p in sorted(d.glob("*.key")) if d.is_dir() else []:
+                try:
+                    into.append(read_join_key(p))
+                    stamp.append((sub, p.name, p.stat().st_mtime_ns))
+                except (YetoError, OSError):
+                    continue  # a half-written or foreign file: not a key
+        changed = tuple(stamp) != self.scanned
+        self.scanned = tuple(stamp)
+        self.revoked = {k.public for k in keys[REVOKED_KEYS]}
+        self.revoked_ids = {k.learner for k in keys[REVOKED_KEYS] if k.learner is not None}
+        self.learners = {k.public: k.learner for k in keys[LEARNER_KEYS]
+                         if k.learner is not None and k.public not in self.revoked}
+        return changed
+
+    def principal(self, client_public: bytes) -> Optional[str]:
+        """The identity a client key proves (ZAP User-Id), or None if it is not admitted."""
+        if client_public in self.revoked:
+            return None
+        if self.join is not None and client_public == self.join.public:
+            return JOIN_PRINCIPAL
+        lid = self.learners.get(client_public)
+        return None if lid is None else f"{LEARNER_PRINCIPAL}{lid}"
+
+    def bound_ids(self) -> set[int]:
+        """Learner ids that only their own key may speak for."""
+        return set(self.learners.values())
+
+    def revoked_principals(self) -> set[str]:
+        """Principals whose connections must be cut (a learner id with a revoked key and no current one)."""
+        current = set(self.learners.values())
+        return {f"{LEARNER_PRINCIPAL}{lid}" for lid in self.revoked_ids - current}
+
+    # ------------------------------------------------------------------ yeto keys
+
+    def add_learner(self, learner: int) -> Path:
+        path = self.keys_dir / LEARNER_KEYS / f"{learner}.key"
+        if path.exists():
+            raise YetoError(f"learner {learner} already has a key ({path}); revoke it first to issue a new one")
+        public, secret = zmq.curve_keypair()
+        write_secret(path, JoinKey(self.syncer_public, public, secret, learner).text())
+        return path
+
+    def revoke_learner(self, learner: int) -> Path:
+        path = self.keys_dir / LEARNER_KEYS / f"{learner}.key"
+        if not path.exists():
+            raise YetoError(f"learner {learner} has no key under {path.parent} (see `yeto keys list`)")
+        dest = self.keys_dir / REVOKED_KEYS / f"{learner}-{time.strftime('%Y%m%dT%H%M%S')}.key"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, dest)
+        return dest
+
+
+def curve_server(sock: zmq.Socket, ring: Keyring) -> None:
+    sock.curve_server = True
+    sock.curve_publickey = ring.syncer_public
+    sock.curve_secretkey = ring.syncer_secret
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+
+
+def curve_client(sock: zmq.Socket, key: JoinKey) -> None:
+    sock.curve_serverkey = key.syncer_public
+    sock.curve_publickey = key.public
+    sock.curve_secretkey = key.secret
+
+
+# ---------------------------------------------------------------------------------------------- the gatekeeper
+
+
+@dataclass(frozen=True)
+class Refusal:
+    address: str
+    reason: str
+
+
+class Gatekeeper:
+    """Answers the ZAP requests of the syncer's socket (every CURVE handshake) and counts open connections."""
+
+    def __init__(self, ctx: zmq.Context, ring: Keyring, max_connections: int):
+        self.ring = ring
+        self.max_connections = max_connections
+        self.zap = ctx.socket(zmq.REP)
+        self.zap.linger = 0
+        self.zap.bind(ZAP_ENDPOINT)
+        self.monitor: Optional[zmq.Socket] = None
+        self.open_fds: set[int] = set()
+        self.refusals: list[Refusal] = []  # for the tape, drained by the syncer
+        self.window_start = 0.0
+        self.recorded_in_window = 0
+        self.suppressed = 0
+
+    def watch(self, sock: zmq.Socket) -> None:
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [s for s in (self.zap, self.monitor) if s is not None]
+
+    def handle(self, now: float) -> None:
+        """Drain the connection events, then answer every waiting ZAP request."""
+        while self.monitor is not None and self.monitor.poll(0):
+            e = recv_monitor_message(self.monitor)
+            if e["event"] == zmq.EVENT_ACCEPTED:
+                self.open_fds.add(e["value"])
+            else:
+                self.open_fds.discard(e["value"])
+        while self.zap.poll(0):
+            self._answer(self.zap.recv_multipart(), now)
+
+    def _answer(self, frames: list[bytes], now: float) -> None:
+        if len(frames) < 6:
+            return  # not a ZAP request (nothing else can reach an inproc endpoint of our own context)
+        version, request_id, _domain, address, _identity, mechanism = frames[:6]
+        address_s = address.decode(errors="replace")[:64]
+        user, reason = b"", ""
+        if version != ZAP_VERSION:
+            reason = "unsupported ZAP version"
+        elif mechanism != b"CURVE" or len(frames) != 7:
+            reason = f"mechanism {mechanism.decode(errors='replace')[:16]} (this syncer needs CURVE: a join key)"
+        elif len(self.open_fds) > self.max_connections:
+            reason = f"too many connections (over {self.max_connections})"
+        else:
+            principal = self.ring.principal(z85.encode(frames[6]))
+            if principal is None:
+                revoked = z85.encode(frames[6]) in self.ring.revoked
+                reason = "revoked learner key" if revoked else "unknown key (not this run's join key)"
+            else:
+                user = principal.encode()
+        if user:
+            self.zap.send_multipart([ZAP_VERSION, request_id, b"200", b"OK", user, b""])
+            return
+        self.zap.send_multipart([ZAP_VERSION, request_id, b"400", reason.encode()[:200], b"", b""])
+        self._refused(Refusal(address_s, reason), now)
+
+    def _refused(self, r: Refusal, now: float) -> None:
+        if now - self.window_start >= REFUSAL_WINDOW_S:
+            self.window_start, self.recorded_in_window = now, 0
+        if self.recorded_in_window < REFUSALS_RECORDED_PER_WINDOW:
+            self.recorded_in_window += 1
+            self.refusals.append(r)
+        else:
+            self.suppressed += 1
+
+    def drain(self) -> tuple[list[Refusal], int]:
+        """(refusals to record, how many more were refused but not recorded one by one)."""
+        out, n = self.refusals, self.suppressed
+        self.refusals, self.suppressed = [], 0
+        return out, n
+
+    def close(self) -> None:
+        for s in self.sockets():
+            s.close(linger=0)

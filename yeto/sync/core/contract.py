@@ -1,0 +1,97 @@
+"""The run's contract: what every learner of one run must agree on, fixed once and checked at every join.
+
+A learner whose base model, LoRA hyper-parameters or adapter layout differ would
+produce deltas that merge without error and mean nothing (the layout alone only
+covers names and shapes: another `lora_alpha` or another base revision has the
+same shapes). So a hello carries the learner's contract; the first one (or the
+syncer's `--model`/`--model-revision`) fixes the run's, and any later learner
+that differs is refused with the field and both values.
+
+`tokens_per_step` is not part of the contract (islands may use other batch
+sizes): it is the learner's declared ceiling, against which its claims are checked.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import PurePath
+from typing import Any, Optional
+
+from yeto.sync.layout import Layout
+
+# fields that must be equal on every learner of a run, in the order mismatches are reported
+CONTRACT_KEYS = ("base_model", "base_revision", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "layout")
+MAX_TOKENS_PER_STEP = 1 << 32
+
+
+def learner_contract(adapter_config: dict[str, Any], provenance: dict[str, Any], layout: Layout,
+                     tokens_per_step: int) -> dict[str, Any]:
+    """What a learner declares at join (from its peft config and the provenance of its base model)."""
+    model = provenance.get("model") or {}
+    targets = adapter_config.get("target_modules")
+    name = model.get("hub_id") or model.get("name")
+    if model.get("source") == "local" and isinstance(name, str):
+        name = PurePath(name).name  # a local copy lives at another path on each machine; its content hash pins it
+    return {
+        "base_model": name,
+        "base_revision": model.get("revision"),
+        "lora_r": adapter_config.get("r"),
+        "lora_alpha": adapter_config.get("lora_alpha"),
+        "lora_dropout": adapter_config.get("lora_dropout"),
+        "lora_targets": sorted(targets) if isinstance(targets, (list, tuple, set)) else targets,
+        "layout": layout.fingerprint,
+        "tokens_per_step": int(tokens_per_step),
+    }
+
+
+def tokens_per_step(provenance: dict[str, Any]) -> int:
+    """Tokens one inner step can consume at most (micro-batch x accumulation x sequence length), from the
+    learner's recorded config; 0 when it is not recorded (then claims are bounded by the syncer's ceiling)."""
+    cfg = provenance.get("config") or {}
+    try:
+        return int(cfg["batch_size"]) * int(cfg.get("grad_accum", 1)) * int(cfg["seq_len"])
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+def contract_problem(contract: Any) -> Optional[str]:
+    """Why a declared contract is unusable, or None."""
+    if not isinstance(contract, dict):
+        return "contract must be a JSON object"
+    for k in (*CONTRACT_KEYS, "tokens_per_step"):
+        if k not in contract:
+            return f"contract is missing {k!r}"
+    tps = contract["tokens_per_step"]
+    if not isinstance(tps, int) or isinstance(tps, bool) or not 0 <= tps <= MAX_TOKENS_PER_STEP:
+        return f"contract.tokens_per_step must be an integer in [0, {MAX_TOKENS_PER_STEP}]"
+    for k in ("lora_alpha", "lora_dropout"):
+        v = contract[k]
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
+            return f"contract.{k} must be a number"
+    return None
+
+
+def run_contract(declared: dict[str, Any], pinned: dict[str, Any]) -> dict[str, Any]:
+    """The run's contract from the founding learner's declaration, with what the syncer pinned taking precedence."""
+    run = {k: declared.get(k) for k in CONTRACT_KEYS}
+    run.update({k: v for k, v in pinned.items() if v is not None})
+    return run
+
+
+def contract_mismatch(run: dict[str, Any], declared: dict[str, Any]) -> Optional[str]:
+    """The first field in which a learner's contract differs from the run's, with both values; None if none."""
+    for k in CONTRACT_KEYS:
+        if k in run and _norm(declared.get(k)) != _norm(run[k]):
+            return f"{k} is {_show(declared.get(k))} on this learner, {_show(run[k])} in the run"
+    return None
+
+
+def _norm(v: Any) -> Any:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return v
+    return float(v)  # 32 and 32.0 are the same alpha
+
+
+def _show(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
