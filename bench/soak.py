@@ -43,6 +43,7 @@ WORKERS = 4
 SAMPLE_S = 1.0
 MEAN_LIFETIME_S = 20.0  # a learner crashes after an exponential lifetime with this mean ...
 REJOIN_AFTER_S = (0.5, 3.0)  # ... and comes back after a pause drawn from this range
+GIVE_UP_S = 20.0  # a learner that cannot reach the syncer this long gives up (the run is over)
 STEP_S = 0.01  # one inner step of a numpy island
 TENSOR = (16, 256)  # each adapter: lora_A and lora_B of two layers at this shape (16k values)
 
@@ -86,13 +87,14 @@ class SmallIsland:
         pass
 
 
-def learner_life(port: int, key, lid: int, stop: threading.Event, counts: dict) -> None:
+def learner_life(port: int, key, lid: int, stop, counts: dict) -> None:
     from yeto.diloco import run_island
     from yeto.sync.core.learner import LinkTimeouts
 
     rng = random.Random(lid)
     identity = f"soak-learner-{lid:04d}-identity"
-    timeouts = LinkTimeouts(heartbeat_s=1.0, dead_after_s=10.0, backoff_base_s=0.1, backoff_max_s=2.0)
+    timeouts = LinkTimeouts(heartbeat_s=1.0, dead_after_s=10.0, backoff_base_s=0.1, backoff_max_s=2.0,
+                            give_up_s=GIVE_UP_S)
     while not stop.is_set():
         island = SmallIsland(lid, time.monotonic() + rng.expovariate(1 / MEAN_LIFETIME_S))
         try:
@@ -102,15 +104,17 @@ def learner_life(port: int, key, lid: int, stop: threading.Event, counts: dict) 
         except Crash:
             counts["crashes"] += 1
         except Exception as e:  # noqa: BLE001  (recorded: the soak reports what went wrong)
-            counts["errors"].append(repr(e)[:200])
+            if not stop.is_set():  # (after the run ended, a learner that came back finds no syncer: not an error)
+                counts["errors"].append(repr(e)[:200])
             return
         time.sleep(rng.uniform(*REJOIN_AFTER_S))
+        if stop.is_set():
+            return
         counts["rejoins"] += 1
 
 
-def worker(port: int, key_path: str, ids: list[int], out: mp.Queue) -> None:
+def worker(port: int, key_path: str, ids: list[int], out: mp.Queue, stop) -> None:
     key = read_join_key(key_path)
-    stop = threading.Event()
     counts = {"crashes": 0, "rejoins": 0, "errors": []}
     threads = [threading.Thread(target=learner_life, args=(port, key, lid, stop, counts), daemon=True)
                for lid in ids]
@@ -146,8 +150,10 @@ def main() -> None:
                               cwd=REPO, stdout=open(tmp / "syncer.log", "w"), stderr=subprocess.STDOUT,
                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
     q: mp.Queue = mp.Queue()
+    stop = mp.Event()  # set once the syncer exited: crashed learners do not come back
     ids = list(range(a.learners))
-    procs = [mp.Process(target=worker, args=(port, str(out / "join.key"), ids[w::WORKERS], q)) for w in range(WORKERS)]
+    procs = [mp.Process(target=worker, args=(port, str(out / "join.key"), ids[w::WORKERS], q, stop))
+             for w in range(WORKERS)]
     t0 = time.perf_counter()
     for p in procs:
         p.start()
@@ -163,12 +169,13 @@ def main() -> None:
         if samples and len(samples) % 15 == 0:
             print(f"soak: {merged}/{a.rounds} rounds, syncer RSS {samples[-1][2]:.0f} MB", flush=True)
     wall = time.perf_counter() - t0
+    stop.set()
+    counts = {"crashes": 0, "rejoins": 0, "errors": []}
+    for _ in procs:  # (read before joining: a process with unread queue data does not exit)
+        c = q.get(timeout=120)
+        counts = {k: counts[k] + c[k] for k in counts}
     for p in procs:
         p.join(60)
-    counts = {"crashes": 0, "rejoins": 0, "errors": []}
-    while not q.empty():
-        c = q.get()
-        counts = {k: counts[k] + c[k] for k in counts}
     report = audit_run(out)
     tape = read_tape(out)
     samples = [s for s in samples if s[2] > 0]  # (the last one may be taken after the syncer exited)

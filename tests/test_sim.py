@@ -31,6 +31,7 @@ FOUND_SEEDS = {
     16035: "a syncer killed inside a durable write may die 20 s late: the faults end later",
     19555: "the same, with a zombie that finished the run for its replacement",
     54072: "a learner that lost the restarted syncer's welcome ignored its pongs and waited forever",
+    5316: "a delta re-sent to a restarted syncer kept its old ack; a pong then made the learner drop it",
 }
 
 
