@@ -39,7 +39,7 @@ from yeto import YetoError
 from yeto.sync.auth import KEYS_RESCAN_S, Gatekeeper, Keyring, curve_server, require_loopback
 from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
-from yeto.sync.protocol import BULK_SUFFIX, encode, is_bulk, message_size
+from yeto.sync.protocol import BULK_SUFFIX, MAX_HEADER_BYTES, encode, is_bulk, message_size
 from yeto.sync.store import DiskStore, crash_point
 
 log = logging.getLogger("yeto.syncer")
@@ -183,10 +183,12 @@ class Syncer:
             self._retry_backlog(now)
 
     def _message_limit(self) -> int:
-        """--max-message-mb until the run's layout is known; then what its largest message can be."""
+        """--max-message-mb until the run's layout is known; then what its largest message can be (a delta, or a
+        hello, whose header alone may take MAX_HEADER_BYTES)."""
         run = self.core.run
         limit = self.cfg.max_message_mb << 20
-        return limit if run is None else min(limit, message_size(run.layout, self.cfg.sync_bits))
+        return limit if run is None else min(limit, max(message_size(run.layout, self.cfg.sync_bits),
+                                                        MAX_HEADER_BYTES))
 
     def _record_refusals(self) -> None:
         refused, more = self.gate.drain()
