@@ -53,6 +53,10 @@ HANDSHAKE_IVL_MS = 10_000  # a connection that has not finished its handshake by
 REFUSALS_RECORDED_PER_WINDOW = 20  # ZAP refusals written to the tape one by one per window; the rest are counted
 REFUSAL_WINDOW_S = 60.0
 
+HANDSHAKE_FAILURES = {  # libzmq's ZMQ_PROTOCOL_ERROR_ZMTP_* codes a stranger's connection ends with
+    0x11000001: "handshake failed: a message that does not decrypt with this syncer's key (another run's join key?)",
+    0x11000002: "handshake failed: no CURVE (a peer without a join key, or plain TCP)",
+}
 _LINE = re.compile(r'^\s*([a-z-]+)\s*=\s*"?([^"\s]*)"?\s*$')
 
 
@@ -307,7 +311,9 @@ class Gatekeeper:
         self.suppressed = 0
 
     def watch(self, sock: zmq.Socket) -> None:
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+                                               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
     def sockets(self) -> list[zmq.Socket]:
         return [s for s in (self.zap, self.monitor) if s is not None]
@@ -318,6 +324,12 @@ class Gatekeeper:
             e = recv_monitor_message(self.monitor)
             if e["event"] == zmq.EVENT_ACCEPTED:
                 self.open_fds.add(e["value"])
+            elif e["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:  # before ZAP: no address is known here
+                self._refused(Refusal("", HANDSHAKE_FAILURES.get(e["value"], f"handshake failed (ZMTP error "
+                                                                             f"{e['value']:#x})")), now)
+            elif e["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self._refused(Refusal("", "handshake failed: the peer closed or garbled it (no CURVE, or plain "
+                                          "TCP)"), now)
             else:
                 self.open_fds.discard(e["value"])
         while self.zap.poll(0):

@@ -193,8 +193,11 @@ class Syncer:
     def _record_refusals(self) -> None:
         refused, more = self.gate.drain()
         for r in refused:
-            self.store.append("auth_refused", {"address": r.address, "reason": r.reason})
-            log.warning("refused a connection from %s: %s", r.address, r.reason)
+            if r.address:  # refused by the gatekeeper (ZAP): the peer's address is known
+                self.store.append("auth_refused", {"address": r.address, "reason": r.reason})
+            else:  # refused by libzmq before any key was shown
+                self.store.append("handshake_failed", {"reason": r.reason})
+            log.warning("refused a connection from %s: %s", r.address or "a peer", r.reason)
         if more:
             self.store.append("auth_refused_more", {"count": more})
 
