@@ -36,6 +36,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from yeto import YetoError
+from yeto.sync.core.limits import RateLimit
 
 JOIN_KEY_FILE = "join.key"
 KEYS_DIR = "keys"
@@ -306,8 +307,7 @@ class Gatekeeper:
         self.monitor: Optional[zmq.Socket] = None
         self.open_fds: set[int] = set()
         self.refusals: list[Refusal] = []  # for the tape, drained by the syncer
-        self.window_start = 0.0
-        self.recorded_in_window = 0
+        self.recorded = RateLimit(REFUSALS_RECORDED_PER_WINDOW, REFUSAL_WINDOW_S)
         self.suppressed = 0
 
     def watch(self, sock: zmq.Socket) -> None:
@@ -361,10 +361,7 @@ class Gatekeeper:
         self._refused(Refusal(address_s, reason), now)
 
     def _refused(self, r: Refusal, now: float) -> None:
-        if now - self.window_start >= REFUSAL_WINDOW_S:
-            self.window_start, self.recorded_in_window = now, 0
-        if self.recorded_in_window < REFUSALS_RECORDED_PER_WINDOW:
-            self.recorded_in_window += 1
+        if self.recorded.allow("refusals", now):
             self.refusals.append(r)
         else:
             self.suppressed += 1

@@ -177,9 +177,10 @@ class Syncer:
             if now >= next_tick:
                 next_tick = now + TICK_S
                 self._execute(self.core.tick(now))
-                if self.core.run is not None and self.max_message != self._message_limit():
-                    self.max_message = self._message_limit()  # the run is founded: its layout bounds every message
-                    sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)  # (for connections made from now on)
+                limit = self._message_limit()
+                if limit != self.max_message:  # the run is founded: its layout bounds every message
+                    self.max_message = limit
+                    sock.setsockopt(zmq.MAXMSGSIZE, limit)  # (for connections made from now on)
             self._retry_backlog(now)
 
     def _message_limit(self) -> int:

@@ -560,7 +560,6 @@ class SimSyncer:
             elif isinstance(a, SaveDelta):
                 self.disk.sync()
                 d = copy.copy(a.delta)
-                d.flat = None
                 self.disk.deltas[(d.round, d.learner)] = d
             elif isinstance(a, DropDeltas):
                 self.disk.sync()

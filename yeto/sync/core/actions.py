@@ -119,12 +119,11 @@ class AcceptedDelta:
     digest: str
     descs: list[dict[str, int]]
     frames: tuple[bytes, ...]
-    flat: Optional[np.ndarray] = field(default=None, repr=False)  # decoded; not saved
     peak: float = 0.0  # largest |value|: the first suspect when a merge fails
     norm: float = 0.0  # its L2 norm (robust merge); peak and norm are measured again after a restart
 
     def saved_fields(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in ("frames", "flat", "peak", "norm")}
+        return {k: v for k, v in asdict(self).items() if k not in ("frames", "peak", "norm")}
 
 
 @dataclass
