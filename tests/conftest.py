@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -10,6 +12,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# runs launched by tests are recorded here, not in the user's ~/.yeto/runs (`yeto status` would list them)
+os.environ.setdefault("YETO_RUNS", tempfile.mkdtemp(prefix="yeto-test-runs-"))
 DEMO_DATA = REPO / "data" / "demo" / "pirate_chat.jsonl"
 
 TINY = {

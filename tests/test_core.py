@@ -279,3 +279,32 @@ def test_another_identity_cannot_take_a_live_learners_id_but_gets_it_once_the_ho
     f.tick(dt=LINK.heartbeat_s, times=4)  # its hello retries find the id free
     assert f.syncer.members[1].session == impostor.session and f.syncer.members[1].active
     assert audit(f.tape).ok, audit(f.tape).summary()
+
+
+def test_a_learner_given_up_by_the_fleet_controller_lowers_the_quorum_and_the_run_goes_on():
+    """quorum = learners = 3; learner 2 is preempted for good. Without give_up the round would wait for it until
+    --quorum-timeout and end the run; given up, the next round merges with 0 and 1 and the audit still holds."""
+    f = Fleet(n=3, straggler_timeout=1e6)
+    for lid in (0, 1, 2):
+        f.train(lid)
+    f.learners.pop(2)  # its VM is gone
+    f.train(0)
+    f.train(1)
+    f.tick(dt=1.0, times=10)
+    assert f.syncer.version == 1  # still waiting on 2: quorum 3
+    f.apply(f.syncer.give_up({2: "preempted; not back within --recover-timeout 600s"}, f.now))
+    f.run()
+    given = [e for e in f.tape if e["event"] == "given_up"]
+    assert len(given) == 1 and given[0]["learner"] == 2 and given[0]["quorum"] == 2
+    assert f.syncer.version == 2 and [e["responders"] for e in f.tape if e["event"] == "merge"][-1] == [0, 1]
+    f.apply(f.syncer.give_up({2: "again"}, f.now))  # idempotent: nothing new on the tape
+    assert len([e for e in f.tape if e["event"] == "given_up"]) == 1
+    assert audit(f.tape).ok, audit(f.tape).summary()
+    tampered = [e for e in f.tape if e["event"] != "given_up"]  # without the record, the 2-responder merge is a breach
+    for i, e in enumerate(tampered):
+        e["seq"] = i
+    assert not audit(tampered).ok
+    lying = [dict(e, quorum=1) if e["event"] == "given_up" else e for e in f.tape]  # the rule gives 2, not 1
+    assert "the rule gives 2" in audit(lying).summary()
+    f.apply(f.syncer.give_up({7: "not one of the run's learners"}, f.now))
+    assert f.syncer._quorum() == 2 and len([e for e in f.tape if e["event"] == "given_up"]) == 1

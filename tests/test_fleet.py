@@ -126,7 +126,7 @@ def test_launch_local_fleet_and_ctrl_c(tiny_model, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "merged adapter:" in r.stdout and (tmp_path / "ok" / "syncer" / "adapter" / "adapter_config.json").is_file()
-    assert "[island 1]" in r.stdout and "[syncer]" in r.stdout
+    assert "[island-1]" in r.stdout and "[syncer]" in r.stdout
 
     p = subprocess.Popen(base + ["--out", str(tmp_path / "int"), "--outer-steps", "1000", "--inner-steps", "2"], cwd=REPO,
                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -43,13 +43,16 @@ def _guarded(typer_app: typer.Typer) -> None:
 
 
 def _register() -> None:
-    from yeto.launch.local import launch_command
+    from yeto.launch.command import down_command, launch_command, logs_command, status_command
     from yeto.learner import train_command
     from yeto.sync.server import syncer_command
 
     app.command("train")(train_command)
     app.command("syncer")(syncer_command)
     app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch_command)
+    app.command("status")(status_command)
+    app.command("logs")(logs_command)
+    app.command("down")(down_command)
 
 
 keys_app = typer.Typer(no_args_is_help=True, help="The run's credentials (docs/SECURITY.md): the syncer's key pair, "

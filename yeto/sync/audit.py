@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from yeto.sync.given_up import quorum_after_give_ups
+
 Key = tuple[int, int]  # (round, learner)
 
 
@@ -52,6 +54,9 @@ class TapeFold:
     discarded: set[tuple[int, int, str]] = field(default_factory=set)
     joined: set[int] = field(default_factory=set)  # every learner id that ever joined the run
     quorum: int = 1
+    config_quorum: int = 1
+    learners: int = 1
+    given_up: set = field(default_factory=set)  # learner ids given up since the last start
     outer_steps: int = 0
     counts: dict[str, int] = field(default_factory=dict)
 
@@ -75,8 +80,20 @@ class TapeFold:
 
     def _on_start(self, e: dict[str, Any]) -> None:
         cfg = e.get("config") or {}
-        self.quorum = int(cfg.get("quorum", self.quorum))
+        self.quorum = self.config_quorum = int(cfg.get("quorum", self.quorum))
+        self.learners = int(cfg.get("learners", self.learners))
+        self.given_up = set()  # a restarted syncer applies its given-up folder again
         self.outer_steps = int(cfg.get("outer_steps", self.outer_steps))
+
+    def _on_given_up(self, e: dict[str, Any]) -> None:
+        """The fleet controller gave a learner up: the quorum shrinks, by the rule, not by the record's word."""
+        self.given_up.add(e.get("learner"))
+        expected = quorum_after_give_ups(self.config_quorum, self.learners, len(self.given_up))
+        if e.get("quorum") != expected:
+            self._fail(e, f"given_up of learner {e.get('learner')} sets quorum {e.get('quorum')}, the rule gives "
+                          f"{expected} (--quorum {self.config_quorum}, --learners {self.learners}, "
+                          f"{len(self.given_up)} given up)")
+        self.quorum = expected
 
     def _on_join(self, e: dict[str, Any]) -> None:
         if isinstance(e.get("learner"), int):

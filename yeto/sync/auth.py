@@ -22,6 +22,7 @@ parsing; nothing cryptographic happens here.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import socket
@@ -252,6 +253,29 @@ class Keyring:
         """Principals whose connections must be cut (a learner id with a revoked key and no current one)."""
         current = set(self.learners.values())
         return {f"{LEARNER_PRINCIPAL}{lid}" for lid in self.revoked_ids - current}
+
+    def bundle(self) -> str:
+        """Every credential file of the run as one JSON text (relative path -> contents), for moving the syncer
+        to another machine (the launch's head VM) as a single secret."""
+        files = [self.keys_dir / SYNCER_SECRET_FILE, self.out / JOIN_KEY_FILE,
+                 *sorted((self.keys_dir / LEARNER_KEYS).glob("*.key")),
+                 *sorted((self.keys_dir / REVOKED_KEYS).glob("*.key"))]
+        return json.dumps({str(p.relative_to(self.out)): p.read_text() for p in files if p.is_file()})
+
+    @staticmethod
+    def restore(out: str | Path, bundle: str) -> "Keyring":
+        """Write a `bundle()` under `out` (mode 0600) and load it."""
+        try:
+            files = json.loads(bundle)
+            assert isinstance(files, dict) and all(isinstance(v, str) for v in files.values())
+        except (ValueError, AssertionError) as e:
+            raise YetoError("the run's credentials bundle is not what `Keyring.bundle` writes") from e
+        for rel, text in files.items():
+            path = (Path(out) / rel).resolve()
+            if Path(out).resolve() not in path.parents:
+                raise YetoError(f"the credentials bundle names a path outside {out}: {rel!r}")
+            write_secret(path, text)
+        return Keyring.ensure(out)
 
     # ------------------------------------------------------------------ yeto keys
 

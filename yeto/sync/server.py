@@ -39,6 +39,7 @@ from yeto import YetoError
 from yeto.sync.auth import KEYS_RESCAN_S, Gatekeeper, Keyring, curve_server, require_loopback
 from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
+from yeto.sync.given_up import read_given_up
 from yeto.sync.protocol import BULK_SUFFIX, MAX_HEADER_BYTES, encode, is_bulk, message_size
 from yeto.sync.store import DiskStore, crash_point
 
@@ -163,10 +164,13 @@ class Syncer:
             if self.gate is not None:
                 self.gate.handle(now)  # (handshakes first: a learner's hello waits on its ZAP answer)
                 self._record_refusals()
-                if now >= next_scan:
-                    next_scan = now + KEYS_RESCAN_S
-                    if self.keys.rescan():
-                        self._execute(self.core.set_keys(self.keys.bound_ids(), self.keys.revoked_principals(), now))
+            if now >= next_scan:
+                next_scan = now + KEYS_RESCAN_S
+                if self.keys is not None and self.keys.rescan():
+                    self._execute(self.core.set_keys(self.keys.bound_ids(), self.keys.revoked_principals(), now))
+                given_up = read_given_up(self.cfg.out)
+                if given_up.keys() - self.core.given_up.keys():
+                    self._execute(self.core.give_up(given_up, now))
             if sock in ready:
                 self._drain()
             now = time.monotonic()

@@ -34,7 +34,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -97,6 +97,7 @@ class Schedule:
     stops: list[tuple[float, float]]  # (at, down for): SIGTERM the syncer, then relaunch the whole fleet
     poison: Optional[tuple[float, int]]  # (at, learner): its next step jumps by POISON (a delta too big to merge)
     max_inner_steps: list[int]  # per learner: 0, or a cap on its steps per round (a weaker island)
+    give_ups: list[tuple[float, int]] = field(default_factory=list)  # (at, learner): the fleet controller gave it up
 
     @staticmethod
     def draw(seed: int) -> "Schedule":
@@ -134,7 +135,16 @@ class Schedule:
             p_drop=rng.uniform(0.0, 0.08) if lossy else 0.0, p_dup=rng.uniform(0.0, 0.05) if lossy else 0.0,
             p_slow_step=rng.choice([0.0, 0.0, 0.02]), learner_kills=sorted(kills), syncer_kills=sorted(syncer_kills),
             cuts=sorted(cuts), pauses=sorted(pauses), stops=stops, poison=poison,
-            max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)])
+            max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)], give_ups=Schedule.draw_give_ups(seed, kills))
+
+    @staticmethod
+    def draw_give_ups(seed: int, kills: list) -> list[tuple[float, int]]:
+        """The fleet controller (`yeto launch`) giving up a killed learner after a while: mostly one killed for
+        good, sometimes one that comes back anyway. Drawn from a stream of their own, so every older seed keeps its
+        schedule."""
+        rng = random.Random(seed * 31 + 17)
+        return sorted((at + rng.uniform(1.0, 30.0), lid) for at, lid, down, _ in kills
+                      if rng.random() < (0.6 if down is None else 0.15))
 
     def syncer_config(self) -> SyncerConfig:
         return SyncerConfig(learners=self.learners, quorum=self.quorum, outer_steps=self.outer_steps,
@@ -253,6 +263,8 @@ class World:
             self.at(at, lambda node=node, dur=dur: (self.syncer if node < 0 else self.learners[node]).pause(dur))
         for at, down in s.stops:
             self.at(at, lambda down=down: self.stop_fleet(down))
+        for at, lid in s.give_ups:
+            self.at(at, lambda lid=lid: self.syncer.give_up(lid))
         if s.poison is not None:
             at, lid = s.poison
             self.at(at, lambda: setattr(self.learners[lid], "poison_next_step", True))
@@ -437,6 +449,7 @@ class SimDisk:
         self.checkpoint: Optional[Checkpoint] = None
         self.deltas: dict[tuple[int, int], Any] = {}
         self.torn = False
+        self.given_up: dict[int, str] = {}  # the controller's given-up/ folder (survives restarts)
 
     def append(self, event: str, fields: dict[str, Any], now: float) -> None:
         rec = {"seq": len(self.tape) + len(self.buffer), "time": round(now, 4), "event": event, **fields}
@@ -488,8 +501,17 @@ class SimSyncer:
         w.log(f"syncer: boot (life {self.life}), checkpoint version "
               f"{durable.checkpoint.version if durable.checkpoint else None}")
         self.execute(self.core.start(w.now, durable))
+        if self.disk.given_up:  # the shell rescans the folder at start
+            self.execute(self.core.give_up(self.disk.given_up, w.now))
         self.schedule_tick(self.life)
         w.unpark()
+
+    def give_up(self, lid: int) -> None:
+        """The fleet controller writes given-up/<lid>; a running syncer picks it up at its next rescan."""
+        self.disk.given_up[lid] = "not back within --recover-timeout"
+        life = self.life
+        self.w.at(self.w.now + self.w.rng.uniform(0.0, 2.0),
+                  lambda: self.guarded(life, lambda: self.execute(self.core.give_up(self.disk.given_up, self.w.now))))
 
     def schedule_tick(self, life: int) -> None:
         self.w.at(self.w.now + TICK_S, lambda: self.guarded(life, lambda: self.execute(self.core.tick(self.w.now)),
@@ -864,7 +886,7 @@ class Outcome:
 
 # tape events that mark a recovery path, counted per schedule so a sweep shows what it really exercised
 EXERCISED = ("resume", "rollback", "discard", "recovered", "refuse_delta", "supersede", "tape_repair", "quorum_wait",
-             "stop", "reject")
+             "stop", "reject", "given_up")
 
 
 def run_seed(seed: int, trace: Optional[Callable[[str], None]] = None) -> Outcome:

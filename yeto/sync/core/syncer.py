@@ -42,6 +42,7 @@ from yeto.sync.core.contract import contract_mismatch, contract_problem, run_con
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.layout import Layout, layout_from_json, layout_mismatch
 from yeto.sync.outer import merge_weights, nesterov_step
+from yeto.sync.given_up import quorum_after_give_ups
 from yeto.sync.protocol import (DEFAULT_MAX_MESSAGE_MB, PROTOCOL_VERSION, Code, Message, ProtocolError, array_digest,
                                 decode, decode_fragments, digest_bytes, encode_fragments, encode_fragments_ef,
                                 identity_proof, message_size, CLOCK_JUMP_S, session_start, truncate)
@@ -221,6 +222,7 @@ class SyncerCore:
         self.owners: dict[int, str] = {}  # learner id -> proof of the identity that holds it (hash of its secret)
         self.bound_ids: set[int] = set()  # learner ids only their own key may speak for (yeto keys add)
         self.revoked: set[str] = set()  # principals whose keys were revoked
+        self.given_up: dict[int, str] = {}  # learner id -> why the fleet controller stopped bringing it back
         self.replies = RateLimit(REPLIES_PER_WINDOW, RATE_WINDOW_S)
         self.state_requests = RateLimit(STATE_REQUESTS_PER_WINDOW, RATE_WINDOW_S)
         self.sum: Optional[RoundSum] = None  # the open round's running sum of accepted deltas
@@ -339,6 +341,31 @@ class SyncerCore:
                 self._drop(m, "its key was revoked", now)
         self._maybe_close(now)
         return self._flush()
+
+    def give_up(self, learners: dict[int, str], now: float) -> list[Action]:
+        """The fleet controller stopped relaunching these learners (`yeto launch --recover-timeout`): the run goes on
+        without them, its quorum and round-1 gate lowered by as many (never below 1). A learner that comes back anyway
+        is welcome; it does not raise the quorum again."""
+        self.out = []
+        for lid, reason in sorted(learners.items()):
+            if not 0 <= lid < self.cfg.learners:  # only a learner the run counts on lowers the quorum
+                if lid not in self.given_up:
+                    self.given_up[lid] = reason  # (remembered, so this is said once)
+                    self._log("warning", f"given-up learner {lid} ignored: not one of --learners {self.cfg.learners}")
+                continue
+            if lid not in self.given_up:
+                self.given_up[lid] = reason
+                self._record("given_up", learner=lid, reason=truncate(reason), quorum=self._quorum())
+                self._log("warning", f"learner {lid} given up ({reason}); quorum now {self._quorum()}")
+        self._maybe_open(now)
+        self._maybe_close(now)
+        return self._flush()
+
+    def _given_up_count(self) -> int:
+        return sum(1 for lid in self.given_up if 0 <= lid < self.cfg.learners)
+
+    def _quorum(self) -> int:
+        return quorum_after_give_ups(self.cfg.quorum, self.cfg.learners, self._given_up_count())
 
     def tick(self, now: float) -> list[Action]:
         self.out = []
@@ -779,12 +806,12 @@ class SyncerCore:
             return
         live = len(self._live())
         if not self.started:
-            if live < self.cfg.quorum:
+            if live < self._quorum():
                 self.gate_since = None
                 return
             if self.gate_since is None:
                 self.gate_since = now
-            if live < self.cfg.learners and now - self.gate_since < self.cfg.straggler_timeout:
+            if live < self.cfg.learners - self._given_up_count() and now - self.gate_since < self.cfg.straggler_timeout:
                 return  # round 1 waits for --learners, or for quorum plus --straggler-timeout
         self.started = True
         self.round = OpenRound(run.version + 1, run.version, now)
@@ -815,7 +842,7 @@ class SyncerCore:
             return
         responders = sorted(self.pending)
         waiting, absent = self._expected(now)
-        q = self.cfg.quorum
+        q = self._quorum()
         if len(responders) >= q:
             if r.quorum_at is None:
                 r.quorum_at = now
@@ -850,7 +877,7 @@ class SyncerCore:
         """Merge the round as a transaction; a delta that breaks the merge is refused and the merge retried."""
         r = self.round
         assert r is not None and self.run is not None
-        while len(self.pending) >= self.cfg.quorum:
+        while len(self.pending) >= self._quorum():
             ids = self._order()
             try:
                 merged = self._merge(ids)

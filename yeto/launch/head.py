@@ -1,0 +1,148 @@
+"""The head of a cloud run: `python -m yeto.launch.head` on the head VM (syncer + fleet controller), or, with
+--no-syncer, the fleet controller alone on the launching machine (when the SkyPilot API server it uses is local
+to it, the head VM cannot reach it).
+
+The syncer is a child process (`yeto.sync.server`) bound to the public port; the controller keeps the learner
+clusters alive through SkyPilot (`yeto.launch.cloud.watch_fleet`) and hands a learner it gives up to the syncer
+(`yeto.sync.given_up`). When the syncer ends, every learner cluster goes down, the result is delivered to
+--output, and on a clean, confirmed finish the head tears itself down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from yeto import YetoError
+from yeto.launch.cloud import POLL_S, SkyClient, SkyPilotClient, watch_fleet
+from yeto.launch.controller import FleetController
+from yeto.launch.output import deliver
+from yeto.launch.plan import FleetPlan
+from yeto.launch.tasks import API_ENDPOINT_ENV, HEAD_KEYS_ENV, HEAD_RUN_DIR, learner_task
+from yeto.sync.auth import Keyring
+from yeto.sync.given_up import GIVEN_UP_DIR, give_up
+
+FLEET_TAPE = "fleet.jsonl"  # the controller's own record: launches, losses, relaunches, give-ups
+HEAD_JOB_OVER = frozenset({"SUCCEEDED", "FAILED", "FAILED_SETUP", "FAILED_DRIVER", "CANCELLED", "GONE"})
+
+
+def fleet_note(out: Path):
+    def note(event: str, fields: dict) -> None:
+        line = json.dumps({"time": round(time.time(), 3), "event": event, **fields})
+        with open(out / FLEET_TAPE, "a") as f:
+            f.write(line + "\n")
+        print(f"fleet: {event} {fields}", flush=True)
+    return note
+
+
+def start_syncer(plan: FleetPlan, syncer_out: Path) -> subprocess.Popen:
+    pins = ["--model", plan.model, *(["--model-revision", plan.model_revision] if plan.model_revision else [])]
+    return subprocess.Popen([sys.executable, "-m", "yeto.sync.server", "--host", "0.0.0.0", "--port", str(plan.port),
+                             "--learners", str(plan.num_learners), "--out", str(syncer_out), *plan.syncer_args,
+                             *(pins if plan.model_revision else [])])
+
+
+def keep_fleet(plan: FleetPlan, client: SkyClient, address: str, join_key: str, run_over: Callable[[], bool],
+               give_up_fn: Callable[[int, str], None], note: Callable[[str, dict], None], poll_s: float) -> None:
+    """The fleet controller over SkyPilot until the run is over and its learner clusters are down."""
+    ctl = FleetController({lid: plan.cluster(lid) for lid in range(len(plan.islands))}, plan.recover_timeout)
+    watch_fleet(ctl, client, lambda lid: learner_task(plan, lid, address, join_key), plan.retry_until_up, run_over,
+                give_up_fn, note, poll_s=poll_s)
+
+
+def run_head(plan: FleetPlan, out: Path, client: Optional[SkyClient] = None, poll_s: float = POLL_S,
+             syncer_address: Optional[str] = None) -> int:
+    """The head VM: the syncer, and with a `client` (SkyPilot, or a test's fake cloud) the fleet controller; at the
+    end the output is delivered and, confirmed, the head tears itself down. Returns the syncer's exit code, or 1
+    when the output could not be delivered (the head then stays up: the adapter is on its disk)."""
+    out.mkdir(parents=True, exist_ok=True)
+    syncer_out = out / "syncer"
+    note = fleet_note(out)
+    keys = Keyring.restore(syncer_out, os.environ.pop(HEAD_KEYS_ENV)) if HEAD_KEYS_ENV in os.environ \
+        else Keyring.ensure(syncer_out)
+    syncer = start_syncer(plan, syncer_out)
+    if client is not None and plan.islands:
+        try:
+            address = syncer_address or client.head_address(plan.head_cluster, plan.port)
+        except Exception as e:  # the syncer runs on, but nobody launches learners: say so, loudly
+            note("controller_failed", {"error": f"cannot learn the head's address from SkyPilot: {e}"[:500]})
+        else:
+            keep_fleet(plan, client, address, keys.join.text(), lambda: syncer.poll() is not None,
+                       lambda lid, why: give_up(syncer_out, lid, why), note, poll_s)
+    code = syncer.wait()
+    note("syncer_exit", {"code": code})
+    if code == 0 and plan.output:
+        try:
+            note("delivered", {"output": deliver(syncer_out, plan.output)})
+        except YetoError as e:
+            note("delivery_failed", {"error": str(e)})
+            return 1
+        if client is not None:
+            note("head_down", {"cluster": plan.head_cluster})
+            client.down(plan.head_cluster)
+    return code
+
+
+def run_remote_controller(plan: FleetPlan, out: Path, client: SkyClient, syncer_address: str,
+                          poll_s: float = POLL_S) -> int:
+    """The fleet controller on the launching machine, for a head that cannot reach the SkyPilot API server: the
+    head's job ending is the run ending; a give-up is written into the head's given-up/ folder through SkyPilot."""
+    import sky
+
+    note = fleet_note(out)
+    head_job: list[Optional[str]] = [None]
+
+    def head_over() -> bool:
+        view = client.clusters([plan.head_cluster]).get(plan.head_cluster)
+        head_job[0] = view.job if view is not None else "GONE"
+        return head_job[0] in HEAD_JOB_OVER
+
+    def relay_give_up(learner: int, reason: str) -> None:  # atomically, as give_up does
+        folder = f"{HEAD_RUN_DIR}/syncer/{GIVEN_UP_DIR}"
+        run = (f"mkdir -p {folder} && printf %s {shlex.quote(reason)} > {folder}/{learner}.tmp && "
+               f"mv {folder}/{learner}.tmp {folder}/{learner}")
+        sky.get(sky.exec(sky.Task(run=run), cluster_name=plan.head_cluster))
+
+    keep_fleet(plan, client, syncer_address, Keyring.ensure(out / "syncer").join.text(), head_over, relay_give_up,
+               note, poll_s)
+    if head_job[0] == "SUCCEEDED" and plan.output:  # the head exits 0 only with its output delivered and confirmed
+        note("head_down", {"cluster": plan.head_cluster})
+        client.down(plan.head_cluster)
+    return 0
+
+
+def head_command(
+    plan: Annotated[str, typer.Option(help="The fleet plan `yeto launch` wrote.")],
+    out: Annotated[str, typer.Option(help="The head's run directory (syncer/ and fleet.jsonl).")] = HEAD_RUN_DIR,
+    no_syncer: Annotated[bool, typer.Option(help="Run the fleet controller only (the syncer is on the head VM).")
+                         ] = False,
+    syncer_address: Annotated[Optional[str], typer.Option(help="HOST:PORT learners connect to (default: asked of "
+                                                               "SkyPilot for the head cluster).")] = None,
+) -> None:
+    """The head of a cloud run (started by `yeto launch`, not by hand)."""
+    fleet = FleetPlan.from_json(Path(plan).expanduser().read_text())
+    if no_syncer:
+        if syncer_address is None:
+            raise YetoError("--no-syncer needs --syncer-address HOST:PORT (the head's)")
+        raise typer.Exit(run_remote_controller(fleet, Path(out).expanduser(), SkyPilotClient(), syncer_address))
+    controller = API_ENDPOINT_ENV in os.environ  # (else the launching machine runs it)
+    raise typer.Exit(run_head(fleet, Path(out).expanduser(), SkyPilotClient() if controller else None,
+                              syncer_address=syncer_address))
+
+
+def main() -> None:
+    from yeto.cli import run_typer
+
+    run_typer(head_command)
+
+
+if __name__ == "__main__":
+    main()

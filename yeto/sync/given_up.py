@@ -1,0 +1,42 @@
+"""Learners the fleet controller stopped bringing back, handed to the syncer through its --out directory.
+
+The controller (`yeto.launch.controller`) runs beside the syncer on the head; one file per learner,
+`<out>/given-up/<id>`, holding the reason, is the whole channel: it survives a syncer restart, needs no
+port and no key, and `ls` shows it. The syncer rescans it as it rescans its keys and lowers its quorum.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+GIVEN_UP_DIR = "given-up"
+
+
+def quorum_after_give_ups(quorum: int, learners: int, given_up: int) -> int:
+    """The quorum once `given_up` of the run's `learners` are not coming back: lowered so that the run can go on,
+    never below 1, never above --quorum. (The syncer's core applies it; the audit recomputes it from the tape.)"""
+    return max(1, min(quorum, learners - given_up))
+
+
+def give_up(out: str | Path, learner: int, reason: str) -> Path:
+    """Tell the syncer whose --out this is that `learner` is not coming back (atomic, idempotent)."""
+    folder = Path(out) / GIVEN_UP_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / str(learner)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(reason)
+    os.replace(tmp, path)
+    return path
+
+
+def read_given_up(out: str | Path) -> dict[int, str]:
+    """Learner id -> reason, for every well-formed entry (anything else in the folder is ignored)."""
+    folder = Path(out) / GIVEN_UP_DIR
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for path in folder.iterdir():
+        if path.name.isdigit() and path.is_file():
+            found[int(path.name)] = path.read_text(errors="replace").strip() or "given up"
+    return found
