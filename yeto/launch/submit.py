@@ -99,8 +99,13 @@ def launch_cloud(plan: FleetPlan, dry_run: bool, console) -> int:
                        external=plan.external_ids, controller="head" if remote_api else "here")
     record.save()  # before anything is provisioned: `yeto down` finds whatever this launch leaves behind
     console.print(f"launching the head {plan.head_cluster} (syncer on port {plan.port}) ...")
-    client.launch_head(head, plan.head_cluster, retry_until_up=plan.retry_until_up)
-    syncer = record.syncer = client.head_address(plan.head_cluster, plan.port)
+    try:
+        client.launch_head(head, plan.head_cluster, retry_until_up=plan.retry_until_up)
+        syncer = record.syncer = client.head_address(plan.head_cluster, plan.port)
+    except Exception as e:  # SkyPilot's errors are many; each means: the head is not serving
+        raise YetoError(f"the head {plan.head_cluster} did not come up serving port {plan.port} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:300] if str(e) else ''}); `yeto down {plan.name}` tears down what "
+                        "was started") from e
     if not remote_api:  # the head cannot reach this machine's API server: the controller runs here, detached
         log = open(out / "controller.log", "a")
         proc = subprocess.Popen([sys.executable, "-m", "yeto.launch.head", "--plan", str(plan_file), "--out",

@@ -52,7 +52,7 @@ ZAP_VERSION = b"1.0"
 KEY_CHARS = 40  # a z85-encoded CURVE key
 KEYS_RESCAN_S = 2.0  # how often the syncer looks for added or revoked learner keys
 HANDSHAKE_IVL_MS = 10_000  # a connection that has not finished its handshake by then is closed
-REFUSALS_RECORDED_PER_WINDOW = 20  # ZAP refusals written to the tape one by one per window; the rest are counted
+REFUSALS_RECORDED_PER_WINDOW = 20  # refusals of a kind written to the tape one by one per window; the rest counted
 REFUSAL_WINDOW_S = 60.0
 
 HANDSHAKE_FAILURES = {  # libzmq's ZMQ_PROTOCOL_ERROR_ZMTP_* codes a stranger's connection ends with
@@ -385,7 +385,9 @@ class Gatekeeper:
         self._refused(Refusal(address_s, reason), now)
 
     def _refused(self, r: Refusal, now: float) -> None:
-        if self.recorded.allow("refusals", now):
+        # budgeted per kind of refusal (its first word: handshake, mechanism, too, unknown, revoked...), so that a
+        # flood of one kind (strangers without CURVE) cannot hide another (too many connections) from the tape
+        if self.recorded.allow(r.reason.split(" ", 1)[0], now):
             self.refusals.append(r)
         else:
             self.suppressed += 1
