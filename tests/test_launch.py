@@ -182,13 +182,14 @@ def printable_from(config):
 def test_data_reaches_learners_the_way_its_kind_needs(tmp_path):
     single = tmp_path / "chat.parquet"
     single.write_bytes(b"x")
-    remote, files, storage = data_mounts(plan_for(tmp_path, data=str(single)))
-    assert remote == "/yeto/data/chat.parquet" and files == {remote: str(single)} and not storage  # keeps its suffix
-    remote, files, storage = data_mounts(plan_for(tmp_path, data="s3://my-bucket/sft/v2/"))
-    assert remote == "/yeto/data/v2" and not files and storage[remote].source == "s3://my-bucket/sft/v2/"
+    m = data_mounts(plan_for(tmp_path, data=str(single)))
+    assert m.path == "/yeto/data/chat.parquet" and m.files == {m.path: str(single)} and not m.storage  # its suffix
+    m = data_mounts(plan_for(tmp_path, data="s3://my-bucket/sft/v2/"))
+    assert m.path == "/yeto/data/v2" and not m.files and m.storage[m.path].source == "s3://my-bucket/sft/v2/"
     task = learner_task(plan_for(tmp_path, data="gs://b/d"), 0, "h:1", "k")
     assert task.to_yaml_config()["file_mounts"]["/yeto/data/d"]["mode"] == "MOUNT"
-    assert data_mounts(plan_for(tmp_path, data="HuggingFaceH4/no_robots")) == ("HuggingFaceH4/no_robots", {}, {})
+    hub = data_mounts(plan_for(tmp_path, data="HuggingFaceH4/no_robots"))
+    assert (hub.path, hub.files, hub.storage) == ("HuggingFaceH4/no_robots", {}, {})
 
 
 def test_the_credentials_bundle_moves_the_run_keys_and_nothing_outside(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -58,28 +59,36 @@ def _sky() -> Any:
     return import_sky()
 
 
-def _shipped(path: str, kind: str) -> tuple[str, dict[str, str]]:
-    """A path of the launching machine as the VMs see it, and the mount that brings it there. Built on the head
-    (which relaunches learners), the source is where the head's own mount put it."""
+@dataclass(frozen=True)
+class Mounted:
+    """A path as the VMs see it (`path`), and the file and storage mounts that bring it there."""
+
+    path: str
+    files: dict[str, str] = field(default_factory=dict)
+    storage: dict[str, Any] = field(default_factory=dict)
+
+
+def _shipped(path: str, kind: str) -> Mounted:
+    """A path of the launching machine as the VMs see it. Built on the head (which relaunches learners), the mount's
+    source is where the head's own mount put it."""
     remote = f"{REMOTE_ROOT}/{kind}/{Path(path).name}"
-    return remote, {remote: path if Path(path).exists() else remote}
+    return Mounted(remote, {remote: path if Path(path).exists() else remote})
 
 
-def data_mounts(plan: FleetPlan) -> tuple[str, dict[str, str], dict[str, Any]]:
-    """(--data as the learner sees it, file mounts, storage mounts). A hub dataset is read directly; a local file
-    or directory is copied (a file keeps its name, so its format is detected); a bucket is mounted."""
+def data_mounts(plan: FleetPlan) -> Mounted:
+    """--data for the VMs: a hub dataset is read directly; a local file or directory is copied (a file keeps its
+    name, so its format is detected); a bucket is mounted."""
     if plan.data_local:
-        remote, files = _shipped(plan.data, "data")
-        return remote, files, {}
+        return _shipped(plan.data, "data")
     if is_object_store(plan.data):
         sky = _sky()
         remote = f"{REMOTE_ROOT}/data/{plan.data.rstrip('/').rsplit('/', 1)[-1]}"
-        return remote, {}, {remote: sky.Storage(source=plan.data, mode=sky.StorageMode.MOUNT)}
-    return plan.data, {}, {}
+        return Mounted(remote, storage={remote: sky.Storage(source=plan.data, mode=sky.StorageMode.MOUNT)})
+    return Mounted(plan.data)
 
 
-def model_mounts(plan: FleetPlan) -> tuple[str, dict[str, str]]:
-    return _shipped(plan.model, "model") if plan.model_local else (plan.model, {})
+def model_mounts(plan: FleetPlan) -> Mounted:
+    return _shipped(plan.model, "model") if plan.model_local else Mounted(plan.model)
 
 
 TORCHRUN_PORT = 29500  # the island's own rendezvous, on its nodes' private network
@@ -109,9 +118,8 @@ def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "
     restart of the job (a relaunch on a new VM is let back in once the old one is gone)."""
     sky = _sky()
     island = plan.islands[learner]
-    data, files, storage = data_mounts(plan)
-    model, model_files = model_mounts(plan)
-    cmd = learner_command(plan, learner, syncer, data, model) + ["--no-progress"]
+    data, model = data_mounts(plan), model_mounts(plan)
+    cmd = learner_command(plan, learner, syncer, data.path, model.path) + ["--no-progress"]
     root = checkout_root()
     run = f"{shlex.join(cmd)} --out ~/yeto-island-{learner}"  # (~ unquoted: the VM's home)
     if island.gpus > 1:  # one torchrun group is one island (shell variables unquoted: each node expands its own)
@@ -119,9 +127,9 @@ def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "
     task = sky.Task(name=plan.cluster(learner), setup=install_commands(model=plan.model), run=run,
                     envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: join_key},
                     workdir=str(root) if root else None, num_nodes=island.nodes,
-                    file_mounts={**files, **model_files} or None)
-    if storage:
-        task.set_storage_mounts(storage)
+                    file_mounts={**data.files, **model.files} or None)
+    if data.storage:
+        task.set_storage_mounts(data.storage)
     task.set_resources(sky.Resources(infra=island.infra, accelerators=island.accelerators, use_spot=plan.spot))
     return task
 
@@ -141,8 +149,7 @@ def head_task(plan: FleetPlan, plan_file: Path, run_keys: str, api_endpoint: Opt
         secrets[API_TOKEN_ENV] = api_token
     if (plan.output or "").startswith("hf://") and os.environ.get(HF_TOKEN_ENV):
         secrets[HF_TOKEN_ENV] = os.environ[HF_TOKEN_ENV]
-    _, data_files, _ = data_mounts(plan)  # the head relaunches learners, so it holds what they are shipped
-    _, model_files = model_mounts(plan)
+    shipped = {**data_mounts(plan).files, **model_mounts(plan).files}  # the head relaunches learners: it holds them
     run = f"python3 -m yeto.launch.head --plan {REMOTE_PLAN} --out {HEAD_RUN_DIR}"
     setup = install_commands("launch")
     driver = next((d for scheme, d in OUTPUT_DRIVERS.items() if (plan.output or "").startswith(scheme)), None)
@@ -150,7 +157,7 @@ def head_task(plan: FleetPlan, plan_file: Path, run_keys: str, api_endpoint: Opt
         setup += f"\npython3 -m pip install -q {driver}"
     task = sky.Task(name=plan.head_cluster, setup=setup, run=run, envs=envs, secrets=secrets,
                     workdir=str(root) if root else None,
-                    file_mounts={REMOTE_PLAN: str(plan_file), **data_files, **model_files})
+                    file_mounts={REMOTE_PLAN: str(plan_file), **shipped})
     task.set_resources(sky.Resources(infra=infra, use_spot=False, ports=plan.port, **HEAD_RESOURCES))
     return task
 
