@@ -34,6 +34,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 demo: setup
+	rm -rf $(RUN)  # a fresh run each time (a run directory left by an older yeto would be resumed, or refused)
 	$(BIN)/yeto launch --gpu local:2 --mlx-learners $(MLX_LEARNERS) --model smollm2-135m --data data/demo --out $(RUN) \
 		--outer-steps 5 --inner-steps 8 --sync-bits 4 --seq-len 256 --batch-size 4 --lr 1e-3 --warmup-steps 3
 	$(BIN)/yeto tape $(RUN)/syncer --plot
@@ -61,6 +62,7 @@ bench: setup
 	$(BIN)/python bench/mlx_throughput.py
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/soak.py
+	$(BIN)/python bench/island_scaling.py
 
 demo-mixed:
 	$(MAKE) demo MLX_LEARNERS=1 RUN=$(RUN)-mixed

@@ -96,7 +96,6 @@ def plan_for(tmp_path, gpu="aws:1xA10G@us-west-2,runpod:1xH100", **kw):
 @pytest.mark.parametrize("kw, says", [
     ({"name": "Bad_Name"}, "a run name is a lower-case letter"),
     ({"mlx": 1}, "--mlx-learners runs MLX islands on this machine"),
-    ({"gpu": "gcp:2x8xA100"}, "an island of 16 GPUs needs multi-GPU islands"),
     ({"recover_timeout": 0}, "--recover-timeout must be positive"),
     ({"output": "/home/me/adapters"}, "a cloud run's head cannot write to this machine"),
 ])
@@ -177,6 +176,18 @@ def printable_from(config):
     config = json.loads(json.dumps(config))
     redact_task_yaml_dict(config)
     return config
+
+
+def test_a_multi_gpu_island_is_one_torchrun_group_over_skypilots_node_variables(tmp_path):
+    plan = plan_for(tmp_path, gpu="gcp:2x8xA100@us-central1")
+    plan.check()
+    config = learner_task(plan, 0, "203.0.113.7:29400", "k").to_yaml_config()
+    assert config["num_nodes"] == 2 and config["resources"]["accelerators"] == {"A100": 8}
+    run = config["run"]
+    assert run.startswith("torchrun --nnodes $SKYPILOT_NUM_NODES --node-rank $SKYPILOT_NODE_RANK --nproc-per-node "
+                          "$SKYPILOT_NUM_GPUS_PER_NODE --master-addr $(echo \"$SKYPILOT_NODE_IPS\" | head -n1)")
+    assert " -m yeto.learner --syncer 203.0.113.7:29400 --learner-id 0 " in run and "python3" not in run
+    assert subprocess.run(["bash", "-n"], input=run, text=True).returncode == 0
 
 
 def test_data_reaches_learners_the_way_its_kind_needs(tmp_path):

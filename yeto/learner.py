@@ -29,6 +29,7 @@ from yeto.data import Blocks, prepare_data
 from yeto.losses import LossFn, load_loss_function
 from yeto.lora import lora_config
 from yeto.models import default_device, load_model, load_tokenizer, resolve_model
+from yeto.torchrun import RankGroup, RelayedIsland, follow
 
 
 @dataclass
@@ -130,11 +131,14 @@ class TorchLearner:
 
     backend = "torch"
 
-    def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print):
+    def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print, group: Optional[RankGroup] = None):
         self.cfg = cfg
+        self.group = group  # a torchrun island: this rank trains on its slice of every global batch
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         self.device = default_device() if cfg.device == "auto" else cfg.device
+        if group is not None and self.device == "cuda":
+            self.device = f"cuda:{group.local_rank}"
         dtype = None if cfg.dtype == "auto" else {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
         if cfg.dtype != "auto" and dtype is None:
             raise YetoError(f"unknown --dtype {cfg.dtype!r}: use auto, float32, bfloat16 or float16")
@@ -165,7 +169,11 @@ class TorchLearner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         )
-        self.sampler = BatchSampler(len(self.data.train), cfg.batch_size, cfg.seed + 1000 * cfg.learner_id)
+        self.ranks = group.world if group is not None else 1
+        # every rank draws the same global batch (ranks x --batch-size) and trains on its own slice of it
+        self.sampler = BatchSampler(len(self.data.train), cfg.batch_size * self.ranks, cfg.seed + 1000 * cfg.learner_id)
+        if group is not None:
+            group.align(list(self.trainable.values()))
         self.step_count = 0
         self.tokens_seen = 0
         self.loss_tokens_seen = 0
@@ -175,12 +183,22 @@ class TorchLearner:
         mask = torch.from_numpy(blocks.loss_mask[idx]).to(self.device)
         return ids, mask
 
+    def _mine(self, idx: np.ndarray) -> np.ndarray:
+        """This rank's slice of a global batch."""
+        if self.group is None:
+            return idx
+        b = self.cfg.batch_size
+        return idx[self.group.rank * b:(self.group.rank + 1) * b]
+
     def step(self) -> dict[str, Any]:
-        """One optimizer step over `grad_accum` micro-batches, token-weighted across them."""
+        """One optimizer step over `grad_accum` micro-batches, token-weighted across them (and, in a torchrun
+        island, across the ranks: the gradient is the whole global batch's)."""
         cfg = self.cfg
         self.model.train()
-        micro = [self._batch(self.data.train, self.sampler.next()) for _ in range(cfg.grad_accum)]
+        micro = [self._batch(self.data.train, self._mine(self.sampler.next())) for _ in range(cfg.grad_accum)]
         total_w = sum(float(m[:, 1:].sum()) for _, m in micro)
+        if self.group is not None:
+            (total_w,) = self.group.sum_scalars(total_w)
         loss_sum = 0.0
         for ids, mask in micro:
             w = float(mask[:, 1:].sum())
@@ -189,13 +207,17 @@ class TorchLearner:
             loss = masked_loss(self.model, ids, mask, self.loss_fn, cfg.full_logits)
             (loss * (w / total_w)).backward()
             loss_sum += float(loss.detach()) * w
+        tokens = sum(ids.numel() for ids, _ in micro)
+        if self.group is not None:
+            self.group.sum_grads(list(self.trainable.values()))
+            loss_sum, tokens = self.group.sum_scalars(loss_sum, tokens)
+            tokens = int(tokens)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable.values(), cfg.max_grad_norm))
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
-        tokens = sum(ids.numel() for ids, _ in micro)
         self.tokens_seen += tokens
         self.loss_tokens_seen += int(total_w)
         return {"step": self.step_count, "loss": loss_sum / max(total_w, 1e-8), "lr": lr, "grad_norm": grad_norm,
@@ -259,6 +281,7 @@ def island_record(learner) -> dict[str, Any]:
         "steps": learner.step_count,
         "tokens": learner.tokens_seen,
         "loss_tokens": learner.loss_tokens_seen,
+        "ranks": getattr(learner, "ranks", 1),  # processes of a torchrun island (the island's batch is theirs)
     }
 
 
@@ -284,21 +307,26 @@ def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..
 
     console = Console(stderr=True)
     join_key = None
+    group = RankGroup.from_env() if learner_cls is None else None  # under torchrun: one island, several ranks
+    if group is not None and not group.leader:
+        return _follow_rank(cfg, group)
     if cfg.syncer:  # before the model loads: a missing or bad key is a one-line error at once
         from yeto.sync.auth import learner_join_key
 
         join_key = learner_join_key(cfg.join_key, cfg.insecure, cfg.syncer)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    learner = (learner_cls or TorchLearner)(cfg, log=lambda s: console.print(f"[dim]{s}[/dim]"))
+    log = lambda s: console.print(f"[dim]{s}[/dim]")  # noqa: E731
+    learner = TorchLearner(cfg, log, group) if learner_cls is None else learner_cls(cfg, log=log)
     metrics = MetricsLog(out / "metrics.jsonl")
     (out / "run.json").write_text(json.dumps(learner.record(), indent=2))
     eval0 = learner.evaluate()
     metrics.write(event="eval", step=0, eval_loss=eval0)
     if cfg.syncer:
         tag = f"[bold]island {cfg.learner_id}[/bold] "
+        island = RelayedIsland(learner, group) if group is not None else learner
         try:
-            extra = _island_loop(learner, cfg, metrics, console, tag, join_key)
+            extra = _island_loop(island, cfg, metrics, console, tag, join_key)
         except BaseException as e:  # refused, gave up on the syncer, Ctrl-C, SIGTERM, a crash: keep the adapter
             try:
                 adapter = learner.save(out / "adapter")
@@ -307,6 +335,11 @@ def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..
             except Exception as save_error:  # never hide the first error behind a second one
                 console.print(f"{tag}[red]could not save the adapter[/red]: {save_error!r}")
             raise
+        finally:
+            if group is not None:
+                island.finish()  # the other ranks stop following (they would otherwise wait for a collective)
+        if group is not None:
+            extra["relay_s"] = round(island.relay_s, 3)  # rank 0's time relaying to the other ranks
         done = f"{extra['rounds']} rounds, {learner.step_count} steps, utilization {extra['utilization']:.1%}"
     else:
         tag = ""
@@ -323,6 +356,21 @@ def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..
     ev = f"eval loss {eval0:.3f} -> {final_eval:.3f}" if eval0 is not None and final_eval is not None else "no eval split"
     console.print(f"{tag}[green]done[/green]: {done}, {ev}; adapter: {adapter}")
     return summary
+
+
+def _follow_rank(cfg: TrainConfig, group: RankGroup) -> dict[str, Any]:
+    """A torchrun island's rank other than 0: the same model and data, its slice of every batch, and the calls rank
+    0 relays (with --syncer) or the same --max-steps steps (standalone). Rank 0 alone logs, saves and talks."""
+    learner = TorchLearner(cfg, log=lambda s: None, group=group)
+    try:
+        if cfg.syncer:
+            follow(learner, group)
+        else:
+            for _ in range(cfg.max_steps):
+                learner.step()
+    finally:
+        group.close()
+    return {"rank": group.rank, "steps": learner.step_count}
 
 
 def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,

@@ -86,7 +86,7 @@ def launch_command(
     plan = FleetPlan(name or _default_name(out), out, islands, external_learners, mlx_learners, model, model_revision,
                      data, data_revision, port=port if local else (port or SYNCER_PORT), spot=spot,
                      retry_until_up=retry_until_up, recover_timeout=recover_timeout, output=output, head_infra=head)
-    plan.check(launching=not dry_run)
+    plan.check()
     n = plan.num_learners
     plan.syncer_args = ["--outer-steps", str(outer_steps), "--inner-steps", str(inner_steps),
                        "--quorum", str(quorum or n), *syncer_extra]

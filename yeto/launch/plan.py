@@ -82,8 +82,8 @@ class FleetPlan:
                 setattr(self, attr, str(path.resolve()))
                 setattr(self, flag, True)
 
-    def check(self, launching: bool = True) -> None:
-        """Refuse a plan that cannot run (`launching=False`: a dry run, which may show what a later version runs)."""
+    def check(self) -> None:
+        """Refuse a plan that cannot run, before anything is provisioned."""
         if not RUN_NAME.match(self.name):
             raise YetoError(f"--name {self.name!r}: a run name is a lower-case letter, then up to 34 lower-case "
                             "letters, digits or dashes (it names the run's clusters)")
@@ -100,11 +100,6 @@ class FleetPlan:
             raise YetoError(f"--output {self.output!r}: a cloud run's head cannot write to this machine, and its own "
                             "disk goes away with it; use an object store or the hub: s3://bucket/path, "
                             "gs://bucket/path, az://container/path or hf://org/repo")
-        for i in self.islands if launching else []:
-            if i.gpus > 1:
-                raise YetoError(f"--gpu entry {i.text!r}: an island of {i.gpus} GPUs needs multi-GPU "
-                                "islands (torchrun), which this version does not run yet; use one GPU per island "
-                                f"(e.g. {i.cloud}:1x{i.gpu}) and more entries")
 
 
 # ---------------------------------------------------------------------------------------- revisions

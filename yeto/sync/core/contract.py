@@ -44,12 +44,16 @@ def learner_contract(adapter_config: dict[str, Any], provenance: dict[str, Any],
     }
 
 
+MAX_ISLAND_RANKS = 4096  # more processes in one island than any cluster runs: a larger claim is cut to this
+
+
 def tokens_per_step(provenance: dict[str, Any]) -> int:
-    """Tokens one inner step can consume at most (micro-batch x accumulation x sequence length), from the
-    learner's recorded config; 0 when it is not recorded (then claims are bounded by the syncer's ceiling)."""
+    """Tokens one inner step can consume at most (micro-batch x accumulation x sequence length x the island's ranks),
+    from the learner's recorded config; 0 when it is not recorded (then claims are bounded by the syncer's ceiling)."""
     cfg = provenance.get("config") or {}
     try:
-        return int(cfg["batch_size"]) * int(cfg.get("grad_accum", 1)) * int(cfg["seq_len"])
+        ranks = min(max(int(provenance.get("ranks", 1)), 1), MAX_ISLAND_RANKS)  # a torchrun island's processes
+        return int(cfg["batch_size"]) * int(cfg.get("grad_accum", 1)) * int(cfg["seq_len"]) * ranks
     except (KeyError, TypeError, ValueError):
         return 0
 

@@ -1,0 +1,117 @@
+"""Islands of several processes under torchrun (gloo on CPU, 2 ranks, a tiny Llama): the same training as one
+process with the whole batch, a 2-rank island and a 1-process island merged by a real syncer, a killed rank."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from tests.conftest import DEMO_DATA, REPO
+from tests.peers import wait_until
+from tests.test_fleet import ENV, learner, syncer
+from yeto.launch.local import free_port
+from yeto.sync.audit import audit
+from yeto.tape import read_tape
+
+COMMON = ["--data", str(DEMO_DATA), "--seq-len", "64", "--lora-r", "4", "--lora-dropout", "0", "--threads", "1",
+          "--no-progress"]
+
+
+def torchrun(model, out, *args, ranks=2):
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+                             str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                             "-m", "yeto.learner", "--model", str(model), "--out", str(out), *COMMON,
+                             *map(str, args)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def adapter(out):
+    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+
+def test_a_two_rank_island_trains_as_one_process_does_with_the_whole_batch(tiny_model, tmp_path):
+    """2 ranks x batch 2 and 1 process x batch 4 see the same 4 blocks per step (every rank draws the global batch
+    and takes its slice); the token-weighted gradients summed over the ranks are the whole batch's gradient, so the
+    adapters agree to float32 summation order after 6 AdamW steps."""
+    model = tiny_model("llama")
+    two = torchrun(model, tmp_path / "two", "--batch-size", 2, "--max-steps", 6, "--eval-every", 0)
+    out, _ = two.communicate(timeout=300)
+    assert two.returncode == 0, out[-3000:]
+    one = subprocess.run([sys.executable, "-m", "yeto.learner", "--model", str(model), "--out", str(tmp_path / "one"),
+                          *COMMON, "--batch-size", "4", "--max-steps", "6", "--eval-every", "0"],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = adapter(tmp_path / "two"), adapter(tmp_path / "one")
+    assert a.keys() == b.keys() and len(a) > 0
+    moved = max(float(np.abs(b[k]).max()) for k in b if "lora_B" in k)
+    assert moved > 1e-4  # they trained (lora_B starts at zero)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    summary_two = (tmp_path / "two" / "summary.json").read_text()
+    assert '"tokens": 1536' in summary_two  # the island's tokens: 6 steps x 4 blocks x 64, both ranks counted
+
+
+def test_a_two_rank_island_a_one_process_island_and_an_mlx_island_merge_in_one_run(tiny_model, tmp_path):
+    """A real syncer; a 2-rank torchrun island (learner 0), a 1-process torch island (1), an MLX island (2). Every
+    broadcast is checked by digest on both ranks (a difference ends the island); the island's tokens and its
+    declared tokens per step count both ranks; every island ends on the merged adapter."""
+    model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
+    procs = {"syncer": syncer(port, s_out, "--learners", 3, "--quorum", 3, "--outer-steps", 3, "--inner-steps", 3,
+                              "--sync-bits", 8)}
+    procs[0] = torchrun(model, tmp_path / "l0", "--syncer", f"127.0.0.1:{port}", "--learner-id", 0, "--num-learners",
+                        3, "--batch-size", 2)
+    procs[1] = learner(model, port, 1, 3, tmp_path / "l1", "--lora-dropout", 0)  # (the contract: the same LoRA)
+    procs[2] = subprocess.Popen([sys.executable, "-m", "yeto.mlx.learner", "--model", str(model), "--syncer",
+                                 f"127.0.0.1:{port}", "--learner-id", "2", "--num-learners", "3", "--out",
+                                 str(tmp_path / "l2"), "--batch-size", "2", *COMMON], cwd=REPO, env=ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outs = {name: p.communicate(timeout=400) for name, p in procs.items()}
+    for name, p in procs.items():
+        assert p.returncode == 0, (name, outs[name][0][-3000:])
+    tape = read_tape(s_out)
+    assert {e["learner"]: e["backend"] for e in tape if e["event"] == "join"} == {0: "torch", 1: "torch", 2: "mlx"}
+    merges = [e for e in tape if e["event"] == "merge"]
+    assert [m["responders"] for m in merges] == [[0, 1, 2]] * 3
+    deltas = {(e["round"], e["learner"]): e for e in tape if e["event"] == "delta"}
+    assert deltas[(1, 0)]["tokens"] == 3 * 2 * 2 * 64  # 3 steps x 2 ranks x batch 2 x 64
+    assert deltas[(1, 1)]["tokens"] == deltas[(1, 2)]["tokens"] == 3 * 2 * 64
+    assert audit(tape).ok, audit(tape).summary()
+    merged = load_file(str(s_out / "adapter" / "adapter_model.safetensors"))
+    for island in ("l0", "l1", "l2"):
+        mine = adapter(tmp_path / island)
+        assert sorted(mine) == sorted(merged)
+        assert max(float(np.abs(mine[k] - merged[k]).max()) for k in merged) < 1e-6
+
+
+def test_a_killed_rank_ends_the_island_without_a_hang(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    island = torchrun(model, tmp_path / "k", "--batch-size", 2, "--max-steps", 100000, "--eval-every", 0)
+    try:
+        assert wait_until(lambda: (tmp_path / "k" / "metrics.jsonl").exists()
+                          and "step" in (tmp_path / "k" / "metrics.jsonl").read_text(), 120), "never trained"
+        ranks = subprocess.run(["pgrep", "-f", "-P", str(island.pid), "yeto.learner"], capture_output=True,
+                               text=True).stdout.split()
+        assert len(ranks) == 2, ranks
+        os.kill(int(ranks[-1]), signal.SIGKILL)  # one rank dies mid-collective
+        t0 = time.monotonic()
+        out, _ = island.communicate(timeout=120)
+        assert island.returncode != 0 and time.monotonic() - t0 < 90, out[-2000:]
+    finally:
+        if island.poll() is None:
+            os.killpg(island.pid, signal.SIGKILL)
+            island.wait()
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "k")], capture_output=True, text=True).stdout.split()
+    assert not leftover, f"ranks left running: {leftover}"
+
+
+def test_ranks_count_in_the_claims_bound():
+    from yeto.sync.core.contract import MAX_ISLAND_RANKS, tokens_per_step
+
+    record = {"config": {"batch_size": 2, "grad_accum": 3, "seq_len": 64}}
+    assert tokens_per_step(record) == 384
+    assert tokens_per_step({**record, "ranks": 8}) == 8 * 384
+    assert tokens_per_step({**record, "ranks": 10**9}) == MAX_ISLAND_RANKS * 384  # a claim cannot grow unbounded

@@ -1,0 +1,159 @@
+"""One island over several processes (torchrun): data-parallel inside the island, one link to the syncer.
+
+    torchrun --nproc-per-node N [--nnodes M ...] -m yeto.learner --syncer HOST:PORT --learner-id I ...
+
+Every rank holds the whole adapter and trains on its slice of each global batch; the LoRA gradients are summed
+across ranks every inner step, token-weighted, so that a step of N ranks is one process's step over the whole batch.
+Only rank 0 talks to the syncer: it runs the island's DiLoCo loop on a `RelayedIsland`, which broadcasts every call
+that changes the island (a step, an adapter to load, the schedule's length) before making it, and the other ranks
+make the same call in `follow()`. Ranks therefore decide nothing on their own clocks: they end every round when rank
+0 does (time-window rounds included), and after every broadcast they check, by digest, that they hold the same
+adapter.
+
+A rank that dies takes the island down: torchrun stops the others, and a collective that waits on a dead or hung
+rank fails after COLLECTIVE_TIMEOUT_S instead of hanging. The island comes back through the syncer's rejoin path
+when torchrun (--max-restarts) or the launch controller starts it again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT_S = 300.0  # a rank silent this long (dead, hung) ends the island instead of hanging it
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """This process's place in its island's torchrun group."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+    @staticmethod
+    def from_env() -> Optional["RankGroup"]:
+        """The group torchrun set up (WORLD_SIZE > 1), joined; None for a one-process island."""
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return None
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        return RankGroup(dist.get_rank(), dist.get_world_size(), local_rank)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def share(self, obj: Any = None) -> Any:
+        """Rank 0's `obj`, on every rank (small Python objects: commands, adapters of a few MB)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def sum_scalars(self, *values: float) -> list[float]:
+        """Several numbers summed over the ranks in one collective."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self.sum(t).tolist()
+
+    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum every parameter's gradient over the ranks in one flat collective (a rank whose micro-batches held no
+        loss-bearing token contributes zeros)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = self.sum(torch.cat([g.reshape(-1) for g in grads]))
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(g).to(p.dtype)
+            offset += g.numel()
+
+    def align(self, params: list[torch.nn.Parameter]) -> None:
+        """Rank 0's values on every rank (the adapter's initialization)."""
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=0)
+
+    def check_same(self, state: dict[str, np.ndarray], what: str) -> None:
+        """Every rank holds this very state (compared by digest); a rank that differs ends the island."""
+        digest = hashlib.sha256(b"".join(np.ascontiguousarray(state[k]).tobytes() for k in sorted(state))).hexdigest()
+        digests: list[Optional[str]] = [None] * self.world
+        dist.all_gather_object(digests, digest)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"the island's ranks hold different adapters after {what}: "
+                               f"{[d[:12] if d else d for d in digests]}")
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(f"cuda:{self.local_rank}") if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RelayedIsland:
+    """Rank 0's island: every call that changes the island is first broadcast to the other ranks."""
+
+    def __init__(self, learner: Any, group: RankGroup):
+        self.learner, self.group = learner, group
+        self.backend = learner.backend
+        self.relay_s = 0.0  # time spent relaying calls and adapters to the other ranks (and checking them)
+
+    def _relay(self, command: dict[str, Any]) -> None:
+        t = time.perf_counter()
+        self.group.share(command)
+        self.relay_s += time.perf_counter() - t
+
+    def step(self) -> dict[str, Any]:
+        self._relay({"op": "step"})
+        return self.learner.step()
+
+    def load_adapter_state(self, state: dict[str, np.ndarray]) -> None:
+        self._relay({"op": "load", "state": state})
+        self.learner.load_adapter_state(state)
+        t = time.perf_counter()
+        self.group.check_same(self.learner.adapter_state(), "a broadcast")
+        self.relay_s += time.perf_counter() - t
+
+    def set_total_steps(self, total: int) -> None:
+        self._relay({"op": "total", "total": total})
+        self.learner.set_total_steps(total)
+
+    def finish(self) -> None:
+        """Release the other ranks (the run is over, or rank 0 is leaving it)."""
+        self._relay({"op": "exit"})
+
+    def __getattr__(self, name: str) -> Any:  # adapter_state, adapter_config, record, evaluate...: read-only
+        return getattr(self.learner, name)
+
+
+def follow(learner: Any, group: RankGroup) -> None:
+    """A rank other than 0: make each call rank 0 relays, until it says exit."""
+    while True:
+        command = group.share()
+        op = command["op"]
+        if op == "step":
+            learner.step()
+        elif op == "load":
+            learner.load_adapter_state(command["state"])
+            group.check_same(learner.adapter_state(), "a broadcast")
+        elif op == "total":
+            learner.set_total_steps(command["total"])
+        elif op == "exit":
+            return
+        else:
+            raise RuntimeError(f"unknown relayed call {op!r} from rank 0")
