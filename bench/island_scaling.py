@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,13 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from yeto.launch.local import free_port  # noqa: E402
 from yeto.sync.auth import JOIN_KEY_ENV, Keyring  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], env: dict[str, str]) -> float:
@@ -89,7 +83,7 @@ def main() -> None:
     fleet = json.loads((tmp / "fleet" / "summary.json").read_text())
 
     rows = [("1 rank", one["tok_s"], wall1), (f"{a.ranks} ranks", many["tok_s"], wallN)]
-    print(f"\n| island | tokens/s | wall (s, incl. start-up) |\n|---|---|---|")
+    print("\n| island | tokens/s | wall (s, incl. start-up) |\n|---|---|---|")
     for name, tok_s, wall in rows:
         print(f"| {name} | {tok_s:.0f} | {wall:.1f} |")
     print(f"\n{a.ranks} ranks / 1 rank tokens/s: {many['tok_s'] / one['tok_s']:.3f}x")
