@@ -2,6 +2,7 @@
 process with the whole batch, a 2-rank island and a 1-process island merged by a real syncer, a killed rank."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,3 +116,37 @@ def test_ranks_count_in_the_claims_bound():
     assert tokens_per_step(record) == 384
     assert tokens_per_step({**record, "ranks": 8}) == 8 * 384
     assert tokens_per_step({**record, "ranks": 10**9}) == MAX_ISLAND_RANKS * 384  # a claim cannot grow unbounded
+
+
+def test_an_fsdp_island_trains_as_the_replicated_one(tiny_model, tmp_path):
+    """--shard fsdp: the frozen base sharded per transformer block across the 2 ranks (FSDP2, gloo), LoRA whole on
+    each. The same 4 steps as a replicated (ddp) island, adapters equal to float32 order, the same names and shapes
+    as a one-process island's; evaluation, a collective forward now, is relayed to both ranks."""
+    model = tiny_model("llama")
+    runs = {}
+    for shard in ("ddp", "fsdp"):
+        p = torchrun(model, tmp_path / shard, "--batch-size", 2, "--max-steps", 4, "--eval-every", 2, "--shard", shard)
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, (shard, out[-3000:])
+        runs[shard] = adapter(tmp_path / shard)
+        if shard == "fsdp":  # rank 0 holds about half of the base (the embeddings and LM head stay whole)
+            m = re.search(r"fsdp: (\d+) blocks sharded over 2 ranks; this rank holds ([\d.]+)M of the base's ([\d.]+)M",
+                          out)
+            assert m and int(m[1]) == 2 and float(m[2]) < float(m[3]), out[-2000:]
+    assert runs["ddp"].keys() == runs["fsdp"].keys()
+    for k in runs["ddp"]:
+        assert runs["ddp"][k].shape == runs["fsdp"][k].shape
+        np.testing.assert_allclose(runs["fsdp"][k], runs["ddp"][k], rtol=1e-4, atol=1e-6, err_msg=k)
+    one = subprocess.run([sys.executable, "-m", "yeto.learner", "--model", str(model), "--out", str(tmp_path / "x"),
+                          *COMMON, "--max-steps", "1", "--shard", "fsdp"], cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=120)
+    assert one.returncode == 2 and "--shard fsdp shards the frozen base across the ranks" in one.stderr
+
+
+def test_base_quantization_nf4_is_cuda_only_and_says_so_in_one_line(tiny_model, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "yeto.learner", "--model", str(tiny_model("llama")), "--out",
+                        str(tmp_path / "q"), *COMMON, "--max-steps", "1", "--base-quantization", "nf4"], cwd=REPO,
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    last = r.stderr.strip().splitlines()[-1]  # (after the data summary the learner logs first)
+    assert r.returncode == 2 and last.startswith("error: --base-quantization nf4 (QLoRA through bitsandbytes) runs on "
+                                                 "CUDA only"), r.stderr[-2000:]

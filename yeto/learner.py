@@ -29,7 +29,7 @@ from yeto.data import Blocks, prepare_data
 from yeto.losses import LossFn, load_loss_function
 from yeto.lora import lora_config
 from yeto.models import default_device, load_model, load_tokenizer, resolve_model
-from yeto.torchrun import RankGroup, RelayedIsland, follow
+from yeto.torchrun import SHARDINGS, RankGroup, RelayedIsland, follow, shard_base
 
 
 @dataclass
@@ -72,6 +72,8 @@ class TrainConfig:
     give_up_after: float = 1800.0
     join_key: Optional[str] = None
     insecure: bool = False
+    shard: str = "ddp"  # a torchrun island's frozen base: replicated on every rank (ddp) or sharded (fsdp)
+    base_quantization: str = "none"  # "nf4": QLoRA (the frozen base in 4 bits, bitsandbytes, CUDA)
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -153,7 +155,7 @@ class TorchLearner:
         )
         log(f"data: {json.dumps(self.data.stats)}")
         torch.manual_seed(cfg.seed)
-        base = load_model(self.model_artifact, self.device, dtype, cfg.trust_remote_code)
+        base = load_model(self.model_artifact, self.device, dtype, cfg.trust_remote_code, cfg.base_quantization)
         from peft import get_peft_model
 
         self.lora = lora_config(base, cfg.lora_targets, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
@@ -162,6 +164,13 @@ class TorchLearner:
             base.enable_input_require_grads()
         self.model = get_peft_model(base, self.lora)
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if cfg.shard not in SHARDINGS:
+            raise YetoError(f"--shard must be one of {', '.join(SHARDINGS)}, got {cfg.shard!r}")
+        if cfg.shard == "fsdp":
+            if group is None:
+                raise YetoError("--shard fsdp shards the frozen base across the ranks of a torchrun island: run under "
+                                "torchrun --nproc-per-node N (N >= 2), or drop --shard")
+            log(shard_base(self.model, base, list(self.trainable.values())))
         n_train = sum(p.numel() for p in self.trainable.values())
         log(f"model: {self.model_artifact.name} @ {self.model_artifact.revision[:19]} on {self.device}; "
             f"LoRA r={cfg.lora_r} on {len(self.trainable) // 2} linears, {n_train / 1e6:.2f}M trainable params")
@@ -318,15 +327,25 @@ def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..
     out.mkdir(parents=True, exist_ok=True)
     log = lambda s: console.print(f"[dim]{s}[/dim]")  # noqa: E731
     learner = TorchLearner(cfg, log, group) if learner_cls is None else learner_cls(cfg, log=log)
+    # in a torchrun island every call rank 0 makes goes to the other ranks first (a sharded forward is collective)
+    island = RelayedIsland(learner, group) if group is not None else learner
+    try:
+        return _train(island, cfg, out, console, show_progress, join_key)
+    finally:
+        if group is not None:
+            island.finish()  # the other ranks stop following (they would otherwise wait for a collective)
+            group.close()
+
+
+def _train(learner, cfg: TrainConfig, out: Path, console, show_progress: bool, join_key) -> dict[str, Any]:
     metrics = MetricsLog(out / "metrics.jsonl")
     (out / "run.json").write_text(json.dumps(learner.record(), indent=2))
     eval0 = learner.evaluate()
     metrics.write(event="eval", step=0, eval_loss=eval0)
     if cfg.syncer:
         tag = f"[bold]island {cfg.learner_id}[/bold] "
-        island = RelayedIsland(learner, group) if group is not None else learner
         try:
-            extra = _island_loop(island, cfg, metrics, console, tag, join_key)
+            extra = _island_loop(learner, cfg, metrics, console, tag, join_key)
         except BaseException as e:  # refused, gave up on the syncer, Ctrl-C, SIGTERM, a crash: keep the adapter
             try:
                 adapter = learner.save(out / "adapter")
@@ -335,11 +354,8 @@ def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..
             except Exception as save_error:  # never hide the first error behind a second one
                 console.print(f"{tag}[red]could not save the adapter[/red]: {save_error!r}")
             raise
-        finally:
-            if group is not None:
-                island.finish()  # the other ranks stop following (they would otherwise wait for a collective)
-        if group is not None:
-            extra["relay_s"] = round(island.relay_s, 3)  # rank 0's time relaying to the other ranks
+        if isinstance(learner, RelayedIsland):
+            extra["relay_s"] = round(learner.relay_s, 3)  # rank 0's time relaying to the other ranks
         done = f"{extra['rounds']} rounds, {learner.step_count} steps, utilization {extra['utilization']:.1%}"
     else:
         tag = ""
@@ -360,14 +376,10 @@ def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..
 
 def _follow_rank(cfg: TrainConfig, group: RankGroup) -> dict[str, Any]:
     """A torchrun island's rank other than 0: the same model and data, its slice of every batch, and the calls rank
-    0 relays (with --syncer) or the same --max-steps steps (standalone). Rank 0 alone logs, saves and talks."""
-    learner = TorchLearner(cfg, log=lambda s: None, group=group)
+    0 relays (standalone or with --syncer). Rank 0 alone logs, saves and talks."""
     try:
-        if cfg.syncer:
-            follow(learner, group)
-        else:
-            for _ in range(cfg.max_steps):
-                learner.step()
+        learner = TorchLearner(cfg, log=lambda s: None, group=group)
+        follow(learner, group)
     finally:
         group.close()
     return {"rank": group.rank, "steps": learner.step_count}
@@ -495,6 +507,11 @@ def _train_signature(
                         ] = None,
     insecure: Annotated[bool, typer.Option(help="With --syncer: no encryption, no key (a syncer on 127.0.0.1 "
                                                 "started with --insecure).")] = False,
+    shard: Annotated[str, typer.Option(help="Under torchrun: ddp (the frozen base on every rank) or fsdp (the frozen "
+                                            "base sharded across the ranks per transformer block; LoRA whole on "
+                                            "each), for a base larger than one device.")] = D.shard,
+    base_quantization: Annotated[str, typer.Option(help="none, or nf4: the frozen base in 4-bit NF4 through "
+                                                        "bitsandbytes (QLoRA; CUDA only).")] = D.base_quantization,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
     """(the flags of `yeto train`; see make_train_command)"""

@@ -177,9 +177,30 @@ def load_tokenizer(model: Artifact, trust_remote_code: bool = False):
     return tok
 
 
-def load_model(model: Artifact, device: str, dtype=None, trust_remote_code: bool = False):
+BASE_QUANTIZATIONS = ("none", "nf4")
+
+
+def load_model(model: Artifact, device: str, dtype=None, trust_remote_code: bool = False, quantization: str = "none"):
+    """The base model on `device`; `quantization="nf4"`: its linears in 4-bit NF4 through bitsandbytes (QLoRA: the
+    frozen base in a quarter of the memory, LoRA trained on top in `dtype`), CUDA only."""
     from transformers import AutoModelForCausalLM
 
     dtype = dtype or default_dtype(device)
-    m = AutoModelForCausalLM.from_pretrained(model.path, dtype=dtype, trust_remote_code=trust_remote_code)
-    return m.to(device)
+    if quantization == "none":
+        m = AutoModelForCausalLM.from_pretrained(model.path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return m.to(device)
+    if quantization not in BASE_QUANTIZATIONS:
+        raise YetoError(f"--base-quantization must be one of {', '.join(BASE_QUANTIZATIONS)}, got {quantization!r}")
+    if not device.startswith("cuda"):
+        raise YetoError(f"--base-quantization nf4 (QLoRA through bitsandbytes) runs on CUDA only, and this island's "
+                        f"device is {device}: drop it, or shard a base too large for one device with --shard fsdp "
+                        "under torchrun")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise YetoError("--base-quantization nf4 needs bitsandbytes: pip install bitsandbytes")
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.bfloat16)
+    return AutoModelForCausalLM.from_pretrained(model.path, dtype=dtype, quantization_config=nf4,
+                                                device_map={"": device}, trust_remote_code=trust_remote_code)

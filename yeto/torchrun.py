@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a rank silent this long (dead, hung) ends the island instead of hanging it
+SHARDINGS = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,27 @@ class RankGroup:
             dist.destroy_process_group()
 
 
+def shard_base(model: torch.nn.Module, base: torch.nn.Module, lora: list[torch.nn.Parameter]) -> str:
+    """FSDP2 over the frozen base: each transformer block (the classes the model names in `_no_split_modules`) is
+    sharded across the ranks and gathered block by block in the forward and backward; the LoRA parameters stay
+    whole on every rank (ignored by FSDP), so the adapter, its gradient sum and the wire view are a one-process
+    island's."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = set(getattr(base, "_no_split_modules", None) or [])
+    ignored = set(lora)
+    sharded = [m for m in model.modules() if type(m).__name__ in blocks]
+    if not sharded:
+        raise RuntimeError(f"--shard fsdp: {type(base).__name__} names no transformer block class to shard by")
+    for block in sharded:  # (the embeddings, final norm and LM head stay whole: the loss calls them directly)
+        fully_shard(block, ignored_params=ignored)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in frozen)
+    total = sum(p.numel() for p in frozen)
+    return (f"fsdp: {len(sharded)} blocks sharded over {dist.get_world_size()} ranks; this rank holds "
+            f"{held / 1e6:.2f}M of the base's {total / 1e6:.2f}M values")
+
+
 class RelayedIsland:
     """Rank 0's island: every call that changes the island is first broadcast to the other ranks."""
 
@@ -133,6 +155,10 @@ class RelayedIsland:
         self._relay({"op": "total", "total": total})
         self.learner.set_total_steps(total)
 
+    def evaluate(self) -> Optional[float]:
+        self._relay({"op": "eval"})  # (a sharded base's forward needs every rank)
+        return self.learner.evaluate()
+
     def finish(self) -> None:
         """Release the other ranks (the run is over, or rank 0 is leaving it)."""
         self._relay({"op": "exit"})
@@ -153,6 +179,8 @@ def follow(learner: Any, group: RankGroup) -> None:
             group.check_same(learner.adapter_state(), "a broadcast")
         elif op == "total":
             learner.set_total_steps(command["total"])
+        elif op == "eval":
+            learner.evaluate()
         elif op == "exit":
             return
         else:

@@ -42,6 +42,12 @@ class MLXLearner:
         for name in ("batch_size", "grad_accum", "max_steps", "seq_len"):
             if getattr(cfg, name) < 1:
                 raise YetoError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+        if cfg.base_quantization != "none":
+            raise YetoError("--base-quantization is the torch learner's (bitsandbytes); an MLX island quantizes "
+                            "through mlx-lm's converted models instead (drop it)")
+        if cfg.shard != "ddp":
+            raise YetoError(f"--shard {cfg.shard} is for torchrun islands of the torch learner; an MLX island is one "
+                            "process (drop --shard)")
         if cfg.gradient_checkpointing or cfg.full_logits:
             log("note: --gradient-checkpointing / --full-logits are torch-learner options; ignored on MLX")
         from yeto.mlx.compat import import_mlx_lm, load_mlx_model
