@@ -184,8 +184,9 @@ def test_a_multi_gpu_island_is_one_torchrun_group_over_skypilots_node_variables(
     config = learner_task(plan, 0, "203.0.113.7:29400", "k").to_yaml_config()
     assert config["num_nodes"] == 2 and config["resources"]["accelerators"] == {"A100": 8}
     run = config["run"]
-    assert run.startswith("torchrun --nnodes $SKYPILOT_NUM_NODES --node-rank $SKYPILOT_NODE_RANK --nproc-per-node "
-                          "$SKYPILOT_NUM_GPUS_PER_NODE --master-addr $(echo \"$SKYPILOT_NODE_IPS\" | head -n1)")
+    assert run.startswith("torchrun --nnodes $SKYPILOT_NUM_NODES --nproc-per-node $SKYPILOT_NUM_GPUS_PER_NODE "
+                          f"--rdzv-backend c10d --rdzv-id {plan.cluster(0)} --rdzv-endpoint "
+                          "$(echo \"$SKYPILOT_NODE_IPS\" | head -n1):29500 --max-restarts 3")
     assert " -m yeto.learner --syncer 203.0.113.7:29400 --learner-id 0 " in run and "python3" not in run
     assert subprocess.run(["bash", "-n"], input=run, text=True).returncode == 0
 

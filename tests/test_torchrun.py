@@ -13,7 +13,8 @@ from safetensors.numpy import load_file
 
 from tests.conftest import DEMO_DATA, REPO
 from tests.peers import wait_until
-from tests.test_fleet import ENV, learner, syncer
+from tests.test_faults import assert_run_complete
+from tests.test_fleet import ENV, finish, learner, syncer, wait_for
 from yeto.launch.local import free_port
 from yeto.sync.audit import audit
 from yeto.tape import read_tape
@@ -22,11 +23,13 @@ COMMON = ["--data", str(DEMO_DATA), "--seq-len", "64", "--lora-r", "4", "--lora-
           "--no-progress"]
 
 
-def torchrun(model, out, *args, ranks=2):
+def torchrun(model, out, *args, ranks=2, restarts=0, log=subprocess.PIPE):
+    """A torchrun island (its output to `log`: a pipe, or a file when a crashing rank's traceback could fill one)."""
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-                             str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                             str(ranks), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                             "--max-restarts", str(restarts),
                              "-m", "yeto.learner", "--model", str(model), "--out", str(out), *COMMON,
-                             *map(str, args)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             *map(str, args)], cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
 
@@ -121,11 +124,14 @@ def test_ranks_count_in_the_claims_bound():
 def test_an_fsdp_island_trains_as_the_replicated_one(tiny_model, tmp_path):
     """--shard fsdp: the frozen base sharded per transformer block across the 2 ranks (FSDP2, gloo), LoRA whole on
     each. The same 4 steps as a replicated (ddp) island, adapters equal to float32 order, the same names and shapes
-    as a one-process island's; evaluation, a collective forward now, is relayed to both ranks."""
+    as a one-process island's; evaluation, a collective forward now, is relayed to both ranks. The micro-batch size
+    changes nothing either: the replicated island runs 1 block at a time, the sharded one probes (`auto`: both ranks
+    in lockstep, through the sharded forward)."""
     model = tiny_model("llama")
     runs = {}
-    for shard in ("ddp", "fsdp"):
-        p = torchrun(model, tmp_path / shard, "--batch-size", 2, "--max-steps", 4, "--eval-every", 2, "--shard", shard)
+    for shard, micro in (("ddp", "1"), ("fsdp", "auto")):
+        p = torchrun(model, tmp_path / shard, "--batch-size", 2, "--max-steps", 4, "--eval-every", 2, "--shard", shard,
+                     "--micro-batch-size", micro)
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, (shard, out[-3000:])
         runs[shard] = adapter(tmp_path / shard)
@@ -133,6 +139,7 @@ def test_an_fsdp_island_trains_as_the_replicated_one(tiny_model, tmp_path):
             m = re.search(r"fsdp: (\d+) blocks sharded over 2 ranks; this rank holds ([\d.]+)M of the base's ([\d.]+)M",
                           out)
             assert m and int(m[1]) == 2 and float(m[2]) < float(m[3]), out[-2000:]
+            assert "micro-batch: 2 of --batch-size 2 (probed on cpu)" in out, out[-2000:]
     assert runs["ddp"].keys() == runs["fsdp"].keys()
     for k in runs["ddp"]:
         assert runs["ddp"][k].shape == runs["fsdp"][k].shape
@@ -150,3 +157,37 @@ def test_base_quantization_nf4_is_cuda_only_and_says_so_in_one_line(tiny_model, 
     last = r.stderr.strip().splitlines()[-1]  # (after the data summary the learner logs first)
     assert r.returncode == 2 and last.startswith("error: --base-quantization nf4 (QLoRA through bitsandbytes) runs on "
                                                  "CUDA only"), r.stderr[-2000:]
+
+
+def test_a_torchrun_island_restarted_by_torchrun_rejoins_the_run(tiny_model, tmp_path):
+    """A rank killed mid-round takes its island down; torchrun (c10d rendezvous, --max-restarts 1) starts the group
+    again, and the new rank 0 rejoins the open round through the syncer's rejoin path (the identity kept in --out):
+    every merge is [0, 1], the restarted island's included."""
+    model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
+    procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 4,
+                              "--learner-timeout", 4)}
+    procs[0] = learner(model, port, 0, 2, tmp_path / "l0", "--lora-dropout", 0, "--step-delay", 0.2,
+                       "--syncer-timeout", 5)
+    with open(tmp_path / "island1.log", "w") as log:
+        procs[1] = torchrun(model, tmp_path / "l1", "--syncer", f"127.0.0.1:{port}", "--learner-id", 1,
+                            "--num-learners", 2, "--batch-size", 1, "--step-delay", 1.5, "--syncer-timeout", 5,
+                            restarts=1, log=log)
+        try:
+            wait_for(s_out, "round_open", round=2)
+            wait_for(s_out, "delta", round=2, learner=0)  # mid-round: island 1 still training
+            ranks = subprocess.run(["pgrep", "-f", "-P", str(procs[1].pid), "yeto.learner"], capture_output=True,
+                                   text=True).stdout.split()
+            assert len(ranks) == 2, ranks
+            os.kill(int(ranks[-1]), signal.SIGKILL)
+            outs = finish(procs)
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+    island_log = (tmp_path / "island1.log").read_text()
+    outs[1] = (outs[1][0], island_log)
+    events = assert_run_complete(s_out, outs, 3, [tmp_path / "l0", tmp_path / "l1"], quorum_of=[0, 1])
+    joins = [e for e in events if e["event"] == "join" and e["learner"] == 1]
+    assert len({e["session"] for e in joins}) == 2, joins  # the restarted group joined as a new session ...
+    assert [e["round"] for e in joins if e.get("rejoin")] == [2]  # ... into the open round 2
+    assert island_log.count("island 1 joined the syncer") == 2

@@ -28,6 +28,7 @@ from yeto.adapter import save_adapter
 from yeto.data import Blocks, prepare_data
 from yeto.losses import LossFn, load_loss_function
 from yeto.lora import lora_config
+from yeto.micro_batch import WHOLE_BATCH, chunks, largest_that_fits, parse_micro_batch_size
 from yeto.models import default_device, load_model, load_tokenizer, resolve_model
 from yeto.torchrun import SHARDINGS, RankGroup, RelayedIsland, follow, shard_base
 
@@ -74,6 +75,7 @@ class TrainConfig:
     insecure: bool = False
     shard: str = "ddp"  # a torchrun island's frozen base: replicated on every rank (ddp) or sharded (fsdp)
     base_quantization: str = "none"  # "nf4": QLoRA (the frozen base in 4 bits, bitsandbytes, CUDA)
+    micro_batch_size: str = WHOLE_BATCH  # blocks through the model at once: "all", N or "auto" (see yeto.micro_batch)
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -183,6 +185,8 @@ class TorchLearner:
         self.sampler = BatchSampler(len(self.data.train), cfg.batch_size * self.ranks, cfg.seed + 1000 * cfg.learner_id)
         if group is not None:
             group.align(list(self.trainable.values()))
+        size = parse_micro_batch_size(cfg.micro_batch_size, cfg.batch_size)
+        self.micro_batch = size if size is not None else self._probe_micro_batch(log)
         self.step_count = 0
         self.tokens_seen = 0
         self.loss_tokens_seen = 0
@@ -191,6 +195,40 @@ class TorchLearner:
         ids = torch.from_numpy(blocks.input_ids[idx]).to(self.device)
         mask = torch.from_numpy(blocks.loss_mask[idx]).to(self.device)
         return ids, mask
+
+    def _probe_micro_batch(self, log: Callable[[str], None]) -> int:
+        """--micro-batch-size auto: the largest micro-batch whose forward and backward fit on this device (and, in a
+        torchrun island, on every rank), probed with full-length blocks whose every position bears loss. The probes
+        leave no gradient and no trace in the random streams, so training is what it would be with that size given."""
+        blocks = self.data.train
+        tried: dict[int, bool] = {}
+
+        def fits(n: int) -> bool:
+            ids, mask = self._batch(blocks, np.arange(n) % len(blocks))
+            ok = True
+            try:
+                masked_loss(self.model, ids, torch.ones_like(mask), self.loss_fn, self.cfg.full_logits).backward()
+            except torch.OutOfMemoryError:
+                ok = False  # (leaving the handler drops the exception and the activations its frames hold)
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            if self.group is not None:
+                ok = self.group.all(ok)
+            tried[n] = ok
+            return ok
+
+        cuda = [torch.device(self.device)] if self.device.startswith("cuda") else []
+        with torch.random.fork_rng(devices=cuda):
+            self.model.train()
+            size = largest_that_fits(fits, self.cfg.batch_size)
+        if size == 0:
+            raise YetoError(f"one block of --seq-len {self.cfg.seq_len} does not fit on {self.device}: lower --seq-len, "
+                            "or add --gradient-checkpointing, --shard fsdp or --base-quantization nf4")
+        too_big = sorted(n for n, ok in tried.items() if not ok)
+        log(f"micro-batch: {size} of --batch-size {self.cfg.batch_size} (probed on {self.device}"
+            + (f"; {too_big[0]} ran out of memory)" if too_big else ")"))
+        return size
 
     def _mine(self, idx: np.ndarray) -> np.ndarray:
         """This rank's slice of a global batch."""
@@ -210,12 +248,13 @@ class TorchLearner:
             (total_w,) = self.group.sum_scalars(total_w)
         loss_sum = 0.0
         for ids, mask in micro:
-            w = float(mask[:, 1:].sum())
-            if w == 0:
-                continue
-            loss = masked_loss(self.model, ids, mask, self.loss_fn, cfg.full_logits)
-            (loss * (w / total_w)).backward()
-            loss_sum += float(loss.detach()) * w
+            for rows in chunks(len(ids), self.micro_batch):
+                w = float(mask[rows, 1:].sum())
+                if w == 0:
+                    continue
+                loss = masked_loss(self.model, ids[rows], mask[rows], self.loss_fn, cfg.full_logits)
+                (loss * (w / total_w)).backward()
+                loss_sum += float(loss.detach()) * w
         tokens = sum(ids.numel() for ids, _ in micro)
         if self.group is not None:
             self.group.sum_grads(list(self.trainable.values()))
@@ -240,8 +279,8 @@ class TorchLearner:
             return None
         self.model.eval()
         total, weight = 0.0, 0.0
-        for start in range(0, len(blocks), self.cfg.batch_size):
-            ids, mask = self._batch(blocks, np.arange(start, min(start + self.cfg.batch_size, len(blocks))))
+        for rows in chunks(len(blocks), self.micro_batch):
+            ids, mask = self._batch(blocks, np.arange(rows.start, rows.stop))
             w = float(mask[:, 1:].sum())
             if w:
                 total += float(masked_loss(self.model, ids, mask, self.loss_fn, self.cfg.full_logits)) * w
@@ -473,8 +512,11 @@ def _train_signature(
     data_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the dataset; resolved to one commit and recorded.")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own Python code to run (off unless given).")] = False,
     seq_len: Annotated[int, typer.Option(help="Tokens per packed block.")] = D.seq_len,
-    batch_size: Annotated[int, typer.Option(help="Blocks per micro-batch.")] = D.batch_size,
-    grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step (gradient accumulation).")] = D.grad_accum,
+    batch_size: Annotated[int, typer.Option(help="Blocks per batch (per rank under torchrun).")] = D.batch_size,
+    grad_accum: Annotated[int, typer.Option(help="Batches per optimizer step (gradient accumulation).")] = D.grad_accum,
+    micro_batch_size: Annotated[str, typer.Option(help="Blocks through the model at once: all (the whole batch), N, "
+                                                       "or auto (the largest that fits the device, probed at start); "
+                                                       "the gradient is the same whatever it is.")] = D.micro_batch_size,
     max_steps: Annotated[int, typer.Option(help="Optimizer steps to run (with --syncer the syncer decides when to stop; this is then the LR schedule's horizon for --round-seconds runs).")] = D.max_steps,
     lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = D.lr,
     warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = D.warmup_steps,

@@ -12,7 +12,7 @@ adapter.
 
 A rank that dies takes the island down: torchrun stops the others, and a collective that waits on a dead or hung
 rank fails after COLLECTIVE_TIMEOUT_S instead of hanging. The island comes back through the syncer's rejoin path
-when torchrun (--max-restarts) or the launch controller starts it again.
+when torchrun (--max-restarts N; see `_attempt_store`) or the launch controller starts it again.
 """
 
 from __future__ import annotations
@@ -50,7 +50,10 @@ class RankGroup:
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+            dist.init_process_group(backend, store=_attempt_store(rank, world, timeout), rank=rank, world_size=world,
+                                    timeout=timeout)
         return RankGroup(dist.get_rank(), dist.get_world_size(), local_rank)
 
     @property
@@ -82,6 +85,10 @@ class RankGroup:
             p.grad = flat[offset:offset + g.numel()].view_as(g).to(p.dtype)
             offset += g.numel()
 
+    def all(self, flag: bool) -> bool:
+        """True on every rank only if `flag` is true on every rank."""
+        return bool(self.sum(torch.tensor([0 if flag else 1], device=self.device)).item() == 0)
+
     def align(self, params: list[torch.nn.Parameter]) -> None:
         """Rank 0's values on every rank (the adapter's initialization)."""
         with torch.no_grad():
@@ -104,6 +111,19 @@ class RankGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The group's key-value store, with this restart attempt's keys apart from the last one's.
+
+    torchrun's workers share the agent's store across restarts (the c10d and static rendezvous both), and the
+    default env:// init reads the ranks' addresses from it without a per-attempt prefix: a restarted rank can read
+    the dead attempt's address of rank 0 and fail to connect (gloo: "connectFullMesh ... Connection refused").
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_store, timeout=timeout)
+    return dist.PrefixStore(f"yeto/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shard_base(model: torch.nn.Module, base: torch.nn.Module, lora: list[torch.nn.Parameter]) -> str:

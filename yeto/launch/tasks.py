@@ -92,13 +92,16 @@ def model_mounts(plan: FleetPlan) -> Mounted:
 
 
 TORCHRUN_PORT = 29500  # the island's own rendezvous, on its nodes' private network
+TORCHRUN_RESTARTS = 3  # torchrun restarts a group that lost a rank this often; then the launch controller relaunches
 
 
-def torchrun_prefix() -> list[str]:
-    """One island over all of a cluster's GPUs and nodes, from the variables SkyPilot sets on every node."""
-    return ["torchrun", "--nnodes", "$SKYPILOT_NUM_NODES", "--node-rank", "$SKYPILOT_NODE_RANK", "--nproc-per-node",
-            "$SKYPILOT_NUM_GPUS_PER_NODE", "--master-addr", "$(echo \"$SKYPILOT_NODE_IPS\" | head -n1)",
-            "--master-port", str(TORCHRUN_PORT)]
+def torchrun_prefix(run_id: str) -> list[str]:
+    """One island over all of a cluster's GPUs and nodes, from the variables SkyPilot sets on every node. torchrun
+    restarts the whole group after a rank dies (the c10d rendezvous re-forms it across nodes); the restarted rank 0
+    rejoins the run with the identity kept in its --out."""
+    return ["torchrun", "--nnodes", "$SKYPILOT_NUM_NODES", "--nproc-per-node", "$SKYPILOT_NUM_GPUS_PER_NODE",
+            "--rdzv-backend", "c10d", "--rdzv-id", run_id, "--rdzv-endpoint",
+            f"$(echo \"$SKYPILOT_NODE_IPS\" | head -n1):{TORCHRUN_PORT}", "--max-restarts", str(TORCHRUN_RESTARTS)]
 
 
 def learner_command(plan: FleetPlan, learner: int, syncer: str, data: str, model: str, backend: str = "yeto.learner",
@@ -123,7 +126,7 @@ def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "
     root = checkout_root()
     run = f"{shlex.join(cmd)} --out ~/yeto-island-{learner}"  # (~ unquoted: the VM's home)
     if island.gpus > 1:  # one torchrun group is one island (shell variables unquoted: each node expands its own)
-        run = " ".join(torchrun_prefix()) + " " + run.removeprefix("python3 ")
+        run = " ".join(torchrun_prefix(plan.cluster(learner))) + " " + run.removeprefix("python3 ")
     task = sky.Task(name=plan.cluster(learner), setup=install_commands(model=plan.model), run=run,
                     envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: join_key},
                     workdir=str(root) if root else None, num_nodes=island.nodes,

@@ -18,6 +18,7 @@ import numpy as np
 from yeto import YetoError
 from yeto.data import Blocks, prepare_data
 from yeto.learner import BatchSampler, TrainConfig, island_record, lr_lambda, make_train_command
+from yeto.micro_batch import WHOLE_BATCH
 from yeto.models import load_tokenizer, resolve_model
 
 
@@ -48,6 +49,9 @@ class MLXLearner:
         if cfg.shard != "ddp":
             raise YetoError(f"--shard {cfg.shard} is for torchrun islands of the torch learner; an MLX island is one "
                             "process (drop --shard)")
+        if cfg.micro_batch_size != WHOLE_BATCH:
+            raise YetoError("--micro-batch-size is the torch learner's; an MLX island runs each --batch-size whole "
+                            "(lower --batch-size and raise --grad-accum to use less memory)")
         if cfg.gradient_checkpointing or cfg.full_logits:
             log("note: --gradient-checkpointing / --full-logits are torch-learner options; ignored on MLX")
         from yeto.mlx.compat import import_mlx_lm, load_mlx_model
