@@ -7,8 +7,17 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from yeto.sync.layout import build_layout, flatten, layout_from_json, layout_mismatch, pack_fragment, unflatten, unpack_fragment
-from yeto.sync.outer import merge_weights, nesterov_step
+from yeto.sync.layout import (
+    build_layout,
+    flatten,
+    layout_from_json,
+    layout_mismatch,
+    pack_fragment,
+    unflatten,
+    unpack_fragment,
+)
+from yeto.sync.merge import DeltaCounts, merge_weights, weight_of
+from yeto.sync.outer import nesterov_step
 from yeto.sync.quant import BLOCK, ErrorFeedback, QuantError, block_steps, dequantize, encoded_size, quantize
 
 names = st.text("abcdefghij._", min_size=1, max_size=12)
@@ -127,17 +136,23 @@ def test_error_feedback_keeps_the_running_sum_unbiased():
 
 
 @settings(max_examples=50, deadline=None)
-@given(tokens=st.lists(st.integers(1, 10**6), min_size=1, max_size=16))
-def test_merge_weights_are_token_proportional(tokens):
-    w = merge_weights(tokens)
-    assert w.sum() == pytest.approx(1.0)
-    np.testing.assert_allclose(w * sum(tokens), tokens, rtol=1e-9)
+@given(counts=st.lists(st.tuples(st.integers(1, 10**6), st.integers(1, 10**6), st.integers(1, 1000)), min_size=1,
+                       max_size=16))
+def test_merge_weights_follow_the_chosen_count(counts):
+    deltas = [DeltaCounts(*c) for c in counts]
+    for how, field in (("loss-tokens", 0), ("tokens", 1), ("steps", 2)):
+        w = merge_weights(deltas, how)
+        assert w.sum() == pytest.approx(1.0)
+        raw = [c[field] for c in counts]
+        np.testing.assert_allclose(w * sum(raw), raw, rtol=1e-9)
+        assert [weight_of(d, how) for d in deltas] == raw
+    np.testing.assert_allclose(merge_weights(deltas, "equal"), 1 / len(counts))
 
 
 def test_merge_weights_reject_empty_or_zero():
     for bad in ([], [0, 0], [5, -1]):
         with pytest.raises(ValueError):
-            merge_weights(bad)
+            merge_weights([DeltaCounts(t, 1, 1) for t in bad])
 
 
 def test_merge_is_the_weighted_mean():

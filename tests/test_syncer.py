@@ -12,17 +12,18 @@ import numpy as np
 import pytest
 import torch  # noqa: F401  (imported up front: quantize's first import would stall a raw learner past a 1 s timeout)
 
-from tests.peers import (FAST, NAMES, QuadraticIsland, RawLearner, island_thread, tape_with,
-                         wait_until)
+from tests.peers import FAST, NAMES, QuadraticIsland, RawLearner, island_thread, tape_with, wait_until
 from yeto import YetoError
 from yeto.diloco import run_island
 from yeto.launch.local import free_port
 from yeto.sync.audit import audit
 from yeto.sync.layout import build_layout, flatten
-from yeto.sync.outer import merge_weights, nesterov_step
+from yeto.sync.merge import DeltaCounts, merge_weights
+from yeto.sync.outer import nesterov_step
 from yeto.sync.protocol import encode, encode_fragments
 from yeto.sync.server import Syncer, SyncerConfig
 from yeto.tape import read_tape
+
 
 def test_two_islands_merge_exactly_as_computed_by_hand(start_syncer, tmp_path):
     syncer, port = start_syncer(learners=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32, outer_lr=0.7,
@@ -38,7 +39,7 @@ def test_two_islands_merge_exactly_as_computed_by_hand(start_syncer, tmp_path):
     layout = build_layout(islands[0].state)
     g = np.zeros(layout.numel, np.float32)
     m = np.zeros_like(g)
-    w = merge_weights([600, 200])  # loss-bearing tokens per round: 2 steps x 300 and 2 x 100
+    w = merge_weights([DeltaCounts(600, 0, 2), DeltaCounts(200, 0, 2)])  # loss-bearing tokens: 2 steps x 300, 2 x 100
     for _ in range(3):
         deltas = []
         for tgt in (1.0, -2.0):

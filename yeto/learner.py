@@ -27,7 +27,7 @@ from yeto import YetoError, __version__
 from yeto.adapter import save_adapter
 from yeto.data import Blocks, prepare_data
 from yeto.losses import LossFn, load_loss_function
-from yeto.lora import lora_config
+from yeto.lora import is_lora_a, lora_config
 from yeto.micro_batch import WHOLE_BATCH, chunks, largest_that_fits, parse_micro_batch_size
 from yeto.models import default_device, load_model, load_tokenizer, resolve_model
 from yeto.torchrun import SHARDINGS, RankGroup, RelayedIsland, follow, shard_base
@@ -75,6 +75,7 @@ class TrainConfig:
     insecure: bool = False
     shard: str = "ddp"  # a torchrun island's frozen base: replicated on every rank (ddp) or sharded (fsdp)
     base_quantization: str = "none"  # "nf4": QLoRA (the frozen base in 4 bits, bitsandbytes, CUDA)
+    lora_freeze_a: bool = False  # FFA-LoRA: lora_A stays at the run's shared initialization, only lora_B trains
     micro_batch_size: str = WHOLE_BATCH  # blocks through the model at once: "all", N or "auto" (see yeto.micro_batch)
 
 
@@ -165,7 +166,11 @@ class TorchLearner:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
         self.model = get_peft_model(base, self.lora)
-        self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}  # the whole adapter
+        if cfg.lora_freeze_a:  # still exchanged (the run's shared A), never updated: averaging B is then exact
+            for name, p in self.trainable.items():
+                p.requires_grad_(not is_lora_a(name))
+        self.optimized = [p for p in self.trainable.values() if p.requires_grad]
         if cfg.shard not in SHARDINGS:
             raise YetoError(f"--shard must be one of {', '.join(SHARDINGS)}, got {cfg.shard!r}")
         if cfg.shard == "fsdp":
@@ -173,10 +178,10 @@ class TorchLearner:
                 raise YetoError("--shard fsdp shards the frozen base across the ranks of a torchrun island: run under "
                                 "torchrun --nproc-per-node N (N >= 2), or drop --shard")
             log(shard_base(self.model, base, list(self.trainable.values())))
-        n_train = sum(p.numel() for p in self.trainable.values())
+        n_train = sum(p.numel() for p in self.optimized)
         log(f"model: {self.model_artifact.name} @ {self.model_artifact.revision[:19]} on {self.device}; "
             f"LoRA r={cfg.lora_r} on {len(self.trainable) // 2} linears, {n_train / 1e6:.2f}M trainable params")
-        self.optimizer = torch.optim.AdamW(self.trainable.values(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
+        self.optimizer = torch.optim.AdamW(self.optimized, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         )
@@ -257,10 +262,10 @@ class TorchLearner:
                 loss_sum += float(loss.detach()) * w
         tokens = sum(ids.numel() for ids, _ in micro)
         if self.group is not None:
-            self.group.sum_grads(list(self.trainable.values()))
+            self.group.sum_grads(self.optimized)
             loss_sum, tokens = self.group.sum_scalars(loss_sum, tokens)
             tokens = int(tokens)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable.values(), cfg.max_grad_norm))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.optimized, cfg.max_grad_norm))
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -514,6 +519,9 @@ def _train_signature(
     seq_len: Annotated[int, typer.Option(help="Tokens per packed block.")] = D.seq_len,
     batch_size: Annotated[int, typer.Option(help="Blocks per batch (per rank under torchrun).")] = D.batch_size,
     grad_accum: Annotated[int, typer.Option(help="Batches per optimizer step (gradient accumulation).")] = D.grad_accum,
+    lora_freeze_a: Annotated[bool, typer.Option(help="Train lora_B only; lora_A stays at the run's shared "
+                                                     "initialization (FFA-LoRA: the syncer's average of B is then "
+                                                     "exact). Every learner of a run must agree.")] = False,
     micro_batch_size: Annotated[str, typer.Option(help="Blocks through the model at once: all (the whole batch), N, "
                                                        "or auto (the largest that fits the device, probed at start); "
                                                        "the gradient is the same whatever it is.")] = D.micro_batch_size,

@@ -32,6 +32,11 @@ MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_exp
 Linear = tuple[str, int, int]  # (module name, in_features, out_features)
 
 
+def is_lora_a(peft_name: str) -> bool:
+    """A LoRA down-projection (`lora_A`, or an embedding's `lora_embedding_A`), by its peft name."""
+    return ".lora_A." in peft_name or ".lora_embedding_A." in peft_name
+
+
 def num_experts(config) -> int:
     for key in MOE_KEYS:
         v = getattr(config, key, None)

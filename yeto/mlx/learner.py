@@ -62,7 +62,7 @@ class MLXLearner:
         from transformers import AutoConfig
 
         from yeto.lora import lora_config_for, select_targets
-        from yeto.mlx.lora import apply_lora, mlx_linears
+        from yeto.mlx.lora import apply_lora, freeze_lora_a, mlx_linears
 
         self.cfg = cfg
         self.mx = mx
@@ -78,6 +78,8 @@ class MLXLearner:
         self.targets = select_targets(linears, hf_config, cfg.lora_targets, ["lm_head"])
         self.lora = lora_config_for(self.targets, linears, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
         apply_lora(self.model, self.targets, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+        if cfg.lora_freeze_a:
+            freeze_lora_a(self.model)
         n_train = sum(int(np.prod(v.shape)) for v in self.adapter_state().values())
         import os
 

@@ -81,5 +81,12 @@ def apply_lora(model: nn.Module, targets: list[str], r: int, alpha: float, dropo
 
 
 def lora_state(model: nn.Module) -> dict[str, mx.array]:
-    """The trainable LoRA arrays under their peft names."""
-    return {to_peft_name(k): v for k, v in tree_flatten(model.trainable_parameters())}
+    """The LoRA arrays (trained or frozen) under their peft names."""
+    return {to_peft_name(k): v for k, v in tree_flatten(model.parameters()) if k.endswith((".lora_A", ".lora_B"))}
+
+
+def freeze_lora_a(model: nn.Module) -> None:
+    """FFA-LoRA: every lora_A keeps its value (the run's shared initialization); only lora_B trains."""
+    for _, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            m.freeze(keys=["lora_A"], recurse=False)

@@ -1,10 +1,10 @@
 """How a round's deltas become one: a running token-weighted sum, and robust merges against one bad learner.
 
 The mean (`--robust off`): mean = sum_i t_i * d_i / sum_i t_i, with t_i the
-delta's loss-bearing tokens. `RoundSum` adds each delta as it arrives, so the
-syncer holds one fp32 vector per round, not one per learner; the deltas
-themselves stay in their wire encoding (4 bits: 1/8 of fp32) for the durable
-copy and for the rare rebuild.
+delta's weight (`--merge-weight`, `yeto.sync.merge`: its loss-bearing tokens by
+default). `RoundSum` adds each delta as it arrives, so the syncer holds one fp32
+vector per round, not one per learner; the deltas themselves stay in their wire
+encoding (4 bits: 1/8 of fp32) for the durable copy and for the rare rebuild.
 
 Norm clipping (`--robust norm-clip`, the default): with n_i = |d_i| and
 ref = median(this round's norms and the norms merged in the last
@@ -54,18 +54,18 @@ class RoundSum:
 
     numel: int
     total: Optional[torch.Tensor] = None
-    tokens: int = 0
+    weight: float = 0.0
     order: list[int] = field(default_factory=list)  # learner ids, as added
 
-    def add(self, learner: int, delta: np.ndarray, loss_tokens: int) -> None:
-        self.total = accumulate(self.total, delta, loss_tokens)
-        self.tokens += loss_tokens
+    def add(self, learner: int, delta: np.ndarray, weight: float) -> None:
+        self.total = accumulate(self.total, delta, weight)
+        self.weight += weight
         self.order.append(learner)
 
     def mean(self) -> np.ndarray:
-        if self.total is None or self.tokens <= 0:
-            raise ValueError("a merge needs at least one delta with loss-bearing tokens")
-        return (self.total / float(self.tokens)).numpy()
+        if self.total is None or self.weight <= 0:
+            raise ValueError("a merge needs at least one delta of positive weight")
+        return (self.total / float(self.weight)).numpy()
 
 
 def clip_factors(norms: Sequence[float], history: Sequence[float], k: float) -> list[float]:
@@ -74,19 +74,19 @@ def clip_factors(norms: Sequence[float], history: Sequence[float], k: float) -> 
     return [1.0 if n <= k * ref or n == 0 else k * ref / n for n in norms]
 
 
-def clipped_mean(s: RoundSum, factors: dict[int, float], tokens: dict[int, int],
+def clipped_mean(s: RoundSum, factors: dict[int, float], weights: dict[int, float],
                  delta_of: Callable[[int], np.ndarray]) -> np.ndarray:
     """The running sum's mean after scaling the listed learners' deltas by their factors (< 1)."""
     for lid in s.order:
         c = factors.get(lid, 1.0)
         if c < 1.0:
-            s.total = accumulate(s.total, delta_of(lid), -(1.0 - c) * tokens[lid])
+            s.total = accumulate(s.total, delta_of(lid), -(1.0 - c) * weights[lid])
     return s.mean()
 
 
-def trimmed_mean(block: Callable[[int], np.ndarray], tokens: Sequence[int], layout: Layout) -> np.ndarray:
-    """Coordinate-wise token-weighted trimmed mean; `block(k)` gives the (deltas, numel) values of fragment k."""
-    w = np.asarray(tokens, dtype=np.float64)
+def trimmed_mean(block: Callable[[int], np.ndarray], weights: Sequence[float], layout: Layout) -> np.ndarray:
+    """Coordinate-wise weighted trimmed mean; `block(k)` gives the (deltas, numel) values of fragment k."""
+    w = np.asarray(weights, dtype=np.float64)
     count = len(w)
     cut = max(1, int(TRIM_FRACTION * count)) if count >= 3 else 0
     out = np.empty(layout.numel, dtype=np.float32)

@@ -58,6 +58,12 @@ class Layout:
     def _by_name(self) -> dict[str, TensorSpec]:
         return {s.name: s for s in self.specs}
 
+    def tensor_slices(self) -> dict[str, slice]:
+        """Where each tensor lies in the flat adapter (fragments back to back)."""
+        by_name = self._by_name
+        return {name: slice(f.start + off, f.start + off + by_name[name].numel)
+                for f in self.fragments for name, off in zip(f.names, f.offsets)}
+
     def to_json(self) -> dict[str, Any]:
         return {"specs": [[s.name, list(s.shape), s.dtype] for s in self.specs], "fingerprint": self.fingerprint,
                 "fragment_numel": self.max_fragment_numel}

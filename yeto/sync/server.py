@@ -341,6 +341,13 @@ def syncer_command(
                       ] = _D.robust,
     robust_k: Annotated[float, typer.Option(help="norm-clip: clip deltas whose norm exceeds k x the median.")
                         ] = _D.robust_k,
+    merge: Annotated[str, typer.Option(help="How deltas combine: mean (weighted average) or rda (radial-directional: "
+                                            "the mean norm along the mean direction, per tensor).")] = _D.merge,
+    merge_weight: Annotated[str, typer.Option(help="Weights of the merge: loss-tokens, tokens, steps or equal.")
+                            ] = _D.merge_weight,
+    lora_merge: Annotated[str, typer.Option(help="LoRA aggregation: factors (lora_A and lora_B apart) or product "
+                                                 "(the mean of the B.A updates, re-factorised to rank r).")
+                          ] = _D.lora_merge,
     model: Annotated[Optional[str], typer.Option(help="Pin the run's base model (alias or hub id as learners report "
                                                       "it); default: the first learner's.")] = None,
     model_revision: Annotated[Optional[str], typer.Option(help="Pin the base model's resolved revision (commit or "

@@ -20,7 +20,8 @@ from typing import Any, Optional
 from yeto.sync.layout import Layout
 
 # fields that must be equal on every learner of a run, in the order mismatches are reported
-CONTRACT_KEYS = ("base_model", "base_revision", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "layout")
+CONTRACT_KEYS = ("base_model", "base_revision", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "layout",
+                 "lora_freeze_a")
 MAX_TOKENS_PER_STEP = 1 << 32
 
 
@@ -40,6 +41,7 @@ def learner_contract(adapter_config: dict[str, Any], provenance: dict[str, Any],
         "lora_dropout": adapter_config.get("lora_dropout"),
         "lora_targets": sorted(targets) if isinstance(targets, (list, tuple, set)) else targets,
         "layout": layout.fingerprint,
+        "lora_freeze_a": bool((provenance.get("config") or {}).get("lora_freeze_a", False)),
         "tokens_per_step": int(tokens_per_step),
     }
 

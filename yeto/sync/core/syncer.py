@@ -40,12 +40,14 @@ from yeto.sync.core.actions import (AcceptedDelta, Action, Checkpoint, DropDelta
                                     SaveCheckpoint, SaveDelta, Send)
 from yeto.sync.core.contract import contract_mismatch, contract_problem, run_contract
 from yeto.sync.core.limits import RateLimit
-from yeto.sync.layout import Layout, layout_from_json, layout_mismatch
-from yeto.sync.outer import merge_weights, nesterov_step
 from yeto.sync.given_up import quorum_after_give_ups
-from yeto.sync.protocol import (DEFAULT_MAX_MESSAGE_MB, PROTOCOL_VERSION, Code, Message, ProtocolError, array_digest,
-                                decode, decode_fragments, digest_bytes, encode_fragments, encode_fragments_ef,
-                                identity_proof, message_size, CLOCK_JUMP_S, session_start, truncate)
+from yeto.sync.layout import Layout, layout_from_json, layout_mismatch
+from yeto.sync.merge import (LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS, DeltaCounts, merge_weights, product_merge, rda,
+                             weight_of)
+from yeto.sync.outer import nesterov_step
+from yeto.sync.protocol import (CLOCK_JUMP_S, DEFAULT_MAX_MESSAGE_MB, PROTOCOL_VERSION, Code, Message, ProtocolError,
+                                array_digest, decode, decode_fragments, digest_bytes, encode_fragments,
+                                encode_fragments_ef, identity_proof, message_size, session_start, truncate)
 from yeto.sync.quant import BITS, ErrorFeedback, QuantError, dequantize
 
 QUORUM_WAIT_LOG_S = 15.0  # how often a round short of quorum says whom it waits for
@@ -72,7 +74,7 @@ RATE_WINDOW_S = 60.0
 DEFAULT_MAX_LEARNERS = 1024
 # what a restart may not change: the run's math and its wire format depend on them
 CONTRACT_FIELDS = ("sync_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds", "robust", "robust_k",
-                   "model", "model_revision")
+                   "merge", "merge_weight", "lora_merge", "model", "model_revision")
 
 
 @dataclass
@@ -94,6 +96,9 @@ class SyncerConfig:
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
     robust: str = "norm-clip"
     robust_k: float = DEFAULT_CLIP_K
+    merge: str = "mean"  # yeto.sync.merge: mean | rda
+    merge_weight: str = "loss-tokens"  # loss-tokens | tokens | steps | equal
+    lora_merge: str = "factors"  # factors | product
     model: Optional[str] = None  # pins the run's base model (else the founding learner's is the run's)
     model_revision: Optional[str] = None
     max_learners: int = DEFAULT_MAX_LEARNERS
@@ -123,6 +128,15 @@ class SyncerConfig:
         if not self.robust_k >= 1:
             raise YetoError(f"--robust-k must be at least 1 (a delta is clipped above k x the median norm), got "
                             f"{self.robust_k}")
+        for flag, value, choices in (("--merge", self.merge, MERGE_RULES), ("--merge-weight", self.merge_weight,
+                                     MERGE_WEIGHTS), ("--lora-merge", self.lora_merge, LORA_MERGES)):
+            if value not in choices:
+                raise YetoError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+        if self.robust == "trimmed-mean" and (self.merge, self.lora_merge) != ("mean", "factors"):
+            raise YetoError("--robust trimmed-mean is its own rule, coordinate by coordinate: use it with --merge mean "
+                            "--lora-merge factors, or pick --robust norm-clip")
+        if self.merge == "rda" and self.lora_merge == "product":
+            raise YetoError("--lora-merge product merges the B.A products by their mean: use it with --merge mean")
         if self.max_learners < self.learners or self.max_connections < 1:
             raise YetoError(f"--max-learners ({self.max_learners}) must be at least --learners ({self.learners}) and "
                             "--max-connections at least 1")
@@ -729,9 +743,13 @@ class SyncerCore:
                      compute_s=h.get("compute_s") if isinstance(h.get("compute_s"), (int, float)) else None)
         self.out.append(SaveDelta(d))
         self.pending[m.learner] = d
-        self.sum.add(m.learner, flat, d.loss_tokens)  # the decoded copy is dropped: memory is one sum per round
+        self.sum.add(m.learner, flat, self._weight(d))  # the decoded copy is dropped: memory is one sum per round
         self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": False})
         self._maybe_close(now)
+
+    def _weight(self, d: AcceptedDelta) -> float:
+        """The delta's unnormalised merge weight (--merge-weight)."""
+        return weight_of(DeltaCounts(d.loss_tokens, d.tokens, d.inner_steps), self.cfg.merge_weight)
 
     @staticmethod
     def _delta_fields(d: AcceptedDelta) -> dict[str, Any]:
@@ -894,7 +912,7 @@ class SyncerCore:
         order = self._order()
         self.sum = RoundSum(self.run.layout.numel)  # rebuilt without it, in the order the others arrived
         for i in order:
-            self.sum.add(i, self._decode(self.pending[i]), self.pending[i].loss_tokens)
+            self.sum.add(i, self._decode(self.pending[i]), self._weight(self.pending[i]))
         reason = truncate(reason)
         self._record("refuse_delta", learner=lid, round=d.round, digest=d.digest, reason=reason)
         self.out.append(DropDeltas(round=d.round, learner=lid))
@@ -913,21 +931,33 @@ class SyncerCore:
     def _merge(self, ids: list[int]) -> dict[str, Any]:
         run, cfg = self.run, self.cfg
         ds = [self.pending[i] for i in ids]
-        tokens = {i: self.pending[i].loss_tokens for i in ids}
+        unnormalised = {i: self._weight(self.pending[i]) for i in ids}
+        rule: dict[str, Any] = {}  # what the rule reports on the tape
         try:
             with np.errstate(all="ignore"):
-                weights = merge_weights([d.loss_tokens for d in ds])
+                weights = merge_weights([DeltaCounts(d.loss_tokens, d.tokens, d.inner_steps) for d in ds],
+                                        cfg.merge_weight)
                 clip: dict[int, float] = {}
                 if cfg.robust == "trimmed-mean":  # fragment by fragment: n fragments in memory, not n adapters
                     avg = trimmed_mean(lambda k: np.stack([self._decode_fragment(self.pending[i], k) for i in ids]),
-                                       [tokens[i] for i in ids], run.layout)
+                                       [unnormalised[i] for i in ids], run.layout)
                 else:
                     if cfg.robust == "norm-clip":
                         factors = clip_factors([d.norm for d in ds], list(self.norm_history), cfg.robust_k)
                         clip = {i: c for i, c in zip(ids, factors) if c < 1.0}
-                    s = RoundSum(run.layout.numel, None if self.sum.total is None else self.sum.total.clone(),
-                                 self.sum.tokens, list(ids))
-                    avg = clipped_mean(s, clip, tokens, lambda i: self._decode(self.pending[i]))
+                    if (cfg.merge, cfg.lora_merge) == ("mean", "factors"):  # the running sum: one vector in memory
+                        s = RoundSum(run.layout.numel, None if self.sum.total is None else self.sum.total.clone(),
+                                     self.sum.weight, list(ids))
+                        avg = clipped_mean(s, clip, unnormalised, lambda i: self._decode(self.pending[i]))
+                    else:  # every delta at once (LoRA adapters are small: n of them fit where one base does not)
+                        deltas = [self._decode(self.pending[i]) * np.float32(clip.get(i, 1.0)) for i in ids]
+                        if cfg.lora_merge == "product":
+                            pm = product_merge([run.global_ + d for d in deltas], weights, run.layout)
+                            avg = pm.merged - run.global_
+                            rule = {"residual": pm.residual, "residual_mean": pm.residual_mean}
+                        else:
+                            avg, fallbacks = rda(deltas, weights, run.layout)
+                            rule = {"rda_fallbacks": fallbacks}
                 new_global, momentum = nesterov_step(run.global_, avg, run.momentum, cfg.outer_lr, cfg.outer_momentum)
                 if not (np.isfinite(new_global).all() and np.isfinite(momentum).all()):
                     raise MergeError("the outer step overflows")
@@ -940,7 +970,7 @@ class SyncerCore:
         except (QuantError, ValueError, FloatingPointError, OverflowError) as e:
             raise MergeError(str(e)) from e
         return {"global": committed, "momentum": momentum, "residual": ef.residual, "weights": weights,
-                "descs": descs, "frames": tuple(frames), "sent": sent, "clip": clip}
+                "descs": descs, "frames": tuple(frames), "sent": sent, "clip": clip, "rule": rule}
 
     def _commit(self, r: OpenRound, ids: list[int], merged: dict[str, Any], stragglers: list[int], now: float) -> None:
         run = self.run
@@ -952,7 +982,9 @@ class SyncerCore:
         self._record("merge", round=r.number, version=version, responders=ids, weights=weights,
                      loss_tokens=[self.pending[i].loss_tokens for i in ids], deltas=deltas, digest=digest,
                      stragglers=stragglers, update_norm=float(np.linalg.norm(merged["sent"])), summed=summed,
-                     robust=self.cfg.robust, clip={str(i): c for i, c in merged["clip"].items()})
+                     robust=self.cfg.robust, clip={str(i): c for i, c in merged["clip"].items()},
+                     merge=self.cfg.merge, merge_weight=self.cfg.merge_weight, lora_merge=self.cfg.lora_merge,
+                     **merged["rule"])
         if merged["clip"]:
             self._log("warning", f"round {r.number}: robust merge clipped learner(s) "
                                  f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged['clip'].items())}")

@@ -1,0 +1,243 @@
+"""Merge rules (mean, RDA), merge weights, exact LoRA aggregation (product, frozen A): the pure math against hand
+computations and numpy's SVD, the syncer core merging by the configured rule and recording it, real learners."""
+
+import numpy as np
+import pytest
+
+from tests.conftest import DEMO_DATA
+from tests.test_core import Fleet
+from yeto import YetoError
+from yeto.sync.core.contract import contract_mismatch
+from yeto.sync.core.learner import Train, Verdict
+from yeto.sync.core.syncer import SyncerConfig
+from yeto.sync.layout import build_layout, flatten, unflatten
+from yeto.sync.merge import lora_pairs, product_merge, rda, refactor
+
+EQUAL2 = np.array([0.5, 0.5])
+
+
+def test_rda_keeps_the_typical_length_along_the_mean_direction():
+    layout = build_layout({"t": np.zeros(2, np.float32)})
+    merged, fallbacks = rda([np.array([3.0, 0.0]), np.array([0.0, 4.0])], EQUAL2, layout)
+    # norms 3 and 4: mean 3.5; unit directions (1, 0) and (0, 1): mean (0.5, 0.5), direction (1, 1)/sqrt(2)
+    np.testing.assert_allclose(merged, [3.5 / np.sqrt(2)] * 2, rtol=1e-6)
+    assert fallbacks == 0
+    mean = 0.5 * np.array([3.0, 0.0]) + 0.5 * np.array([0.0, 4.0])
+    assert np.linalg.norm(merged) > np.linalg.norm(mean)  # the mean of orthogonal deltas shrinks; RDA does not
+    w = np.array([0.75, 0.25])  # weights reach norms and directions alike: (0.75*3 + 0.25*4) along (0.75, 0.25)
+    merged, _ = rda([np.array([3.0, 0.0]), np.array([0.0, 4.0])], w, layout)
+    np.testing.assert_allclose(merged, 3.25 * np.array([0.75, 0.25]) / np.hypot(0.75, 0.25), rtol=1e-6)
+
+
+def test_rda_falls_back_to_the_mean_per_tensor_when_directions_cancel():
+    layout = build_layout({"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)})
+    slices = layout.tensor_slices()
+    d0, d1 = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    d0[slices["a"]], d1[slices["a"]] = [1.0, 0.0], [-2.0, 0.0]  # opposite: the unit directions cancel
+    d0[slices["b"]], d1[slices["b"]] = [1.0, 1.0], [2.0, 2.0]  # the same direction: RDA is the mean length
+    merged, fallbacks = rda([d0, d1], EQUAL2, layout)
+    assert fallbacks == 1
+    np.testing.assert_allclose(merged[slices["a"]], [-0.5, 0.0])  # the mean
+    np.testing.assert_allclose(merged[slices["b"]], [1.5, 1.5], rtol=1e-6)
+
+
+def lora_adapter(rng, out=24, inn=20, r=4, layers=2):
+    names = {}
+    for i in range(layers):
+        names[f"base_model.model.l{i}.q.lora_A.default.weight"] = rng.normal(size=(r, inn)).astype(np.float32)
+        names[f"base_model.model.l{i}.q.lora_B.default.weight"] = rng.normal(size=(out, r)).astype(np.float32)
+    names["base_model.model.norm.weight"] = rng.normal(size=(inn,)).astype(np.float32)  # not a LoRA pair
+    return names
+
+
+def products(layout, flat):
+    t = unflatten(layout, flat)
+    return {a: t[b].astype(np.float64) @ t[a].astype(np.float64) for a, b in lora_pairs(layout)}
+
+
+def test_product_merge_is_exact_when_the_mean_update_has_rank_r():
+    """Islands whose factors differ by a change of basis (B M, M^-1 A: the same update B A) and islands sharing A:
+    the mean of the products has rank r, and the product merge writes it back exactly; the factor means do not."""
+    rng = np.random.default_rng(0)
+    base = lora_adapter(rng)
+    layout = build_layout(base)
+    islands = []
+    for _ in range(3):
+        t = dict(base)
+        for a, b in lora_pairs(layout):
+            m = rng.normal(size=(4, 4)) + 3 * np.eye(4)
+            t[a], t[b] = np.linalg.solve(m, base[a]).astype(np.float32), (base[b] @ m).astype(np.float32)
+        islands.append(flatten(layout, t))
+    w = np.array([0.5, 0.3, 0.2])
+    pm = product_merge(islands, w, layout)
+    target = products(layout, flatten(layout, base))
+    for a, p in products(layout, pm.merged).items():
+        np.testing.assert_allclose(p, target[a], rtol=1e-4, atol=1e-4)
+    assert pm.residual < 1e-5
+    factor_mean = products(layout, (w @ np.stack(islands)).astype(np.float32))
+    assert max(np.linalg.norm(factor_mean[a] - target[a]) / np.linalg.norm(target[a]) for a in target) > 0.05
+    norm = "base_model.model.norm.weight"
+    np.testing.assert_allclose(unflatten(layout, pm.merged)[norm],
+                               sum(wi * unflatten(layout, x)[norm] for wi, x in zip(w, islands)), rtol=1e-6)
+
+
+def test_product_merge_reports_the_residual_of_the_best_rank_r_fit():
+    rng = np.random.default_rng(1)
+    w = np.array([0.4, 0.6])
+    bs, as_ = [rng.normal(size=(30, 3)) for _ in w], [rng.normal(size=(3, 25)) for _ in w]
+    b, a, residual = refactor(bs, as_, w)
+    full = sum(wi * bi @ ai for wi, bi, ai in zip(w, bs, as_))  # rank 6 > r = 3
+    s = np.linalg.svd(full, compute_uv=False)
+    best = np.sqrt((s[3:] ** 2).sum()) / np.linalg.norm(full)
+    assert best > 0.1
+    assert residual == pytest.approx(best, rel=1e-4)
+    assert np.linalg.norm(full - b @ a) / np.linalg.norm(full) == pytest.approx(residual, rel=1e-6)
+
+
+def test_identical_islands_merge_to_themselves():
+    rng = np.random.default_rng(2)
+    layout = build_layout(lora_adapter(rng))
+    one = flatten(layout, lora_adapter(rng))
+    pm = product_merge([one, one, one], np.array([0.2, 0.3, 0.5]), layout)
+    np.testing.assert_allclose(pm.merged, one, rtol=1e-5, atol=1e-6)
+    merged, _ = rda([one - 1, one - 1], EQUAL2, layout)
+    np.testing.assert_allclose(merged, one - 1, rtol=1e-5)
+
+
+def push(fleet, deltas, counts):
+    """Every learner trains its round to `local = adapter + deltas[lid]` and pushes (tokens, loss_tokens, steps)."""
+    for lid, d in deltas.items():
+        c = fleet.learners[lid]
+        task = c.next_task(fleet.now)
+        assert isinstance(task, Train), task
+        assert c.after_step(fleet.cfg.inner_steps, fleet.now) is Verdict.PUSH
+        tokens, loss_tokens, steps = counts[lid]
+        fleet.to_syncer(lid, c.push(task.adapter + d, tokens, loss_tokens, steps, 1.0, 0.1))
+        fleet.run()
+
+
+def test_the_syncer_merges_by_the_configured_rule_and_weights_and_records_them():
+    plain = {"outer_lr": 1.0, "outer_momentum": 0.0, "robust": "off"}
+    rng = np.random.default_rng(3)
+    counts = {0: (100, 90, 2), 1: (300, 10, 2)}
+    for merge, weight, expect_w in (("rda", "equal", [0.5, 0.5]), ("mean", "tokens", [0.25, 0.75]),
+                                    ("mean", "loss-tokens", [0.9, 0.1])):
+        f = Fleet(n=2, merge=merge, merge_weight=weight, **plain)
+        g0 = f.syncer.run.global_.copy()
+        deltas = {lid: rng.normal(size=f.layout.numel).astype(np.float32) for lid in (0, 1)}
+        push(f, deltas, counts)
+        e = [e for e in f.tape if e["event"] == "merge"][0]
+        assert (e["merge"], e["merge_weight"], e["lora_merge"]) == (merge, weight, "factors")
+        np.testing.assert_allclose(e["weights"], expect_w)
+        if merge == "rda":
+            want, _ = rda([deltas[0], deltas[1]], np.array(expect_w), f.layout)
+            assert "rda_fallbacks" in e
+        else:
+            want = expect_w[0] * deltas[0] + expect_w[1] * deltas[1]
+        np.testing.assert_allclose(f.syncer.run.global_ - g0, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_syncer_merges_products_and_records_the_residual():
+    f = Fleet(n=2, lora_merge="product", outer_lr=1.0, outer_momentum=0.0, robust="off")
+    g0 = f.syncer.run.global_.copy()
+    rng = np.random.default_rng(4)
+    deltas = {lid: rng.normal(size=f.layout.numel).astype(np.float32) for lid in (0, 1)}
+    push(f, deltas, {0: (100, 50, 2), 1: (100, 50, 2)})
+    e = [e for e in f.tape if e["event"] == "merge"][0]
+    assert e["lora_merge"] == "product" and 0 <= e["residual"] < 1  # rank-2 factors, products of rank up to 4
+    want = product_merge([g0 + deltas[0], g0 + deltas[1]], EQUAL2, f.layout)
+    assert e["residual"] == pytest.approx(want.residual, rel=1e-5)
+    np.testing.assert_allclose(f.syncer.run.global_, want.merged, rtol=1e-4, atol=1e-5)
+
+
+def test_conflicting_merge_flags_are_one_line_errors():
+    for flags, message in (({"merge": "median"}, "--merge must be one of mean, rda, got 'median'"),
+                           ({"merge_weight": "loss"}, "--merge-weight must be one of loss-tokens, tokens, steps"),
+                           ({"lora_merge": "svd"}, "--lora-merge must be one of factors, product"),
+                           ({"merge": "rda", "robust": "trimmed-mean"}, "--robust trimmed-mean is its own rule"),
+                           ({"merge": "rda", "lora_merge": "product"}, "use it with --merge mean")):
+        with pytest.raises(YetoError, match=message):
+            SyncerConfig(**flags).check()
+
+
+def frozen_a_learners(tiny_model):
+    from yeto.learner import TorchLearner, TrainConfig
+    from yeto.mlx.learner import MLXLearner
+
+    common = dict(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, lora_r=4,
+                  lora_dropout=0.0, lr=1e-2, warmup_steps=1, num_learners=2, lora_freeze_a=True)
+    return [TorchLearner(TrainConfig(**common, learner_id=0), log=lambda s: None),
+            MLXLearner(TrainConfig(**common, learner_id=1), log=lambda s: None)]
+
+
+def test_frozen_a_trains_b_only_on_both_backends_and_averaging_b_is_exact(tiny_model):
+    pytest.importorskip("mlx.core")
+    learners = frozen_a_learners(tiny_model)
+    start = learners[0].adapter_state()
+    learners[1].load_adapter_state(start)  # a run's islands all start from the founder's adapter
+    ends = []
+    for island in learners:
+        for _ in range(3):
+            island.step()
+        end = island.adapter_state()
+        assert sorted(end) == sorted(start)  # A is still exchanged (the run's shared A) ...
+        for name in end:
+            if ".lora_A." in name:
+                np.testing.assert_array_equal(end[name], start[name])  # ... and never moves
+        assert max(float(np.abs(end[n]).max()) for n in end if ".lora_B." in n) > 1e-4  # B trained
+        ends.append(end)
+    layout = build_layout(start)
+    flat = [flatten(layout, e) for e in ends]
+    mean_of_products = {a: 0.5 * p0 + 0.5 * p1 for (a, p0), p1 in zip(products(layout, flat[0]).items(),
+                                                                      products(layout, flat[1]).values())}
+    factor_mean = products(layout, 0.5 * flat[0] + 0.5 * flat[1])
+    for a in factor_mean:
+        np.testing.assert_allclose(factor_mean[a], mean_of_products[a], rtol=1e-5, atol=1e-7)
+    assert product_merge(flat, EQUAL2, layout).residual < 1e-5  # the product merge agrees: nothing to drop
+
+
+def test_a_learner_that_trains_a_in_a_frozen_a_run_is_refused_by_the_contract():
+    run = {"lora_freeze_a": True}
+    assert contract_mismatch(run, {"lora_freeze_a": False}) == "lora_freeze_a is False on this learner, True in the run"
+    assert contract_mismatch(run, {"lora_freeze_a": True}) is None
+
+
+def test_a_torch_and_an_mlx_island_with_frozen_a_merge_products_exactly(tiny_model, tmp_path):
+    """Real processes: a syncer merging B.A products, a torch and an MLX island that train B only. With A shared the
+    mean product has rank r, so every merge's residual is ~0: the re-factorisation drops nothing."""
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+
+    from tests.conftest import REPO
+    from tests.test_fleet import ENV, finish, learner, syncer
+    from yeto.launch.local import free_port
+    from yeto.sync.audit import audit
+    from yeto.tape import read_tape
+
+    model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
+    procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 3,
+                              "--lora-merge", "product", "--sync-bits", 32)}
+    procs[0] = learner(model, port, 0, 2, tmp_path / "l0", "--lora-freeze-a", "--lora-dropout", 0)
+    procs[1] = subprocess.Popen([sys.executable, "-m", "yeto.mlx.learner", "--model", str(model), "--syncer",
+                                 f"127.0.0.1:{port}", "--learner-id", "1", "--num-learners", "2", "--out",
+                                 str(tmp_path / "l1"), "--data", str(DEMO_DATA), "--seq-len", "64", "--batch-size", "2",
+                                 "--lora-r", "4", "--lora-dropout", "0", "--no-progress", "--lora-freeze-a"], cwd=REPO,
+                                env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outs = finish(procs)
+    for name, (code, text) in outs.items():
+        assert code == 0, (name, text[-3000:])
+    tape = read_tape(s_out)
+    assert audit(tape).ok, audit(tape).summary()
+    contract = [e for e in tape if e["event"] == "contract"][0]
+    assert contract["lora_freeze_a"] is True
+    merges = [e for e in tape if e["event"] == "merge"]
+    assert [m["responders"] for m in merges] == [[0, 1], [0, 1]]
+    assert all(m["lora_merge"] == "product" and m["residual"] < 1e-4 for m in merges), merges
+    merged = load_file(str(s_out / "adapter" / "adapter_model.safetensors"))
+    for island in ("l0", "l1"):
+        mine = load_file(str(tmp_path / island / "adapter" / "adapter_model.safetensors"))
+        assert sorted(mine) == sorted(merged)
+    first = load_file(str(tmp_path / "l0" / "adapter" / "adapter_model.safetensors"))
+    assert any(np.abs(v).max() > 0 for k, v in first.items() if ".lora_B." in k)

@@ -1,0 +1,162 @@
+"""Merge rules: how a round's deltas d_i (flat fp32, one per responder) become the one the outer step takes.
+
+Weights (`--merge-weight`), w_i >= 0 normalised to sum 1:
+    loss-tokens   w_i ~ the delta's loss-bearing tokens (the default: a token of signal counts once, wherever it
+                  was trained)
+    tokens        w_i ~ all tokens the island read (prompts included)
+    steps         w_i ~ the island's inner steps this round
+    equal         w_i = 1/n
+A slow island already sends a smaller delta (fewer steps, fewer tokens behind it): token weights account for that
+once, and the delta's own size a second time; `equal` counts every island once whatever it did.
+
+Rules (`--merge`):
+    mean   sum_i w_i d_i
+    rda    radial-directional averaging, per tensor t:   (sum_i w_i |d_i,t|) * v / |v|,  v = sum_i w_i d_i,t / |d_i,t|
+           The mean of near-orthogonal deltas shrinks as 1/sqrt(n); RDA keeps the typical delta's length and takes the
+           mean direction. When the directions cancel (|v| < RDA_CANCEL * sum_i w_i) it falls back to the mean.
+
+LoRA aggregation (`--lora-merge`):
+    factors   the rule applies to lora_A and lora_B separately (B_bar A_bar is not the mean of the B_i A_i: the error
+              is sum_i w_i (B_i - B_bar)(A_i - A_bar))
+    product   per adapted layer, the merged update W = sum_i w_i B_i A_i (each island's adapter = the global it
+              started from + its delta; peft's scale alpha/r is common to every island, so it factors out), written
+              back as rank-r factors (B*, A*) by alternating least squares started from the factor means: exact
+              when rank W <= r, the best rank-r fit otherwise (the relative residual |W - B*A*| / |W| is reported).
+              Starting from the factor means keeps the factors near the islands' (an island-wide agreement merges to
+              itself), so the outer step on (B* - B, A* - A) still reads as a step; with outer lr 1 and no momentum
+              the new global's product is W itself.
+              The ALS works on W in factored form (n*r columns), never on the out x in matrix.
+
+Every function is pure: the same deltas in the same order give the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from yeto.sync.layout import Layout
+
+MERGE_RULES = ("mean", "rda")
+MERGE_WEIGHTS = ("loss-tokens", "tokens", "steps", "equal")
+LORA_MERGES = ("factors", "product")
+RDA_CANCEL = 1e-3  # |sum of weighted unit directions| below this (of the weights' sum): directions cancel, use the mean
+ALS_MAX_ITERATIONS = 50
+ALS_TOLERANCE = 1e-9  # stop once the residual improves by less than this (relative to |W|^2)
+RIDGE = 1e-12  # keeps the normal equations of a rank-deficient factor solvable
+
+
+@dataclass(frozen=True)
+class DeltaCounts:
+    """What a delta says about the work behind it (the fields weights can follow)."""
+
+    loss_tokens: int
+    tokens: int
+    inner_steps: int
+
+
+def merge_weights(counts: Sequence[DeltaCounts], how: str = "loss-tokens") -> np.ndarray:
+    """w_i per `--merge-weight` (sum 1)."""
+    if how not in MERGE_WEIGHTS:
+        raise ValueError(f"unknown merge weight {how!r}")
+    raw = {"loss-tokens": [c.loss_tokens for c in counts], "tokens": [c.tokens for c in counts],
+           "steps": [c.inner_steps for c in counts], "equal": [1] * len(counts)}[how]
+    t = np.asarray(raw, dtype=np.float64)
+    if t.size == 0 or (t < 0).any() or t.sum() <= 0:
+        raise ValueError(f"a merge needs positive {how} counts, got {list(raw)}")
+    return t / t.sum()
+
+
+def weight_of(c: DeltaCounts, how: str) -> float:
+    """One delta's unnormalised weight (for running sums)."""
+    return float({"loss-tokens": c.loss_tokens, "tokens": c.tokens, "steps": c.inner_steps, "equal": 1}[how])
+
+
+def rda(deltas: Sequence[np.ndarray], weights: np.ndarray, layout: Layout) -> tuple[np.ndarray, int]:
+    """Radial-directional average, tensor by tensor; also how many tensors fell back to the mean."""
+    out = np.empty(layout.numel, dtype=np.float32)
+    fallbacks = 0
+    for rows in layout.tensor_slices().values():
+        x = np.stack([np.asarray(d[rows], dtype=np.float64) for d in deltas])  # (n, numel)
+        norms = np.linalg.norm(x, axis=1)
+        units = np.divide(x, norms[:, None], out=np.zeros_like(x), where=norms[:, None] > 0)
+        v = weights @ units
+        length = float(np.linalg.norm(v))
+        if length < RDA_CANCEL * float(weights.sum()):
+            out[rows] = weights @ x
+            fallbacks += 1
+        else:
+            out[rows] = float(weights @ norms) * v / length
+    return out, fallbacks
+
+
+def lora_pairs(layout: Layout) -> list[tuple[str, str]]:
+    """(lora_A name, lora_B name) of every adapted layer (peft's names; embeddings' lora_embedding_A/B too)."""
+    names = {s.name for s in layout.specs}
+    pairs = []
+    for name in sorted(names):
+        for a, b in ((".lora_A.", ".lora_B."), (".lora_embedding_A.", ".lora_embedding_B.")):
+            if a in name and name.replace(a, b) in names:
+                pairs.append((name, name.replace(a, b)))
+    return pairs
+
+
+@dataclass(frozen=True)
+class ProductMerge:
+    merged: np.ndarray  # the merged adapter (flat): factors re-fit to the mean product, other tensors the mean
+    residual: float  # max over layers of |W - B*A*|_F / |W|_F
+    residual_mean: float
+
+
+def product_merge(adapters: Sequence[np.ndarray], weights: np.ndarray, layout: Layout) -> ProductMerge:
+    """The islands' adapters (global + delta, flat) merged as B.A products, re-factorised to rank r."""
+    slices = layout.tensor_slices()
+    shapes = {s.name: s.shape for s in layout.specs}
+    x = np.stack([np.asarray(a, dtype=np.float64) for a in adapters])
+    out = (weights @ x).astype(np.float32)  # the mean: kept for tensors outside any A/B pair
+    residuals = []
+    for a_name, b_name in lora_pairs(layout):
+        a_rows, b_rows = slices[a_name], slices[b_name]
+        a_list = [x[i, a_rows].reshape(shapes[a_name]) for i in range(len(adapters))]  # (r, in)
+        b_list = [x[i, b_rows].reshape(shapes[b_name]) for i in range(len(adapters))]  # (out, r)
+        b_star, a_star, residual = refactor(b_list, a_list, weights)
+        out[a_rows] = a_star.reshape(-1)
+        out[b_rows] = b_star.reshape(-1)
+        residuals.append(residual)
+    return ProductMerge(out, max(residuals, default=0.0), float(np.mean(residuals)) if residuals else 0.0)
+
+
+def refactor(bs: Sequence[np.ndarray], as_: Sequence[np.ndarray], weights: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, float]:
+    """Rank-r factors (B*, A*) of W = sum_i w_i B_i A_i by alternating least squares from the factor means, and the
+    relative residual. W stays factored: W = Bw As with Bw = [w_1 B_1 ... w_n B_n] (out x nr), As = [A_1; ...; A_n]."""
+    bw = np.concatenate([w * b for w, b in zip(weights, bs)], axis=1)
+    a_s = np.concatenate(list(as_), axis=0)
+    gram_b, gram_a = bw.T @ bw, a_s @ a_s.T  # (nr x nr)
+    w_norm2 = float(np.sum(gram_b * gram_a))  # |W|_F^2 = tr(Bw^T Bw As As^T)
+    b = sum(w * b for w, b in zip(weights, bs))
+    a = sum(w * a for w, a in zip(weights, as_))
+    if w_norm2 <= 0:
+        return b, a, 0.0
+    r = a.shape[0]
+    eye = np.eye(r)
+
+    def residual2(b: np.ndarray, a: np.ndarray) -> float:  # |W - BA|^2 = |W|^2 - 2<W, BA> + |BA|^2
+        cross = float(np.sum((b.T @ bw) * (a @ a_s.T)))  # <W, BA> = tr((B^T Bw)(As A^T))
+        return max(w_norm2 - 2 * cross + float(np.sum((b.T @ b) * (a @ a.T))), 0.0)
+
+    last = residual2(b, a)
+    for _ in range(ALS_MAX_ITERATIONS):
+        # B = W A^T (A A^T)^-1, then A = (B^T B)^-1 B^T W, with W applied in factored form
+        aat = a @ a.T
+        b = np.linalg.solve(aat + RIDGE * np.trace(aat) * eye + RIDGE * eye, (bw @ (a_s @ a.T)).T).T
+        btb = b.T @ b
+        a = np.linalg.solve(btb + RIDGE * np.trace(btb) * eye + RIDGE * eye, (b.T @ bw) @ a_s)
+        now = residual2(b, a)
+        if last - now <= ALS_TOLERANCE * w_norm2:
+            last = now
+            break
+        last = now
+    return b, a, float(np.sqrt(last / w_norm2))
