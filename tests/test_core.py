@@ -158,22 +158,7 @@ def test_a_member_gone_stops_blocking_and_one_that_returns_is_counted_again():
 
 
 def test_a_late_joiner_trains_from_the_welcome_and_never_subtracts_a_newer_adapter():
-    f = Fleet(n=2, quorum=2, learners=2)
-    f.train(0)
-    f.train(1)
-    late = f.new_learner(2, seed=7)
-    f.learners[2] = late
-    f.to_syncer(2, late.connected_now(f.now))
-    f.run()
-    f.tick()
-    task = late.next_task(f.now)
-    assert isinstance(task, Train) and task.base_version == f.syncer.version == 1
-    np.testing.assert_array_equal(task.adapter, f.syncer.run.global_)  # the welcome's state, not its own init
-    # round 2 closes without it (quorum 2 of 3 answered, straggler timeout): the global moves on mid-training
-    f.train(0)
-    f.train(1)
-    f.tick(dt=1.0, times=4)
-    assert f.syncer.version == 2 and late.version == 2
+    f, late, task = _late_learner_mid_round(max_base_lag=0)  # stale deltas refused: the round is abandoned
     assert late.after_step(1, f.now) is Verdict.ABANDON  # it drops the round instead of pushing local - v2
     task = late.next_task(f.now)
     assert isinstance(task, Train) and task.base_version == 2
@@ -308,3 +293,60 @@ def test_a_learner_given_up_by_the_fleet_controller_lowers_the_quorum_and_the_ru
     assert "the rule gives 2" in audit(lying).summary()
     f.apply(f.syncer.give_up({7: "not one of the run's learners"}, f.now))
     assert f.syncer._quorum() == 2 and len([e for e in f.tape if e["event"] == "given_up"]) == 1
+
+
+def _late_learner_mid_round(max_base_lag, **cfg):
+    """Learner 2 joins after round 1 and starts round 2 from version 1; round 2 closes without it."""
+    f = Fleet(n=2, quorum=2, learners=2, max_base_lag=max_base_lag, outer_steps=4, **cfg)
+    f.train(0)
+    f.train(1)
+    late = f.new_learner(2, seed=7)
+    f.learners[2] = late
+    f.to_syncer(2, late.connected_now(f.now))
+    f.run()
+    f.tick()
+    task = late.next_task(f.now)
+    assert isinstance(task, Train) and task.base_version == f.syncer.version == 1
+    np.testing.assert_array_equal(task.adapter, f.syncer.run.global_)  # the welcome's state, not its own init
+    # round 2 closes without it (quorum 2 of 3 answered, straggler timeout): the global moves on mid-training
+    f.train(0)
+    f.train(1)
+    f.tick(dt=1.0, times=4)
+    assert f.syncer.version == 2 and late.version == 2
+    return f, late, task
+
+
+def test_a_stale_delta_is_merged_in_the_round_where_it_arrives_with_its_lag_on_the_tape():
+    f, late, task = _late_learner_mid_round(max_base_lag=1, staleness_exponent=1.0)
+    assert late.after_step(1, f.now) is Verdict.CONTINUE  # the global moved on: the round goes on
+    assert late.after_step(2, f.now) is Verdict.PUSH
+    local = task.adapter + 0.5
+    f.to_syncer(2, late.push(local, 100, 50, 2, 1.0, 0.1))
+    f.run()
+    delta = [e for e in f.tape if e["event"] == "delta" and e["learner"] == 2][-1]
+    assert (delta["round"], delta["base_version"], delta["lag"]) == (3, 1, 1)
+    assert isinstance(late.next_task(f.now), Train)  # acked: it trains round 3 from version 2 meanwhile
+    f.train(0)
+    f.train(1)
+    merge = [e for e in f.tape if e["event"] == "merge"][-1]
+    assert merge["responders"] == [0, 1, 2] and merge["lags"] == [0, 0, 1]
+    # weights: 100 loss tokens each (2 steps x 50) for 0 and 1; learner 2's 50, halved by (1 + 1)^-1
+    np.testing.assert_allclose(merge["weights"], np.array([100, 100, 25]) / 225)
+    assert late.pushed is None and late.version == 3  # its stale delta counted
+    assert audit(f.tape).ok, audit(f.tape).summary()
+
+
+def test_a_round_whose_base_falls_more_than_max_base_lag_behind_is_abandoned():
+    f, late, task = _late_learner_mid_round(max_base_lag=1)
+    assert late.after_step(1, f.now) is Verdict.CONTINUE  # 1 version behind: still worth pushing
+    f.train(0)  # round 3 as well: version 3, the late learner's base is 2 versions back
+    f.train(1)
+    f.tick(dt=1.0, times=4)
+    assert f.syncer.version == 3
+    assert late.after_step(1, f.now) is Verdict.ABANDON  # beyond --max-base-lag: it drops the round
+
+
+def test_a_stale_round_is_abandoned_when_its_base_was_rolled_back():
+    f, late, task = _late_learner_mid_round(max_base_lag=4)
+    late.lineage[1] = "another"  # as if a syncer restart redefined version 1 under it
+    assert late.after_step(1, f.now) is Verdict.ABANDON

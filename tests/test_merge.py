@@ -241,3 +241,36 @@ def test_a_torch_and_an_mlx_island_with_frozen_a_merge_products_exactly(tiny_mod
         assert sorted(mine) == sorted(merged)
     first = load_file(str(tmp_path / "l0" / "adapter" / "adapter_model.safetensors"))
     assert any(np.abs(v).max() > 0 for k, v in first.items() if ".lora_B." in k)
+
+
+def test_merge_alpha_starts_each_round_from_the_blend_of_the_merged_and_the_own_adapter(start_syncer):
+    """--merge-alpha 0.25: after a merge an island starts from 0.25 x global + 0.75 x what it pushed (its delta is
+    still taken against the global). Two islands pulling apart, plain averaging at 32 bits: the global is the mean
+    of what they pushed, so the blend differs from both."""
+    from tests.peers import QuadraticIsland, island_thread
+
+    class Recording(QuadraticIsland):
+        def load_adapter_state(self, state):
+            super().load_adapter_state(state)
+            self.loads.append(flatten(self.layout, self.state))
+
+        def step(self):
+            out = super().step()
+            self.ends.append(flatten(self.layout, self.state))
+            return out
+
+    s, port = start_syncer(learners=2, quorum=2, outer_steps=2, inner_steps=2, sync_bits=32, merge_alpha=0.25,
+                           outer_lr=1.0, outer_momentum=0.0)
+    islands = {0: Recording(1.0, 100), 1: Recording(-1.0, 100)}
+    for isl in islands.values():
+        isl.layout, isl.loads, isl.ends = build_layout(isl.adapter_state()), [], []
+    results: dict = {}
+    threads = [island_thread(isl, port, lid, results) for lid, isl in islands.items()]
+    for t in threads:
+        t.join(60)
+    assert all(not isinstance(results.get(i), Exception) for i in islands), results
+    pushed = {lid: isl.ends[1] for lid, isl in islands.items()}  # round 1: 2 steps each
+    merged = (pushed[0] + pushed[1]) / 2  # equal loss tokens
+    for lid, isl in islands.items():  # loads: round 1 (the init), round 2 (the blend), the final global
+        np.testing.assert_allclose(isl.loads[1], 0.25 * merged + 0.75 * pushed[lid], atol=1e-5)
+        assert not np.allclose(isl.loads[1], merged, atol=1e-3)

@@ -13,6 +13,10 @@ Overlap (`overlap=True`): after pushing round r's delta the island keeps
 training instead of waiting; when the merged adapter arrives, the progress made
 since the push is kept on top of it (θ ← g_r + (θ − θ_push)), as in one-step-
 delayed / streaming DiLoCo. Those steps count toward round r+1.
+
+Merge alpha (the syncer's `--merge-alpha a` < 1): a round starts from
+a x the merged adapter + (1 - a) x the adapter this island last pushed, keeping
+part of its own progress; its delta is still taken against the merged adapter.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
     stall_s = 0.0
     carry: Optional[tuple[RoundStats, np.ndarray]] = None  # overlapped steps, and the adapter pushed before them
+    last_local: Optional[np.ndarray] = None  # the adapter this island last pushed (--merge-alpha blends it in)
     done: Optional[Done] = None
     try:
         while True:
@@ -145,18 +150,23 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 carry = None
             else:
                 rnd = RoundStats(task.round)
-                island.load_adapter_state(unflatten(layout, task.adapter))
+                alpha = float(core.policy.get("merge_alpha", 1.0))
+                start = task.adapter if last_local is None or alpha >= 1 else (
+                    alpha * task.adapter + (1 - alpha) * last_local).astype(np.float32)
+                island.load_adapter_state(unflatten(layout, start))  # (the delta stays against task.adapter)
             verdict = link.after_step(rnd.steps) if rnd.steps else Verdict.CONTINUE
             while verdict is Verdict.CONTINUE:
                 inner_step(island, rnd, stats, step_delay)
                 verdict = link.after_step(rnd.steps)
             if verdict is Verdict.ABANDON:
                 stats.abandoned += 1
+                last_local = None
                 log_fn(f"round {task.round} closed without us after {rnd.steps} steps: starting from the new global")
                 continue
             if verdict is Verdict.STOP:
                 continue  # next_task says why
             local = flatten(layout, island.adapter_state())
+            last_local = local
             stats.delta_bytes.append(link.push(local, rnd.tokens, rnd.loss_tokens, rnd.steps, rnd.loss, rnd.compute_s))
             stats.rounds += 1
             if progress:

@@ -6,7 +6,8 @@ durable checkpoint. `audit` runs the fold over a whole tape and returns the
 first event that breaks an invariant:
 
 - seq numbers are consecutive (no lost or duplicated line);
-- an accepted delta is for the open round and its base version, accepted once,
+- an accepted delta is for the open round, its base at most `max_base_lag` versions back
+  (its `lag` on the record), accepted once,
   and ends in exactly one merge, or in an explicit `discard` / `refuse_delta`;
 - a merge lists only outstanding deltas of its round, has at least the quorum
   in force, and makes the next version (none merged twice);
@@ -58,6 +59,7 @@ class TapeFold:
     learners: int = 1
     given_up: set = field(default_factory=set)  # learner ids given up since the last start
     outer_steps: int = 0
+    max_base_lag: int = 0  # a delta may be accepted this many versions after its base
     counts: dict[str, int] = field(default_factory=dict)
 
     def resolved(self, rnd: int, learner: int, digest: str) -> bool:
@@ -84,6 +86,7 @@ class TapeFold:
         self.learners = int(cfg.get("learners", self.learners))
         self.given_up = set()  # a restarted syncer applies its given-up folder again
         self.outer_steps = int(cfg.get("outer_steps", self.outer_steps))
+        self.max_base_lag = int(cfg.get("max_base_lag", 0))
 
     def _on_given_up(self, e: dict[str, Any]) -> None:
         """The fleet controller gave a learner up: the quorum shrinks, by the rule, not by the record's word."""
@@ -107,7 +110,9 @@ class TapeFold:
 
     def _on_delta(self, e: dict[str, Any]) -> None:
         key = (e["round"], e["learner"])
-        if self.version < 0 or e["base_version"] != self.version or e["round"] != self.version + 1:
+        lag = self.version - e["base_version"]
+        if self.version < 0 or not 0 <= lag <= self.max_base_lag or e["round"] != self.version + 1 or e.get(
+                "lag", 0) != lag:
             self._fail(e, f"delta of learner {e['learner']} accepted for round {e['round']} on version "
                           f"{e['base_version']} while version {self.version} was committed")
         if key in self.outstanding:

@@ -27,6 +27,9 @@ LoRA aggregation (`--lora-merge`):
               the new global's product is W itself.
               The ALS works on W in factored form (n*r columns), never on the out x in matrix.
 
+Staleness (`--staleness-exponent a`): a delta accepted `lag` versions after its base weighs (1 + lag)^-a times its
+count (FedAsync's polynomial rule; a = 0: no discount).
+
 Every function is pure: the same deltas in the same order give the same bits.
 """
 
@@ -55,23 +58,28 @@ class DeltaCounts:
     loss_tokens: int
     tokens: int
     inner_steps: int
+    lag: int = 0  # how many versions the global had moved on from the delta's base when it was accepted
 
 
-def merge_weights(counts: Sequence[DeltaCounts], how: str = "loss-tokens") -> np.ndarray:
-    """w_i per `--merge-weight` (sum 1)."""
+def staleness_factor(lag: int, exponent: float) -> float:
+    """(1 + lag)^-exponent: a delta computed against an older global weighs less (FedAsync's polynomial rule)."""
+    return 1.0 if lag <= 0 or exponent == 0 else float((1.0 + lag) ** -exponent)
+
+
+def weight_of(c: DeltaCounts, how: str, staleness: float = 0.0) -> float:
+    """One delta's unnormalised weight (for running sums): its `--merge-weight` count times its staleness factor."""
     if how not in MERGE_WEIGHTS:
         raise ValueError(f"unknown merge weight {how!r}")
-    raw = {"loss-tokens": [c.loss_tokens for c in counts], "tokens": [c.tokens for c in counts],
-           "steps": [c.inner_steps for c in counts], "equal": [1] * len(counts)}[how]
-    t = np.asarray(raw, dtype=np.float64)
+    count = {"loss-tokens": c.loss_tokens, "tokens": c.tokens, "steps": c.inner_steps, "equal": 1}[how]
+    return float(count) * staleness_factor(c.lag, staleness)
+
+
+def merge_weights(counts: Sequence[DeltaCounts], how: str = "loss-tokens", staleness: float = 0.0) -> np.ndarray:
+    """w_i per `--merge-weight` and `--staleness-exponent` (sum 1)."""
+    t = np.asarray([weight_of(c, how, staleness) for c in counts], dtype=np.float64)
     if t.size == 0 or (t < 0).any() or t.sum() <= 0:
-        raise ValueError(f"a merge needs positive {how} counts, got {list(raw)}")
+        raise ValueError(f"a merge needs positive {how} counts, got {[float(x) for x in t]}")
     return t / t.sum()
-
-
-def weight_of(c: DeltaCounts, how: str) -> float:
-    """One delta's unnormalised weight (for running sums)."""
-    return float({"loss-tokens": c.loss_tokens, "tokens": c.tokens, "steps": c.inner_steps, "equal": 1}[how])
 
 
 def rda(deltas: Sequence[np.ndarray], weights: np.ndarray, layout: Layout) -> tuple[np.ndarray, int]:

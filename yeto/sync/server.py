@@ -30,7 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 import zmq
@@ -180,7 +180,7 @@ class Syncer:
                 self._execute(self.core.stop(now, reason, code))
             if now >= next_tick:
                 next_tick = now + TICK_S
-                self._execute(self.core.tick(now))
+                self._run_timed(self.core.tick)
                 limit = self._message_limit()
                 if limit != self.max_message:  # the run is founded: its layout bounds every message
                     self.max_message = limit
@@ -230,9 +230,18 @@ class Syncer:
             principal = frames[0].get("User-Id") if self.gate is not None else None  # what its handshake proved
             ident, payload = frames[0].bytes, [f.bytes for f in frames[1:]]
             peer = ident.removesuffix(BULK_SUFFIX).decode(errors="replace")
-            self._execute(self.core.receive(peer, payload, time.monotonic(), principal))
+            self._run_timed(lambda now: self.core.receive(peer, payload, now, principal))
 
     # ------------------------------------------------------------------ actions
+
+    def _run_timed(self, event: Callable[[float], list[Action]]) -> None:
+        """Handle one event; when it merged a round, tell the core how long that took (checkpoint and sends
+        included): its grace after quorum leaves the merge that much room."""
+        t = time.monotonic()
+        actions = event(t)
+        self._execute(actions)
+        if any(isinstance(a, Record) and a.event == "merge" for a in actions):
+            self.core.observe_merge(time.monotonic() - t)
 
     def _execute(self, actions: list[Action]) -> None:
         for a in actions:
@@ -348,6 +357,17 @@ def syncer_command(
     lora_merge: Annotated[str, typer.Option(help="LoRA aggregation: factors (lora_A and lora_B apart) or product "
                                                  "(the mean of the B.A updates, re-factorised to rank r).")
                           ] = _D.lora_merge,
+    grace_ms: Annotated[float, typer.Option(help="Once quorum is in, wait at most this long (less the merge time) for "
+                                                 "islands predicted, from their step times, to push by then.")
+                        ] = _D.grace_ms,
+    max_base_lag: Annotated[int, typer.Option(help="Merge a delta trained from a global up to this many versions old "
+                                                   "(a slow island's work is not thrown away; 0: refuse them).")
+                            ] = _D.max_base_lag,
+    staleness_exponent: Annotated[float, typer.Option(help="A delta lag versions old weighs (1 + lag)^-this "
+                                                           "(0: no discount).")] = _D.staleness_exponent,
+    merge_alpha: Annotated[float, typer.Option(help="Learners start each round from alpha x the merged adapter + "
+                                                    "(1 - alpha) x their own last one (1: the merged adapter).")
+                           ] = _D.merge_alpha,
     model: Annotated[Optional[str], typer.Option(help="Pin the run's base model (alias or hub id as learners report "
                                                       "it); default: the first learner's.")] = None,
     model_revision: Annotated[Optional[str], typer.Option(help="Pin the base model's resolved revision (commit or "

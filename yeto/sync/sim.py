@@ -45,6 +45,7 @@ from yeto.sync.core.actions import (Checkpoint, DropDeltas, Durable, Exit, Log, 
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdict, Wait
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.layout import build_layout
+from yeto.sync.merge import DeltaCounts, weight_of
 from yeto.sync.aggregate import RoundSum, clipped_mean
 from yeto.sync.outer import nesterov_step
 from yeto.sync.protocol import (Code, Message, array_digest, decode, decode_fragments, digest_bytes, encode,
@@ -98,6 +99,9 @@ class Schedule:
     poison: Optional[tuple[float, int]]  # (at, learner): its next step jumps by POISON (a delta too big to merge)
     max_inner_steps: list[int]  # per learner: 0, or a cap on its steps per round (a weaker island)
     give_ups: list[tuple[float, int]] = field(default_factory=list)  # (at, learner): the fleet controller gave it up
+    max_base_lag: int = 0  # the syncer's staleness policy and grace (drawn from a stream of their own)
+    staleness_exponent: float = 0.0
+    grace_ms: float = 3000.0
 
     @staticmethod
     def draw(seed: int) -> "Schedule":
@@ -135,7 +139,15 @@ class Schedule:
             p_drop=rng.uniform(0.0, 0.08) if lossy else 0.0, p_dup=rng.uniform(0.0, 0.05) if lossy else 0.0,
             p_slow_step=rng.choice([0.0, 0.0, 0.02]), learner_kills=sorted(kills), syncer_kills=sorted(syncer_kills),
             cuts=sorted(cuts), pauses=sorted(pauses), stops=stops, poison=poison,
-            max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)], give_ups=Schedule.draw_give_ups(seed, kills))
+            max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)], give_ups=Schedule.draw_give_ups(seed, kills),
+            **Schedule.draw_policy(seed))
+
+    @staticmethod
+    def draw_policy(seed: int) -> dict[str, Any]:
+        """Stale deltas and the adaptive grace: drawn from a stream of their own (older seeds keep their faults)."""
+        rng = random.Random(seed * 31 + 29)
+        return {"max_base_lag": rng.choice([0, 1, 2, 4]), "staleness_exponent": rng.choice([0.0, 0.5]),
+                "grace_ms": rng.choice([0.0, 500.0, 3000.0])}
 
     @staticmethod
     def draw_give_ups(seed: int, kills: list) -> list[tuple[float, int]]:
@@ -149,7 +161,9 @@ class Schedule:
     def syncer_config(self) -> SyncerConfig:
         return SyncerConfig(learners=self.learners, quorum=self.quorum, outer_steps=self.outer_steps,
                             inner_steps=self.inner_steps, round_seconds=self.round_seconds, sync_bits=self.sync_bits,
-                            straggler_timeout=3.0, quorum_timeout=1e6, learner_timeout=6.0, out="(simulated)")
+                            straggler_timeout=3.0, quorum_timeout=1e6, learner_timeout=6.0, out="(simulated)",
+                            max_base_lag=self.max_base_lag, staleness_exponent=self.staleness_exponent,
+                            grace_ms=self.grace_ms)
 
 
 # ---------------------------------------------------------------------------------------------- the world
@@ -171,8 +185,9 @@ class World:
         self.globals: dict[int, tuple[str, np.ndarray]] = {}  # durable version -> (digest, adapter)
         self.payloads: dict[str, tuple[list, list[bytes]]] = {}  # delta digest -> (descs, frames)
         self.init_payloads: dict[str, np.ndarray] = {}  # global digest -> initial adapter
-        self.acked: set[tuple[int, int, str]] = set()  # (round, learner, digest) of every ack a learner received
-        self.merged: set[tuple[int, int, str]] = set()  # (round, learner, digest) of the deltas in durable merges
+        # deltas as (learner, base version, digest): two sessions of one learner may send equal bits on other bases
+        self.acked: set[tuple[int, int, str]] = set()  # every ack a learner received
+        self.merged: set[tuple[int, int, str]] = set()  # the deltas in durable merges
         self.parked: list[tuple] = []  # (process, channel, epoch, deliver) sent while the syncer was down
         self.relaunches = 0  # fleet relaunches scheduled
         self.stopped = False  # a fleet stop happened: learners told to stop are relaunched
@@ -403,9 +418,11 @@ class World:
         fold = TapeFold()
         for e in tape:
             fold.feed(e)
-        lost = sorted(a for a in self.acked if a not in fold.settled)
+        bases = {(e["round"], e["learner"], e["digest"]): e["base_version"] for e in tape if e["event"] == "delta"}
+        settled = {(lid, bases.get((rnd, lid, d)), d) for rnd, lid, d in fold.settled}
+        lost = sorted(a for a in self.acked if a not in settled)
         if lost:
-            raise Violation(f"acked deltas (round, learner, digest) never merged nor refused: {lost}")
+            raise Violation(f"acked deltas (learner, base version, digest) never merged nor refused: {lost}")
         replayed = self.replay(tape)
         if not np.array_equal(replayed, final.global_):
             raise Violation("replaying the tape's merges does not give the final global adapter")
@@ -423,7 +440,9 @@ class World:
             deltas = {lid: decode_fragments(self.layout, Message("delta", {"fragments": self.payloads[d][0]},
                                                                  self.payloads[d][1]))
                       for lid, d in zip(e["responders"], e["deltas"])}
-            tokens = dict(zip(e["responders"], e["loss_tokens"]))
+            lags = e.get("lags") or [0] * len(e["responders"])
+            tokens = {lid: weight_of(DeltaCounts(t, 0, 0, lag), "loss-tokens", cfg.staleness_exponent)
+                      for lid, t, lag in zip(e["responders"], e["loss_tokens"], lags)}
             s = RoundSum(self.layout.numel)
             for lid in e["summed"]:
                 s.add(lid, deltas[lid], tokens[lid])
@@ -578,7 +597,8 @@ class SimSyncer:
                 w.note_durable(a.checkpoint)
                 m = self.last_merge
                 if m is not None and m["version"] == a.checkpoint.version:
-                    w.merged.update((m["round"], lid, d) for lid, d in zip(m["responders"], m["deltas"]))
+                    w.merged.update((lid, m["round"] - 1 - lag, d) for lid, d, lag in zip(
+                        m["responders"], m["deltas"], m["lags"]))
             elif isinstance(a, SaveDelta):
                 self.disk.sync()
                 d = copy.copy(a.delta)
@@ -664,7 +684,9 @@ class SimLearner:
         self.booted_at = 0.0
         self.dead_for_good = False
         self.poison_next_step = False
-        self.pushes: list[tuple[tuple[int, int, str], np.ndarray]] = []  # this session's deltas, for the oracle
+        self.pushes: list[tuple[tuple[int, int, str], np.ndarray]] = []  # this session's sent deltas (oracle)
+        self.raw: dict[tuple[int, int], np.ndarray] = {}  # (round, base version) -> the delta it finished with
+        self.train_started = 0.0
         self.steps = 0
         self.stats: dict[str, float] = {}
         self.results: list[tuple[Done, tuple[int, np.ndarray]]] = []
@@ -693,6 +715,7 @@ class SimLearner:
                                 random.Random(w.rng.getrandbits(64)), LINK, w.s.max_inner_steps[self.lid],
                                 started_at_us=int(w.now * 1e6), identity=f"sim-identity-{w.s.seed}-{self.lid}")
         self.pushes = []
+        self.raw = {}
         w.log(f"learner {self.lid}: boot (life {self.life}, session {self.core.session})")
         self.execute(self.core.connected_now(w.now))
         self.schedule_tick(self.life)
@@ -723,7 +746,7 @@ class SimLearner:
             before = self.core.version
             self.execute(self.core.receive(msg, self.w.now))
             if msg.type == "ack":
-                self.w.acked.add((msg.header["round"], self.lid, msg.header["digest"]))
+                self.w.acked.add((self.lid, msg.header["base_version"], msg.header["digest"]))
             if self.core.version != before and self.core.version >= 0 and msg.type != "init_request":
                 self.w.check_held(self.lid, self.core.version, self.core.global_)
             self.wake()
@@ -740,6 +763,8 @@ class SimLearner:
         for a in actions:
             if isinstance(a, Out):
                 w.log(f"learner {self.lid} -> {a.type} {_brief(a.header)}")
+                if a.type == "delta":
+                    self.check_sent(a)
                 w.post(self, True, a.type, a.header, a.frames, lambda parts, peer=self.peer: (
                     w.syncer.guarded(w.syncer.life, lambda: w.syncer.receive(peer, parts))))
             elif isinstance(a, Reconnect):
@@ -773,6 +798,7 @@ class SimLearner:
             return
         assert isinstance(task, Train)
         self.island.flat = task.adapter.copy()
+        self.train_started = self.w.now
         self.steps = 0
         self.stats = {"tokens": 0, "loss_tokens": 0, "loss": 0.0}
         self.w.log(f"learner {self.lid}: train round {task.round} from version {task.base_version}")
@@ -808,41 +834,56 @@ class SimLearner:
             t = self.core.training
             bits = int(self.core.policy["sync_bits"])
             w.check_base(self.lid, t.base_version, t.base)
-            self.check_residual(bits)
             x = self.island.flat - t.base
-            expect = ErrorFeedback(w.layout.numel)
-            expect.residual = self.core.ef.residual
-            try:
-                _, frames, _ = encode_fragments_ef(w.layout, x, bits, expect)
-            except QuantError:
-                frames = None  # the learner cannot send it either: it drops the round
+            self.raw[(t.round, t.base_version)] = x
+            residual = self.core.ef.residual
             actions = self.core.push(self.island.flat.copy(), int(self.stats["tokens"]), int(self.stats["loss_tokens"]),
-                                     self.steps, self.stats["loss"], 0.0)
-            sent = [a for a in actions if isinstance(a, Out) and a.type == "delta"]
-            if (frames is None) != (not sent) or (sent and list(sent[0].frames) != list(frames)):
-                raise Violation(f"learner {self.lid}'s delta for round {t.round} is not its adapter minus the "
-                                f"version {t.base_version} it trained from")
-            if sent:
-                self.pushes.append(((t.round, self.lid, self.core.pushed.digest), x))
+                                     self.steps, self.stats["loss"], w.now - self.train_started)
+            sent = any(isinstance(a, Out) and a.type == "delta" for a in actions)
+            if not sent and self.core.held is None:  # neither sent nor held: only a delta that cannot be encoded
+                expect = ErrorFeedback(w.layout.numel)
+                expect.residual = residual
+                try:
+                    encode_fragments_ef(w.layout, x, bits, expect)
+                    raise Violation(f"learner {self.lid} dropped its delta for round {t.round}, which can be sent")
+                except QuantError:
+                    pass
             self.execute(actions)
         elif verdict is Verdict.ABANDON:
             w.log(f"learner {self.lid}: abandoned the round after {self.steps} steps")
         self.wake()
 
-    def check_residual(self, bits: int) -> None:
-        """The error-feedback residual carries exactly the quantization error of this session's merged deltas
-        (an oracle that knows, from the syncer's disk, which of them were merged)."""
+    def check_sent(self, a: Out) -> None:
+        """A delta leaving for the first time (at once, or held until the previous one settled): it is its adapter
+        minus the version it trained from, quantized with exactly the quantization error of this session's merged
+        deltas (an oracle that knows, from the syncer's disk, which of them were merged)."""
+        h, p, digest = a.header, self.core.pushed, digest_bytes(a.frames)
+        if any(key == (self.lid, h["base_version"], digest) for key, _ in self.pushes):
+            return  # sent again
+        if p is None or p.digest != digest:
+            raise Violation(f"learner {self.lid} sent a delta for round {h['round']} that it does not hold as pushed")
+        x = self.raw.pop((h["round"], h["base_version"]), None)
+        if x is None:
+            raise Violation(f"learner {self.lid} sent a delta for round {h['round']} on version {h['base_version']} "
+                            "that it never trained")
         r = np.zeros(self.w.layout.numel, np.float32)
         pieces = [(f.start, f.numel) for f in self.w.layout.fragments]
-        for key, x in self.pushes:
+        for key, y in self.pushes:
             if key in self.w.merged:
                 ef = ErrorFeedback(self.w.layout.numel)
                 ef.residual = r
-                ef.encode(x, bits, pieces)
+                ef.encode(y, int(self.core.policy["sync_bits"]), pieces)
                 r = ef.residual
-        if not np.array_equal(r, self.core.ef.residual):
+        if not np.array_equal(r, p.residual_before):
             raise Violation(f"learner {self.lid}'s error-feedback residual does not follow what was merged "
-                            f"(off by {float(np.abs(r - self.core.ef.residual).max()):.3g})")
+                            f"(off by {float(np.abs(r - p.residual_before).max()):.3g})")
+        expect = ErrorFeedback(self.w.layout.numel)
+        expect.residual = p.residual_before
+        _, frames, _ = encode_fragments_ef(self.w.layout, x, int(self.core.policy["sync_bits"]), expect)
+        if list(frames) != list(a.frames):
+            raise Violation(f"learner {self.lid}'s delta for round {h['round']} is not its adapter minus the "
+                            f"version {h['base_version']} it trained from")
+        self.pushes.append(((self.lid, p.base_version, p.digest), x))
 
     # faults ---------------------------------------------------------------------------------
 
@@ -886,7 +927,7 @@ class Outcome:
 
 # tape events that mark a recovery path, counted per schedule so a sweep shows what it really exercised
 EXERCISED = ("resume", "rollback", "discard", "recovered", "refuse_delta", "supersede", "tape_repair", "quorum_wait",
-             "stop", "reject", "given_up")
+             "stop", "reject", "given_up", "stale")
 
 
 def run_seed(seed: int, trace: Optional[Callable[[str], None]] = None) -> Outcome:
@@ -902,6 +943,7 @@ def run_seed(seed: int, trace: Optional[Callable[[str], None]] = None) -> Outcom
     tape = w.syncer.disk.tape
     paths = {e["event"] for e in tape if e["event"] in EXERCISED}
     paths |= {"recovered" for e in tape if e["event"] == "delta" and e.get("recovered")}
+    paths |= {"stale" for e in tape if e["event"] == "delta" and e.get("lag")}
     paths |= {"zombie"} if w.zombies else set()
     return Outcome(seed, True, "", w.now, sum(1 for e in tape if e["event"] == "merge"),
                    sum(1 for e in tape if e["event"] == "resume"), frozenset(paths))

@@ -122,6 +122,16 @@ class AcceptedDelta:
     peak: float = 0.0  # largest |value|: the first suspect when a merge fails
     norm: float = 0.0  # its L2 norm (robust merge); peak and norm are measured again after a restart
 
+    @property
+    def lag(self) -> int:
+        """Versions the global moved on between the delta's base and the round it is merged in (`round` is that
+        round; the learner trained round `base_version + 1`)."""
+        return self.round - 1 - self.base_version
+
+    def ref(self) -> list:
+        """How its learner names it: [the round it trained, its base version, digest]."""
+        return [self.base_version + 1, self.base_version, self.digest]
+
     def saved_fields(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in ("frames", "peak", "norm")}
 

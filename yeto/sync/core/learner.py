@@ -11,8 +11,13 @@ Rules it keeps:
 - Train round r only from the global adapter of the round's base version, and
   push `local - that adapter` with that version, so a delta is always computed
   against the adapter it trained from. Broadcasts, welcomes and states are
-  applied before training, never during it; if the global moves on while a
-  round trains (the round closed without us), the round is abandoned.
+  applied before training, never during it. If the global moves on while a
+  round trains (the round closed without us), the round goes on and its delta
+  is pushed as a stale one, as long as its base is at most the syncer's
+  `max_base_lag` versions back and still the run's (a syncer rollback undoes
+  it); otherwise the round is abandoned. At most one delta is in the syncer's
+  hands: a round done while the previous delta is unsettled is held (raw, not
+  yet quantized) until that one is merged or refused.
 - Notice every lost message. Messages are lost only where a connection breaks,
   so: welcome, pong and round headers say where the syncer is, and a learner
   behind asks for the missing broadcast (or the whole state), with backoff; a
@@ -97,6 +102,16 @@ class Training:
     started_at: float
     steps: int
     seconds: float
+    base_digest: str = ""
+
+
+@dataclass
+class Held:
+    """A finished round's work waiting for the previous delta to settle (raw: quantized once it goes)."""
+
+    training: Training
+    local: np.ndarray = field(repr=False)
+    counts: dict[str, Any]
 
 
 @dataclass
@@ -107,7 +122,9 @@ class Pushed:
     header: dict[str, Any]
     frames: tuple[bytes, ...]
     residual_before: np.ndarray = field(repr=False)
+    base_digest: str = ""
     acked: bool = False
+    merge_round: Optional[int] = None  # the round the syncer acked it into
     resend: bool = False  # a connection broke before the ack: send again when the syncer is heard from
     stale: bool = False  # refused as stale while its round was not open: send again once a pong says it is
 
@@ -157,6 +174,8 @@ class LearnerCore:
         self.open_round: Optional[dict[str, Any]] = None
         self.training: Optional[Training] = None
         self.pushed: Optional[Pushed] = None
+        self.held: Optional[Held] = None
+        self.lineage: dict[int, str] = {}  # recent versions held -> digest: a stale round's base must be the run's
         self.contributed: Optional[tuple[int, int]] = None  # (round, base) an earlier session of ours delivered
         self.init_sent: Optional[tuple[dict[str, Any], tuple[bytes, ...]]] = None  # our founding upload
         self.resend_init = False
@@ -170,6 +189,20 @@ class LearnerCore:
         self.out: list[LearnerAction] = []
 
     # ------------------------------------------------------------------ link events
+
+    @property
+    def max_lag(self) -> int:
+        return int(self.policy.get("max_base_lag", 0))
+
+    def _base_ok(self, base_version: int, base_digest: str) -> bool:
+        """May a round trained from this base still be pushed?"""
+        if not self.max_lag:
+            return base_version == self.version and not self.need_state
+        return 0 <= self.version - base_version <= self.max_lag and self.lineage.get(base_version) == base_digest
+
+    def _may_land(self, p: Pushed, rnd: int, version: int) -> bool:
+        """Could our pushed delta be merged in the round `rnd` open on `version`?"""
+        return rnd == version + 1 and 0 <= version - p.base_version <= self.max_lag
 
     @property
     def heartbeat_s(self) -> float:
@@ -212,6 +245,7 @@ class LearnerCore:
             self._log("warning", f"ignoring a {msg.type} from the syncer: {e}")
         except (KeyError, TypeError, ValueError, IndexError) as e:  # a header we cannot use: same
             self._log("warning", f"ignoring a malformed {msg.type} from the syncer: {e!r}")
+        self._release_held()
         return self._flush()
 
     def tick(self, now: float) -> list[LearnerAction]:
@@ -241,6 +275,7 @@ class LearnerCore:
             self.ping_at = now
             self._send("ping", {"version": self.version, "pushed": self._pushed_ref()})
         self._maybe_sync(now)
+        self._release_held()
         return self._flush()
 
     def leave(self, reason: str) -> list[LearnerAction]:
@@ -267,8 +302,11 @@ class LearnerCore:
             return Train(t.round, t.base_version, t.base, t.steps, t.seconds)
         if not self.joined or self.global_ is None or self.need_state:
             return Wait()
-        if self.pushed is not None and self.pushed.base_version == self.version:
-            return Wait()  # our delta awaits its merge
+        if self.held is not None:
+            return Wait()  # a finished round waits for the previous delta to settle
+        p = self.pushed
+        if p is not None and (p.base_version == self.version or not p.acked):
+            return Wait()  # our delta awaits its merge (or, a stale one, its ack: one per round in the syncer)
         if self.contributed is not None and self.contributed[1] == self.version:
             return Wait()
         r = self.open_round
@@ -277,7 +315,8 @@ class LearnerCore:
         steps = 0 if r["round_seconds"] else int(r["inner_steps"])
         if self.max_inner_steps:
             steps = min(steps, self.max_inner_steps) if steps else self.max_inner_steps
-        self.training = Training(r["round"], self.version, self.global_.copy(), now, steps, float(r["round_seconds"]))
+        self.training = Training(r["round"], self.version, self.global_.copy(), now, steps, float(r["round_seconds"]),
+                                 self.digest)
         return Train(r["round"], self.version, self.training.base, steps, float(r["round_seconds"]))
 
     def after_step(self, steps_done: int, now: float) -> Verdict:
@@ -285,7 +324,7 @@ class LearnerCore:
             self.training = None
             return Verdict.STOP
         t = self.training
-        if t is None or t.base_version != self.version or self.need_state:
+        if t is None or not self._base_ok(t.base_version, t.base_digest):
             self.training = None
             return Verdict.ABANDON
         if (t.steps and steps_done >= t.steps) or (t.seconds and steps_done >= 1 and now - t.started_at >= t.seconds):
@@ -297,20 +336,38 @@ class LearnerCore:
         """Send the round's delta (local - the adapter it trained from), quantized with error feedback."""
         self.out = []
         t, self.training = self.training, None
-        if t is None or t.base_version != self.version:
+        if t is None or not self._base_ok(t.base_version, t.base_digest):
             return self._flush()
+        counts = {"tokens": tokens, "loss_tokens": loss_tokens, "inner_steps": steps, "loss": loss,
+                  "compute_s": round(compute_s, 4)}
+        self.held = Held(t, local, counts)
+        self._release_held()
+        return self._flush()
+
+    def _release_held(self) -> None:
+        """Quantize and send the held round once no earlier delta is unsettled (its residual is then known)."""
+        h = self.held
+        if h is None or self.pushed is not None:
+            return
+        self.held = None
+        t = h.training
+        if not self._base_ok(t.base_version, t.base_digest):
+            self._log("warning", f"round {t.round}: its base version {t.base_version} is too old or was rolled back "
+                                 "while it waited to be sent; dropping the round's work")
+            return
         residual_before = self.ef.residual
         try:
-            descs, frames, _ = encode_fragments_ef(self.layout, local - t.base, int(self.policy["sync_bits"]), self.ef)
+            descs, frames, _ = encode_fragments_ef(self.layout, h.local - t.base, int(self.policy["sync_bits"]),
+                                                   self.ef)
         except QuantError as e:
             self.ef.residual = residual_before
             self._log("error", f"round {t.round}: the adapter cannot be sent ({e}); dropping the round's work")
-            return self._flush()
-        header = {"round": t.round, "base_version": t.base_version, "tokens": tokens, "loss_tokens": loss_tokens,
-                  "inner_steps": steps, "loss": loss, "compute_s": round(compute_s, 4), "fragments": descs}
-        self.pushed = Pushed(t.round, t.base_version, digest_bytes(frames), header, tuple(frames), residual_before)
+            return
+        header = {"round": t.round, "base_version": t.base_version, "base_digest": t.base_digest, **h.counts,
+                  "fragments": descs}
+        self.pushed = Pushed(t.round, t.base_version, digest_bytes(frames), header, tuple(frames), residual_before,
+                             t.base_digest)
         self._send("delta", header, self.pushed.frames)
-        return self._flush()
 
     # ------------------------------------------------------------------ helpers
 
@@ -365,11 +422,18 @@ class LearnerCore:
         (`merged`: [round, digest] of this learner id's merged deltas the syncer told us about)."""
         self.global_, self.version, self.digest = flat, version, digest
         self.need_state = False
+        self.lineage = {v: d for v, d in self.lineage.items() if version - self.max_lag <= v < version}
+        self.lineage[version] = digest
         p = self.pushed
         if p is not None and p.base_version != version:
-            if [p.round, p.digest] not in merged:
+            counted = [p.round, p.digest] in merged
+            may_land = not counted and 0 < version - p.base_version <= self.max_lag and (
+                self.lineage.get(p.base_version) == p.base_digest) and not (
+                p.merge_round is not None and version >= p.merge_round)  # (acked into a round merged without it)
+            if not counted and not may_land:
                 self.ef.residual = p.residual_before  # it never counted: its quantization error is not ours to carry
-            self.pushed = None
+            if not may_land:
+                self.pushed = None
         if self.contributed is not None and self.contributed[1] != version:
             self.contributed = None
         if self.open_round is not None and self.open_round["version"] < version:
@@ -393,7 +457,8 @@ class LearnerCore:
         p = self.pushed
         if p is None or [p.round, p.base_version] != where or h.get("digest", p.digest) != p.digest:
             return  # not about the delta we hold (e.g. an earlier push of this round)
-        if code == Code.STALE and h.get("version", -1) >= p.base_version:
+        behind = h.get("version", -1) - p.base_version
+        if code == Code.STALE and behind >= 0 and (not self.max_lag or behind <= self.max_lag):
             p.acked, p.stale = False, True
             return
         self.ef.residual = p.residual_before
@@ -420,17 +485,21 @@ class LearnerCore:
         if self.global_ is None or self.version != h["version"] or self.digest != h["digest"]:
             self.need_state = True
             self.next_sync_at = -math.inf
+            # versions from here on may be redefined (a syncer that rolled back): no stale round trained from them
+            self.lineage = {v: d for v, d in self.lineage.items() if v < h["version"] or (
+                v == h["version"] and d == h["digest"])}
         self.open_round = dict(h["open_round"]) if h["open_round"] else None
         self.contributed = None
         r = self.open_round
+        p = self.pushed
+        pending = h.get("pending")
         if r is not None and h["contributed"]:
-            p = self.pushed
-            if p is not None and [p.round, p.base_version] == [r["round"], r["version"]]:
-                p.acked = True
-            else:
+            if p is not None and (pending == [p.round, p.base_version, p.digest] if pending is not None else
+                                  [p.round, p.base_version] == [r["round"], r["version"]]):
+                p.acked, p.merge_round = True, r["round"]
+            elif pending is None or pending[1] == r["version"]:
                 self.contributed = (r["round"], r["version"])
-        elif r is not None and self.pushed is not None and [self.pushed.round, self.pushed.base_version] == [
-                r["round"], r["version"]]:
+        elif r is not None and p is not None and self._may_land(p, r["round"], r["version"]):
             self._resend_pushed()  # the syncer lost it (it restarted before the delta was saved)
         self._log("info", f"joined the syncer at version {h['version']}; policy {self.policy}")
         self._maybe_sync(now)
@@ -448,6 +517,7 @@ class LearnerCore:
         # what the syncer will decode: hold it too, so the welcome finds us current
         flat = np.concatenate([dequantize(fr, f.numel, bits) for fr, f in zip(frames, self.layout.fragments)])
         self.global_, self.version, self.digest = flat, 0, array_digest(flat)
+        self.lineage = {0: self.digest}
         self._log("info", f"founding the run: sent the initial adapter at {bits} bits")
 
     def _on_round(self, msg: Message, now: float) -> None:
@@ -457,7 +527,7 @@ class LearnerCore:
         self.syncer_version = max(self.syncer_version, h["version"])
         self._set_open_round(h)
         p = self.pushed
-        if p is not None and [p.round, p.base_version] == [h["round"], h["version"]]:
+        if p is not None and self._may_land(p, h["round"], h["version"]):
             self._resend_pushed()  # the syncer announces a round only to those whose delta it lacks
         self._maybe_sync(now)
 
@@ -473,7 +543,9 @@ class LearnerCore:
             self._log("warning", f"broadcast {h['version']} does not reproduce the syncer's adapter "
                                  f"({digest} != {h['digest']}): asking for the full state")
             return
-        mine = [[h["round"], d] for lid, d in zip(h["responders"], h["deltas"]) if lid == self.learner_id]
+        lags = h.get("lags") or [0] * len(h["responders"])
+        mine = [[h["round"] - lag, d] for lid, d, lag in zip(h["responders"], h["deltas"], lags)
+                if lid == self.learner_id]
         self._adopt(h["version"], flat, digest, mine)
 
     def _on_state(self, msg: Message, now: float) -> None:
@@ -510,9 +582,11 @@ class LearnerCore:
                 self._set_open_round({"round": h["round"], "version": h["version"],
                                       "inner_steps": self.policy.get("inner_steps", 1),
                                       "round_seconds": self.policy.get("round_seconds", 0.0)})
-            if p is not None and [p.round, p.base_version] == [h["round"], h["version"]]:
+            if p is not None and self._may_land(p, h["round"], h["version"]) and (
+                    p.merge_round is None or p.merge_round == h["round"]):
                 if h["have_delta"]:
-                    p.acked = True  # (a pong without it proves nothing: the delta may still be on its way ...)
+                    p.acked, p.merge_round = True, h["round"]  # (a pong without it proves nothing: the delta may
+                    # still be on its way ...)
                 elif p.stale:  # (... unless the syncer told us it had no round for it: now it has)
                     p.stale = False
                     self._resend_pushed()
@@ -528,6 +602,10 @@ class LearnerCore:
         p = self.pushed
         if p is not None and [p.round, p.base_version, p.digest] == [h["round"], h["base_version"], h["digest"]]:
             p.acked = True
+            if h.get("merged"):  # sent again after its ack was lost, and merged meanwhile: it counted
+                self.pushed = None
+            elif isinstance(h.get("merge_round"), int):
+                p.merge_round = h["merge_round"]
 
     def _on_error(self, msg: Message, now: float) -> None:
         h = msg.header

@@ -11,8 +11,15 @@ The round protocol, in the terms used below:
 - Round r trains from global version r-1 and, once merged, produces version r.
 - A round's expected members are the live members (plus, right after a
   restart, members that were known before it for one `--learner-timeout`).
-  It closes when quorum responded and either nobody else is expected, or
-  `--straggler-timeout` passed since quorum, or its time window and grace passed.
+  It closes when quorum responded and either nobody else is expected, or the
+  grace after quorum passed: the time until the last expected member's predicted
+  push (its last push plus its observed round time), counting only those
+  predicted within the cap (`--grace-ms`, less the time merges take, at most
+  `--straggler-timeout`); a member not yet measured is waited for up to the cap.
+- A delta trained from an older version (the global moved on while it trained)
+  is merged in the round open when it arrives, if its base is at most
+  `--max-base-lag` versions back (and is the run's, not one rolled back), with
+  its weight times (1 + lag)^-`--staleness-exponent`.
 - A merge is a transaction: it is computed on copies; a delta that makes it
   fail is refused (on the tape, to its learner) and the merge is retried
   without it; state changes only once the merge completed.
@@ -27,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -53,6 +60,15 @@ from yeto.sync.quant import BITS, ErrorFeedback, QuantError, dequantize
 QUORUM_WAIT_LOG_S = 15.0  # how often a round short of quorum says whom it waits for
 PROGRESS_LOG_S = 60.0  # how often a slow round says whom it waits for
 WINDOW_GRACE_CAP_S = 30.0  # a time-window round waits at most this long past its window (or --straggler-timeout)
+DEFAULT_GRACE_MS = 5000.0  # after quorum, wait at most this long for an island predicted to push soon
+GRACE_ROUND_SHARE = 0.05  # ... and at most this share of the time the round took to reach quorum (>= 95% busy)
+GRACE_SLACK = 1.2  # a predicted push is waited for this many times its predicted time ...
+GRACE_SLACK_S = 0.25  # ... plus this (upload, jitter)
+ROUND_TIME_EMA = 0.5  # weight of a member's newest round time in its running estimate
+DEFAULT_MAX_BASE_LAG = 4
+MAX_BASE_LAG = 64  # beyond this a delta describes another model
+DEFAULT_STALENESS_EXPONENT = 0.5
+MERGE_TIME_EMA = 0.5
 HEARTBEATS_PER_TIMEOUT = 4  # learners ping this many times per --learner-timeout
 FINISH_LINGER_TIMEOUTS = 10  # after the finish, serve stragglers at most this many --learner-timeouts
 FINISH_GRACE_TIMEOUTS = 3  # ... and wait for a learner gone silent (asleep?) until it is silent this many
@@ -65,6 +81,7 @@ MAX_SESSION_CHARS = 64
 MAX_BACKEND_CHARS = 32
 MAX_LEARNER_ID = (1 << 31) - 1
 MAX_KNOCKING = 4096  # learner ids remembered as trying to rejoin
+MAX_REFUSED_REMEMBERED = 4096  # digests of deltas a merge refused
 MAX_RETIRED_SESSIONS = 8  # per learner id: older sessions that get "superseded" instead of "say hello"
 MERGED_HISTORY = 16  # per learner id, its latest merged deltas: one back from a long absence learns which counted
 MAX_LOSS = 1e4  # a reported mean loss above this is no loss of a language model
@@ -74,7 +91,8 @@ RATE_WINDOW_S = 60.0
 DEFAULT_MAX_LEARNERS = 1024
 # what a restart may not change: the run's math and its wire format depend on them
 CONTRACT_FIELDS = ("sync_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds", "robust", "robust_k",
-                   "merge", "merge_weight", "lora_merge", "model", "model_revision")
+                   "merge", "merge_weight", "lora_merge", "max_base_lag", "staleness_exponent", "merge_alpha",
+                   "model", "model_revision")
 
 
 @dataclass
@@ -99,6 +117,10 @@ class SyncerConfig:
     merge: str = "mean"  # yeto.sync.merge: mean | rda
     merge_weight: str = "loss-tokens"  # loss-tokens | tokens | steps | equal
     lora_merge: str = "factors"  # factors | product
+    grace_ms: float = DEFAULT_GRACE_MS
+    max_base_lag: int = DEFAULT_MAX_BASE_LAG
+    staleness_exponent: float = DEFAULT_STALENESS_EXPONENT
+    merge_alpha: float = 1.0  # learners start a round from alpha x global + (1 - alpha) x their own last adapter
     model: Optional[str] = None  # pins the run's base model (else the founding learner's is the run's)
     model_revision: Optional[str] = None
     max_learners: int = DEFAULT_MAX_LEARNERS
@@ -137,6 +159,17 @@ class SyncerConfig:
                             "--lora-merge factors, or pick --robust norm-clip")
         if self.merge == "rda" and self.lora_merge == "product":
             raise YetoError("--lora-merge product merges the B.A products by their mean: use it with --merge mean")
+        if self.grace_ms < 0:
+            raise YetoError(f"--grace-ms must be >= 0 (0: close a round as soon as quorum is in), got {self.grace_ms}")
+        if not 0 <= self.max_base_lag <= MAX_BASE_LAG:
+            raise YetoError(f"--max-base-lag must be between 0 (only deltas of the open round's version) and "
+                            f"{MAX_BASE_LAG}, got {self.max_base_lag}")
+        if not 0 <= self.staleness_exponent <= 8:
+            raise YetoError(f"--staleness-exponent must be between 0 (no discount) and 8, got "
+                            f"{self.staleness_exponent}")
+        if not 0 < self.merge_alpha <= 1:
+            raise YetoError(f"--merge-alpha must be in (0, 1] (1: every round starts from the merged adapter), got "
+                            f"{self.merge_alpha}")
         if self.max_learners < self.learners or self.max_connections < 1:
             raise YetoError(f"--max-learners ({self.max_learners}) must be at least --learners ({self.learners}) and "
                             "--max-connections at least 1")
@@ -159,7 +192,12 @@ class SyncerConfig:
 
     def policy(self) -> dict[str, Any]:
         return {"inner_steps": self.inner_steps, "round_seconds": self.round_seconds, "outer_steps": self.outer_steps,
-                "sync_bits": self.sync_bits, "quorum": self.quorum, "heartbeat_s": self.heartbeat_s}
+                "sync_bits": self.sync_bits, "quorum": self.quorum, "heartbeat_s": self.heartbeat_s,
+                "max_base_lag": self.max_base_lag, "merge_alpha": self.merge_alpha}
+
+    @property
+    def grace_cap_s(self) -> float:
+        return min(self.grace_ms / 1000.0, self.straggler_timeout)
 
     def pinned(self) -> dict[str, Any]:
         """The contract fields fixed by the syncer's flags rather than by the founding learner."""
@@ -182,6 +220,8 @@ class Member:
     left: bool = False  # said goodbye (not just went silent)
     principal: Optional[str] = None  # who its connection authenticated as (ZAP User-Id); None: --insecure
     tokens_per_step: int = 0  # declared at join: bounds its token claims
+    round_s: Optional[float] = None  # its observed compute time per round (running estimate)
+    since: float = 0.0  # when it (last) started training: a round's open, or the ack of its delta
 
 
 @dataclass
@@ -191,7 +231,6 @@ class OpenRound:
     opened_at: float
     quorum_at: Optional[float] = None
     last_wait_log: float = -math.inf
-    refused: set[str] = field(default_factory=set)  # digests of deltas its merge refused
 
 
 @dataclass
@@ -244,6 +283,9 @@ class SyncerCore:
         self.merged: dict[int, list] = {}  # learner id -> its latest merged deltas, [[round, digest], ...]
         self.round: Optional[OpenRound] = None
         self.pending: dict[int, AcceptedDelta] = {}
+        self.digests: dict[int, str] = {}  # recent committed versions -> global digest: a stale delta's base is checked
+        self.merge_s = 0.0  # how long merges take (the shell measures it): the grace leaves room for it
+        self.refused_digests: dict[str, None] = {}  # deltas a merge refused (oldest first): never accepted again
         self.last_broadcast: Optional[Broadcast] = None
         self.started = False  # round 1 has opened (the --learners gate is behind us)
         self.gate_since: Optional[float] = None
@@ -268,6 +310,8 @@ class SyncerCore:
         fold = TapeFold()
         for e in durable.tape:
             fold.feed(e)
+            if e.get("event") == "refuse_delta" and isinstance(e.get("digest"), str):
+                self._remember_refused(e["digest"])
         if ck is not None:
             self.cfg.check_resume(ck.config, ck.version)
         rolled_back = [v for v in range(fold.version, (ck.version if ck else -1), -1)]
@@ -290,6 +334,8 @@ class SyncerCore:
         self.retired = {int(k): list(v) for k, v in ck.retired.items()}
         self.owners = dict(ck.owners)
         self.sum = RoundSum(ck.layout.numel)
+        self.digests = {v: d for v, d in fold.digests.items() if ck.version - self.cfg.max_base_lag <= v < ck.version}
+        self.digests[ck.version] = ck.digest
         open_round = ck.version + 1
         saved = {(d.round, d.learner): d for d in durable.deltas}
         for (rnd, lid), ev in sorted(fold.outstanding.items()):
@@ -300,7 +346,8 @@ class SyncerCore:
         restored = []
         for (rnd, lid), d in sorted(saved.items()):
             ev = fold.outstanding.get((rnd, lid))
-            if rnd != open_round or d.base_version != ck.version or (ev is None and fold.resolved(rnd, lid, d.digest)):
+            if rnd != open_round or not 0 <= ck.version - d.base_version <= self.cfg.max_base_lag or (
+                    ev is None and fold.resolved(rnd, lid, d.digest)):
                 continue
             if ev is not None and ev["digest"] != d.digest:
                 continue
@@ -314,7 +361,7 @@ class SyncerCore:
             if ev is None:  # saved, but its tape line was lost: account for it now
                 self._record("delta", **self._delta_fields(d), norm=d.norm, recovered=True)
             self.pending[lid] = d
-            self.sum.add(lid, flat, d.loss_tokens)
+            self.sum.add(lid, flat, self._weight(d))
             restored.append(lid)
         self.out.append(DropDeltas(through_round=ck.version))
         for (rnd, lid), d in saved.items():
@@ -640,6 +687,7 @@ class SyncerCore:
     def _welcome(self, m: Member, now: float, rejoin: bool, learner_version: int) -> None:
         assert self.run is not None
         m.welcomed = True
+        m.since = now
         self.seen.add(m.learner)
         self.knocking.pop(m.learner, None)  # it got back in: from here on its member record says when it is done
         r = self.round
@@ -651,6 +699,7 @@ class SyncerCore:
         self._send(m.peer, "welcome", {"incarnation": self.incarnation, "version": self.run.version,
                                        "digest": self.run.digest, "policy": self.cfg.policy(),
                                        "open_round": open_round, "contributed": contributed,
+                                       "pending": mine.ref() if contributed else None,
                                        "merged": self.merged.get(m.learner, []),
                                        "finished": self.finished_at is not None})
         self._record("join", learner=m.learner, backend=m.backend, session=m.session, rejoin=rejoin,
@@ -695,6 +744,7 @@ class SyncerCore:
         self.run = Checkpoint(0, f.layout, f.adapter_config, f.provenance, flat, np.zeros_like(flat),
                               self.ef.residual, digest, asdict(self.cfg), [], {}, {}, f.contract)
         self.sum = RoundSum(f.layout.numel)
+        self.digests = {0: digest}
         self.founding = None
         known = set(self.seen)
         self.seen.update(x.learner for x in self._active())  # (saved with checkpoint 0: a restart waits for them)
@@ -712,22 +762,27 @@ class SyncerCore:
         r = self.round
         digest = digest_bytes(msg.frames)
         if [h["round"], digest] in self.merged.get(m.learner, []):  # sent again after a lost ack: it counted
-            self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": True})
+            self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": True, "merged": True})
             return
-        if r is None or h["round"] != r.number or h["base_version"] != r.base_version:
+        lag = r.base_version - h["base_version"] if r is not None else -1
+        if r is None or h["round"] != h["base_version"] + 1 or not 0 <= lag <= self.cfg.max_base_lag:
             state = f"round {r.number} is open on version {r.base_version}" if r else f"no round is open (version " \
                                                                                      f"{self.version})"
             return self._refuse_delta(m, h, digest, Code.STALE, f"stale delta for round {h['round']} on version "
-                                                        f"{h['base_version']}: {state}", now)
+                                    f"{h['base_version']}: {state} (--max-base-lag {self.cfg.max_base_lag})", now)
+        if lag and h.get("base_digest") != self.digests.get(h["base_version"]):
+            return self._refuse_delta(m, h, digest, Code.REFUSED, f"delta trained from version {h['base_version']} "
+                                      "as it was before the syncer rolled it back (or one it no longer knows): "
+                                      "train from the current version", now)
         problem = _claims_problem(h, m.tokens_per_step, 0 if self.cfg.round_seconds else self.cfg.inner_steps)
         if problem:
             return self._refuse_delta(m, h, digest, Code.REFUSED, problem, now)
-        if digest in r.refused:  # a copy of a delta this round's merge already refused
-            return self._refuse_delta(m, h, digest, Code.REFUSED, "this delta was refused by the round's merge", now)
+        if digest in self.refused_digests:  # a copy of a delta a merge already refused (stale copies come back)
+            return self._refuse_delta(m, h, digest, Code.REFUSED, "this delta was refused by a merge", now)
         mine = self.pending.get(m.learner)
         if mine is not None:
             if mine.digest == digest:
-                self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": True})
+                self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": True, "merge_round": r.number})
             else:
                 self._refuse_delta(m, h, digest, Code.DUPLICATE, f"learner {m.learner} already contributed to round "
                                                          f"{r.number} (delta {mine.digest})", now)
@@ -736,26 +791,36 @@ class SyncerCore:
             flat = decode_fragments(self.run.layout, msg)  # sizes, bits and finiteness
         except ProtocolError as e:
             return self._refuse_delta(m, h, digest, Code.REFUSED, str(e), now)
-        d = AcceptedDelta(m.learner, m.session, r.number, r.base_version, h["tokens"], h["loss_tokens"],
+        d = AcceptedDelta(m.learner, m.session, r.number, h["base_version"], h["tokens"], h["loss_tokens"],
                           h["inner_steps"], float(h["loss"]), digest, list(h["fragments"]), tuple(msg.frames))
         self._measure(d, flat)
-        self._record("delta", **self._delta_fields(d), bytes=msg.nbytes, norm=d.norm,
-                     compute_s=h.get("compute_s") if isinstance(h.get("compute_s"), (int, float)) else None)
+        compute_s = h.get("compute_s")
+        compute_s = float(compute_s) if isinstance(compute_s, (int, float)) and math.isfinite(compute_s) and \
+            0 <= compute_s <= self.cfg.quorum_timeout else None
+        self._record("delta", **self._delta_fields(d), bytes=msg.nbytes, norm=d.norm, compute_s=compute_s)
         self.out.append(SaveDelta(d))
         self.pending[m.learner] = d
         self.sum.add(m.learner, flat, self._weight(d))  # the decoded copy is dropped: memory is one sum per round
-        self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": False})
+        self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": False, "merge_round": r.number})
+        if compute_s is not None:  # what the grace predicts its next push from
+            m.round_s = compute_s if m.round_s is None else (ROUND_TIME_EMA * compute_s +
+                                                             (1 - ROUND_TIME_EMA) * m.round_s)
+        m.since = now
         self._maybe_close(now)
 
     def _weight(self, d: AcceptedDelta) -> float:
         """The delta's unnormalised merge weight (--merge-weight)."""
-        return weight_of(DeltaCounts(d.loss_tokens, d.tokens, d.inner_steps), self.cfg.merge_weight)
+        return weight_of(self._counts(d), self.cfg.merge_weight, self.cfg.staleness_exponent)
+
+    @staticmethod
+    def _counts(d: AcceptedDelta) -> DeltaCounts:
+        return DeltaCounts(d.loss_tokens, d.tokens, d.inner_steps, d.lag)
 
     @staticmethod
     def _delta_fields(d: AcceptedDelta) -> dict[str, Any]:
         return {"learner": d.learner, "round": d.round, "base_version": d.base_version, "digest": d.digest,
                 "tokens": d.tokens, "loss_tokens": d.loss_tokens, "inner_steps": d.inner_steps, "loss": d.loss,
-                "bits": sorted({x["bits"] for x in d.descs})}
+                "bits": sorted({x["bits"] for x in d.descs}), "lag": d.lag}
 
     def _decode(self, d: AcceptedDelta) -> np.ndarray:
         return decode_fragments(self.run.layout, Message("delta", {"fragments": d.descs}, list(d.frames)))
@@ -783,7 +848,7 @@ class SyncerCore:
         m = self._member(peer, msg, now)
         pushed = msg.header["pushed"]
         mine = self.pending.get(m.learner)
-        have = bool(pushed and mine is not None and [mine.round, mine.base_version, mine.digest] == pushed[:3])
+        have = bool(pushed and mine is not None and mine.ref() == pushed[:3])
         r = self.round
         self._send(m.peer, "pong", {"incarnation": self.incarnation, "version": self.version,
                                     "round": r.number if r else self.version, "round_open": r is not None,
@@ -864,10 +929,9 @@ class SyncerCore:
         if len(responders) >= q:
             if r.quorum_at is None:
                 r.quorum_at = now
-            window = self.cfg.round_seconds
-            grace = min(WINDOW_GRACE_CAP_S, self.cfg.straggler_timeout)
-            window_over = window > 0 and now - r.opened_at > window + grace
-            if not (waiting or absent) or now - r.quorum_at >= self.cfg.straggler_timeout or window_over:
+            window, cap = self.cfg.round_seconds, min(WINDOW_GRACE_CAP_S, self.cfg.straggler_timeout)
+            window_over = window > 0 and now - r.opened_at > window + cap
+            if not (waiting or absent) or now >= self._grace_until(r, waiting, absent) or window_over:
                 self._close_round(now, stragglers=waiting + absent)
             return
         if now - r.opened_at > self.cfg.quorum_timeout:
@@ -890,6 +954,30 @@ class SyncerCore:
                                      "learners to (re)join")
             else:
                 self._log("info", f"round {r.number}: {len(responders)}/{q} responders so far, waiting for {waiting}")
+
+    def _grace_until(self, r: OpenRound, waiting: list[int], absent: list[int]) -> float:
+        """When a round with quorum in stops waiting: at the latest predicted push among the expected members
+        predicted within the cap (--grace-ms and 5% of the time the round took to reach quorum, less the merge
+        time), so an island far behind never holds the others (they stay >= 95% busy) and one about to push is not
+        left out. A member not measured yet, or overdue (its pace changed), is waited for up to --grace-ms."""
+        assert r.quorum_at is not None
+        cap = self.cfg.grace_cap_s - self.merge_s
+        deadline = r.quorum_at + max(0.0, min(cap, GRACE_ROUND_SHARE * (r.quorum_at - r.opened_at) - self.merge_s))
+        until = r.quorum_at
+        for lid in waiting + absent:
+            m = self.members.get(lid)
+            eta = None if lid in absent or m is None or m.round_s is None else (
+                m.since + GRACE_SLACK * m.round_s + GRACE_SLACK_S)
+            if eta is None or eta < r.quorum_at:
+                until = max(until, r.quorum_at + max(0.0, cap))
+            elif eta <= deadline:
+                until = max(until, eta)
+        return until
+
+    def observe_merge(self, seconds: float) -> None:
+        """The shell measured how long a merge took: the grace leaves that much of the cap for it."""
+        if math.isfinite(seconds) and seconds >= 0:
+            self.merge_s = MERGE_TIME_EMA * seconds + (1 - MERGE_TIME_EMA) * self.merge_s
 
     def _close_round(self, now: float, stragglers: list[int]) -> None:
         """Merge the round as a transaction; a delta that breaks the merge is refused and the merge retried."""
@@ -918,11 +1006,15 @@ class SyncerCore:
         self.out.append(DropDeltas(round=d.round, learner=lid))
         m = self.members.get(lid)
         if m is not None and m.active:
-            self._send(m.peer, "error", {"code": str(Code.REFUSED), "reason": reason, "round": d.round,
+            self._send(m.peer, "error", {"code": str(Code.REFUSED), "reason": reason, "round": d.base_version + 1,
                                          "base_version": d.base_version, "digest": d.digest, "version": self.version})
-        if self.round is not None:
-            self.round.refused.add(d.digest)
+        self._remember_refused(d.digest)
         self._log("warning", f"refused learner {lid}'s delta: {reason}")
+
+    def _remember_refused(self, digest: str) -> None:
+        self.refused_digests[digest] = None
+        while len(self.refused_digests) > MAX_REFUSED_REMEMBERED:
+            del self.refused_digests[next(iter(self.refused_digests))]
 
     def _order(self) -> list[int]:
         """The pending deltas' learners in the order they were added to the running sum."""
@@ -935,8 +1027,7 @@ class SyncerCore:
         rule: dict[str, Any] = {}  # what the rule reports on the tape
         try:
             with np.errstate(all="ignore"):
-                weights = merge_weights([DeltaCounts(d.loss_tokens, d.tokens, d.inner_steps) for d in ds],
-                                        cfg.merge_weight)
+                weights = merge_weights([self._counts(d) for d in ds], cfg.merge_weight, cfg.staleness_exponent)
                 clip: dict[int, float] = {}
                 if cfg.robust == "trimmed-mean":  # fragment by fragment: n fragments in memory, not n adapters
                     avg = trimmed_mean(lambda k: np.stack([self._decode_fragment(self.pending[i], k) for i in ids]),
@@ -984,19 +1075,28 @@ class SyncerCore:
                      stragglers=stragglers, update_norm=float(np.linalg.norm(merged["sent"])), summed=summed,
                      robust=self.cfg.robust, clip={str(i): c for i, c in merged["clip"].items()},
                      merge=self.cfg.merge, merge_weight=self.cfg.merge_weight, lora_merge=self.cfg.lora_merge,
-                     **merged["rule"])
+                     lags=[self.pending[i].lag for i in ids],
+                     grace_s=round(now - r.quorum_at, 6) if r.quorum_at is not None else None, **merged["rule"])
         if merged["clip"]:
             self._log("warning", f"round {r.number}: robust merge clipped learner(s) "
                                  f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged['clip'].items())}")
         self.norm_history.extend(self.pending[i].norm * merged["clip"].get(i, 1.0) for i in ids)
         for i in ids:
+            d = self.pending[i]
             history = self.merged.setdefault(i, [])
-            history.append([r.number, self.pending[i].digest])
+            history.append(d.ref()[::2])  # [the round it trained, digest]: as its learner names it
             del history[:-MERGED_HISTORY]
+            m = self.members.get(i)
+            if m is not None and d.lag == 0:
+                m.since = now  # it waited for this merge: it trains from the broadcast on
+        lags = [self.pending[i].lag for i in ids]
         self.run = Checkpoint(version, run.layout, run.adapter_config, run.provenance, merged["global"],
                               merged["momentum"], merged["residual"], digest, asdict(self.cfg), sorted(self.seen),
                               dict(self.merged), contract=run.contract)
         self.ef.residual = merged["residual"]
+        self.digests[version] = digest
+        for v in [v for v in self.digests if v < version - self.cfg.max_base_lag]:
+            del self.digests[v]
         self.out.append(SaveCheckpoint(self._checkpoint()))
         self._record("checkpoint", version=version, digest=digest)
         self.out.append(DropDeltas(through_round=r.number))
@@ -1004,7 +1104,7 @@ class SyncerCore:
         self.sum = RoundSum(run.layout.numel)
         self.round = None
         header = {"version": version, "round": r.number, "digest": digest, "responders": ids, "weights": weights,
-                  "deltas": deltas, "fragments": merged["descs"]}
+                  "deltas": deltas, "lags": lags, "fragments": merged["descs"]}
         self.last_broadcast = Broadcast(version, header, merged["frames"])
         to = []
         for m in self._live():

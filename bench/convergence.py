@@ -1,0 +1,218 @@
+"""Convergence: N islands vs one synchronous data-parallel run with the same total tokens (SmolLM2-135M, demo data).
+
+Every arm is real processes on this machine (a syncer on loopback and `yeto.learner` islands, or one `yeto.learner`
+alone) and reports the held-out eval loss of its final (merged) adapter and its ratio to data-parallel:
+  data-parallel      one process, the fleet's global batch (islands x per-island batch), T steps (the baseline)
+  N islands, H       N islands x T steps of batch/N each, rounds of H inner steps, under a merge rule, LoRA
+                     aggregation and outer optimizer setting
+  heterogeneous      2 islands in time-window rounds, one 10x slower (--step-delay), quorum 1: the fast island's
+                     utilization, and the merged model vs the fast island alone for the same wall-clock
+Training-loss curves (per round, against tokens seen by the whole fleet) go to a PNG.
+
+    python bench/convergence.py [--steps 48] [--seq-len 128] [--batch-size 4] [--arms a,b,...] [--png FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from yeto.launch.local import free_port  # noqa: E402
+
+PLAIN = ["--outer-lr", "1.0", "--outer-momentum", "0.0"]  # FedAvg: the merged adapter is the weighted mean
+DILOCO = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]  # DiLoCo's pre-training defaults
+DAMPED = ["--outer-lr", "0.8", "--outer-momentum", "0.3"]
+SLOWDOWN = 10  # the heterogeneous arm's slow island is this many times slower per step
+PROCESS_TIMEOUT_S = 3600
+
+
+@dataclass
+class Arm:
+    name: str
+    islands: int = 0  # 0: data-parallel (one process)
+    inner_steps: int = 16
+    syncer: list[str] = field(default_factory=list)
+    learner: list[str] = field(default_factory=list)
+    round_seconds: float = 0.0  # heterogeneous arms: time-window rounds
+    slow_delay_s: float = 0.0  # the last island's --step-delay
+    batch: int = 0  # per island (0: the global batch split between the islands)
+    shards: int = 0  # the data is split into this many shards (0: one per island)
+
+
+def arms(h_values: list[int]) -> list[Arm]:
+    out = [Arm("data-parallel")]
+    for h in h_values:
+        out += [Arm(f"2 islands H={h}, mean, DiLoCo 0.7/0.9", 2, h, DILOCO),
+                Arm(f"2 islands H={h}, mean, plain", 2, h, PLAIN)]
+    h = max(h_values)
+    out += [Arm(f"2 islands H={h}, mean, damped 0.8/0.3", 2, h, DAMPED),
+            Arm(f"2 islands H={h}, rda, plain", 2, h, PLAIN + ["--merge", "rda"]),
+            Arm(f"2 islands H={h}, product, plain", 2, h, PLAIN + ["--lora-merge", "product"]),
+            Arm(f"2 islands H={h}, frozen A, plain", 2, h, PLAIN, ["--lora-freeze-a"]),
+            Arm(f"2 islands H={h}, mean, plain, merge-alpha 0.5", 2, h, PLAIN + ["--merge-alpha", "0.5"]),
+            Arm(f"4 islands H={h}, mean, plain", 4, h, PLAIN),
+            Arm(f"4 islands H={h}, mean, DiLoCo 0.7/0.9", 4, h, DILOCO)]
+    return out
+
+
+def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict:
+    """Run one arm to the end; returns its eval loss, per-island summaries and its loss curve."""
+    out = tmp / arm.name.replace(" ", "_").replace(",", "").replace("/", "-").replace("=", "")
+    common = ["--model", a.model, "--data", a.data, "--seq-len", str(a.seq_len), "--lr", str(a.lr),
+              "--warmup-steps", "3", "--eval-every", "0", "--lora-dropout", "0", "--no-progress", *arm.learner]
+    learner = [sys.executable, "-m", "yeto.learner"]
+    t0 = time.perf_counter()
+    if not arm.islands:
+        r = subprocess.run(learner + common + ["--batch-size", str(a.batch_size), "--max-steps", str(a.steps),
+                                               "--out", str(out / "dp")], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=PROCESS_TIMEOUT_S)
+        if r.returncode:
+            sys.exit(f"{arm.name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        s = json.loads((out / "dp" / "summary.json").read_text())
+        steps = [json.loads(x) for x in (out / "dp" / "metrics.jsonl").read_text().splitlines()]
+        losses = [e["loss"] for e in steps if e.get("event") == "step"]
+        per = max(1, a.steps // 12)  # the curve in 12 points
+        tokens_per_step = a.batch_size * a.seq_len
+        curve = [((i + per) * tokens_per_step, sum(losses[i:i + per]) / per) for i in range(0, len(losses), per)]
+        return {"eval_loss": s["eval_loss_after"], "eval_before": s["eval_loss_before"],
+                "wall_s": time.perf_counter() - t0, "curve": curve}
+    n, port = arm.islands, free_port()
+    batch = arm.batch or max(1, a.batch_size // n)
+    rounds = a.steps // arm.inner_steps if not arm.round_seconds else a.rounds
+    syncer = subprocess.Popen([sys.executable, "-m", "yeto.sync.server", "--insecure", "--host", "127.0.0.1",
+                               "--port", str(port), "--out", str(out / "syncer"), "--learners", str(n),
+                               "--quorum", str(1 if arm.round_seconds else n), "--outer-steps", str(rounds),
+                               "--inner-steps", str(arm.inner_steps), "--round-seconds", str(arm.round_seconds),
+                               "--sync-bits", "4", *arm.syncer], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    threads = max(1, (os.cpu_count() or 1) // n)
+    procs = []
+    for i in range(n):
+        delay = ["--step-delay", str(arm.slow_delay_s)] if arm.slow_delay_s and i == n - 1 else []
+        procs.append(subprocess.Popen(learner + common + [
+            "--batch-size", str(batch), "--syncer", f"127.0.0.1:{port}", "--insecure", "--learner-id", str(i),
+            "--num-learners", str(arm.shards or n), "--threads", str(threads), "--out", str(out / f"island-{i}"),
+            *delay],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for i, p in enumerate(procs):
+        log, _ = p.communicate(timeout=PROCESS_TIMEOUT_S)
+        if p.returncode:
+            syncer.kill()
+            sys.exit(f"{arm.name}: island {i} failed:\n{log[-3000:]}")
+    syncer.wait(timeout=120)
+    isl = [json.loads((out / f"island-{i}" / "summary.json").read_text()) for i in range(n)]
+    tape = [json.loads(x) for x in (out / "syncer" / "tape.jsonl").read_text().splitlines() if x.strip()]
+    deltas = [e for e in tape if e["event"] == "delta"]
+    curve, seen = [], 0
+    for m in (e for e in tape if e["event"] == "merge"):
+        mine = [d for d in deltas if d["round"] == m["round"] and d["learner"] in m["responders"]]
+        seen += sum(d["tokens"] for d in mine)
+        curve.append((seen, sum(d["loss"] * d["loss_tokens"] for d in mine) / max(1, sum(d["loss_tokens"]
+                                                                                       for d in mine))))
+    return {"eval_loss": isl[0]["eval_loss_after"], "eval_before": isl[0]["eval_loss_before"],
+            "wall_s": time.perf_counter() - t0, "curve": curve,
+            "utilization": [round(x.get("utilization", 0.0), 4) for x in isl],
+            "stall_s": [round(x.get("stall_s", 0.0), 2) for x in isl],
+            "lags": [d.get("lag", 0) for d in deltas if d["learner"] == n - 1],  # the last (slow) island's
+            "merges": sum(1 for e in tape if e["event"] == "merge"),
+            "slow_deltas_merged": sum(1 for e in tape if e["event"] == "merge" for lid in e["responders"]
+                                      if lid == n - 1)}
+
+
+def plot(results: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5.5))
+    for name, r in results.items():
+        xs, ys = zip(*r["curve"]) if r["curve"] else ((), ())
+        ax.plot(xs, ys, marker="o", ms=3, lw=2.5 if name == "data-parallel" else 1.2, label=name)
+    ax.set_xlabel("tokens seen by the fleet")
+    ax.set_ylabel("training loss (per round, token-weighted)")
+    ax.legend(fontsize=7)
+    names = list(results)
+    bx.barh(range(len(names)), [results[k]["eval_loss"] for k in names], color="tab:blue")
+    bx.set_yticks(range(len(names)), names, fontsize=7)
+    bx.invert_yaxis()
+    bx.set_xlabel("held-out eval loss of the final adapter")
+    if "data-parallel" in results:
+        bx.axvline(results["data-parallel"]["eval_loss"], color="k", ls="--", lw=1)
+    losses = [r["eval_loss"] for r in results.values()]
+    bx.set_xlim(min(losses) * 0.97, max(losses) * 1.01)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--data", default=str(REPO / "data" / "demo"))
+    p.add_argument("--steps", type=int, default=48, help="inner steps per island (data-parallel: its steps)")
+    p.add_argument("--inner-steps", default="8,16", help="values of H, comma-separated")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=4, help="the fleet's global batch (islands split it)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--rounds", type=int, default=6, help="rounds of the heterogeneous arms")
+    p.add_argument("--round-seconds", type=float, default=20.0, help="window of the heterogeneous arms")
+    p.add_argument("--step-s", type=float, default=1.0, help="the fast island's step time here (sizes the slow delay)")
+    p.add_argument("--arms", default="", help="run only the arms whose names contain one of these (comma-separated)")
+    p.add_argument("--no-heterogeneous", action="store_true")
+    p.add_argument("--png", default=str(REPO / "docs" / "convergence.png"))
+    p.add_argument("--json")
+    a = p.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="yeto-bench-convergence-"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    todo = arms([int(x) for x in a.inner_steps.split(",")])
+    if not a.no_heterogeneous:  # the slow island: (SLOWDOWN - 1) fast steps of delay per step
+        slow = (SLOWDOWN - 1) * a.step_s
+        half = max(1, a.batch_size // 2)  # the fast island alone: its batch and its shard, as in the pair
+        todo += [Arm("heterogeneous: fast island alone", 1, syncer=PLAIN, round_seconds=a.round_seconds, batch=half,
+                     shards=2),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow", 2, syncer=PLAIN, round_seconds=a.round_seconds,
+                     slow_delay_s=slow, batch=half),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, no stale discount", 2, syncer=PLAIN + [
+                     "--staleness-exponent", "0"], round_seconds=a.round_seconds, slow_delay_s=slow, batch=half),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, stale dropped", 2, syncer=PLAIN + [
+                     "--max-base-lag", "0"], round_seconds=a.round_seconds, slow_delay_s=slow, batch=half)]
+    if a.arms:
+        keep = [k.strip() for k in a.arms.split(",")]
+        todo = [x for x in todo if x.name == "data-parallel" or any(k in x.name for k in keep)]
+    results: dict[str, dict] = {}
+    for i, arm in enumerate(todo):
+        print(f"[{i + 1}/{len(todo)}] {arm.name} ...", flush=True)
+        results[arm.name] = r = run_arm(arm, a, tmp, env)
+        print(f"    eval loss {r['eval_loss']:.4f} ({r['wall_s']:.0f}s)"
+              + (f", utilization {r['utilization']}, lags {r['lags']}" if r.get("utilization") else ""), flush=True)
+    dp = results["data-parallel"]["eval_loss"]
+    print(f"\nmodel {a.model}; {a.steps} steps x global batch {a.batch_size} x {a.seq_len} tokens per arm; "
+          f"eval loss before training {results['data-parallel']['eval_before']:.4f}")
+    print(f"{'arm':<44} {'eval loss':>9} {'/ DP':>7} {'wall s':>7}  utilization")
+    for name, r in results.items():
+        util = ", ".join(f"{u:.1%}" for u in r.get("utilization", [])) or "-"
+        print(f"{name:<44} {r['eval_loss']:9.4f} {r['eval_loss'] / dp:7.4f} {r['wall_s']:7.0f}  {util}")
+    alone = results.get("heterogeneous: fast island alone")
+    for k in (k for k in results if k.startswith("heterogeneous: fast +") and alone):
+        r = results[k]
+        print(f"{k}: fast island utilization {r['utilization'][0]:.1%}; slow island's deltas merged "
+              f"{r['slow_deltas_merged']} (lags {r['lags']}); merged / fast alone eval loss "
+              f"{r['eval_loss'] / alone['eval_loss']:.4f}")
+    plot(results, Path(a.png))
+    print(f"plot: {a.png}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Rounds that never wait on the slowest island: a real syncer on loopback and real island loops (numpy islands).
+
+A fast island and one 10x slower train in time-window rounds with quorum 1. The syncer closes a round once the
+fast delta is in and the slow one is not predicted within the grace cap; the slow island's delta, trained from a
+version the global has since left, is merged where it arrives (its lag on the tape), never dropped.
+"""
+
+import numpy as np
+
+from tests.peers import QuadraticIsland, island_thread, tape_with
+from yeto.sync.core.syncer import GRACE_SLACK, GRACE_SLACK_S, Member, OpenRound, SyncerConfig, SyncerCore
+
+GRACE_MS = 300.0  # below the slow island's step: it is never waited for
+FAST_STEP_S, SLOW_STEP_S = 0.03, 0.5
+
+
+def test_a_slow_island_contributes_every_delta_and_the_fast_one_never_waits_past_the_cap(start_syncer, tmp_path):
+    out = tmp_path / "syncer"
+    s, port = start_syncer(out=out, learners=2, quorum=1, outer_steps=10, round_seconds=0.6, grace_ms=GRACE_MS,
+                           max_base_lag=4, straggler_timeout=30.0)
+    results: dict = {}
+    fast = island_thread(QuadraticIsland(1.0, 100), port, 0, results, step_delay=FAST_STEP_S)
+    slow = island_thread(QuadraticIsland(-1.0, 100), port, 1, results, step_delay=SLOW_STEP_S)
+    fast.join(120)
+    slow.join(120)
+    assert not isinstance(results.get(0), Exception) and not isinstance(results.get(1), Exception), results
+    tape = tape_with(out, "finish")
+    merges = [e for e in tape if e["event"] == "merge"]
+    assert len(merges) == 10
+    # every delta the slow island sent was accepted and merged: none refused, none dropped as stale
+    assert not [e for e in tape if e["event"] in ("reject", "refuse_delta") and e.get("learner") == 1]
+    slow_deltas = [e for e in tape if e["event"] == "delta" and e["learner"] == 1]
+    merged = {d for m in merges for lid, d in zip(m["responders"], m["deltas"]) if lid == 1}
+    last = merges[-1]["round"]
+    assert slow_deltas and all(e["digest"] in merged for e in slow_deltas if e["round"] <= last)
+    assert results[1]["abandoned_rounds"] == 0
+    # the slow island contributed with lag on the tape, and its weight followed it
+    assert any(e["lag"] > 0 for e in slow_deltas), [e["lag"] for e in slow_deltas]
+    for m in merges:
+        assert len(m["lags"]) == len(m["responders"])
+        # the fast island (quorum) never waited past the cap for the slow one
+        assert m["grace_s"] is None or m["grace_s"] <= GRACE_MS / 1000 + 0.1, m
+    assert results[0]["abandoned_rounds"] == 0
+
+
+def test_the_grace_waits_for_an_island_predicted_within_the_cap_and_not_for_one_beyond():
+    """The grace rule alone, with the clock in hand: after quorum the round waits until the latest predicted push
+    among the members predicted within the cap, never longer than the cap, and not at all for one predicted later."""
+    core = SyncerCore(SyncerConfig(learners=3, quorum=1, grace_ms=2000, straggler_timeout=100.0), "inc")
+    r = OpenRound(number=5, base_version=4, opened_at=-100.0, quorum_at=10.0)  # 5% of 110 s: the 2 s cap binds
+    core.members = {lid: Member(lid, "s", f"p{lid}", "test", last_seen=10.0) for lid in (1, 2)}
+    core.members[1].round_s, core.members[1].since = 8.0, 0.5  # predicted at 0.5 + 1.2 x 8 + 0.25: within the cap
+    core.members[2].round_s, core.members[2].since = 60.0, 0.0  # predicted at 72.25: beyond the cap (12.0)
+    assert np.isclose(core._grace_until(r, [1, 2], []), 0.5 + GRACE_SLACK * 8.0 + GRACE_SLACK_S)
+    assert core._grace_until(r, [2], []) == 10.0  # only a far one: close at once
+    core.members[1].round_s = None  # not measured yet: the whole cap
+    assert core._grace_until(r, [1, 2], []) == 12.0
+    core.observe_merge(1.0)  # merges take ~0.5 s (running estimate): the cap leaves room for them
+    assert core._grace_until(r, [1], []) == 12.0 - core.merge_s
+    core.members[1].round_s, core.members[1].since = 1.0, 0.0  # overdue: its pace changed; the cap, not zero
+    assert core._grace_until(r, [1], []) == 12.0 - core.merge_s
+    short = OpenRound(number=5, base_version=4, opened_at=0.0, quorum_at=10.0)  # a 10 s round: 0.5 s of grace
+    core.members[1].round_s, core.members[1].since = 8.0, 0.5  # predicted at 10.35, beyond 10 + 0.5 share
+    assert core._grace_until(short, [1], []) == 10.0  # - 0.5 merge: not waited for
