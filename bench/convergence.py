@@ -32,6 +32,12 @@ from yeto.launch.local import free_port  # noqa: E402
 PLAIN = ["--outer-lr", "1.0", "--outer-momentum", "0.0"]  # FedAvg: the merged adapter is the weighted mean
 DILOCO = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]  # DiLoCo's pre-training defaults
 DAMPED = ["--outer-lr", "0.8", "--outer-momentum", "0.3"]
+
+
+def scaled(n: int) -> list[str]:
+    """Outer lr sqrt(n), no momentum: each island's (smaller-batch) delta carries ~1/sqrt(n) of the data-parallel
+    step's signal once its noise averages out."""
+    return ["--outer-lr", f"{n ** 0.5:.3g}", "--outer-momentum", "0.0"]
 SLOWDOWN = 10  # the heterogeneous arm's slow island is this many times slower per step
 PROCESS_TIMEOUT_S = 3600
 
@@ -60,7 +66,11 @@ def arms(h_values: list[int]) -> list[Arm]:
             Arm(f"2 islands H={h}, product, plain", 2, h, PLAIN + ["--lora-merge", "product"]),
             Arm(f"2 islands H={h}, frozen A, plain", 2, h, PLAIN, ["--lora-freeze-a"]),
             Arm(f"2 islands H={h}, mean, plain, merge-alpha 0.5", 2, h, PLAIN + ["--merge-alpha", "0.5"]),
+            Arm(f"2 islands H={h}, mean, lr sqrt(2)", 2, h, scaled(2)),
             Arm(f"4 islands H={h}, mean, plain", 4, h, PLAIN),
+            Arm(f"4 islands H={h}, mean, lr sqrt(4)", 4, h, scaled(4)),
+            Arm(f"4 islands H={h}, mean, damped 0.8/0.3", 4, h, DAMPED),
+            Arm(f"4 islands H={h}, rda, plain", 4, h, PLAIN + ["--merge", "rda"]),
             Arm(f"4 islands H={h}, mean, DiLoCo 0.7/0.9", 4, h, DILOCO)]
     return out
 
@@ -182,6 +192,8 @@ def main() -> None:
                      shards=2),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow", 2, syncer=PLAIN, round_seconds=a.round_seconds,
                      slow_delay_s=slow, batch=half),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, step-normalized", 2, syncer=PLAIN + [
+                     "--step-normalize"], round_seconds=a.round_seconds, slow_delay_s=slow, batch=half),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, no stale discount", 2, syncer=PLAIN + [
                      "--staleness-exponent", "0"], round_seconds=a.round_seconds, slow_delay_s=slow, batch=half),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, stale dropped", 2, syncer=PLAIN + [

@@ -330,8 +330,9 @@ def test_a_stale_delta_is_merged_in_the_round_where_it_arrives_with_its_lag_on_t
     f.train(1)
     merge = [e for e in f.tape if e["event"] == "merge"][-1]
     assert merge["responders"] == [0, 1, 2] and merge["lags"] == [0, 0, 1]
-    # weights: 100 loss tokens each (2 steps x 50) for 0 and 1; learner 2's 50, halved by (1 + 1)^-1
-    np.testing.assert_allclose(merge["weights"], np.array([100, 100, 25]) / 225)
+    # weights: 100 loss tokens each (2 steps x 50) for 0 and 1, learner 2's 50, over 250; its delta halved by
+    # (1 + 1)^-1: what each counted for sums to less than 1 (the stale delta shrinks the step, never grows another's)
+    np.testing.assert_allclose(merge["weights"], np.array([100, 100, 25]) / 250)
     assert late.pushed is None and late.version == 3  # its stale delta counted
     assert audit(f.tape).ok, audit(f.tape).summary()
 

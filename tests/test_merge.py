@@ -274,3 +274,19 @@ def test_merge_alpha_starts_each_round_from_the_blend_of_the_merged_and_the_own_
     for lid, isl in islands.items():  # loads: round 1 (the init), round 2 (the blend), the final global
         np.testing.assert_allclose(isl.loads[1], 0.25 * merged + 0.75 * pushed[lid], atol=1e-5)
         assert not np.allclose(isl.loads[1], merged, atol=1e-3)
+
+
+def test_step_normalize_scales_each_delta_to_the_longest_island():
+    """Island 0 does 4 steps (+0.01 each, 200 loss tokens), island 1 one step (50): the weighted mean is
+    (200 x 0.04 + 50 x 0.01) / 250 = 0.034, shorter than the long island's move; normalized, each delta is scaled to
+    4 steps first: (200 x 0.04 + 50 x 0.04) / 250 = 0.04."""
+    for normalize, expect in ((False, 0.034), (True, 0.04)):
+        f = Fleet(n=2, quorum=2, inner_steps=4, outer_lr=1.0, outer_momentum=0.0, robust="off",
+                  step_normalize=normalize)
+        f.learners[1].max_inner_steps = 1  # a weaker island: one step per round
+        before = f.syncer.run.global_.copy()
+        f.train(0)
+        f.train(1)
+        np.testing.assert_allclose(f.syncer.run.global_ - before, expect, rtol=1e-5)
+        merge = [e for e in f.tape if e["event"] == "merge"][-1]
+        assert merge["step_normalize"] is normalize

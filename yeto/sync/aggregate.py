@@ -48,6 +48,11 @@ def accumulate(total: Optional[torch.Tensor], delta: np.ndarray, scale: float) -
     return total.add_(d, alpha=float(scale))
 
 
+def effective_weight(weight: float, scale: float) -> float:
+    """What a delta's values are multiplied by in the sum (one expression, so sums replay bit for bit)."""
+    return float(weight) * float(scale)
+
+
 @dataclass
 class RoundSum:
     """sum_i t_i * d_i over the deltas added so far, in arrival order."""
@@ -57,8 +62,10 @@ class RoundSum:
     weight: float = 0.0
     order: list[int] = field(default_factory=list)  # learner ids, as added
 
-    def add(self, learner: int, delta: np.ndarray, weight: float) -> None:
-        self.total = accumulate(self.total, delta, weight)
+    def add(self, learner: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
+        """Add weight x scale x delta; the mean divides by the weights alone (a stale delta's scale < 1 shrinks
+        the step)."""
+        self.total = accumulate(self.total, delta, effective_weight(weight, scale))
         self.weight += weight
         self.order.append(learner)
 

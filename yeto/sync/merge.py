@@ -27,8 +27,15 @@ LoRA aggregation (`--lora-merge`):
               the new global's product is W itself.
               The ALS works on W in factored form (n*r columns), never on the out x in matrix.
 
-Staleness (`--staleness-exponent a`): a delta accepted `lag` versions after its base weighs (1 + lag)^-a times its
-count (FedAsync's polynomial rule; a = 0: no discount).
+Step normalization (`--step-normalize`, FedNova-style): each delta is scaled by k_max / k_i (k_i its inner steps,
+k_max the round's most) before the rule. The weighted mean of deltas of unequal length is shorter than the longest
+one: a 10x slower island in a time-window round (a tenth of the steps, so a tenth of the weight and a delta a tenth
+as long) cuts the fast island's step by ~8%. Normalized, each delta is an estimate of the same k_max-step move, and
+the slow island's tokens reduce its noise instead. With equal steps it is the plain rule.
+
+Staleness (`--staleness-exponent a`): a delta accepted `lag` versions after its base is scaled by s = (1 + lag)^-a
+before any rule sees it (FedAsync's polynomial rule; a = 0: no discount). The weights stay normalised by the counts
+alone, so the discount shrinks the step even when the stale delta merges by itself: w_i s_i sums to less than 1.
 
 Every function is pure: the same deltas in the same order give the same bits.
 """
@@ -66,17 +73,16 @@ def staleness_factor(lag: int, exponent: float) -> float:
     return 1.0 if lag <= 0 or exponent == 0 else float((1.0 + lag) ** -exponent)
 
 
-def weight_of(c: DeltaCounts, how: str, staleness: float = 0.0) -> float:
-    """One delta's unnormalised weight (for running sums): its `--merge-weight` count times its staleness factor."""
+def weight_of(c: DeltaCounts, how: str) -> float:
+    """One delta's unnormalised weight (for running sums): its `--merge-weight` count."""
     if how not in MERGE_WEIGHTS:
         raise ValueError(f"unknown merge weight {how!r}")
-    count = {"loss-tokens": c.loss_tokens, "tokens": c.tokens, "steps": c.inner_steps, "equal": 1}[how]
-    return float(count) * staleness_factor(c.lag, staleness)
+    return float({"loss-tokens": c.loss_tokens, "tokens": c.tokens, "steps": c.inner_steps, "equal": 1}[how])
 
 
-def merge_weights(counts: Sequence[DeltaCounts], how: str = "loss-tokens", staleness: float = 0.0) -> np.ndarray:
-    """w_i per `--merge-weight` and `--staleness-exponent` (sum 1)."""
-    t = np.asarray([weight_of(c, how, staleness) for c in counts], dtype=np.float64)
+def merge_weights(counts: Sequence[DeltaCounts], how: str = "loss-tokens") -> np.ndarray:
+    """w_i per `--merge-weight` (sum 1)."""
+    t = np.asarray([weight_of(c, how) for c in counts], dtype=np.float64)
     if t.size == 0 or (t < 0).any() or t.sum() <= 0:
         raise ValueError(f"a merge needs positive {how} counts, got {[float(x) for x in t]}")
     return t / t.sum()

@@ -365,6 +365,10 @@ def syncer_command(
                             ] = _D.max_base_lag,
     staleness_exponent: Annotated[float, typer.Option(help="A delta lag versions old weighs (1 + lag)^-this "
                                                            "(0: no discount).")] = _D.staleness_exponent,
+    step_normalize: Annotated[bool, typer.Option(help="Scale each delta by the round's most inner steps / its own "
+                                                      "before merging: a slow island's shorter delta adds to the "
+                                                      "others' progress instead of shrinking it.")
+                              ] = _D.step_normalize,
     merge_alpha: Annotated[float, typer.Option(help="Learners start each round from alpha x the merged adapter + "
                                                     "(1 - alpha) x their own last one (1: the merged adapter).")
                            ] = _D.merge_alpha,

@@ -45,8 +45,8 @@ from yeto.sync.core.actions import (Checkpoint, DropDeltas, Durable, Exit, Log, 
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdict, Wait
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.layout import build_layout
-from yeto.sync.merge import DeltaCounts, weight_of
-from yeto.sync.aggregate import RoundSum, clipped_mean
+from yeto.sync.merge import staleness_factor
+from yeto.sync.aggregate import RoundSum, clipped_mean, effective_weight
 from yeto.sync.outer import nesterov_step
 from yeto.sync.protocol import (Code, Message, array_digest, decode, decode_fragments, digest_bytes, encode,
                                 encode_fragments_ef, is_bulk)
@@ -441,13 +441,14 @@ class World:
                                                                  self.payloads[d][1]))
                       for lid, d in zip(e["responders"], e["deltas"])}
             lags = e.get("lags") or [0] * len(e["responders"])
-            tokens = {lid: weight_of(DeltaCounts(t, 0, 0, lag), "loss-tokens", cfg.staleness_exponent)
-                      for lid, t, lag in zip(e["responders"], e["loss_tokens"], lags)}
+            tokens = dict(zip(e["responders"], e["loss_tokens"]))
+            scale = {lid: staleness_factor(lag, cfg.staleness_exponent) for lid, lag in zip(e["responders"], lags)}
             s = RoundSum(self.layout.numel)
             for lid in e["summed"]:
-                s.add(lid, deltas[lid], tokens[lid])
+                s.add(lid, deltas[lid], tokens[lid], scale[lid])
             clip = {int(k): c for k, c in e["clip"].items()}
-            new, m = nesterov_step(g, clipped_mean(s, clip, tokens, deltas.__getitem__), m, cfg.outer_lr,
+            weights = {lid: effective_weight(tokens[lid], scale[lid]) for lid in tokens}
+            new, m = nesterov_step(g, clipped_mean(s, clip, weights, deltas.__getitem__), m, cfg.outer_lr,
                                    cfg.outer_momentum)
             _, _, sent = encode_fragments_ef(self.layout, new - g, cfg.sync_bits, ef)
             g = g + sent

@@ -18,8 +18,11 @@ The round protocol, in the terms used below:
   `--straggler-timeout`); a member not yet measured is waited for up to the cap.
 - A delta trained from an older version (the global moved on while it trained)
   is merged in the round open when it arrives, if its base is at most
-  `--max-base-lag` versions back (and is the run's, not one rolled back), with
-  its weight times (1 + lag)^-`--staleness-exponent`.
+  `--max-base-lag` versions back (and is the run's, not one rolled back),
+  scaled by (1 + lag)^-`--staleness-exponent`. A round whose quorum holds
+  stale deltas waits for the members still training (up to
+  `--straggler-timeout`, instead of the grace): a slow island's late delta
+  joins the merge the others make instead of ending their round early.
 - A merge is a transaction: it is computed on copies; a delta that makes it
   fail is refused (on the tape, to its learner) and the merge is retried
   without it; state changes only once the merge completed.
@@ -41,7 +44,7 @@ import numpy as np
 
 from yeto import YetoError
 from yeto.sync.aggregate import (DEFAULT_CLIP_K, NORM_HISTORY_ROUNDS, ROBUST_MODES, RoundSum, clip_factors,
-                                  clipped_mean, trimmed_mean)
+                                  clipped_mean, effective_weight, trimmed_mean)
 from yeto.sync.audit import TapeFold
 from yeto.sync.core.actions import (AcceptedDelta, Action, Checkpoint, DropDeltas, Durable, Exit, Log, Record,
                                     SaveCheckpoint, SaveDelta, Send)
@@ -50,7 +53,7 @@ from yeto.sync.core.limits import RateLimit
 from yeto.sync.given_up import quorum_after_give_ups
 from yeto.sync.layout import Layout, layout_from_json, layout_mismatch
 from yeto.sync.merge import (LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS, DeltaCounts, merge_weights, product_merge, rda,
-                             weight_of)
+                             staleness_factor, weight_of)
 from yeto.sync.outer import nesterov_step
 from yeto.sync.protocol import (CLOCK_JUMP_S, DEFAULT_MAX_MESSAGE_MB, PROTOCOL_VERSION, Code, Message, ProtocolError,
                                 array_digest, decode, decode_fragments, digest_bytes, encode_fragments,
@@ -91,8 +94,8 @@ RATE_WINDOW_S = 60.0
 DEFAULT_MAX_LEARNERS = 1024
 # what a restart may not change: the run's math and its wire format depend on them
 CONTRACT_FIELDS = ("sync_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds", "robust", "robust_k",
-                   "merge", "merge_weight", "lora_merge", "max_base_lag", "staleness_exponent", "merge_alpha",
-                   "model", "model_revision")
+                   "merge", "merge_weight", "lora_merge", "max_base_lag", "staleness_exponent", "step_normalize",
+                   "merge_alpha", "model", "model_revision")
 
 
 @dataclass
@@ -120,6 +123,7 @@ class SyncerConfig:
     grace_ms: float = DEFAULT_GRACE_MS
     max_base_lag: int = DEFAULT_MAX_BASE_LAG
     staleness_exponent: float = DEFAULT_STALENESS_EXPONENT
+    step_normalize: bool = False  # scale each delta to the round's longest (FedNova-style): see yeto.sync.merge
     merge_alpha: float = 1.0  # learners start a round from alpha x global + (1 - alpha) x their own last adapter
     model: Optional[str] = None  # pins the run's base model (else the founding learner's is the run's)
     model_revision: Optional[str] = None
@@ -230,6 +234,7 @@ class OpenRound:
     base_version: int
     opened_at: float
     quorum_at: Optional[float] = None
+    fresh_at: Optional[float] = None  # when quorum was met by fresh deltas alone (the grace counts from here)
     last_wait_log: float = -math.inf
 
 
@@ -361,7 +366,7 @@ class SyncerCore:
             if ev is None:  # saved, but its tape line was lost: account for it now
                 self._record("delta", **self._delta_fields(d), norm=d.norm, recovered=True)
             self.pending[lid] = d
-            self.sum.add(lid, flat, self._weight(d))
+            self.sum.add(lid, flat, self._weight(d), self._scale(d))
             restored.append(lid)
         self.out.append(DropDeltas(through_round=ck.version))
         for (rnd, lid), d in saved.items():
@@ -781,7 +786,7 @@ class SyncerCore:
             return self._refuse_delta(m, h, digest, Code.REFUSED, "this delta was refused by a merge", now)
         mine = self.pending.get(m.learner)
         if mine is not None:
-            if mine.digest == digest:
+            if mine.ref() == [h["round"], h["base_version"], digest]:
                 self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": True, "merge_round": r.number})
             else:
                 self._refuse_delta(m, h, digest, Code.DUPLICATE, f"learner {m.learner} already contributed to round "
@@ -800,7 +805,7 @@ class SyncerCore:
         self._record("delta", **self._delta_fields(d), bytes=msg.nbytes, norm=d.norm, compute_s=compute_s)
         self.out.append(SaveDelta(d))
         self.pending[m.learner] = d
-        self.sum.add(m.learner, flat, self._weight(d))  # the decoded copy is dropped: memory is one sum per round
+        self.sum.add(m.learner, flat, self._weight(d), self._scale(d))  # the decoded copy is dropped
         self._send(m.peer, "ack", {**where, "digest": digest, "duplicate": False, "merge_round": r.number})
         if compute_s is not None:  # what the grace predicts its next push from
             m.round_s = compute_s if m.round_s is None else (ROUND_TIME_EMA * compute_s +
@@ -810,7 +815,17 @@ class SyncerCore:
 
     def _weight(self, d: AcceptedDelta) -> float:
         """The delta's unnormalised merge weight (--merge-weight)."""
-        return weight_of(self._counts(d), self.cfg.merge_weight, self.cfg.staleness_exponent)
+        return weight_of(self._counts(d), self.cfg.merge_weight)
+
+    def _scale(self, d: AcceptedDelta) -> float:
+        """What a delta is scaled by before the rule: its staleness discount (--staleness-exponent; 1 when fresh)
+        and, with --step-normalize, 1/its inner steps (the merge multiplies the result by the round's most)."""
+        s = staleness_factor(d.lag, self.cfg.staleness_exponent)
+        return s / max(1, d.inner_steps) if self.cfg.step_normalize else s
+
+    def _fresh(self) -> int:
+        """Pending deltas trained from the open round's base."""
+        return sum(1 for d in self.pending.values() if d.lag == 0)
 
     @staticmethod
     def _counts(d: AcceptedDelta) -> DeltaCounts:
@@ -931,7 +946,13 @@ class SyncerCore:
                 r.quorum_at = now
             window, cap = self.cfg.round_seconds, min(WINDOW_GRACE_CAP_S, self.cfg.straggler_timeout)
             window_over = window > 0 and now - r.opened_at > window + cap
-            if not (waiting or absent) or now >= self._grace_until(r, waiting, absent) or window_over:
+            if self._fresh() < q:  # stale deltas made the quorum: the round is paced by those still training
+                until = r.quorum_at + self.cfg.straggler_timeout
+            else:
+                if r.fresh_at is None:
+                    r.fresh_at = now
+                until = self._grace_until(r, waiting, absent)
+            if not (waiting or absent) or now >= until or window_over:
                 self._close_round(now, stragglers=waiting + absent)
             return
         if now - r.opened_at > self.cfg.quorum_timeout:
@@ -960,16 +981,17 @@ class SyncerCore:
         predicted within the cap (--grace-ms and 5% of the time the round took to reach quorum, less the merge
         time), so an island far behind never holds the others (they stay >= 95% busy) and one about to push is not
         left out. A member not measured yet, or overdue (its pace changed), is waited for up to --grace-ms."""
-        assert r.quorum_at is not None
+        start = r.fresh_at if r.fresh_at is not None else r.quorum_at
+        assert start is not None
         cap = self.cfg.grace_cap_s - self.merge_s
-        deadline = r.quorum_at + max(0.0, min(cap, GRACE_ROUND_SHARE * (r.quorum_at - r.opened_at) - self.merge_s))
-        until = r.quorum_at
+        deadline = start + max(0.0, min(cap, GRACE_ROUND_SHARE * (start - r.opened_at) - self.merge_s))
+        until = start
         for lid in waiting + absent:
             m = self.members.get(lid)
             eta = None if lid in absent or m is None or m.round_s is None else (
                 m.since + GRACE_SLACK * m.round_s + GRACE_SLACK_S)
-            if eta is None or eta < r.quorum_at:
-                until = max(until, r.quorum_at + max(0.0, cap))
+            if eta is None or eta < start:
+                until = max(until, start + max(0.0, cap))
             elif eta <= deadline:
                 until = max(until, eta)
         return until
@@ -993,14 +1015,14 @@ class SyncerCore:
                 continue
             self._commit(r, ids, merged, stragglers, now)
             return
-        r.quorum_at = None  # refusals took the round back below quorum: it stays open
+        r.quorum_at = r.fresh_at = None  # refusals took the round back below quorum: it stays open
 
     def _refuse_merged(self, lid: int, reason: str) -> None:
         d = self.pending.pop(lid)
         order = self._order()
         self.sum = RoundSum(self.run.layout.numel)  # rebuilt without it, in the order the others arrived
         for i in order:
-            self.sum.add(i, self._decode(self.pending[i]), self._weight(self.pending[i]))
+            self.sum.add(i, self._decode(self.pending[i]), self._weight(self.pending[i]), self._scale(self.pending[i]))
         reason = truncate(reason)
         self._record("refuse_delta", learner=lid, round=d.round, digest=d.digest, reason=reason)
         self.out.append(DropDeltas(round=d.round, learner=lid))
@@ -1023,15 +1045,17 @@ class SyncerCore:
     def _merge(self, ids: list[int]) -> dict[str, Any]:
         run, cfg = self.run, self.cfg
         ds = [self.pending[i] for i in ids]
-        unnormalised = {i: self._weight(self.pending[i]) for i in ids}
+        scales = {i: self._scale(self.pending[i]) for i in ids}
+        most = np.float32(max(max(1, d.inner_steps) for d in ds) if cfg.step_normalize else 1)
+        unnormalised = {i: effective_weight(self._weight(self.pending[i]), scales[i]) for i in ids}
         rule: dict[str, Any] = {}  # what the rule reports on the tape
         try:
             with np.errstate(all="ignore"):
-                weights = merge_weights([self._counts(d) for d in ds], cfg.merge_weight, cfg.staleness_exponent)
+                weights = merge_weights([self._counts(d) for d in ds], cfg.merge_weight)
                 clip: dict[int, float] = {}
                 if cfg.robust == "trimmed-mean":  # fragment by fragment: n fragments in memory, not n adapters
-                    avg = trimmed_mean(lambda k: np.stack([self._decode_fragment(self.pending[i], k) for i in ids]),
-                                       [unnormalised[i] for i in ids], run.layout)
+                    avg = trimmed_mean(lambda k: np.stack([self._decode_fragment(self.pending[i], k) * np.float32(
+                        scales[i] * most) for i in ids]), [self._weight(self.pending[i]) for i in ids], run.layout)
                 else:
                     if cfg.robust == "norm-clip":
                         factors = clip_factors([d.norm for d in ds], list(self.norm_history), cfg.robust_k)
@@ -1039,9 +1063,10 @@ class SyncerCore:
                     if (cfg.merge, cfg.lora_merge) == ("mean", "factors"):  # the running sum: one vector in memory
                         s = RoundSum(run.layout.numel, None if self.sum.total is None else self.sum.total.clone(),
                                      self.sum.weight, list(ids))
-                        avg = clipped_mean(s, clip, unnormalised, lambda i: self._decode(self.pending[i]))
+                        avg = clipped_mean(s, clip, unnormalised, lambda i: self._decode(self.pending[i])) * most
                     else:  # every delta at once (LoRA adapters are small: n of them fit where one base does not)
-                        deltas = [self._decode(self.pending[i]) * np.float32(clip.get(i, 1.0)) for i in ids]
+                        deltas = [self._decode(self.pending[i]) * np.float32(clip.get(i, 1.0) * scales[i] * most)
+                                  for i in ids]
                         if cfg.lora_merge == "product":
                             pm = product_merge([run.global_ + d for d in deltas], weights, run.layout)
                             avg = pm.merged - run.global_
@@ -1060,6 +1085,7 @@ class SyncerCore:
                     raise MergeError("the new global adapter is not finite")
         except (QuantError, ValueError, FloatingPointError, OverflowError) as e:
             raise MergeError(str(e)) from e
+        weights = weights * np.asarray([scales[i] * float(most) for i in ids])  # what each delta counted for
         return {"global": committed, "momentum": momentum, "residual": ef.residual, "weights": weights,
                 "descs": descs, "frames": tuple(frames), "sent": sent, "clip": clip, "rule": rule}
 
@@ -1075,8 +1101,9 @@ class SyncerCore:
                      stragglers=stragglers, update_norm=float(np.linalg.norm(merged["sent"])), summed=summed,
                      robust=self.cfg.robust, clip={str(i): c for i, c in merged["clip"].items()},
                      merge=self.cfg.merge, merge_weight=self.cfg.merge_weight, lora_merge=self.cfg.lora_merge,
+                     step_normalize=self.cfg.step_normalize,
                      lags=[self.pending[i].lag for i in ids],
-                     grace_s=round(now - r.quorum_at, 6) if r.quorum_at is not None else None, **merged["rule"])
+                     grace_s=round(now - r.fresh_at, 6) if r.fresh_at is not None else None, **merged["rule"])
         if merged["clip"]:
             self._log("warning", f"round {r.number}: robust merge clipped learner(s) "
                                  f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged['clip'].items())}")
