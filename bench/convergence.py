@@ -9,7 +9,7 @@ alone) and reports the held-out eval loss of its final (merged) adapter and its 
                      utilization, and the merged model vs the fast island alone for the same wall-clock
 Training-loss curves (per round, against tokens seen by the whole fleet) go to a PNG.
 
-    python bench/convergence.py [--steps 48] [--seq-len 128] [--batch-size 4] [--arms a,b,...] [--png FILE]
+    python bench/convergence.py [--steps 48] [--seq-len 128] [--batch-size 4] [--arms "a;b;..."] [--png FILE]
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6, help="rounds of the heterogeneous arms")
     p.add_argument("--round-seconds", type=float, default=20.0, help="window of the heterogeneous arms")
     p.add_argument("--step-s", type=float, default=1.0, help="the fast island's step time here (sizes the slow delay)")
-    p.add_argument("--arms", default="", help="run only the arms whose names contain one of these (comma-separated)")
+    p.add_argument("--arms", default="", help="run only the arms whose names contain one of these (;-separated)")
     p.add_argument("--no-heterogeneous", action="store_true")
     p.add_argument("--png", default=str(REPO / "docs" / "convergence.png"))
     p.add_argument("--json")
@@ -199,7 +199,7 @@ def main() -> None:
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, stale dropped", 2, syncer=PLAIN + [
                      "--max-base-lag", "0"], round_seconds=a.round_seconds, slow_delay_s=slow, batch=half)]
     if a.arms:
-        keep = [k.strip() for k in a.arms.split(",")]
+        keep = [k.strip() for k in a.arms.split(";")]
         todo = [x for x in todo if x.name == "data-parallel" or any(k in x.name for k in keep)]
     results: dict[str, dict] = {}
     for i, arm in enumerate(todo):
