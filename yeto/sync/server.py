@@ -324,8 +324,10 @@ def syncer_command(
     learners: Annotated[int, typer.Option(help="Round 1 waits for this many learners (or for --quorum of them plus "
                                                "--straggler-timeout).")] = _D.learners,
     quorum: Annotated[int, typer.Option(help="Never merge a round with fewer responders than this.")] = _D.quorum,
-    outer_lr: Annotated[float, typer.Option(help="Outer (DiLoCo) learning rate.")] = _D.outer_lr,
-    outer_momentum: Annotated[float, typer.Option(help="Outer Nesterov momentum.")] = _D.outer_momentum,
+    outer_lr: Annotated[float, typer.Option(help="Outer (DiLoCo) learning rate (1 with momentum 0: the merged "
+                                                 "adapter is the merge of the islands').")] = _D.outer_lr,
+    outer_momentum: Annotated[float, typer.Option(help="Outer Nesterov momentum (DiLoCo's pre-training setting: "
+                                                       "--outer-lr 0.7 --outer-momentum 0.9).")] = _D.outer_momentum,
     outer_steps: Annotated[int, typer.Option(help="Merges to run; then every learner is told to finish.")
                            ] = _D.outer_steps,
     inner_steps: Annotated[int, typer.Option(help="Round policy: every learner does H inner steps per round.")

@@ -104,8 +104,10 @@ class SyncerConfig:
     host: str = "0.0.0.0"
     learners: int = 1
     quorum: int = 1
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    # plain averaging (FedAvg): DiLoCo's 0.7 / Nesterov 0.9, tuned for pre-training with hundreds of inner steps,
+    # overshoots short LoRA runs (bench/convergence.py, docs/benchmarks.md: 1.51x the data-parallel loss vs 1.02x)
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
     outer_steps: int = 10
     inner_steps: int = 50
     round_seconds: float = 0.0
