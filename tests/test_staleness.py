@@ -49,9 +49,9 @@ def test_the_grace_waits_for_an_island_predicted_within_the_cap_and_not_for_one_
     core = SyncerCore(SyncerConfig(learners=3, quorum=1, grace_ms=2000, straggler_timeout=100.0), "inc")
     r = OpenRound(number=5, base_version=4, opened_at=-100.0, quorum_at=10.0)  # 5% of 110 s: the 2 s cap binds
     core.members = {lid: Member(lid, "s", f"p{lid}", "test", last_seen=10.0) for lid in (1, 2)}
-    core.members[1].round_s, core.members[1].since = 8.0, 0.5  # predicted at 0.5 + 1.2 x 8 + 0.25: within the cap
+    core.members[1].round_s, core.members[1].since = 8.0, 2.0  # predicted at 2 + 1.02 x 8 + 0.25: within the cap
     core.members[2].round_s, core.members[2].since = 60.0, 0.0  # predicted at 72.25: beyond the cap (12.0)
-    assert np.isclose(core._grace_until(r, [1, 2], []), 0.5 + GRACE_SLACK * 8.0 + GRACE_SLACK_S)
+    assert np.isclose(core._grace_until(r, [1, 2], []), 2.0 + GRACE_SLACK * 8.0 + GRACE_SLACK_S)
     assert core._grace_until(r, [2], []) == 10.0  # only a far one: close at once
     core.members[1].round_s = None  # not measured yet: the whole cap
     assert core._grace_until(r, [1, 2], []) == 12.0
@@ -60,5 +60,5 @@ def test_the_grace_waits_for_an_island_predicted_within_the_cap_and_not_for_one_
     core.members[1].round_s, core.members[1].since = 1.0, 0.0  # overdue: its pace changed; the cap, not zero
     assert core._grace_until(r, [1], []) == 12.0 - core.merge_s
     short = OpenRound(number=5, base_version=4, opened_at=0.0, quorum_at=10.0)  # a 10 s round: 0.5 s of grace
-    core.members[1].round_s, core.members[1].since = 8.0, 0.5  # predicted at 10.35, beyond 10 + 0.5 share
+    core.members[1].round_s, core.members[1].since = 8.0, 2.0  # predicted at 10.41, beyond 10 + 0.5 share
     assert core._grace_until(short, [1], []) == 10.0  # - 0.5 merge: not waited for

@@ -61,6 +61,7 @@ ADAPTER_SHAPES = {"m.layers.0.q.lora_A.default.weight": (2, 8), "m.layers.0.q.lo
                   "m.layers.1.q.lora_A.default.weight": (2, 8), "m.layers.1.q.lora_B.default.weight": (8, 2)}
 FRAGMENT_NUMEL = 24  # small fragments, so payloads span several frames
 POISON = -6e4  # fits the learners' fp16 block minimums, but not once the outer step scaled it: the merge fails
+SIM_OUTER_LR, SIM_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's: the outer step scales the poison past fp16 (not the default)
 POISON_WEIGHT = 1000  # ... provided it weighs enough in the merge: the poisoned step claims this many more tokens
 ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"], "task_type": "CAUSAL_LM"}
 ZOMBIE_SLEEPS_LONGER_S = 20.0  # a zombie wakes up at most this long after its replacement started
@@ -162,6 +163,7 @@ class Schedule:
         return SyncerConfig(learners=self.learners, quorum=self.quorum, outer_steps=self.outer_steps,
                             inner_steps=self.inner_steps, round_seconds=self.round_seconds, sync_bits=self.sync_bits,
                             straggler_timeout=3.0, quorum_timeout=1e6, learner_timeout=6.0, out="(simulated)",
+                            outer_lr=SIM_OUTER_LR, outer_momentum=SIM_OUTER_MOMENTUM,
                             max_base_lag=self.max_base_lag, staleness_exponent=self.staleness_exponent,
                             grace_ms=self.grace_ms)
 

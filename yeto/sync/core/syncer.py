@@ -65,8 +65,8 @@ PROGRESS_LOG_S = 60.0  # how often a slow round says whom it waits for
 WINDOW_GRACE_CAP_S = 30.0  # a time-window round waits at most this long past its window (or --straggler-timeout)
 DEFAULT_GRACE_MS = 5000.0  # after quorum, wait at most this long for an island predicted to push soon
 GRACE_ROUND_SHARE = 0.05  # ... and at most this share of the time the round took to reach quorum (>= 95% busy)
-GRACE_SLACK = 1.2  # a predicted push is waited for this many times its predicted time ...
-GRACE_SLACK_S = 0.25  # ... plus this (upload, jitter)
+GRACE_SLACK = 1.02  # a predicted push: its observed round time (a running estimate) times this ...
+GRACE_SLACK_S = 0.25  # ... plus this (upload, jitter), after its start
 ROUND_TIME_EMA = 0.5  # weight of a member's newest round time in its running estimate
 DEFAULT_MAX_BASE_LAG = 4
 MAX_BASE_LAG = 64  # beyond this a delta describes another model
