@@ -65,7 +65,6 @@ class DeltaCounts:
     loss_tokens: int
     tokens: int
     inner_steps: int
-    lag: int = 0  # how many versions the global had moved on from the delta's base when it was accepted
 
 
 def staleness_factor(lag: int, exponent: float) -> float:

@@ -831,7 +831,7 @@ class SyncerCore:
 
     @staticmethod
     def _counts(d: AcceptedDelta) -> DeltaCounts:
-        return DeltaCounts(d.loss_tokens, d.tokens, d.inner_steps, d.lag)
+        return DeltaCounts(d.loss_tokens, d.tokens, d.inner_steps)
 
     @staticmethod
     def _delta_fields(d: AcceptedDelta) -> dict[str, Any]:
