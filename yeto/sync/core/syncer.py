@@ -1098,13 +1098,14 @@ class SyncerCore:
         summed, ids = ids, sorted(ids)  # the tape lists responders sorted, and the order they were summed in
         weights = [float(w) for _, w in sorted(zip(summed, merged["weights"]))]
         deltas = [self.pending[i].digest for i in ids]
+        lags = [self.pending[i].lag for i in ids]
         self._record("merge", round=r.number, version=version, responders=ids, weights=weights,
                      loss_tokens=[self.pending[i].loss_tokens for i in ids], deltas=deltas, digest=digest,
                      stragglers=stragglers, update_norm=float(np.linalg.norm(merged["sent"])), summed=summed,
                      robust=self.cfg.robust, clip={str(i): c for i, c in merged["clip"].items()},
                      merge=self.cfg.merge, merge_weight=self.cfg.merge_weight, lora_merge=self.cfg.lora_merge,
                      step_normalize=self.cfg.step_normalize,
-                     lags=[self.pending[i].lag for i in ids],
+                     lags=lags,
                      grace_s=round(now - r.fresh_at, 6) if r.fresh_at is not None else None, **merged["rule"])
         if merged["clip"]:
             self._log("warning", f"round {r.number}: robust merge clipped learner(s) "
@@ -1118,7 +1119,6 @@ class SyncerCore:
             m = self.members.get(i)
             if m is not None and d.lag == 0:
                 m.since = now  # it waited for this merge: it trains from the broadcast on
-        lags = [self.pending[i].lag for i in ids]
         self.run = Checkpoint(version, run.layout, run.adapter_config, run.provenance, merged["global"],
                               merged["momentum"], merged["residual"], digest, asdict(self.cfg), sorted(self.seen),
                               dict(self.merged), contract=run.contract)
