@@ -12,6 +12,8 @@ import pytest
 from tests.conftest import DEMO_DATA, REPO
 from yeto.launch.local import free_port
 from yeto.sync.auth import JOIN_KEY_ENV, Keyring
+from yeto.sync.core.syncer import DEFAULT_STALENESS_EXPONENT
+from yeto.sync.merge import staleness_factor
 from yeto.tape import read_tape
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", COLUMNS="200")
@@ -46,6 +48,14 @@ def wait_for(path, event, timeout=120, **fields):
     raise AssertionError(f"no {event} {fields or ''} on the tape within {timeout}s")
 
 
+def loss_token_weights(merge, deltas):
+    """The weights a default merge records: loss-bearing tokens, normalised, a stale delta's times (1+lag)^-0.5."""
+    mine = [deltas[(merge["round"], lid)] for lid in merge["responders"]]
+    assert merge["lags"] == [d["lag"] for d in mine]
+    toks = [d["loss_tokens"] for d in mine]
+    return [t / sum(toks) * staleness_factor(d["lag"], DEFAULT_STALENESS_EXPONENT) for t, d in zip(toks, mine)]
+
+
 def finish(procs, timeout=240):
     outs = {}
     for name, p in procs.items():
@@ -74,9 +84,8 @@ def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
     merges = [e for e in events if e["event"] == "merge"]
     assert len(merges) == 4 and merges[0]["responders"] == [0, 1]
     deltas = {(e["round"], e["learner"]): e for e in events if e["event"] == "delta"}
-    for m in merges:  # every merge names its responders, weighted by loss-bearing tokens
-        toks = [deltas[(m["round"], r)]["loss_tokens"] for r in m["responders"]]
-        assert m["weights"] == pytest.approx([t / sum(toks) for t in toks])
+    for m in merges:  # every merge names its responders, weighted by loss-bearing tokens, a stale one discounted
+        assert m["weights"] == pytest.approx(loss_token_weights(m, deltas))
     r1 = {r: deltas[(1, r)] for r in (0, 1)}
     assert r1[0]["inner_steps"] == 10 and r1[1]["inner_steps"] == 1
     assert merges[0]["weights"][1] < 0.25  # a tenth of the steps, about a tenth of the weight

@@ -187,7 +187,7 @@ def test_mlx_learner_refuses_a_torch_loss(tiny_model):
 
 
 def test_heterogeneous_fleet_torch_and_mlx(tiny_model, tmp_path):
-    from tests.test_fleet import ENV, finish, syncer
+    from tests.test_fleet import ENV, finish, loss_token_weights, syncer
     from yeto.launch.local import free_port
     from yeto.tape import read_tape
 
@@ -213,8 +213,7 @@ def test_heterogeneous_fleet_torch_and_mlx(tiny_model, tmp_path):
     assert len(merges) == 3
     for m in merges:
         assert m["responders"] == [0, 1]
-        toks = [deltas[(m["round"], r)]["loss_tokens"] for r in (0, 1)]
-        assert m["weights"] == pytest.approx([t / sum(toks) for t in toks])
+        assert m["weights"] == pytest.approx(loss_token_weights(m, deltas))
     from peft import PeftModel
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
