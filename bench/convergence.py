@@ -32,6 +32,7 @@ from yeto.launch.local import free_port  # noqa: E402
 PLAIN = ["--outer-lr", "1.0", "--outer-momentum", "0.0"]  # FedAvg: the merged adapter is the weighted mean
 DILOCO = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]  # DiLoCo's pre-training defaults
 DAMPED = ["--outer-lr", "0.8", "--outer-momentum", "0.3"]
+MEAN = ["--merge", "mean"]  # the rule before rda became the default
 
 
 def scaled(n: int) -> list[str]:
@@ -51,27 +52,35 @@ class Arm:
     learner: list[str] = field(default_factory=list)
     round_seconds: float = 0.0  # heterogeneous arms: time-window rounds
     slow_delay_s: float = 0.0  # the last island's --step-delay
-    batch: int = 0  # per island (0: the global batch split between the islands)
+    batch: int = 0  # per island (0: the global batch split between the islands); data-parallel: its batch
     shards: int = 0  # the data is split into this many shards (0: one per island)
+    baseline: str = "data-parallel"  # the data-parallel arm with this arm's global batch
 
 
-def arms(h_values: list[int]) -> list[Arm]:
+def arms(h_values: list[int], global_batch: int) -> list[Arm]:
     out = [Arm("data-parallel")]
     for h in h_values:
-        out += [Arm(f"2 islands H={h}, mean, DiLoCo 0.7/0.9", 2, h, DILOCO),
-                Arm(f"2 islands H={h}, mean, plain", 2, h, PLAIN)]
+        out += [Arm(f"2 islands H={h}, mean, DiLoCo 0.7/0.9", 2, h, MEAN + DILOCO),
+                Arm(f"2 islands H={h}, mean, plain", 2, h, MEAN + PLAIN),
+                Arm(f"2 islands H={h}, rda, plain (defaults)", 2, h, PLAIN)]
     h = max(h_values)
-    out += [Arm(f"2 islands H={h}, mean, damped 0.8/0.3", 2, h, DAMPED),
-            Arm(f"2 islands H={h}, rda, plain", 2, h, PLAIN + ["--merge", "rda"]),
+    out += [Arm(f"2 islands H={h}, mean, damped 0.8/0.3", 2, h, MEAN + DAMPED),
             Arm(f"2 islands H={h}, product, plain", 2, h, PLAIN + ["--lora-merge", "product"]),
-            Arm(f"2 islands H={h}, frozen A, plain", 2, h, PLAIN, ["--lora-freeze-a"]),
-            Arm(f"2 islands H={h}, mean, plain, merge-alpha 0.5", 2, h, PLAIN + ["--merge-alpha", "0.5"]),
-            Arm(f"2 islands H={h}, mean, lr sqrt(2)", 2, h, scaled(2)),
-            Arm(f"4 islands H={h}, mean, plain", 4, h, PLAIN),
-            Arm(f"4 islands H={h}, mean, lr sqrt(4)", 4, h, scaled(4)),
-            Arm(f"4 islands H={h}, mean, damped 0.8/0.3", 4, h, DAMPED),
-            Arm(f"4 islands H={h}, rda, plain", 4, h, PLAIN + ["--merge", "rda"]),
-            Arm(f"4 islands H={h}, mean, DiLoCo 0.7/0.9", 4, h, DILOCO)]
+            Arm(f"2 islands H={h}, frozen A, plain", 2, h, MEAN + PLAIN, ["--lora-freeze-a"]),
+            Arm(f"2 islands H={h}, mean, plain, merge-alpha 0.5", 2, h, MEAN + PLAIN + ["--merge-alpha", "0.5"]),
+            Arm(f"2 islands H={h}, mean, lr sqrt(2)", 2, h, MEAN + scaled(2))]
+    for k in h_values:
+        out += [Arm(f"4 islands H={k}, mean, plain", 4, k, MEAN + PLAIN),
+                Arm(f"4 islands H={k}, rda, plain (defaults)", 4, k, PLAIN)]
+    big = 2 * global_batch  # 4 islands of batch 2: one sequence per island per step is what AdamW steps noisily on
+    out += [Arm(f"4 islands H={h}, mean, lr sqrt(4)", 4, h, MEAN + scaled(4)),
+            Arm(f"4 islands H={h}, mean, damped 0.8/0.3", 4, h, MEAN + DAMPED),
+            Arm(f"4 islands H={h}, mean, DiLoCo 0.7/0.9", 4, h, MEAN + DILOCO),
+            Arm(f"data-parallel, global batch {big}", batch=big),
+            Arm(f"4 islands H={h}, batch {big // 4} each, mean, plain", 4, h, MEAN + PLAIN, batch=big // 4,
+                baseline=f"data-parallel, global batch {big}"),
+            Arm(f"4 islands H={h}, batch {big // 4} each, rda, plain (defaults)", 4, h, PLAIN, batch=big // 4,
+                baseline=f"data-parallel, global batch {big}")]
     return out
 
 
@@ -83,7 +92,8 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
     learner = [sys.executable, "-m", "yeto.learner"]
     t0 = time.perf_counter()
     if not arm.islands:
-        r = subprocess.run(learner + common + ["--batch-size", str(a.batch_size), "--max-steps", str(a.steps),
+        batch = arm.batch or a.batch_size
+        r = subprocess.run(learner + common + ["--batch-size", str(batch), "--max-steps", str(a.steps),
                                                "--out", str(out / "dp")], cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=PROCESS_TIMEOUT_S)
         if r.returncode:
@@ -92,7 +102,7 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
         steps = [json.loads(x) for x in (out / "dp" / "metrics.jsonl").read_text().splitlines()]
         losses = [e["loss"] for e in steps if e.get("event") == "step"]
         per = max(1, a.steps // 12)  # the curve in 12 points
-        tokens_per_step = a.batch_size * a.seq_len
+        tokens_per_step = batch * a.seq_len
         curve = [((i + per) * tokens_per_step, sum(losses[i:i + per]) / per) for i in range(0, len(losses), per)]
         return {"eval_loss": s["eval_loss_after"], "eval_before": s["eval_loss_before"],
                 "wall_s": time.perf_counter() - t0, "curve": curve}
@@ -184,7 +194,7 @@ def main() -> None:
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="yeto-bench-convergence-"))
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    todo = arms([int(x) for x in a.inner_steps.split(",")])
+    todo = arms([int(x) for x in a.inner_steps.split(",")], a.batch_size)
     if not a.no_heterogeneous:  # the slow island: (SLOWDOWN - 1) fast steps of delay per step
         slow = (SLOWDOWN - 1) * a.step_s
         half = max(1, a.batch_size // 2)  # the fast island alone: its batch and its shard, as in the pair
@@ -200,20 +210,21 @@ def main() -> None:
                      "--max-base-lag", "0"], round_seconds=a.round_seconds, slow_delay_s=slow, batch=half)]
     if a.arms:
         keep = [k.strip() for k in a.arms.split(";")]
-        todo = [x for x in todo if x.name == "data-parallel" or any(k in x.name for k in keep)]
+        wanted = [x for x in todo if any(k in x.name for k in keep)]
+        todo = [x for x in todo if x in wanted or any(x.name == w.baseline for w in wanted)]
     results: dict[str, dict] = {}
     for i, arm in enumerate(todo):
         print(f"[{i + 1}/{len(todo)}] {arm.name} ...", flush=True)
         results[arm.name] = r = run_arm(arm, a, tmp, env)
         print(f"    eval loss {r['eval_loss']:.4f} ({r['wall_s']:.0f}s)"
               + (f", utilization {r['utilization']}, lags {r['lags']}" if r.get("utilization") else ""), flush=True)
-    dp = results["data-parallel"]["eval_loss"]
     print(f"\nmodel {a.model}; {a.steps} steps x global batch {a.batch_size} x {a.seq_len} tokens per arm; "
           f"eval loss before training {results['data-parallel']['eval_before']:.4f}")
-    print(f"{'arm':<44} {'eval loss':>9} {'/ DP':>7} {'wall s':>7}  utilization")
-    for name, r in results.items():
+    print(f"{'arm':<60} {'eval loss':>9} {'/ DP':>7} {'wall s':>7}  utilization")
+    for arm in todo:
+        r, dp = results[arm.name], results[arm.baseline]["eval_loss"]
         util = ", ".join(f"{u:.1%}" for u in r.get("utilization", [])) or "-"
-        print(f"{name:<44} {r['eval_loss']:9.4f} {r['eval_loss'] / dp:7.4f} {r['wall_s']:7.0f}  {util}")
+        print(f"{arm.name:<60} {r['eval_loss']:9.4f} {r['eval_loss'] / dp:7.4f} {r['wall_s']:7.0f}  {util}")
     alone = results.get("heterogeneous: fast island alone")
     for k in (k for k in results if k.startswith("heterogeneous: fast +") and alone):
         r = results[k]

@@ -41,6 +41,41 @@ def test_rda_falls_back_to_the_mean_per_tensor_when_directions_cancel():
     np.testing.assert_allclose(merged[slices["b"]], [1.5, 1.5], rtol=1e-6)
 
 
+def rda_by_formula(deltas, weights, layout):
+    """RDA of whole deltas, written straight from its definition (the reference the streaming sums must match)."""
+    w = np.asarray(weights, np.float64) / np.sum(weights)
+    out = np.empty(layout.numel)
+    for rows in layout.tensor_slices().values():
+        x = np.stack([np.asarray(d[rows], np.float64) for d in deltas])
+        norms = np.linalg.norm(x, axis=1)
+        v = w @ (x / norms[:, None])
+        out[rows] = (w @ norms) * v / np.linalg.norm(v)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_streaming_rda_matches_the_formula_whatever_the_order_scales_and_clips(seed):
+    """The syncer adds deltas as they arrive (a stale one scaled, an outlier clipped at the close): its RDA must be the
+    formula's on the deltas as they count, scale and clip applied."""
+    from yeto.sync.aggregate import RoundSum, clipped_merge
+
+    rng = np.random.default_rng(seed)
+    layout = build_layout({f"t{k}": np.zeros((3, 5), np.float32) for k in range(4)})
+    n = int(rng.integers(2, 6))
+    deltas = [rng.normal(size=layout.numel).astype(np.float32) * rng.uniform(0.1, 10) for _ in range(n)]
+    tokens = rng.integers(1, 1000, size=n).astype(float)
+    scale = [1.0 if rng.random() < 0.5 else float(rng.uniform(0.3, 1.0)) for _ in range(n)]
+    clip = {int(i): float(rng.uniform(0.01, 0.9)) for i in rng.choice(n, size=int(rng.integers(0, n)), replace=False)}
+    s = RoundSum.for_rule(layout, "rda")
+    for i in rng.permutation(n):
+        s.add(int(i), deltas[i], tokens[i], scale[i])
+    merged, fallbacks = clipped_merge(s, clip, {i: tokens[i] * scale[i] for i in range(n)}, deltas.__getitem__)
+    counted = [d * scale[i] * clip.get(i, 1.0) for i, d in enumerate(deltas)]
+    np.testing.assert_allclose(merged, rda_by_formula(counted, tokens, layout), rtol=1e-4, atol=1e-6)
+    assert fallbacks == 0
+    assert not np.allclose(merged, rda_by_formula(deltas, tokens, layout), rtol=1e-3)  # scales and clips counted
+
+
 def lora_adapter(rng, out=24, inn=20, r=4, layers=2):
     names = {}
     for i in range(layers):

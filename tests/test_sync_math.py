@@ -210,7 +210,7 @@ def test_running_sum_is_the_token_weighted_mean_whatever_the_arrival_order(token
 
 
 def test_norm_clip_scales_only_the_outlier_and_uses_the_history_in_a_pair():
-    from yeto.sync.aggregate import RoundSum, clip_factors, clipped_mean
+    from yeto.sync.aggregate import RoundSum, clip_factors, clipped_merge
 
     assert clip_factors([1.0, 1.2, 100.0], [], 4.0) == [1.0, 1.0, pytest.approx(4 * 1.2 / 100)]
     assert clip_factors([1.0, 100.0], [], 4.0) == [1.0, 1.0]  # a pair alone: the median is half the outlier
@@ -219,8 +219,9 @@ def test_norm_clip_scales_only_the_outlier_and_uses_the_history_in_a_pair():
     s = RoundSum(8)
     for i in (1, 0):
         s.add(i, d[i], 10)
-    mean = clipped_mean(s, {1: 0.04}, {0: 10, 1: 10}, d.__getitem__)
+    mean, fallbacks = clipped_merge(s, {1: 0.04}, {0: 10, 1: 10}, d.__getitem__)
     np.testing.assert_allclose(mean, (1.0 + 100.0 * 0.04) / 2, rtol=1e-6)
+    assert fallbacks is None  # (the mean has none)
 
 
 def test_trimmed_mean_drops_the_extremes_per_coordinate():

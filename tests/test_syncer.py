@@ -27,7 +27,7 @@ from yeto.tape import read_tape
 
 def test_two_islands_merge_exactly_as_computed_by_hand(start_syncer, tmp_path):
     syncer, port = start_syncer(learners=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32, outer_lr=0.7,
-                                outer_momentum=0.9)
+                                outer_momentum=0.9, merge="mean")
     islands = {0: QuadraticIsland(1.0, 300), 1: QuadraticIsland(-2.0, 100)}
     results = {}
     threads = [island_thread(isl, port, lid, results) for lid, isl in islands.items()]
@@ -130,10 +130,10 @@ def test_malformed_messages_are_answered_and_change_nothing(start_syncer, tmp_pa
     s.close()
 
 
-def test_a_huge_finite_delta_is_refused_by_the_merge_and_the_round_goes_on(start_syncer, tmp_path):
-    """A delta that decodes fine but whose merge cannot be broadcast at 4 bits (fp16 block scales overflow) is
-    refused with a reason, on the tape; the round merges the others; the global never sees it."""
-    syncer, port = start_syncer(learners=3, quorum=2, outer_steps=1, inner_steps=1, sync_bits=4, straggler_timeout=30)
+def send_a_huge_delta_in_a_round_of_three(start_syncer, merge):
+    """Learners 0 and 1 push small deltas, learner 2 one finite but far beyond what fp16 block scales can carry."""
+    syncer, port = start_syncer(learners=3, quorum=2, outer_steps=1, inner_steps=1, sync_bits=4, straggler_timeout=30,
+                                merge=merge)
     ls = [RawLearner(port, i) for i in range(3)]
     state = QuadraticIsland(0.0, 1).state
     layout = ls[0].found(state)
@@ -144,11 +144,18 @@ def test_a_huge_finite_delta_is_refused_by_the_merge_and_the_round_goes_on(start
         assert lrn.recv(want="round").header["round"] == 1
     frags = [{"index": 0, "numel": layout.numel, "bits": 32}]
     deltas = {0: np.full(layout.numel, 0.01, np.float32), 1: np.full(layout.numel, -0.02, np.float32),
-              2: np.full(layout.numel, 3e38, np.float32)}  # finite, and far beyond what fp16 scales can carry
+              2: np.full(layout.numel, 3e38, np.float32)}
     deltas[2][::2] = -3e38
     for lid in (2, 0, 1):
         h = ls[lid].header(round=1, base_version=0, tokens=10, loss_tokens=5, inner_steps=1, loss=1.0, fragments=frags)
         assert ls[lid].ask(encode("delta", h, [deltas[lid].tobytes()]), bulk=True).type == "ack"
+    return syncer, ls
+
+
+def test_a_huge_finite_delta_is_refused_by_the_merge_and_the_round_goes_on(start_syncer, tmp_path):
+    """The mean's sum overflows with it, so the merge cannot be broadcast: it is refused with a reason, on the tape;
+    the round merges the others; the global never sees it."""
+    syncer, ls = send_a_huge_delta_in_a_round_of_three(start_syncer, "mean")
     refused = ls[2].recv(want="error")
     assert refused.header["code"] == "refused" and "could not be merged" in refused.header["reason"]
     assert wait_until(lambda: syncer.version == 1)
@@ -157,6 +164,20 @@ def test_a_huge_finite_delta_is_refused_by_the_merge_and_the_round_goes_on(start
     merge = next(e for e in tape if e["event"] == "merge")
     assert merge["responders"] == [0, 1]
     assert any(e["event"] == "refuse_delta" and e["learner"] == 2 for e in tape)
+    assert audit(tape).ok, audit(tape).summary()
+    for lrn in ls:
+        lrn.close()
+
+
+def test_rda_merges_a_huge_finite_delta_clipped_to_a_typical_length(start_syncer, tmp_path):
+    """RDA sums unit directions and the (clipped) norms, never the huge values: the delta counts like any other."""
+    syncer, ls = send_a_huge_delta_in_a_round_of_three(start_syncer, "rda")
+    assert wait_until(lambda: syncer.version == 1)
+    assert np.isfinite(syncer.global_).all() and np.abs(syncer.global_).max() < 1.0
+    tape = tape_with(tmp_path / "syncer", "merge")
+    merge = next(e for e in tape if e["event"] == "merge")
+    assert merge["responders"] == [0, 1, 2] and list(merge["clip"]) == ["2"] and merge["clip"]["2"] < 1e-30
+    assert not any(e["event"] == "refuse_delta" for e in tape)
     assert audit(tape).ok, audit(tape).summary()
     for lrn in ls:
         lrn.close()
@@ -257,7 +278,8 @@ def test_islands_survive_a_syncer_crash(start_syncer, tmp_path):
     time.sleep(0.5)
     version_at_kill = syncer.version
     syncer2, _ = start_syncer(learners=1, quorum=1, outer_steps=6, inner_steps=1, sync_bits=32, out=out, port=port)
-    assert syncer2.version == version_at_kill  # ... and comes back from its checkpoint
+    resumed = tape_with(out, "resume")  # ... and comes back from its checkpoint (the island may push at once)
+    assert next(e for e in resumed if e["event"] == "resume")["version"] == version_at_kill
     t.join(40)
     assert isinstance(results.get(0), dict), results
     assert wait_until(lambda: syncer2.finished) and syncer2.version == 6

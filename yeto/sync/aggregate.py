@@ -20,6 +20,10 @@ the token-weighted mean of the rest; it needs every delta at once, so it walks
 the adapter fragment by fragment (memory: n fragments, not n adapters). With
 fewer than three deltas there is nothing to trim and it is the mean.
 
+RDA (`--merge rda`, yeto.sync.merge) streams too: `RoundSum` carries its
+per-tensor radial sums and running sum of unit directions, and a clip corrects
+the radial sum from the delta's stored tensor norms (no decode).
+
 Every result is a pure function of the deltas in their accumulation order (the
 tape's `responders`), so the merge replays bit for bit.
 """
@@ -33,6 +37,7 @@ import numpy as np
 import torch
 
 from yeto.sync.layout import Layout
+from yeto.sync.merge import Directions
 
 ROBUST_MODES = ("norm-clip", "trimmed-mean", "off")
 DEFAULT_CLIP_K = 4.0
@@ -55,12 +60,18 @@ def effective_weight(weight: float, scale: float) -> float:
 
 @dataclass
 class RoundSum:
-    """sum_i t_i * d_i over the deltas added so far, in arrival order."""
+    """sum_i t_i * d_i over the deltas added so far, in arrival order (and RDA's sums, when the rule is rda)."""
 
     numel: int
     total: Optional[torch.Tensor] = None
     weight: float = 0.0
     order: list[int] = field(default_factory=list)  # learner ids, as added
+    directions: Optional[Directions] = None  # `--merge rda`: the radial and direction sums
+
+    @classmethod
+    def for_rule(cls, layout: Layout, rule: str) -> "RoundSum":
+        """An empty sum for `--merge rule` (mean or rda)."""
+        return cls(layout.numel, directions=Directions.of(layout) if rule == "rda" else None)
 
     def add(self, learner: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
         """Add weight x scale x delta; the mean divides by the weights alone (a stale delta's scale < 1 shrinks
@@ -68,6 +79,13 @@ class RoundSum:
         self.total = accumulate(self.total, delta, effective_weight(weight, scale))
         self.weight += weight
         self.order.append(learner)
+        if self.directions is not None:
+            self.directions.add(learner, delta, weight, scale)
+
+    def copy(self) -> "RoundSum":
+        """A copy a merge may correct (clips) while the round's own sum stays as the deltas arrived."""
+        return RoundSum(self.numel, None if self.total is None else self.total.clone(), self.weight, list(self.order),
+                        self.directions)
 
     def mean(self) -> np.ndarray:
         if self.total is None or self.weight <= 0:
@@ -81,14 +99,19 @@ def clip_factors(norms: Sequence[float], history: Sequence[float], k: float) -> 
     return [1.0 if n <= k * ref or n == 0 else k * ref / n for n in norms]
 
 
-def clipped_mean(s: RoundSum, factors: dict[int, float], weights: dict[int, float],
-                 delta_of: Callable[[int], np.ndarray]) -> np.ndarray:
-    """The running sum's mean after scaling the listed learners' deltas by their factors (< 1)."""
+def clipped_merge(s: RoundSum, factors: dict[int, float], weights: dict[int, float],
+                  delta_of: Callable[[int], np.ndarray]) -> tuple[np.ndarray, Optional[int]]:
+    """The running sum's merge (the mean, or RDA's with its count of tensors that fell back to the mean) after
+    scaling the listed learners' deltas by their factors (< 1); `weights` are the effective ones, t_i s_i."""
+    shrink = {}
     for lid in s.order:
         c = factors.get(lid, 1.0)
         if c < 1.0:
             s.total = accumulate(s.total, delta_of(lid), -(1.0 - c) * weights[lid])
-    return s.mean()
+            shrink[lid] = (1.0 - c) * weights[lid]
+    if s.directions is None:
+        return s.mean(), None
+    return s.directions.merge(s.mean(), s.weight, shrink)
 
 
 def trimmed_mean(block: Callable[[int], np.ndarray], weights: Sequence[float], layout: Layout) -> np.ndarray:

@@ -352,8 +352,10 @@ def syncer_command(
                       ] = _D.robust,
     robust_k: Annotated[float, typer.Option(help="norm-clip: clip deltas whose norm exceeds k x the median.")
                         ] = _D.robust_k,
-    merge: Annotated[str, typer.Option(help="How deltas combine: mean (weighted average) or rda (radial-directional: "
-                                            "the mean norm along the mean direction, per tensor).")] = _D.merge,
+    merge: Annotated[Optional[str], typer.Option(
+        help="How deltas combine: rda (radial-directional: the mean norm along the mean direction, per tensor; the "
+             "default) or mean (weighted average; the default with --lora-merge product or --robust trimmed-mean)."
+    )] = None,
     merge_weight: Annotated[str, typer.Option(help="Weights of the merge: loss-tokens, tokens, steps or equal.")
                             ] = _D.merge_weight,
     lora_merge: Annotated[str, typer.Option(help="LoRA aggregation: factors (lora_A and lora_B apart) or product "

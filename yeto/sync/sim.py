@@ -46,7 +46,7 @@ from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdi
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.layout import build_layout
 from yeto.sync.merge import staleness_factor
-from yeto.sync.aggregate import RoundSum, clipped_mean, effective_weight
+from yeto.sync.aggregate import RoundSum, clipped_merge, effective_weight
 from yeto.sync.outer import nesterov_step
 from yeto.sync.protocol import (Code, Message, array_digest, decode, decode_fragments, digest_bytes, encode,
                                 encode_fragments_ef, is_bulk)
@@ -103,6 +103,7 @@ class Schedule:
     max_base_lag: int = 0  # the syncer's staleness policy and grace (drawn from a stream of their own)
     staleness_exponent: float = 0.0
     grace_ms: float = 3000.0
+    merge: str = "rda"
 
     @staticmethod
     def draw(seed: int) -> "Schedule":
@@ -148,7 +149,7 @@ class Schedule:
         """Stale deltas and the adaptive grace: drawn from a stream of their own (older seeds keep their faults)."""
         rng = random.Random(seed * 31 + 29)
         return {"max_base_lag": rng.choice([0, 1, 2, 4]), "staleness_exponent": rng.choice([0.0, 0.5]),
-                "grace_ms": rng.choice([0.0, 500.0, 3000.0])}
+                "grace_ms": rng.choice([0.0, 500.0, 3000.0]), "merge": rng.choice(["mean", "rda"])}
 
     @staticmethod
     def draw_give_ups(seed: int, kills: list) -> list[tuple[float, int]]:
@@ -165,7 +166,7 @@ class Schedule:
                             straggler_timeout=3.0, quorum_timeout=1e6, learner_timeout=6.0, out="(simulated)",
                             outer_lr=SIM_OUTER_LR, outer_momentum=SIM_OUTER_MOMENTUM,
                             max_base_lag=self.max_base_lag, staleness_exponent=self.staleness_exponent,
-                            grace_ms=self.grace_ms)
+                            grace_ms=self.grace_ms, merge=self.merge)
 
 
 # ---------------------------------------------------------------------------------------------- the world
@@ -445,13 +446,16 @@ class World:
             lags = e.get("lags") or [0] * len(e["responders"])
             tokens = dict(zip(e["responders"], e["loss_tokens"]))
             scale = {lid: staleness_factor(lag, cfg.staleness_exponent) for lid, lag in zip(e["responders"], lags)}
-            s = RoundSum(self.layout.numel)
+            s = RoundSum.for_rule(self.layout, e["merge"])
             for lid in e["summed"]:
                 s.add(lid, deltas[lid], tokens[lid], scale[lid])
             clip = {int(k): c for k, c in e["clip"].items()}
             weights = {lid: effective_weight(tokens[lid], scale[lid]) for lid in tokens}
-            new, m = nesterov_step(g, clipped_mean(s, clip, weights, deltas.__getitem__), m, cfg.outer_lr,
-                                   cfg.outer_momentum)
+            avg, fallbacks = clipped_merge(s, clip, weights, deltas.__getitem__)
+            if fallbacks != e.get("rda_fallbacks"):
+                raise Violation(f"replay of merge {v}: {fallbacks} RDA fallbacks, the tape says "
+                                f"{e.get('rda_fallbacks')}")
+            new, m = nesterov_step(g, avg, m, cfg.outer_lr, cfg.outer_momentum)
             _, _, sent = encode_fragments_ef(self.layout, new - g, cfg.sync_bits, ef)
             g = g + sent
             if array_digest(g) != e["digest"]:

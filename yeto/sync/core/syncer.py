@@ -44,7 +44,7 @@ import numpy as np
 
 from yeto import YetoError
 from yeto.sync.aggregate import (DEFAULT_CLIP_K, NORM_HISTORY_ROUNDS, ROBUST_MODES, RoundSum, clip_factors,
-                                  clipped_mean, effective_weight, trimmed_mean)
+                                  clipped_merge, effective_weight, trimmed_mean)
 from yeto.sync.audit import TapeFold
 from yeto.sync.core.actions import (AcceptedDelta, Action, Checkpoint, DropDeltas, Durable, Exit, Log, Record,
                                     SaveCheckpoint, SaveDelta, Send)
@@ -52,7 +52,7 @@ from yeto.sync.core.contract import contract_mismatch, contract_problem, run_con
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.given_up import quorum_after_give_ups
 from yeto.sync.layout import Layout, layout_from_json, layout_mismatch
-from yeto.sync.merge import (LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS, DeltaCounts, merge_weights, product_merge, rda,
+from yeto.sync.merge import (LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS, DeltaCounts, merge_weights, product_merge,
                              staleness_factor, weight_of)
 from yeto.sync.outer import nesterov_step
 from yeto.sync.protocol import (CLOCK_JUMP_S, DEFAULT_MAX_MESSAGE_MB, PROTOCOL_VERSION, Code, Message, ProtocolError,
@@ -71,6 +71,7 @@ ROUND_TIME_EMA = 0.5  # weight of a member's newest round time in its running es
 DEFAULT_MAX_BASE_LAG = 4
 MAX_BASE_LAG = 64  # beyond this a delta describes another model
 DEFAULT_STALENESS_EXPONENT = 0.5
+DEFAULT_MERGE = "rda"
 MERGE_TIME_EMA = 0.5
 HEARTBEATS_PER_TIMEOUT = 4  # learners ping this many times per --learner-timeout
 FINISH_LINGER_TIMEOUTS = 10  # after the finish, serve stragglers at most this many --learner-timeouts
@@ -119,7 +120,7 @@ class SyncerConfig:
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
     robust: str = "norm-clip"
     robust_k: float = DEFAULT_CLIP_K
-    merge: str = "mean"  # yeto.sync.merge: mean | rda
+    merge: Optional[str] = None  # yeto.sync.merge: mean | rda (None: rda, or mean where another choice needs it)
     merge_weight: str = "loss-tokens"  # loss-tokens | tokens | steps | equal
     lora_merge: str = "factors"  # factors | product
     grace_ms: float = DEFAULT_GRACE_MS
@@ -134,6 +135,10 @@ class SyncerConfig:
     insecure: bool = False
     join_key: Optional[str] = None
     max_connections: int = 2 * DEFAULT_MAX_LEARNERS
+
+    def __post_init__(self) -> None:
+        if self.merge is None:  # bench/convergence.py: rda 0.98x the data-parallel loss, mean 1.02x (2 islands)
+            self.merge = "mean" if self.robust == "trimmed-mean" or self.lora_merge == "product" else DEFAULT_MERGE
 
     def check(self) -> None:
         if self.sync_bits not in BITS:
@@ -340,7 +345,7 @@ class SyncerCore:
         self.merged = {int(k): v for k, v in ck.merged.items()}
         self.retired = {int(k): list(v) for k, v in ck.retired.items()}
         self.owners = dict(ck.owners)
-        self.sum = RoundSum(ck.layout.numel)
+        self.sum = RoundSum.for_rule(ck.layout, self.cfg.merge)
         self.digests = {v: d for v, d in fold.digests.items() if ck.version - self.cfg.max_base_lag <= v < ck.version}
         self.digests[ck.version] = ck.digest
         open_round = ck.version + 1
@@ -750,7 +755,7 @@ class SyncerCore:
         self.ef = ErrorFeedback(f.layout.numel)
         self.run = Checkpoint(0, f.layout, f.adapter_config, f.provenance, flat, np.zeros_like(flat),
                               self.ef.residual, digest, asdict(self.cfg), [], {}, {}, f.contract)
-        self.sum = RoundSum(f.layout.numel)
+        self.sum = RoundSum.for_rule(f.layout, self.cfg.merge)
         self.digests = {0: digest}
         self.founding = None
         known = set(self.seen)
@@ -1022,7 +1027,8 @@ class SyncerCore:
     def _refuse_merged(self, lid: int, reason: str) -> None:
         d = self.pending.pop(lid)
         order = self._order()
-        self.sum = RoundSum(self.run.layout.numel)  # rebuilt without it, in the order the others arrived
+        # rebuilt without it, in the order the others arrived
+        self.sum = RoundSum.for_rule(self.run.layout, self.cfg.merge)
         for i in order:
             self.sum.add(i, self._decode(self.pending[i]), self._weight(self.pending[i]), self._scale(self.pending[i]))
         reason = truncate(reason)
@@ -1062,20 +1068,17 @@ class SyncerCore:
                     if cfg.robust == "norm-clip":
                         factors = clip_factors([d.norm for d in ds], list(self.norm_history), cfg.robust_k)
                         clip = {i: c for i, c in zip(ids, factors) if c < 1.0}
-                    if (cfg.merge, cfg.lora_merge) == ("mean", "factors"):  # the running sum: one vector in memory
-                        s = RoundSum(run.layout.numel, None if self.sum.total is None else self.sum.total.clone(),
-                                     self.sum.weight, list(ids))
-                        avg = clipped_mean(s, clip, unnormalised, lambda i: self._decode(self.pending[i])) * most
+                    if cfg.lora_merge == "factors":  # the running sums: one or two vectors in memory, not n
+                        avg, fallbacks = clipped_merge(self.sum.copy(), clip, unnormalised,
+                                                       lambda i: self._decode(self.pending[i]))
+                        avg = avg * most
+                        rule = {} if fallbacks is None else {"rda_fallbacks": fallbacks}
                     else:  # every delta at once (LoRA adapters are small: n of them fit where one base does not)
                         deltas = [self._decode(self.pending[i]) * np.float32(clip.get(i, 1.0) * scales[i] * most)
                                   for i in ids]
-                        if cfg.lora_merge == "product":
-                            pm = product_merge([run.global_ + d for d in deltas], weights, run.layout)
-                            avg = pm.merged - run.global_
-                            rule = {"residual": pm.residual, "residual_mean": pm.residual_mean}
-                        else:
-                            avg, fallbacks = rda(deltas, weights, run.layout)
-                            rule = {"rda_fallbacks": fallbacks}
+                        pm = product_merge([run.global_ + d for d in deltas], weights, run.layout)
+                        avg = pm.merged - run.global_
+                        rule = {"residual": pm.residual, "residual_mean": pm.residual_mean}
                 new_global, momentum = nesterov_step(run.global_, avg, run.momentum, cfg.outer_lr, cfg.outer_momentum)
                 if not (np.isfinite(new_global).all() and np.isfinite(momentum).all()):
                     raise MergeError("the outer step overflows")
@@ -1130,7 +1133,7 @@ class SyncerCore:
         self._record("checkpoint", version=version, digest=digest)
         self.out.append(DropDeltas(through_round=r.number))
         self.pending = {}
-        self.sum = RoundSum(run.layout.numel)
+        self.sum = RoundSum.for_rule(run.layout, self.cfg.merge)
         self.round = None
         header = {"version": version, "round": r.number, "digest": digest, "responders": ids, "weights": weights,
                   "deltas": deltas, "lags": lags, "fragments": merged["descs"]}
