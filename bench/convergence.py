@@ -198,16 +198,19 @@ def main() -> None:
     if not a.no_heterogeneous:  # the slow island: (SLOWDOWN - 1) fast steps of delay per step
         slow = (SLOWDOWN - 1) * a.step_s
         half = max(1, a.batch_size // 2)  # the fast island alone: its batch and its shard, as in the pair
-        todo += [Arm("heterogeneous: fast island alone", 1, syncer=PLAIN, round_seconds=a.round_seconds, batch=half,
-                     shards=2),
-                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow", 2, syncer=PLAIN, round_seconds=a.round_seconds,
-                     slow_delay_s=slow, batch=half),
-                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, step-normalized", 2, syncer=PLAIN + [
-                     "--step-normalize"], round_seconds=a.round_seconds, slow_delay_s=slow, batch=half),
-                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, no stale discount", 2, syncer=PLAIN + [
-                     "--staleness-exponent", "0"], round_seconds=a.round_seconds, slow_delay_s=slow, batch=half),
-                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, stale dropped", 2, syncer=PLAIN + [
-                     "--max-base-lag", "0"], round_seconds=a.round_seconds, slow_delay_s=slow, batch=half)]
+        alone = "heterogeneous: fast island alone"  # the baseline: the same wall-clock without the slow island
+        pair = dict(round_seconds=a.round_seconds, slow_delay_s=slow, batch=half, baseline=alone)
+        todo += [Arm(alone, 1, syncer=PLAIN, round_seconds=a.round_seconds, batch=half, shards=2, baseline=alone),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow (defaults: rda)", 2, syncer=PLAIN, **pair),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, rda, step-normalized", 2,
+                     syncer=PLAIN + ["--step-normalize"], **pair),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, mean", 2, syncer=MEAN + PLAIN, **pair),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, mean, step-normalized", 2,
+                     syncer=MEAN + PLAIN + ["--step-normalize"], **pair),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, no stale discount", 2,
+                     syncer=PLAIN + ["--staleness-exponent", "0"], **pair),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, stale dropped", 2,
+                     syncer=PLAIN + ["--max-base-lag", "0"], **pair)]
     if a.arms:
         keep = [k.strip() for k in a.arms.split(";")]
         wanted = [x for x in todo if any(k in x.name for k in keep)]
@@ -220,7 +223,7 @@ def main() -> None:
               + (f", utilization {r['utilization']}, lags {r['lags']}" if r.get("utilization") else ""), flush=True)
     print(f"\nmodel {a.model}; {a.steps} steps x global batch {a.batch_size} x {a.seq_len} tokens per arm; "
           f"eval loss before training {results['data-parallel']['eval_before']:.4f}")
-    print(f"{'arm':<60} {'eval loss':>9} {'/ DP':>7} {'wall s':>7}  utilization")
+    print(f"{'arm':<60} {'eval loss':>9} {'/ base':>7} {'wall s':>7}  utilization")
     for arm in todo:
         r, dp = results[arm.name], results[arm.baseline]["eval_loss"]
         util = ", ".join(f"{u:.1%}" for u in r.get("utilization", [])) or "-"
