@@ -55,6 +55,9 @@ class Arm:
     batch: int = 0  # per island (0: the global batch split between the islands); data-parallel: its batch
     shards: int = 0  # the data is split into this many shards (0: one per island)
     baseline: str = "data-parallel"  # the data-parallel arm with this arm's global batch
+    # a slow island with this --step-delay trains alongside on a syncer of its own (its deltas never merge): the
+    # machine carries the pair's load, so "the fast island alone" is compared at equal wall-clock and equal CPU
+    shadow_slow_s: float = 0.0
 
 
 def arms(h_values: list[int], global_batch: int) -> list[Arm]:
@@ -109,27 +112,39 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
     n, port = arm.islands, free_port()
     batch = arm.batch or max(1, a.batch_size // n)
     rounds = a.steps // arm.inner_steps if not arm.round_seconds else a.rounds
-    syncer = subprocess.Popen([sys.executable, "-m", "yeto.sync.server", "--insecure", "--host", "127.0.0.1",
-                               "--port", str(port), "--out", str(out / "syncer"), "--learners", str(n),
-                               "--quorum", str(1 if arm.round_seconds else n), "--outer-steps", str(rounds),
-                               "--inner-steps", str(arm.inner_steps), "--round-seconds", str(arm.round_seconds),
-                               "--sync-bits", "4", *arm.syncer], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    threads = max(1, (os.cpu_count() or 1) // n)
-    procs = []
-    for i in range(n):
-        delay = ["--step-delay", str(arm.slow_delay_s)] if arm.slow_delay_s and i == n - 1 else []
-        procs.append(subprocess.Popen(learner + common + [
+
+    def start_syncer(port: int, learners: int, where: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "yeto.sync.server", "--insecure", "--host", "127.0.0.1",
+                                 "--port", str(port), "--out", str(where), "--learners", str(learners),
+                                 "--quorum", str(1 if arm.round_seconds else learners), "--outer-steps", str(rounds),
+                                 "--inner-steps", str(arm.inner_steps), "--round-seconds", str(arm.round_seconds),
+                                 "--sync-bits", "4", *arm.syncer], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+
+    def start_island(port: int, i: int, delay_s: float, where: Path) -> subprocess.Popen:
+        delay = ["--step-delay", str(delay_s)] if delay_s else []
+        return subprocess.Popen(learner + common + [
             "--batch-size", str(batch), "--syncer", f"127.0.0.1:{port}", "--insecure", "--learner-id", str(i),
-            "--num-learners", str(arm.shards or n), "--threads", str(threads), "--out", str(out / f"island-{i}"),
-            *delay],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            "--num-learners", str(arm.shards or n), "--threads", str(threads), "--out", str(where), *delay],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    syncer = start_syncer(port, n, out / "syncer")
+    threads = max(1, (os.cpu_count() or 1) // (n + (1 if arm.shadow_slow_s else 0)))
+    procs = [start_island(port, i, arm.slow_delay_s if i == n - 1 else 0.0, out / f"island-{i}") for i in range(n)]
+    shadow = []
+    if arm.shadow_slow_s:
+        shadow_port = free_port()
+        shadow = [start_syncer(shadow_port, 1, out / "shadow-syncer"),
+                  start_island(shadow_port, n, arm.shadow_slow_s, out / "shadow-island")]
     for i, p in enumerate(procs):
         log, _ = p.communicate(timeout=PROCESS_TIMEOUT_S)
         if p.returncode:
             syncer.kill()
             sys.exit(f"{arm.name}: island {i} failed:\n{log[-3000:]}")
     syncer.wait(timeout=120)
+    for p in shadow:
+        p.kill()
+        p.wait()
     isl = [json.loads((out / f"island-{i}" / "summary.json").read_text()) for i in range(n)]
     tape = [json.loads(x) for x in (out / "syncer" / "tape.jsonl").read_text().splitlines() if x.strip()]
     deltas = [e for e in tape if e["event"] == "delta"]
@@ -200,7 +215,8 @@ def main() -> None:
         half = max(1, a.batch_size // 2)  # the fast island alone: its batch and its shard, as in the pair
         alone = "heterogeneous: fast island alone"  # the baseline: the same wall-clock without the slow island
         pair = dict(round_seconds=a.round_seconds, slow_delay_s=slow, batch=half, baseline=alone)
-        todo += [Arm(alone, 1, syncer=PLAIN, round_seconds=a.round_seconds, batch=half, shards=2, baseline=alone),
+        todo += [Arm(alone, 1, syncer=PLAIN, round_seconds=a.round_seconds, batch=half, shards=2, baseline=alone,
+                     shadow_slow_s=slow),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow (defaults: rda)", 2, syncer=PLAIN, **pair),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, rda, step-normalized", 2,
                      syncer=PLAIN + ["--step-normalize"], **pair),
@@ -222,7 +238,7 @@ def main() -> None:
         print(f"    eval loss {r['eval_loss']:.4f} ({r['wall_s']:.0f}s)"
               + (f", utilization {r['utilization']}, lags {r['lags']}" if r.get("utilization") else ""), flush=True)
     print(f"\nmodel {a.model}; {a.steps} steps x global batch {a.batch_size} x {a.seq_len} tokens per arm; "
-          f"eval loss before training {results['data-parallel']['eval_before']:.4f}")
+          f"eval loss before training {next(iter(results.values()))['eval_before']:.4f}")
     print(f"{'arm':<60} {'eval loss':>9} {'/ base':>7} {'wall s':>7}  utilization")
     for arm in todo:
         r, dp = results[arm.name], results[arm.baseline]["eval_loss"]

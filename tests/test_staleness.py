@@ -65,3 +65,20 @@ def test_the_grace_waits_for_an_island_predicted_within_the_cap_and_not_for_one_
     short = OpenRound(number=5, base_version=4, opened_at=0.0, quorum_at=10.0)  # a 10 s round: 0.5 s of grace
     core.members[1].round_s, core.members[1].since = 8.0, 2.0  # predicted at 10.41, beyond 10 + 0.5 share
     assert core._grace_until(short, [1], []) == 10.0  # - 0.5 merge: not waited for
+
+
+def test_with_time_windows_a_member_not_measured_yet_is_predicted_at_its_window_end():
+    """Before its first push a learner's pace is unknown, but with time-window rounds it cannot push before its
+    window ends: one that started its first window 8 s after the quorum's is not waited for; one about to end its
+    window is; one whose window ended already (mid-step) gets the cap."""
+    core = SyncerCore(SyncerConfig(learners=2, quorum=1, grace_ms=5000, round_seconds=20.0,
+                                   straggler_timeout=100.0), "inc")
+    r = OpenRound(number=1, base_version=0, opened_at=-100.0, quorum_at=20.0)
+    core.members = {1: Member(1, "s", "p1", "test", last_seen=20.0)}
+    core.members[1].since = 8.0  # its window ends at 28 (+2%, + slack): beyond the 5 s cap
+    assert core._grace_until(r, [1], []) == 20.0
+    core.members[1].since = 1.0  # its window ends at 21.65: within the cap
+    assert np.isclose(core._grace_until(r, [1], []), 1.0 + GRACE_SLACK * 20.0 + GRACE_SLACK_S)
+    core.members[1].since = -5.0  # its window ended before the quorum: overdue, the whole cap
+    assert core._grace_until(r, [1], []) == 25.0
+

@@ -100,7 +100,7 @@ class Directions:
     """
 
     slices: list[slice]
-    units: Optional[np.ndarray] = None  # float64, flat
+    units: Optional[np.ndarray] = None  # float32, flat (one more adapter-sized vector per round)
     radial: Optional[np.ndarray] = None  # float64, one per tensor
     norms: dict[int, np.ndarray] = field(default_factory=dict)  # per learner: its tensors' norms (unscaled)
 
@@ -109,13 +109,15 @@ class Directions:
         return cls(list(layout.tensor_slices().values()))
 
     def add(self, learner: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
-        x = np.asarray(delta, dtype=np.float64).reshape(-1)
+        x = np.asarray(delta).reshape(-1)
         if self.units is None:
-            self.units, self.radial = np.zeros(x.size), np.zeros(len(self.slices))
-        norms = np.asarray([np.linalg.norm(x[k]) for k in self.slices])
-        for k, n in zip(self.slices, norms):
+            self.units, self.radial = np.zeros(x.size, np.float32), np.zeros(len(self.slices))
+        norms = np.zeros(len(self.slices))
+        for j, k in enumerate(self.slices):  # tensor by tensor: float64 for one tensor at a time
+            t = x[k].astype(np.float64)
+            norms[j] = n = float(np.linalg.norm(t))
             if n > 0:
-                self.units[k] += (weight / n) * x[k]
+                self.units[k] += ((weight / n) * t).astype(np.float32)
         self.radial += (weight * scale) * norms
         self.norms[learner] = norms
 
@@ -130,7 +132,7 @@ class Directions:
             radial -= amount * self.norms[lid]
         fallbacks = 0
         for j, k in enumerate(self.slices):
-            v = self.units[k] / total_weight
+            v = self.units[k].astype(np.float64) / total_weight
             length = float(np.linalg.norm(v))
             if length < RDA_CANCEL:
                 fallbacks += 1

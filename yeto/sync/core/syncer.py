@@ -987,7 +987,9 @@ class SyncerCore:
         """When a round with quorum in stops waiting: at the latest predicted push among the expected members
         predicted within the cap (--grace-ms and 5% of the time the round took to reach quorum, less the merge
         time), so an island far behind never holds the others (they stay >= 95% busy) and one about to push is not
-        left out. A member not measured yet, or overdue (its pace changed), is waited for up to --grace-ms."""
+        left out. A member not measured yet, or overdue (its pace changed), is waited for up to --grace-ms; with
+        time-window rounds a member not measured yet cannot push before its window ends, so the window is its
+        first estimate (a learner that started its first round well after the others is not waited for)."""
         start = r.fresh_at if r.fresh_at is not None else r.quorum_at
         assert start is not None
         cap = self.cfg.grace_cap_s - self.merge_s
@@ -995,8 +997,8 @@ class SyncerCore:
         until = start
         for lid in waiting + absent:
             m = self.members.get(lid)
-            eta = None if lid in absent or m is None or m.round_s is None else (
-                m.since + GRACE_SLACK * m.round_s + GRACE_SLACK_S)
+            round_s = None if m is None else m.round_s if m.round_s is not None else self.cfg.round_seconds or None
+            eta = None if lid in absent or round_s is None else m.since + GRACE_SLACK * round_s + GRACE_SLACK_S
             if eta is None or eta < start:
                 until = max(until, start + max(0.0, cap))
             elif eta <= deadline:
