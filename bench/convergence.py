@@ -1,7 +1,8 @@
 """Convergence: N islands vs one synchronous data-parallel run with the same total tokens (SmolLM2-135M, demo data).
 
 Every arm is real processes on this machine (a syncer on loopback and `yeto.learner` islands, or one `yeto.learner`
-alone) and reports the held-out eval loss of its final (merged) adapter and its ratio to data-parallel:
+alone) and reports the held-out eval loss of its final (merged) adapter and its ratio to its baseline (data-parallel
+with the same global batch; for the heterogeneous arms, the fast island alone beside a shadow slow island):
   data-parallel      one process, the fleet's global batch (islands x per-island batch), T steps (the baseline)
   N islands, H       N islands x T steps of batch/N each, rounds of H inner steps, under a merge rule, LoRA
                      aggregation and outer optimizer setting
