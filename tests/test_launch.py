@@ -621,3 +621,19 @@ def test_the_head_runs_the_syncer_and_relaunches_a_preempted_learner_that_rejoin
     assert audit(events).ok, audit(events).summary()
     assert (tmp_path / "delivered" / "adapter" / "adapter_model.safetensors").is_file()
     assert not cloud.procs  # every learner cluster went down at the end
+
+
+def test_the_syncer_command_pins_the_model_only_with_a_revision_and_runs_the_real_cli(tmp_path):
+    """One builder for local fleets and the cloud head: the plan's syncer flags pass through, the model is pinned only
+    when its revision is (else the founding learner's model is the run's), and the command parses."""
+    from yeto.launch.tasks import syncer_command
+
+    plan = plan_for(tmp_path, syncer_args=["--quorum", "1", "--merge", "mean"])
+    cmd = syncer_command(plan, "127.0.0.1", 29411, tmp_path / "syncer", sys.executable)
+    assert cmd[1:3] == ["-m", "yeto.sync.server"] and "--model" not in cmd
+    assert cmd[-4:] == ["--quorum", "1", "--merge", "mean"]
+    plan.model_revision = "0123abc"
+    pinned = syncer_command(plan, "0.0.0.0", 29411, tmp_path / "syncer", sys.executable)
+    assert pinned[-4:] == ["--model", plan.model, "--model-revision", "0123abc"]
+    r = subprocess.run([*cmd, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--merge" in r.stdout

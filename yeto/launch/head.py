@@ -26,7 +26,7 @@ from yeto.launch.cloud import POLL_S, SkyClient, SkyPilotClient, watch_fleet
 from yeto.launch.controller import FleetController
 from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan
-from yeto.launch.tasks import API_ENDPOINT_ENV, HEAD_KEYS_ENV, HEAD_RUN_DIR, learner_task
+from yeto.launch.tasks import API_ENDPOINT_ENV, HEAD_KEYS_ENV, HEAD_RUN_DIR, learner_task, syncer_command
 from yeto.sync.auth import Keyring
 from yeto.sync.given_up import GIVEN_UP_DIR, give_up
 
@@ -44,10 +44,7 @@ def fleet_note(out: Path):
 
 
 def start_syncer(plan: FleetPlan, syncer_out: Path) -> subprocess.Popen:
-    pins = ["--model", plan.model, *(["--model-revision", plan.model_revision] if plan.model_revision else [])]
-    return subprocess.Popen([sys.executable, "-m", "yeto.sync.server", "--host", "0.0.0.0", "--port", str(plan.port),
-                             "--learners", str(plan.num_learners), "--out", str(syncer_out), *plan.syncer_args,
-                             *(pins if plan.model_revision else [])])
+    return subprocess.Popen(syncer_command(plan, "0.0.0.0", plan.port, syncer_out, sys.executable))
 
 
 def keep_fleet(plan: FleetPlan, client: SkyClient, address: str, join_key: str, run_over: Callable[[], bool],

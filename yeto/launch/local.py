@@ -20,7 +20,7 @@ from yeto.launch.join import join_instructions, write_join_files
 from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan
 from yeto.launch.registry import RunRecord, process_start
-from yeto.launch.tasks import learner_command
+from yeto.launch.tasks import learner_command, syncer_command
 from yeto.sync.auth import JOIN_KEY_ENV, Keyring
 
 LOOPBACK = "127.0.0.1"
@@ -84,10 +84,7 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
     syncer_out = out / "syncer"
     keys = Keyring.ensure(syncer_out)  # the run's credentials, before anyone starts (the syncer reuses them)
     learner_env = {JOIN_KEY_ENV: keys.join.text()}  # the key travels in the environment, never on a command line
-    pins = ["--model", plan.model, *(["--model-revision", plan.model_revision] if plan.model_revision else [])]
-    start("syncer", [sys.executable, "-m", "yeto.sync.server", "--host", bind, "--port", str(port),
-                     "--learners", str(plan.num_learners), "--out", str(syncer_out), *plan.syncer_args,
-                     *(pins if plan.model_revision else [])], "bold white")
+    start("syncer", syncer_command(plan, bind, port, syncer_out, sys.executable), "bold white")
     time.sleep(SYNCER_HEAD_START_S)
     for i in range(n_local):
         mlx = i >= n_local - plan.mlx

@@ -104,6 +104,14 @@ def torchrun_prefix(run_id: str) -> list[str]:
             f"$(echo \"$SKYPILOT_NODE_IPS\" | head -n1):{TORCHRUN_PORT}", "--max-restarts", str(TORCHRUN_RESTARTS)]
 
 
+def syncer_command(plan: FleetPlan, host: str, port: int, out: Path, python: str) -> list[str]:
+    """The syncer's command line for the plan (local fleets and the cloud head alike); the model pinned only with a
+    revision (without one the founding learner's model is the run's)."""
+    pins = ["--model", plan.model, "--model-revision", plan.model_revision] if plan.model_revision else []
+    return [python, "-m", "yeto.sync.server", "--host", host, "--port", str(port), "--learners", str(plan.num_learners),
+            "--out", str(out), *plan.syncer_args, *pins]
+
+
 def learner_command(plan: FleetPlan, learner: int, syncer: str, data: str, model: str, backend: str = "yeto.learner",
                     python: str = "python3") -> list[str]:
     """The learner's command line (no secret on it: the join key comes from the environment or --join-key)."""
