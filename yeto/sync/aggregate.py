@@ -107,8 +107,8 @@ def clipped_merge(s: RoundSum, factors: dict[int, float], weights: dict[int, flo
     for lid in s.order:
         c = factors.get(lid, 1.0)
         if c < 1.0:
-            s.total = accumulate(s.total, delta_of(lid), -(1.0 - c) * weights[lid])
-            shrink[lid] = (1.0 - c) * weights[lid]
+            shrink[lid] = (1.0 - c) * weights[lid]  # what the clip takes off this delta's weight
+            s.total = accumulate(s.total, delta_of(lid), -shrink[lid])
     if s.directions is None:
         return s.mean(), None
     return s.directions.merge(s.mean(), s.weight, shrink)
