@@ -50,6 +50,7 @@ demo-single: setup
 		--prompt "What is the capital of France?" --prompt "Which continent is Kenya in?"
 
 test: setup
+	$(BIN)/ruff check yeto tests bench
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q
 
 sim: setup

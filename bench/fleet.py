@@ -52,7 +52,8 @@ def main() -> None:
     common = base + ["--batch-size", str(a.batch_size)]
     yeto = [sys.executable, "-m", "yeto"]
     results = {}
-    wall = run(yeto + ["train", *common, "--max-steps", str(a.total_steps), "--out", str(tmp / "single"), "--no-progress"])
+    wall = run(yeto + ["train", *common, "--max-steps", str(a.total_steps), "--out", str(tmp / "single"),
+                       "--no-progress"])
     s = json.loads((tmp / "single" / "summary.json").read_text())
     results["single"] = {"eval_loss": s["eval_loss_after"], "eval_before": s["eval_loss_before"], "wall_s": wall}
     per_island = a.total_steps // 2
@@ -82,7 +83,8 @@ def main() -> None:
     print(f"eval loss before training: {results['single']['eval_before']:.4f}")
     q = results["4-bit"]["eval_loss"] / results["32-bit"]["eval_loss"]
     print(f"ratio 4-bit / 32-bit eval loss: {q:.4f} ({(q - 1) * 100:+.2f}%)")
-    print(f"ratio 32-bit fleet / single island eval loss: {results['32-bit']['eval_loss'] / results['single']['eval_loss']:.4f}; "
+    print(f"ratio 32-bit fleet / single island eval loss: "
+          f"{results['32-bit']['eval_loss'] / results['single']['eval_loss']:.4f}; "
           f"/ single island at 2x batch (same steps and tokens as the fleet): "
           f"{results['32-bit']['eval_loss'] / results['single, 2x batch']['eval_loss']:.4f}")
     u0 = sum(results["4-bit"]["utilization"]) / 2

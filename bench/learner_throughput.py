@@ -82,7 +82,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args()
-    args = {"model": a.model, "data": a.data, "steps": a.steps, "warmup": a.warmup, "seq_len": a.seq_len, "batch_size": a.batch_size}
+    args = {"model": a.model, "data": a.data, "steps": a.steps, "warmup": a.warmup, "seq_len": a.seq_len,
+            "batch_size": a.batch_size}
     from yeto.models import resolve_model
 
     resolve_model(a.model)  # materialize once, outside the timed children
@@ -95,13 +96,14 @@ def main() -> None:
         results[variant] = q.get()
         proc.join()
     plain, yeto = results["plain"], results["yeto"]
-    print(f"model {a.model}, batch {a.batch_size} x {a.seq_len}, {a.steps} timed steps after {a.warmup} warmup, chat data "
-          f"({plain['loss_share']:.0%} of tokens carry loss)")
+    print(f"model {a.model}, batch {a.batch_size} x {a.seq_len}, {a.steps} timed steps after {a.warmup} warmup, "
+          f"chat data ({plain['loss_share']:.0%} of tokens carry loss)")
     print(f"{'':8} {'tok/s':>9} {'loss tok/s':>11} {'peak MB':>9}")
     for name, r in results.items():
         print(f"{name:8} {r['tok_s']:9.1f} {r['loss_tok_s']:11.1f} {r['peak_mb']:9.0f}")
     ratio = yeto["tok_s"] / plain["tok_s"]
-    print(f"ratio yeto/plain: tokens/s {ratio:.2f}x, loss-bearing tokens/s {yeto['loss_tok_s'] / plain['loss_tok_s']:.2f}x, "
+    print(f"ratio yeto/plain: tokens/s {ratio:.2f}x, "
+          f"loss-bearing tokens/s {yeto['loss_tok_s'] / plain['loss_tok_s']:.2f}x, "
           f"peak memory {yeto['peak_mb'] / plain['peak_mb']:.2f}x")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": args, "results": results, "ratio": ratio}, indent=2))

@@ -115,7 +115,8 @@ def main() -> None:
     blas = "OpenBLAS preloaded" if "openblas" in env.get("LD_PRELOAD", "") else "MLX's bundled BLAS"
     results = {}
     for variant in ("mlx-lm", "yeto"):
-        r = subprocess.run([sys.executable, __file__, "--variant", variant, *sys.argv[1:]], env=env, capture_output=True, text=True)
+        r = subprocess.run([sys.executable, __file__, "--variant", variant, *sys.argv[1:]], env=env,
+                           capture_output=True, text=True)
         if r.returncode != 0:
             sys.exit(r.stderr[-3000:])
         results[variant] = json.loads(r.stdout.strip().splitlines()[-1])

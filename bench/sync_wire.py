@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from yeto.sync.layout import TensorSpec, layout_from_specs  # noqa: E402
 from yeto.sync.aggregate import RoundSum  # noqa: E402
 from yeto.sync.outer import nesterov_step  # noqa: E402
-from yeto.sync.protocol import decode, decode_fragments, encode, encode_fragments, encode_fragments_ef, message_bytes  # noqa: E402
+from yeto.sync.protocol import (decode, decode_fragments, encode, encode_fragments, encode_fragments_ef,  # noqa: E402
+                                message_bytes)
 from yeto.sync.quant import ErrorFeedback  # noqa: E402
 
 
@@ -48,8 +49,9 @@ def smollm2_specs() -> tuple[TensorSpec, ...]:
 
 def llama_1b_specs(r: int = 16) -> tuple[TensorSpec, ...]:
     h, inter, layers, kv = 2048, 8192, 16, 512
-    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv), "self_attn.o_proj": (h, h),
-              "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter), "mlp.down_proj": (inter, h)}
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (h, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+              "mlp.down_proj": (inter, h)}
     specs = []
     for i in range(layers):
         for mod, (fin, fout) in shapes.items():
@@ -61,15 +63,16 @@ def llama_1b_specs(r: int = 16) -> tuple[TensorSpec, ...]:
 
 def delta_message(layout, flat, bits) -> list[bytes]:
     descs, frames = encode_fragments(layout, flat, bits)
-    return encode("delta", {"learner": 0, "session": "bench", "round": 1, "base_version": 0, "tokens": 4096, "loss_tokens": 1300, "inner_steps": 50,
-                            "loss": 1.234, "fragments": descs}, frames)
+    return encode("delta", {"learner": 0, "session": "bench", "round": 1, "base_version": 0, "tokens": 4096,
+                            "loss_tokens": 1300, "inner_steps": 50, "loss": 1.234, "fragments": descs}, frames)
 
 
 def wire_bytes() -> None:
     layout = layout_from_specs(smollm2_specs())
     rng = np.random.default_rng(0)
     delta = (rng.standard_normal(layout.numel) * 1e-3).astype(np.float32)
-    print(f"(a) SmolLM2-135M adapter: {len(layout.specs)} tensors, {layout.numel:,} values, {len(layout.fragments)} fragment(s)")
+    print(f"(a) SmolLM2-135M adapter: {len(layout.specs)} tensors, {layout.numel:,} values, "
+          f"{len(layout.fragments)} fragment(s)")
     sizes = {}
     for bits in (32, 16, 8, 4):
         up = message_bytes(delta_message(layout, delta, bits))
@@ -78,7 +81,8 @@ def wire_bytes() -> None:
                                                   "weights": [0.5, 0.5], "deltas": ["0" * 16] * 2,
                                                   "fragments": descs}, frames))
         sizes[bits] = up + down
-        print(f"    {bits:>2} bits: delta {up:>10,} B + broadcast {down:>10,} B = {up + down:>10,} B per round per learner")
+        print(f"    {bits:>2} bits: delta {up:>10,} B + broadcast {down:>10,} B = {up + down:>10,} B "
+              "per round per learner")
     for bits in (16, 8, 4):
         print(f"    ratio {bits}-bit / 32-bit: {sizes[bits] / sizes[32]:.4f} (1/{sizes[32] / sizes[bits]:.2f})")
 
@@ -100,7 +104,8 @@ def merge_throughput(n_learners: int, repeats: int) -> None:
     print(f"(b) 1B-class adapter (Llama-3.2-1B shapes, r=16, all linears): {layout.numel:,} values = {mb:.1f} MB fp32, "
           f"{len(layout.fragments)} fragments; {n_learners} learners at 4 bits")
     rng = np.random.default_rng(1)
-    msgs = [decode(delta_message(layout, (rng.standard_normal(layout.numel) * 1e-3).astype(np.float32), 4)) for _ in range(n_learners)]
+    msgs = [decode(delta_message(layout, (rng.standard_normal(layout.numel) * 1e-3).astype(np.float32), 4))
+            for _ in range(n_learners)]
     tokens = rng.integers(500, 5000, n_learners)
     g = np.zeros(layout.numel, np.float32)
     m = np.zeros_like(g)

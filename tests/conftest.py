@@ -53,8 +53,9 @@ def tiny_model(tmp_path_factory, tokenizer):
     def make(kind: str) -> Path:
         if kind not in cache:
             spec = dict(TINY[kind])
-            cfg = AutoConfig.for_model(spec.pop("model_type"), vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                       eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **spec)
+            cfg = AutoConfig.for_model(spec.pop("model_type"), vocab_size=len(tokenizer),
+                                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                       bos_token_id=tokenizer.bos_token_id, **spec)
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(cfg)
             path = tmp_path_factory.mktemp(f"tiny-{kind}")

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yeto import YetoError
-from yeto.data import encode_chat, encode_record, pack_examples, prepare_data, read_records, record_format, split_and_shard, Record
+from yeto.data import (encode_chat, encode_record, pack_examples, prepare_data, read_records, record_format,
+                       split_and_shard, Record)
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}]
 
@@ -82,7 +83,8 @@ def test_chat_in_csv_column_and_sharegpt(tmp_path, tokenizer):
         w.writerow({"messages": json.dumps(CHAT)})
     (rec,) = read_records(tmp_path / "c.csv")
     assert record_format(rec) == "chat"
-    share = Record({"conversations": [{"from": "human", "value": CHAT[0]["content"]}, {"from": "gpt", "value": "Paris."}]}, "s:1")
+    share = Record({"conversations": [{"from": "human", "value": CHAT[0]["content"]},
+                                      {"from": "gpt", "value": "Paris."}]}, "s:1")
     assert encode_record(share, tokenizer) == encode_chat(CHAT, tokenizer)
 
 

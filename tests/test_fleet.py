@@ -32,9 +32,9 @@ def syncer(port, out, *args, env=None):
 def learner(model, port, lid, n, out, *args):
     return subprocess.Popen([sys.executable, "-m", "yeto.learner", "--model", str(model), "--data", str(DEMO_DATA),
                              "--syncer", f"127.0.0.1:{port}", "--learner-id", str(lid), "--num-learners", str(n),
-                             "--out", str(out), "--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--threads", "1",
-                             "--no-progress", *map(str, args)], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                             "--out", str(out), "--seq-len", "64", "--batch-size", "2", "--lora-r", "4",
+                             "--threads", "1", "--no-progress", *map(str, args)], cwd=REPO, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_for(path, event, timeout=120, **fields):
@@ -95,7 +95,8 @@ def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
     assert rounds_with_2 and min(rounds_with_2) >= join2["round"]
     assert any(e["event"] == "refuse" and e["learner"] == 3 for e in events)
     assert sum(1 for e in events if e["event"] == "checkpoint") >= 4
-    t = subprocess.run([sys.executable, "-m", "yeto", "tape", str(s_out), "--plot"], cwd=REPO, env=ENV, capture_output=True, text=True)
+    t = subprocess.run([sys.executable, "-m", "yeto", "tape", str(s_out), "--plot"], cwd=REPO, env=ENV,
+                       capture_output=True, text=True)
     assert t.returncode == 0 and "responders" in t.stdout and "refuse" in t.stdout, t.stderr
     assert (s_out / "tape.png").stat().st_size > 10_000
 
@@ -131,14 +132,15 @@ def test_launch_local_fleet_and_ctrl_c(tiny_model, tmp_path):
     model = tiny_model("llama")
     base = [sys.executable, "-m", "yeto", "launch", "--gpu", "local:2", "--model", str(model), "--data", str(DEMO_DATA),
             "--seq-len", "64", "--batch-size", "2", "--lora-r", "4"]
-    r = subprocess.run(base + ["--out", str(tmp_path / "ok"), "--outer-steps", "2", "--inner-steps", "3"], cwd=REPO, env=ENV,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(base + ["--out", str(tmp_path / "ok"), "--outer-steps", "2", "--inner-steps", "3"],
+                       cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "merged adapter:" in r.stdout and (tmp_path / "ok" / "syncer" / "adapter" / "adapter_config.json").is_file()
     assert "[island-1]" in r.stdout and "[syncer]" in r.stdout
 
-    p = subprocess.Popen(base + ["--out", str(tmp_path / "int"), "--outer-steps", "1000", "--inner-steps", "2"], cwd=REPO,
-                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    p = subprocess.Popen(base + ["--out", str(tmp_path / "int"), "--outer-steps", "1000", "--inner-steps", "2"],
+                         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
     wait_for(tmp_path / "int" / "syncer", "merge")
     os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
     out, _ = p.communicate(timeout=60)

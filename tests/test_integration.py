@@ -28,7 +28,8 @@ def test_learner_module_trains_and_saves(tiny_model, tmp_path):
     assert all(e["tokens"] == 2 * 2 * 64 and 0 < e["loss_tokens"] < e["tokens"] for e in steps)
     assert [e["step"] for e in events if e["event"] == "eval"] == [0, 2, 4]
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
-    g = run(YETO + ["generate", "--model", str(tiny_model("lfm2")), "--adapter", str(out), "--prompt", "Hi", "--max-new-tokens", "4"])
+    g = run(YETO + ["generate", "--model", str(tiny_model("lfm2")), "--adapter", str(out), "--prompt", "Hi",
+                    "--max-new-tokens", "4"])
     assert g.returncode == 0, g.stderr
     assert "with adapter" in g.stdout
 

@@ -23,7 +23,8 @@ def adapted_modules(model_dir, mode):
 
 def test_llama_attention_targets(tiny_model):
     chosen = adapted_modules(tiny_model("llama"), "auto")
-    assert chosen == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("k_proj", "o_proj", "q_proj", "v_proj")]
+    assert chosen == [f"model.layers.{i}.self_attn.{p}" for i in range(2)
+                      for p in ("k_proj", "o_proj", "q_proj", "v_proj")]
     all_linear = adapted_modules(tiny_model("llama"), "all-linear")
     assert "model.layers.0.mlp.gate_proj" in all_linear and "lm_head" not in all_linear and len(all_linear) == 14
 

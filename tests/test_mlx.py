@@ -90,7 +90,8 @@ def test_config_shim_flattens_rope_parameters():
     assert mlx_config_shim(cfg) == {"rope_theta": 100000.0}
     assert mlx_config_shim({"rope_theta": 5.0, "rope_parameters": {"rope_theta": 5.0}}) == {}
     scaled = mlx_config_shim({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}})
-    assert scaled["rope_theta"] == 5e5 and scaled["rope_scaling"] == {"type": "llama3", "rope_type": "llama3", "factor": 8.0}
+    assert scaled["rope_theta"] == 5e5 and scaled["rope_scaling"] == {"type": "llama3", "rope_type": "llama3",
+                                                                      "factor": 8.0}
 
 
 def greedy_mlx(model, ids, n):
@@ -127,7 +128,8 @@ def mlx_learner(tiny_model, kind="llama", **kw):
 
 
 def test_same_blocks_as_the_torch_learner(tiny_model, tmp_path):
-    cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, lora_r=4, learner_id=1, num_learners=2)
+    cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, lora_r=4,
+                      learner_id=1, num_learners=2)
     t = TorchLearner(cfg, log=lambda s: None)
     m = mlx_learner(tiny_model, learner_id=1, num_learners=2)
     np.testing.assert_array_equal(t.data.train.input_ids, m.data.train.input_ids)
@@ -195,9 +197,11 @@ def test_heterogeneous_fleet_torch_and_mlx(tiny_model, tmp_path):
     common = ["--model", str(model), "--data", str(DEMO_DATA), "--syncer", f"127.0.0.1:{port}", "--num-learners", "2",
               "--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--threads", "1", "--no-progress"]
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 4)}
-    procs["torch"] = subprocess.Popen([sys.executable, "-m", "yeto.learner", "--learner-id", "0", "--out", str(tmp_path / "t"), *common],
+    procs["torch"] = subprocess.Popen([sys.executable, "-m", "yeto.learner", "--learner-id", "0",
+                                       "--out", str(tmp_path / "t"), *common],
                                       cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    procs["mlx"] = subprocess.Popen([sys.executable, "-m", "yeto.mlx.learner", "--learner-id", "1", "--out", str(tmp_path / "m"), *common],
+    procs["mlx"] = subprocess.Popen([sys.executable, "-m", "yeto.mlx.learner", "--learner-id", "1",
+                                     "--out", str(tmp_path / "m"), *common],
                                     cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     outs = finish(procs)
     assert all(code == 0 for code, _ in outs.values()), {k: v[1][-2500:] for k, v in outs.items()}

@@ -83,7 +83,8 @@ def peft_file_name(canonical: str) -> str:
     return canonical.replace(".default.", ".")
 
 
-def write_adapter(out_dir: str | Path, tensors: dict[str, Any], adapter_config: dict[str, Any], record: dict[str, Any]) -> Path:
+def write_adapter(out_dir: str | Path, tensors: dict[str, Any], adapter_config: dict[str, Any],
+                  record: dict[str, Any]) -> Path:
     """Write a peft directory from a canonical `{name: array}` view (the syncer has no model)."""
     import numpy as np
     from safetensors.numpy import save_file

@@ -63,10 +63,12 @@ def resolve_data(name: str, revision: str | None = None) -> Artifact:
     local = Path(name).expanduser()
     if local.exists():
         if revision is not None:
-            raise YetoError(f"--data-revision {revision!r} given for a local path {local}; local data is pinned by content hash")
+            raise YetoError(f"--data-revision {revision!r} given for a local path {local}; "
+                            "local data is pinned by content hash")
         return Artifact(name, "dataset", "local", str(local.resolve()), content_hash(local), None, None)
     parts = name.split("/")
-    if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")) and Path(name).suffix not in SUPPORTED_EXTENSIONS:
+    if (len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+            and Path(name).suffix not in SUPPORTED_EXTENSIONS):
         path, sha = resolve_hub_snapshot(name, revision, "dataset")
         return Artifact(name, "dataset", "hub", str(path), sha, revision, name)
     raise YetoError(f"data file not found: {name}")
@@ -76,13 +78,15 @@ def read_records(path: str | Path) -> list[Record]:
     """Every record of a file or a directory (its supported files, in sorted order)."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in SUPPORTED_EXTENSIONS and not any(s.startswith(".") for s in p.parts))
+        files = sorted(p for p in path.rglob("*")
+                       if p.suffix in SUPPORTED_EXTENSIONS and not any(s.startswith(".") for s in p.parts))
         if not files:
             raise YetoError(f"no data files ({', '.join(SUPPORTED_EXTENSIONS)}) in directory {path}")
         return [r for f in files for r in read_records(f)]
     if not path.is_file():
         raise YetoError(f"data file not found: {path}")
-    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv, ".txt": _read_txt}
+    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv,
+               ".txt": _read_txt}
     reader = readers.get(path.suffix)
     if reader is None:
         raise YetoError(f"unsupported data file {path}: expected one of {', '.join(SUPPORTED_EXTENSIONS)}")
@@ -111,7 +115,8 @@ def _read_json(path: Path) -> Iterable[Record]:
     if isinstance(data, dict):
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) != 1:
-            raise YetoError(f"{path}: expected a list of records (or an object holding one list), got an object with keys {sorted(data)}")
+            raise YetoError(f"{path}: expected a list of records (or an object holding one list), "
+                            f"got an object with keys {sorted(data)}")
         data = lists[0]
     if not isinstance(data, list):
         raise YetoError(f"{path}: expected a list of records, got {type(data).__name__}")
@@ -176,7 +181,8 @@ def record_format(rec: Record) -> str:
             raise YetoError(f"{rec.origin}: 'text' must be a non-empty string")
         return "text"
     raise YetoError(
-        f"{rec.origin}: record fits no format (expected 'messages', 'prompt'+'completion' or 'text'; got keys {sorted(d)})"
+        f"{rec.origin}: record fits no format (expected 'messages', 'prompt'+'completion' or 'text'; "
+        f"got keys {sorted(d)})"
     )
 
 
@@ -260,7 +266,8 @@ def encode_chat(messages: list[dict[str, str]], tokenizer, origin: str = "<chat>
     return _encode_spans(tokenizer, full, spans, add_eos=False, special=False)
 
 
-def _encode_spans(tokenizer, text: str, spans: list[tuple[int, int]], add_eos: bool, special: bool) -> tuple[list[int], list[int]]:
+def _encode_spans(tokenizer, text: str, spans: list[tuple[int, int]], add_eos: bool,
+                  special: bool) -> tuple[list[int], list[int]]:
     enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     mask = []
@@ -276,7 +283,8 @@ def _encode_spans(tokenizer, text: str, spans: list[tuple[int, int]], add_eos: b
 # ----------------------------------------------------------------------------- packing
 
 
-def pack_examples(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int, window: int = 64) -> tuple[Blocks, dict]:
+def pack_examples(examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int,
+                  window: int = 64) -> tuple[Blocks, dict]:
     """Pack whole examples into blocks (first fit over the last `window` open blocks).
 
     Examples are never split unless longer than a block (then cut into
@@ -297,7 +305,8 @@ def pack_examples(examples: list[tuple[list[int], list[int]]], seq_len: int, pad
             pieces = [(ids[i : i + seq_len], mask[i : i + seq_len]) for i in range(0, len(ids), seq_len)]
         for pid, pm in pieces:
             if not any(pm[1:]):
-                continue  # a chunk with no target to predict (position 0 is never predicted) costs compute, teaches nothing
+                continue  # a chunk with no target to predict (position 0 is never predicted)
+                # costs compute, teaches nothing
             for b in range(max(open_from, len(blocks) - window), len(blocks)):
                 if len(blocks[b][0]) + len(pid) <= seq_len:
                     blocks[b][0].extend(pid)
@@ -319,7 +328,8 @@ def pack_examples(examples: list[tuple[list[int], list[int]]], seq_len: int, pad
 # ----------------------------------------------------------------------------- the whole pipeline
 
 
-def split_and_shard(n: int, learner_id: int, num_learners: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def split_and_shard(n: int, learner_id: int, num_learners: int, eval_fraction: float,
+                    seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train indices of this learner, eval indices): a seeded permutation, the
     held-out set first (the same for every learner), then a round-robin shard."""
     if num_learners < 1:
@@ -356,7 +366,8 @@ def prepare_data(
         formats[f] = formats.get(f, 0) + 1
     train_idx, eval_idx = split_and_shard(len(records), learner_id, num_learners, eval_fraction, seed)
     if len(train_idx) == 0:
-        raise YetoError(f"learner {learner_id} of {num_learners} has no training records ({len(records)} records in {data})")
+        raise YetoError(f"learner {learner_id} of {num_learners} has no training records "
+                        f"({len(records)} records in {data})")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train, tstats = pack_examples([encode_record(records[i], tokenizer) for i in train_idx], seq_len, pad)
     evalb, _ = pack_examples([encode_record(records[i], tokenizer) for i in eval_idx], seq_len, pad)

@@ -12,7 +12,8 @@ from yeto.models import default_device, load_model, load_tokenizer, resolve_mode
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
     if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
@@ -28,7 +29,8 @@ def greedy(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat: bool =
 
 
 def compare(model_name: str, adapter: str | Path, prompts: list[str], max_new_tokens: int = 64,
-            model_revision: str | None = None, device: str = "auto", trust_remote_code: bool = False) -> list[tuple[str, str, str]]:
+            model_revision: str | None = None, device: str = "auto",
+            trust_remote_code: bool = False) -> list[tuple[str, str, str]]:
     """[(prompt, base answer, adapted answer)]; the adapter is loaded by peft itself."""
     from peft import PeftModel
 

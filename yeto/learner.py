@@ -108,7 +108,8 @@ class BatchSampler:
         return np.asarray(idx)
 
 
-def masked_loss(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, loss_fn: LossFn, full_logits: bool = False) -> torch.Tensor:
+def masked_loss(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, loss_fn: LossFn,
+                full_logits: bool = False) -> torch.Tensor:
     """Loss over the loss-bearing positions only.
 
     The LM head (hidden x vocab, the widest matmul of a small model) and the
@@ -122,7 +123,8 @@ def masked_loss(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, loss_fn
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, getattr(base, "base_model_prefix", "model"), None)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    special_logits = any(getattr(base.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    special_logits = any(getattr(base.config, k, None)
+                         for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
     if full_logits or decoder is None or head is None or special_logits:
         logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1][sel]
     else:
@@ -144,7 +146,8 @@ class TorchLearner:
         self.device = default_device() if cfg.device == "auto" else cfg.device
         if group is not None and self.device == "cuda":
             self.device = f"cuda:{group.local_rank}"
-        dtype = None if cfg.dtype == "auto" else {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
+        dtype = None if cfg.dtype == "auto" else {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                                  "float16": torch.float16}.get(cfg.dtype)
         if cfg.dtype != "auto" and dtype is None:
             raise YetoError(f"unknown --dtype {cfg.dtype!r}: use auto, float32, bfloat16 or float16")
         for name in ("batch_size", "grad_accum", "max_steps", "seq_len"):
@@ -154,7 +157,8 @@ class TorchLearner:
         self.model_artifact = resolve_model(cfg.model, cfg.model_revision)
         self.tokenizer = load_tokenizer(self.model_artifact, cfg.trust_remote_code)
         self.data = prepare_data(
-            cfg.data, self.tokenizer, cfg.seq_len, cfg.learner_id, cfg.num_learners, cfg.eval_fraction, cfg.seed, cfg.data_revision
+            cfg.data, self.tokenizer, cfg.seq_len, cfg.learner_id, cfg.num_learners, cfg.eval_fraction, cfg.seed,
+            cfg.data_revision
         )
         log(f"data: {json.dumps(self.data.stats)}")
         torch.manual_seed(cfg.seed)
@@ -228,8 +232,8 @@ class TorchLearner:
             self.model.train()
             size = largest_that_fits(fits, self.cfg.batch_size)
         if size == 0:
-            raise YetoError(f"one block of --seq-len {self.cfg.seq_len} does not fit on {self.device}: lower --seq-len, "
-                            "or add --gradient-checkpointing, --shard fsdp or --base-quantization nf4")
+            raise YetoError(f"one block of --seq-len {self.cfg.seq_len} does not fit on {self.device}: "
+                            "lower --seq-len, or add --gradient-checkpointing, --shard fsdp or --base-quantization nf4")
         too_big = sorted(n for n, ok in tried.items() if not ok)
         log(f"micro-batch: {size} of --batch-size {self.cfg.batch_size} (probed on {self.device}"
             + (f"; {too_big[0]} ran out of memory)" if too_big else ")"))
@@ -353,7 +357,8 @@ class MetricsLog:
         self._f.close()
 
 
-def train(cfg: TrainConfig, show_progress: bool = True, learner_cls: Callable[..., Any] | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, show_progress: bool = True,
+          learner_cls: Callable[..., Any] | None = None) -> dict[str, Any]:
     """Train one island: standalone (steps, periodic eval, final eval) or, with --syncer, as part
     of a DiLoCo run. The adapter is saved under `out/adapter`. `learner_cls` picks the backend."""
     from rich.console import Console
@@ -408,12 +413,14 @@ def _train(learner, cfg: TrainConfig, out: Path, console, show_progress: bool, j
     final_eval = learner.evaluate()
     metrics.write(event="eval", step=learner.step_count, eval_loss=final_eval)
     adapter = learner.save(out / "adapter")
-    summary = {"adapter": str(adapter), "steps": learner.step_count, "eval_loss_before": eval0, "eval_loss_after": final_eval,
-               "tokens": learner.tokens_seen, "loss_tokens": learner.loss_tokens_seen, **extra}
+    summary = {"adapter": str(adapter), "steps": learner.step_count, "eval_loss_before": eval0,
+               "eval_loss_after": final_eval, "tokens": learner.tokens_seen, "loss_tokens": learner.loss_tokens_seen,
+               **extra}
     metrics.write(event="done", **summary)
     metrics.close()
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    ev = f"eval loss {eval0:.3f} -> {final_eval:.3f}" if eval0 is not None and final_eval is not None else "no eval split"
+    ev = (f"eval loss {eval0:.3f} -> {final_eval:.3f}" if eval0 is not None and final_eval is not None
+          else "no eval split")
     console.print(f"{tag}[green]done[/green]: {done}, {ev}; adapter: {adapter}")
     return summary
 
@@ -432,7 +439,8 @@ def _follow_rank(cfg: TrainConfig, group: RankGroup) -> dict[str, Any]:
 def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,
                      show_progress: bool) -> dict[str, Any]:
     """`--max-steps` steps with a progress bar and periodic eval."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     history: list[dict[str, Any]] = []
     progress = Progress(
@@ -476,7 +484,8 @@ def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: s
     def on_sigterm(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # unwinds the training loop, which says goodbye; train() saves the adapter
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    previous = (signal.signal(signal.SIGTERM, on_sigterm) if threading.current_thread() is threading.main_thread()
+                else None)
     try:
         return run_island(learner, cfg.syncer, cfg.learner_id, overlap=cfg.overlap, progress=on_round,
                           max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
@@ -493,7 +502,8 @@ def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: s
 D = TrainConfig()
 
 
-def make_train_command(learner_cls: Callable[..., Any] | None = None, doc: str = "Train a LoRA adapter on one island.") -> Callable[..., None]:
+def make_train_command(learner_cls: Callable[..., Any] | None = None,
+                       doc: str = "Train a LoRA adapter on one island.") -> Callable[..., None]:
     """The `train` command with every flag, for any backend (the MLX learner reuses it)."""
 
     def command(**kwargs: Any) -> None:
@@ -510,12 +520,18 @@ def make_train_command(learner_cls: Callable[..., Any] | None = None, doc: str =
 
 
 def _train_signature(
-    model: Annotated[str, typer.Option(help="Model alias (see `yeto models`), local HF directory, or hub id.")] = D.model,
-    data: Annotated[str, typer.Option(help="Data: a .jsonl/.json/.parquet/.csv/.txt file, a directory of them, or a hub dataset id.")] = D.data,
-    out: Annotated[str, typer.Option(help="Run directory: metrics.jsonl, run.json, summary.json and adapter/.")] = D.out,
-    model_revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of the model; resolved to one commit and recorded.")] = None,
-    data_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the dataset; resolved to one commit and recorded.")] = None,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own Python code to run (off unless given).")] = False,
+    model: Annotated[str, typer.Option(help="Model alias (see `yeto models`), "
+                                            "local HF directory, or hub id.")] = D.model,
+    data: Annotated[str, typer.Option(help="Data: a .jsonl/.json/.parquet/.csv/.txt file, a directory of them, "
+                                           "or a hub dataset id.")] = D.data,
+    out: Annotated[str, typer.Option(help="Run directory: metrics.jsonl, run.json, "
+                                          "summary.json and adapter/.")] = D.out,
+    model_revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of the model; "
+                                                               "resolved to one commit and recorded.")] = None,
+    data_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the dataset; "
+                                                              "resolved to one commit and recorded.")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own Python code to run "
+                                                         "(off unless given).")] = False,
     seq_len: Annotated[int, typer.Option(help="Tokens per packed block.")] = D.seq_len,
     batch_size: Annotated[int, typer.Option(help="Blocks per batch (per rank under torchrun).")] = D.batch_size,
     grad_accum: Annotated[int, typer.Option(help="Batches per optimizer step (gradient accumulation).")] = D.grad_accum,
@@ -524,8 +540,12 @@ def _train_signature(
                                                      "exact). Every learner of a run must agree.")] = False,
     micro_batch_size: Annotated[str, typer.Option(help="Blocks through the model at once: all (the whole batch), N, "
                                                        "or auto (the largest that fits the device, probed at start); "
-                                                       "the gradient is the same whatever it is.")] = D.micro_batch_size,
-    max_steps: Annotated[int, typer.Option(help="Optimizer steps to run (with --syncer the syncer decides when to stop; this is then the LR schedule's horizon for --round-seconds runs).")] = D.max_steps,
+                                                       "the gradient is the same whatever it is.")
+                        ] = D.micro_batch_size,
+    max_steps: Annotated[int, typer.Option(help="Optimizer steps to run "
+                                                "(with --syncer the syncer decides when to stop; "
+                                                "this is then the LR schedule's horizon for --round-seconds runs).")
+                         ] = D.max_steps,
     lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = D.lr,
     warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = D.warmup_steps,
     min_lr_ratio: Annotated[float, typer.Option(help="Cosine decays to this fraction of --lr.")] = D.min_lr_ratio,
@@ -534,24 +554,40 @@ def _train_signature(
     lora_r: Annotated[int, typer.Option(help="LoRA rank.")] = D.lora_r,
     lora_alpha: Annotated[float, typer.Option(help="LoRA alpha (scale = alpha / r).")] = D.lora_alpha,
     lora_dropout: Annotated[float, typer.Option(help="Dropout on the LoRA input.")] = D.lora_dropout,
-    lora_targets: Annotated[str, typer.Option(help="Which linears to adapt: attention, all-linear or auto (attention; MoE: plus non-expert linears, never routers).")] = D.lora_targets,
-    loss_function: Annotated[str, typer.Option(help="cross_entropy, or module:function taking (logits[N,V], targets[N], weights[N]) -> scalar.")] = D.loss_function,
-    eval_every: Annotated[int, typer.Option(help="Evaluate the held-out loss every N steps (0: only at start and end).")] = D.eval_every,
-    eval_fraction: Annotated[float, typer.Option(help="Fraction of records held out for the eval loss.")] = D.eval_fraction,
+    lora_targets: Annotated[str, typer.Option(help="Which linears to adapt: attention, all-linear or auto (attention; "
+                                                   "MoE: plus non-expert linears, never routers).")] = D.lora_targets,
+    loss_function: Annotated[str, typer.Option(help="cross_entropy, or module:function "
+                                                    "taking (logits[N,V], targets[N], weights[N]) -> scalar.")
+                             ] = D.loss_function,
+    eval_every: Annotated[int, typer.Option(help="Evaluate the held-out loss every N steps "
+                                                 "(0: only at start and end).")] = D.eval_every,
+    eval_fraction: Annotated[float, typer.Option(help="Fraction of records held out "
+                                                      "for the eval loss.")] = D.eval_fraction,
     seed: Annotated[int, typer.Option(help="Seed for the split, the batch order and the LoRA init.")] = D.seed,
     learner_id: Annotated[int, typer.Option(help="This learner's index, for data sharding.")] = D.learner_id,
-    num_learners: Annotated[int, typer.Option(help="How many learners share the data (each gets a disjoint shard).")] = D.num_learners,
+    num_learners: Annotated[int, typer.Option(help="How many learners share the data "
+                                                   "(each gets a disjoint shard).")] = D.num_learners,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = D.device,
-    dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16 or float16.")] = D.dtype,
-    gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute activations in the backward pass to save memory.")] = False,
-    full_logits: Annotated[bool, typer.Option(help="Compute the LM head on every position (default: loss-bearing positions only).")] = False,
-    syncer: Annotated[Optional[str], typer.Option(help="HOST:PORT of a syncer: train as one DiLoCo island of its run (default: standalone).")] = None,
-    overlap: Annotated[bool, typer.Option(help="With --syncer: keep training while a merge is in flight, then apply it as a correction.")] = False,
+    dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), "
+                                            "float32, bfloat16 or float16.")] = D.dtype,
+    gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute activations in the backward pass "
+                                                              "to save memory.")] = False,
+    full_logits: Annotated[bool, typer.Option(help="Compute the LM head on every position "
+                                                   "(default: loss-bearing positions only).")] = False,
+    syncer: Annotated[Optional[str], typer.Option(help="HOST:PORT of a syncer: train as one DiLoCo island of its run "
+                                                       "(default: standalone).")] = None,
+    overlap: Annotated[bool, typer.Option(help="With --syncer: keep training while a merge is in flight, "
+                                               "then apply it as a correction.")] = False,
     threads: Annotated[int, typer.Option(help="torch CPU threads (0: torch's default).")] = D.threads,
-    max_inner_steps: Annotated[int, typer.Option(help="With --syncer: do at most this many inner steps per round (a weaker island contributing less; 0: the syncer's policy).")] = D.max_inner_steps,
-    step_delay: Annotated[float, typer.Option(help="Sleep this long after each inner step, to simulate a slow island (tests, benchmarks).")] = D.step_delay,
-    syncer_timeout: Annotated[float, typer.Option(help="With --syncer: silence (seconds) after which the connection is presumed dead and remade, with backoff.")] = D.syncer_timeout,
-    give_up_after: Annotated[float, typer.Option(help="With --syncer: give up (exit 2, adapter saved) after the syncer has been unreachable this long.")] = D.give_up_after,
+    max_inner_steps: Annotated[int, typer.Option(help="With --syncer: do at most this many inner steps per round "
+                                                      "(a weaker island contributing less; "
+                                                      "0: the syncer's policy).")] = D.max_inner_steps,
+    step_delay: Annotated[float, typer.Option(help="Sleep this long after each inner step, "
+                                                   "to simulate a slow island (tests, benchmarks).")] = D.step_delay,
+    syncer_timeout: Annotated[float, typer.Option(help="With --syncer: silence (seconds) after which the connection is "
+                                                       "presumed dead and remade, with backoff.")] = D.syncer_timeout,
+    give_up_after: Annotated[float, typer.Option(help="With --syncer: give up (exit 2, adapter saved) after the syncer "
+                                                      "has been unreachable this long.")] = D.give_up_after,
     join_key: Annotated[Optional[str], typer.Option(help="With --syncer: the run's join key file (the syncer writes "
                                                          "DIR/join.key), or set YETO_JOIN_KEY to its contents.")
                         ] = None,
@@ -567,7 +603,8 @@ def _train_signature(
     """(the flags of `yeto train`; see make_train_command)"""
 
 
-train_command = make_train_command(doc="Train a LoRA adapter on one island (torch + peft): standalone, or with --syncer as part of a DiLoCo run.")
+train_command = make_train_command(doc="Train a LoRA adapter on one island (torch + peft): standalone, "
+                                       "or with --syncer as part of a DiLoCo run.")
 
 
 def main() -> None:

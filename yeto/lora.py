@@ -63,9 +63,11 @@ def select_targets(linears: Iterable[Linear], config, mode: str, exclude: Iterab
     elif mode == "all-linear":
         chosen = {n for n, _, o in linears if not is_router(n, o, config)}
     else:  # auto on an MoE model
-        chosen = attention | {n for n, _, o in linears if not is_router(n, o, config) and not re.fullmatch(EXPERT_REGEX, n)}
+        chosen = attention | {n for n, _, o in linears
+                              if not is_router(n, o, config) and not re.fullmatch(EXPERT_REGEX, n)}
     if not chosen:
-        raise YetoError(f"--lora-targets {mode}: no linear layer of this model matches (model_type={getattr(config, 'model_type', '?')})")
+        raise YetoError(f"--lora-targets {mode}: no linear layer of this model matches "
+                        f"(model_type={getattr(config, 'model_type', '?')})")
     return sorted(chosen)
 
 
@@ -111,7 +113,8 @@ def lora_config_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha
     if not 0.0 <= dropout < 1.0:
         raise YetoError(f"--lora-dropout must be in [0, 1), got {dropout}")
     targets = peft_target_modules(chosen, [n for n, _, _ in linears])
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM", bias="none")
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM",
+                      bias="none")
 
 
 def lora_config(model, mode: str = "auto", r: int = 16, alpha: float = 32.0, dropout: float = 0.05):

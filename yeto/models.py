@@ -74,7 +74,8 @@ def resolve_model(name: str, revision: str | None = None) -> Artifact:
         if not (local / "config.json").is_file():
             raise YetoError(f"model directory {local} has no config.json (expected a Hugging Face model directory)")
         if revision is not None:
-            raise YetoError(f"--model-revision {revision!r} given for a local path {local}; local paths are pinned by content hash")
+            raise YetoError(f"--model-revision {revision!r} given for a local path {local}; "
+                            "local paths are pinned by content hash")
         return Artifact(name, "model", "local", str(local.resolve()), content_hash(local), None, None)
     if name.startswith((".", "/", "~")) or os.sep in name.strip("/") and not _looks_like_hub_id(name):
         raise YetoError(f"model path not found: {name} (known aliases: {', '.join(ALIASES)})")

@@ -62,14 +62,16 @@ def resolve_hub_snapshot(repo_id: str, revision: str | None, repo_type: str = "m
     whose snapshot directory name is the commit sha.
     """
     from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
 
     sha: str | None = None
     if not hub_offline():
         try:
             sha = HfApi().repo_info(repo_id, revision=revision, repo_type=repo_type).sha
         except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-            raise YetoError(f"{repo_type} {repo_id!r} at revision {revision or 'main'!r} not found on the hub: {e}") from e
+            raise YetoError(f"{repo_type} {repo_id!r} at revision {revision or 'main'!r} "
+                            f"not found on the hub: {e}") from e
         except (HfHubHTTPError, OSError, ValueError):
             sha = None  # no network: fall back to the cache below
         except Exception:  # httpx/transport errors differ across hub versions

@@ -93,7 +93,8 @@ def fast_blas_env(env: dict[str, str] | None = None) -> dict[str, str] | None:
     """The environment with OpenBLAS preloaded, or None if not on Linux / not installed / already set."""
     env = dict(os.environ if env is None else env)
     lib = fast_blas_library()
-    if not sys.platform.startswith("linux") or lib is None or lib in env.get("LD_PRELOAD", "") or env.get("YETO_NO_FAST_BLAS"):
+    if (not sys.platform.startswith("linux") or lib is None or lib in env.get("LD_PRELOAD", "")
+            or env.get("YETO_NO_FAST_BLAS")):
         return None
     env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
     return env

@@ -84,7 +84,8 @@ class MLXLearner:
         import os
 
         blas = "OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") else "MLX's bundled BLAS"
-        log(f"model: {self.model_artifact.name} @ {self.model_artifact.revision[:19]} on MLX {mx.default_device()} ({blas}); "
+        log(f"model: {self.model_artifact.name} @ {self.model_artifact.revision[:19]} "
+            f"on MLX {mx.default_device()} ({blas}); "
             f"LoRA r={cfg.lora_r} on {len(self.targets)} linears, {n_train / 1e6:.2f}M trainable params")
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=cfg.weight_decay)
         self.total_steps = cfg.max_steps
@@ -116,7 +117,8 @@ class MLXLearner:
         w = blocks.loss_mask[idx][:, 1:].reshape(-1)
         rows = np.flatnonzero(w > 0)
         targets = ids[:, 1:].reshape(-1)[rows]
-        return mx.array(ids), mx.array(rows.astype(np.int32)), mx.array(targets.astype(np.int32)), mx.array(w[rows]), float(w.sum())
+        return (mx.array(ids), mx.array(rows.astype(np.int32)), mx.array(targets.astype(np.int32)), mx.array(w[rows]),
+                float(w.sum()))
 
     def step(self) -> dict[str, Any]:
         from mlx.optimizers import clip_grad_norm
@@ -156,7 +158,9 @@ class MLXLearner:
         self.model.eval()
         total = weight = 0.0
         for start in range(0, len(blocks), self.cfg.batch_size):
-            ids, rows, targets, w, wsum = self._batch(blocks, np.arange(start, min(start + self.cfg.batch_size, len(blocks))))
+            ids, rows, targets, w, wsum = self._batch(
+                blocks, np.arange(start, min(start + self.cfg.batch_size, len(blocks)))
+            )
             if wsum:
                 total += float(self._loss(self.model, ids, rows, targets, w)) * wsum
                 weight += wsum
@@ -176,7 +180,9 @@ class MLXLearner:
         missing = set(mine) - set(state)
         if missing:
             raise YetoError(f"adapter state lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
-        self.model.load_weights([(to_mlx_path(k), self.mx.array(np.asarray(state[k], dtype=np.float32))) for k in mine], strict=False)
+        self.model.load_weights(
+            [(to_mlx_path(k), self.mx.array(np.asarray(state[k], dtype=np.float32))) for k in mine], strict=False
+        )
         self.mx.eval(self.model.trainable_parameters())
 
     def adapter_config(self) -> dict[str, Any]:
@@ -196,7 +202,8 @@ class MLXLearner:
         return write_adapter(out_dir, self.adapter_state(), self.adapter_config(), self.record())
 
 
-train_command = make_train_command(MLXLearner, doc="Train a LoRA adapter on one MLX island (Apple silicon; MLX's CPU backend on Linux).")
+train_command = make_train_command(MLXLearner, doc="Train a LoRA adapter on one MLX island (Apple silicon; "
+                                                   "MLX's CPU backend on Linux).")
 
 
 def main() -> None:

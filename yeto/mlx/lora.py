@@ -23,7 +23,8 @@ PEFT_SUFFIX = ".default.weight"
 
 
 def to_peft_name(mlx_path: str) -> str:
-    """`model.layers.0.self_attn.q_proj.lora_A` -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`."""
+    ("""`model.layers.0.self_attn.q_proj.lora_A` -> """
+     """`base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`.""")
     return PEFT_PREFIX + mlx_path + PEFT_SUFFIX
 
 

@@ -37,5 +37,6 @@ def name_parity(model: str, mode: str = "auto", r: int = 16) -> tuple[int, int, 
     t, m = torch_adapter_specs(path, mode, r), mlx_adapter_specs(path, mode, r)
     problems = [f"only in torch: {n} {list(t[n])}" for n in sorted(set(t) - set(m))]
     problems += [f"only in MLX:   {n} {list(m[n])}" for n in sorted(set(m) - set(t))]
-    problems += [f"shape differs: {n} torch {list(t[n])} vs MLX {list(m[n])}" for n in sorted(set(t) & set(m)) if t[n] != m[n]]
+    problems += [f"shape differs: {n} torch {list(t[n])} vs MLX {list(m[n])}"
+                 for n in sorted(set(t) & set(m)) if t[n] != m[n]]
     return len(t), len(m), problems
