@@ -18,7 +18,7 @@ import yaml
 
 from tests.conftest import DEMO_DATA, REPO
 from tests.peers import QuadraticIsland, island_thread, tape_with, wait_until
-from yeto import YetoError
+from yeto import YetoError, one_line
 from yeto.launch.cloud import watch_fleet
 from yeto.launch.controller import RELAUNCH_BACKOFF_S, ClusterView, Down, FleetController, GiveUp, Launch, Note
 from yeto.launch.join import join_script
@@ -125,6 +125,14 @@ def test_revisions_are_pinned_before_launch_or_the_error_names_the_flag(monkeypa
         pin_revision("org/model", None, "model")
     with pytest.raises(YetoError, match="--data-revision"):
         pin_revision("org/dataset", "v1", "dataset")
+
+
+def test_a_foreign_error_adds_one_line_to_ours():
+    """SkyPilot's and the hub's errors run to many lines of hints and tracebacks: ours stay one line."""
+    assert one_line(RuntimeError("Cluster not found.\n  Hint: run sky status\nTraceback ...")) == \
+        "RuntimeError: Cluster not found."
+    assert one_line(ValueError()) == one_line(ValueError("\nsecond")) == "ValueError"
+    assert one_line(OSError("x" * 500), 10) == "OSError: " + "x" * 10
 
 
 # ---------------------------------------------------------------------------------------------- SkyPilot tasks

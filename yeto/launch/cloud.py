@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
-from yeto import YetoError
+from yeto import YetoError, one_line
 from yeto.launch.controller import ClusterView, Down, FleetController, GiveUp, Launch, Note
 
 POLL_S = 30.0  # how often the controller asks SkyPilot for the learner clusters' state
@@ -114,7 +114,7 @@ def watch_fleet(ctl: FleetController, client: SkyClient, task_for: Callable[[int
             client.launch(task_for(a.learner), a.cluster, retry_until_up)
             results.put(LaunchResult(a.learner, True))
         except Exception as e:  # SkyPilot's many failure types all mean the same here: not up, try again later
-            results.put(LaunchResult(a.learner, False, _error(e)))
+            results.put(LaunchResult(a.learner, False, one_line(e)))
 
     def down(cluster: str) -> bool:
         try:
@@ -123,14 +123,14 @@ def watch_fleet(ctl: FleetController, client: SkyClient, task_for: Callable[[int
             return True
         except Exception as e:
             to_down.add(cluster)
-            note("down_failed", {"cluster": cluster, "error": _error(e)})
+            note("down_failed", {"cluster": cluster, "error": one_line(e)})
             return False
 
     def guarded(what: str, fn: Callable[[], Any], default: Any = None) -> Any:
         try:
             return fn()
         except Exception as e:  # the controller outlives a failing callback: the next poll tries again
-            note(f"{what}_failed", {"error": _error(e)})
+            note(f"{what}_failed", {"error": one_line(e)})
             return default
 
     def execute(actions: list) -> None:
@@ -174,8 +174,3 @@ def watch_fleet(ctl: FleetController, client: SkyClient, task_for: Callable[[int
             if views is not None:
                 execute(ctl.observe(views, clock()))
         sleep(LOOP_S)
-
-
-def _error(e: Exception) -> str:
-    detail = str(e).splitlines()[0][:300] if str(e) else ""
-    return f"{type(e).__name__}: {detail}" if detail else type(e).__name__

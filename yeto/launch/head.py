@@ -21,7 +21,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from yeto import YetoError
+from yeto import YetoError, one_line
 from yeto.launch.cloud import POLL_S, SkyClient, SkyPilotClient, watch_fleet
 from yeto.launch.controller import FleetController
 from yeto.launch.output import deliver
@@ -70,7 +70,7 @@ def run_head(plan: FleetPlan, out: Path, client: Optional[SkyClient] = None, pol
         try:
             address = syncer_address or client.head_address(plan.head_cluster, plan.port)
         except Exception as e:  # the syncer runs on, but nobody launches learners: say so, loudly
-            note("controller_failed", {"error": f"cannot learn the head's address from SkyPilot: {e}"[:500]})
+            note("controller_failed", {"error": f"cannot learn the head's address from SkyPilot: {one_line(e)}"})
         else:
             keep_fleet(plan, client, address, keys.join.text(), lambda: syncer.poll() is not None,
                        lambda lid, why: give_up(syncer_out, lid, why), note, poll_s)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from yeto import YetoError
+from yeto import YetoError, one_line
 from yeto.launch.registry import RunRecord
 from yeto.launch.registry import process_alive as _alive
 from yeto.launch.tasks import HEAD_RUN_DIR
@@ -146,7 +146,7 @@ def _cloud_status(run: RunRecord, console) -> None:
     except YetoError:
         raise
     except Exception as e:  # the API server's errors are many; any means the same here
-        console.print(f"[yellow]SkyPilot unreachable ({type(e).__name__}: {e}); showing the run's tape only[/yellow]")
+        console.print(f"[yellow]SkyPilot unreachable ({one_line(e)}); showing the run's tape only[/yellow]")
         return
     costs: dict[str, float] = {}  # one report entry per launch of a cluster (relaunches too), this run's only
     for c in report:
@@ -216,7 +216,7 @@ def down(run: RunRecord, console) -> int:
             try:
                 client.down(name)
             except Exception as e:  # one failure must not leave the rest up
-                failed.append(f"{name} ({type(e).__name__}: {e})"[:300])
+                failed.append(f"{name} ({one_line(e)})")
     run.state = "down"
     run.save()
     if failed:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from yeto import YetoError
+from yeto import YetoError, one_line
 from yeto.launch.plan import is_object_store
 from yeto.tape import TAPE_FILE
 
@@ -55,7 +55,7 @@ def _to_object_store(items: list[Path], dest: str) -> str:
         if not fs.exists(f"{root.rstrip('/')}/{ADAPTER_DIR}/{ADAPTER_WEIGHTS}"):
             raise YetoError(f"--output {dest}: the adapter is not there after the upload")
     except (ImportError, ValueError, OSError) as e:
-        raise YetoError(f"--output {dest}: cannot write there ({type(e).__name__}: {e}); install the store's fsspec "
+        raise YetoError(f"--output {dest}: cannot write there ({one_line(e)}); install the store's fsspec "
                         "driver (s3fs, gcsfs, adlfs) and check the credentials") from e
     return dest
 
@@ -76,5 +76,5 @@ def _to_hub(items: list[Path], repo: str) -> str:
     except YetoError:
         raise
     except Exception as e:  # the hub's errors differ across versions; any failure means the same to the user
-        raise YetoError(f"--output hf://{repo}: upload failed ({type(e).__name__}: {e}); check HF_TOKEN") from e
+        raise YetoError(f"--output hf://{repo}: upload failed ({one_line(e)}); check HF_TOKEN") from e
     return f"https://huggingface.co/{repo}"

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from yeto import YetoError
+from yeto import YetoError, one_line
 from yeto.launch.spec import IslandSpec
 
 SYNCER_PORT = 29400
@@ -144,9 +144,8 @@ def pin_revision(name: str, revision: Optional[str], kind: str) -> Optional[str]
             return Path(snapshot_download(repo, revision=revision, repo_type=kind, local_files_only=True)).name
         except Exception:
             pass
-        raise YetoError(f"cannot pin {kind} {repo!r} at {revision or 'main'} to a commit ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200] if str(e) else 'no detail'}): pass {flag} with a 40-hex "
-                        "commit, or check the name and your network") from e
+        raise YetoError(f"cannot pin {kind} {repo!r} at {revision or 'main'} to a commit ({one_line(e, 200)}): "
+                        f"pass {flag} with a 40-hex commit, or check the name and your network") from e
 
 
 def _aliases() -> dict[str, Any]:
@@ -163,7 +162,7 @@ def syncer_flags() -> set[str]:
     from yeto.sync.core.syncer import SyncerConfig
 
     own = {"port", "host", "learners", "out", "insecure", "join_key"}
-    return {"--" + f.replace("_", "-") for f in SyncerConfig.__dataclass_fields__ if f not in own}
+    return {"--" + f.name.replace("_", "-") for f in fields(SyncerConfig) if f.init and f.name not in own}
 
 
 def split_extra_args(args: list[str]) -> tuple[list[str], list[str]]:

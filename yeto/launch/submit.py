@@ -19,7 +19,7 @@ import yaml
 from yeto.launch.join import join_instructions, join_script, write_join_files
 from yeto.launch.plan import FleetPlan
 from yeto.launch.registry import RunRecord, process_start
-from yeto import YetoError
+from yeto import YetoError, one_line
 from yeto.launch.tasks import API_TOKEN_ENV, checkout_root, head_task, learner_task, printable
 from yeto.sync.auth import Keyring
 
@@ -103,9 +103,8 @@ def launch_cloud(plan: FleetPlan, dry_run: bool, console) -> int:
         client.launch_head(head, plan.head_cluster, retry_until_up=plan.retry_until_up)
         syncer = record.syncer = client.head_address(plan.head_cluster, plan.port)
     except Exception as e:  # SkyPilot's errors are many; each means: the head is not serving
-        raise YetoError(f"the head {plan.head_cluster} did not come up serving port {plan.port} ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:300] if str(e) else ''}); `yeto down {plan.name}` tears down what "
-                        "was started") from e
+        raise YetoError(f"the head {plan.head_cluster} did not come up serving port {plan.port} ({one_line(e)}); "
+                        f"`yeto down {plan.name}` tears down what was started") from e
     if not remote_api:  # the head cannot reach this machine's API server: the controller runs here, detached
         log = open(out / "controller.log", "a")
         proc = subprocess.Popen([sys.executable, "-m", "yeto.launch.head", "--plan", str(plan_file), "--out",
