@@ -316,6 +316,21 @@ def _late_learner_mid_round(max_base_lag, **cfg):
     return f, late, task
 
 
+def test_a_time_window_ends_at_the_step_boundary_nearest_its_end():
+    """A learner checks its window after each step: it stops once the next step would end further past the window's
+    end than the time left, so pushes centre on the end instead of trailing it by up to a step."""
+    f = Fleet(n=1, quorum=1, round_seconds=10.0)
+    c = f.learners[0]
+    task = c.next_task(f.now)
+    assert isinstance(task, Train) and task.seconds == 10.0
+    t0 = f.now
+    assert c.after_step(7, t0 + 7 * 1.2) is Verdict.CONTINUE  # 8.4 s: the next step ends at 9.6, nearer the end
+    assert c.after_step(8, t0 + 8 * 1.2) is Verdict.PUSH  # 9.6 s: the next would end 0.8 s past it
+    assert c.after_step(1, t0 + 4.0) is Verdict.CONTINUE  # a slow pace: 4 s, then 8 s is nearer
+    assert c.after_step(1, t0 + 7.0) is Verdict.PUSH  # 7 s: a second step would end 4 s past the end
+    assert c.after_step(1, t0 + 11.0) is Verdict.PUSH  # past the end: at once
+
+
 def test_a_stale_delta_is_merged_in_the_round_where_it_arrives_with_its_lag_on_the_tape():
     f, late, task = _late_learner_mid_round(max_base_lag=1, staleness_exponent=1.0)
     assert late.after_step(1, f.now) is Verdict.CONTINUE  # the global moved on: the round goes on

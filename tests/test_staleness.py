@@ -1,8 +1,9 @@
 """Rounds that never wait on the slowest island: a real syncer on loopback and real island loops (numpy islands).
 
-A fast island and one 10x slower train in time-window rounds with quorum 1. The syncer closes a round once the
-fast delta is in and the slow one is not predicted within the grace cap; the slow island's delta, trained from a
-version the global has since left, is merged where it arrives (its lag on the tape), never dropped.
+A fast island and one whose single step outlasts the round's window train in time-window rounds with quorum 1. The
+syncer closes a round once the fast delta is in and the slow one is not predicted within the grace cap; the slow
+island's delta, trained from a version the global has since left, is merged where it arrives (its lag on the tape),
+never dropped.
 """
 
 import numpy as np
@@ -11,12 +12,13 @@ from tests.peers import QuadraticIsland, island_thread, tape_with
 from yeto.sync.core.syncer import GRACE_SLACK, GRACE_SLACK_S, Member, OpenRound, SyncerConfig, SyncerCore
 
 GRACE_MS = 300.0  # below the slow island's step: it is never waited for
-FAST_STEP_S, SLOW_STEP_S = 0.03, 0.5
+ROUND_S = 0.6
+FAST_STEP_S, SLOW_STEP_S = 0.03, 1.0  # the slow island's one step ends 0.4 s past the window: a version late
 
 
 def test_a_slow_island_contributes_every_delta_and_the_fast_one_never_waits_past_the_cap(start_syncer, tmp_path):
     out = tmp_path / "syncer"
-    s, port = start_syncer(out=out, learners=2, quorum=1, outer_steps=10, round_seconds=0.6, grace_ms=GRACE_MS,
+    s, port = start_syncer(out=out, learners=2, quorum=1, outer_steps=10, round_seconds=ROUND_S, grace_ms=GRACE_MS,
                            max_base_lag=4, straggler_timeout=30.0)
     results: dict = {}
     fast = island_thread(QuadraticIsland(1.0, 100), port, 0, results, step_delay=FAST_STEP_S)
@@ -56,6 +58,8 @@ def test_the_grace_waits_for_an_island_predicted_within_the_cap_and_not_for_one_
     core.members[2].round_s, core.members[2].since = 60.0, 0.0  # predicted at 72.25: beyond the cap (12.0)
     assert np.isclose(core._grace_until(r, [1, 2], []), 2.0 + GRACE_SLACK * 8.0 + GRACE_SLACK_S)
     assert core._grace_until(r, [2], []) == 10.0  # only a far one: close at once
+    core.members[1].round_s = 9.9  # due at 11.9, within the cap; padded (12.35) past it: waited for, up to the cap
+    assert core._grace_until(r, [1, 2], []) == 12.0
     core.members[1].round_s = None  # not measured yet: the whole cap
     assert core._grace_until(r, [1, 2], []) == 12.0
     core.observe_merge(1.0)  # merges take ~0.5 s (running estimate): the cap leaves room for them

@@ -291,7 +291,8 @@ def test_islands_survive_a_syncer_crash(start_syncer, tmp_path):
 
 def test_a_restart_with_a_conflicting_config_is_refused_naming_the_field(start_syncer, tmp_path):
     out = tmp_path / "syncer"
-    syncer, port = start_syncer(learners=1, quorum=1, outer_steps=2, inner_steps=1, sync_bits=32, out=out)
+    syncer, port = start_syncer(learners=1, quorum=1, outer_steps=2, inner_steps=1, sync_bits=32, out=out,
+                                merge="mean")
     results = {}
     island_thread(QuadraticIsland(1.0, 10), port, 0, results).join(30)
     assert wait_until(lambda: syncer.finished)
@@ -300,7 +301,14 @@ def test_a_restart_with_a_conflicting_config_is_refused_naming_the_field(start_s
                             inner_steps=1, sync_bits=4))
     with pytest.raises(YetoError, match="--outer-steps 1 is below the checkpoint's version 2"):
         Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), learners=1, quorum=1, outer_steps=1,
-                            inner_steps=1, sync_bits=32))
+                            inner_steps=1, sync_bits=32, merge="mean"))
+    with pytest.raises(YetoError, match=r"--merge rda conflicts with the checkpoint.*resume with --merge mean"):
+        Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), learners=1, quorum=1, outer_steps=2,
+                            inner_steps=1, sync_bits=32, merge="rda"))
+    # --merge left unset resumes the run's own rule (mean: the default when it began), and the tape says so
+    resumed, _ = start_syncer(learners=1, quorum=1, outer_steps=2, inner_steps=1, sync_bits=32, out=out)
+    assert resumed.cfg.merge == "mean"
+    assert [e["config"]["merge"] for e in read_tape(out) if e["event"] == "start"] == ["mean", "mean"]
 
 
 def test_time_window_rounds_weight_a_slow_island_by_its_tokens(start_syncer, tmp_path):

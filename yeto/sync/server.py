@@ -354,7 +354,8 @@ def syncer_command(
                         ] = _D.robust_k,
     merge: Annotated[Optional[str], typer.Option(
         help="How deltas combine: rda (radial-directional: the mean norm along the mean direction, per tensor; the "
-             "default) or mean (weighted average; the default with --lora-merge product or --robust trimmed-mean)."
+             "default) or mean (weighted average; the default with --lora-merge product or --robust trimmed-mean). "
+             "Unset on a resume: the run's own rule."
     )] = None,
     merge_weight: Annotated[str, typer.Option(help="Weights of the merge: loss-tokens, tokens, steps or equal.")
                             ] = _D.merge_weight,

@@ -46,6 +46,10 @@ from yeto.sync.quant import ErrorFeedback, QuantError, dequantize
 
 HELLO_RETRY_HEARTBEATS = 2  # not welcomed after this many heartbeats: say hello again
 FINISH_CATCHUP_DEAD_AFTERS = 3  # after a finish, try this many dead-peer timeouts to fetch the final adapter
+# a time window ends at the step boundary nearest its end: stop once the next step (at this window's mean pace)
+# would overrun the end by more than the time left. Islands' pushes then centre on the window's end instead of
+# trailing it by up to a step, so a fast island is not the last in, missing a round a slow one's push closed
+WINDOW_NEAREST_BOUNDARY = 0.5
 
 
 @dataclass(frozen=True)
@@ -327,7 +331,9 @@ class LearnerCore:
         if t is None or not self._base_ok(t.base_version, t.base_digest):
             self.training = None
             return Verdict.ABANDON
-        if (t.steps and steps_done >= t.steps) or (t.seconds and steps_done >= 1 and now - t.started_at >= t.seconds):
+        elapsed = now - t.started_at
+        if (t.steps and steps_done >= t.steps) or (
+                t.seconds and steps_done >= 1 and elapsed * (1 + WINDOW_NEAREST_BOUNDARY / steps_done) >= t.seconds):
             return Verdict.PUSH
         return Verdict.CONTINUE
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -135,10 +135,12 @@ class SyncerConfig:
     insecure: bool = False
     join_key: Optional[str] = None
     max_connections: int = 2 * DEFAULT_MAX_LEARNERS
+    merge_by_default: bool = field(default=False, init=False)  # --merge unset: a resumed run keeps its own rule
 
     def __post_init__(self) -> None:
         if self.merge is None:  # bench/convergence.py: rda 0.98x the data-parallel loss, mean 1.02x (2 islands)
             self.merge = "mean" if self.robust == "trimmed-mean" or self.lora_merge == "product" else DEFAULT_MERGE
+            self.merge_by_default = True
 
     def check(self) -> None:
         if self.sync_bits not in BITS:
@@ -186,7 +188,10 @@ class SyncerConfig:
                             "--max-connections at least 1")
 
     def check_resume(self, saved: dict[str, Any], version: int) -> None:
-        """Refuse a restart whose flags contradict the run in the checkpoint."""
+        """Refuse a restart whose flags contradict the run in the checkpoint; an unset --merge takes the run's rule
+        (a run started when mean was the default resumes as it began)."""
+        if self.merge_by_default and saved.get("merge") in MERGE_RULES:
+            self.merge = saved["merge"]
         for name in CONTRACT_FIELDS:
             if name in saved and saved[name] != getattr(self, name):
                 flag = "--" + name.replace("_", "-")
@@ -316,16 +321,16 @@ class SyncerCore:
     def start(self, now: float, durable: Durable) -> list[Action]:
         """A process start: resume from what survived, reconciling the tape with the disk."""
         self.out = []
+        ck = durable.checkpoint
+        if ck is not None:  # (first: the start record shows the config the run goes on with)
+            self.cfg.check_resume(ck.config, ck.version)
         self._record("start", config=asdict(self.cfg), incarnation=self.incarnation)
         self.out.extend(durable.notes)
-        ck = durable.checkpoint
         fold = TapeFold()
         for e in durable.tape:
             fold.feed(e)
             if e.get("event") == "refuse_delta" and isinstance(e.get("digest"), str):
                 self._remember_refused(e["digest"])
-        if ck is not None:
-            self.cfg.check_resume(ck.config, ck.version)
         rolled_back = [v for v in range(fold.version, (ck.version if ck else -1), -1)]
         for v in rolled_back:
             self._record("rollback", version=v, reason="its checkpoint was not durable when the syncer stopped")
@@ -987,9 +992,10 @@ class SyncerCore:
         """When a round with quorum in stops waiting: at the latest predicted push among the expected members
         predicted within the cap (--grace-ms and 5% of the time the round took to reach quorum, less the merge
         time), so an island far behind never holds the others (they stay >= 95% busy) and one about to push is not
-        left out. A member not measured yet, or overdue (its pace changed), is waited for up to --grace-ms; with
-        time-window rounds a member not measured yet cannot push before its window ends, so the window is its
-        first estimate (a learner that started its first round well after the others is not waited for)."""
+        left out (a prediction padded for jitter past the cap is cut at the cap, not dropped). A member not measured
+        yet, or overdue (its pace changed), is waited for up to --grace-ms; with time-window rounds a member not
+        measured yet cannot push before its window ends, so the window is its first estimate (a learner that
+        started its first round well after the others is not waited for)."""
         start = r.fresh_at if r.fresh_at is not None else r.quorum_at
         assert start is not None
         cap = self.cfg.grace_cap_s - self.merge_s
@@ -998,11 +1004,14 @@ class SyncerCore:
         for lid in waiting + absent:
             m = self.members.get(lid)
             round_s = None if m is None else m.round_s if m.round_s is not None else self.cfg.round_seconds or None
-            eta = None if lid in absent or round_s is None else m.since + GRACE_SLACK * round_s + GRACE_SLACK_S
-            if eta is None or eta < start:
+            if lid in absent or round_s is None:
                 until = max(until, start + max(0.0, cap))
-            elif eta <= deadline:
-                until = max(until, eta)
+                continue
+            due, eta = m.since + round_s, m.since + GRACE_SLACK * round_s + GRACE_SLACK_S  # as measured; padded
+            if eta < start:
+                until = max(until, start + max(0.0, cap))
+            elif due <= deadline:  # (the padding never leaves out one due within the deadline: it is cut there)
+                until = max(until, min(deadline, eta))
         return until
 
     def observe_merge(self, seconds: float) -> None:
