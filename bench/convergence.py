@@ -6,11 +6,14 @@ with the same global batch; for the heterogeneous arms, the fast island alone be
   data-parallel      one process, the fleet's global batch (islands x per-island batch), T steps (the baseline)
   N islands, H       N islands x T steps of batch/N each, rounds of H inner steps, under a merge rule, LoRA
                      aggregation and outer optimizer setting
+  1 island alone     one of the 4 islands with no one to merge with (its quarter of the data, its batch)
+  longer run         data-parallel and the default fleets over --long-steps (12 rounds of H=16 instead of 3)
   heterogeneous      2 islands in time-window rounds, one 10x slower (--step-delay), quorum 1: the fast island's
                      utilization, and the merged model vs the fast island alone for the same wall-clock
 Training-loss curves (per round, against tokens seen by the whole fleet) go to a PNG.
 
-    python bench/convergence.py [--steps 48] [--seq-len 128] [--batch-size 4] [--arms "a;b;..."] [--png FILE]
+    python bench/convergence.py [--steps 48] [--long-steps 192] [--seq-len 128] [--batch-size 4]
+                                [--arms "a;b;..."] [--png FILE]
 """
 
 from __future__ import annotations
@@ -59,10 +62,15 @@ class Arm:
     # a slow island with this --step-delay trains alongside on a syncer of its own (its deltas never merge): the
     # machine carries the pair's load, so "the fast island alone" is compared at equal wall-clock and equal CPU
     shadow_slow_s: float = 0.0
+    steps: int = 0  # inner steps per island (data-parallel: its steps); 0: --steps
 
 
-def arms(h_values: list[int], global_batch: int) -> list[Arm]:
+def arms(h_values: list[int], global_batch: int, long_steps: int) -> list[Arm]:
     out = [Arm("data-parallel")]
+    # what the fleet adds: one of the 4 islands on its own quarter of the data, its batch, no one to merge with
+    quarter = max(1, global_batch // 4)
+    out += [Arm(f"1 island alone (a quarter of the data, batch {quarter})", 1, max(h_values), PLAIN, batch=quarter,
+                shards=4)]
     for h in h_values:
         out += [Arm(f"2 islands H={h}, mean, DiLoCo 0.7/0.9", 2, h, MEAN + DILOCO),
                 Arm(f"2 islands H={h}, mean, plain", 2, h, MEAN + PLAIN),
@@ -85,6 +93,15 @@ def arms(h_values: list[int], global_batch: int) -> list[Arm]:
                 baseline=f"data-parallel, global batch {big}"),
             Arm(f"4 islands H={h}, batch {big // 4} each, rda, plain (defaults)", 4, h, PLAIN, batch=big // 4,
                 baseline=f"data-parallel, global batch {big}")]
+    if long_steps:  # 3 outer steps are few for DiLoCo: the same fleets over a longer run (more rounds of the same H)
+        base = f"data-parallel, {long_steps} steps"
+        out += [Arm(base, steps=long_steps),
+                Arm(f"2 islands H={h}, rda, plain (defaults), {long_steps} steps", 2, h, PLAIN, baseline=base,
+                    steps=long_steps),
+                Arm(f"4 islands H={h}, mean, plain, {long_steps} steps", 4, h, MEAN + PLAIN, baseline=base,
+                    steps=long_steps),
+                Arm(f"4 islands H={h}, rda, plain (defaults), {long_steps} steps", 4, h, PLAIN, baseline=base,
+                    steps=long_steps)]
     return out
 
 
@@ -95,9 +112,10 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
               "--warmup-steps", "3", "--eval-every", "0", "--lora-dropout", "0", "--no-progress", *arm.learner]
     learner = [sys.executable, "-m", "yeto.learner"]
     t0 = time.perf_counter()
+    budget = arm.steps or a.steps  # inner steps per island (data-parallel: its steps)
     if not arm.islands:
         batch = arm.batch or a.batch_size
-        r = subprocess.run(learner + common + ["--batch-size", str(batch), "--max-steps", str(a.steps),
+        r = subprocess.run(learner + common + ["--batch-size", str(batch), "--max-steps", str(budget),
                                                "--out", str(out / "dp")], cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=PROCESS_TIMEOUT_S)
         if r.returncode:
@@ -105,14 +123,14 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
         s = json.loads((out / "dp" / "summary.json").read_text())
         steps = [json.loads(x) for x in (out / "dp" / "metrics.jsonl").read_text().splitlines()]
         losses = [e["loss"] for e in steps if e.get("event") == "step"]
-        per = max(1, a.steps // 12)  # the curve in 12 points
+        per = max(1, budget // 12)  # the curve in 12 points
         tokens_per_step = batch * a.seq_len
         curve = [((i + per) * tokens_per_step, sum(losses[i:i + per]) / per) for i in range(0, len(losses), per)]
         return {"eval_loss": s["eval_loss_after"], "eval_before": s["eval_loss_before"],
                 "wall_s": time.perf_counter() - t0, "curve": curve}
     n, port = arm.islands, free_port()
     batch = arm.batch or max(1, a.batch_size // n)
-    rounds = a.steps // arm.inner_steps if not arm.round_seconds else a.rounds
+    rounds = budget // arm.inner_steps if not arm.round_seconds else a.rounds
 
     def start_syncer(port: int, learners: int, where: Path) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "yeto.sync.server", "--insecure", "--host", "127.0.0.1",
@@ -196,6 +214,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--data", default=str(REPO / "data" / "demo"))
     p.add_argument("--steps", type=int, default=48, help="inner steps per island (data-parallel: its steps)")
+    p.add_argument("--long-steps", type=int, default=192, help="the longer run's steps (0: none)")
     p.add_argument("--inner-steps", default="8,16", help="values of H, comma-separated")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4, help="the fleet's global batch (islands split it)")
@@ -210,7 +229,7 @@ def main() -> None:
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="yeto-bench-convergence-"))
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    todo = arms([int(x) for x in a.inner_steps.split(",")], a.batch_size)
+    todo = arms([int(x) for x in a.inner_steps.split(",")], a.batch_size, a.long_steps)
     if not a.no_heterogeneous:  # the slow island: (SLOWDOWN - 1) fast steps of delay per step
         slow = (SLOWDOWN - 1) * a.step_s
         half = max(1, a.batch_size // 2)  # the fast island alone: its batch and its shard, as in the pair
