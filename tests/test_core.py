@@ -316,6 +316,29 @@ def _late_learner_mid_round(max_base_lag, **cfg):
     return f, late, task
 
 
+def test_a_time_window_is_the_rounds_so_a_member_that_starts_late_pushes_with_the_others():
+    """The window belongs to the round, not to each learner: one that starts 4 s into a 10 s round trains the 6 s
+    left (the syncer says what is left, not when: no clocks need agree), and an early push does not close the round
+    before the window ends (the others are training until then), so both deltas land in it fresh."""
+    f = Fleet(n=2, quorum=1, round_seconds=10.0, grace_ms=5000)
+    first = f.learners[0].next_task(f.now)
+    assert isinstance(first, Train) and first.seconds == 10.0
+    f.tick(dt=1.0, times=4)
+    late = f.learners[1].next_task(f.now)  # (e.g. its stale delta was just acked)
+    assert isinstance(late, Train) and late.seconds == 6.0
+    f.to_syncer(0, f.learners[0].push(first.adapter + 0.01, 100, 50, 4, 1.0, 4.0))  # quorum, 6 s early
+    f.run()
+    f.tick(dt=1.0, times=5)
+    assert f.syncer.version == 0  # 9 s: the window is still open
+    f.tick(dt=1.0)
+    c1 = f.learners[1]
+    assert c1.after_step(5, f.now - 1.0) is Verdict.CONTINUE and c1.after_step(6, f.now) is Verdict.PUSH
+    f.to_syncer(1, c1.push(late.adapter + 0.02, 100, 50, 6, 1.0, 6.0))
+    f.run()
+    merge = [e for e in f.tape if e["event"] == "merge"]
+    assert f.syncer.version == 1 and merge[0]["responders"] == [0, 1] and merge[0]["lags"] == [0, 0]
+
+
 def test_a_time_window_ends_at_the_step_boundary_nearest_its_end():
     """A learner checks its window after each step: it stops once the next step would end further past the window's
     end than the time left, so pushes centre on the end instead of trailing it by up to a step."""

@@ -9,7 +9,8 @@ never dropped.
 import numpy as np
 
 from tests.peers import QuadraticIsland, island_thread, tape_with
-from yeto.sync.core.syncer import GRACE_SLACK, GRACE_SLACK_S, Member, OpenRound, SyncerConfig, SyncerCore
+from yeto.sync.core.syncer import (GRACE_SLACK, GRACE_SLACK_S, WINDOW_NEAREST_BOUNDARY, Member, OpenRound, SyncerConfig,
+                                   SyncerCore)
 
 GRACE_MS = 300.0  # below the slow island's step: it is never waited for
 ROUND_S = 0.6
@@ -71,18 +72,24 @@ def test_the_grace_waits_for_an_island_predicted_within_the_cap_and_not_for_one_
     assert core._grace_until(short, [1], []) == 10.0  # - 0.5 merge: not waited for
 
 
-def test_with_time_windows_a_member_not_measured_yet_is_predicted_at_its_window_end():
-    """Before its first push a learner's pace is unknown, but with time-window rounds it cannot push before its
-    window ends: one that started its first window 8 s after the quorum's is not waited for; one about to end its
-    window is; one whose window ended already (mid-step) gets the cap."""
+def test_a_time_window_round_waits_for_its_window_and_predicts_each_member_at_its_end():
+    """Every member's window ends with the round's: quorum in early does not close the round before the window ends
+    (the others are training until then); after it, a member is predicted at the window's end, padded by the half
+    step its push may trail it by, and waited for up to the cap (5% of the round); one that started so late that its
+    single step ends past the cap is not waited for; with everyone in, the round closes at once."""
     core = SyncerCore(SyncerConfig(learners=2, quorum=1, grace_ms=5000, round_seconds=20.0,
                                    straggler_timeout=100.0), "inc")
-    r = OpenRound(number=1, base_version=0, opened_at=-100.0, quorum_at=20.0)
-    core.members = {1: Member(1, "s", "p1", "test", last_seen=20.0)}
-    core.members[1].since = 8.0  # its window ends at 28 (+2%, + slack): beyond the 5 s cap
-    assert core._grace_until(r, [1], []) == 20.0
-    core.members[1].since = 1.0  # its window ends at 21.65: within the cap
-    assert np.isclose(core._grace_until(r, [1], []), 1.0 + GRACE_SLACK * 20.0 + GRACE_SLACK_S)
-    core.members[1].since = -5.0  # its window ended before the quorum: overdue, the whole cap
-    assert core._grace_until(r, [1], []) == 25.0
+    r = OpenRound(number=1, base_version=0, opened_at=0.0, quorum_at=12.0, ends_at=20.0)  # cap: 5% of 20 s = 1 s
+    core.members = {1: Member(1, "s", "p1", "test", last_seen=12.0)}
+    assert core._grace_until(r, [1], []) == 21.0  # its pace unknown: the window's end, then up to the cap
+    core.members[1].step_s = 1.0  # 1 s steps: at most half a step past the end (+ slack)
+    assert np.isclose(core._grace_until(r, [1], []), 20.0 + WINDOW_NEAREST_BOUNDARY * 1.0 + GRACE_SLACK_S)
+    core.members[1].step_s = 10.0  # 10 s steps: its push may trail the end by 5 s; waited for up to the cap
+    assert core._grace_until(r, [1], []) == 21.0
+    core.members[1].since = 15.0  # it started at 15 s (its stale delta was just acked): one step ends at 25 s
+    assert core._grace_until(r, [1], []) == 20.0  # beyond the cap: the round closes at the window's end
+    assert core._grace_until(r, [], []) == 12.0  # everyone in: no waiting for the window
+    late = OpenRound(number=1, base_version=0, opened_at=0.0, quorum_at=22.0, ends_at=20.0)
+    core.members[1].step_s, core.members[1].since = 1.0, 0.0  # due by 20.75, quorum came at 22: overdue (its pace
+    assert core._grace_until(late, [1], []) == 27.0  # changed?): --grace-ms, as in any round
 

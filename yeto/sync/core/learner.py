@@ -105,8 +105,9 @@ class Training:
     base: np.ndarray
     started_at: float
     steps: int
-    seconds: float
+    seconds: float  # time windows: what is left of the round's window when training starts (0: one step)
     base_digest: str = ""
+    windowed: bool = False  # a time-window round
 
 
 @dataclass
@@ -316,12 +317,14 @@ class LearnerCore:
         r = self.open_round
         if r is None or r["version"] != self.version:
             return Wait()
-        steps = 0 if r["round_seconds"] else int(r["inner_steps"])
+        windowed = bool(r["round_seconds"])
+        steps = 0 if windowed else int(r["inner_steps"])
         if self.max_inner_steps:
             steps = min(steps, self.max_inner_steps) if steps else self.max_inner_steps
-        self.training = Training(r["round"], self.version, self.global_.copy(), now, steps, float(r["round_seconds"]),
-                                 self.digest)
-        return Train(r["round"], self.version, self.training.base, steps, float(r["round_seconds"]))
+        seconds = max(0.0, r["ends_at"] - now) if windowed and "ends_at" in r else float(r["round_seconds"])
+        self.training = Training(r["round"], self.version, self.global_.copy(), now, steps, seconds, self.digest,
+                                 windowed)
+        return Train(r["round"], self.version, self.training.base, steps, seconds)
 
     def after_step(self, steps_done: int, now: float) -> Verdict:
         if self.refused or self.gave_up or self.finish is not None:
@@ -333,7 +336,7 @@ class LearnerCore:
             return Verdict.ABANDON
         elapsed = now - t.started_at
         if (t.steps and steps_done >= t.steps) or (
-                t.seconds and steps_done >= 1 and elapsed * (1 + WINDOW_NEAREST_BOUNDARY / steps_done) >= t.seconds):
+                t.windowed and steps_done >= 1 and elapsed * (1 + WINDOW_NEAREST_BOUNDARY / steps_done) >= t.seconds):
             return Verdict.PUSH
         return Verdict.CONTINUE
 
@@ -470,10 +473,10 @@ class LearnerCore:
         self.ef.residual = p.residual_before
         self.pushed = None
 
-    def _set_open_round(self, r: dict[str, Any]) -> None:
+    def _set_open_round(self, r: dict[str, Any], now: float) -> None:
         cur = self.open_round
         if cur is None or r["round"] > cur["round"]:
-            self.open_round = dict(r)
+            self.open_round = _with_window_end(r, now)
 
     # ------------------------------------------------------------------ messages
 
@@ -494,7 +497,7 @@ class LearnerCore:
             # versions from here on may be redefined (a syncer that rolled back): no stale round trained from them
             self.lineage = {v: d for v, d in self.lineage.items() if v < h["version"] or (
                 v == h["version"] and d == h["digest"])}
-        self.open_round = dict(h["open_round"]) if h["open_round"] else None
+        self.open_round = _with_window_end(h["open_round"], now) if h["open_round"] else None
         self.contributed = None
         r = self.open_round
         p = self.pushed
@@ -531,7 +534,7 @@ class LearnerCore:
         if h["version"] < self.version:
             return
         self.syncer_version = max(self.syncer_version, h["version"])
-        self._set_open_round(h)
+        self._set_open_round(h, now)
         p = self.pushed
         if p is not None and self._may_land(p, h["round"], h["version"]):
             self._resend_pushed()  # the syncer announces a round only to those whose delta it lacks
@@ -587,7 +590,8 @@ class LearnerCore:
                     self.training is None or self.training.round != h["round"]):
                 self._set_open_round({"round": h["round"], "version": h["version"],
                                       "inner_steps": self.policy.get("inner_steps", 1),
-                                      "round_seconds": self.policy.get("round_seconds", 0.0)})
+                                      "round_seconds": self.policy.get("round_seconds", 0.0),
+                                      "seconds_left": h.get("seconds_left")}, now)
             if p is not None and self._may_land(p, h["round"], h["version"]) and (
                     p.merge_round is None or p.merge_round == h["round"]):
                 if h["have_delta"]:
@@ -650,3 +654,17 @@ class LearnerCore:
             self.finish_at = now
             self.syncer_version = max(self.syncer_version, msg.header["version"])
             self._maybe_sync(now)
+
+
+def _with_window_end(r: dict[str, Any], now: float) -> dict[str, Any]:
+    """The open round as announced, with its time window's end on our clock (`ends_at`): the syncer says how much of
+    the round's window was left when it wrote (relative: no clocks need agree). Missing or out of range (an older
+    syncer), the window is a whole `round_seconds` from now."""
+    out = dict(r)
+    out.pop("ends_at", None)  # (ours to compute, never the sender's)
+    window = r.get("round_seconds")
+    left = r.get("seconds_left")
+    if isinstance(window, (int, float)) and window > 0:
+        ok = isinstance(left, (int, float)) and not isinstance(left, bool) and math.isfinite(left) and left >= 0
+        out["ends_at"] = now + (min(float(left), float(window)) if ok else float(window))
+    return out

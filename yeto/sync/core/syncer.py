@@ -49,6 +49,7 @@ from yeto.sync.audit import TapeFold
 from yeto.sync.core.actions import (AcceptedDelta, Action, Checkpoint, DropDeltas, Durable, Exit, Log, Record,
                                     SaveCheckpoint, SaveDelta, Send)
 from yeto.sync.core.contract import contract_mismatch, contract_problem, run_contract
+from yeto.sync.core.learner import WINDOW_NEAREST_BOUNDARY
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.given_up import quorum_after_give_ups
 from yeto.sync.layout import Layout, layout_from_json, layout_mismatch
@@ -237,6 +238,7 @@ class Member:
     principal: Optional[str] = None  # who its connection authenticated as (ZAP User-Id); None: --insecure
     tokens_per_step: int = 0  # declared at join: bounds its token claims
     round_s: Optional[float] = None  # its observed compute time per round (running estimate)
+    step_s: Optional[float] = None  # ... and per inner step (time windows: how far its push may trail the window)
     since: float = 0.0  # when it (last) started training: a round's open, or the ack of its delta
 
 
@@ -248,6 +250,7 @@ class OpenRound:
     quorum_at: Optional[float] = None
     fresh_at: Optional[float] = None  # when quorum was met by fresh deltas alone (the grace counts from here)
     last_wait_log: float = -math.inf
+    ends_at: float = math.inf  # a time-window round's window end: every member's window ends here
 
 
 @dataclass
@@ -710,9 +713,7 @@ class SyncerCore:
         r = self.round
         mine = self.pending.get(m.learner)
         contributed = r is not None and mine is not None
-        open_round = None if r is None else {"round": r.number, "version": r.base_version,
-                                              "inner_steps": self.cfg.inner_steps,
-                                              "round_seconds": self.cfg.round_seconds}
+        open_round = None if r is None else self._round_header(r, now)
         self._send(m.peer, "welcome", {"incarnation": self.incarnation, "version": self.run.version,
                                        "digest": self.run.digest, "policy": self.cfg.policy(),
                                        "open_round": open_round, "contributed": contributed,
@@ -822,6 +823,8 @@ class SyncerCore:
         if compute_s is not None:  # what the grace predicts its next push from
             m.round_s = compute_s if m.round_s is None else (ROUND_TIME_EMA * compute_s +
                                                              (1 - ROUND_TIME_EMA) * m.round_s)
+            step_s = compute_s / max(1, d.inner_steps)
+            m.step_s = step_s if m.step_s is None else ROUND_TIME_EMA * step_s + (1 - ROUND_TIME_EMA) * m.step_s
         m.since = now
         self._maybe_close(now)
 
@@ -877,10 +880,11 @@ class SyncerCore:
         mine = self.pending.get(m.learner)
         have = bool(pushed and mine is not None and mine.ref() == pushed[:3])
         r = self.round
+        window = {"seconds_left": self._round_header(r, now)["seconds_left"]} if r and self.cfg.round_seconds else {}
         self._send(m.peer, "pong", {"incarnation": self.incarnation, "version": self.version,
                                     "round": r.number if r else self.version, "round_open": r is not None,
                                     "have_delta": have, "contributed": r is not None and mine is not None,
-                                    "finished": self.finished_at is not None})
+                                    "finished": self.finished_at is not None, **window})
         if self.finish_header is not None:
             self._send(m.peer, "finish", self.finish_header_for_wire())  # it may have missed the first one
 
@@ -924,9 +928,9 @@ class SyncerCore:
             if live < self.cfg.learners - self._given_up_count() and now - self.gate_since < self.cfg.straggler_timeout:
                 return  # round 1 waits for --learners, or for quorum plus --straggler-timeout
         self.started = True
-        self.round = OpenRound(run.version + 1, run.version, now)
-        header = {"round": self.round.number, "version": run.version, "inner_steps": self.cfg.inner_steps,
-                  "round_seconds": self.cfg.round_seconds}
+        self.round = OpenRound(run.version + 1, run.version, now,
+                               ends_at=now + self.cfg.round_seconds if self.cfg.round_seconds else math.inf)
+        header = self._round_header(self.round, now)
         members = []
         for m in self._live():
             if m.learner not in self.pending:
@@ -936,6 +940,17 @@ class SyncerCore:
                      restored=sorted(self.pending))
         self._log("info", f"round {self.round.number} open with learners {sorted(members)}")
         self._maybe_close(now)
+
+    def _round_header(self, r: OpenRound, now: float) -> dict[str, Any]:
+        """What a learner trains the open round by. A time-window round's window is the round's, not the learner's:
+        `seconds_left` (relative, so no clocks need agree) ends every member's window together, however late it
+        started (a learner whose stale delta was just acked trains what is left), so deltas land fresh together
+        instead of each island's window drifting with its own start."""
+        header = {"round": r.number, "version": r.base_version, "inner_steps": self.cfg.inner_steps,
+                  "round_seconds": self.cfg.round_seconds}
+        if self.cfg.round_seconds:
+            header["seconds_left"] = round(max(0.0, r.ends_at - now), 3)
+        return header
 
     def _expected(self, now: float) -> tuple[list[int], list[int]]:
         """(live members that have not answered, members known before a restart that may still come back)."""
@@ -993,21 +1008,32 @@ class SyncerCore:
         predicted within the cap (--grace-ms and 5% of the time the round took to reach quorum, less the merge
         time), so an island far behind never holds the others (they stay >= 95% busy) and one about to push is not
         left out (a prediction padded for jitter past the cap is cut at the cap, not dropped). A member not measured
-        yet, or overdue (its pace changed), is waited for up to --grace-ms; with time-window rounds a member not
-        measured yet cannot push before its window ends, so the window is its first estimate (a learner that
-        started its first round well after the others is not waited for)."""
+        yet, or overdue (its pace changed), is waited for up to --grace-ms. A time-window round does not close
+        before its window ends (the members train until then) and predicts each member at the window's end, or one
+        step after its start if it started later, padded by the half step a push may trail the window by."""
         start = r.fresh_at if r.fresh_at is not None else r.quorum_at
         assert start is not None
+        if math.isfinite(r.ends_at) and (waiting or absent):
+            start = max(start, r.ends_at)  # quorum came before the window's end: the others train until then
         cap = self.cfg.grace_cap_s - self.merge_s
         deadline = start + max(0.0, min(cap, GRACE_ROUND_SHARE * (start - r.opened_at) - self.merge_s))
         until = start
         for lid in waiting + absent:
             m = self.members.get(lid)
-            round_s = None if m is None else m.round_s if m.round_s is not None else self.cfg.round_seconds or None
-            if lid in absent or round_s is None:
+            if lid in absent or m is None:
                 until = max(until, start + max(0.0, cap))
                 continue
-            due, eta = m.since + round_s, m.since + GRACE_SLACK * round_s + GRACE_SLACK_S  # as measured; padded
+            if math.isfinite(r.ends_at):
+                if m.step_s is None:  # its pace unknown: it pushes at the window's end, or at most the cap after
+                    due, eta = r.ends_at, math.inf
+                else:
+                    due = max(r.ends_at, m.since + m.step_s)
+                    eta = due + WINDOW_NEAREST_BOUNDARY * m.step_s + GRACE_SLACK_S
+            elif m.round_s is None:
+                until = max(until, start + max(0.0, cap))
+                continue
+            else:
+                due, eta = m.since + m.round_s, m.since + GRACE_SLACK * m.round_s + GRACE_SLACK_S  # measured; padded
             if eta < start:
                 until = max(until, start + max(0.0, cap))
             elif due <= deadline:  # (the padding never leaves out one due within the deadline: it is cut there)
