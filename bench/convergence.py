@@ -177,6 +177,7 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
             "wall_s": time.perf_counter() - t0, "curve": curve,
             "utilization": [round(x.get("utilization", 0.0), 4) for x in isl],
             "stall_s": [round(x.get("stall_s", 0.0), 2) for x in isl],
+            "carried": [x.get("carried_rounds", 0) for x in isl],  # rounds carried onto the next global
             "lags": [d.get("lag", 0) for d in deltas if d["learner"] == n - 1],  # the last (slow) island's
             "merges": sum(1 for e in tape if e["event"] == "merge"),
             "slow_deltas_merged": sum(1 for e in tape if e["event"] == "merge" for lid in e["responders"]
@@ -237,12 +238,13 @@ def main() -> None:
         pair = dict(round_seconds=a.round_seconds, slow_delay_s=slow, batch=half, baseline=alone)
         todo += [Arm(alone, 1, syncer=PLAIN, round_seconds=a.round_seconds, batch=half, shards=2, baseline=alone,
                      shadow_slow_s=slow),
-                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow (defaults: rda)", 2, syncer=PLAIN, **pair),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow (defaults: mean, step-normalized)", 2, syncer=PLAIN,
+                     **pair),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, rda", 2, syncer=PLAIN + ["--merge", "rda"], **pair),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, rda, step-normalized", 2,
-                     syncer=PLAIN + ["--step-normalize"], **pair),
-                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, mean", 2, syncer=MEAN + PLAIN, **pair),
-                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, mean, step-normalized", 2,
-                     syncer=MEAN + PLAIN + ["--step-normalize"], **pair),
+                     syncer=PLAIN + ["--merge", "rda", "--step-normalize"], **pair),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, mean, not step-normalized", 2,
+                     syncer=MEAN + PLAIN + ["--no-step-normalize"], **pair),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, no stale discount", 2,
                      syncer=PLAIN + ["--staleness-exponent", "0"], **pair),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, stale dropped", 2,

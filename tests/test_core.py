@@ -8,6 +8,7 @@ announcement or finish, a restart with saved deltas) played exactly.
 import random
 
 import numpy as np
+import pytest
 
 from yeto.sync.audit import audit
 from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
@@ -337,6 +338,53 @@ def test_a_time_window_is_the_rounds_so_a_member_that_starts_late_pushes_with_th
     f.run()
     merge = [e for e in f.tape if e["event"] == "merge"]
     assert f.syncer.version == 1 and merge[0]["responders"] == [0, 1] and merge[0]["lags"] == [0, 0]
+
+
+@pytest.mark.parametrize("closes_first", [False, True])
+def test_a_learner_whose_late_delta_holds_the_round_carries_its_work_onto_the_next_global(closes_first):
+    """The lock-in: a delta that missed its round is merged, a version late, in the next one, whose place it then
+    holds (one delta per learner per round), so the learner's next round could only go late too, and so on for the
+    rest of the run. Instead the learner carries that round's work onto the next global (Verdict.CARRY) and its
+    following push lands fresh; also when the round closed before its window's last step ended (the syncer does
+    not wait for a learner whose place is held)."""
+    f = Fleet(n=2, quorum=1, round_seconds=10.0, grace_ms=1000, straggler_timeout=30.0)
+    c0, c1 = f.learners[0], f.learners[1]
+    first0, first1 = c0.next_task(f.now), c1.next_task(f.now)
+    f.tick(dt=1.0, times=10)
+    assert c0.after_step(10, f.now) is Verdict.PUSH
+    f.to_syncer(0, c0.push(first0.adapter + 0.01, 100, 50, 10, 1.0, 10.0))
+    f.run()
+    f.tick(dt=0.5, times=4)  # learner 1's single step runs past the grace: round 1 closes without it
+    assert f.syncer.version == 1 and c1.version == 1
+    assert c1.after_step(1, f.now) is Verdict.PUSH
+    f.to_syncer(1, c1.push(first1.adapter + 0.02, 100, 50, 1, 1.0, 12.0))  # a version late: merged in round 2
+    f.run()
+    second0, second1 = c0.next_task(f.now), c1.next_task(f.now)
+    assert (second1.round, second1.base_version) == (2, 1)
+    f.tick(dt=0.5, times=int(second1.seconds / 0.5) + 1)
+    if not closes_first:
+        assert c1.after_step(8, f.now) is Verdict.CARRY and c1.carrying  # its late delta holds round 2's place
+        assert isinstance(c1.next_task(f.now), Wait)
+    assert c0.after_step(16, f.now) is Verdict.PUSH
+    f.to_syncer(0, c0.push(second0.adapter + 0.01, 100, 50, 16, 1.0, 10.0))
+    f.run()
+    if closes_first:
+        assert c1.version == 2 and c1.after_step(9, f.now + 0.5) is Verdict.CARRY
+    merge2 = [e for e in f.tape if e["event"] == "merge"][-1]
+    assert merge2["round"] == 2 and merge2["responders"] == [0, 1] and merge2["lags"] == [0, 1]
+    assert not c1.carrying
+    third0, third1 = c0.next_task(f.now), c1.next_task(f.now)
+    assert (third1.round, third1.base_version) == (3, 2)  # the loop puts the carried work on top of this global
+    f.tick(dt=0.5, times=int(third1.seconds / 0.5) + 1)
+    assert c1.after_step(24, f.now, window_steps=8) is Verdict.PUSH  # (carried steps do not pace the window)
+    f.to_syncer(1, c1.push(third1.adapter + 0.03, 200, 100, 24, 1.0, 20.0))
+    f.run()
+    assert c0.after_step(16, f.now) is Verdict.PUSH
+    f.to_syncer(0, c0.push(third0.adapter + 0.01, 100, 50, 16, 1.0, 10.0))
+    f.run()
+    merge3 = [e for e in f.tape if e["event"] == "merge"][-1]
+    assert merge3["round"] == 3 and merge3["responders"] == [0, 1] and merge3["lags"] == [0, 0]  # fresh again
+    assert audit(f.tape).ok, audit(f.tape).summary()
 
 
 def test_a_time_window_ends_at_the_step_boundary_nearest_its_end():

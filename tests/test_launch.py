@@ -83,6 +83,9 @@ def test_extra_flags_go_to_the_syncer_or_the_learners():
     assert learner == ["--lr", "1e-3", "--overlap", "--seq-len", "128"]
     with pytest.raises(YetoError, match="--quorum needs a value"):
         split_extra_args(["--quorum"])
+    # a syncer switch takes no value: the flag after it is not swallowed
+    syncer, learner = split_extra_args(["--step-normalize", "--seq-len", "128", "--no-step-normalize"])
+    assert syncer == ["--step-normalize", "--no-step-normalize"] and learner == ["--seq-len", "128"]
 
 
 def plan_for(tmp_path, gpu="aws:1xA10G@us-west-2,runpod:1xH100", **kw):

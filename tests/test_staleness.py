@@ -3,7 +3,7 @@
 A fast island and one whose single step outlasts the round's window train in time-window rounds with quorum 1. The
 syncer closes a round once the fast delta is in and the slow one is not predicted within the grace cap; the slow
 island's delta, trained from a version the global has since left, is merged where it arrives (its lag on the tape),
-never dropped.
+never dropped; the round it trains meanwhile is carried onto the next global rather than sent a version late too.
 """
 
 import numpy as np
@@ -42,6 +42,9 @@ def test_a_slow_island_contributes_every_delta_and_the_fast_one_never_waits_past
     assert results[1]["abandoned_rounds"] == 0
     # the slow island contributed with lag on the tape, and its weight followed it
     assert any(e["lag"] > 0 for e in slow_deltas), [e["lag"] for e in slow_deltas]
+    # a round trained while its late delta held the next round's place was carried onto the next global, not sent a
+    # version late in turn (its window fits one 1 s step: a delta of more steps holds carried ones)
+    assert results[1]["carried_rounds"] > 0 and max(e["inner_steps"] for e in slow_deltas) >= 2, slow_deltas
     for m in merges:
         assert len(m["lags"]) == len(m["responders"])
         # the fast island (quorum) never waited past the cap for the slow one

@@ -311,7 +311,25 @@ def test_a_restart_with_a_conflicting_config_is_refused_naming_the_field(start_s
     assert [e["config"]["merge"] for e in read_tape(out) if e["event"] == "start"] == ["mean", "mean"]
 
 
-def test_time_window_rounds_weight_a_slow_island_by_its_tokens(start_syncer, tmp_path):
+def test_time_window_rounds_default_to_the_mean_with_step_normalization():
+    """Where islands of unequal speed take unequal steps (time windows) the measured defaults are the mean with step
+    normalization (docs/benchmarks.md); fixed-step rounds keep rda; an explicit choice of either is kept, and a run
+    begun under other defaults resumes as it began."""
+    assert (SyncerConfig().merge, SyncerConfig().step_normalize) == ("rda", False)
+    windows = SyncerConfig(round_seconds=20.0)
+    assert (windows.merge, windows.step_normalize) == ("mean", True)
+    assert SyncerConfig(round_seconds=20.0, merge="rda").step_normalize is False
+    assert SyncerConfig(round_seconds=20.0, step_normalize=False).merge == "rda"
+    assert SyncerConfig(step_normalize=True).merge == "mean"
+    windows.check_resume({"merge": "rda", "step_normalize": False}, 0)
+    assert (windows.merge, windows.step_normalize) == ("rda", False)
+    chosen = SyncerConfig(round_seconds=20.0, step_normalize=True)
+    with pytest.raises(YetoError, match="--step-normalize True conflicts with the checkpoint.*resume with "
+                                        "--no-step-normalize"):
+        chosen.check_resume({"merge": "mean", "step_normalize": False}, 0)
+
+
+def test_time_window_rounds_weight_a_slow_island_by_its_tokens_and_steps(start_syncer, tmp_path):
     syncer, port = start_syncer(learners=2, quorum=2, outer_steps=2, round_seconds=0.6, sync_bits=32)
     fast, slow = QuadraticIsland(1.0, 10, lr=0.1), QuadraticIsland(-1.0, 10, lr=0.1)
     results = {}
@@ -326,5 +344,9 @@ def test_time_window_rounds_weight_a_slow_island_by_its_tokens(start_syncer, tmp
         f, s = deltas[(m["round"], 0)], deltas[(m["round"], 1)]
         assert f["inner_steps"] > 2 * s["inner_steps"] >= 2  # the slow island still contributes what it did
         weights = dict(zip(m["responders"], m["weights"]))  # (responders are listed in the order they were summed)
-        assert [weights[0], weights[1]] == pytest.approx([f["loss_tokens"] / (f["loss_tokens"] + s["loss_tokens"]),
-                                                          s["loss_tokens"] / (f["loss_tokens"] + s["loss_tokens"])])
+        # what each counted for: its loss-token weight, times (step normalization, the time-window default) the
+        # round's most steps / its own
+        assert m["step_normalize"] and m["merge"] == "mean"
+        total, most = f["loss_tokens"] + s["loss_tokens"], f["inner_steps"]
+        assert [weights[0], weights[1]] == pytest.approx([f["loss_tokens"] / total,
+                                                          s["loss_tokens"] / total * most / s["inner_steps"]])

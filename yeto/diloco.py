@@ -14,6 +14,13 @@ training instead of waiting; when the merged adapter arrives, the progress made
 since the push is kept on top of it (θ ← g_r + (θ − θ_push)), as in one-step-
 delayed / streaming DiLoCo. Those steps count toward round r+1.
 
+Carry (time-window rounds, always on): a learner whose previous delta came late
+is merged a version late in the next round, where it holds this learner's place
+(one delta per learner per round); the round it trains meanwhile could only go
+late too, and every later one after it. So that round's work is not pushed: the
+island trains on until the next global comes and keeps all of it on top of that
+global (θ ← g + (θ − its base)), and its next push lands fresh.
+
 Merge alpha (the syncer's `--merge-alpha a` < 1): a round starts from
 a x the merged adapter + (1 - a) x the adapter this island last pushed, keeping
 part of its own progress; its delta is still taken against the merged adapter.
@@ -59,6 +66,7 @@ class RoundStats:
     loss_tokens: int = 0
     loss_sum: float = 0.0
     compute_s: float = 0.0
+    carried: int = 0  # of `steps`, those taken before this round's training started (they do not pace its window)
 
     def add(self, s: dict[str, Any], dt: float) -> None:
         self.steps += 1
@@ -76,6 +84,7 @@ class RoundStats:
 class IslandStats:
     rounds: int = 0
     abandoned: int = 0
+    carried: int = 0  # rounds whose work went on top of the next global instead of to the syncer (Verdict.CARRY)
     compute_s: float = 0.0
     delta_bytes: list[int] = field(default_factory=list)
 
@@ -124,7 +133,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     stats = IslandStats()
     t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
     stall_s = 0.0
-    carry: Optional[tuple[RoundStats, np.ndarray]] = None  # overlapped steps, and the adapter pushed before them
+    carry: Optional[tuple[RoundStats, np.ndarray]] = None  # steps to keep, and the adapter they were taken from
     last_local: Optional[np.ndarray] = None  # the adapter this island last pushed (--merge-alpha blends it in)
     done: Optional[Done] = None
     try:
@@ -142,11 +151,11 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 policy = core.policy
                 if not policy.get("round_seconds"):
                     island.set_total_steps(int(policy["outer_steps"]) * int(policy["inner_steps"]))
-            if carry is not None:  # keep what was learned since the push on top of the merged adapter
-                rnd, pushed = carry
-                rnd.round = task.round
+            if carry is not None:  # keep what was learned since `since` (the push, or the base) on top of the global
+                rnd, since = carry
+                rnd.round, rnd.carried = task.round, rnd.steps
                 island.load_adapter_state(unflatten(layout, task.adapter + (flatten(layout, island.adapter_state())
-                                                                            - pushed)))
+                                                                            - since)))
                 carry = None
             else:
                 rnd = RoundStats(task.round)
@@ -154,10 +163,18 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 start = task.adapter if last_local is None or alpha >= 1 else (
                     alpha * task.adapter + (1 - alpha) * last_local).astype(np.float32)
                 island.load_adapter_state(unflatten(layout, start))  # (the delta stays against task.adapter)
-            verdict = link.after_step(rnd.steps) if rnd.steps else Verdict.CONTINUE
+            verdict = link.after_step(rnd.steps, rnd.steps - rnd.carried) if rnd.steps else Verdict.CONTINUE
             while verdict is Verdict.CONTINUE:
                 inner_step(island, rnd, stats, step_delay)
-                verdict = link.after_step(rnd.steps)
+                verdict = link.after_step(rnd.steps, rnd.steps - rnd.carried)
+            if verdict is Verdict.CARRY:  # our previous delta, late, holds this round's place: train on until the
+                while link.carrying():  # next global comes, and carry it all on top of that global (a fresh delta)
+                    inner_step(island, rnd, stats, step_delay)
+                carry = (rnd, task.adapter)
+                stats.carried += 1
+                log_fn(f"round {task.round}: our previous delta (late) holds its place in the syncer; carrying "
+                       f"{rnd.steps} steps onto the next global")
+                continue
             if verdict is Verdict.ABANDON:
                 stats.abandoned += 1
                 last_local = None
@@ -192,6 +209,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     return {
         "rounds": stats.rounds,
         "abandoned_rounds": stats.abandoned,
+        "carried_rounds": stats.carried,
         "version": core.version,
         "complete": done.complete,
         "wall_s": wall,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -157,23 +157,36 @@ def _aliases() -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------- flags
 
 
-def syncer_flags() -> set[str]:
-    """The syncer's flags that `yeto launch` passes through (every one except those the launch itself sets)."""
+def _passed_fields() -> list[Field]:
     from yeto.sync.core.syncer import SyncerConfig
 
     own = {"port", "host", "learners", "out", "insecure", "join_key"}
-    return {"--" + f.name.replace("_", "-") for f in fields(SyncerConfig) if f.init and f.name not in own}
+    return [f for f in fields(SyncerConfig) if f.init and f.name not in own]
+
+
+def syncer_flags() -> set[str]:
+    """The syncer's flags that `yeto launch` passes through (every one except those the launch itself sets)."""
+    return {"--" + f.name.replace("_", "-") for f in _passed_fields()}
+
+
+def syncer_switches() -> set[str]:
+    """Those of them that are on/off switches (`--x` / `--no-x`, no value follows)."""
+    flags = [f.name.replace("_", "-") for f in _passed_fields() if "bool" in str(f.type)]
+    return {f"--{x}" for x in flags} | {f"--no-{x}" for x in flags}
 
 
 def split_extra_args(args: list[str]) -> tuple[list[str], list[str]]:
     """Route `yeto launch`'s extra flags: the syncer's flags (with their value) to the syncer, the rest to every
     learner (`--seq-len 128 --lr 1e-3`)."""
-    ours = syncer_flags()
+    ours, switches = syncer_flags(), syncer_switches()
     syncer, learner = [], []
     i = 0
     while i < len(args):
         name = args[i].split("=", 1)[0]
-        if name in ours:
+        if name in switches:
+            syncer.append(args[i])
+            i += 1
+        elif name in ours:
             take = 1 if "=" in args[i] else 2
             if i + take > len(args):
                 raise YetoError(f"{name} needs a value")

@@ -96,9 +96,14 @@ class SyncerLink:
                     raise YetoError("the link to the syncer stopped unexpectedly")
                 self.changed.wait(IO_TICK_S)
 
-    def after_step(self, steps_done: int) -> Verdict:
+    def after_step(self, steps_done: int, window_steps: Optional[int] = None) -> Verdict:
         with self.lock:
-            return self.core.after_step(steps_done, time.monotonic())
+            return self.core.after_step(steps_done, time.monotonic(), window_steps)
+
+    def carrying(self) -> bool:
+        """A round's work is carried onto the next global, which has not come yet (Verdict.CARRY)."""
+        with self.lock:
+            return self.core.carrying
 
     def push(self, local: np.ndarray, tokens: int, loss_tokens: int, steps: int, loss: float, compute_s: float) -> int:
         """Queue the round's delta; returns its size on the wire (0 if the round was abandoned meanwhile)."""

@@ -354,7 +354,8 @@ def syncer_command(
                         ] = _D.robust_k,
     merge: Annotated[Optional[str], typer.Option(
         help="How deltas combine: rda (radial-directional: the mean norm along the mean direction, per tensor; the "
-             "default) or mean (weighted average; the default with --lora-merge product or --robust trimmed-mean). "
+             "default) or mean (weighted average; the default with --round-seconds, --lora-merge product or --robust "
+             "trimmed-mean). "
              "Unset on a resume: the run's own rule."
     )] = None,
     merge_weight: Annotated[str, typer.Option(help="Weights of the merge: loss-tokens, tokens, steps or equal.")
@@ -370,10 +371,10 @@ def syncer_command(
                             ] = _D.max_base_lag,
     staleness_exponent: Annotated[float, typer.Option(help="A delta lag versions old weighs (1 + lag)^-this "
                                                            "(0: no discount).")] = _D.staleness_exponent,
-    step_normalize: Annotated[bool, typer.Option(help="Scale each delta by the round's most inner steps / its own "
-                                                      "before merging: a slow island's shorter delta adds to the "
-                                                      "others' progress instead of shrinking it.")
-                              ] = _D.step_normalize,
+    step_normalize: Annotated[Optional[bool], typer.Option(
+        help="Scale each delta by the round's most inner steps / its own before merging: a slow island's shorter "
+             "delta adds to the others' progress instead of shrinking it. Unset: on with --round-seconds (and the "
+             "mean rule), off otherwise; on a resume, the run's own.")] = None,
     merge_alpha: Annotated[float, typer.Option(help="Learners start each round from alpha x the merged adapter + "
                                                     "(1 - alpha) x their own last one (1: the merged adapter).")
                            ] = _D.merge_alpha,

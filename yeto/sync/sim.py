@@ -197,6 +197,7 @@ class World:
         self.syncer = SimSyncer(self)
         self.learners = [SimLearner(self, i) for i in range(sched.learners)]
         self.zombies: list[SimLearner] = []  # replaced learner processes that are still running
+        self.carries = 0  # rounds whose work a learner carried onto the next global (Verdict.CARRY)
         # when the last fault is over (downtimes, cuts and freezes included), with room to reconnect
         ends = [at + (down or 0.0) + (ZOMBIE_SLEEPS_LONGER_S if zombie else 0.0)
                 for at, _, down, zombie in sched.learner_kills]
@@ -435,6 +436,7 @@ class World:
         for e in tape:
             fold.feed(e)
         cfg = self.s.syncer_config()
+        steps_of = {e["digest"]: e["inner_steps"] for e in tape if e["event"] == "delta"}
         g = self.init_payloads[fold.digests[0]].copy()
         m = np.zeros_like(g)
         ef = ErrorFeedback(self.layout.numel)
@@ -445,13 +447,17 @@ class World:
                       for lid, d in zip(e["responders"], e["deltas"])}
             lags = e.get("lags") or [0] * len(e["responders"])
             tokens = dict(zip(e["responders"], e["loss_tokens"]))
-            scale = {lid: staleness_factor(lag, cfg.staleness_exponent) for lid, lag in zip(e["responders"], lags)}
+            steps = {lid: max(1, steps_of[d]) if e.get("step_normalize") else 1
+                     for lid, d in zip(e["responders"], e["deltas"])}
+            scale = {lid: staleness_factor(lag, cfg.staleness_exponent) / steps[lid]
+                     for lid, lag in zip(e["responders"], lags)}
             s = RoundSum.for_rule(self.layout, e["merge"])
             for lid in e["summed"]:
                 s.add(lid, deltas[lid], tokens[lid], scale[lid])
             clip = {int(k): c for k, c in e["clip"].items()}
             weights = {lid: effective_weight(tokens[lid], scale[lid]) for lid in tokens}
             avg, fallbacks = clipped_merge(s, clip, weights, deltas.__getitem__)
+            avg = avg * np.float32(max(steps.values()))  # (step normalization: the round's most steps; else 1)
             if fallbacks != e.get("rda_fallbacks"):
                 raise Violation(f"replay of merge {v}: {fallbacks} RDA fallbacks, the tape says "
                                 f"{e.get('rda_fallbacks')}")
@@ -723,6 +729,8 @@ class SimLearner:
                                 started_at_us=int(w.now * 1e6), identity=f"sim-identity-{w.s.seed}-{self.lid}")
         self.pushes = []
         self.raw = {}
+        self.carry_base: Optional[np.ndarray] = None  # a carried round's base: its work goes on top of the next global
+        self.carried_steps = 0
         w.log(f"learner {self.lid}: boot (life {self.life}, session {self.core.session})")
         self.execute(self.core.connected_now(w.now))
         self.schedule_tick(self.life)
@@ -804,10 +812,14 @@ class SimLearner:
                 self.w.at(self.w.now + self.w.rng.uniform(1.0, 5.0), self.boot)
             return
         assert isinstance(task, Train)
-        self.island.flat = task.adapter.copy()
         self.train_started = self.w.now
-        self.steps = 0
-        self.stats = {"tokens": 0, "loss_tokens": 0, "loss": 0.0}
+        if self.carry_base is not None:  # (the sim's learner does not step while it waits; the real loop does)
+            self.island.flat = task.adapter + (self.island.flat - self.carry_base)
+            self.carry_base, self.carried_steps = None, self.steps
+        else:
+            self.island.flat = task.adapter.copy()
+            self.steps = self.carried_steps = 0
+            self.stats = {"tokens": 0, "loss_tokens": 0, "loss": 0.0}
         self.w.log(f"learner {self.lid}: train round {task.round} from version {task.base_version}")
         self.start_step()
 
@@ -832,11 +844,17 @@ class SimLearner:
         for k in ("tokens", "loss_tokens"):
             self.stats[k] += s[k]
         self.stats["loss"] = s["loss"]
-        verdict = self.core.after_step(self.steps, w.now)
+        t = self.core.training
+        verdict = self.core.after_step(self.steps, w.now, self.steps - self.carried_steps)
         if verdict is Verdict.CONTINUE:
             self.start_step()
             return
         self.stepping = False
+        if verdict is Verdict.CARRY:
+            assert t is not None
+            self.carry_base = t.base.copy()
+            w.carries += 1
+            w.log(f"learner {self.lid}: carrying round {t.round}'s {self.steps} steps onto the next global")
         if verdict is Verdict.PUSH:
             t = self.core.training
             bits = int(self.core.policy["sync_bits"])
@@ -952,6 +970,7 @@ def run_seed(seed: int, trace: Optional[Callable[[str], None]] = None) -> Outcom
     paths |= {"recovered" for e in tape if e["event"] == "delta" and e.get("recovered")}
     paths |= {"stale" for e in tape if e["event"] == "delta" and e.get("lag")}
     paths |= {"zombie"} if w.zombies else set()
+    paths |= {"carry"} if w.carries else set()
     return Outcome(seed, True, "", w.now, sum(1 for e in tape if e["event"] == "merge"),
                    sum(1 for e in tape if e["event"] == "resume"), frozenset(paths))
 
@@ -994,7 +1013,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\n{len(outcomes)} schedules (seeds {a.first}..{a.first + a.seeds - 1}) in {time.perf_counter() - t0:.0f}s: "
           f"{len(bad)} violation(s); {merges} merges, {restarts} syncer restarts simulated")
     took = Counter(p for o in outcomes for p in o.exercised)
-    print("schedules that took each recovery path: " + ", ".join(f"{p} {took[p]}" for p in (*EXERCISED, "zombie")))
+    paths = (*EXERCISED, "zombie", "carry")
+    print("schedules that took each recovery path: " + ", ".join(f"{p} {took[p]}" for p in paths))
     for o in bad[:20]:
         print(f"seed {o.seed}: {o.error.splitlines()[0] if o.error else ''}")
     if bad:

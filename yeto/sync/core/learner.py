@@ -96,6 +96,9 @@ class Verdict(Enum):
     PUSH = "push"  # the round's work is done: push it
     ABANDON = "abandon"  # the round closed without us (or our adapter is unusable): drop the work
     STOP = "stop"  # the run is over for this learner
+    # a time window is over, but our previous (late) delta holds this round's place in the syncer (one per learner
+    # per round): keep the work and carry it onto the next global, so the next push lands fresh
+    CARRY = "carry"
 
 
 @dataclass
@@ -108,6 +111,7 @@ class Training:
     seconds: float  # time windows: what is left of the round's window when training starts (0: one step)
     base_digest: str = ""
     windowed: bool = False  # a time-window round
+    place_taken: bool = False  # our previous delta, late, holds (or will hold) this round's place in the syncer
 
 
 @dataclass
@@ -182,6 +186,7 @@ class LearnerCore:
         self.held: Optional[Held] = None
         self.lineage: dict[int, str] = {}  # recent versions held -> digest: a stale round's base must be the run's
         self.contributed: Optional[tuple[int, int]] = None  # (round, base) an earlier session of ours delivered
+        self.carried: Optional[tuple[int, int]] = None  # (round, base) whose work the training loop carries on
         self.init_sent: Optional[tuple[dict[str, Any], tuple[bytes, ...]]] = None  # our founding upload
         self.resend_init = False
         self.finish: Optional[dict[str, Any]] = None
@@ -314,6 +319,8 @@ class LearnerCore:
             return Wait()  # our delta awaits its merge (or, a stale one, its ack: one per round in the syncer)
         if self.contributed is not None and self.contributed[1] == self.version:
             return Wait()
+        if self.carrying:
+            return Wait()  # (the loop keeps training; that work goes on top of the next global)
         r = self.open_round
         if r is None or r["version"] != self.version:
             return Wait()
@@ -322,11 +329,16 @@ class LearnerCore:
         if self.max_inner_steps:
             steps = min(steps, self.max_inner_steps) if steps else self.max_inner_steps
         seconds = max(0.0, r["ends_at"] - now) if windowed and "ends_at" in r else float(r["round_seconds"])
+        # (one delta per learner per round: this round's work could only go a version late, like every later one)
+        place_taken = p is not None and p.base_version < self.version
         self.training = Training(r["round"], self.version, self.global_.copy(), now, steps, seconds, self.digest,
-                                 windowed)
+                                 windowed, place_taken)
         return Train(r["round"], self.version, self.training.base, steps, seconds)
 
-    def after_step(self, steps_done: int, now: float) -> Verdict:
+    def after_step(self, steps_done: int, now: float, window_steps: Optional[int] = None) -> Verdict:
+        """Whether the round's training goes on. `steps_done` counts toward a round of inner steps; `window_steps`
+        (default: the same) are the steps taken since this round's training started, which pace a time window
+        (steps carried over from before it count toward the delta, not toward the window's pace)."""
         if self.refused or self.gave_up or self.finish is not None:
             self.training = None
             return Verdict.STOP
@@ -335,10 +347,21 @@ class LearnerCore:
             self.training = None
             return Verdict.ABANDON
         elapsed = now - t.started_at
+        paced = steps_done if window_steps is None else window_steps
         if (t.steps and steps_done >= t.steps) or (
-                t.windowed and steps_done >= 1 and elapsed * (1 + WINDOW_NEAREST_BOUNDARY / steps_done) >= t.seconds):
+                t.windowed and paced >= 1 and elapsed * (1 + WINDOW_NEAREST_BOUNDARY / paced) >= t.seconds):
+            if t.windowed and t.place_taken:  # carried onto the next global, the work's next push lands fresh
+                self.training = None
+                self.carried = (t.round, t.base_version)
+                return Verdict.CARRY
             return Verdict.PUSH
         return Verdict.CONTINUE
+
+    @property
+    def carrying(self) -> bool:
+        """A round's work is being carried (after_step said CARRY) and the next global has not come yet."""
+        c = self.carried
+        return c is not None and c[1] == self.version and self.finish is None and not (self.refused or self.gave_up)
 
     def push(self, local: np.ndarray, tokens: int, loss_tokens: int, steps: int, loss: float,
              compute_s: float) -> list[LearnerAction]:

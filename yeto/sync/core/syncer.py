@@ -127,7 +127,9 @@ class SyncerConfig:
     grace_ms: float = DEFAULT_GRACE_MS
     max_base_lag: int = DEFAULT_MAX_BASE_LAG
     staleness_exponent: float = DEFAULT_STALENESS_EXPONENT
-    step_normalize: bool = False  # scale each delta to the round's longest (FedNova-style): see yeto.sync.merge
+    # scale each delta to the round's longest (FedNova-style): see yeto.sync.merge (None: on in time-window rounds
+    # under the mean, where islands of unequal speed take unequal steps)
+    step_normalize: Optional[bool] = None
     merge_alpha: float = 1.0  # learners start a round from alpha x global + (1 - alpha) x their own last adapter
     model: Optional[str] = None  # pins the run's base model (else the founding learner's is the run's)
     model_revision: Optional[str] = None
@@ -137,10 +139,18 @@ class SyncerConfig:
     join_key: Optional[str] = None
     max_connections: int = 2 * DEFAULT_MAX_LEARNERS
     merge_by_default: bool = field(default=False, init=False)  # --merge unset: a resumed run keeps its own rule
+    step_normalize_by_default: bool = field(default=False, init=False)  # ... and so for --step-normalize
 
     def __post_init__(self) -> None:
+        if self.step_normalize is None:  # docs/benchmarks.md, heterogeneous fleet: with a 10x slower island, mean +
+            # step normalization 0.967x the fast island alone (two runs), rda 0.997-1.000x, mean 0.988-1.010x
+            self.step_normalize = self.round_seconds > 0 and self.merge in (None, "mean")
+            self.step_normalize_by_default = True
         if self.merge is None:  # bench/convergence.py: rda 0.98x the data-parallel loss, mean 1.02x (2 islands)
-            self.merge = "mean" if self.robust == "trimmed-mean" or self.lora_merge == "product" else DEFAULT_MERGE
+            # (rda keeps the deltas' mean norm: a slow island's short delta scaled up is mostly noise, and its norm
+            # inflates the step: rda + step normalization 1.08-1.14x the fast island alone)
+            mean = self.robust == "trimmed-mean" or self.lora_merge == "product" or self.step_normalize
+            self.merge = "mean" if mean else DEFAULT_MERGE
             self.merge_by_default = True
 
     def check(self) -> None:
@@ -189,16 +199,19 @@ class SyncerConfig:
                             "--max-connections at least 1")
 
     def check_resume(self, saved: dict[str, Any], version: int) -> None:
-        """Refuse a restart whose flags contradict the run in the checkpoint; an unset --merge takes the run's rule
-        (a run started when mean was the default resumes as it began)."""
+        """Refuse a restart whose flags contradict the run in the checkpoint; an unset --merge (--step-normalize)
+        takes the run's own (a run started under other defaults resumes as it began)."""
         if self.merge_by_default and saved.get("merge") in MERGE_RULES:
             self.merge = saved["merge"]
+        if self.step_normalize_by_default and isinstance(saved.get("step_normalize"), bool):
+            self.step_normalize = saved["step_normalize"]
         for name in CONTRACT_FIELDS:
             if name in saved and saved[name] != getattr(self, name):
                 flag = "--" + name.replace("_", "-")
+                fix = (f"--{'' if saved[name] else 'no-'}{flag[2:]}" if isinstance(saved[name], bool)
+                       else f"{flag} {saved[name]}")  # (a switch has no value)
                 raise YetoError(f"{flag} {getattr(self, name)} conflicts with the checkpoint in {self.out} ({name} "
-                                f"{saved[name]}): resume with {flag} {saved[name]}, or start a new run with another "
-                                "--out")
+                                f"{saved[name]}): resume with {fix}, or start a new run with another --out")
         if self.outer_steps < version:
             raise YetoError(f"--outer-steps {self.outer_steps} is below the checkpoint's version {version} in "
                             f"{self.out}: pass --outer-steps {version} or more to resume")
