@@ -142,10 +142,11 @@ class RawLearner:
         assert self.recv(want="welcome").header["version"] == 0
         return layout
 
-    def delta_parts(self, layout, rnd, base_version, flat, tokens=20, loss_tokens=10, steps=1, loss=1.0, bits=32):
+    def delta_parts(self, layout, rnd, base_version, flat, tokens=20, loss_tokens=10, steps=1, loss=1.0, bits=32,
+                    **extra):
         descs, frames = encode_fragments(layout, flat, bits)
         return encode("delta", self.header(round=rnd, base_version=base_version, tokens=tokens, loss_tokens=loss_tokens,
-                                           inner_steps=steps, loss=loss, fragments=descs), frames)
+                                           inner_steps=steps, loss=loss, fragments=descs, **extra), frames)
 
     def close(self):
         self.ctl.close()

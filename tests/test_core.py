@@ -10,7 +10,9 @@ import random
 import numpy as np
 import pytest
 
+from yeto import YetoError
 from yeto.sync.audit import audit
+from yeto.sync.client import SyncerLink
 from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdict, Wait
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
@@ -340,14 +342,11 @@ def test_a_time_window_is_the_rounds_so_a_member_that_starts_late_pushes_with_th
     assert f.syncer.version == 1 and merge[0]["responders"] == [0, 1] and merge[0]["lags"] == [0, 0]
 
 
-@pytest.mark.parametrize("closes_first", [False, True])
-def test_a_learner_whose_late_delta_holds_the_round_carries_its_work_onto_the_next_global(closes_first):
-    """The lock-in: a delta that missed its round is merged, a version late, in the next one, whose place it then
-    holds (one delta per learner per round), so the learner's next round could only go late too, and so on for the
-    rest of the run. Instead the learner carries that round's work onto the next global (Verdict.CARRY) and its
-    following push lands fresh; also when the round closed before its window's last step ended (the syncer does
-    not wait for a learner whose place is held)."""
-    f = Fleet(n=2, quorum=1, round_seconds=10.0, grace_ms=1000, straggler_timeout=30.0)
+def _late_delta_holds_round_2(**cfg):
+    """Time windows of 10 s, quorum 1: learner 1's single step of round 1 runs past the grace, so round 1 closes
+    without it and its delta (base 0) is merged, a version late, in round 2, whose place it holds. Both learners
+    have started round 2 on version 1."""
+    f = Fleet(n=2, quorum=1, round_seconds=10.0, grace_ms=1000, **{"straggler_timeout": 30.0, **cfg})
     c0, c1 = f.learners[0], f.learners[1]
     first0, first1 = c0.next_task(f.now), c1.next_task(f.now)
     f.tick(dt=1.0, times=10)
@@ -361,10 +360,24 @@ def test_a_learner_whose_late_delta_holds_the_round_carries_its_work_onto_the_ne
     f.run()
     second0, second1 = c0.next_task(f.now), c1.next_task(f.now)
     assert (second1.round, second1.base_version) == (2, 1)
+    return f, second0, second1
+
+
+@pytest.mark.parametrize("closes_first", [False, True])
+def test_a_learner_whose_late_delta_holds_the_round_carries_its_work_onto_the_next_global(closes_first):
+    """The lock-in: a delta that missed its round is merged, a version late, in the next one, whose place it then
+    holds (one delta per learner per round), so the learner's next round could only go late too, and so on for the
+    rest of the run. Instead the learner carries that round's work onto the next global (Verdict.CARRY) and its
+    following push lands fresh; also when the round closed before its window's last step ended (the syncer does
+    not wait for a learner whose place is held)."""
+    f, second0, second1 = _late_delta_holds_round_2()
+    c0, c1 = f.learners[0], f.learners[1]
     f.tick(dt=0.5, times=int(second1.seconds / 0.5) + 1)
     if not closes_first:
         assert c1.after_step(8, f.now) is Verdict.CARRY and c1.carrying  # its late delta holds round 2's place
         assert isinstance(c1.next_task(f.now), Wait)
+        with pytest.raises(YetoError, match="link to the syncer stopped"):  # (the loop trains while carrying: a dead
+            SyncerLink("127.0.0.1:9", c1).carrying()  # I/O thread must end it, as it ends a wait for a task)
     assert c0.after_step(16, f.now) is Verdict.PUSH
     f.to_syncer(0, c0.push(second0.adapter + 0.01, 100, 50, 16, 1.0, 10.0))
     f.run()
@@ -385,6 +398,95 @@ def test_a_learner_whose_late_delta_holds_the_round_carries_its_work_onto_the_ne
     merge3 = [e for e in f.tape if e["event"] == "merge"][-1]
     assert merge3["round"] == 3 and merge3["responders"] == [0, 1] and merge3["lags"] == [0, 0]  # fresh again
     assert audit(f.tape).ok, audit(f.tape).summary()
+
+
+def test_a_carry_ends_with_the_next_global_even_when_a_syncer_rollback_brings_its_base_back():
+    """A learner carrying a round's work waits for the version after the round's base; once that came, a syncer
+    restarted from an older checkpoint (back on the base) must not make it wait again: it trains the reopened round
+    (else a run whose quorum is every learner would wait out --quorum-timeout)."""
+    f, second0, second1 = _late_delta_holds_round_2()
+    c0, c1 = f.learners[0], f.learners[1]
+    checkpoint_1 = f.disk["checkpoint"]
+    f.tick(dt=0.5, times=int(second1.seconds / 0.5) + 1)
+    assert c1.after_step(8, f.now) is Verdict.CARRY
+    assert c0.after_step(16, f.now) is Verdict.PUSH
+    f.to_syncer(0, c0.push(second0.adapter + 0.01, 100, 50, 16, 1.0, 10.0))
+    f.run()
+    assert c1.version == 2 and not c1.carrying
+    f.syncer = f._boot_syncer(Durable(checkpoint_1, [], list(f.tape)))  # merge 2's checkpoint was never written
+    assert f.syncer.version == 1
+    f.tick(dt=0.5, times=8)  # the learners notice the new syncer, join it, and take its state (version 1)
+    assert c1.version == 1 and not c1.carrying
+    task = c1.next_task(f.now)
+    assert isinstance(task, Train) and (task.round, task.base_version) == (2, 1)
+
+
+@pytest.mark.parametrize("told_by", ["welcome", "duplicate"])
+def test_a_learner_restarted_while_its_late_delta_holds_the_round_carries_instead_of_pushing_a_duplicate(told_by):
+    """The late delta holding round 2's place came from the learner's previous process: the new one learns so from
+    the welcome (`pending` a version behind) and carries its round instead of pushing a second delta for it. Had it
+    not known (told_by="duplicate"), the syncer refuses its push as a duplicate, and it carries the round from
+    there instead of pushing again a step at a time until the round closes."""
+    f, second0, second1 = _late_delta_holds_round_2()
+    f.learners[1] = c1 = f.new_learner(1, seed=1)  # killed mid-round 2 and started again with the same command
+    f.to_syncer(1, c1.connected_now(f.now))
+    f.run()
+    f.tick()
+    if told_by == "duplicate":
+        c1.place_held = None
+    task = c1.next_task(f.now)
+    assert isinstance(task, Train) and (task.round, task.base_version) == (2, 1)
+    f.tick(dt=0.5, times=int(task.seconds / 0.5) + 1)
+    if told_by == "duplicate":
+        assert c1.after_step(8, f.now) is Verdict.PUSH
+        f.to_syncer(1, c1.push(task.adapter + 0.02, 800, 400, 8, 1.0, 10.0))
+        f.run()
+        assert [e["code"] for e in f.tape if e["event"] == "reject"] == ["duplicate"]
+        again = c1.next_task(f.now)
+        assert isinstance(again, Train) and (again.round, again.base_version) == (2, 1)
+    assert c1.after_step(8, f.now) is Verdict.CARRY and c1.carrying
+    c0 = f.learners[0]
+    assert c0.after_step(16, f.now) is Verdict.PUSH
+    f.to_syncer(0, c0.push(second0.adapter + 0.01, 100, 50, 16, 1.0, 10.0))
+    f.run()
+    merge2 = [e for e in f.tape if e["event"] == "merge"][-1]
+    assert merge2["round"] == 2 and merge2["responders"] == [0, 1] and merge2["lags"] == [0, 1]
+    assert not c1.carrying and (c1.next_task(f.now).round, c1.version) == (3, 2)
+    assert len([e for e in f.tape if e["event"] == "reject"]) == (told_by == "duplicate")
+
+
+def test_stale_deltas_making_the_quorum_do_not_close_a_time_window_round_before_its_window_ends():
+    """Round 2's quorum is learner 1's late delta, in 0.5 s after the round opened; learner 0 trains the round's
+    10 s window. The round waits for the window (and the grace), not just --straggler-timeout after the quorum, so
+    learner 0's delta lands in it fresh instead of a version late."""
+    f, second0, second1 = _late_delta_holds_round_2(straggler_timeout=2.0)
+    c0 = f.learners[0]
+    f.tick(dt=0.5, times=int(second0.seconds / 0.5) - 1)
+    assert f.syncer.version == 1  # well past quorum + --straggler-timeout, before the window's end
+    f.tick(dt=0.5, times=1)
+    assert c0.after_step(16, f.now) is Verdict.PUSH
+    f.to_syncer(0, c0.push(second0.adapter + 0.01, 100, 50, 16, 1.0, 10.0))
+    f.run()
+    merge2 = [e for e in f.tape if e["event"] == "merge"][-1]
+    assert merge2["round"] == 2 and merge2["responders"] == [0, 1] and merge2["lags"] == [0, 1]
+
+
+def test_step_normalization_takes_the_round_as_long_as_its_longest_window_not_a_carried_deltas_steps():
+    """A delta carried over two windows holds twice the steps of the round it lands in. Step normalization scales
+    every delta to the round's length, its longest window (16 steps here): the carried delta counts as an estimate
+    of the round's move, and the others are not doubled with it."""
+    f = Fleet(n=2, quorum=2, round_seconds=10.0)
+    assert f.cfg.step_normalize and f.cfg.merge == "mean"
+    c0, c1 = f.learners[0], f.learners[1]
+    t0, t1 = c0.next_task(f.now), c1.next_task(f.now)
+    f.tick(dt=1.0, times=10)
+    f.to_syncer(0, c0.push(t0.adapter + 0.04, 3200, 1600, 32, 1.0, 10.0, window_steps=16))  # 16 carried in
+    f.to_syncer(1, c1.push(t1.adapter + 0.02, 1600, 1600, 16, 1.0, 10.0))
+    f.run()
+    f.tick()
+    assert f.syncer.version == 1
+    np.testing.assert_allclose(f.syncer.run.global_ - t0.adapter, 0.02, rtol=1e-4)  # mean(0.04 * 16/32, 0.02)
+    assert [e["round_steps"] for e in f.tape if e["event"] == "delta"] == [16, 16]
 
 
 def test_a_time_window_ends_at_the_step_boundary_nearest_its_end():

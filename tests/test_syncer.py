@@ -323,6 +323,9 @@ def test_time_window_rounds_default_to_the_mean_with_step_normalization():
     assert SyncerConfig(step_normalize=True).merge == "mean"
     windows.check_resume({"merge": "rda", "step_normalize": False}, 0)
     assert (windows.merge, windows.step_normalize) == ("rda", False)
+    older = SyncerConfig(round_seconds=20.0)
+    older.check_resume({"merge": "rda"}, 0)  # a checkpoint from before the switch: it ran without
+    assert (older.merge, older.step_normalize) == ("rda", False)
     chosen = SyncerConfig(round_seconds=20.0, step_normalize=True)
     with pytest.raises(YetoError, match="--step-normalize True conflicts with the checkpoint.*resume with "
                                         "--no-step-normalize"):

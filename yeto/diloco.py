@@ -168,7 +168,8 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 inner_step(island, rnd, stats, step_delay)
                 verdict = link.after_step(rnd.steps, rnd.steps - rnd.carried)
             if verdict is Verdict.CARRY:  # our previous delta, late, holds this round's place: train on until the
-                while link.carrying():  # next global comes, and carry it all on top of that global (a fresh delta)
+                # next global comes (at most --max-inner-steps in all), and carry it all on top of it (a fresh delta)
+                while link.carrying() and not (max_inner_steps and rnd.steps >= max_inner_steps):
                     inner_step(island, rnd, stats, step_delay)
                 carry = (rnd, task.adapter)
                 stats.carried += 1
@@ -184,7 +185,8 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 continue  # next_task says why
             local = flatten(layout, island.adapter_state())
             last_local = local
-            stats.delta_bytes.append(link.push(local, rnd.tokens, rnd.loss_tokens, rnd.steps, rnd.loss, rnd.compute_s))
+            stats.delta_bytes.append(link.push(local, rnd.tokens, rnd.loss_tokens, rnd.steps, rnd.loss, rnd.compute_s,
+                                               rnd.steps - rnd.carried))
             stats.rounds += 1
             if progress:
                 progress({"round": task.round, "steps": rnd.steps, "loss": rnd.loss, "tokens": rnd.tokens})

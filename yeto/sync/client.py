@@ -103,12 +103,15 @@ class SyncerLink:
     def carrying(self) -> bool:
         """A round's work is carried onto the next global, which has not come yet (Verdict.CARRY)."""
         with self.lock:
+            if not self.thread.is_alive():
+                raise YetoError("the link to the syncer stopped unexpectedly")
             return self.core.carrying
 
-    def push(self, local: np.ndarray, tokens: int, loss_tokens: int, steps: int, loss: float, compute_s: float) -> int:
+    def push(self, local: np.ndarray, tokens: int, loss_tokens: int, steps: int, loss: float, compute_s: float,
+             window_steps: int = 0) -> int:
         """Queue the round's delta; returns its size on the wire (0 if the round was abandoned meanwhile)."""
         with self.lock:
-            actions = self.core.push(local, tokens, loss_tokens, steps, loss, compute_s)
+            actions = self.core.push(local, tokens, loss_tokens, steps, loss, compute_s, window_steps)
             self._queue(actions)
         return sum(message_bytes(encode(a.type, a.header, a.frames)) for a in actions
                    if isinstance(a, Out) and a.type == "delta")

@@ -436,7 +436,8 @@ class World:
         for e in tape:
             fold.feed(e)
         cfg = self.s.syncer_config()
-        steps_of = {e["digest"]: e["inner_steps"] for e in tape if e["event"] == "delta"}
+        steps_of = {e["digest"]: (e["inner_steps"], e.get("round_steps", e["inner_steps"])) for e in tape
+                    if e["event"] == "delta"}
         g = self.init_payloads[fold.digests[0]].copy()
         m = np.zeros_like(g)
         ef = ErrorFeedback(self.layout.numel)
@@ -447,9 +448,9 @@ class World:
                       for lid, d in zip(e["responders"], e["deltas"])}
             lags = e.get("lags") or [0] * len(e["responders"])
             tokens = dict(zip(e["responders"], e["loss_tokens"]))
-            steps = {lid: max(1, steps_of[d]) if e.get("step_normalize") else 1
-                     for lid, d in zip(e["responders"], e["deltas"])}
-            scale = {lid: staleness_factor(lag, cfg.staleness_exponent) / steps[lid]
+            normalize = bool(e.get("step_normalize"))
+            steps = {lid: steps_of[d] if normalize else (1, 1) for lid, d in zip(e["responders"], e["deltas"])}
+            scale = {lid: staleness_factor(lag, cfg.staleness_exponent) / max(1, steps[lid][0])
                      for lid, lag in zip(e["responders"], lags)}
             s = RoundSum.for_rule(self.layout, e["merge"])
             for lid in e["summed"]:
@@ -457,7 +458,7 @@ class World:
             clip = {int(k): c for k, c in e["clip"].items()}
             weights = {lid: effective_weight(tokens[lid], scale[lid]) for lid in tokens}
             avg, fallbacks = clipped_merge(s, clip, weights, deltas.__getitem__)
-            avg = avg * np.float32(max(steps.values()))  # (step normalization: the round's most steps; else 1)
+            avg = avg * np.float32(max(w for _, w in steps.values()))  # (step normalization: the longest window)
             if fallbacks != e.get("rda_fallbacks"):
                 raise Violation(f"replay of merge {v}: {fallbacks} RDA fallbacks, the tape says "
                                 f"{e.get('rda_fallbacks')}")
@@ -863,7 +864,8 @@ class SimLearner:
             self.raw[(t.round, t.base_version)] = x
             residual = self.core.ef.residual
             actions = self.core.push(self.island.flat.copy(), int(self.stats["tokens"]), int(self.stats["loss_tokens"]),
-                                     self.steps, self.stats["loss"], w.now - self.train_started)
+                                     self.steps, self.stats["loss"], w.now - self.train_started,
+                                     self.steps - self.carried_steps)
             sent = any(isinstance(a, Out) and a.type == "delta" for a in actions)
             if not sent and self.core.held is None:  # neither sent nor held: only a delta that cannot be encoded
                 expect = ErrorFeedback(w.layout.numel)

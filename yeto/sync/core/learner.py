@@ -187,6 +187,8 @@ class LearnerCore:
         self.lineage: dict[int, str] = {}  # recent versions held -> digest: a stale round's base must be the run's
         self.contributed: Optional[tuple[int, int]] = None  # (round, base) an earlier session of ours delivered
         self.carried: Optional[tuple[int, int]] = None  # (round, base) whose work the training loop carries on
+        self.place_held: Optional[tuple[int, int]] = None  # (round, version): the syncer holds a late delta of ours
+        # there that is not `pushed` (an earlier process's, told by the welcome, or refused as a duplicate)
         self.init_sent: Optional[tuple[dict[str, Any], tuple[bytes, ...]]] = None  # our founding upload
         self.resend_init = False
         self.finish: Optional[dict[str, Any]] = None
@@ -330,7 +332,8 @@ class LearnerCore:
             steps = min(steps, self.max_inner_steps) if steps else self.max_inner_steps
         seconds = max(0.0, r["ends_at"] - now) if windowed and "ends_at" in r else float(r["round_seconds"])
         # (one delta per learner per round: this round's work could only go a version late, like every later one)
-        place_taken = p is not None and p.base_version < self.version
+        place_taken = (p is not None and p.base_version < self.version) or self.place_held == (r["round"], r["version"])
+        self.carried = None
         self.training = Training(r["round"], self.version, self.global_.copy(), now, steps, seconds, self.digest,
                                  windowed, place_taken)
         return Train(r["round"], self.version, self.training.base, steps, seconds)
@@ -364,14 +367,17 @@ class LearnerCore:
         return c is not None and c[1] == self.version and self.finish is None and not (self.refused or self.gave_up)
 
     def push(self, local: np.ndarray, tokens: int, loss_tokens: int, steps: int, loss: float,
-             compute_s: float) -> list[LearnerAction]:
-        """Send the round's delta (local - the adapter it trained from), quantized with error feedback."""
+             compute_s: float, window_steps: int = 0) -> list[LearnerAction]:
+        """Send the round's delta (local - the adapter it trained from), quantized with error feedback.
+        `window_steps`: of `steps`, those taken in this round's time window (0: all; the others were carried in)."""
         self.out = []
         t, self.training = self.training, None
         if t is None or not self._base_ok(t.base_version, t.base_digest):
             return self._flush()
         counts = {"tokens": tokens, "loss_tokens": loss_tokens, "inner_steps": steps, "loss": loss,
                   "compute_s": round(compute_s, 4)}
+        if 0 < window_steps < steps:
+            counts["window_steps"] = window_steps
         self.held = Held(t, local, counts)
         self._release_held()
         return self._flush()
@@ -468,6 +474,8 @@ class LearnerCore:
                 self.pushed = None
         if self.contributed is not None and self.contributed[1] != version:
             self.contributed = None
+        if self.carried is not None and self.carried[1] != version:
+            self.carried = None  # the global it waited for came (or a rollback took the run elsewhere): carry it
         if self.open_round is not None and self.open_round["version"] < version:
             self.open_round = None
         self._maybe_sync_reset()
@@ -493,8 +501,20 @@ class LearnerCore:
         if code == Code.STALE and behind >= 0 and (not self.max_lag or behind <= self.max_lag):
             p.acked, p.stale = False, True
             return
+        if code == Code.DUPLICATE and h.get("version") == self.version:  # another delta of ours holds the round
+            self.place_held = (self.version + 1, self.version)
+        self._drop_uncounted()
+
+    def _drop_uncounted(self) -> None:
+        """Our pushed delta will never count: its residual is ours again, and a late one frees the place it held in
+        the round we train (that round's work goes to the syncer, not on top of the next global)."""
+        p, t = self.pushed, self.training
+        assert p is not None
         self.ef.residual = p.residual_before
         self.pushed = None
+        if t is not None and t.place_taken and t.base_version == self.version and p.base_version < self.version and (
+                self.place_held != (t.round, t.base_version)):
+            t.place_taken = False
 
     def _set_open_round(self, r: dict[str, Any], now: float) -> None:
         cur = self.open_round
@@ -521,7 +541,7 @@ class LearnerCore:
             self.lineage = {v: d for v, d in self.lineage.items() if v < h["version"] or (
                 v == h["version"] and d == h["digest"])}
         self.open_round = _with_window_end(h["open_round"], now) if h["open_round"] else None
-        self.contributed = None
+        self.contributed = self.place_held = None
         r = self.open_round
         p = self.pushed
         pending = h.get("pending")
@@ -531,6 +551,10 @@ class LearnerCore:
                 p.acked, p.merge_round = True, r["round"]
             elif pending is None or pending[1] == r["version"]:
                 self.contributed = (r["round"], r["version"])
+            else:  # an earlier process's late delta: this round's work goes on top of the next global
+                self.place_held = (r["round"], r["version"])
+                if self.training is not None and (self.training.round, self.training.base_version) == self.place_held:
+                    self.training.place_taken = True
         elif r is not None and p is not None and self._may_land(p, r["round"], r["version"]):
             self._resend_pushed()  # the syncer lost it (it restarted before the delta was saved)
         self._log("info", f"joined the syncer at version {h['version']}; policy {self.policy}")
@@ -626,8 +650,7 @@ class LearnerCore:
                 elif p.acked and not h["contributed"]:  # it had it (acked: saved), and with the round still open it
                     # holds nothing from us any more: refused (the error saying so was lost). A pong sent after the
                     # ack is received after it (one connection, in order), so it is not news from before the delta.
-                    self.ef.residual = p.residual_before
-                    self.pushed = None
+                    self._drop_uncounted()
         self._maybe_sync(now)
 
     def _on_ack(self, msg: Message, now: float) -> None:

@@ -203,8 +203,8 @@ class SyncerConfig:
         takes the run's own (a run started under other defaults resumes as it began)."""
         if self.merge_by_default and saved.get("merge") in MERGE_RULES:
             self.merge = saved["merge"]
-        if self.step_normalize_by_default and isinstance(saved.get("step_normalize"), bool):
-            self.step_normalize = saved["step_normalize"]
+        if self.step_normalize_by_default and "merge" in saved:  # (a run from before the switch: it had none)
+            self.step_normalize = saved.get("step_normalize") is True
         for name in CONTRACT_FIELDS:
             if name in saved and saved[name] != getattr(self, name):
                 flag = "--" + name.replace("_", "-")
@@ -823,7 +823,8 @@ class SyncerCore:
         except ProtocolError as e:
             return self._refuse_delta(m, h, digest, Code.REFUSED, str(e), now)
         d = AcceptedDelta(m.learner, m.session, r.number, h["base_version"], h["tokens"], h["loss_tokens"],
-                          h["inner_steps"], float(h["loss"]), digest, list(h["fragments"]), tuple(msg.frames))
+                          h["inner_steps"], float(h["loss"]), digest, list(h["fragments"]), tuple(msg.frames),
+                          window_steps=h.get("window_steps", 0))
         self._measure(d, flat)
         compute_s = h.get("compute_s")
         compute_s = float(compute_s) if isinstance(compute_s, (int, float)) and math.isfinite(compute_s) and \
@@ -847,7 +848,7 @@ class SyncerCore:
 
     def _scale(self, d: AcceptedDelta) -> float:
         """What a delta is scaled by before the rule: its staleness discount (--staleness-exponent; 1 when fresh)
-        and, with --step-normalize, 1/its inner steps (the merge multiplies the result by the round's most)."""
+        and, with --step-normalize, 1/its inner steps (the merge multiplies the result by the round's length)."""
         s = staleness_factor(d.lag, self.cfg.staleness_exponent)
         return s / max(1, d.inner_steps) if self.cfg.step_normalize else s
 
@@ -863,7 +864,7 @@ class SyncerCore:
     def _delta_fields(d: AcceptedDelta) -> dict[str, Any]:
         return {"learner": d.learner, "round": d.round, "base_version": d.base_version, "digest": d.digest,
                 "tokens": d.tokens, "loss_tokens": d.loss_tokens, "inner_steps": d.inner_steps, "loss": d.loss,
-                "bits": sorted({x["bits"] for x in d.descs}), "lag": d.lag}
+                "bits": sorted({x["bits"] for x in d.descs}), "lag": d.lag, "round_steps": d.round_steps}
 
     def _decode(self, d: AcceptedDelta) -> np.ndarray:
         return decode_fragments(self.run.layout, Message("delta", {"fragments": d.descs}, list(d.frames)))
@@ -988,6 +989,8 @@ class SyncerCore:
             window_over = window > 0 and now - r.opened_at > window + cap
             if self._fresh() < q:  # stale deltas made the quorum: the round is paced by those still training
                 until = r.quorum_at + self.cfg.straggler_timeout
+                if math.isfinite(r.ends_at) and waiting:  # ... who train until the window's end
+                    until = max(until, self._grace_until(r, waiting, absent))
             else:
                 if r.fresh_at is None:
                     r.fresh_at = now
@@ -1104,7 +1107,8 @@ class SyncerCore:
         run, cfg = self.run, self.cfg
         ds = [self.pending[i] for i in ids]
         scales = {i: self._scale(self.pending[i]) for i in ids}
-        most = np.float32(max(max(1, d.inner_steps) for d in ds) if cfg.step_normalize else 1)
+        # (the longest window: a delta carried over two windows is an estimate of the round's move, not twice it)
+        most = np.float32(max(d.round_steps for d in ds) if cfg.step_normalize else 1)
         unnormalised = {i: effective_weight(self._weight(self.pending[i]), scales[i]) for i in ids}
         rule: dict[str, Any] = {}  # what the rule reports on the tape
         try:
@@ -1240,6 +1244,9 @@ def _claims_problem(h: dict[str, Any], tokens_per_step: int, round_steps: int) -
         return f"delta with impossible token counts (tokens {tokens}, loss-bearing tokens {loss_tokens})"
     if not 0 < steps <= (round_steps or MAX_INNER_STEPS_PER_DELTA):
         return f"delta claims {steps} inner steps; the round allows {round_steps or MAX_INNER_STEPS_PER_DELTA}"
+    window = h.get("window_steps", 0)
+    if type(window) is not int or not 0 <= window <= steps:
+        return f"delta claims {window!r} steps in its window; it must be a count of its {steps} inner steps"
     if tokens_per_step and tokens > steps * tokens_per_step:
         return (f"delta claims {tokens} tokens in {steps} steps; this learner declared at most {tokens_per_step} "
                 "tokens per step (batch x accumulation x sequence length)")
