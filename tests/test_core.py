@@ -5,6 +5,7 @@ round, a late joiner subtracting a newer adapter, a lost broadcast, round
 announcement or finish, a restart with saved deltas) played exactly.
 """
 
+import math
 import random
 
 import numpy as np
@@ -14,7 +15,7 @@ from yeto import YetoError
 from yeto.sync.audit import audit
 from yeto.sync.client import SyncerLink
 from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
-from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdict, Wait
+from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict, Wait
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.layout import build_layout
 from yeto.sync.protocol import decode, encode
@@ -36,6 +37,7 @@ class Fleet:
         self.layout = build_layout({k: np.zeros(v, np.float32) for k, v in SHAPES.items()})
         self.tape: list[dict] = []
         self.disk = {"checkpoint": None, "deltas": {}}
+        self.checkpoints = {}  # every one written, by version (a syncer restarted from an older one rolls back)
         self.syncer = self._boot_syncer(Durable())
         self.learners = {i: self.new_learner(i) for i in range(n)}
         self.queue: list[tuple[str, int, list[bytes]]] = []
@@ -61,7 +63,7 @@ class Fleet:
             elif isinstance(a, Record):
                 self.tape.append({"seq": len(self.tape), "event": a.event, **a.fields})
             elif isinstance(a, SaveCheckpoint):
-                self.disk["checkpoint"] = a.checkpoint
+                self.disk["checkpoint"] = self.checkpoints[a.checkpoint.version] = a.checkpoint
             elif isinstance(a, SaveDelta):
                 self.disk["deltas"][(a.delta.round, a.delta.learner)] = a.delta
             elif isinstance(a, DropDeltas):
@@ -112,7 +114,7 @@ class Fleet:
             if verdict is not Verdict.CONTINUE or (steps is not None and n >= steps):
                 break
         if verdict is Verdict.PUSH:
-            self.to_syncer(lid, c.push(local, 100 * n, 50 * n, n, 1.0, 0.1))
+            self.to_syncer(lid, c.push(local, RoundCounts(100 * n, 50 * n, n, 1.0, 0.1)))
             self.run()
         return task, verdict
 
@@ -198,7 +200,7 @@ def test_a_refused_or_stale_delta_gives_its_error_feedback_residual_back():
     before = c.ef.residual.copy()
     c.after_step(2, f.now)
     f.lost = lambda d, lid, t: t == "delta"  # the syncer never sees it; then the round is over for us
-    f.to_syncer(0, c.push(task.adapter + 0.0123, 100, 50, 2, 1.0, 0.1))
+    f.to_syncer(0, c.push(task.adapter + 0.0123, RoundCounts(100, 50, 2, 1.0, 0.1)))
     f.run()
     assert not np.array_equal(c.ef.residual, before)
     msg = decode(encode("error", {"code": "stale", "reason": "x", "round": task.round, "base_version": 0}))
@@ -329,34 +331,36 @@ def test_a_time_window_is_the_rounds_so_a_member_that_starts_late_pushes_with_th
     f.tick(dt=1.0, times=4)
     late = f.learners[1].next_task(f.now)  # (e.g. its stale delta was just acked)
     assert isinstance(late, Train) and late.seconds == 6.0
-    f.to_syncer(0, f.learners[0].push(first.adapter + 0.01, 100, 50, 4, 1.0, 4.0))  # quorum, 6 s early
+    f.to_syncer(0, f.learners[0].push(first.adapter + 0.01, RoundCounts(100, 50, 4, 1.0, 4.0)))  # quorum, 6 s
+    # early
     f.run()
     f.tick(dt=1.0, times=5)
     assert f.syncer.version == 0  # 9 s: the window is still open
     f.tick(dt=1.0)
     c1 = f.learners[1]
     assert c1.after_step(5, f.now - 1.0) is Verdict.CONTINUE and c1.after_step(6, f.now) is Verdict.PUSH
-    f.to_syncer(1, c1.push(late.adapter + 0.02, 100, 50, 6, 1.0, 6.0))
+    f.to_syncer(1, c1.push(late.adapter + 0.02, RoundCounts(100, 50, 6, 1.0, 6.0)))
     f.run()
     merge = [e for e in f.tape if e["event"] == "merge"]
     assert f.syncer.version == 1 and merge[0]["responders"] == [0, 1] and merge[0]["lags"] == [0, 0]
 
 
-def _late_delta_holds_round_2(**cfg):
+def _late_delta_holds_round_2(late_delta=0.02, **cfg):
     """Time windows of 10 s, quorum 1: learner 1's single step of round 1 runs past the grace, so round 1 closes
-    without it and its delta (base 0) is merged, a version late, in round 2, whose place it holds. Both learners
-    have started round 2 on version 1."""
+    without it and its delta (base 0, `late_delta` added) is taken, a version late, into round 2, whose place it
+    holds. Both learners have started round 2 on version 1."""
     f = Fleet(n=2, quorum=1, round_seconds=10.0, grace_ms=1000, **{"straggler_timeout": 30.0, **cfg})
     c0, c1 = f.learners[0], f.learners[1]
     first0, first1 = c0.next_task(f.now), c1.next_task(f.now)
     f.tick(dt=1.0, times=10)
     assert c0.after_step(10, f.now) is Verdict.PUSH
-    f.to_syncer(0, c0.push(first0.adapter + 0.01, 100, 50, 10, 1.0, 10.0))
+    f.to_syncer(0, c0.push(first0.adapter + 0.01, RoundCounts(100, 50, 10, 1.0, 10.0)))
     f.run()
     f.tick(dt=0.5, times=4)  # learner 1's single step runs past the grace: round 1 closes without it
     assert f.syncer.version == 1 and c1.version == 1
     assert c1.after_step(1, f.now) is Verdict.PUSH
-    f.to_syncer(1, c1.push(first1.adapter + 0.02, 100, 50, 1, 1.0, 12.0))  # a version late: merged in round 2
+    f.to_syncer(1, c1.push(first1.adapter + late_delta, RoundCounts(100, 50, 1, 1.0, 12.0)))  # a version late:
+    # taken into round 2
     f.run()
     second0, second1 = c0.next_task(f.now), c1.next_task(f.now)
     assert (second1.round, second1.base_version) == (2, 1)
@@ -379,7 +383,7 @@ def test_a_learner_whose_late_delta_holds_the_round_carries_its_work_onto_the_ne
         with pytest.raises(YetoError, match="link to the syncer stopped"):  # (the loop trains while carrying: a dead
             SyncerLink("127.0.0.1:9", c1).carrying()  # I/O thread must end it, as it ends a wait for a task)
     assert c0.after_step(16, f.now) is Verdict.PUSH
-    f.to_syncer(0, c0.push(second0.adapter + 0.01, 100, 50, 16, 1.0, 10.0))
+    f.to_syncer(0, c0.push(second0.adapter + 0.01, RoundCounts(100, 50, 16, 1.0, 10.0)))
     f.run()
     if closes_first:
         assert c1.version == 2 and c1.after_step(9, f.now + 0.5) is Verdict.CARRY
@@ -390,10 +394,10 @@ def test_a_learner_whose_late_delta_holds_the_round_carries_its_work_onto_the_ne
     assert (third1.round, third1.base_version) == (3, 2)  # the loop puts the carried work on top of this global
     f.tick(dt=0.5, times=int(third1.seconds / 0.5) + 1)
     assert c1.after_step(24, f.now, window_steps=8) is Verdict.PUSH  # (carried steps do not pace the window)
-    f.to_syncer(1, c1.push(third1.adapter + 0.03, 200, 100, 24, 1.0, 20.0))
+    f.to_syncer(1, c1.push(third1.adapter + 0.03, RoundCounts(200, 100, 24, 1.0, 20.0)))
     f.run()
     assert c0.after_step(16, f.now) is Verdict.PUSH
-    f.to_syncer(0, c0.push(third0.adapter + 0.01, 100, 50, 16, 1.0, 10.0))
+    f.to_syncer(0, c0.push(third0.adapter + 0.01, RoundCounts(100, 50, 16, 1.0, 10.0)))
     f.run()
     merge3 = [e for e in f.tape if e["event"] == "merge"][-1]
     assert merge3["round"] == 3 and merge3["responders"] == [0, 1] and merge3["lags"] == [0, 0]  # fresh again
@@ -410,7 +414,7 @@ def test_a_carry_ends_with_the_next_global_even_when_a_syncer_rollback_brings_it
     f.tick(dt=0.5, times=int(second1.seconds / 0.5) + 1)
     assert c1.after_step(8, f.now) is Verdict.CARRY
     assert c0.after_step(16, f.now) is Verdict.PUSH
-    f.to_syncer(0, c0.push(second0.adapter + 0.01, 100, 50, 16, 1.0, 10.0))
+    f.to_syncer(0, c0.push(second0.adapter + 0.01, RoundCounts(100, 50, 16, 1.0, 10.0)))
     f.run()
     assert c1.version == 2 and not c1.carrying
     f.syncer = f._boot_syncer(Durable(checkpoint_1, [], list(f.tape)))  # merge 2's checkpoint was never written
@@ -419,6 +423,42 @@ def test_a_carry_ends_with_the_next_global_even_when_a_syncer_rollback_brings_it
     assert c1.version == 1 and not c1.carrying
     task = c1.next_task(f.now)
     assert isinstance(task, Train) and (task.round, task.base_version) == (2, 1)
+
+
+def test_a_carry_ends_when_a_rollback_makes_its_base_version_another_adapter():
+    """While learner 1 carries round 2's work (trained from version 1), the syncer restarts from version 0's
+    checkpoint and merges round 1 again without it: version 1 is now another adapter. Back in touch, the learner
+    takes that version 1 and trains the reopened round 2 instead of waiting on for a version 2 (a carry waits for the
+    global after its base, and this is not its base)."""
+    f, second0, second1 = _late_delta_holds_round_2(straggler_timeout=2.0)
+    c0, c1 = f.learners[0], f.learners[1]
+    f.tick(dt=0.5, times=math.ceil(second1.seconds / 0.5))
+    assert c1.after_step(8, f.now) is Verdict.CARRY and c1.carrying
+    carried_from = c1.digest
+    f.lost = lambda direction, lid, msg_type: lid == 1  # learner 1 is cut off meanwhile
+    f.syncer = f._boot_syncer(Durable(f.checkpoints[0], [], list(f.tape)))
+    f.tick(dt=0.5, times=12)  # learner 0 notices the new syncer, joins it and takes version 0
+    assert f.syncer.version == 0 and c0.version == 0
+    c0.training = None  # (its round 2 is gone with the rollback: the loop would abandon it)
+    task = c0.next_task(f.now)
+    assert isinstance(task, Train) and (task.round, task.base_version) == (1, 0)
+    f.tick(dt=0.5, times=math.ceil(task.seconds / 0.5))
+    assert c0.after_step(10, f.now) is Verdict.PUSH
+    f.to_syncer(0, c0.push(task.adapter + 0.05, RoundCounts(100, 50, 10, 1.0, 10.0)))
+    f.run()
+    for _ in range(40):  # the round waits out its grace for learner 1, then closes without it
+        f.tick(dt=0.5)
+        if f.syncer.version == 1:
+            break
+    assert f.syncer.version == 1 and f.syncer.run.digest != carried_from
+    f.lost = lambda direction, lid, msg_type: False
+    f.to_syncer(1, c1.connected_now(f.now))  # (it gave the silent connection up and made a new one)
+    f.run()
+    f.tick(dt=0.5, times=2)  # joined, it takes the new version 1
+    assert c1.version == 1 and c1.digest == f.syncer.run.digest
+    assert not c1.carrying
+    again = c1.next_task(f.now)
+    assert isinstance(again, Train) and (again.round, again.base_version) == (2, 1)
 
 
 @pytest.mark.parametrize("told_by", ["welcome", "duplicate"])
@@ -439,7 +479,7 @@ def test_a_learner_restarted_while_its_late_delta_holds_the_round_carries_instea
     f.tick(dt=0.5, times=int(task.seconds / 0.5) + 1)
     if told_by == "duplicate":
         assert c1.after_step(8, f.now) is Verdict.PUSH
-        f.to_syncer(1, c1.push(task.adapter + 0.02, 800, 400, 8, 1.0, 10.0))
+        f.to_syncer(1, c1.push(task.adapter + 0.02, RoundCounts(800, 400, 8, 1.0, 10.0)))
         f.run()
         assert [e["code"] for e in f.tape if e["event"] == "reject"] == ["duplicate"]
         again = c1.next_task(f.now)
@@ -447,12 +487,85 @@ def test_a_learner_restarted_while_its_late_delta_holds_the_round_carries_instea
     assert c1.after_step(8, f.now) is Verdict.CARRY and c1.carrying
     c0 = f.learners[0]
     assert c0.after_step(16, f.now) is Verdict.PUSH
-    f.to_syncer(0, c0.push(second0.adapter + 0.01, 100, 50, 16, 1.0, 10.0))
+    f.to_syncer(0, c0.push(second0.adapter + 0.01, RoundCounts(100, 50, 16, 1.0, 10.0)))
     f.run()
     merge2 = [e for e in f.tape if e["event"] == "merge"][-1]
     assert merge2["round"] == 2 and merge2["responders"] == [0, 1] and merge2["lags"] == [0, 1]
     assert not c1.carrying and (c1.next_task(f.now).round, c1.version) == (3, 2)
     assert len([e for e in f.tape if e["event"] == "reject"]) == (told_by == "duplicate")
+
+
+@pytest.mark.parametrize("told_by", ["error", "pong", "welcome"])
+def test_a_carry_whose_late_delta_is_refused_goes_back_to_its_round(told_by):
+    """A learner carries its round's work because a late delta of its own holds the round's place. The merge then
+    refuses that delta (here: it overflows the outer step), and the round, still open, holds nothing of ours while
+    the syncer counts us as training it: the learner stops carrying and sends the work to the round (it used to wait
+    for a global that could not come without it, until --quorum-timeout). It learns so from the refusal naming its
+    delta, or, for an earlier process's delta it never held, from a pong or a welcome saying the round holds
+    nothing of ours."""
+    f, second0, second1 = _late_delta_holds_round_2(late_delta=3e38, outer_lr=2.0, straggler_timeout=2.0)
+    c1 = f.learners[1]
+    if told_by != "error":  # the late delta was the learner's previous process's
+        f.learners[1] = c1 = f.new_learner(1, seed=1)
+        f.to_syncer(1, c1.connected_now(f.now))
+        f.run()
+        f.tick()
+        second1 = c1.next_task(f.now)
+        assert isinstance(second1, Train) and (second1.round, second1.base_version) == (2, 1)
+    if told_by == "welcome":
+        f.lost = lambda direction, lid, msg_type: lid == 1 and msg_type == "pong"
+    f.tick(dt=0.5, times=math.ceil(second1.seconds / 0.5))  # the window's end
+    assert c1.after_step(8, f.now) is Verdict.CARRY and c1.carrying
+    f.tick(dt=0.5, times=6)  # round 2's window and grace are over: its merge refuses the late delta
+    assert [e["learner"] for e in f.tape if e["event"] == "refuse_delta"] == [1] and f.syncer.version == 1
+    if told_by == "welcome":
+        assert c1.carrying  # (no pong came)
+        f.lost = lambda direction, lid, msg_type: False
+        f.to_syncer(1, c1.connected_now(f.now))
+        f.run()
+    assert not c1.carrying
+    again = c1.next_task(f.now)
+    assert isinstance(again, Train) and (again.round, again.base_version) == (2, 1)
+    assert c1.after_step(9, f.now + 0.5, window_steps=1) is Verdict.PUSH
+    f.to_syncer(1, c1.push(again.adapter + 0.02, RoundCounts(900, 450, 9, 1.0, 10.0)))
+    f.run()
+    f.tick(dt=0.5, times=4)
+    merge2 = [e for e in f.tape if e["event"] == "merge"][-1]
+    assert merge2["round"] == 2 and 1 in merge2["responders"] and merge2["lags"][merge2["responders"].index(1)] == 0
+    assert audit(f.tape).ok, audit(f.tape).summary()
+
+
+@pytest.mark.parametrize("told_by", ["welcome", "duplicate"])
+def test_in_fixed_step_rounds_a_learner_whose_earlier_late_delta_holds_the_round_waits_for_the_next(told_by):
+    """Fixed-step rounds close on their quorum, not on a window: a restarted learner whose previous process's late
+    delta holds the open round waits for the next round instead of training this one again and again, each push
+    refused as a duplicate, until the round closes."""
+    f = Fleet(n=2, quorum=1, max_base_lag=2)
+    c1 = f.learners[1]
+    first1 = c1.next_task(f.now)
+    f.train(0)
+    f.tick(dt=0.5, times=8)  # round 1 closes without learner 1 (--straggler-timeout)
+    assert f.syncer.version == 1
+    c1.after_step(2, f.now)
+    f.to_syncer(1, c1.push(first1.adapter + 0.02, RoundCounts(200, 100, 2, 1.0, 4.0)))  # a version late
+    f.run()
+    assert [e["lag"] for e in f.tape if e["event"] == "delta" and e["learner"] == 1] == [1]
+    f.learners[1] = c1 = f.new_learner(1, seed=1)  # killed and started again with the same command
+    f.to_syncer(1, c1.connected_now(f.now))
+    f.run()
+    f.tick()
+    if told_by == "duplicate":
+        c1.place_held = None
+        task, verdict = f.train(1)
+        assert (task.round, verdict) == (2, Verdict.PUSH)
+        assert [e["code"] for e in f.tape if e["event"] == "reject"] == ["duplicate"]
+    assert isinstance(c1.next_task(f.now), Wait)
+    f.train(0)
+    f.tick()
+    merge2 = [e for e in f.tape if e["event"] == "merge"][-1]
+    assert merge2["round"] == 2 and merge2["responders"] == [0, 1] and merge2["lags"] == [0, 1]
+    task = c1.next_task(f.now)
+    assert isinstance(task, Train) and (task.round, task.base_version) == (3, 2)
 
 
 def test_stale_deltas_making_the_quorum_do_not_close_a_time_window_round_before_its_window_ends():
@@ -465,7 +578,7 @@ def test_stale_deltas_making_the_quorum_do_not_close_a_time_window_round_before_
     assert f.syncer.version == 1  # well past quorum + --straggler-timeout, before the window's end
     f.tick(dt=0.5, times=1)
     assert c0.after_step(16, f.now) is Verdict.PUSH
-    f.to_syncer(0, c0.push(second0.adapter + 0.01, 100, 50, 16, 1.0, 10.0))
+    f.to_syncer(0, c0.push(second0.adapter + 0.01, RoundCounts(100, 50, 16, 1.0, 10.0)))
     f.run()
     merge2 = [e for e in f.tape if e["event"] == "merge"][-1]
     assert merge2["round"] == 2 and merge2["responders"] == [0, 1] and merge2["lags"] == [0, 1]
@@ -480,13 +593,29 @@ def test_step_normalization_takes_the_round_as_long_as_its_longest_window_not_a_
     c0, c1 = f.learners[0], f.learners[1]
     t0, t1 = c0.next_task(f.now), c1.next_task(f.now)
     f.tick(dt=1.0, times=10)
-    f.to_syncer(0, c0.push(t0.adapter + 0.04, 3200, 1600, 32, 1.0, 10.0, window_steps=16))  # 16 carried in
-    f.to_syncer(1, c1.push(t1.adapter + 0.02, 1600, 1600, 16, 1.0, 10.0))
+    f.to_syncer(0, c0.push(t0.adapter + 0.04, RoundCounts(3200, 1600, 32, 1.0, 10.0, carried_steps=16)))
+    f.to_syncer(1, c1.push(t1.adapter + 0.02, RoundCounts(1600, 1600, 16, 1.0, 10.0)))
     f.run()
     f.tick()
     assert f.syncer.version == 1
     np.testing.assert_allclose(f.syncer.run.global_ - t0.adapter, 0.02, rtol=1e-4)  # mean(0.04 * 16/32, 0.02)
     assert [e["round_steps"] for e in f.tape if e["event"] == "delta"] == [16, 16]
+
+
+def test_a_delta_carried_in_whole_does_not_set_the_rounds_length():
+    """A round whose every step was carried in (--max-inner-steps reached while carrying) says so: its steps are
+    not the round's length (a window of 0 steps used to read as "all"), the longest window among the others is."""
+    f = Fleet(n=2, quorum=2, round_seconds=10.0)
+    c0, c1 = f.learners[0], f.learners[1]
+    t0, t1 = c0.next_task(f.now), c1.next_task(f.now)
+    f.tick(dt=1.0, times=10)
+    f.to_syncer(0, c0.push(t0.adapter + 0.04, RoundCounts(1600, 1600, 16, 1.0, 10.0, carried_steps=16)))
+    f.to_syncer(1, c1.push(t1.adapter + 0.02, RoundCounts(800, 800, 8, 1.0, 10.0)))
+    f.run()
+    f.tick()
+    assert f.syncer.version == 1
+    np.testing.assert_allclose(f.syncer.run.global_ - t0.adapter, 0.02, rtol=1e-4)  # mean(0.04 * 8/16, 0.02)
+    assert [e["round_steps"] for e in f.tape if e["event"] == "delta"] == [0, 8]
 
 
 def test_a_time_window_ends_at_the_step_boundary_nearest_its_end():
@@ -509,7 +638,7 @@ def test_a_stale_delta_is_merged_in_the_round_where_it_arrives_with_its_lag_on_t
     assert late.after_step(1, f.now) is Verdict.CONTINUE  # the global moved on: the round goes on
     assert late.after_step(2, f.now) is Verdict.PUSH
     local = task.adapter + 0.5
-    f.to_syncer(2, late.push(local, 100, 50, 2, 1.0, 0.1))
+    f.to_syncer(2, late.push(local, RoundCounts(100, 50, 2, 1.0, 0.1)))
     f.run()
     delta = [e for e in f.tape if e["event"] == "delta" and e["learner"] == 2][-1]
     assert (delta["round"], delta["base_version"], delta["lag"]) == (3, 1, 1)

@@ -8,7 +8,7 @@ from tests.conftest import DEMO_DATA
 from tests.test_core import Fleet
 from yeto import YetoError
 from yeto.sync.core.contract import contract_mismatch
-from yeto.sync.core.learner import Train, Verdict
+from yeto.sync.core.learner import RoundCounts, Train, Verdict
 from yeto.sync.core.syncer import SyncerConfig
 from yeto.sync.layout import build_layout, flatten, unflatten
 from yeto.sync.merge import lora_pairs, product_merge, rda, refactor
@@ -147,7 +147,7 @@ def push(fleet, deltas, counts):
         assert isinstance(task, Train), task
         assert c.after_step(fleet.cfg.inner_steps, fleet.now) is Verdict.PUSH
         tokens, loss_tokens, steps = counts[lid]
-        fleet.to_syncer(lid, c.push(task.adapter + d, tokens, loss_tokens, steps, 1.0, 0.1))
+        fleet.to_syncer(lid, c.push(task.adapter + d, RoundCounts(tokens, loss_tokens, steps, 1.0, 0.1)))
         fleet.run()
 
 

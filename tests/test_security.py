@@ -221,10 +221,10 @@ def test_inflated_claims_are_refused_and_an_outlier_delta_is_clipped(start_synce
     err = peers[1].ask(peers[1].delta_parts(layout, 1, 0, np.zeros(layout.numel, np.float32), steps=3), bulk=True,
                        want="error")
     assert err.type == "error" and "the round allows 2" in err.header["reason"]
-    for window in (3, -1, True, "2"):  # steps in its window: a count of its steps (it would set the round's length)
+    for carried in (3, -1, True, "2"):  # steps carried in: a count of its steps (they set the round's length)
         err = peers[1].ask(peers[1].delta_parts(layout, 1, 0, np.zeros(layout.numel, np.float32), steps=2,
-                                                window_steps=window), bulk=True, want="error")
-        assert err.type == "error" and "steps in its window" in err.header["reason"], window
+                                                carried_steps=carried), bulk=True, want="error")
+        assert err.type == "error" and "steps carried in" in err.header["reason"], carried
     honest = {0: 0.1, 1: 0.12}
     for i, v in honest.items():
         assert peers[i].ask(peers[i].delta_parts(layout, 1, 0, np.full(layout.numel, v, np.float32),

@@ -52,6 +52,25 @@ def test_a_slow_island_contributes_every_delta_and_the_fast_one_never_waits_past
     assert results[0]["abandoned_rounds"] == 0
 
 
+def test_overlap_steps_are_the_rounds_own_not_carried_in(start_syncer, tmp_path):
+    """--overlap trains the next round while a delta awaits its merge: those steps are taken for the round they go
+    to, so a delta reports none carried in and step normalization takes its steps whole as the round's length (it
+    took them out, shrinking every delta by window/inner). The slow island pushes first and overlaps a step."""
+    out = tmp_path / "syncer"
+    s, port = start_syncer(out=out, learners=2, quorum=2, outer_steps=4, round_seconds=ROUND_S)
+    assert s.core.cfg.step_normalize
+    results: dict = {}
+    threads = [island_thread(QuadraticIsland(sign, 100), port, lid, results, step_delay=delay, overlap=True)
+               for lid, (sign, delay) in enumerate([(1.0, FAST_STEP_S), (-1.0, 0.25)])]
+    for t in threads:
+        t.join(120)
+    assert not any(isinstance(r, Exception) for r in results.values()), results
+    tape = tape_with(out, "finish")
+    deltas = [e for e in tape if e["event"] == "delta"]
+    assert len([e for e in tape if e["event"] == "merge"]) == 4
+    assert [e["round_steps"] for e in deltas] == [e["inner_steps"] for e in deltas], deltas
+
+
 def test_the_grace_waits_for_an_island_predicted_within_the_cap_and_not_for_one_beyond():
     """The grace rule alone, with the clock in hand: after quorum the round waits until the latest predicted push
     among the members predicted within the cap, never longer than the cap, and not at all for one predicted later."""

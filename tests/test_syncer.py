@@ -326,6 +326,9 @@ def test_time_window_rounds_default_to_the_mean_with_step_normalization():
     older = SyncerConfig(round_seconds=20.0)
     older.check_resume({"merge": "rda"}, 0)  # a checkpoint from before the switch: it ran without
     assert (older.merge, older.step_normalize) == ("rda", False)
+    oldest = SyncerConfig(round_seconds=20.0)
+    oldest.check_resume({"sync_bits": 4}, 0)  # from before --merge too: the mean, without
+    assert (oldest.merge, oldest.step_normalize) == ("mean", False)
     chosen = SyncerConfig(round_seconds=20.0, step_normalize=True)
     with pytest.raises(YetoError, match="--step-normalize True conflicts with the checkpoint.*resume with "
                                         "--no-step-normalize"):

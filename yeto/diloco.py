@@ -40,7 +40,7 @@ import numpy as np
 from yeto import YetoError
 from yeto.sync.auth import JoinKey, write_secret
 from yeto.sync.client import SyncerLink
-from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdict
+from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict
 from yeto.sync.layout import DEFAULT_FRAGMENT_NUMEL, build_layout, flatten, unflatten
 
 
@@ -66,7 +66,8 @@ class RoundStats:
     loss_tokens: int = 0
     loss_sum: float = 0.0
     compute_s: float = 0.0
-    carried: int = 0  # of `steps`, those taken before this round's training started (they do not pace its window)
+    before: int = 0  # of `steps`, those taken before this round's training started (they do not pace its window)
+    carried: int = 0  # of those, the steps trained for an earlier round's window and carried onto this one (CARRY)
 
     def add(self, s: dict[str, Any], dt: float) -> None:
         self.steps += 1
@@ -78,6 +79,14 @@ class RoundStats:
     @property
     def loss(self) -> float:
         return self.loss_sum / max(1, self.loss_tokens)
+
+    @property
+    def window_steps(self) -> int:
+        """The steps taken since this round's training started: they pace its time window."""
+        return self.steps - self.before
+
+    def counts(self) -> RoundCounts:
+        return RoundCounts(self.tokens, self.loss_tokens, self.steps, self.loss, self.compute_s, self.carried)
 
 
 @dataclass
@@ -153,7 +162,9 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                     island.set_total_steps(int(policy["outer_steps"]) * int(policy["inner_steps"]))
             if carry is not None:  # keep what was learned since `since` (the push, or the base) on top of the global
                 rnd, since = carry
-                rnd.round, rnd.carried = task.round, rnd.steps
+                if rnd.round != task.round:  # steps trained for another round's window: carried in (not overlap's,
+                    rnd.carried = rnd.steps  # trained for this round, nor a carry a refusal sent back to its round)
+                rnd.round, rnd.before = task.round, rnd.steps
                 island.load_adapter_state(unflatten(layout, task.adapter + (flatten(layout, island.adapter_state())
                                                                             - since)))
                 carry = None
@@ -163,10 +174,10 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 start = task.adapter if last_local is None or alpha >= 1 else (
                     alpha * task.adapter + (1 - alpha) * last_local).astype(np.float32)
                 island.load_adapter_state(unflatten(layout, start))  # (the delta stays against task.adapter)
-            verdict = link.after_step(rnd.steps, rnd.steps - rnd.carried) if rnd.steps else Verdict.CONTINUE
+            verdict = link.after_step(rnd.steps, rnd.window_steps) if rnd.steps else Verdict.CONTINUE
             while verdict is Verdict.CONTINUE:
                 inner_step(island, rnd, stats, step_delay)
-                verdict = link.after_step(rnd.steps, rnd.steps - rnd.carried)
+                verdict = link.after_step(rnd.steps, rnd.window_steps)
             if verdict is Verdict.CARRY:  # our previous delta, late, holds this round's place: train on until the
                 # next global comes (at most --max-inner-steps in all), and carry it all on top of it (a fresh delta)
                 while link.carrying() and not (max_inner_steps and rnd.steps >= max_inner_steps):
@@ -185,8 +196,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 continue  # next_task says why
             local = flatten(layout, island.adapter_state())
             last_local = local
-            stats.delta_bytes.append(link.push(local, rnd.tokens, rnd.loss_tokens, rnd.steps, rnd.loss, rnd.compute_s,
-                                               rnd.steps - rnd.carried))
+            stats.delta_bytes.append(link.push(local, rnd.counts()))
             stats.rounds += 1
             if progress:
                 progress({"round": task.round, "steps": rnd.steps, "loss": rnd.loss, "tokens": rnd.tokens})

@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from yeto import YetoError
 from yeto.sync.auth import JOIN_KEY_ENV, JOIN_KEY_FILE, JoinKey, curve_client
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
-from yeto.sync.core.learner import LearnerCore, Task, Verdict, Wait
+from yeto.sync.core.learner import LearnerCore, RoundCounts, Task, Verdict, Wait
 from yeto.sync.protocol import BULK_SUFFIX, ProtocolError, decode, encode, is_bulk, message_bytes
 
 log = logging.getLogger("yeto.client")
@@ -107,11 +107,10 @@ class SyncerLink:
                 raise YetoError("the link to the syncer stopped unexpectedly")
             return self.core.carrying
 
-    def push(self, local: np.ndarray, tokens: int, loss_tokens: int, steps: int, loss: float, compute_s: float,
-             window_steps: int = 0) -> int:
+    def push(self, local: np.ndarray, counts: RoundCounts) -> int:
         """Queue the round's delta; returns its size on the wire (0 if the round was abandoned meanwhile)."""
         with self.lock:
-            actions = self.core.push(local, tokens, loss_tokens, steps, loss, compute_s, window_steps)
+            actions = self.core.push(local, counts)
             self._queue(actions)
         return sum(message_bytes(encode(a.type, a.header, a.frames)) for a in actions
                    if isinstance(a, Out) and a.type == "delta")

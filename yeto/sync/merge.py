@@ -31,13 +31,13 @@ LoRA aggregation (`--lora-merge`):
               The ALS works on W in factored form (n*r columns), never on the out x in matrix.
 
 Step normalization (`--step-normalize`, FedNova-style): each delta is scaled by k_max / k_i (k_i its inner steps,
-k_max the round's length: the most steps a delta took in the round's window, so a delta carried over two windows is
-not taken for a round twice as long) before the rule. The weighted mean of deltas of unequal length is shorter than
-the longest one: a 10x slower island in a time-window round (a tenth of the steps, so a tenth of the weight and a
-delta a tenth as long) cuts the fast island's step by ~8%. Normalized, each delta is an estimate of the same
-k_max-step move, and the slow island's tokens reduce its noise instead. With equal steps it is the plain rule. The
-default in time-window rounds, with the mean (docs/benchmarks.md, heterogeneous fleet); not with rda, whose norm
-rule would take a short delta's scaled-up noise for length.
+k_max the round's length: the most steps a delta took in the round's window, its steps carried in from an earlier
+window left out, so a delta carried over two windows is not taken for a round twice as long) before the rule. The
+weighted mean of deltas of unequal length is shorter than the longest one: a 10x slower island in a time-window
+round (a tenth of the steps, so a tenth of the weight and a delta a tenth as long) cuts the fast island's step by
+~8%. Normalized, each delta is an estimate of the same k_max-step move, and the slow island's tokens reduce its noise
+instead. With equal steps it is the plain rule. The default in time-window rounds, with the mean (docs/benchmarks.md,
+heterogeneous fleet); not with rda, whose norm rule would take a short delta's scaled-up noise for length.
 
 Staleness (`--staleness-exponent a`): a delta accepted `lag` versions after its base is scaled by s = (1 + lag)^-a
 before any rule sees it (FedAsync's polynomial rule; a = 0: no discount). The weights stay normalised by the counts
@@ -71,6 +71,12 @@ class DeltaCounts:
     loss_tokens: int
     tokens: int
     inner_steps: int
+
+
+def round_length(window_steps: Sequence[int], inner_steps: Sequence[int]) -> int:
+    """k_max of step normalization: the most steps a delta took in the round's window (each delta's inner steps less
+    those carried in); in a round whose every delta was carried in whole, the most inner steps."""
+    return max(1, max(window_steps, default=0) or max(inner_steps, default=1))
 
 
 def staleness_factor(lag: int, exponent: float) -> float:

@@ -42,10 +42,10 @@ import numpy as np
 from yeto.sync.audit import TapeFold, audit
 from yeto.sync.core.actions import (Checkpoint, DropDeltas, Durable, Exit, Log, Out, Reconnect, Record, SaveCheckpoint,
                                     SaveDelta, Send)
-from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, Train, Verdict, Wait
+from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict, Wait
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.layout import build_layout
-from yeto.sync.merge import staleness_factor
+from yeto.sync.merge import round_length, staleness_factor
 from yeto.sync.aggregate import RoundSum, clipped_merge, effective_weight
 from yeto.sync.outer import nesterov_step
 from yeto.sync.protocol import (Code, Message, array_digest, decode, decode_fragments, digest_bytes, encode,
@@ -198,6 +198,7 @@ class World:
         self.learners = [SimLearner(self, i) for i in range(sched.learners)]
         self.zombies: list[SimLearner] = []  # replaced learner processes that are still running
         self.carries = 0  # rounds whose work a learner carried onto the next global (Verdict.CARRY)
+        self.carries_back = 0  # ... and carries sent back to their own round (the late delta holding it was refused)
         # when the last fault is over (downtimes, cuts and freezes included), with room to reconnect
         ends = [at + (down or 0.0) + (ZOMBIE_SLEEPS_LONGER_S if zombie else 0.0)
                 for at, _, down, zombie in sched.learner_kills]
@@ -436,8 +437,7 @@ class World:
         for e in tape:
             fold.feed(e)
         cfg = self.s.syncer_config()
-        steps_of = {e["digest"]: (e["inner_steps"], e.get("round_steps", e["inner_steps"])) for e in tape
-                    if e["event"] == "delta"}
+        deltas_on_tape = {e["digest"]: e for e in tape if e["event"] == "delta"}
         g = self.init_payloads[fold.digests[0]].copy()
         m = np.zeros_like(g)
         ef = ErrorFeedback(self.layout.numel)
@@ -449,16 +449,18 @@ class World:
             lags = e.get("lags") or [0] * len(e["responders"])
             tokens = dict(zip(e["responders"], e["loss_tokens"]))
             normalize = bool(e.get("step_normalize"))
-            steps = {lid: steps_of[d] if normalize else (1, 1) for lid, d in zip(e["responders"], e["deltas"])}
-            scale = {lid: staleness_factor(lag, cfg.staleness_exponent) / max(1, steps[lid][0])
-                     for lid, lag in zip(e["responders"], lags)}
+            mine = {lid: deltas_on_tape[d] for lid, d in zip(e["responders"], e["deltas"])}
+            scale = {lid: staleness_factor(lag, cfg.staleness_exponent) / (
+                max(1, mine[lid]["inner_steps"]) if normalize else 1) for lid, lag in zip(e["responders"], lags)}
             s = RoundSum.for_rule(self.layout, e["merge"])
             for lid in e["summed"]:
                 s.add(lid, deltas[lid], tokens[lid], scale[lid])
             clip = {int(k): c for k, c in e["clip"].items()}
             weights = {lid: effective_weight(tokens[lid], scale[lid]) for lid in tokens}
             avg, fallbacks = clipped_merge(s, clip, weights, deltas.__getitem__)
-            avg = avg * np.float32(max(w for _, w in steps.values()))  # (step normalization: the longest window)
+            if normalize:  # (the round's length: the longest window)
+                avg = avg * np.float32(round_length([d["round_steps"] for d in mine.values()],
+                                                    [d["inner_steps"] for d in mine.values()]))
             if fallbacks != e.get("rda_fallbacks"):
                 raise Violation(f"replay of merge {v}: {fallbacks} RDA fallbacks, the tape says "
                                 f"{e.get('rda_fallbacks')}")
@@ -731,6 +733,7 @@ class SimLearner:
         self.pushes = []
         self.raw = {}
         self.carry_base: Optional[np.ndarray] = None  # a carried round's base: its work goes on top of the next global
+        self.carry_round = 0  # ... and that round (a refusal of our late delta may send the work back to it)
         self.carried_steps = 0
         w.log(f"learner {self.lid}: boot (life {self.life}, session {self.core.session})")
         self.execute(self.core.connected_now(w.now))
@@ -816,7 +819,11 @@ class SimLearner:
         self.train_started = self.w.now
         if self.carry_base is not None:  # (the sim's learner does not step while it waits; the real loop does)
             self.island.flat = task.adapter + (self.island.flat - self.carry_base)
-            self.carry_base, self.carried_steps = None, self.steps
+            if task.round != self.carry_round:
+                self.carried_steps = self.steps
+            else:
+                self.w.carries_back += 1
+            self.carry_base = None
         else:
             self.island.flat = task.adapter.copy()
             self.steps = self.carried_steps = 0
@@ -853,7 +860,7 @@ class SimLearner:
         self.stepping = False
         if verdict is Verdict.CARRY:
             assert t is not None
-            self.carry_base = t.base.copy()
+            self.carry_base, self.carry_round = t.base.copy(), t.round
             w.carries += 1
             w.log(f"learner {self.lid}: carrying round {t.round}'s {self.steps} steps onto the next global")
         if verdict is Verdict.PUSH:
@@ -863,9 +870,9 @@ class SimLearner:
             x = self.island.flat - t.base
             self.raw[(t.round, t.base_version)] = x
             residual = self.core.ef.residual
-            actions = self.core.push(self.island.flat.copy(), int(self.stats["tokens"]), int(self.stats["loss_tokens"]),
-                                     self.steps, self.stats["loss"], w.now - self.train_started,
-                                     self.steps - self.carried_steps)
+            actions = self.core.push(self.island.flat.copy(), RoundCounts(
+                int(self.stats["tokens"]), int(self.stats["loss_tokens"]), self.steps, self.stats["loss"],
+                w.now - self.train_started, self.carried_steps))
             sent = any(isinstance(a, Out) and a.type == "delta" for a in actions)
             if not sent and self.core.held is None:  # neither sent nor held: only a delta that cannot be encoded
                 expect = ErrorFeedback(w.layout.numel)
@@ -973,6 +980,7 @@ def run_seed(seed: int, trace: Optional[Callable[[str], None]] = None) -> Outcom
     paths |= {"stale" for e in tape if e["event"] == "delta" and e.get("lag")}
     paths |= {"zombie"} if w.zombies else set()
     paths |= {"carry"} if w.carries else set()
+    paths |= {"carry_back"} if w.carries_back else set()
     return Outcome(seed, True, "", w.now, sum(1 for e in tape if e["event"] == "merge"),
                    sum(1 for e in tape if e["event"] == "resume"), frozenset(paths))
 
@@ -1015,7 +1023,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\n{len(outcomes)} schedules (seeds {a.first}..{a.first + a.seeds - 1}) in {time.perf_counter() - t0:.0f}s: "
           f"{len(bad)} violation(s); {merges} merges, {restarts} syncer restarts simulated")
     took = Counter(p for o in outcomes for p in o.exercised)
-    paths = (*EXERCISED, "zombie", "carry")
+    paths = (*EXERCISED, "zombie", "carry", "carry_back")
     print("schedules that took each recovery path: " + ", ".join(f"{p} {took[p]}" for p in paths))
     for o in bad[:20]:
         print(f"seed {o.seed}: {o.error.splitlines()[0] if o.error else ''}")

@@ -121,12 +121,12 @@ class AcceptedDelta:
     frames: tuple[bytes, ...]
     peak: float = 0.0  # largest |value|: the first suspect when a merge fails
     norm: float = 0.0  # its L2 norm (robust merge); peak and norm are measured again after a restart
-    window_steps: int = 0  # of its inner steps, those taken in its round's time window (0: all; the rest carried in)
+    carried_steps: int = 0  # of its inner steps, those trained in an earlier round's window and carried onto this one
 
     @property
     def round_steps(self) -> int:
-        """The steps that paced its round: what step normalization takes as the round's length."""
-        return max(1, self.window_steps or self.inner_steps)
+        """Its steps taken in its round's window: step normalization takes the most of them as the round's length."""
+        return self.inner_steps - self.carried_steps
 
     @property
     def lag(self) -> int:

@@ -101,6 +101,18 @@ class Verdict(Enum):
     CARRY = "carry"
 
 
+@dataclass(frozen=True)
+class Place:
+    """A round's place in the syncer (one delta per learner per round): the round and the global it opened on."""
+
+    round: int
+    version: int
+    digest: str = ""  # that global's (a syncer that rolled back may make the same version another adapter)
+
+    def matches(self, rnd: int, version: int) -> bool:
+        return (self.round, self.version) == (rnd, version)
+
+
 @dataclass
 class Training:
     round: int
@@ -114,13 +126,34 @@ class Training:
     place_taken: bool = False  # our previous delta, late, holds (or will hold) this round's place in the syncer
 
 
+@dataclass(frozen=True)
+class RoundCounts:
+    """What a round's training took, as its delta reports it (the merge weighs by these; the syncer checks them)."""
+
+    tokens: int
+    loss_tokens: int
+    steps: int
+    loss: float
+    compute_s: float
+    # of `steps`, those trained in an earlier round's window and carried onto this one (Verdict.CARRY): step
+    # normalization leaves them out of the round's length
+    carried_steps: int = 0
+
+    def header(self) -> dict[str, Any]:
+        h = {"tokens": self.tokens, "loss_tokens": self.loss_tokens, "inner_steps": self.steps, "loss": self.loss,
+             "compute_s": round(self.compute_s, 4)}
+        if self.carried_steps:
+            h["carried_steps"] = self.carried_steps
+        return h
+
+
 @dataclass
 class Held:
     """A finished round's work waiting for the previous delta to settle (raw: quantized once it goes)."""
 
     training: Training
     local: np.ndarray = field(repr=False)
-    counts: dict[str, Any]
+    counts: RoundCounts
 
 
 @dataclass
@@ -186,9 +219,9 @@ class LearnerCore:
         self.held: Optional[Held] = None
         self.lineage: dict[int, str] = {}  # recent versions held -> digest: a stale round's base must be the run's
         self.contributed: Optional[tuple[int, int]] = None  # (round, base) an earlier session of ours delivered
-        self.carried: Optional[tuple[int, int]] = None  # (round, base) whose work the training loop carries on
-        self.place_held: Optional[tuple[int, int]] = None  # (round, version): the syncer holds a late delta of ours
-        # there that is not `pushed` (an earlier process's, told by the welcome, or refused as a duplicate)
+        self.carried: Optional[Place] = None  # the round whose work the training loop carries onto the next global
+        self.place_held: Optional[Place] = None  # a round where the syncer holds a late delta of ours that is not
+        # `pushed` (an earlier process's, told by the welcome, or a push refused as a duplicate said so)
         self.init_sent: Optional[tuple[dict[str, Any], tuple[bytes, ...]]] = None  # our founding upload
         self.resend_init = False
         self.finish: Optional[dict[str, Any]] = None
@@ -327,12 +360,15 @@ class LearnerCore:
         if r is None or r["version"] != self.version:
             return Wait()
         windowed = bool(r["round_seconds"])
+        held = self.place_held is not None and self.place_held.matches(r["round"], r["version"])
+        if held and not windowed:
+            return Wait()  # the round closes on its quorum, which our held delta is part of: train the next one
         steps = 0 if windowed else int(r["inner_steps"])
         if self.max_inner_steps:
             steps = min(steps, self.max_inner_steps) if steps else self.max_inner_steps
         seconds = max(0.0, r["ends_at"] - now) if windowed and "ends_at" in r else float(r["round_seconds"])
         # (one delta per learner per round: this round's work could only go a version late, like every later one)
-        place_taken = (p is not None and p.base_version < self.version) or self.place_held == (r["round"], r["version"])
+        place_taken = (p is not None and p.base_version < self.version) or held
         self.carried = None
         self.training = Training(r["round"], self.version, self.global_.copy(), now, steps, seconds, self.digest,
                                  windowed, place_taken)
@@ -355,7 +391,7 @@ class LearnerCore:
                 t.windowed and paced >= 1 and elapsed * (1 + WINDOW_NEAREST_BOUNDARY / paced) >= t.seconds):
             if t.windowed and t.place_taken:  # carried onto the next global, the work's next push lands fresh
                 self.training = None
-                self.carried = (t.round, t.base_version)
+                self.carried = Place(t.round, t.base_version, t.base_digest)
                 return Verdict.CARRY
             return Verdict.PUSH
         return Verdict.CONTINUE
@@ -364,20 +400,15 @@ class LearnerCore:
     def carrying(self) -> bool:
         """A round's work is being carried (after_step said CARRY) and the next global has not come yet."""
         c = self.carried
-        return c is not None and c[1] == self.version and self.finish is None and not (self.refused or self.gave_up)
+        return c is not None and (c.version, c.digest) == (self.version, self.digest) and self.finish is None and not (
+            self.refused or self.gave_up)
 
-    def push(self, local: np.ndarray, tokens: int, loss_tokens: int, steps: int, loss: float,
-             compute_s: float, window_steps: int = 0) -> list[LearnerAction]:
-        """Send the round's delta (local - the adapter it trained from), quantized with error feedback.
-        `window_steps`: of `steps`, those taken in this round's time window (0: all; the others were carried in)."""
+    def push(self, local: np.ndarray, counts: RoundCounts) -> list[LearnerAction]:
+        """Send the round's delta (local - the adapter it trained from), quantized with error feedback."""
         self.out = []
         t, self.training = self.training, None
         if t is None or not self._base_ok(t.base_version, t.base_digest):
             return self._flush()
-        counts = {"tokens": tokens, "loss_tokens": loss_tokens, "inner_steps": steps, "loss": loss,
-                  "compute_s": round(compute_s, 4)}
-        if 0 < window_steps < steps:
-            counts["window_steps"] = window_steps
         self.held = Held(t, local, counts)
         self._release_held()
         return self._flush()
@@ -401,8 +432,8 @@ class LearnerCore:
             self.ef.residual = residual_before
             self._log("error", f"round {t.round}: the adapter cannot be sent ({e}); dropping the round's work")
             return
-        header = {"round": t.round, "base_version": t.base_version, "base_digest": t.base_digest, **h.counts,
-                  "fragments": descs}
+        header = {"round": t.round, "base_version": t.base_version, "base_digest": t.base_digest,
+                  **h.counts.header(), "fragments": descs}
         self.pushed = Pushed(t.round, t.base_version, digest_bytes(frames), header, tuple(frames), residual_before,
                              t.base_digest)
         self._send("delta", header, self.pushed.frames)
@@ -474,7 +505,7 @@ class LearnerCore:
                 self.pushed = None
         if self.contributed is not None and self.contributed[1] != version:
             self.contributed = None
-        if self.carried is not None and self.carried[1] != version:
+        if self.carried is not None and (self.carried.version, self.carried.digest) != (version, digest):
             self.carried = None  # the global it waited for came (or a rollback took the run elsewhere): carry it
         if self.open_round is not None and self.open_round["version"] < version:
             self.open_round = None
@@ -502,19 +533,31 @@ class LearnerCore:
             p.acked, p.stale = False, True
             return
         if code == Code.DUPLICATE and h.get("version") == self.version:  # another delta of ours holds the round
-            self.place_held = (self.version + 1, self.version)
+            self.place_held = Place(self.version + 1, self.version, self.digest)
         self._drop_uncounted()
 
     def _drop_uncounted(self) -> None:
         """Our pushed delta will never count: its residual is ours again, and a late one frees the place it held in
-        the round we train (that round's work goes to the syncer, not on top of the next global)."""
-        p, t = self.pushed, self.training
+        the open round."""
+        p = self.pushed
         assert p is not None
         self.ef.residual = p.residual_before
         self.pushed = None
-        if t is not None and t.place_taken and t.base_version == self.version and p.base_version < self.version and (
-                self.place_held != (t.round, t.base_version)):
+        rnd = self.version + 1  # (the open round, where a late delta is merged)
+        if p.base_version < self.version and not (self.place_held and self.place_held.matches(rnd, self.version)):
+            self._free_place(rnd, self.version)
+
+    def _free_place(self, rnd: int, version: int) -> None:
+        """The syncer holds no delta of ours in round `rnd` (open on `version`) after all: the late one that held its
+        place was refused or lost. The work trained for that round, or carried since, goes to it, not on top of the
+        next global (the syncer counts us as training it)."""
+        if self.place_held is not None and self.place_held.matches(rnd, version):
+            self.place_held = None
+        t = self.training
+        if t is not None and (t.round, t.base_version) == (rnd, version):
             t.place_taken = False
+        if self.carried is not None and self.carried.matches(rnd, version):
+            self.carried = None
 
     def _set_open_round(self, r: dict[str, Any], now: float) -> None:
         cur = self.open_round
@@ -552,11 +595,14 @@ class LearnerCore:
             elif pending is None or pending[1] == r["version"]:
                 self.contributed = (r["round"], r["version"])
             else:  # an earlier process's late delta: this round's work goes on top of the next global
-                self.place_held = (r["round"], r["version"])
-                if self.training is not None and (self.training.round, self.training.base_version) == self.place_held:
+                self.place_held = Place(r["round"], r["version"], h["digest"])
+                if self.training is not None and (self.training.round, self.training.base_version) == (
+                        r["round"], r["version"]):
                     self.training.place_taken = True
         elif r is not None and p is not None and self._may_land(p, r["round"], r["version"]):
             self._resend_pushed()  # the syncer lost it (it restarted before the delta was saved)
+        elif r is not None and p is None:
+            self._free_place(r["round"], r["version"])  # (a late delta we knew of is gone)
         self._log("info", f"joined the syncer at version {h['version']}; policy {self.policy}")
         self._maybe_sync(now)
 
@@ -631,6 +677,8 @@ class LearnerCore:
         c = self.contributed
         if c is not None and h["round_open"] and [h["round"], h["version"]] == list(c) and not h["contributed"]:
             self.contributed = None  # the earlier session's delta is gone (refused): this session trains the round
+        if h["round_open"] and not h["contributed"] and p is None:
+            self._free_place(h["round"], h["version"])  # the late delta that held it is gone (refused)
         if h["round_open"] and h["version"] >= self.version:  # (trained once we hold that version)
             mine = p is not None and p.round == h["round"]
             if not mine and not (self.contributed and self.contributed[0] == h["round"]) and (

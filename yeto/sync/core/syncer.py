@@ -54,7 +54,7 @@ from yeto.sync.core.limits import RateLimit
 from yeto.sync.given_up import quorum_after_give_ups
 from yeto.sync.layout import Layout, layout_from_json, layout_mismatch
 from yeto.sync.merge import (LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS, DeltaCounts, merge_weights, product_merge,
-                             staleness_factor, weight_of)
+                             round_length, staleness_factor, weight_of)
 from yeto.sync.outer import nesterov_step
 from yeto.sync.protocol import (CLOCK_JUMP_S, DEFAULT_MAX_MESSAGE_MB, PROTOCOL_VERSION, Code, Message, ProtocolError,
                                 array_digest, decode, decode_fragments, digest_bytes, encode_fragments,
@@ -203,7 +203,7 @@ class SyncerConfig:
         takes the run's own (a run started under other defaults resumes as it began)."""
         if self.merge_by_default and saved.get("merge") in MERGE_RULES:
             self.merge = saved["merge"]
-        if self.step_normalize_by_default and "merge" in saved:  # (a run from before the switch: it had none)
+        if self.step_normalize_by_default and saved:  # (a run from before the switch: it had none)
             self.step_normalize = saved.get("step_normalize") is True
         for name in CONTRACT_FIELDS:
             if name in saved and saved[name] != getattr(self, name):
@@ -824,7 +824,7 @@ class SyncerCore:
             return self._refuse_delta(m, h, digest, Code.REFUSED, str(e), now)
         d = AcceptedDelta(m.learner, m.session, r.number, h["base_version"], h["tokens"], h["loss_tokens"],
                           h["inner_steps"], float(h["loss"]), digest, list(h["fragments"]), tuple(msg.frames),
-                          window_steps=h.get("window_steps", 0))
+                          carried_steps=h.get("carried_steps", 0))
         self._measure(d, flat)
         compute_s = h.get("compute_s")
         compute_s = float(compute_s) if isinstance(compute_s, (int, float)) and math.isfinite(compute_s) and \
@@ -1108,7 +1108,8 @@ class SyncerCore:
         ds = [self.pending[i] for i in ids]
         scales = {i: self._scale(self.pending[i]) for i in ids}
         # (the longest window: a delta carried over two windows is an estimate of the round's move, not twice it)
-        most = np.float32(max(d.round_steps for d in ds) if cfg.step_normalize else 1)
+        most = np.float32(round_length([d.round_steps for d in ds], [d.inner_steps for d in ds])
+                          if cfg.step_normalize else 1)
         unnormalised = {i: effective_weight(self._weight(self.pending[i]), scales[i]) for i in ids}
         rule: dict[str, Any] = {}  # what the rule reports on the tape
         try:
@@ -1244,9 +1245,9 @@ def _claims_problem(h: dict[str, Any], tokens_per_step: int, round_steps: int) -
         return f"delta with impossible token counts (tokens {tokens}, loss-bearing tokens {loss_tokens})"
     if not 0 < steps <= (round_steps or MAX_INNER_STEPS_PER_DELTA):
         return f"delta claims {steps} inner steps; the round allows {round_steps or MAX_INNER_STEPS_PER_DELTA}"
-    window = h.get("window_steps", 0)
-    if type(window) is not int or not 0 <= window <= steps:
-        return f"delta claims {window!r} steps in its window; it must be a count of its {steps} inner steps"
+    carried = h.get("carried_steps", 0)
+    if type(carried) is not int or not 0 <= carried <= steps:
+        return f"delta claims {carried!r} steps carried in; it must be a count of its {steps} inner steps"
     if tokens_per_step and tokens > steps * tokens_per_step:
         return (f"delta claims {tokens} tokens in {steps} steps; this learner declared at most {tokens_per_step} "
                 "tokens per step (batch x accumulation x sequence length)")
