@@ -584,38 +584,29 @@ def test_stale_deltas_making_the_quorum_do_not_close_a_time_window_round_before_
     assert merge2["round"] == 2 and merge2["responders"] == [0, 1] and merge2["lags"] == [0, 1]
 
 
-def test_step_normalization_takes_the_round_as_long_as_its_longest_window_not_a_carried_deltas_steps():
+@pytest.mark.parametrize("carried, fresh, round_steps", [
+    (RoundCounts(3200, 1600, 32, 1.0, 10.0, carried_steps=16), RoundCounts(1600, 1600, 16, 1.0, 10.0), [16, 16]),
+    (RoundCounts(1600, 1600, 16, 1.0, 10.0, carried_steps=16), RoundCounts(800, 800, 8, 1.0, 10.0), [0, 8]),
+], ids=["carried-over-two-windows", "carried-in-whole"])
+def test_step_normalization_takes_the_round_as_long_as_its_longest_window_not_a_carried_deltas_steps(
+        carried, fresh, round_steps):
     """A delta carried over two windows holds twice the steps of the round it lands in. Step normalization scales
-    every delta to the round's length, its longest window (16 steps here): the carried delta counts as an estimate
-    of the round's move, and the others are not doubled with it."""
+    every delta to the round's length, its longest window (16 steps in the first case): the carried delta counts as
+    an estimate of the round's move, and the others are not doubled with it. A delta whose every step was carried
+    in (--max-inner-steps reached while carrying) has a window of 0 steps (once read as "all"): the others' longest
+    window is the round's length (8 in the second case)."""
     f = Fleet(n=2, quorum=2, round_seconds=10.0)
     assert f.cfg.step_normalize and f.cfg.merge == "mean"
     c0, c1 = f.learners[0], f.learners[1]
     t0, t1 = c0.next_task(f.now), c1.next_task(f.now)
     f.tick(dt=1.0, times=10)
-    f.to_syncer(0, c0.push(t0.adapter + 0.04, RoundCounts(3200, 1600, 32, 1.0, 10.0, carried_steps=16)))
-    f.to_syncer(1, c1.push(t1.adapter + 0.02, RoundCounts(1600, 1600, 16, 1.0, 10.0)))
+    f.to_syncer(0, c0.push(t0.adapter + 0.04, carried))
+    f.to_syncer(1, c1.push(t1.adapter + 0.02, fresh))
     f.run()
     f.tick()
     assert f.syncer.version == 1
-    np.testing.assert_allclose(f.syncer.run.global_ - t0.adapter, 0.02, rtol=1e-4)  # mean(0.04 * 16/32, 0.02)
-    assert [e["round_steps"] for e in f.tape if e["event"] == "delta"] == [16, 16]
-
-
-def test_a_delta_carried_in_whole_does_not_set_the_rounds_length():
-    """A round whose every step was carried in (--max-inner-steps reached while carrying) says so: its steps are
-    not the round's length (a window of 0 steps used to read as "all"), the longest window among the others is."""
-    f = Fleet(n=2, quorum=2, round_seconds=10.0)
-    c0, c1 = f.learners[0], f.learners[1]
-    t0, t1 = c0.next_task(f.now), c1.next_task(f.now)
-    f.tick(dt=1.0, times=10)
-    f.to_syncer(0, c0.push(t0.adapter + 0.04, RoundCounts(1600, 1600, 16, 1.0, 10.0, carried_steps=16)))
-    f.to_syncer(1, c1.push(t1.adapter + 0.02, RoundCounts(800, 800, 8, 1.0, 10.0)))
-    f.run()
-    f.tick()
-    assert f.syncer.version == 1
-    np.testing.assert_allclose(f.syncer.run.global_ - t0.adapter, 0.02, rtol=1e-4)  # mean(0.04 * 8/16, 0.02)
-    assert [e["round_steps"] for e in f.tape if e["event"] == "delta"] == [0, 8]
+    np.testing.assert_allclose(f.syncer.run.global_ - t0.adapter, 0.02, rtol=1e-4)  # mean(0.04 x window/steps, 0.02)
+    assert [e["round_steps"] for e in f.tape if e["event"] == "delta"] == round_steps
 
 
 def test_a_time_window_ends_at_the_step_boundary_nearest_its_end():
