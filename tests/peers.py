@@ -23,6 +23,7 @@ NAMES = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight
          "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"]
 ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "task_type": "CAUSAL_LM"}
 FAST = LinkTimeouts(heartbeat_s=0.2, dead_after_s=3.0, backoff_base_s=0.05, backoff_max_s=0.5)
+SEND_TIMEOUT_MS = 10_000  # a send the syncer never lets through fails the test instead of hanging it
 
 
 class QuadraticIsland:
@@ -101,6 +102,7 @@ class RawLearner:
             curve_client(s, self.key)
         s.setsockopt(zmq.ROUTING_ID, ident)
         s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         s.connect(f"tcp://127.0.0.1:{port}")
         return s
 

@@ -500,9 +500,10 @@ def test_a_carry_whose_late_delta_is_refused_goes_back_to_its_round(told_by):
     """A learner carries its round's work because a late delta of its own holds the round's place. The merge then
     refuses that delta (here: it overflows the outer step), and the round, still open, holds nothing of ours while
     the syncer counts us as training it: the learner stops carrying and sends the work to the round (it used to wait
-    for a global that could not come without it, until --quorum-timeout). It learns so from the refusal naming its
-    delta, or, for an earlier process's delta it never held, from a pong or a welcome saying the round holds
-    nothing of ours."""
+    for a global that could not come without it, until --quorum-timeout). It learns so from a pong or a welcome
+    saying the round holds nothing of ours, not from the refusal alone (told_by="error": its own delta, whose
+    refusal may come before the broadcast of a merge that went on without it), the same for an earlier process's
+    delta it never held."""
     f, second0, second1 = _late_delta_holds_round_2(late_delta=3e38, outer_lr=2.0, straggler_timeout=2.0)
     c1 = f.learners[1]
     if told_by != "error":  # the late delta was the learner's previous process's
@@ -533,6 +534,29 @@ def test_a_carry_whose_late_delta_is_refused_goes_back_to_its_round(told_by):
     merge2 = [e for e in f.tape if e["event"] == "merge"][-1]
     assert merge2["round"] == 2 and 1 in merge2["responders"] and merge2["lags"][merge2["responders"].index(1)] == 0
     assert audit(f.tape).ok, audit(f.tape).summary()
+
+
+def test_a_refusal_by_a_merge_that_went_on_without_the_delta_does_not_send_a_carry_back_to_the_closed_round():
+    """Round 2's merge refuses learner 1's late delta and commits without it. The refusal, on the control connection,
+    may come before the broadcast and the next round's announcement (on the bulk connection; here lost): the carry
+    must not go back to round 2, closed (its work would go a version late again), but wait for the next global."""
+    f, second0, second1 = _late_delta_holds_round_2(late_delta=3e38, outer_lr=2.0, straggler_timeout=2.0)
+    c0, c1 = f.learners[0], f.learners[1]
+    f.tick(dt=0.5, times=math.ceil(second1.seconds / 0.5))
+    assert c1.after_step(8, f.now) is Verdict.CARRY and c0.after_step(16, f.now) is Verdict.PUSH
+    f.lost = lambda direction, lid, msg_type: lid == 1 and msg_type in ("broadcast", "round")
+    f.to_syncer(0, c0.push(second0.adapter + 0.01, RoundCounts(100, 50, 16, 1.0, 10.0)))
+    f.run()
+    assert [e["learner"] for e in f.tape if e["event"] == "refuse_delta"] == [1]
+    assert f.syncer.version == 2 and c1.version == 1 and c1.pushed is None  # (its refusal came)
+    assert c1.carrying and isinstance(c1.next_task(f.now), Wait)
+    f.tick(dt=0.5, times=2)  # pongs say round 3 is open: nothing about round 2
+    assert c1.carrying and isinstance(c1.next_task(f.now), Wait)
+    f.lost = lambda direction, lid, msg_type: False
+    f.tick(dt=0.5, times=8)  # behind the pongs' version, it fetches version 2
+    assert c1.version == 2 and not c1.carrying
+    task = c1.next_task(f.now)
+    assert isinstance(task, Train) and (task.round, task.base_version) == (3, 2)
 
 
 @pytest.mark.parametrize("told_by", ["welcome", "duplicate"])

@@ -18,7 +18,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.peers import ADAPTER_CONFIG, QuadraticIsland, RawLearner, island_thread, tape_with, wait_until
+from tests.peers import (ADAPTER_CONFIG, SEND_TIMEOUT_MS, QuadraticIsland, RawLearner, island_thread, tape_with,
+                         wait_until)
 from yeto import YetoError
 from yeto.diloco import run_island
 from yeto.launch.local import free_port
@@ -246,6 +247,13 @@ def test_floods_of_connections_and_oversized_frames_leave_the_syncer_serving(sta
     threads, results = honest_fleet(port, key, step_delay=0.05)
     assert wait_until(lambda: syncer.version >= 0, 15)
     ctx = zmq.Context.instance()
+    big = ctx.socket(zmq.DEALER)  # a frame far above what the run's layout can need: the connection is cut
+    big.setsockopt(zmq.LINGER, 0)
+    big.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # (sent before the flood takes the connection slots)
+    big.curve_serverkey, big.curve_publickey, big.curve_secretkey = key.syncer_public, key.public, key.secret
+    big.connect(f"tcp://127.0.0.1:{port}")
+    big.send_multipart([encode("ping", {"learner": 9, "session": "s", "version": 0, "pushed": None})[0],
+                        os.urandom(8 << 20)])
     flood = []
     for i in range(40):  # authenticated connections beyond --max-connections, and strangers
         s = ctx.socket(zmq.DEALER)
@@ -253,14 +261,8 @@ def test_floods_of_connections_and_oversized_frames_leave_the_syncer_serving(sta
         if i % 2:
             s.curve_serverkey, s.curve_publickey, s.curve_secretkey = key.syncer_public, key.public, key.secret
         s.connect(f"tcp://127.0.0.1:{port}")
-        s.send(b"x")
+        send_if_connected(s, [b"x"])  # (a refused connection leaves a DEALER nowhere to queue: a send would block)
         flood.append(s)
-    big = ctx.socket(zmq.DEALER)  # a frame far above what the run's layout can need: the connection is cut
-    big.setsockopt(zmq.LINGER, 0)
-    big.curve_serverkey, big.curve_publickey, big.curve_secretkey = key.syncer_public, key.public, key.secret
-    big.connect(f"tcp://127.0.0.1:{port}")
-    big.send_multipart([encode("ping", {"learner": 9, "session": "s", "version": 0, "pushed": None})[0],
-                        os.urandom(8 << 20)])
     time.sleep(1.0)
     for s in flood:
         s.close()

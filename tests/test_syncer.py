@@ -20,7 +20,7 @@ from yeto.sync.audit import audit
 from yeto.sync.layout import build_layout, flatten
 from yeto.sync.merge import DeltaCounts, merge_weights
 from yeto.sync.outer import nesterov_step
-from yeto.sync.protocol import encode, encode_fragments
+from yeto.sync.protocol import PROTOCOL_VERSION, encode, encode_fragments
 from yeto.sync.server import Syncer, SyncerConfig
 from yeto.tape import read_tape
 
@@ -70,10 +70,10 @@ def test_malformed_messages_are_answered_and_change_nothing(start_syncer, tmp_pa
         [b"\xff\xfe not json"],
         [json.dumps([1, 2]).encode()],
         [json.dumps({"v": 99, "type": "ping", "learner": 5}).encode()],
-        [json.dumps({"v": 2, "type": "teleport"}).encode()],
-        [json.dumps({"v": 2, "type": "delta", "learner": 5, "session": "s1"}).encode()],
-        [json.dumps({"v": 2, "type": "hello", "learner": "five", "session": "s1", "backend": "x", "layout": {},
-                     "adapter_config": {}, "version": -1, "digest": ""}).encode()],
+        [json.dumps({"v": PROTOCOL_VERSION, "type": "teleport"}).encode()],
+        [json.dumps({"v": PROTOCOL_VERSION, "type": "delta", "learner": 5, "session": "s1"}).encode()],
+        [json.dumps({"v": PROTOCOL_VERSION, "type": "hello", "learner": "five", "session": "s1", "backend": "x",
+                     "layout": {}, "adapter_config": {}, "version": -1, "digest": ""}).encode()],
         encode("ping", s.header(version=-1, pushed=None)),  # before hello
         encode("welcome", {"incarnation": "x", "version": 0, "digest": "", "policy": {}, "open_round": None,
                            "contributed": False, "merged": [], "finished": False}),  # wrong direction

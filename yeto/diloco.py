@@ -143,6 +143,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
     stall_s = 0.0
     carry: Optional[tuple[RoundStats, np.ndarray]] = None  # steps to keep, and the adapter they were taken from
+    carried_round: Optional[int] = None  # the round whose work `carry` holds after a CARRY (not an overlap)
     last_local: Optional[np.ndarray] = None  # the adapter this island last pushed (--merge-alpha blends it in)
     done: Optional[Done] = None
     try:
@@ -164,7 +165,11 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 rnd, since = carry
                 if rnd.round != task.round:  # steps trained for another round's window: carried in (not overlap's,
                     rnd.carried = rnd.steps  # trained for this round, nor a carry a refusal sent back to its round)
-                rnd.round, rnd.before = task.round, rnd.steps
+                elif carried_round == task.round:
+                    stats.carried -= 1
+                    log_fn(f"round {task.round}: the late delta that held its place was refused; its {rnd.steps} "
+                           "steps go to it after all")
+                rnd.round, rnd.before, carried_round = task.round, rnd.steps, None
                 island.load_adapter_state(unflatten(layout, task.adapter + (flatten(layout, island.adapter_state())
                                                                             - since)))
                 carry = None
@@ -182,7 +187,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 # next global comes (at most --max-inner-steps in all), and carry it all on top of it (a fresh delta)
                 while link.carrying() and not (max_inner_steps and rnd.steps >= max_inner_steps):
                     inner_step(island, rnd, stats, step_delay)
-                carry = (rnd, task.adapter)
+                carry, carried_round = (rnd, task.adapter), task.round
                 stats.carried += 1
                 log_fn(f"round {task.round}: our previous delta (late) holds its place in the syncer; carrying "
                        f"{rnd.steps} steps onto the next global")

@@ -26,7 +26,7 @@ import numpy as np
 from yeto.sync.layout import Layout
 from yeto.sync.quant import BITS, ErrorFeedback, QuantError, dequantize, encoded_size, quantize
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: a delta reports `carried_steps`
 DEFAULT_MAX_MESSAGE_MB = 1024  # the syncer's default inbound limit (--max-message-mb)
 MAX_HEADER_BYTES = 4 << 20
 HEADER_SLACK_BYTES = 64 << 10  # room for a delta's JSON header next to its payload when sizing a message

@@ -537,15 +537,13 @@ class LearnerCore:
         self._drop_uncounted()
 
     def _drop_uncounted(self) -> None:
-        """Our pushed delta will never count: its residual is ours again, and a late one frees the place it held in
-        the open round."""
+        """Our pushed delta will never count: its residual is ours again. (The place a late one held is freed by the
+        next pong saying the round holds nothing of ours, not here: a merge that refused it may have gone on without
+        it and closed the round, and this error comes before that broadcast, which travels on the bulk connection.)"""
         p = self.pushed
         assert p is not None
         self.ef.residual = p.residual_before
         self.pushed = None
-        rnd = self.version + 1  # (the open round, where a late delta is merged)
-        if p.base_version < self.version and not (self.place_held and self.place_held.matches(rnd, self.version)):
-            self._free_place(rnd, self.version)
 
     def _free_place(self, rnd: int, version: int) -> None:
         """The syncer holds no delta of ours in round `rnd` (open on `version`) after all: the late one that held its
