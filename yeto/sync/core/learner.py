@@ -107,7 +107,7 @@ class Place:
 
     round: int
     version: int
-    digest: str = ""  # that global's (a syncer that rolled back may make the same version another adapter)
+    digest: str = ""  # that global's, where it matters (a carry: a rollback may make its version another adapter)
 
     def matches(self, rnd: int, version: int) -> bool:
         return (self.round, self.version) == (rnd, version)
@@ -533,7 +533,7 @@ class LearnerCore:
             p.acked, p.stale = False, True
             return
         if code == Code.DUPLICATE and h.get("version") == self.version:  # another delta of ours holds the round
-            self.place_held = Place(self.version + 1, self.version, self.digest)
+            self.place_held = Place(self.version + 1, self.version)
         self._drop_uncounted()
 
     def _drop_uncounted(self) -> None:
@@ -593,7 +593,7 @@ class LearnerCore:
             elif pending is None or pending[1] == r["version"]:
                 self.contributed = (r["round"], r["version"])
             else:  # an earlier process's late delta: this round's work goes on top of the next global
-                self.place_held = Place(r["round"], r["version"], h["digest"])
+                self.place_held = Place(r["round"], r["version"])
                 if self.training is not None and (self.training.round, self.training.base_version) == (
                         r["round"], r["version"]):
                     self.training.place_taken = True
