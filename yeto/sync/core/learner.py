@@ -594,9 +594,9 @@ class LearnerCore:
                 self.contributed = (r["round"], r["version"])
             else:  # an earlier process's late delta: this round's work goes on top of the next global
                 self.place_held = Place(r["round"], r["version"])
-                if self.training is not None and (self.training.round, self.training.base_version) == (
-                        r["round"], r["version"]):
-                    self.training.place_taken = True
+                t = self.training
+                if t is not None and self.place_held.matches(t.round, t.base_version):
+                    t.place_taken = True
         elif r is not None and p is not None and self._may_land(p, r["round"], r["version"]):
             self._resend_pushed()  # the syncer lost it (it restarted before the delta was saved)
         elif r is not None and p is None:
