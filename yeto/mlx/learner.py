@@ -17,7 +17,7 @@ import numpy as np
 
 from yeto import YetoError
 from yeto.data import Blocks, prepare_data
-from yeto.learner import BatchSampler, TrainConfig, island_record, lr_lambda, make_train_command
+from yeto.island import BatchSampler, TrainConfig, island_record, lr_lambda, make_train_command, train
 from yeto.micro_batch import WHOLE_BATCH
 from yeto.models import load_tokenizer, resolve_model
 
@@ -202,8 +202,9 @@ class MLXLearner:
         return write_adapter(out_dir, self.adapter_state(), self.adapter_config(), self.record())
 
 
-train_command = make_train_command(MLXLearner, doc="Train a LoRA adapter on one MLX island (Apple silicon; "
-                                                   "MLX's CPU backend on Linux).")
+train_command = make_train_command(lambda cfg, progress: train(cfg, MLXLearner, progress),
+                                   doc="Train a LoRA adapter on one MLX island (Apple silicon; MLX's CPU backend on "
+                                       "Linux).")
 
 
 def main() -> None:

@@ -1,0 +1,367 @@
+"""One island's training, whatever the backend: its config, LR schedule, batch order, metrics and loop.
+
+A backend (`yeto.learner`: torch + peft; `yeto.mlx.learner`: MLX) supplies the learner object, an
+`yeto.diloco.Island` with `evaluate`, `save` and step counters; everything here is shared and imports
+no tensor library, so an MLX island never loads torch. `run_training` is the standalone loop (progress
+bar, periodic eval) or, with --syncer, the DiLoCo island loop of `yeto.diloco`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import numpy as np
+import typer
+
+from yeto import YetoError, __version__
+from yeto.micro_batch import WHOLE_BATCH
+
+
+@dataclass
+class TrainConfig:
+    model: str = "smollm2-135m"
+    data: str = "data/demo"
+    out: str = "runs/train"
+    model_revision: Optional[str] = None
+    data_revision: Optional[str] = None
+    trust_remote_code: bool = False
+    seq_len: int = 256
+    batch_size: int = 4
+    grad_accum: int = 1
+    max_steps: int = 100
+    lr: float = 2e-4
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.05
+    lora_targets: str = "auto"
+    loss_function: str = "cross_entropy"
+    eval_every: int = 50
+    eval_fraction: float = 0.05
+    seed: int = 0
+    learner_id: int = 0
+    num_learners: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    gradient_checkpointing: bool = False
+    full_logits: bool = False
+    syncer: Optional[str] = None
+    overlap: bool = False
+    threads: int = 0
+    max_inner_steps: int = 0
+    step_delay: float = 0.0
+    syncer_timeout: float = 30.0
+    give_up_after: float = 1800.0
+    join_key: Optional[str] = None
+    insecure: bool = False
+    shard: str = "ddp"  # a torchrun island's frozen base: replicated on every rank (ddp) or sharded (fsdp)
+    base_quantization: str = "none"  # "nf4": QLoRA (the frozen base in 4 bits, bitsandbytes, CUDA)
+    lora_freeze_a: bool = False  # FFA-LoRA: lora_A stays at the run's shared initialization, only lora_B trains
+    micro_batch_size: str = WHOLE_BATCH  # blocks through the model at once: "all", N or "auto" (see yeto.micro_batch)
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup, then cosine decay to `min_ratio` of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class BatchSampler:
+    """Endless, deterministic batches of block indices: a fresh seeded permutation per epoch."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.epoch, self.pos = 0, 0
+        self.order = np.random.default_rng([seed, 0]).permutation(n)
+
+    def next(self) -> np.ndarray:
+        idx = []
+        while len(idx) < self.batch_size:
+            if self.pos == self.n:
+                self.epoch += 1
+                self.pos = 0
+                self.order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+            take = min(self.batch_size - len(idx), self.n - self.pos)
+            idx.extend(self.order[self.pos : self.pos + take])
+            self.pos += take
+        return np.asarray(idx)
+
+
+def island_record(learner) -> dict[str, Any]:
+    """What a saved adapter and run.json say about the island that made it (any backend)."""
+    return {
+        "yeto_version": __version__,
+        "backend": learner.backend,
+        "model": learner.model_artifact.to_dict(),
+        "data": learner.data.artifact.to_dict(),
+        "data_stats": learner.data.stats,
+        "config": asdict(learner.cfg),
+        "steps": learner.step_count,
+        "tokens": learner.tokens_seen,
+        "loss_tokens": learner.loss_tokens_seen,
+        "ranks": getattr(learner, "ranks", 1),  # processes of a torchrun island (the island's batch is theirs)
+    }
+
+
+class MetricsLog:
+    """Append-only JSONL: one object per event, each with wall time."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1)
+
+    def write(self, **event: Any) -> None:
+        self._f.write(json.dumps({"time": round(time.time(), 3), **event}) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+@dataclass
+class Session:
+    """What a run needs before any model loads: its console, its --out directory and, with --syncer, its key."""
+    console: Any
+    out: Path
+    join_key: Any
+    log: Callable[[str], None]
+
+
+def open_session(cfg: TrainConfig) -> Session:
+    """Check the key and make --out before the model loads, so a missing key is one line at once."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    join_key = None
+    if cfg.syncer:
+        from yeto.sync.auth import learner_join_key
+
+        join_key = learner_join_key(cfg.join_key, cfg.insecure, cfg.syncer)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return Session(console, out, join_key, lambda s: console.print(f"[dim]{s}[/dim]"))
+
+
+def train(cfg: TrainConfig, learner_cls: Callable[..., Any], show_progress: bool = True) -> dict[str, Any]:
+    """Train one single-process island of `learner_cls`'s backend; the adapter lands in `out/adapter`."""
+    session = open_session(cfg)
+    return run_training(learner_cls(cfg, log=session.log), cfg, session, show_progress)
+
+
+def run_training(learner, cfg: TrainConfig, session: Session, show_progress: bool = True) -> dict[str, Any]:
+    """Evaluate, train (standalone or as an island of --syncer's run), evaluate again, save the adapter."""
+    out, console = session.out, session.console
+    metrics = MetricsLog(out / "metrics.jsonl")
+    (out / "run.json").write_text(json.dumps(learner.record(), indent=2))
+    eval0 = learner.evaluate()
+    metrics.write(event="eval", step=0, eval_loss=eval0)
+    if cfg.syncer:
+        tag = f"[bold]island {cfg.learner_id}[/bold] "
+        try:
+            extra = _island_loop(learner, cfg, metrics, console, tag, session.join_key)
+        except BaseException as e:  # refused, gave up on the syncer, Ctrl-C, SIGTERM, a crash: keep the adapter
+            try:
+                adapter = learner.save(out / "adapter")
+                metrics.write(event="aborted", steps=learner.step_count, reason=repr(e)[:300])
+                console.print(f"{tag}[yellow]stopped early[/yellow]; adapter (the last global it received): {adapter}")
+            except Exception as save_error:  # never hide the first error behind a second one
+                console.print(f"{tag}[red]could not save the adapter[/red]: {save_error!r}")
+            raise
+        if hasattr(learner, "relay_s"):  # a torchrun island: rank 0's time relaying to the other ranks
+            extra["relay_s"] = round(learner.relay_s, 3)
+        done = f"{extra['rounds']} rounds, {learner.step_count} steps, utilization {extra['utilization']:.1%}"
+    else:
+        tag = ""
+        extra = _standalone_loop(learner, cfg, metrics, console, eval0, show_progress)
+        done = f"{learner.step_count} steps, {extra['tok_s']:.0f} tok/s"
+    final_eval = learner.evaluate()
+    metrics.write(event="eval", step=learner.step_count, eval_loss=final_eval)
+    adapter = learner.save(out / "adapter")
+    summary = {"adapter": str(adapter), "steps": learner.step_count, "eval_loss_before": eval0,
+               "eval_loss_after": final_eval, "tokens": learner.tokens_seen, "loss_tokens": learner.loss_tokens_seen,
+               **extra}
+    metrics.write(event="done", **summary)
+    metrics.close()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    ev = (f"eval loss {eval0:.3f} -> {final_eval:.3f}" if eval0 is not None and final_eval is not None
+          else "no eval split")
+    console.print(f"{tag}[green]done[/green]: {done}, {ev}; adapter: {adapter}")
+    return summary
+
+
+def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,
+                     show_progress: bool) -> dict[str, Any]:
+    """`--max-steps` steps with a progress bar and periodic eval."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    history: list[dict[str, Any]] = []
+    progress = Progress(
+        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not show_progress,
+    )
+    t0 = time.perf_counter()
+    last_eval = eval0
+    with progress:
+        task = progress.add_task("train", total=cfg.max_steps, info="")
+        for _ in range(cfg.max_steps):
+            t = time.perf_counter()
+            s = learner.step()
+            dt = time.perf_counter() - t
+            s.update(tok_s=s["tokens"] / dt, loss_tok_s=s["loss_tokens"] / dt)
+            if not math.isfinite(s["loss"]):
+                raise YetoError(f"loss is {s['loss']} at step {s['step']}; lower --lr or check the data")
+            if cfg.eval_every and s["step"] % cfg.eval_every == 0 and s["step"] < cfg.max_steps:
+                last_eval = learner.evaluate()
+                metrics.write(event="eval", step=s["step"], eval_loss=last_eval)
+            metrics.write(event="step", **s)
+            history.append(s)
+            ev = f" eval {last_eval:.3f}" if last_eval is not None else ""
+            progress.update(task, advance=1, info=f"loss {s['loss']:.3f}{ev} {s['tok_s']:.0f} tok/s")
+    elapsed = time.perf_counter() - t0
+    return {"first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
+            "tok_s": learner.tokens_seen / elapsed, "loss_tok_s": learner.loss_tokens_seen / elapsed}
+
+
+def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: str, join_key) -> dict[str, Any]:
+    """One island of a DiLoCo run: the syncer decides rounds, merges and the end."""
+    from rich.markup import escape
+
+    from yeto.diloco import learner_identity, run_island
+    from yeto.sync.core.learner import LinkTimeouts
+
+    def on_round(r: dict[str, Any]) -> None:
+        metrics.write(event="round", **r)
+        console.print(f"{tag}round {r['round']}: {r['steps']} steps, loss {r['loss']:.4f}, {r['tokens']} tokens")
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # unwinds the training loop, which says goodbye; train() saves the adapter
+
+    previous = (signal.signal(signal.SIGTERM, on_sigterm) if threading.current_thread() is threading.main_thread()
+                else None)
+    try:
+        return run_island(learner, cfg.syncer, cfg.learner_id, overlap=cfg.overlap, progress=on_round,
+                          max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
+                          join_key=join_key, identity=learner_identity(cfg.out),
+                          timeouts=LinkTimeouts(dead_after_s=cfg.syncer_timeout, give_up_s=cfg.give_up_after),
+                          log_fn=lambda s: console.print(f"{tag}[dim]{escape(s)}[/dim]"))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+D = TrainConfig()
+
+
+def make_train_command(train_fn: Callable[[TrainConfig, bool], dict[str, Any]], doc: str) -> Callable[..., None]:
+    """The `train` command with every flag, for any backend: `train_fn(config, show_progress)` runs it."""
+
+    def command(**kwargs: Any) -> None:
+        progress = kwargs.pop("progress")
+        train_fn(TrainConfig(**kwargs), progress)
+
+    import functools
+    import inspect
+
+    wrapper = functools.wraps(_train_signature)(command)
+    wrapper.__signature__ = inspect.signature(_train_signature, eval_str=True)
+    wrapper.__doc__ = doc
+    return wrapper
+
+
+def _train_signature(
+    model: Annotated[str, typer.Option(help="Model alias (see `yeto models`), "
+                                            "local HF directory, or hub id.")] = D.model,
+    data: Annotated[str, typer.Option(help="Data: a .jsonl/.json/.parquet/.csv/.txt file, a directory of them, "
+                                           "or a hub dataset id.")] = D.data,
+    out: Annotated[str, typer.Option(help="Run directory: metrics.jsonl, run.json, "
+                                          "summary.json and adapter/.")] = D.out,
+    model_revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of the model; "
+                                                               "resolved to one commit and recorded.")] = None,
+    data_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the dataset; "
+                                                              "resolved to one commit and recorded.")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own Python code to run "
+                                                         "(off unless given).")] = False,
+    seq_len: Annotated[int, typer.Option(help="Tokens per packed block.")] = D.seq_len,
+    batch_size: Annotated[int, typer.Option(help="Blocks per batch (per rank under torchrun).")] = D.batch_size,
+    grad_accum: Annotated[int, typer.Option(help="Batches per optimizer step (gradient accumulation).")] = D.grad_accum,
+    lora_freeze_a: Annotated[bool, typer.Option(help="Train lora_B only; lora_A stays at the run's shared "
+                                                     "initialization (FFA-LoRA: the syncer's average of B is then "
+                                                     "exact). Every learner of a run must agree.")] = False,
+    micro_batch_size: Annotated[str, typer.Option(help="Blocks through the model at once: all (the whole batch), N, "
+                                                       "or auto (the largest that fits the device, probed at start); "
+                                                       "the gradient is the same whatever it is.")
+                        ] = D.micro_batch_size,
+    max_steps: Annotated[int, typer.Option(help="Optimizer steps to run "
+                                                "(with --syncer the syncer decides when to stop; "
+                                                "this is then the LR schedule's horizon for --round-seconds runs).")
+                         ] = D.max_steps,
+    lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = D.lr,
+    warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = D.warmup_steps,
+    min_lr_ratio: Annotated[float, typer.Option(help="Cosine decays to this fraction of --lr.")] = D.min_lr_ratio,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = D.weight_decay,
+    max_grad_norm: Annotated[float, typer.Option(help="Gradient clipping norm.")] = D.max_grad_norm,
+    lora_r: Annotated[int, typer.Option(help="LoRA rank.")] = D.lora_r,
+    lora_alpha: Annotated[float, typer.Option(help="LoRA alpha (scale = alpha / r).")] = D.lora_alpha,
+    lora_dropout: Annotated[float, typer.Option(help="Dropout on the LoRA input.")] = D.lora_dropout,
+    lora_targets: Annotated[str, typer.Option(help="Which linears to adapt: attention, all-linear or auto (attention; "
+                                                   "MoE: plus non-expert linears, never routers).")] = D.lora_targets,
+    loss_function: Annotated[str, typer.Option(help="cross_entropy, or module:function "
+                                                    "taking (logits[N,V], targets[N], weights[N]) -> scalar.")
+                             ] = D.loss_function,
+    eval_every: Annotated[int, typer.Option(help="Evaluate the held-out loss every N steps "
+                                                 "(0: only at start and end).")] = D.eval_every,
+    eval_fraction: Annotated[float, typer.Option(help="Fraction of records held out "
+                                                      "for the eval loss.")] = D.eval_fraction,
+    seed: Annotated[int, typer.Option(help="Seed for the split, the batch order and the LoRA init.")] = D.seed,
+    learner_id: Annotated[int, typer.Option(help="This learner's index, for data sharding.")] = D.learner_id,
+    num_learners: Annotated[int, typer.Option(help="How many learners share the data "
+                                                   "(each gets a disjoint shard).")] = D.num_learners,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = D.device,
+    dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), "
+                                            "float32, bfloat16 or float16.")] = D.dtype,
+    gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute activations in the backward pass "
+                                                              "to save memory.")] = False,
+    full_logits: Annotated[bool, typer.Option(help="Compute the LM head on every position "
+                                                   "(default: loss-bearing positions only).")] = False,
+    syncer: Annotated[Optional[str], typer.Option(help="HOST:PORT of a syncer: train as one DiLoCo island of its run "
+                                                       "(default: standalone).")] = None,
+    overlap: Annotated[bool, typer.Option(help="With --syncer: keep training while a merge is in flight, "
+                                               "then apply it as a correction.")] = False,
+    threads: Annotated[int, typer.Option(help="torch CPU threads (0: torch's default).")] = D.threads,
+    max_inner_steps: Annotated[int, typer.Option(help="With --syncer: do at most this many inner steps per round "
+                                                      "(a weaker island contributing less; "
+                                                      "0: the syncer's policy).")] = D.max_inner_steps,
+    step_delay: Annotated[float, typer.Option(help="Sleep this long after each inner step, "
+                                                   "to simulate a slow island (tests, benchmarks).")] = D.step_delay,
+    syncer_timeout: Annotated[float, typer.Option(help="With --syncer: silence (seconds) after which the connection is "
+                                                       "presumed dead and remade, with backoff.")] = D.syncer_timeout,
+    give_up_after: Annotated[float, typer.Option(help="With --syncer: give up (exit 2, adapter saved) after the syncer "
+                                                      "has been unreachable this long.")] = D.give_up_after,
+    join_key: Annotated[Optional[str], typer.Option(help="With --syncer: the run's join key file (the syncer writes "
+                                                         "DIR/join.key), or set YETO_JOIN_KEY to its contents.")
+                        ] = None,
+    insecure: Annotated[bool, typer.Option(help="With --syncer: no encryption, no key (a syncer on 127.0.0.1 "
+                                                "started with --insecure).")] = False,
+    shard: Annotated[str, typer.Option(help="Under torchrun: ddp (the frozen base on every rank) or fsdp (the frozen "
+                                            "base sharded across the ranks per transformer block; LoRA whole on "
+                                            "each), for a base larger than one device.")] = D.shard,
+    base_quantization: Annotated[str, typer.Option(help="none, or nf4: the frozen base in 4-bit NF4 through "
+                                                        "bitsandbytes (QLoRA; CUDA only).")] = D.base_quantization,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+) -> None:
+    """(the flags of `yeto train`; see make_train_command)"""
