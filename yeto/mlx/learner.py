@@ -118,6 +118,27 @@ def loss_rows_only(decoder, rows) -> Iterator[None]:
         sub.rows = None
 
 
+def loss_rows_decoder(model):
+    """The decoder to cut to the loss rows (`loss_rows_only`: the LM head then runs on those rows only, as in the
+    torch learner) if that gives the model's own logits on a probe; else None (the whole model runs)."""
+    import mlx.core as mx
+
+    decoder = find_decoder(model)
+    if decoder is None:
+        return None
+    model.eval()  # (no dropout in the probe)
+    ids = mx.arange(1, PROBE_TOKENS + 1)[None]
+    rows = mx.arange(PROBE_TOKENS - 2, 0, -2)  # every other row, last first: mixing positions would show
+    full = model(ids)
+    tol = 1e-4 if full.dtype == mx.float32 else 2e-2  # relative: the two paths' matmuls differ in shape only
+    full = full[:, :-1].reshape(-1, full.shape[-1])[rows].astype(mx.float32)
+    with loss_rows_only(decoder, rows):
+        cut = model(ids)[0].astype(mx.float32)
+    if cut.shape != full.shape or float(mx.abs(cut - full).max()) > tol * max(1.0, float(mx.abs(full).max())):
+        return None
+    return decoder
+
+
 class MLXLearner:
     """Model + our LoRALinear + data + AdamW on MLX: a `yeto.diloco.Island`."""
 
@@ -176,36 +197,15 @@ class MLXLearner:
         self.sampler = BatchSampler(len(self.data.train), cfg.batch_size, cfg.seed + 1000 * cfg.learner_id)
         import mlx.nn as nn
 
-        self.decoder = None if cfg.full_logits else self._rows_only_decoder(log)
+        self.decoder = None if cfg.full_logits else loss_rows_decoder(self.model)
+        if self.decoder is None and not cfg.full_logits:
+            log("loss: the loss-rows-only LM head does not give this model's own logits; it runs on every position")
         self._value_and_grad = nn.value_and_grad(self.model, self._loss)
         self.step_count = 0
         self.tokens_seen = 0
         self.loss_tokens_seen = 0
 
     # ------------------------------------------------------------------ the math
-
-    def _rows_only_decoder(self, log: Callable[[str], None]):
-        """The decoder to cut to the loss rows (the LM head then runs on those rows only, as in the torch learner),
-        if doing so gives the model's own logits on a probe; else None (the whole model runs, every position)."""
-        mx = self.mx
-        decoder = find_decoder(self.model)
-        if decoder is None:
-            log("loss: no decoder found; the LM head runs on every position")
-            return None
-        self.model.eval()
-        ids = mx.arange(1, PROBE_TOKENS + 1)[None]
-        rows = mx.arange(PROBE_TOKENS - 1)
-        full = self.model(ids)
-        tol = 1e-4 if full.dtype == mx.float32 else 2e-2  # relative: the two paths' matmuls differ in shape only
-        full = full[:, :-1].reshape(-1, full.shape[-1]).astype(mx.float32)
-        with loss_rows_only(decoder, rows):
-            cut = self.model(ids)[0].astype(mx.float32)
-        tol *= max(1.0, float(mx.abs(full).max()))
-        if cut.shape != full.shape or float(mx.abs(cut - full).max()) > tol:
-            log("loss: the loss-rows-only head differs from the model's own on a probe; "
-                "the LM head runs on every position")
-            return None
-        return decoder
 
     def _logits(self, model, ids, rows):
         """(N, vocab) logits of the loss-bearing rows, as the model's own forward makes them (its head, logit
