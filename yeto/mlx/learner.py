@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -23,6 +23,10 @@ from yeto.data import Blocks, prepare_data
 from yeto.island import BatchSampler, TrainConfig, island_record, lr_lambda, make_train_command, train
 from yeto.micro_batch import WHOLE_BATCH
 from yeto.models import load_tokenizer, resolve_model
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
 
 # torch.optim.AdamW's defaults, which the torch learner uses
 ADAM_BETAS = (0.9, 0.999)
@@ -72,7 +76,7 @@ def sft_loss_mx(logits, targets, weights):
     return (ce * weights).sum() / mx.maximum(weights.sum(), 1e-8)
 
 
-def find_decoder(model):
+def find_decoder(model: nn.Module) -> Optional[nn.Module]:
     """The module that holds the model's blocks (mlx-lm's `model.layers`), wherever it sits (`model.model`,
     `model.transformer`, `model.language_model.model`, ...), or None."""
     layers = getattr(model, "layers", None)
@@ -89,7 +93,7 @@ _ROWS_CLASSES: dict[type, type] = {}
 
 
 @contextmanager
-def loss_rows_only(decoder, rows) -> Iterator[None]:
+def loss_rows_only(decoder: nn.Module, rows: mx.array) -> Iterator[None]:
     """While active, `decoder` returns only the loss rows of its output, as (1, N, hidden): the model's own
     `__call__` then runs its head and logit transforms (soft-capping, scaling, ...) on those rows alone.
 
@@ -118,7 +122,7 @@ def loss_rows_only(decoder, rows) -> Iterator[None]:
         sub.rows = None
 
 
-def loss_rows_decoder(model):
+def loss_rows_decoder(model: nn.Module) -> Optional[nn.Module]:
     """The decoder to cut to the loss rows (`loss_rows_only`: the LM head then runs on those rows only, as in the
     torch learner) if that gives the model's own logits on a probe; else None (the whole model runs)."""
     import mlx.core as mx
