@@ -1,5 +1,7 @@
-"""The MLX island: LoRA parity with peft, names, data, shim, adapters that torch loads."""
+"""The MLX island: LoRA parity with peft, names, data, shim, adapters that torch loads, the same optimizer step and
+loss as the torch learner, and the flags it refuses."""
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -13,7 +15,9 @@ mx = pytest.importorskip("mlx.core")
 
 from tests.conftest import DEMO_DATA, REPO  # noqa: E402
 from yeto import YetoError  # noqa: E402
+from yeto.data import Blocks  # noqa: E402
 from yeto.learner import TorchLearner, TrainConfig  # noqa: E402
+from yeto.losses import sft_loss  # noqa: E402
 from yeto.mlx.compat import load_mlx_model, mlx_config_shim  # noqa: E402
 from yeto.mlx.lora import LoRALinear, to_mlx_path, to_peft_name  # noqa: E402
 from yeto.mlx.parity import name_parity  # noqa: E402
@@ -183,11 +187,6 @@ def test_mlx_adapter_loads_in_torch_with_matching_logits(tiny_model, tmp_path):
     assert cfg["r"] == 4 and cfg["peft_type"] == "LORA"
 
 
-def test_mlx_learner_refuses_a_torch_loss(tiny_model):
-    with pytest.raises(YetoError, match="cross_entropy only"):
-        mlx_learner(tiny_model, loss_function="mymod:fn")
-
-
 def test_heterogeneous_fleet_torch_and_mlx(tiny_model, tmp_path):
     from tests.test_fleet import ENV, finish, loss_token_weights, syncer
     from yeto.launch.local import free_port
@@ -195,9 +194,9 @@ def test_heterogeneous_fleet_torch_and_mlx(tiny_model, tmp_path):
 
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
     common = ["--model", str(model), "--data", str(DEMO_DATA), "--syncer", f"127.0.0.1:{port}", "--num-learners", "2",
-              "--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--threads", "1", "--no-progress"]
+              "--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--no-progress"]
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 4)}
-    procs["torch"] = subprocess.Popen([sys.executable, "-m", "yeto.learner", "--learner-id", "0",
+    procs["torch"] = subprocess.Popen([sys.executable, "-m", "yeto.learner", "--learner-id", "0", "--threads", "1",
                                        "--out", str(tmp_path / "t"), *common],
                                       cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     procs["mlx"] = subprocess.Popen([sys.executable, "-m", "yeto.mlx.learner", "--learner-id", "1",
@@ -228,3 +227,217 @@ def test_heterogeneous_fleet_torch_and_mlx(tiny_model, tmp_path):
         mine = load_file(tmp_path / d / "adapter" / "adapter_model.safetensors")
         assert sorted(mine) == sorted(merged)
         assert max(float(np.abs(mine[k] - merged[k]).max()) for k in merged) < 1e-6
+
+
+# ----------------------------------------------------------------------------- the same step and loss as torch
+
+# Parity tolerances (fp32 on both sides). The engines sum in different orders, so gradients differ by ~1e-6
+# relative. Adam divides each element's gradient by its own RMS, so an element whose gradient is near eps (1e-8)
+# turns that noise into a visible fraction of its lr-sized step: measured, one element differs by 1.6e-4 after
+# step 1 (6% of that step's lr, 2.5e-3) and 1.5e-4 after 10; the whole update (the pseudo-gradient a syncer
+# merges) by 1.1e-3 and 3.2e-4 relative. Each part broken on the MLX side fails (measured update gaps, relative,
+# after 1 / 10 steps): MLX's default AdamW without bias correction 2.2 / 5.5, no weight decay 0.063 / 0.23, no
+# clipping 0.0056 / 0.21 (Adam's first step is scale-free), a constant lr 3.0 / 1.3, eps dropped 0.0075 / 0.002.
+PARITY = dict(seq_len=64, batch_size=2, max_steps=10, lora_r=4, lora_dropout=0.0, lr=1e-2, warmup_steps=4,
+              min_lr_ratio=0.1, weight_decay=1.0, max_grad_norm=0.1)
+STEP_ATOL = 0.1 * PARITY["lr"]  # a few eps-regime elements at most, never a step's worth anywhere
+STEP_RTOL = 5e-3  # |update_mlx - update_torch| / |update_torch| over the whole adapter
+LOSS_RTOL = 2e-5  # fp32 logits summed in other orders; granite's x20 logit scaling makes it ~4e-6 (measured)
+
+
+def twins(model_path, **kw):
+    """A torch and an MLX learner of one config, holding the same non-zero adapter (so A and B both learn)."""
+    from yeto.mlx.learner import MLXLearner
+
+    cfg = TrainConfig(model=str(model_path), data=str(DEMO_DATA), **{**PARITY, **kw})
+    t, m = TorchLearner(cfg, log=lambda s: None), MLXLearner(cfg, log=lambda s: None)
+    rng = np.random.default_rng(0)
+    start = {k: (v if "lora_A" in k else rng.normal(0, 0.05, v.shape)).astype(np.float32)
+             for k, v in t.adapter_state().items()}
+    t.load_adapter_state(start)
+    m.load_adapter_state(start)
+    return t, m, start
+
+
+def step_gap(t, m, start) -> tuple[float, float]:
+    """(max abs difference of the adapters, |update_mlx - update_torch| / |update_torch|)."""
+    ts, ms = t.adapter_state(), m.adapter_state()
+    gap = max(float(np.abs(ts[k] - ms[k]).max()) for k in ts)
+    du = np.sqrt(sum(float(((ms[k] - ts[k]) ** 2).sum()) for k in ts))
+    dt = np.sqrt(sum(float(((ts[k] - start[k]) ** 2).sum()) for k in ts))
+    return gap, du / dt
+
+
+def test_one_and_ten_steps_match_torch(tiny_model):
+    t, m, start = twins(tiny_model("llama"))
+    gaps, lrs = {}, []
+    for n in range(1, PARITY["max_steps"] + 1):
+        st, sm = t.step(), m.step()
+        assert sm["lr"] == pytest.approx(st["lr"], rel=1e-12)  # LambdaLR's lr * lr_lambda(s)
+        lrs.append(st["lr"])
+        assert sm["loss"] == pytest.approx(st["loss"], rel=LOSS_RTOL)  # the loss on the same batch
+        # (the same adapter at step 1; after it the eps-regime elements above move the norm by up to 2e-3)
+        assert sm["grad_norm"] == pytest.approx(st["grad_norm"], rel=1e-5 if n == 1 else 1e-2)
+        assert st["grad_norm"] > 2 * PARITY["max_grad_norm"]  # clipping is active every step
+        gaps[n] = step_gap(t, m, start)
+    assert lrs[0] < lrs[3] == PARITY["lr"] > lrs[-1]  # warm-up, then the cosine decay
+    for n in (1, 10):
+        gap, rel = gaps[n]
+        print(f"after {n} steps: max abs {gap:.3g}, relative {rel:.3g}")
+        assert gap < STEP_ATOL and rel < STEP_RTOL, f"after {n} steps: max abs {gap:.3g}, relative {rel:.3g}"
+    assert t.evaluate() == pytest.approx(m.evaluate(), rel=LOSS_RTOL)
+
+
+def torch_plain_loss(t, blocks: Blocks) -> float:
+    """The torch loss with the decoder's last hidden state through the bare LM head (no soft-capping or scaling)."""
+    base = t.model.get_base_model()
+    ids, mask = torch.from_numpy(blocks.input_ids), torch.from_numpy(blocks.loss_mask)
+    sel = mask[:, 1:] > 0
+    with torch.no_grad():
+        hidden = getattr(base, base.base_model_prefix)(input_ids=ids).last_hidden_state
+        logits = base.get_output_embeddings()(hidden[:, :-1][sel])
+        return float(sft_loss(logits, ids[:, 1:][sel], mask[:, 1:][sel]))
+
+
+# tiny models whose logits the model transforms after the head, each strongly enough to move the loss
+LOGIT_TRANSFORMS = {
+    "gemma2": dict(head_dim=16, final_logit_softcapping=1.0, initializer_range=0.2),  # logits of ~1.6 std: capped
+    "granite": dict(logits_scaling=0.05),
+    "cohere": dict(logit_scale=8.0),
+}
+OTHER_LAYOUTS = {"gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128)}  # (yeto's auto rule: no match)
+
+
+@pytest.fixture(scope="session")
+def logit_model(tmp_path_factory, tokenizer):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def make(kind):
+        shape = OTHER_LAYOUTS.get(kind) or dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, **LOGIT_TRANSFORMS[kind])
+        cfg = AutoConfig.for_model(kind, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **shape)
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp(f"tiny-{kind}")
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return path
+
+    return make
+
+
+@pytest.mark.parametrize("kind", ["llama", "lfm2", "qwen2_moe", "gpt_bigcode", *LOGIT_TRANSFORMS])
+def test_loss_matches_torch(tiny_model, logit_model, kind):
+    """Same adapter, same blocks: the same loss, on architectures whose decoder is not `model.model` (GPTBigCode's
+    is `model.transformer`) and whose logits are soft-capped or scaled after the head."""
+    special = kind in LOGIT_TRANSFORMS or kind in OTHER_LAYOUTS
+    t, m, _ = twins(logit_model(kind) if special else tiny_model(kind),
+                    lora_targets="all-linear" if kind in OTHER_LAYOUTS else "auto")
+    assert m.decoder is not None  # the LM head runs on the loss rows only
+    batch = Blocks(t.data.train.input_ids[:4], t.data.train.loss_mask[:4])
+    want = t.evaluate(batch)
+    assert m.evaluate(batch) == pytest.approx(want, rel=LOSS_RTOL)
+    assert m.evaluate() == pytest.approx(t.evaluate(), rel=LOSS_RTOL)
+    if kind in LOGIT_TRANSFORMS:  # the transform matters: a loss without it would fail the comparison above
+        assert abs(torch_plain_loss(t, batch) - want) > 100 * LOSS_RTOL * want
+
+
+def test_the_loss_rows_path_is_taken_only_where_it_gives_the_models_own_logits():
+    import mlx.nn as nn
+
+    from yeto.mlx.learner import find_decoder, loss_rows_decoder
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(32, 8)
+            self.layers = [nn.Linear(8, 8), nn.Linear(8, 8)]
+
+        def __call__(self, ids):
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class Toy(nn.Module):  # shaped like an mlx-lm model: `layers` is its decoder's, which sits elsewhere
+        def __init__(self, after):
+            super().__init__()
+            self.backbone = Body()
+            self.lm_head = nn.Linear(8, 11)
+            self.after = after
+
+        @property
+        def layers(self):
+            return self.backbone.layers
+
+        def __call__(self, ids):
+            return self.after(self.lm_head(self.backbone(ids)))
+
+    capped = Toy(lambda z: mx.tanh(z / 0.1) * 0.1)  # soft-capping: row by row, so the model's own head does it
+    assert find_decoder(capped) is capped.backbone and loss_rows_decoder(capped) is capped.backbone
+    mixed = Toy(lambda z: mx.cumsum(z, axis=1))  # something that mixes positions after the decoder: not cut
+    assert find_decoder(mixed) is mixed.backbone and loss_rows_decoder(mixed) is None
+    assert type(mixed.backbone) is Body  # the probe left the decoder as it was
+
+
+def test_full_logits_dtype_and_device_are_honoured(tiny_model):
+    import mlx.nn as nn
+
+    rows_only = mlx_learner(tiny_model)
+    full = mlx_learner(tiny_model, full_logits=True, device="cpu")
+    assert full.decoder is None and rows_only.decoder is not None
+    full.load_adapter_state(rows_only.adapter_state())
+    assert full.evaluate() == pytest.approx(rows_only.evaluate(), rel=1e-6)
+    half = mlx_learner(tiny_model, dtype="bfloat16")
+    linears = [mod for _, mod in half.model.named_modules() if isinstance(mod, nn.Linear)]
+    assert linears and all(mod.weight.dtype == mx.bfloat16 for mod in linears)
+    from yeto.mlx.lora import lora_state
+
+    assert all(v.dtype == mx.float32 for v in lora_state(half.model).values())  # the adapter stays fp32, as peft
+    assert np.isfinite(half.step()["loss"])
+
+
+OPENBLAS_HERE = hasattr(ctypes.CDLL(None), "openblas_set_num_threads")
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("dtype", "float64", "unknown --dtype"),
+    ("device", "cuda", "--device cuda is the torch learner's"),
+    ("device", "mps", "--device mps is the torch learner's"),
+    ("gradient_checkpointing", True, "--gradient-checkpointing is the torch learner's"),
+    ("threads", -1, "--threads must be 0"),
+    pytest.param("threads", 2, "does not run on OpenBLAS",
+                 marks=pytest.mark.skipif(OPENBLAS_HERE, reason="OpenBLAS is loaded in this process")),
+    ("base_quantization", "nf4", "--base-quantization is the torch learner's"),
+    ("shard", "fsdp", "--shard fsdp is for torchrun"),
+    ("micro_batch_size", "2", "--micro-batch-size is the torch learner's"),
+    ("loss_function", "mymod:fn", "cross_entropy only"),
+    ("max_grad_norm", -1.0, "--max-grad-norm must be 0 or more"),
+    ("grad_accum", 0, "--grad-accum must be at least 1"),
+])
+def test_mlx_learner_refuses_flags_it_cannot_honour(flag, value, says):
+    from yeto.mlx.learner import MLXLearner
+
+    # a model that does not exist: the refusal comes before anything loads
+    with pytest.raises(YetoError, match=says):
+        MLXLearner(TrainConfig(model="/nonexistent/model", **{flag: value}), log=lambda s: None)
+
+
+def test_mlx_learner_cli_refuses_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "yeto.mlx.learner", "--device", "cuda", "--out", str(tmp_path / "o"),
+                        "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "YETO_NO_FAST_BLAS": "1"})
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "--device cuda" in lines[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_an_architecture_mlx_lm_lacks_is_one_line(tiny_model, tmp_path):
+    import shutil
+
+    path = tmp_path / "exotic"
+    shutil.copytree(tiny_model("llama"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "no_such_architecture"}))
+    with pytest.raises(YetoError, match="no implementation of model_type 'no_such_architecture'"):
+        load_mlx_model(path)

@@ -90,8 +90,9 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
         mlx = i >= n_local - plan.mlx
         cmd = learner_command(plan, i, f"127.0.0.1:{port}", plan.data, plan.model,
                               "yeto.mlx.learner" if mlx else "yeto.learner", sys.executable)
+        # (an MLX island's BLAS takes OMP_NUM_THREADS from the environment; its --threads needs OpenBLAS preloaded)
         start(f"island-{i}{'-mlx' if mlx else ''}",
-              [*cmd, "--threads", str(threads), "--out", str(out / f"island-{i}"), "--no-progress"],
+              [*cmd, *([] if mlx else ["--threads", str(threads)]), "--out", str(out / f"island-{i}"), "--no-progress"],
               COLORS[i % len(COLORS)], learner_env)
     record.save()
     console.print(f"[bold]fleet {plan.name}[/bold]: syncer on {syncer_at}, {n_local} local islands x {threads} "

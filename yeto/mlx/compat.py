@@ -6,11 +6,14 @@
   generates garbage. The shim hoists those keys back to where mlx-lm reads them, and fills the
   few keys mlx-lm requires that transformers 5 stopped writing (LFM2's `block_dim`).
 - `fast_blas_env`: the Linux `mlx[cpu]` wheel bundles a reference BLAS (~3.5 GFLOP/s matmul);
-  Debian's OpenBLAS (`libopenblas0-pthread`) is ~30x faster when preloaded.
+  Debian's OpenBLAS (`libopenblas0-pthread`) is ~30x faster when preloaded. `set_blas_threads` then
+  sets its thread count (`--threads`).
+- `load_mlx_model` refuses, in one line, a model type mlx-lm has no implementation of.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -78,7 +81,16 @@ def load_mlx_model(path: str | Path):
     mlx_lm = import_mlx_lm()
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
-    model, _ = mlx_lm.utils.load_model(path, model_config=mlx_config_shim(config))
+    overrides = mlx_config_shim(config)
+    get_classes = getattr(mlx_lm.utils, "_get_classes", None)  # mlx-lm's own lookup (remappings included)
+    if get_classes is not None:
+        try:
+            get_classes({**config, **overrides})
+        except ValueError as e:
+            raise YetoError(f"mlx-lm {mlx_lm.__version__} has no implementation of model_type "
+                            f"{config.get('model_type')!r} ({e}); train this model with the torch learner "
+                            "(yeto train)") from e
+    model, _ = mlx_lm.utils.load_model(path, model_config=overrides)
     return model
 
 
@@ -98,6 +110,15 @@ def fast_blas_env(env: dict[str, str] | None = None) -> dict[str, str] | None:
         return None
     env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
     return env
+
+
+def set_blas_threads(n: int) -> bool:
+    """Set OpenBLAS's thread count where OpenBLAS is this process's BLAS (preloaded); False where it is not."""
+    setter = getattr(ctypes.CDLL(None), "openblas_set_num_threads", None)  # the global namespace: preloaded libraries
+    if setter is None:
+        return False
+    setter(ctypes.c_int(n))
+    return True
 
 
 def reexec_with_fast_blas() -> None:

@@ -2,16 +2,19 @@
 
 Same adapter (yeto.mlx.lora matches peft), same target rule (yeto.lora), same
 blocks and masks (yeto.data with the Hugging Face tokenizer), same weighted
-per-token cross-entropy re-derived in MLX. One process is one island; with
-`--syncer` the DiLoCo bridge (yeto.diloco) drives it exactly as it drives the
-torch learner, crossing mx -> numpy only at round boundaries.
+per-token cross-entropy re-derived in MLX, and the same optimizer step as the
+torch learner's `torch.optim.AdamW` + `clip_grad_norm_` + `LambdaLR`. One process
+is one island; with `--syncer` the DiLoCo bridge (yeto.diloco) drives it exactly
+as it drives the torch learner, crossing mx -> numpy only at round boundaries.
+A flag this backend cannot honour is refused (`check_flags`), never ignored.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -20,6 +23,48 @@ from yeto.data import Blocks, prepare_data
 from yeto.island import BatchSampler, TrainConfig, island_record, lr_lambda, make_train_command, train
 from yeto.micro_batch import WHOLE_BATCH
 from yeto.models import load_tokenizer, resolve_model
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
+
+# torch.optim.AdamW's defaults, which the torch learner uses
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype besides auto (auto: the checkpoint's own dtype)
+DEVICES = ("auto", "cpu")  # auto: MLX's default device (the Apple GPU; the CPU on Linux)
+PROBE_TOKENS = 16  # tokens of the start-up check that the loss-rows-only path gives the model's own logits
+
+
+def check_flags(cfg: TrainConfig) -> None:
+    """Refuse, one line each and before any model loads, the flags an MLX island cannot honour."""
+    for name in ("batch_size", "grad_accum", "max_steps", "seq_len"):
+        if getattr(cfg, name) < 1:
+            raise YetoError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.loss_function != "cross_entropy":
+        raise YetoError(f"the MLX learner supports --loss-function cross_entropy only, got {cfg.loss_function!r} "
+                        "(a torch callable cannot run on MLX)")
+    if cfg.max_grad_norm < 0:
+        raise YetoError(f"--max-grad-norm must be 0 or more, got {cfg.max_grad_norm}")
+    if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
+        raise YetoError(f"unknown --dtype {cfg.dtype!r}: use auto (the checkpoint's dtype), {', '.join(DTYPES)}")
+    if cfg.device not in DEVICES:
+        raise YetoError(f"--device {cfg.device} is the torch learner's; an MLX island runs on MLX's default device "
+                        "(the Apple GPU; the CPU on Linux): use --device auto or cpu")
+    if cfg.threads < 0:
+        raise YetoError(f"--threads must be 0 (the default) or more, got {cfg.threads}")
+    if cfg.gradient_checkpointing:
+        raise YetoError("--gradient-checkpointing is the torch learner's; an MLX island keeps every activation "
+                        "(lower --batch-size and raise --grad-accum to use less memory)")
+    if cfg.base_quantization != "none":
+        raise YetoError("--base-quantization is the torch learner's (bitsandbytes); an MLX island quantizes "
+                        "through mlx-lm's converted models instead (drop it)")
+    if cfg.shard != "ddp":
+        raise YetoError(f"--shard {cfg.shard} is for torchrun islands of the torch learner; an MLX island is one "
+                        "process (drop --shard)")
+    if cfg.micro_batch_size != WHOLE_BATCH:
+        raise YetoError("--micro-batch-size is the torch learner's; an MLX island runs each --batch-size whole "
+                        "(lower --batch-size and raise --grad-accum to use less memory)")
 
 
 def sft_loss_mx(logits, targets, weights):
@@ -31,33 +76,91 @@ def sft_loss_mx(logits, targets, weights):
     return (ce * weights).sum() / mx.maximum(weights.sum(), 1e-8)
 
 
+def find_decoder(model: nn.Module) -> Optional[nn.Module]:
+    """The module that holds the model's blocks (mlx-lm's `model.layers`), wherever it sits (`model.model`,
+    `model.transformer`, `model.language_model.model`, ...), or None."""
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return None
+    first = layers[0]
+    for _, module in model.named_modules():
+        if any(isinstance(v, list) and v and v[0] is first for v in module.values()):
+            return module
+    return None
+
+
+_ROWS_CLASSES: dict[type, type] = {}
+
+
+@contextmanager
+def loss_rows_only(decoder: nn.Module, rows: mx.array) -> Iterator[None]:
+    """While active, `decoder` returns only the loss rows of its output, as (1, N, hidden): the model's own
+    `__call__` then runs its head and logit transforms (soft-capping, scaling, ...) on those rows alone.
+
+    The decoder's class is swapped for a subclass for the duration (its parameters stay where they are), so this
+    works for every mlx-lm architecture without re-implementing its head; the learner checks at start that it
+    gives the model's own logits and otherwise runs the whole model."""
+    base = type(decoder)
+    sub = _ROWS_CLASSES.get(base)
+    if sub is None:
+        import mlx.core as mx
+
+        def __call__(self, *args, **kwargs):
+            h = base.__call__(self, *args, **kwargs)
+            picked = type(self).rows
+            if picked is None or not isinstance(h, mx.array) or h.ndim != 3:
+                return h
+            return h[:, :-1].reshape(-1, h.shape[-1])[picked][None]
+
+        sub = _ROWS_CLASSES[base] = type(f"{base.__name__}LossRows", (base,), {"__call__": __call__, "rows": None})
+    sub.rows = rows
+    decoder.__class__ = sub
+    try:
+        yield
+    finally:
+        decoder.__class__ = base
+        sub.rows = None
+
+
+def loss_rows_decoder(model: nn.Module) -> Optional[nn.Module]:
+    """The decoder to cut to the loss rows (`loss_rows_only`: the LM head then runs on those rows only, as in the
+    torch learner) if that gives the model's own logits on a probe; else None (the whole model runs)."""
+    import mlx.core as mx
+
+    decoder = find_decoder(model)
+    if decoder is None:
+        return None
+    model.eval()  # (no dropout in the probe)
+    ids = mx.arange(1, PROBE_TOKENS + 1)[None]
+    rows = mx.arange(PROBE_TOKENS - 2, 0, -2)  # every other row, last first: mixing positions would show
+    full = model(ids)
+    tol = 1e-4 if full.dtype == mx.float32 else 2e-2  # relative: the two paths' matmuls differ in shape only
+    full = full[:, :-1].reshape(-1, full.shape[-1])[rows].astype(mx.float32)
+    with loss_rows_only(decoder, rows):
+        cut = model(ids)[0].astype(mx.float32)
+    if cut.shape != full.shape or float(mx.abs(cut - full).max()) > tol * max(1.0, float(mx.abs(full).max())):
+        return None
+    return decoder
+
+
 class MLXLearner:
     """Model + our LoRALinear + data + AdamW on MLX: a `yeto.diloco.Island`."""
 
     backend = "mlx"
 
     def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print):
-        if cfg.loss_function != "cross_entropy":
-            raise YetoError(f"the MLX learner supports --loss-function cross_entropy only, got {cfg.loss_function!r} "
-                            "(a torch callable cannot run on MLX)")
-        for name in ("batch_size", "grad_accum", "max_steps", "seq_len"):
-            if getattr(cfg, name) < 1:
-                raise YetoError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-        if cfg.base_quantization != "none":
-            raise YetoError("--base-quantization is the torch learner's (bitsandbytes); an MLX island quantizes "
-                            "through mlx-lm's converted models instead (drop it)")
-        if cfg.shard != "ddp":
-            raise YetoError(f"--shard {cfg.shard} is for torchrun islands of the torch learner; an MLX island is one "
-                            "process (drop --shard)")
-        if cfg.micro_batch_size != WHOLE_BATCH:
-            raise YetoError("--micro-batch-size is the torch learner's; an MLX island runs each --batch-size whole "
-                            "(lower --batch-size and raise --grad-accum to use less memory)")
-        if cfg.gradient_checkpointing or cfg.full_logits:
-            log("note: --gradient-checkpointing / --full-logits are torch-learner options; ignored on MLX")
-        from yeto.mlx.compat import import_mlx_lm, load_mlx_model
+        check_flags(cfg)
+        from yeto.mlx.compat import import_mlx_lm, load_mlx_model, set_blas_threads
 
         import_mlx_lm()
+        if cfg.threads > 0 and not set_blas_threads(cfg.threads):
+            raise YetoError("--threads sets OpenBLAS's threads, and this MLX island does not run on OpenBLAS (run it "
+                            "as python -m yeto.mlx.learner on Linux with libopenblas0-pthread installed, or drop "
+                            "--threads)")
         import mlx.core as mx
+
+        if cfg.device == "cpu":
+            mx.set_default_device(mx.cpu)
         import mlx.optimizers as optim
         from transformers import AutoConfig
 
@@ -73,6 +176,8 @@ class MLXLearner:
         log(f"data: {json.dumps(self.data.stats)}")
         mx.random.seed(cfg.seed)
         self.model = load_mlx_model(self.model_artifact.path)
+        if cfg.dtype != "auto":  # the frozen base; the LoRA factors are made in float32, as peft keeps them
+            self.model.set_dtype(getattr(mx, cfg.dtype))
         hf_config = AutoConfig.from_pretrained(self.model_artifact.path, trust_remote_code=cfg.trust_remote_code)
         linears = mlx_linears(self.model)
         self.targets = select_targets(linears, hf_config, cfg.lora_targets, ["lm_head"])
@@ -87,11 +192,18 @@ class MLXLearner:
         log(f"model: {self.model_artifact.name} @ {self.model_artifact.revision[:19]} "
             f"on MLX {mx.default_device()} ({blas}); "
             f"LoRA r={cfg.lora_r} on {len(self.targets)} linears, {n_train / 1e6:.2f}M trainable params")
-        self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=cfg.weight_decay)
+        # torch.optim.AdamW's step: p <- p * (1 - lr * wd), then p <- p - lr / (1 - b1^t) * m / (sqrt(v) /
+        # sqrt(1 - b2^t) + eps). MLX's AdamW is that with bias_correction=True (its default, False, takes steps
+        # ~3x torch's early on: m / sqrt(v) without the (1 - b^t) factors).
+        self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=list(ADAM_BETAS), eps=ADAM_EPS,
+                                     weight_decay=cfg.weight_decay, bias_correction=True)
         self.total_steps = cfg.max_steps
         self.sampler = BatchSampler(len(self.data.train), cfg.batch_size, cfg.seed + 1000 * cfg.learner_id)
         import mlx.nn as nn
 
+        self.decoder = None if cfg.full_logits else loss_rows_decoder(self.model)
+        if self.decoder is None and not cfg.full_logits:
+            log("loss: the loss-rows-only LM head does not give this model's own logits; it runs on every position")
         self._value_and_grad = nn.value_and_grad(self.model, self._loss)
         self.step_count = 0
         self.tokens_seen = 0
@@ -99,17 +211,18 @@ class MLXLearner:
 
     # ------------------------------------------------------------------ the math
 
-    def _head(self, h):
-        model = self.model
-        if hasattr(model, "lm_head"):
-            return model.lm_head(h)
-        return model.model.embed_tokens.as_linear(h)
+    def _logits(self, model, ids, rows):
+        """(N, vocab) logits of the loss-bearing rows, as the model's own forward makes them (its head, logit
+        soft-capping and scaling included: yeto.learner.masked_loss's logits)."""
+        if self.decoder is None:
+            logits = model(ids)
+            return logits[:, :-1].reshape(-1, logits.shape[-1])[rows]
+        with loss_rows_only(self.decoder, rows):
+            return model(ids)[0]
 
     def _loss(self, model, ids, rows, targets, weights):
-        """Loss on the loss-bearing rows only: the LM head runs on those rows (as the torch learner)."""
-        hidden = model.model(ids)
-        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])[rows]
-        return sft_loss_mx(self._head(h), targets, weights)
+        """The torch learner's masked_loss: sft_loss over the loss-bearing rows."""
+        return sft_loss_mx(self._logits(model, ids, rows), targets, weights)
 
     def _batch(self, blocks: Blocks, idx: np.ndarray):
         mx = self.mx
@@ -140,6 +253,7 @@ class MLXLearner:
         lr = cfg.lr * lr_lambda(self.step_count, cfg.warmup_steps, self.total_steps, cfg.min_lr_ratio)
         norm = 0.0
         if grads is not None:  # every micro-batch may lack targets only in degenerate data; then no update
+            # torch's clip_grad_norm_: g * min(1, max_norm / (total_norm + 1e-6)) over the whole adapter
             grads, norm = clip_grad_norm(grads, cfg.max_grad_norm)
             self.optimizer.learning_rate = lr
             self.optimizer.update(self.model, grads)
