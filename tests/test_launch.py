@@ -563,6 +563,37 @@ def test_an_mlx_learners_flag_is_parsed_by_the_mlx_learners_parser(tmp_path):
         check_passed_flags(plan)
 
 
+def test_a_local_learner_that_exits_2_is_given_up_to_the_syncer_with_its_error_line(tmp_path):
+    """The local fleet's watch over real processes: island-0 exits 2 with its one-line error, island-1 trains on;
+    the syncer stand-in ends once the give-up reaches its given-up/ folder (or fails after 60 s)."""
+    import io
+    import threading
+
+    from rich.console import Console
+
+    from yeto.launch.local import LOGS_DIR, _stream, _watch
+
+    out = tmp_path / "run"
+    (out / LOGS_DIR).mkdir(parents=True)
+    syncer_out = out / "syncer"
+    given = syncer_out / "given-up"
+    scripts = {"syncer": f"import pathlib, sys, time\nfor _ in range(600):\n    time.sleep(0.1)\n"
+                         f"    if pathlib.Path({str(given / '0')!r}).exists(): sys.exit(0)\nsys.exit(1)",
+               "island-0": "import sys; print('error: No such option: --lr-typo', file=sys.stderr); sys.exit(2)",
+               "island-1": "import time; time.sleep(2)"}
+    console, lock, procs, streams = Console(file=io.StringIO()), threading.Lock(), [], []
+    for name, code in scripts.items():
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append((name, p))
+        streams.append(threading.Thread(target=_stream, args=(p, name, "white", console, lock,
+                                                              out / LOGS_DIR / f"{name}.log"), daemon=True))
+        streams[-1].start()
+    _watch(procs, streams, FleetPlan("loc", str(out), parse_gpu("local:2")), syncer_out, console, grace_s=5.0)
+    assert procs[0][1].returncode == 0, "the syncer never saw the give-up"
+    reason = (given / "0").read_text()
+    assert "exited 2" in reason and "No such option: --lr-typo" in reason and not (given / "1").exists()
+
+
 class CloudThatRecords(FakeSky):
     """What `yeto launch` (no dry run) asks of SkyPilot; the head never comes up, so the run stops there."""
 
