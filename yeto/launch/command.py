@@ -29,7 +29,7 @@ def quorum_timeout_args(syncer_extra: list[str], recover_timeout: float) -> list
     try:
         ok = float(value) >= needed
     except ValueError:
-        ok = True  # the syncer names the bad value itself
+        ok = True  # (not reached: check_passed_flags has named the bad value already)
     if not ok:
         raise YetoError(f"--quorum-timeout {value} would end the run before a lost learner is given up "
                         f"(--recover-timeout {recover_timeout:g}s): use at least {needed:g}, or lower "
