@@ -4,7 +4,8 @@ here, not a fleet of VMs whose learners exit 2 and get relaunched.
 
 The learners' flags go through their train command (`yeto.island.make_train_command`, the one signature every
 backend's command is made from) with the backend's own checks in place of its training, so that nothing loads a
-model or imports torch; the syncer's through its command's parser, without running it.
+model and no torch is imported for them; the syncer's through its command's parser, without running it (that
+imports what `yeto.sync.server` imports).
 """
 
 from __future__ import annotations
