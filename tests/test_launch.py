@@ -27,7 +27,7 @@ from yeto.launch.registry import process_alive as _alive
 from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan, pin_revision, split_extra_args
 from yeto.launch.spec import IslandSpec, parse_gpu
-from yeto.launch.tasks import data_mounts, head_task, learner_task, printable
+from yeto.launch.tasks import data_mounts, head_task, learner_exit, learner_task, printable
 from yeto.sync.audit import audit
 from yeto.sync.auth import Keyring
 from yeto.sync.given_up import give_up
@@ -327,6 +327,54 @@ def test_a_learner_that_crashes_after_every_relaunch_is_given_up_not_relaunched_
     assert 3 <= fake.launches.count(crashing) <= 1 + len(RELAUNCH_BACKOFF_S) + 2  # with backoff, not a tight loop
 
 
+def test_a_learner_that_exits_2_is_given_up_at_once_with_its_error_while_a_preempted_one_is_relaunched(tmp_path):
+    """Exit 2 is a usage error or a refusal: the same command fails the same way on any VM, so the island is given up
+    at the first look, with the learner's error line as the reason; a preempted island and a crashed one (exit 1)
+    are relaunched as before."""
+    fake = FakeSky()
+    script = {
+        500.0: lambda: fake.views.pop("wan-test-learner-0"),  # spot preemption
+        900.0: lambda: fake.views.update({"wan-test-learner-1": ClusterView("UP", "FAILED", 2,
+                                                                            "No such option: --lr-typo")}),
+        1200.0: lambda: fake.views.update({"wan-test-learner-2": ClusterView("UP", "FAILED", 1, "")}),  # a crash
+    }
+    ctl, given, notes, clock = run_fleet(tmp_path, fake, script, recover_timeout=600.0)
+    assert list(given) == [1] and "exited 2" in given[1] and "No such option: --lr-typo" in given[1]
+    gave = next(t for t, ev, f in notes if ev == "given_up")
+    assert 900.0 <= gave <= 900.0 + 30.0 + 1.0  # at the first look after the failure, not after --recover-timeout
+    assert fake.launches.count("wan-test-learner-1") == 1 and "wan-test-learner-1" in fake.downs  # never relaunched
+    events = [(ev, f.get("learner")) for _, ev, f in notes]
+    assert ("lost", 1) not in events and ("relaunch", 1) not in events
+    for lid in (0, 2):  # the preempted and the crashed are relaunched and recover
+        assert fake.launches.count(f"wan-test-learner-{lid}") == 2 and ("recovered", lid) in events
+    assert ctl.settled and not fake.views
+
+
+def test_a_learner_tasks_run_line_reports_its_exit_code_and_error_line_to_the_controller(tmp_path):
+    """SkyPilot keeps a job's status, not its exit code: the learner task's own run line (run by bash, as on a VM)
+    prints it after the learner's one-line error, and the controller's view of the log gives the learner up."""
+    plan = plan_for(tmp_path, gpu="aws:1xA10G")
+    plan.learner_args = ["--join-key", str(tmp_path / "no-such.key")]  # refused at start (exit 2) on any VM
+    config = learner_task(plan, 0, "127.0.0.1:1", "k").to_yaml_config()
+    run = config["run"]
+    for remote, local in (config.get("file_mounts") or {}).items():
+        run = run.replace(remote, local)
+    r = subprocess.run(["bash", "-c", run.replace("python3 ", f"{sys.executable} ", 1)], cwd=REPO,
+                       env=dict(os.environ, HOME=str(tmp_path), **config["secrets"]), capture_output=True, text=True,
+                       timeout=120)
+    ended = learner_exit(r.stderr + r.stdout)
+    assert r.returncode == 2 and ended.code == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "cannot read the join key" in ended.error and "no-such.key" in ended.error
+    assert learner_exit("(task, pid=7) Killed\n(task, pid=7) yeto-learner-exit: 137\n").code == 137
+    assert learner_exit("the VM went away mid-line").code is None  # no code: an ordinary failure, relaunched
+    ctl = FleetController({0: plan.cluster(0)}, 600.0)
+    ctl.start(0.0)
+    ctl.launched(0, True, 1.0)
+    actions = ctl.observe({plan.cluster(0): ClusterView("UP", "FAILED", ended.code, ended.error)}, 60.0)
+    gave = [a for a in actions if isinstance(a, GiveUp)]
+    assert gave and "cannot read the join key" in gave[0].reason and not any(isinstance(a, Launch) for a in actions)
+
+
 def test_controller_simulation_keeps_its_invariants_over_seeded_fault_schedules():
     """The pure controller through 400 seeded schedules of launch failures, preemptions, failed and finished jobs
     and the run's end. After every step: no second launch of an island while one is in flight, no launch after
@@ -337,6 +385,7 @@ def test_controller_simulation_keeps_its_invariants_over_seeded_fault_schedules(
         n, timeout = rng.randint(1, 4), rng.choice([60.0, 300.0, 1800.0])
         ctl = FleetController({i: f"c{i}" for i in range(n)}, timeout)
         now, up, in_flight, given, last_launch, down_since, finished = 0.0, set(), set(), set(), {}, {}, False
+        refused: set[int] = set()  # learners whose job exited 2 in the views being observed
         launched_after_finish = []
 
         def apply(actions):
@@ -352,7 +401,10 @@ def test_controller_simulation_keeps_its_invariants_over_seeded_fault_schedules(
                     up.discard(a.cluster)
                 elif isinstance(a, GiveUp):
                     assert a.learner not in given, (seed, "given up twice")
-                    assert now - down_since[a.learner] >= timeout, (seed, "given up before --recover-timeout")
+                    if a.learner in refused:  # exited 2: at once, with the learner's error line
+                        assert "bad flag" in a.reason, seed
+                    else:
+                        assert now - down_since[a.learner] >= timeout, (seed, "given up before --recover-timeout")
                     given.add(a.learner)
                 elif isinstance(a, Note) and a.event == "lost":
                     down_since.setdefault(a.fields["learner"], now)
@@ -376,7 +428,10 @@ def test_controller_simulation_keeps_its_invariants_over_seeded_fault_schedules(
             elif roll < 0.55 and not finished:
                 finished = True
                 apply(ctl.run_finished(now))
-            views = {c: ClusterView("UP", rng.choice(["RUNNING"] * 8 + ["FAILED", "SUCCEEDED"])) for c in sorted(up)}
+            views = {c: rng.choice([ClusterView("UP", "RUNNING")] * 16 + [ClusterView("UP", "SUCCEEDED")] * 2
+                                   + [ClusterView("UP", "FAILED")] * 2 + [ClusterView("UP", "FAILED", 2, "bad flag")])
+                     for c in sorted(up)}
+            refused = {int(c[1:]) for c, v in views.items() if v.exit_code == 2}
             apply(ctl.observe(views, now))
         if not finished:
             finished = True
@@ -428,10 +483,11 @@ def test_fleet_view_reads_learners_and_merges_from_a_tape():
     events = [{"event": "start", "config": {"outer_steps": 5}}, {"event": "join", "learner": 0, "backend": "torch"},
               {"event": "join", "learner": 1, "backend": "mlx"}, {"event": "delta", "learner": 0, "round": 1},
               {"event": "merge", "round": 1, "version": 1, "responders": [0]}, {"event": "leave", "learner": 1},
-              {"event": "given_up", "learner": 1, "quorum": 1}]
+              {"event": "given_up", "learner": 1, "quorum": 1, "reason": "learner exited 2 ...: No such option: --x"}]
     v = fleet_view(events)
     assert (v.version, v.outer_steps, v.learners[0].answered, v.learners[0].last_delta_round) == (1, 5, 1, 1)
     assert not v.learners[1].alive and v.learners[1].given_up and v.learners[1].backend == "mlx"
+    assert v.learners[1].given_up_reason.endswith("No such option: --x") and not v.learners[0].given_up_reason
 
 
 # ---------------------------------------------------------------------------------------------- the CLI
@@ -475,6 +531,101 @@ def test_launch_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "grammar" in r.stderr
     r = yeto("status", "no-such-run", env=dict(os.environ, YETO_RUNS=str(tmp_path / "runs")))
     assert r.returncode == 2 and "no run named 'no-such-run'" in r.stderr
+
+
+@pytest.mark.parametrize("gpu, extra, says", [
+    ("aws:1xA10G", ["--lr", "abc"], "Invalid value for '--lr'"),
+    ("aws:1xA10G", ["--no-such-flag", "3"], "No such option: --no-such-flag"),
+    ("aws:1xA10G", ["--seq-len", "64", "--sync-bits", "abc"], "Invalid value for '--sync-bits'"),
+    ("local:2", ["--no-such-flag", "3"], "No such option: --no-such-flag"),
+])
+def test_a_dry_run_refuses_a_flag_the_learners_or_the_syncer_would_refuse_in_one_line(tmp_path, gpu, extra, says):
+    out = tmp_path / "run"
+    r = yeto("launch", "--gpu", gpu, "--data", DEMO_DATA, "--out", out, "--name", "checked", "--dry-run", *extra,
+             env=dict(os.environ, YETO_RUNS=str(tmp_path / "runs")))
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and "tasks (SkyPilot YAML)" not in r.stdout
+    assert not out.exists()  # refused before the run's credentials and plan are written
+
+
+def test_an_mlx_learners_flag_is_parsed_by_the_mlx_learners_parser(tmp_path):
+    from yeto.launch.flags import MLX_BACKEND, check_passed_flags
+
+    plan = FleetPlan("mlx-mix", str(tmp_path / "run"), parse_gpu("local:2"), mlx=1, data=str(DEMO_DATA),
+                     learner_args=["--seq-len", "64"], syncer_args=["--outer-steps", "2"])
+    check_passed_flags(plan)  # flags both backends take pass
+    plan.learner_args = ["--seq-len", "sixty-four"]
+    with pytest.raises(YetoError, match="Invalid value for '--seq-len'.*every learner"):
+        check_passed_flags(plan)
+    plan.islands = parse_gpu("local:1")  # every island MLX: the MLX learner's parser speaks
+    with pytest.raises(YetoError, match=f"the MLX learners; see `python -m {MLX_BACKEND} --help`"):
+        check_passed_flags(plan)
+
+
+def test_a_local_learner_that_exits_2_is_given_up_to_the_syncer_with_its_error_line(tmp_path):
+    """The local fleet's watch over real processes: island-0 exits 2 with its one-line error, island-1 trains on;
+    the syncer stand-in ends once the give-up reaches its given-up/ folder (or fails after 60 s)."""
+    import io
+    import threading
+
+    from rich.console import Console
+
+    from yeto.launch.local import LOGS_DIR, _stream, _watch
+
+    out = tmp_path / "run"
+    (out / LOGS_DIR).mkdir(parents=True)
+    syncer_out = out / "syncer"
+    given = syncer_out / "given-up"
+    scripts = {"syncer": f"import pathlib, sys, time\nfor _ in range(600):\n    time.sleep(0.1)\n"
+                         f"    if pathlib.Path({str(given / '0')!r}).exists(): sys.exit(0)\nsys.exit(1)",
+               "island-0": "import sys; print('error: No such option: --lr-typo', file=sys.stderr); sys.exit(2)",
+               "island-1": "import time; time.sleep(2)"}
+    console, lock, procs, streams = Console(file=io.StringIO()), threading.Lock(), [], []
+    for name, code in scripts.items():
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append((name, p))
+        streams.append(threading.Thread(target=_stream, args=(p, name, "white", console, lock,
+                                                              out / LOGS_DIR / f"{name}.log"), daemon=True))
+        streams[-1].start()
+    _watch(procs, streams, FleetPlan("loc", str(out), parse_gpu("local:2")), syncer_out, console, grace_s=5.0)
+    assert procs[0][1].returncode == 0, "the syncer never saw the give-up"
+    reason = (given / "0").read_text()
+    assert "exited 2" in reason and "No such option: --lr-typo" in reason and not (given / "1").exists()
+
+
+class CloudThatRecords(FakeSky):
+    """What `yeto launch` (no dry run) asks of SkyPilot; the head never comes up, so the run stops there."""
+
+    def launch_head(self, task, cluster, retry_until_up):
+        self.launches.append(cluster)
+        raise RuntimeError("ResourcesUnavailableError: no capacity (test)")
+
+
+def launch_in_process(monkeypatch, capsys, tmp_path, *extra):
+    import yeto.cli
+    import yeto.launch.cloud
+    import yeto.launch.submit
+
+    cloud = CloudThatRecords()
+    monkeypatch.setattr(yeto.launch.cloud, "SkyPilotClient", lambda: cloud)
+    monkeypatch.setattr(yeto.launch.submit, "api_endpoint", lambda: "http://10.1.2.3:46580")  # a remote API server
+    monkeypatch.setenv("YETO_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setattr(sys, "argv", ["yeto", "launch", "--gpu", "aws:1xA10G,gcp:1xL4", "--data", str(DEMO_DATA),
+                                      "--out", str(tmp_path / "run"), "--name", "checked", *extra])
+    with pytest.raises(SystemExit) as e:
+        yeto.cli.main()
+    return e.value.code, capsys.readouterr().err, cloud
+
+
+def test_a_launch_with_a_bad_learner_flag_provisions_nothing(monkeypatch, capsys, tmp_path):
+    code, err, cloud = launch_in_process(monkeypatch, capsys, tmp_path, "--seq-len", "64")
+    assert cloud.launches == ["checked-head"] and "did not come up" in err  # good flags: the launch goes ahead
+    for bad in (["--lr", "abc"], ["--no-such-flag", "3"], ["--outer-lr", "fast"]):
+        code, err, cloud = launch_in_process(monkeypatch, capsys, tmp_path / "bad", *bad)
+        assert code == 2 and err.count("\n") == 1 and bad[0] in err and "Traceback" not in err, err
+        assert cloud.launches == []  # nothing provisioned
+        assert not (tmp_path / "bad" / "runs").exists()  # nothing recorded for `yeto down` either
 
 
 def test_join_script_is_what_a_user_would_run():
@@ -550,6 +701,7 @@ class LocalCloud:
     def __init__(self, root, port):
         self.root, self.port, self.vms = root, port, 0
         self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, object] = {}
         self.runs: list[str] = []
 
     def launch(self, task, cluster, retry_until_up):
@@ -562,9 +714,10 @@ class LocalCloud:
         home = self.root / f"vm-{self.vms}"
         home.mkdir()
         env = dict(os.environ, HOME=str(home), OMP_NUM_THREADS="1", **config.get("envs", {}), **config["secrets"])
+        self.logs[cluster] = home / "log"
         self.procs[cluster] = subprocess.Popen(["bash", "-c", run.replace("python3 ", f"{sys.executable} ", 1)],
                                                cwd=REPO, env=env, stdout=open(home / "log", "w"),
-                                               stderr=subprocess.STDOUT)
+                                               stderr=subprocess.STDOUT, start_new_session=True)
 
     def clusters(self, names):
         views = {}
@@ -572,14 +725,23 @@ class LocalCloud:
             p = self.procs.get(name)
             if p is not None:
                 rc = p.poll()
-                views[name] = ClusterView("UP", "RUNNING" if rc is None else "SUCCEEDED" if rc == 0 else "FAILED")
+                if rc not in (None, 0):  # as SkyPilotClient does: the job's exit code and error from its log
+                    ended = learner_exit(self.logs[name].read_text(errors="replace"))
+                    views[name] = ClusterView("UP", "FAILED", ended.code, ended.error)
+                else:
+                    views[name] = ClusterView("UP", "RUNNING" if rc is None else "SUCCEEDED")
         return views
 
     def down(self, cluster):
         p = self.procs.pop(cluster, None)
         if p is not None and p.poll() is None:
-            p.kill()
-            p.wait()
+            self.take_away(p)
+
+    @staticmethod
+    def take_away(p):
+        """The VM goes: every process of its run line (bash and the learner under it)."""
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
 
     def head_address(self, cluster, port):
         return f"127.0.0.1:{port}"
@@ -613,7 +775,7 @@ def test_the_head_runs_the_syncer_and_relaunches_a_preempted_learner_that_rejoin
     try:
         assert wait_until(lambda: tape.exists() and sum(e["event"] == "merge" for e in read_tape(tape)) >= 3, 240)
         assert any(f"--syncer 127.0.0.1:{port} --learner-id 1 --num-learners 2" in run for run in cloud.runs)
-        cloud.procs["fake-cloud-learner-1"].kill()  # the spot VM is taken away
+        cloud.take_away(cloud.procs["fake-cloud-learner-1"])  # the spot VM is taken away
         cloud.procs.pop("fake-cloud-learner-1")
         head.join(300)
         assert not head.is_alive() and result["code"] == 0

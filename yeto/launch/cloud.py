@@ -8,6 +8,7 @@ threads (a launch blocks for minutes), everything else in one loop.
 
 from __future__ import annotations
 
+import io
 import queue
 import threading
 import time
@@ -15,12 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from yeto import YetoError, one_line
-from yeto.launch.controller import ClusterView, Down, FleetController, GiveUp, Launch, Note
+from yeto.launch.controller import FAILED_JOBS, ClusterView, Down, FleetController, GiveUp, Launch, Note
+from yeto.launch.tasks import LearnerExit, learner_exit
 
 POLL_S = 30.0  # how often the controller asks SkyPilot for the learner clusters' state
 LOOP_S = 0.5  # how often it looks for finished launches and the run's end
 AUTODOWN_IDLE_MINUTES = 10  # a learner cluster idle this long (its job ended, nobody relaunched it) tears itself down
 FINISH_WAIT_S = 900.0  # after the run ends, wait at most this long for launches in flight (autodown covers the rest)
+EXIT_LOG_LINES = 40  # of a failed learner job's log: enough for its error line and the exit code after it
 MIN_SKYPILOT = (0, 10)  # the request-based client SDK (sky.get / sky.stream_and_get)
 
 
@@ -65,7 +68,7 @@ class SkyPilotClient:
         records = self.sky.get(self.sky.status(cluster_names=names, refresh=self.sky.StatusRefreshMode.AUTO))
         views = {}
         for r in records:
-            job = None
+            job, ended = None, LearnerExit(None, "")
             if str(r["status"].value) == "UP":
                 try:
                     statuses = self.sky.get(self.sky.job_status(r["name"], job_ids=None))
@@ -74,8 +77,19 @@ class SkyPilotClient:
                     job = latest.value if latest is not None else None
                 except Exception:  # preempted between the two calls (ClusterNotUpError...): its status says enough
                     job = None
-            views[r["name"]] = ClusterView(str(r["status"].value), job)
+                if job in FAILED_JOBS:
+                    ended = self.job_exit(r["name"], max(known))
+            views[r["name"]] = ClusterView(str(r["status"].value), job, ended.code, ended.error)
         return views
+
+    def job_exit(self, cluster: str, job_id: int) -> LearnerExit:
+        """How a failed learner job ended, from its log's tail (SkyPilot keeps no exit code of its own)."""
+        tail = io.StringIO()
+        try:
+            self.sky.tail_logs(cluster, job_id, follow=False, tail=EXIT_LOG_LINES, output_stream=tail)
+        except Exception:  # gone meanwhile, or logs unreachable: an ordinary failure (relaunched)
+            return LearnerExit(None, "")
+        return learner_exit(tail.getvalue())
 
     def down(self, cluster: str) -> None:
         try:

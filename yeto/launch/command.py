@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from yeto import YetoError
+from yeto.launch.flags import check_passed_flags
 from yeto.launch.plan import SYNCER_PORT, FleetPlan, pin_revision, split_extra_args
 from yeto.launch.registry import live_run, runs_dir
 from yeto.launch.spec import GRAMMAR, parse_gpu
@@ -28,7 +29,7 @@ def quorum_timeout_args(syncer_extra: list[str], recover_timeout: float) -> list
     try:
         ok = float(value) >= needed
     except ValueError:
-        ok = True  # the syncer names the bad value itself
+        ok = True  # (not reached: check_passed_flags has named the bad value already)
     if not ok:
         raise YetoError(f"--quorum-timeout {value} would end the run before a lost learner is given up "
                         f"(--recover-timeout {recover_timeout:g}s): use at least {needed:g}, or lower "
@@ -90,12 +91,13 @@ def launch_command(
     n = plan.num_learners
     plan.syncer_args = ["--outer-steps", str(outer_steps), "--inner-steps", str(inner_steps),
                        "--quorum", str(quorum or n), *syncer_extra]
+    plan.learner_args = [*(["--overlap"] if overlap else []), *learner_extra]
+    check_passed_flags(plan)  # before anything is provisioned: a flag a learner would refuse is one line here
     if not local:
         plan.syncer_args += quorum_timeout_args(syncer_extra, recover_timeout)
     if not dry_run and live_run(plan.name) is not None:
         raise YetoError(f"a run named {plan.name!r} is recorded as running ({runs_dir()}/{plan.name}.json): "
                         f"`yeto down {plan.name}` first, or pick another --name")
-    plan.learner_args = [*(["--overlap"] if overlap else []), *learner_extra]
     console = Console()
     plan.model_revision = pin_revision(model, model_revision, "model")
     plan.data_revision = pin_revision(data, data_revision, "dataset")

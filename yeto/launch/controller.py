@@ -10,11 +10,15 @@ Per learner:
     LAUNCHING --ok--> RUNNING --cluster gone / stopped / job failed--> RECOVERING --backoff--> LAUNCHING
         |                |                                              |
         +--failed--> RECOVERING      +--job succeeded--> DONE            +--recovering > --recover-timeout--> GIVEN_UP
+                         |
+                         +--job exited 2 (a usage error or refusal: the same command meets it again)--> GIVEN_UP
 
 A relaunched learner keeps its learner id, so it rejoins the run through the syncer's rejoin path. An outage lasts
 until the relaunched learner has stayed healthy for `stable_s`: a learner that crashes again and again is relaunched
-with growing backoff and given up at --recover-timeout like one that never comes back. A learner given up is handed
-to the syncer (`yeto.sync.given_up`), which lowers its quorum, and torn down.
+with growing backoff and given up at --recover-timeout like one that never comes back. A learner whose job exited
+with `USAGE_EXIT` (a flag or input it refuses: relaunching the same command cannot help) is given up at once, with its
+error line as the reason. A learner given up is handed to the syncer (`yeto.sync.given_up`), which lowers its quorum
+(and records the reason on its tape, where `yeto status` shows it), and torn down.
 """
 
 from __future__ import annotations
@@ -28,15 +32,19 @@ SUSPECT_INIT_S = 300.0  # a cluster seen INIT this long after it was UP (nodes l
 STABLE_S = 300.0  # an outage ends once the relaunched learner has stayed healthy this long (a crash loop does not)
 HEALTHY_JOBS = frozenset({"INIT", "PENDING", "SETTING_UP", "RUNNING"})
 FAILED_JOBS = frozenset({"FAILED", "FAILED_SETUP", "FAILED_DRIVER", "CANCELLED"})
+USAGE_EXIT = 2  # a learner's exit code for a usage error or a refusal (YetoError): the same command fails the same way
 
 
 @dataclass(frozen=True)
 class ClusterView:
-    """What SkyPilot says of one learner cluster now: status UP / INIT / STOPPED / GONE (no such cluster), and the
-    status of its learner job (None when unknown)."""
+    """What SkyPilot says of one learner cluster now: status UP / INIT / STOPPED / GONE (no such cluster), the
+    status of its learner job (None when unknown), and for an ended job its exit code and last error line, where
+    its log tells them (`yeto.launch.tasks.learner_exit`)."""
 
     status: str
     job: Optional[str] = None
+    exit_code: Optional[int] = None
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,9 @@ class FleetController:
         if view.job == "SUCCEEDED":  # the learner exited 0: the run told it to finish
             i.phase = Phase.DONE
             return [Note("learner_done", {"learner": i.learner, "cluster": i.cluster}), Down(i.cluster)]
+        if view.job in FAILED_JOBS and view.exit_code == USAGE_EXIT:
+            return self._give_up(i, f"learner exited {USAGE_EXIT}, not relaunched (the same command would fail the "
+                                    f"same way): {view.error or 'no error line in its log'}")
         if view.status == "INIT":
             i.init_since = now if i.init_since is None else i.init_since
             if now - i.init_since < SUSPECT_INIT_S:
@@ -188,12 +199,14 @@ class FleetController:
     def _recover(self, i: Island, now: float) -> list[Action]:
         assert i.down_since is not None
         if now - i.down_since >= self.recover_timeout_s:
-            i.phase = Phase.GIVEN_UP
-            reason = (f"not back within --recover-timeout {self.recover_timeout_s:g}s ({i.launches - 1} relaunch "
-                      f"attempt(s))")
-            return [Note("given_up", {"learner": i.learner, "cluster": i.cluster, "reason": reason}),
-                    GiveUp(i.learner, reason), Down(i.cluster)]
+            return self._give_up(i, f"not back within --recover-timeout {self.recover_timeout_s:g}s "
+                                    f"({i.launches - 1} relaunch attempt(s))")
         if now >= i.retry_at:
             launch = self._launch(i, now)
             return [Note("relaunch", {"learner": i.learner, "cluster": i.cluster, "attempt": launch.attempt}), launch]
         return []
+
+    def _give_up(self, i: Island, reason: str) -> list[Action]:
+        i.phase = Phase.GIVEN_UP
+        return [Note("given_up", {"learner": i.learner, "cluster": i.cluster, "reason": reason}),
+                GiveUp(i.learner, reason), Down(i.cluster)]

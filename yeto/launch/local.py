@@ -16,12 +16,14 @@ import threading
 import time
 from pathlib import Path
 
+from yeto.launch.controller import USAGE_EXIT
 from yeto.launch.join import join_instructions, write_join_files
 from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan
 from yeto.launch.registry import RunRecord, process_start
-from yeto.launch.tasks import learner_command, syncer_command
+from yeto.launch.tasks import learner_command, learner_exit, syncer_command
 from yeto.sync.auth import JOIN_KEY_ENV, Keyring
+from yeto.sync.given_up import give_up
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_NAMES = (LOOPBACK, "localhost", "::1")
@@ -114,12 +116,20 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
 def _watch(procs: list[tuple[str, subprocess.Popen]], streams: list[threading.Thread], plan: FleetPlan,
            syncer_out: Path, console, grace_s: float) -> int:
     """Wait for the fleet; stop it on Ctrl-C (SIGINT, as `yeto down` sends) or when the syncer fails."""
+    given_up: set[int] = set()
     try:
         while any(p.poll() is None for _, p in procs):
             time.sleep(WATCH_POLL_S)
             syncer = procs[0][1]
             if syncer.poll() is not None and syncer.returncode != 0:
                 raise RuntimeError(f"syncer exited with {syncer.returncode}")
+            for lid, (name, p) in enumerate(procs[1:]):  # (learner i is the i-th process after the syncer)
+                if p.poll() == USAGE_EXIT and lid not in given_up and syncer.poll() is None:
+                    given_up.add(lid)
+                    streams[1 + lid].join(timeout=5)  # its last lines are in its log
+                    reason = _given_up_reason(syncer_out.parent / LOGS_DIR / f"{name}.log")
+                    give_up(syncer_out, lid, reason)  # the syncer lowers its quorum: the run goes on without it
+                    console.print(f"{name} given up: {reason}", style="red", markup=False, highlight=False)
             learners_failed = [(nm, p.returncode) for nm, p in procs[1:] if p.poll() not in (None, 0)]
             if learners_failed and all(p.poll() is not None for _, p in procs[1:]) and not plan.external:
                 raise RuntimeError(f"every learner exited; failures: {learners_failed}")
@@ -141,6 +151,12 @@ def _watch(procs: list[tuple[str, subprocess.Popen]], streams: list[threading.Th
     if ok and plan.output:
         console.print(f"output:         {deliver(syncer_out, plan.output)}")
     return 0 if ok else 1
+
+
+def _given_up_reason(log: Path) -> str:
+    """Why a local learner that exited with a usage error is not coming back: its last error line."""
+    error = learner_exit(log.read_text(errors="replace") if log.is_file() else "").error
+    return f"learner exited {USAGE_EXIT} (the same command would fail the same way): {error or 'see its log'}"
 
 
 def _stop(procs: list[tuple[str, subprocess.Popen]], grace_s: float) -> None:

@@ -34,6 +34,7 @@ class LearnerRow:
     answered: int = 0  # merges its delta went into
     last_delta_round: Optional[int] = None
     given_up: bool = False
+    given_up_reason: str = ""  # the fleet controller's, as the syncer's tape records it
 
 
 @dataclass
@@ -62,7 +63,7 @@ def fleet_view(events: list[dict[str, Any]]) -> FleetView:
         elif kind == "leave" and isinstance(lid, int):
             row(lid).alive = False
         elif kind == "given_up" and isinstance(lid, int):
-            row(lid).given_up = True
+            row(lid).given_up, row(lid).given_up_reason = True, str(e.get("reason") or "")
         elif kind == "delta" and isinstance(lid, int):
             row(lid).last_delta_round = e.get("round")
         elif kind == "merge":
@@ -124,6 +125,10 @@ def status(run: RunRecord, console) -> None:
         table.add_row(str(lid), "external" if lid in run.external else run.kind, r.backend, state, str(r.answered),
                       "-" if r.last_delta_round is None else str(r.last_delta_round))
     console.print(table)
+    for r in sorted(view.learners.values(), key=lambda r: r.learner):
+        if r.given_up:
+            console.print(f"learner {r.learner} given up: {r.given_up_reason or 'no reason recorded'}",
+                          markup=False, highlight=False)
     m = view.last_merge
     if m is not None:
         age = time.time() - m["time"] if isinstance(m.get("time"), (int, float)) else None

@@ -8,6 +8,7 @@ token) go in `secrets=` only: never in `run`, `setup`, `envs` or a printed YAML 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,10 @@ API_ENDPOINT_ENV = "SKYPILOT_API_SERVER_ENDPOINT"
 API_TOKEN_ENV = "SKYPILOT_SERVICE_ACCOUNT_TOKEN"
 OUTPUT_DRIVERS = {"s3://": "s3fs", "gs://": "gcsfs", "az://": "adlfs"}  # fsspec's, for --output
 HF_TOKEN_ENV = "HF_TOKEN"
+EXIT_MARKER = "yeto-learner-exit: "  # the learner task's last line: its exit code (`learner_exit` reads it back)
+EXIT_LINE = re.compile(re.escape(EXIT_MARKER) + r"(-?\d+)\s*$", re.MULTILINE)
+ERROR_LINE = re.compile(r"(?:^|\s)error: (.+)$", re.MULTILINE)
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def checkout_root() -> Optional[Path]:
@@ -124,6 +129,23 @@ def learner_command(plan: FleetPlan, learner: int, syncer: str, data: str, model
     return cmd + list(plan.learner_args)
 
 
+@dataclass(frozen=True)
+class LearnerExit:
+    """How a learner job ended, as its log tells it: the exit code its run line printed (None: not printed, e.g. the
+    VM went away) and its last `error: ...` line (the one-line error every yeto command prints before exiting 2)."""
+
+    code: Optional[int]
+    error: str
+
+
+def learner_exit(log: str) -> LearnerExit:
+    """Read a learner job's log tail (SkyPilot may prefix each line with the task's name and pid)."""
+    log = ANSI_ESCAPE.sub("", log)
+    codes = [int(m.group(1)) for m in EXIT_LINE.finditer(log)]
+    errors = [m.group(1).strip() for m in ERROR_LINE.finditer(log)]
+    return LearnerExit(codes[-1] if codes else None, errors[-1] if errors else "")
+
+
 def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "sky.Task":
     """Island `learner` of the plan as a SkyPilot task; it keeps its --out on the VM, so its identity survives a
     restart of the job (a relaunch on a new VM is let back in once the old one is gone)."""
@@ -135,6 +157,7 @@ def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "
     run = f"{shlex.join(cmd)} --out ~/yeto-island-{learner}"  # (~ unquoted: the VM's home)
     if island.gpus > 1:  # one torchrun group is one island (shell variables unquoted: each node expands its own)
         run = " ".join(torchrun_prefix(plan.cluster(learner))) + " " + run.removeprefix("python3 ")
+    run += f'; code=$?; echo "{EXIT_MARKER}$code"; exit $code'  # (SkyPilot keeps a job's status, not its code)
     task = sky.Task(name=plan.cluster(learner), setup=install_commands(model=plan.model), run=run,
                     envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: join_key},
                     workdir=str(root) if root else None, num_nodes=island.nodes,
