@@ -58,7 +58,7 @@ def _backend_checks(backend: str) -> Callable[[TrainConfig], None]:
     if backend == MLX_BACKEND:
         from yeto.mlx import learner as mlx_learner  # (imports neither MLX nor torch)
 
-        return getattr(mlx_learner, "check_flags", lambda cfg: None)
+        return mlx_learner.check_flags
     return lambda cfg: None
 
 
