@@ -14,13 +14,15 @@ a kill during a save leaves the previous state whole; one file, so its tensors a
                              saved under, compared field by field on resume
 
 Numpy's global generator is not saved: nothing in training draws from it (the batch order is its own seeded
-generator, saved as its position).
+generator, saved as its position). Test hook: YETO_CRASH_AT="train_state:N" kills the process (SIGKILL) in the
+save of step N, after the temp file is written and before it replaces the state (unset in real runs).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +83,8 @@ def save_state(out: str | Path, state: TrainState) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if os.environ.get("YETO_CRASH_AT") == f"train_state:{state.meta.get('step')}":  # test hook: die mid-save
+            os.kill(os.getpid(), signal.SIGKILL)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -294,6 +294,8 @@ def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, ev
         while learner.step_count < cfg.max_steps:
             t = time.perf_counter()
             s = learner.step()
+            if cfg.step_delay:
+                time.sleep(cfg.step_delay)  # a simulated slow island (tests): the delay counts as its compute
             dt = time.perf_counter() - t
             s.update(tok_s=s["tokens"] / dt, loss_tok_s=s["loss_tokens"] / dt)
             if not math.isfinite(s["loss"]):
@@ -427,7 +429,7 @@ def _train_signature(
     max_inner_steps: Annotated[int, typer.Option(help="With --syncer: do at most this many inner steps per round "
                                                       "(a weaker island contributing less; "
                                                       "0: the syncer's policy).")] = D.max_inner_steps,
-    step_delay: Annotated[float, typer.Option(help="Sleep this long after each inner step, "
+    step_delay: Annotated[float, typer.Option(help="Sleep this long after each step, "
                                                    "to simulate a slow island (tests, benchmarks).")] = D.step_delay,
     syncer_timeout: Annotated[float, typer.Option(help="With --syncer: silence (seconds) after which the connection is "
                                                        "presumed dead and remade, with backoff.")] = D.syncer_timeout,
