@@ -68,12 +68,12 @@ class RoundStats:
     compute_s: float = 0.0
     before: int = 0  # of `steps`, those taken before this round's training started (they do not pace its window)
     carried: int = 0  # of those, the steps trained for an earlier round's window and carried onto this one (CARRY)
-    last_step: int = 0  # the island's step number after this round's last step, and that step's LR
-    last_lr: float = 0.0
+    last_step: Optional[int] = None  # the island's step number after this round's last step, and that step's LR
+    last_lr: Optional[float] = None  # (where its step() says them)
 
     def add(self, s: dict[str, Any], dt: float) -> None:
         self.steps += 1
-        self.last_step, self.last_lr = s["step"], s["lr"]
+        self.last_step, self.last_lr = s.get("step"), s.get("lr")
         self.tokens += s["tokens"]
         self.loss_tokens += s["loss_tokens"]
         self.loss_sum += s["loss"] * s["loss_tokens"]
