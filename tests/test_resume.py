@@ -92,10 +92,13 @@ def test_a_run_killed_mid_save_resumes_to_the_uninterrupted_adapter(uninterrupte
     assert "resuming from" in text and "at step 4" in text
     assert_same_adapter(whole, out)
     assert steps_logged(out) == steps_logged(whole)  # same step numbers, LRs and losses
+    assert not list(out.glob(".train_state*"))  # the temp file the kill left is gone
     assert [e["step"] for e in events(out, "resumed")] == [4] and steps_after_resume(out) == [5, 6, 7, 8]
     code, text = run(model, out)  # a finished run does not silently train more
     assert code == 2 and "holds a finished run (8 steps)" in text and "Traceback" not in text, text[-3000:]
     assert len(events(out, "resumed")) == 1
+    code, text = run(model, out, "--max-steps", STEPS + 2)  # raising --max-steps trains on from where it ended
+    assert code == 0 and steps_after_resume(out) == [STEPS + 1, STEPS + 2], text[-3000:]
 
 
 def test_an_mlx_run_killed_mid_save_resumes_to_the_uninterrupted_adapter(tiny_model, tmp_path):

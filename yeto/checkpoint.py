@@ -89,6 +89,8 @@ def save_state(out: str | Path, state: TrainState) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    for stale in path.parent.glob(f".{STATE_FILE}-*"):  # a temp file a process killed mid-save left (one writer)
+        stale.unlink(missing_ok=True)
     return path
 
 
