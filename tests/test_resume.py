@@ -178,3 +178,48 @@ def test_a_fleet_learner_killed_and_restarted_continues_its_steps_and_lr(tiny_mo
     after = {e["round"]: (e["step"], e["lr"]) for e in log[resumed_at:] if e["event"] == "round"}
     assert after and after == {r: peer[r] for r in after}, (after, peer)  # its steps and LRs are its peer's
     assert sorted(after) == [2, 3, 4]  # it trained round 2 again (its first push was lost with it), then the rest
+
+
+def test_a_fleet_restore_takes_the_next_step_as_the_learner_would_have(tiny_model, tmp_path):
+    """In a fleet the state comes back without its adapter (the rejoin brings the global): given the same adapter,
+    the restored learner's next step is the original's, bit for bit (moments, schedule, batch, dropout)."""
+    import torch
+
+    from yeto.island import TrainConfig
+    from yeto.learner import TorchLearner
+
+    cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), out=str(tmp_path), seq_len=64,
+                      batch_size=2, lora_r=4, lora_dropout=0.1, max_steps=10, warmup_steps=2, lr=1e-3,
+                      syncer="127.0.0.1:9")
+    quiet = dict(log=lambda s: None)
+    a = TorchLearner(cfg, **quiet)
+    a.set_total_steps(20)  # the syncer's horizon
+    for _ in range(3):
+        a.step()
+    state = a.training_state()
+    b = TorchLearner(cfg, **quiet)
+    fresh = b.adapter_state()
+    b.load_training_state(state, adapter=False)
+    assert all((b.adapter_state()[k] == fresh[k]).all() for k in fresh)  # not the saved adapter
+    b.load_adapter_state(a.adapter_state())  # what the rejoin brings
+    sb = [b.step() for _ in range(2)]  # (one process: a's steps then draw their dropout from the same point of
+    torch.set_rng_state(torch.from_numpy(state.tensors["rng/torch"].copy()))  # torch's generator)
+    sa = [a.step() for _ in range(2)]
+    assert [(s["step"], s["lr"], s["loss"]) for s in sb] == [(s["step"], s["lr"], s["loss"]) for s in sa]
+    assert [s["step"] for s in sb] == [4, 5]
+    assert all((a.adapter_state()[k] == b.adapter_state()[k]).all() for k in fresh)
+
+
+def test_run_island_seeds_the_error_feedback_with_the_saved_residual(start_syncer):
+    """A resumed learner's first round carries the quantization error it saved; each round start reports it."""
+    import numpy as np
+
+    from tests.peers import QuadraticIsland, island_thread, wait_until
+
+    _, port = start_syncer(learners=1, quorum=1, outer_steps=2, inner_steps=2, sync_bits=4)
+    saved = np.linspace(-0.01, 0.01, 16, dtype=np.float32)
+    seen, results = [], {}
+    island_thread(QuadraticIsland(1.0, 10), port, 0, results, residual=saved, on_round_start=seen.append)
+    assert wait_until(lambda: 0 in results, 60), "the run did not finish"
+    assert isinstance(results[0], dict) and results[0]["complete"], results[0]
+    assert len(seen) == 2 and (seen[0] == saved).all() and not (seen[1] == saved).all()
