@@ -185,7 +185,8 @@ def resume_state(learner, cfg: TrainConfig, out: Path, log: Callable[[str], None
     from yeto.checkpoint import STATE_FILE, differences, load_state, run_identity
 
     if not hasattr(learner, "load_training_state") or getattr(learner, "ranks", 1) > 1:
-        log("note: a torchrun island saves no training state yet; a restart starts its optimizer afresh")
+        log("note: this island saves no training state (a torchrun island, or a backend without it): a restart "
+            "starts its optimizer and LR schedule afresh")
         return None
     if cfg.fresh:
         return None
