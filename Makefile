@@ -44,7 +44,7 @@ demo: setup
 	@echo "merged adapter: $(RUN)/syncer/adapter   tape: $(RUN)/syncer/tape.jsonl   plot: $(RUN)/syncer/tape.png"
 
 demo-single: setup
-	$(BIN)/yeto train --model smollm2-135m --data data/demo --out $(RUN)-single \
+	$(BIN)/yeto train --model smollm2-135m --data data/demo --out $(RUN)-single --fresh \
 		--max-steps 60 --seq-len 256 --batch-size 4 --lr 1e-3 --eval-every 20
 	$(BIN)/yeto generate --model smollm2-135m --adapter $(RUN)-single/adapter \
 		--prompt "What is the capital of France?" --prompt "Which continent is Kenya in?"

@@ -68,9 +68,12 @@ class RoundStats:
     compute_s: float = 0.0
     before: int = 0  # of `steps`, those taken before this round's training started (they do not pace its window)
     carried: int = 0  # of those, the steps trained for an earlier round's window and carried onto this one (CARRY)
+    last_step: Optional[int] = None  # the island's step number after this round's last step, and that step's LR
+    last_lr: Optional[float] = None  # (where its step() says them)
 
     def add(self, s: dict[str, Any], dt: float) -> None:
         self.steps += 1
+        self.last_step, self.last_lr = s.get("step"), s.get("lr")
         self.tokens += s["tokens"]
         self.loss_tokens += s["loss_tokens"]
         self.loss_sum += s["loss"] * s["loss_tokens"]
@@ -124,11 +127,15 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                progress: Callable[[dict[str, Any]], None] | None = None, log_fn: Callable[[str], None] = print,
                timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0, step_delay: float = 0.0,
                fragment_numel: int = DEFAULT_FRAGMENT_NUMEL, join_key: Optional[JoinKey] = None,
-               identity: str = "") -> dict[str, Any]:
+               identity: str = "", residual: Optional[np.ndarray] = None,
+               on_round_start: Optional[Callable[[np.ndarray], None]] = None) -> dict[str, Any]:
     """Train `island` as one DiLoCo island of the run at `syncer` until the syncer says finish.
 
     `join_key`: the run's credentials (None only for an --insecure loopback syncer). `identity`: this learner's
     secret, the same across its restarts (see `learner_identity`), so a restart may take its id back at once.
+    `residual`: the error-feedback residual a resumed learner saved; `on_round_start(residual)` is called once
+    each round's adapter is loaded (the round boundary where a learner saves its training state), with the residual
+    of the deltas known to count (a delta still in flight may be lost with the process: its error is not carried).
 
     On every way out (finish, refusal, giving up on the syncer, Ctrl-C) the island is left holding the
     last global adapter it received, so the caller saves that; a refusal or giving up then raises YetoError.
@@ -138,6 +145,8 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     core = LearnerCore(learner_id, island.backend, layout, flatten(layout, state), island.adapter_config(),
                        island.record(), random.Random(), timeouts, max_inner_steps, time.time_ns() // 1000,
                        identity=identity or secrets.token_hex(16))
+    if residual is not None and residual.shape == core.ef.residual.shape:
+        core.ef.residual = residual.astype(np.float32)
     link = SyncerLink(syncer, core, log_fn, join_key).start()
     stats = IslandStats()
     t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
@@ -179,6 +188,8 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 start = task.adapter if last_local is None or alpha >= 1 else (
                     alpha * task.adapter + (1 - alpha) * last_local).astype(np.float32)
                 island.load_adapter_state(unflatten(layout, start))  # (the delta stays against task.adapter)
+            if on_round_start is not None:
+                on_round_start(link.counted_residual())
             verdict = link.after_step(rnd.steps, rnd.window_steps) if rnd.steps else Verdict.CONTINUE
             while verdict is Verdict.CONTINUE:
                 inner_step(island, rnd, stats, step_delay)
@@ -204,7 +215,8 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
             stats.delta_bytes.append(link.push(local, rnd.counts()))
             stats.rounds += 1
             if progress:
-                progress({"round": task.round, "steps": rnd.steps, "loss": rnd.loss, "tokens": rnd.tokens})
+                progress({"round": task.round, "steps": rnd.steps, "loss": rnd.loss, "tokens": rnd.tokens,
+                          "step": rnd.last_step, "lr": rnd.last_lr})
             if overlap:
                 nxt = RoundStats(task.round + 1)
                 limit = max_inner_steps or (task.steps if task.steps else 10**9)

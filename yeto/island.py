@@ -15,13 +15,16 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import numpy as np
 import typer
 
 from yeto import YetoError, __version__
 from yeto.micro_batch import WHOLE_BATCH
+
+if TYPE_CHECKING:
+    from yeto.checkpoint import TrainState
 
 
 @dataclass
@@ -68,6 +71,8 @@ class TrainConfig:
     base_quantization: str = "none"  # "nf4": QLoRA (the frozen base in 4 bits, bitsandbytes, CUDA)
     lora_freeze_a: bool = False  # FFA-LoRA: lora_A stays at the run's shared initialization, only lora_B trains
     micro_batch_size: str = WHOLE_BATCH  # blocks through the model at once: "all", N or "auto" (see yeto.micro_batch)
+    save_every: int = 50  # standalone: save the training state every N steps (0: only at the end); fleet: each round
+    fresh: bool = False  # start over, replacing the training state saved in --out
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -97,6 +102,20 @@ class BatchSampler:
             idx.extend(self.order[self.pos : self.pos + take])
             self.pos += take
         return np.asarray(idx)
+
+    def position(self) -> dict[str, int]:
+        """Where the batches are: enough to draw the same next batch after a restart."""
+        return {"n": self.n, "batch_size": self.batch_size, "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
+
+    def seek(self, position: dict[str, int]) -> None:
+        """Continue from a saved `position` (of a sampler over the same blocks, batch size and seed)."""
+        mine = {k: v for k, v in self.position().items() if k in ("n", "batch_size", "seed")}
+        theirs = {k: position.get(k) for k in mine}
+        if mine != theirs:
+            raise YetoError(f"the saved batch position is for another sampler ({theirs}, here {mine}): pass --fresh "
+                            "to start over")
+        self.epoch, self.pos = int(position["epoch"]), int(position["pos"])
+        self.order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
 
 
 def island_record(learner) -> dict[str, Any]:
@@ -160,17 +179,72 @@ def train(cfg: TrainConfig, learner_cls: Callable[..., Any], show_progress: bool
     return run_training(learner_cls(cfg, log=session.log), cfg, session, show_progress)
 
 
+def resume_state(learner, cfg: TrainConfig, out: Path, log: Callable[[str], None]) -> Optional[TrainState]:
+    """Load the training state saved in --out into `learner`, if there is one and it is this run's: a state of
+    another run, or of a finished one, is refused with what differs (--fresh starts over); None: a fresh start."""
+    from yeto.checkpoint import STATE_FILE, differences, load_state, run_identity
+
+    if not hasattr(learner, "load_training_state") or getattr(learner, "ranks", 1) > 1:
+        log("note: this island saves no training state (a torchrun island, or a backend without it): a restart "
+            "starts its optimizer and LR schedule afresh")
+        return None
+    if cfg.fresh:
+        return None
+    state = load_state(out)
+    if state is None:
+        return None
+    path, step = out / STATE_FILE, int(state.meta["step"])
+    diff = differences(state.meta["run"], run_identity(learner))
+    if diff:
+        raise YetoError(f"{path} is the training state of another run ({'; '.join(diff)}): resume with the same flags, "
+                        "pass --fresh to start over (replacing it), or use another --out")
+    if state.meta.get("finished") and (cfg.syncer or step >= cfg.max_steps):
+        more = "" if cfg.syncer else " raise --max-steps to train further,"
+        raise YetoError(f"{out} holds a finished run ({step} steps):{more} pass --fresh to start over, or use "
+                        "another --out")
+    if not cfg.syncer and step > cfg.max_steps:
+        raise YetoError(f"{path} is at step {step}, past --max-steps {cfg.max_steps}: raise --max-steps, or pass "
+                        "--fresh to start over")
+    learner.load_training_state(state, adapter=not cfg.syncer)
+    log(f"resuming from {path} at step {step}" + (" (the syncer brings the current global adapter)"
+                                                   if cfg.syncer else ""))
+    return state
+
+
+def save_training_state(learner, cfg: TrainConfig, out: Path, residual: Optional[np.ndarray] = None,
+                        finished: bool = False) -> None:
+    """Save what `resume_state` needs (with --syncer, the delta quantizer's error-feedback residual too)."""
+    from yeto.checkpoint import run_identity, save_state
+
+    if not hasattr(learner, "training_state") or getattr(learner, "ranks", 1) > 1:
+        return
+    state = learner.training_state()
+    state.meta.update(run=run_identity(learner), finished=finished)
+    if residual is not None:
+        state.tensors["residual"] = residual
+    save_state(out, state)
+
+
 def run_training(learner, cfg: TrainConfig, session: Session, show_progress: bool = True) -> dict[str, Any]:
-    """Evaluate, train (standalone or as an island of --syncer's run), evaluate again, save the adapter."""
+    """Evaluate, train (standalone or as an island of --syncer's run), evaluate again, save the adapter.
+
+    The training state is saved in --out as it goes (yeto.checkpoint), and the same command resumes from it."""
     out, console = session.out, session.console
+    if cfg.save_every < 0:
+        raise YetoError(f"--save-every must be 0 (only at the end) or more, got {cfg.save_every}")
+    resumed = resume_state(learner, cfg, out, session.log)
     metrics = MetricsLog(out / "metrics.jsonl")
     (out / "run.json").write_text(json.dumps(learner.record(), indent=2))
+    if resumed is not None:
+        metrics.write(event="resumed", step=learner.step_count, tokens=learner.tokens_seen)
     eval0 = learner.evaluate()
-    metrics.write(event="eval", step=0, eval_loss=eval0)
+    metrics.write(event="eval", step=learner.step_count, eval_loss=eval0)
     if cfg.syncer:
         tag = f"[bold]island {cfg.learner_id}[/bold] "
+        residual = resumed.tensors.get("residual") if resumed is not None else None
         try:
-            extra = _island_loop(learner, cfg, metrics, console, tag, session.join_key)
+            extra = _island_loop(learner, cfg, metrics, console, tag, session.join_key, residual,
+                                 lambda r: save_training_state(learner, cfg, out, r))
         except BaseException as e:  # refused, gave up on the syncer, Ctrl-C, SIGTERM, a crash: keep the adapter
             try:
                 adapter = learner.save(out / "adapter")
@@ -184,11 +258,12 @@ def run_training(learner, cfg: TrainConfig, session: Session, show_progress: boo
         done = f"{extra['rounds']} rounds, {learner.step_count} steps, utilization {extra['utilization']:.1%}"
     else:
         tag = ""
-        extra = _standalone_loop(learner, cfg, metrics, console, eval0, show_progress)
+        extra = _standalone_loop(learner, cfg, metrics, console, eval0, show_progress, out)
         done = f"{learner.step_count} steps, {extra['tok_s']:.0f} tok/s"
     final_eval = learner.evaluate()
     metrics.write(event="eval", step=learner.step_count, eval_loss=final_eval)
     adapter = learner.save(out / "adapter")
+    save_training_state(learner, cfg, out, finished=True)
     summary = {"adapter": str(adapter), "steps": learner.step_count, "eval_loss_before": eval0,
                "eval_loss_after": final_eval, "tokens": learner.tokens_seen, "loss_tokens": learner.loss_tokens_seen,
                **extra}
@@ -202,8 +277,8 @@ def run_training(learner, cfg: TrainConfig, session: Session, show_progress: boo
 
 
 def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,
-                     show_progress: bool) -> dict[str, Any]:
-    """`--max-steps` steps with a progress bar and periodic eval."""
+                     show_progress: bool, out: Path) -> dict[str, Any]:
+    """Up to `--max-steps` steps (from where a resumed run was) with a progress bar, periodic eval and saves."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
@@ -214,11 +289,14 @@ def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, ev
     )
     t0 = time.perf_counter()
     last_eval = eval0
+    tokens0, loss_tokens0 = learner.tokens_seen, learner.loss_tokens_seen
     with progress:
-        task = progress.add_task("train", total=cfg.max_steps, info="")
-        for _ in range(cfg.max_steps):
+        task = progress.add_task("train", total=cfg.max_steps, completed=learner.step_count, info="")
+        while learner.step_count < cfg.max_steps:
             t = time.perf_counter()
             s = learner.step()
+            if cfg.step_delay:
+                time.sleep(cfg.step_delay)  # a simulated slow island (tests): the delay counts as its compute
             dt = time.perf_counter() - t
             s.update(tok_s=s["tokens"] / dt, loss_tok_s=s["loss_tokens"] / dt)
             if not math.isfinite(s["loss"]):
@@ -228,15 +306,20 @@ def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, ev
                 metrics.write(event="eval", step=s["step"], eval_loss=last_eval)
             metrics.write(event="step", **s)
             history.append(s)
+            if cfg.save_every and s["step"] % cfg.save_every == 0 and s["step"] < cfg.max_steps:
+                save_training_state(learner, cfg, out)
             ev = f" eval {last_eval:.3f}" if last_eval is not None else ""
             progress.update(task, advance=1, info=f"loss {s['loss']:.3f}{ev} {s['tok_s']:.0f} tok/s")
     elapsed = time.perf_counter() - t0
-    return {"first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
-            "tok_s": learner.tokens_seen / elapsed, "loss_tok_s": learner.loss_tokens_seen / elapsed}
+    first, last = (history[0]["loss"], history[-1]["loss"]) if history else (None, None)
+    return {"first_loss": first, "last_loss": last, "tok_s": (learner.tokens_seen - tokens0) / elapsed,
+            "loss_tok_s": (learner.loss_tokens_seen - loss_tokens0) / elapsed}
 
 
-def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: str, join_key) -> dict[str, Any]:
-    """One island of a DiLoCo run: the syncer decides rounds, merges and the end."""
+def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: str, join_key,
+                 residual: Optional[np.ndarray], save_state: Callable[[np.ndarray], None]) -> dict[str, Any]:
+    """One island of a DiLoCo run: the syncer decides rounds, merges and the end; `save_state(residual)` runs at
+    the start of every round, and `residual` (a resumed learner's) seeds the delta quantizer's error feedback."""
     from rich.markup import escape
 
     from yeto.diloco import learner_identity, run_island
@@ -254,7 +337,8 @@ def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: s
     try:
         return run_island(learner, cfg.syncer, cfg.learner_id, overlap=cfg.overlap, progress=on_round,
                           max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
-                          join_key=join_key, identity=learner_identity(cfg.out),
+                          join_key=join_key, identity=learner_identity(cfg.out), residual=residual,
+                          on_round_start=save_state,
                           timeouts=LinkTimeouts(dead_after_s=cfg.syncer_timeout, give_up_s=cfg.give_up_after),
                           log_fn=lambda s: console.print(f"{tag}[dim]{escape(s)}[/dim]"))
     finally:
@@ -346,7 +430,7 @@ def _train_signature(
     max_inner_steps: Annotated[int, typer.Option(help="With --syncer: do at most this many inner steps per round "
                                                       "(a weaker island contributing less; "
                                                       "0: the syncer's policy).")] = D.max_inner_steps,
-    step_delay: Annotated[float, typer.Option(help="Sleep this long after each inner step, "
+    step_delay: Annotated[float, typer.Option(help="Sleep this long after each step, "
                                                    "to simulate a slow island (tests, benchmarks).")] = D.step_delay,
     syncer_timeout: Annotated[float, typer.Option(help="With --syncer: silence (seconds) after which the connection is "
                                                        "presumed dead and remade, with backoff.")] = D.syncer_timeout,
@@ -362,6 +446,11 @@ def _train_signature(
                                             "each), for a base larger than one device.")] = D.shard,
     base_quantization: Annotated[str, typer.Option(help="none, or nf4: the frozen base in 4-bit NF4 through "
                                                         "bitsandbytes (QLoRA; CUDA only).")] = D.base_quantization,
+    save_every: Annotated[int, typer.Option(help="Save the training state (optimizer, schedule, data position, RNG) "
+                                                 "in --out every N steps, so the same command resumes a killed run "
+                                                 "(0: only at the end; with --syncer: every round).")] = D.save_every,
+    fresh: Annotated[bool, typer.Option(help="Start over: ignore the training state in --out (of a killed or "
+                                             "finished run) and replace it.")] = False,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
     """(the flags of `yeto train`; see make_train_command)"""

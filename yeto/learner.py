@@ -18,6 +18,7 @@ import torch
 
 from yeto import YetoError, island
 from yeto.adapter import save_adapter
+from yeto.checkpoint import TrainState
 from yeto.data import Blocks, prepare_data
 from yeto.losses import LossFn, load_loss_function
 from yeto.lora import is_lora_a, lora_config
@@ -238,6 +239,7 @@ class TorchLearner:
     def set_total_steps(self, total: int) -> None:
         """Stretch the LR schedule over the whole run (the syncer knows how long it is)."""
         cfg = self.cfg
+        self.total_steps = total
         self.scheduler.lr_lambdas[0] = lambda s: lr_lambda(s, cfg.warmup_steps, total, cfg.min_lr_ratio)
 
     def record(self) -> dict[str, Any]:
@@ -245,6 +247,53 @@ class TorchLearner:
 
     def save(self, out_dir: str | Path) -> Path:
         return save_adapter(self.model, out_dir, self.record())
+
+    def training_state(self) -> TrainState:
+        """The adapter, AdamW moments, counters, schedule position, batch position and dropout RNG (yeto.checkpoint)."""
+        tensors = {f"adapter/{k}": v for k, v in self.adapter_state().items()}
+        param_steps = {}
+        for name, p in self.trainable.items():
+            st = self.optimizer.state.get(p)
+            if st:
+                tensors[f"exp_avg/{name}"] = st["exp_avg"].detach().float().cpu().numpy()
+                tensors[f"exp_avg_sq/{name}"] = st["exp_avg_sq"].detach().float().cpu().numpy()
+                param_steps[name] = int(st["step"])
+        tensors["rng/torch"] = torch.get_rng_state().numpy()
+        if self.device.startswith("cuda"):
+            tensors["rng/cuda"] = torch.cuda.get_rng_state(self.device).numpy()
+        meta = {"backend": self.backend, "step": self.step_count, "tokens": self.tokens_seen,
+                "loss_tokens": self.loss_tokens_seen, "total_steps": getattr(self, "total_steps", self.cfg.max_steps),
+                "sampler": self.sampler.position(), "param_steps": param_steps}
+        return TrainState(meta, tensors)
+
+    @torch.no_grad()
+    def load_training_state(self, state: TrainState, adapter: bool = True) -> None:
+        """Continue from `state` (`adapter`: restore its adapter too; in a fleet the rejoin brings the global)."""
+        if adapter:
+            self.load_adapter_state(state.group("adapter"))
+        exp_avg, exp_avg_sq, steps = state.group("exp_avg"), state.group("exp_avg_sq"), state.meta["param_steps"]
+        for name, p in self.trainable.items():
+            if name in exp_avg and p.requires_grad:
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(float(steps[name]), dtype=torch.float32),
+                    "exp_avg": torch.from_numpy(exp_avg[name].copy()).to(p.device, p.dtype),
+                    "exp_avg_sq": torch.from_numpy(exp_avg_sq[name].copy()).to(p.device, p.dtype)}
+        self.step_count, self.tokens_seen = int(state.meta["step"]), int(state.meta["tokens"])
+        self.loss_tokens_seen = int(state.meta["loss_tokens"])
+        self.sampler.seek(state.meta["sampler"])
+        if state.meta.get("total_steps") and self.cfg.syncer:  # (standalone: --max-steps, which may have grown)
+            self.set_total_steps(int(state.meta["total_steps"]))
+        cfg = self.cfg
+        self.scheduler.last_epoch = self.step_count  # the schedule continues at the saved step (no second warm-up)
+        lr = cfg.lr * self.scheduler.lr_lambdas[0](self.step_count)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.scheduler._last_lr = [lr]
+        rng = state.group("rng")
+        if "torch" in rng:
+            torch.set_rng_state(torch.from_numpy(rng["torch"].copy()))
+        if "cuda" in rng and self.device.startswith("cuda"):
+            torch.cuda.set_rng_state(torch.from_numpy(rng["cuda"].copy()), self.device)
 
 
 def train(cfg: TrainConfig, show_progress: bool = True) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import numpy as np
 
 from yeto import YetoError
+from yeto.checkpoint import TrainState
 from yeto.data import Blocks, prepare_data
 from yeto.island import BatchSampler, TrainConfig, island_record, lr_lambda, make_train_command, train
 from yeto.micro_batch import WHOLE_BATCH
@@ -314,6 +315,62 @@ class MLXLearner:
         from yeto.adapter import write_adapter
 
         return write_adapter(out_dir, self.adapter_state(), self.adapter_config(), self.record())
+
+    # ------------------------------------------------------------------ resuming (yeto.checkpoint)
+
+    _MOMENTS = {"m": "exp_avg", "v": "exp_avg_sq"}  # MLX's AdamW state names -> torch's (the file's)
+
+    def training_state(self) -> TrainState:
+        """The adapter, AdamW moments, counters, schedule position, batch position and RNG key, under the torch
+        learner's canonical names."""
+        from mlx.utils import tree_flatten
+
+        from yeto.mlx.lora import to_peft_name
+
+        tensors = {f"adapter/{k}": v for k, v in self.adapter_state().items()}
+        flat = dict(tree_flatten(self.optimizer.state))
+        for key, value in flat.items():
+            path, _, moment = key.rpartition(".")
+            if moment in self._MOMENTS and path.endswith((".lora_A", ".lora_B")):
+                tensors[f"{self._MOMENTS[moment]}/{to_peft_name(path)}"] = np.array(value, dtype=np.float32)
+        step = int(flat["step"].item()) if "step" in flat else 0
+        names = [k[len("exp_avg/"):] for k in tensors if k.startswith("exp_avg/")]
+        tensors["rng/mlx"] = np.array(self.mx.random.state[0], dtype=np.uint32)
+        meta = {"backend": self.backend, "step": self.step_count, "tokens": self.tokens_seen,
+                "loss_tokens": self.loss_tokens_seen, "total_steps": self.total_steps,
+                "sampler": self.sampler.position(), "param_steps": {n: step for n in names}}
+        return TrainState(meta, tensors)
+
+    def load_training_state(self, state: TrainState, adapter: bool = True) -> None:
+        """Continue from `state` (`adapter`: restore its adapter too; in a fleet the rejoin brings the global)."""
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        from yeto.mlx.lora import to_peft_name
+
+        mx = self.mx
+        if adapter:
+            self.load_adapter_state(state.group("adapter"))
+        moments = {m: state.group(name) for m, name in self._MOMENTS.items()}
+        self.optimizer.init(self.model.trainable_parameters())
+        flat = dict(tree_flatten(self.optimizer.state))
+        for key in flat:
+            path, _, moment = key.rpartition(".")
+            if moment in moments and path.endswith((".lora_A", ".lora_B")):
+                saved = moments[moment].get(to_peft_name(path))
+                if saved is not None:
+                    flat[key] = mx.array(saved)
+        steps = set(state.meta["param_steps"].values())
+        flat["step"] = mx.array(max(steps, default=0), dtype=mx.uint64)  # (MLX's AdamW keeps one step count)
+        self.optimizer.state = tree_unflatten(list(flat.items()))
+        self.step_count, self.tokens_seen = int(state.meta["step"]), int(state.meta["tokens"])
+        self.loss_tokens_seen = int(state.meta["loss_tokens"])
+        self.sampler.seek(state.meta["sampler"])
+        if state.meta.get("total_steps") and self.cfg.syncer:  # (standalone: --max-steps, which may have grown)
+            self.total_steps = int(state.meta["total_steps"])
+        key = state.group("rng").get("mlx")
+        if key is not None:  # a key (hi, lo) is what mx.random.seed(hi << 32 | lo) sets
+            mx.random.seed((int(key[0]) << 32) | int(key[1]))
+        mx.eval(self.model.trainable_parameters(), self.optimizer.state)
 
 
 train_command = make_train_command(lambda cfg, progress: train(cfg, MLXLearner, progress),

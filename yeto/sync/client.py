@@ -121,6 +121,12 @@ class SyncerLink:
             c = self.core
             return c.pushed is not None and c.pushed.base_version == c.version and c.finish is None and not c.refused
 
+    def counted_residual(self) -> np.ndarray:
+        """The error-feedback residual of the deltas that count: a delta still unsettled gives its part back."""
+        with self.lock:
+            p = self.core.pushed
+            return (self.core.ef.residual if p is None else p.residual_before).copy()
+
     def global_flat(self) -> Optional[np.ndarray]:
         with self.lock:
             return None if self.core.global_ is None else self.core.global_.copy()
