@@ -105,7 +105,7 @@ def data_layout(path: Path, config: str | None = None) -> DataLayout:
         return DataLayout({"train": lambda: read_records(path)})
     if not path.is_dir():
         raise YetoError(f"data file not found: {path}")
-    if any((path / name).is_file() for name in ("dataset_dict.json", "state.json")):
+    if _saved_with_save_to_disk(path):
         return _saved_layout(path, config)
     return _hub_layout(path, config)
 
@@ -181,6 +181,14 @@ def _readme_configs(root: Path):
         return MetadataConfigs.from_dataset_card_data(DatasetCard.load(readme).data)
     except Exception as e:  # a README's header is the user's text: a bad one is named, not a traceback
         raise YetoError(f"{readme}: cannot read its YAML header's `configs` ({_one_line(e)}); fix or remove it") from e
+
+
+def _saved_with_save_to_disk(path: Path) -> bool:
+    """A `save_to_disk` directory: a DatasetDict's dataset_dict.json, or a Dataset's state.json beside its arrow
+    files (a stray state.json beside jsonl files is metadata, skipped)."""
+    if (path / "dataset_dict.json").is_file():
+        return True
+    return (path / "state.json").is_file() and any(path.glob("*.arrow"))
 
 
 def _saved_layout(path: Path, config: str | None) -> DataLayout:
