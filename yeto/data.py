@@ -1,11 +1,22 @@
 """Records -> token blocks with loss masks, identical on every backend.
 
-The pipeline: read records (jsonl/json/parquet/csv/txt, a directory, or a hub
-dataset at a pinned commit) -> detect each record's format -> split off a
-held-out set and shard the rest by learner -> tokenize with the Hugging Face
-tokenizer (chat template for chat records) -> pack whole examples into
-fixed-length blocks. Only numpy and the tokenizer are used, so the torch and
-the MLX learner see byte-identical blocks.
+The pipeline: resolve the data (a jsonl/json/parquet/csv/txt file, a directory,
+a dataset saved with `save_to_disk`, or a hub dataset at a pinned commit) to the
+records of one split of one config (the `datasets` library's layout rules) ->
+detect each record's format, counting the unusable ones by reason -> take the
+held-out set (the dataset's validation/test split, else a seeded fraction) and
+shard the rest by learner -> tokenize with the Hugging Face tokenizer (chat
+template for chat and alpaca records) -> pack whole examples into fixed-length
+blocks. Only numpy and the tokenizer touch the tokens, so the torch and the MLX
+learner see byte-identical blocks.
+
+Hard errors (one line naming the file, or file:line, and the fix): unreadable
+input (not UTF-8, invalid JSON, corrupt parquet, a CSV row with more fields than
+its header, a damaged save_to_disk directory), a record whose structure is wrong
+(not an object, no known format, fields of the wrong type), a chat template that
+raises, a split or config the dataset lacks, and a file none of whose records can
+be used. Everything else that cannot be trained on (no assistant turn, an unknown
+role, empty, over-long) is counted in `stats["unusable"]`, never silently.
 
 `loss_mask[b, t] == 1` means token t of block b is a training target: the loss
 for position t-1 predicting token t is weighted by `loss_mask[b, t]`.
