@@ -1,5 +1,8 @@
 import csv
 import json
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -8,7 +11,7 @@ from hypothesis import strategies as st
 
 from yeto import YetoError
 from yeto.data import (encode_chat, encode_record, pack_examples, prepare_data, read_records, record_format,
-                       split_and_shard, Record)
+                       split_and_shard, Record, Unusable)
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}]
 
@@ -96,10 +99,10 @@ def test_bad_record_is_reported_with_its_line(chat_file, tokenizer):
     with pytest.raises(YetoError, match=r"data\.jsonl:2: invalid JSON"):
         read_records(p)
     p = chat_file([{"messages": [{"role": "user", "content": "only a question"}]}])
-    with pytest.raises(YetoError, match=r":1: chat record has no assistant message"):
+    with pytest.raises(YetoError, match=r"data\.jsonl: none of its records can be used \(no_assistant_turn: 1\)"):
         prepare_data(str(p), tokenizer, 64)
     p = chat_file([{"messages": [{"role": "wizard", "content": "x"}]}])
-    with pytest.raises(YetoError, match=r"role 'wizard'"):
+    with pytest.raises(YetoError, match=r"data\.jsonl: none of its records can be used \(unknown_role: 1\)"):
         prepare_data(str(p), tokenizer, 64)
 
 
@@ -177,3 +180,290 @@ def test_pack_preserves_every_token_and_mask(lens, seq_len):
     assert (blocks.loss_mask[blocks.input_ids < 0] == 0).all()  # padding never carries loss
     again, _ = pack_examples(examples, seq_len, pad_id=-1)
     np.testing.assert_array_equal(blocks.input_ids, again.input_ids)
+
+
+# ----------------------------------------------------------------------------- data where users keep it
+
+
+def rows(tag, n):
+    return [{"prompt": f"{tag} question {i}? ", "completion": f"{tag} answer {i}."} for i in range(n)]
+
+
+def write_jsonl(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def write_parquet(path, records):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(records), path)
+    return path
+
+
+def block_text(tok, blocks):
+    return "".join(tok.decode(row) for row in blocks.input_ids)
+
+
+def test_data_under_a_dot_directory_is_read(tmp_path, tokenizer):
+    # the HF cache (~/.cache/huggingface/...) and ~/.data/x: dot-directories *above* the data are fine
+    data = tmp_path / ".cache" / "huggingface" / "mine"
+    write_jsonl(data / "chat.jsonl", [{"messages": CHAT}] * 4)
+    write_jsonl(data / ".git" / "junk.jsonl", [{"text": "never read"}])  # hidden *below* it is skipped
+    assert len(read_records(data)) == 4
+    d = prepare_data(str(data), tokenizer, 64, eval_fraction=0.0)
+    assert d.stats["records"] == 4 and "never read" not in block_text(tokenizer, d.train)
+    single = prepare_data(str(data / "chat.jsonl"), tokenizer, 64, eval_fraction=0.0)
+    assert single.stats["records"] == 4
+
+
+def test_upper_case_extensions_are_read_and_metadata_json_is_skipped(tmp_path, tokenizer):
+    write_jsonl(tmp_path / "d" / "PIRATES.JSONL", rows("up", 6))
+    (tmp_path / "d" / "dataset_info.json").write_text(json.dumps({"description": "x", "features": {}}))
+    (tmp_path / "d" / "state.json").write_text(json.dumps({"_data_files": []}))
+    assert [r.data for r in read_records(tmp_path / "d" / "PIRATES.JSONL")] == rows("up", 6)
+    assert len(read_records(tmp_path / "d")) == 6
+    d = prepare_data(str(tmp_path / "d"), tokenizer, 64, eval_fraction=0.0)
+    assert d.stats["records"] == 6
+    assert d.stats["skipped_files"] == ["dataset_info.json (dataset metadata, not records)",
+                                        "state.json (dataset metadata, not records)"]
+
+
+def snapshot(tmp_path, splits, fmt="parquet"):
+    """A hub-style snapshot: data/<split>-00000-of-00001.<fmt>, a README and a dataset_info.json."""
+    root = tmp_path / "snap"
+    for split, recs in splits.items():
+        f = root / "data" / f"{split}-00000-of-00001.{fmt}"
+        (write_parquet if fmt == "parquet" else write_jsonl)(f, recs)
+    (root / "README.md").write_text("# a dataset\n")
+    (root / "dataset_info.json").write_text("{}")
+    return root
+
+
+def test_hub_snapshot_trains_on_one_split_and_holds_out_its_validation_split(tmp_path, tokenizer):
+    root = snapshot(tmp_path, {"train": rows("TRAIN", 12), "validation": rows("VALID", 3), "test": rows("TEST", 5)})
+    d = prepare_data(str(root), tokenizer, 64, num_learners=2, eval_fraction=0.5)
+    assert (d.stats["split"], d.stats["eval_split"]) == ("train", "validation")
+    assert d.stats["records"] == 12 and d.stats["eval_records"] == 3  # all of validation; --eval-fraction unused
+    assert d.stats["train_records"] == 6  # half of train: learner 0 of 2
+    train, held_out = block_text(tokenizer, d.train), block_text(tokenizer, d.eval)
+    assert "TRAIN" in train and "VALID" not in train and "TEST" not in train
+    assert "VALID" in held_out and "TRAIN" not in held_out and "TEST" not in held_out
+    t = prepare_data(str(root), tokenizer, 64, split="test")
+    assert "TEST" in block_text(tokenizer, t.train) and t.stats["eval_split"] == "validation"
+    with pytest.raises(YetoError, match=r"^--data-split 'dev' is not a split of .*; its splits: train, "
+                                        r"(validation, test|test, validation)$"):
+        prepare_data(str(root), tokenizer, 64, split="dev")
+
+
+def test_hub_snapshot_without_validation_holds_out_test_else_a_fraction(tmp_path, tokenizer):
+    root = snapshot(tmp_path, {"train": rows("TRAIN", 10), "test": rows("TEST", 4)}, fmt="jsonl")
+    d = prepare_data(str(root), tokenizer, 64)
+    assert d.stats["eval_split"] == "test" and d.stats["eval_records"] == 4 and d.stats["train_records"] == 10
+    assert "TEST" not in block_text(tokenizer, d.train)
+    shutil.rmtree(root)
+    root = snapshot(tmp_path, {"train": rows("TRAIN", 10)})
+    d = prepare_data(str(root), tokenizer, 64, eval_fraction=0.2)
+    assert d.stats["eval_split"] is None and d.stats["eval_records"] == 2 and d.stats["train_records"] == 8
+
+
+def test_saved_dataset_dict_reads_its_splits(tmp_path, tokenizer):
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"train": Dataset.from_list(rows("TRAIN", 8)),
+                 "test": Dataset.from_list(rows("TEST", 3))}).save_to_disk(str(tmp_path / "saved"))
+    d = prepare_data(str(tmp_path / "saved"), tokenizer, 64)
+    assert (d.stats["records"], d.stats["eval_split"], d.stats["eval_records"]) == (8, "test", 3)
+    assert "TEST" not in block_text(tokenizer, d.train) and "TEST" in block_text(tokenizer, d.eval)
+    with pytest.raises(YetoError, match="its splits: train, test"):
+        prepare_data(str(tmp_path / "saved"), tokenizer, 64, split="validation")
+    Dataset.from_list(rows("ONE", 5)).save_to_disk(str(tmp_path / "one"))
+    d = prepare_data(str(tmp_path / "one"), tokenizer, 64, eval_fraction=0.0)
+    assert d.stats["records"] == 5 and d.stats["split"] == "train"
+
+
+README_CONFIGS = """---
+configs:
+- config_name: en
+  data_files:
+  - split: train
+    path: en/train.jsonl
+  - split: test
+    path: en/test.jsonl
+- config_name: fr
+  data_files:
+  - split: train
+    path: fr/train.jsonl
+---
+# two configs
+"""
+
+
+def test_one_config_is_read(tmp_path, tokenizer):
+    root = tmp_path / "multi"
+    write_jsonl(root / "en" / "train.jsonl", rows("ENGLISH", 6))
+    write_jsonl(root / "en" / "test.jsonl", rows("ENTEST", 2))
+    write_jsonl(root / "fr" / "train.jsonl", rows("FRENCH", 4))
+    (root / "README.md").write_text(README_CONFIGS)
+    with pytest.raises(YetoError, match=r"has configs en, fr: pass --data-config NAME"):
+        prepare_data(str(root), tokenizer, 64)
+    fr = prepare_data(str(root), tokenizer, 64, config="fr", eval_fraction=0.0)
+    assert fr.stats["config"] == "fr" and fr.stats["records"] == 4
+    assert "FRENCH" in block_text(tokenizer, fr.train) and "ENGLISH" not in block_text(tokenizer, fr.train)
+    en = prepare_data(str(root), tokenizer, 64, config="en")
+    assert (en.stats["records"], en.stats["eval_split"]) == (6, "test")
+    with pytest.raises(YetoError, match=r"--data-config 'de' is not a config of .*; its configs: en, fr"):
+        prepare_data(str(root), tokenizer, 64, config="de")
+    (root / "README.md").unlink()  # no YAML: a config is a subfolder
+    fr = prepare_data(str(root), tokenizer, 64, config="fr", eval_fraction=0.0)
+    assert fr.stats["records"] == 4 and "ENGLISH" not in block_text(tokenizer, fr.train)
+    with pytest.raises(YetoError, match=r"no subfolder 'de' \(subfolders: en, fr\)"):
+        prepare_data(str(root), tokenizer, 64, config="de")
+    with pytest.raises(YetoError, match=r"--data-config 'fr' given for the single file"):
+        prepare_data(str(root / "fr" / "train.jsonl"), tokenizer, 64, config="fr")
+
+
+def test_hub_dataset_id_reads_one_split_offline(tmp_path, monkeypatch, tokenizer):
+    import huggingface_hub.constants as hc
+
+    sha = "c" * 40
+    snap = tmp_path / "hub" / "datasets--org--splits" / "snapshots" / sha
+    write_parquet(snap / "data" / "train-00000-of-00001.parquet", rows("TRAIN", 9))
+    write_parquet(snap / "data" / "test-00000-of-00001.parquet", rows("TEST", 3))
+    (tmp_path / "hub" / "datasets--org--splits" / "refs").mkdir()
+    (tmp_path / "hub" / "datasets--org--splits" / "refs" / "main").write_text(sha)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    d = prepare_data("org/splits", tokenizer, 64)
+    assert d.artifact.revision == sha and (d.stats["records"], d.stats["eval_split"]) == (9, "test")
+    assert "TEST" not in block_text(tokenizer, d.train)
+
+
+def test_alpaca_records_are_a_chat(tokenizer):
+    plain = Record({"instruction": "What is the capital of France?", "input": "", "output": "Paris."}, "a:1")
+    assert record_format(plain) == "alpaca"
+    assert encode_record(plain, tokenizer) == encode_chat(CHAT, tokenizer)
+    with_input = Record({"instruction": "Translate.", "input": "bonjour", "output": "hello"}, "a:2")
+    ids, mask = encode_record(with_input, tokenizer)
+    assert masked_text(tokenizer, ids, mask) == "hello<|im_end|>\n"
+    assert "Translate.\n\nbonjour" in unmasked_text(tokenizer, ids, mask)
+    null_input = Record({"instruction": "Say hi.", "input": None, "output": "hi"}, "a:3")  # parquet nulls
+    assert masked_text(tokenizer, *encode_record(null_input, tokenizer)) == "hi<|im_end|>\n"
+
+
+def test_unusable_records_are_counted_by_reason(tmp_path, tokenizer):
+    long_prompt = "word " * 200
+    good = [{"messages": CHAT}] * 5
+    bad = [
+        {"messages": [{"role": "user", "content": "no answer"}]},  # no assistant turn
+        {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},  # unknown role
+        {"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]},  # unknown ShareGPT role
+        {"text": "   "},  # empty
+        {"prompt": "q", "completion": ""},  # empty
+        {"instruction": "do", "output": ""},  # empty
+        {"messages": []},  # empty
+        {"prompt": long_prompt, "completion": "the answer"},  # the prompt alone fills --seq-len
+    ]
+    with pytest.raises(Unusable):
+        record_format(Record(bad[0], "x:1"))
+    p = write_jsonl(tmp_path / "mixed.jsonl", good + bad)
+    d = prepare_data(str(p), tokenizer, 64, eval_fraction=0.0)
+    assert d.stats["unusable"] == {"no_assistant_turn": 1, "unknown_role": 2, "empty": 4, "over_long": 1}
+    assert d.stats["unusable_first"]["over_long"] == f"{p}:13"
+    assert d.stats["records"] == 6 and d.stats["train_records"] == 5  # the over-long one is found when tokenized
+    # a second file with nothing usable is an error naming it, even beside a good one
+    write_jsonl(tmp_path / "dir" / "good.jsonl", good)
+    write_jsonl(tmp_path / "dir" / "useless.jsonl", bad[:2])
+    with pytest.raises(YetoError, match=r"useless\.jsonl: none of its records can be used "
+                                        r"\(no_assistant_turn: 1, unknown_role: 1\)"):
+        prepare_data(str(tmp_path / "dir"), tokenizer, 64)
+
+
+def raising_template_model(tiny_model, tokenizer, tmp_path):
+    path = tmp_path / "model-raising-template"
+    shutil.copytree(tiny_model("llama"), path)
+    tok = type(tokenizer).from_pretrained(path)
+    tok.chat_template = "{{ raise_exception('this template takes no assistant turns') }}"
+    tok.save_pretrained(path)
+    return path
+
+
+def corrupt_parquet(path):
+    write_parquet(path, rows("x", 4))
+    raw = path.read_bytes()
+    path.write_bytes(raw[:8] + b"\xff" * 64 + raw[72:])  # damaged pages, the magic bytes intact
+    return path
+
+
+BAD_INPUTS = {  # name -> (write the input into tmp_path, returning (--data, extra flags), the message)
+    "non-UTF-8": (lambda t: ((t / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n') and t / "latin1.jsonl", []),
+                  r"latin1\.jsonl: not UTF-8 text \(byte b'\\xe9' at byte offset 13\); re-save it as UTF-8"),
+    "corrupt parquet": (lambda t: (corrupt_parquet(t / "broken.parquet"), []),
+                        r"broken\.parquet: not a readable parquet file \(.*\); re-export it"),
+    "truncated parquet": (lambda t: ((t / "short.parquet").write_bytes(b"PAR1\x00\x01") and t / "short.parquet", []),
+                          r"short\.parquet: not a readable parquet file"),
+    "corrupt JSON Lines": (lambda t: (write_jsonl(t / "c.jsonl", [{"text": "ok"}]).open("a").write('{"text": 1,\n')
+                                      and t / "c.jsonl", []),
+                           r"c\.jsonl:2: invalid JSON \(.* at column \d+\); fix the line"),
+    "corrupt JSON array": (lambda t: ((t / "a.json").write_text('[\n {"text": "ok"},\n {"text": \n') and t / "a.json",
+                                      []),
+                           r"a\.json:4: invalid JSON"),
+    "CSV row with extra fields": (lambda t: ((t / "x.csv").write_text('text\nfine\n"a",b,c\n') and t / "x.csv", []),
+                                  r"x\.csv:3: 2 more field\(s\) than the header's 1; quote fields that contain commas"),
+    "no usable record": (lambda t: (write_jsonl(t / "q.jsonl", [{"messages": [{"role": "user", "content": "?"}]}]),
+                                    []),
+                         r"q\.jsonl: none of its records can be used \(no_assistant_turn: 1\)"),
+    "missing split": (lambda t: (snapshot(t, {"train": rows("a", 4), "test": rows("b", 2)}), ["--data-split", "dev"]),
+                      r"--data-split 'dev' is not a split of .*; its splits: train, test"),
+    "missing config": (lambda t: (write_jsonl(t / "cfg" / "en" / "train.jsonl", rows("a", 3)).parent.parent,
+                                  ["--data-config", "de"]),
+                       r"--data-config 'de': .* no subfolder 'de' \(subfolders: en\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_data_input_is_one_line(case, tmp_path, tokenizer):
+    make, message = BAD_INPUTS[case]
+    data, flags = make(tmp_path)
+    split = dict(zip(flags[::2], flags[1::2]))
+    with pytest.raises(YetoError, match=message):
+        prepare_data(str(data), tokenizer, 64, split=split.get("--data-split", "train"),
+                     config=split.get("--data-config"))
+
+
+def test_a_chat_template_that_raises_is_one_line(tmp_path, tiny_model, tokenizer):
+    from yeto.models import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(str(raising_template_model(tiny_model, tokenizer, tmp_path))))
+    p = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}] * 2)
+    with pytest.raises(YetoError, match=r"chat\.jsonl:\d+: the model's chat template refuses this conversation "
+                                        r"\(.*takes no assistant turns\); fix the record"):
+        prepare_data(str(p), tok, 64)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS) + ["chat template raises"])
+def test_cli_bad_data_is_one_line_exit_2(case, tmp_path, tiny_model, tokenizer):
+    from tests.conftest import REPO
+
+    model = tiny_model("llama")
+    if case == "chat template raises":
+        model = raising_template_model(tiny_model, tokenizer, tmp_path)
+        data, flags = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}] * 2), []
+        message = r"chat\.jsonl:\d+: the model's chat template refuses this conversation"
+    else:
+        make, message = BAD_INPUTS[case]
+        data, flags = make(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "yeto.cli", "train", "--model", str(model), "--data", str(data),
+                        "--out", str(tmp_path / "run"), "--max-steps", "1", "--no-progress", *flags],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    import re
+
+    assert lines[0].startswith("error: ") and re.search(message, lines[0]), lines[0]

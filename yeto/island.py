@@ -34,6 +34,8 @@ class TrainConfig:
     out: str = "runs/train"
     model_revision: Optional[str] = None
     data_revision: Optional[str] = None
+    data_split: str = "train"  # the dataset split trained on (a hub dataset or a directory with split files)
+    data_config: Optional[str] = None  # the dataset config (subset) read, for datasets that have several
     trust_remote_code: bool = False
     seq_len: int = 256
     batch_size: int = 4
@@ -378,6 +380,12 @@ def _train_signature(
                                                                "resolved to one commit and recorded.")] = None,
     data_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the dataset; "
                                                               "resolved to one commit and recorded.")] = None,
+    data_split: Annotated[str, typer.Option(help="Dataset split to train on; the held-out set is the dataset's "
+                                                 "validation (else test) split where it has one, else "
+                                                 "--eval-fraction of this split.")] = D.data_split,
+    data_config: Annotated[Optional[str], typer.Option(help="Dataset config (subset) to read, for a dataset with "
+                                                            "several (README `configs` or one subfolder each).")
+                           ] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own Python code to run "
                                                          "(off unless given).")] = False,
     seq_len: Annotated[int, typer.Option(help="Tokens per packed block.")] = D.seq_len,

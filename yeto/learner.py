@@ -80,7 +80,7 @@ class TorchLearner:
         self.tokenizer = load_tokenizer(self.model_artifact, cfg.trust_remote_code)
         self.data = prepare_data(
             cfg.data, self.tokenizer, cfg.seq_len, cfg.learner_id, cfg.num_learners, cfg.eval_fraction, cfg.seed,
-            cfg.data_revision
+            cfg.data_revision, split=cfg.data_split, config=cfg.data_config
         )
         log(f"data: {json.dumps(self.data.stats)}")
         torch.manual_seed(cfg.seed)

@@ -173,7 +173,7 @@ class MLXLearner:
         self.model_artifact = resolve_model(cfg.model, cfg.model_revision)  # a hub snapshot is materialized first
         self.tokenizer = load_tokenizer(self.model_artifact, cfg.trust_remote_code)
         self.data = prepare_data(cfg.data, self.tokenizer, cfg.seq_len, cfg.learner_id, cfg.num_learners,
-                                 cfg.eval_fraction, cfg.seed, cfg.data_revision)
+                                 cfg.eval_fraction, cfg.seed, cfg.data_revision, cfg.data_split, cfg.data_config)
         log(f"data: {json.dumps(self.data.stats)}")
         mx.random.seed(cfg.seed)
         self.model = load_mlx_model(self.model_artifact.path)
