@@ -241,7 +241,7 @@ def test_trimmed_mean_drops_the_extremes_per_coordinate():
     np.testing.assert_allclose(two, (3 * 1.0 + 2.0) / 4)  # two deltas: nothing to trim, the weighted mean
 
 
-# ---------------------------------------------------------------------------- numpy kernels vs the torch ones they replace
+# ---------------------------------------------------------------- numpy kernels vs the torch ones they replace
 
 REFERENCE = Path(__file__).parent / "data" / "sync_reference.npz"  # the torch kernels' outputs (yeto 1add59b)
 
@@ -272,8 +272,8 @@ def test_quantization_and_error_feedback_are_bit_for_bit_the_torch_kernels():
 
 @pytest.mark.parametrize("rule", ["mean", "rda"])
 def test_running_sums_and_clipped_merges_match_the_torch_kernels(rule):
-    """torch fused each add's multiply (one rounding), numpy rounds the product too (one more rounding per add): sums of three agree to a few ulps;
-    a clip's correction is fused here as well, and RDA's merge (float64 per tensor) is bit for bit."""
+    """torch fused each add's multiply (one rounding), numpy rounds the product too (one more rounding per add): sums
+    of three agree to a few ulps; a clip's correction is fused here as well, and RDA's merge is bit for bit."""
     from yeto.sync.aggregate import RoundSum, clipped_merge
 
     ref, layout, deltas, weights, scales = reference_round()

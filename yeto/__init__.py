@@ -15,7 +15,7 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 
 
 TORCH_EXTRA = "pip install 'yeto[torch]'"
-TORCH_MODULES = ("torch", "peft")  # the torch learner's extra (`yeto[torch]`); the syncer, CLI and MLX island need neither
+TORCH_MODULES = ("torch", "peft")  # the torch learner's extra; the syncer, CLI, launch and MLX island need neither
 
 
 def missing_torch() -> str | None:
