@@ -51,7 +51,7 @@ def _register() -> None:
 
         app.command("train")(train_command)
     else:  # every invocation, --help included, is the one line that says how to get the torch learner
-        app.command("train", add_help_option=False, help="Train a LoRA adapter on one island (needs yeto[torch]).",
+        app.command("train", add_help_option=False, help="Train a LoRA adapter on one island (needs the torch extra).",
                     context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(_train_without_torch)
     app.command("syncer")(syncer_command)
     app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch_command)
