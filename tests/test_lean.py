@@ -66,9 +66,10 @@ def test_yeto_syncer_merges_rounds_without_torch(tmp_path):
     port = free_port()
     out = tmp_path / "syncer"
     syncer = subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--host", "127.0.0.1", "--port", str(port),
-                               "--learners", "2", "--quorum", "2", "--outer-steps", "3", "--inner-steps", "2", "--sync-bits", "4",
-                               "--out", str(out), "--insecure"], cwd=REPO, env=torchless_env(tmp_path),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               "--learners", "2", "--quorum", "2", "--outer-steps", "3", "--inner-steps", "2",
+                               "--sync-bits", "4", "--out", str(out), "--insecure"],
+                              cwd=REPO, env=torchless_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
     try:
         results: dict = {}
         threads = [island_thread(QuadraticIsland(t, 100, shape_b=(200, 2)), port, lid, results)

@@ -301,3 +301,29 @@ def test_outer_step_is_bit_for_bit_its_textbook_form():
     assert new.dtype == m2.dtype == np.float32
     np.testing.assert_array_equal(m2, m_want)
     np.testing.assert_array_equal(new, p_want)
+
+
+def test_the_kernels_give_the_same_bits_on_one_thread_and_on_many(monkeypatch):
+    import yeto.sync.spans as spans
+    from yeto.sync.aggregate import accumulate
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(3 * (1 << 20) + 77) * 1e-3).astype(np.float32)  # long enough for several spans
+    x[12345] = 3.0
+
+    def kernels():
+        q = quantize(x, 4)
+        total = accumulate(None, x, 0.3)
+        return q, dequantize(q, x.size, 4), accumulate(total, dequantize(q, x.size, 4), -0.29, fused=True)
+
+    monkeypatch.setattr(spans, "WORKERS", 1)
+    one = kernels()
+    monkeypatch.setattr(spans, "WORKERS", 4)
+    many = kernels()
+    assert one[0] == many[0]
+    for a, b in zip(one[1:], many[1:]):
+        np.testing.assert_array_equal(a, b)
+    bad = x.copy()
+    bad[2_500_000] = np.nan  # in a later span than the first
+    with pytest.raises(QuantError, match="index 2500000"):
+        quantize(bad, 4)

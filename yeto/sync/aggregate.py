@@ -37,12 +37,14 @@ import numpy as np
 
 from yeto.sync.layout import Layout
 from yeto.sync.merge import Directions
+from yeto.sync.spans import over_spans
 
 ROBUST_MODES = ("norm-clip", "trimmed-mean", "off")
 DEFAULT_CLIP_K = 4.0
 NORM_HISTORY_ROUNDS = 8
 TRIM_FRACTION = 0.2
 ACCUMULATE_CHUNK = 1 << 16  # values per step of the running sum (256 KiB: stays in cache)
+ACCUMULATE_SPAN = 1 << 19  # values at least per thread
 
 
 def accumulate(total: Optional[np.ndarray], delta: np.ndarray, scale: float, fused: bool = False) -> np.ndarray:
@@ -54,15 +56,19 @@ def accumulate(total: Optional[np.ndarray], delta: np.ndarray, scale: float, fus
     if total is None:
         total = np.zeros(d.size, dtype=np.float32)
     alpha = np.float64(np.float32(scale)) if fused else np.float32(scale)
-    scratch = np.empty(min(ACCUMULATE_CHUNK, d.size), dtype=alpha.dtype)
-    for a in range(0, d.size, ACCUMULATE_CHUNK):
-        part, into = scratch[: min(ACCUMULATE_CHUNK, d.size - a)], total[a : a + ACCUMULATE_CHUNK]
-        np.multiply(d[a : a + part.size], alpha, out=part)
-        if fused:
-            part += into
-            into[...] = part
-        else:
-            np.add(into, part, out=into)
+
+    def add_span(first: int, end: int) -> None:
+        scratch = np.empty(min(ACCUMULATE_CHUNK, end - first), dtype=alpha.dtype)
+        for a in range(first, end, ACCUMULATE_CHUNK):
+            part, into = scratch[: min(ACCUMULATE_CHUNK, end - a)], total[a : min(a + ACCUMULATE_CHUNK, end)]
+            np.multiply(d[a : a + part.size], alpha, out=part)
+            if fused:
+                part += into
+                into[...] = part
+            else:
+                np.add(into, part, out=into)
+
+    over_spans(d.size, add_span, ACCUMULATE_SPAN)
     return total
 
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from yeto.sync.spans import over_spans
+
 BLOCK = 128
 BITS = (4, 8, 16, 32)
 CHUNK_BLOCKS = 512  # blocks decoded or encoded per step (256 KiB of fp32: stays in cache)
+SPAN_BLOCKS = 4096  # blocks (512K values) at least per thread
 
 
 class QuantError(ValueError):
@@ -51,8 +54,8 @@ def _first_non_finite(x: np.ndarray) -> QuantError:
 def quantize(x: np.ndarray, bits: int) -> bytes:
     """Encode a 1-D fp32 vector; `dequantize(quantize(x, b), x.size, b)` approximates x.
 
-    numpy, in place on one padded copy: codes = round((v - lo) / step), clamped to the grid. The blocks' minima and
-    maxima also find a non-finite value (NaN and infinities reach one of them): no separate pass over x.
+    numpy, a cache-sized chunk of blocks at a time: codes = round((v - lo) / step), clamped to the grid. The blocks'
+    minima and maxima also find a non-finite value (NaN and infinities reach one of them): no separate pass over x.
     """
     if bits not in BITS:
         raise QuantError(f"unsupported wire precision {bits} bits (use one of {BITS})")
@@ -68,30 +71,48 @@ def quantize(x: np.ndarray, bits: int) -> bytes:
         return h.tobytes()
     levels = (1 << bits) - 1
     n = x.size
-    blocks = -(-n // BLOCK)
-    v = np.empty(blocks * BLOCK, dtype=np.float32)
-    v[:n] = x
-    v[n:] = x[-1] if n else 0.0
-    v = v.reshape(blocks, BLOCK)
-    lo, hi = v.min(1), v.max(1)
-    if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+    blocks = -(-n // BLOCK)  # the last block padded with the last value
+    lo16, step16 = np.empty(blocks, np.float16), np.empty(blocks, np.float16)
+    codes = np.empty(blocks * BLOCK * bits // 8, np.uint8)
+    problems: set[str] = set()
+
+    def encode_span(first: int, end: int) -> None:
+        scratch = np.empty((CHUNK_BLOCKS, BLOCK), np.float32)
+        for a in range(first, end, CHUNK_BLOCKS):  # a cache-sized chunk at a time
+            b = min(a + CHUNK_BLOCKS, end)
+            v = scratch[: b - a]
+            flat = v.reshape(-1)
+            have = min(b * BLOCK, n) - a * BLOCK
+            flat[:have] = x[a * BLOCK : a * BLOCK + have]
+            flat[have:] = x[-1]
+            low, high = v.min(1), v.max(1)
+            if not (np.isfinite(low).all() and np.isfinite(high).all()):
+                problems.add("non-finite")
+                return
+            lo16[a:b], step16[a:b] = _fp16_bounds(low, high, levels)
+            if not (np.isfinite(lo16[a:b]).all() and np.isfinite(step16[a:b]).all()):
+                problems.add("fp16 range")
+                return
+            lo = lo16[a:b].astype(np.float32)[:, None]
+            step = step16[a:b].astype(np.float32)[:, None]
+            # a zero step means a constant block equal to its (exact) minimum: (v - lo) is 0 there
+            np.subtract(v, lo, out=v)
+            np.divide(v, np.where(step > 0, step, np.float32(1.0)), out=v)
+            np.rint(v, out=v)  # half to even, as torch.round
+            np.clip(v, 0, levels, out=v)
+            c = v.astype(np.uint8).reshape(-1)
+            if bits == 4:
+                packed = codes[a * BLOCK // 2 : b * BLOCK // 2]
+                np.left_shift(c[1::2], 4, out=packed)
+                packed |= c[0::2]
+            else:
+                codes[a * BLOCK : b * BLOCK] = c
+
+    over_spans(blocks, encode_span, SPAN_BLOCKS)
+    if "non-finite" in problems:
         raise _first_non_finite(x)
-    lo16, step16 = _fp16_bounds(lo, hi, levels)
-    if not (np.isfinite(lo16).all() and np.isfinite(step16).all()):
+    if problems:
         raise QuantError(f"values beyond the fp16 range of the {bits}-bit block scales: use --sync-bits 32")
-    lo = lo16.astype(np.float32)[:, None]
-    step = step16.astype(np.float32)[:, None]
-    # a zero step means a constant block equal to its (exact) minimum: (v - lo) is 0 there
-    safe_step = np.where(step > 0, step, np.float32(1.0))
-    np.subtract(v, lo, out=v)
-    np.divide(v, safe_step, out=v)
-    np.rint(v, out=v)  # half to even, as torch.round
-    np.clip(v, 0, levels, out=v)
-    codes = v.astype(np.uint8).reshape(-1)
-    if bits == 4:
-        packed = codes[1::2] << 4
-        packed |= codes[0::2]
-        codes = packed
     return lo16.tobytes() + step16.tobytes() + codes.tobytes()
 
 
@@ -131,13 +152,17 @@ def dequantize(buf: bytes | memoryview, numel: int, bits: int, out: np.ndarray |
     whole = numel // BLOCK  # blocks decoded in place; a last, partial block through a scratch block
     per_byte = 8 // bits
     table = CODE_TABLES[bits]
-    for a in range(0, whole, CHUNK_BLOCKS):  # a cache-sized chunk at a time: look-up, scale and shift stay in cache
-        b = min(a + CHUNK_BLOCKS, whole)
-        v = out[a * BLOCK : b * BLOCK]
-        table.take(codes[a * BLOCK // per_byte : b * BLOCK // per_byte], out=v.view(table.dtype))
-        v = v.reshape(b - a, BLOCK)
-        np.multiply(v, step[a:b], out=v)
-        np.add(v, lo[a:b], out=v)
+
+    def decode_span(first: int, end: int) -> None:
+        for a in range(first, end, CHUNK_BLOCKS):  # a cache-sized chunk at a time: look-up, scale, shift in cache
+            b = min(a + CHUNK_BLOCKS, end)
+            v = out[a * BLOCK : b * BLOCK]
+            table.take(codes[a * BLOCK // per_byte : b * BLOCK // per_byte], out=v.view(table.dtype))
+            v = v.reshape(b - a, BLOCK)
+            np.multiply(v, step[a:b], out=v)
+            np.add(v, lo[a:b], out=v)
+
+    over_spans(whole, decode_span, SPAN_BLOCKS)
     if whole < blocks:
         last = CODE_TABLES[bits].take(codes[whole * BLOCK // per_byte :]).view(np.float32)
         out[whole * BLOCK :] = (last * step[whole] + lo[whole])[: numel - whole * BLOCK]
