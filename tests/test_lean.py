@@ -95,10 +95,13 @@ def test_yeto_syncer_merges_rounds_without_torch(tmp_path):
 def test_yeto_train_and_generate_without_torch_say_how_to_get_it_in_one_line(tmp_path):
     env = torchless_env(tmp_path)
     for args in (["train", "--model", "smollm2-135m", "--data", DEMO_DATA], ["train", "--help"],
-                 ["generate", "--adapter", str(tmp_path), "--prompt", "hi"]):
+                 ["generate", "--adapter", str(tmp_path), "--prompt", "hi"],
+                 ["launch", "--gpu", "local:2", "--model", "smollm2-135m", "--data", DEMO_DATA, "--out",
+                  str(tmp_path / "local")]):
         r = run(["-m", "yeto", *args], env)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
         assert r.stderr.count("\n") == 1 and "pip install 'yeto[torch]'" in r.stderr, (args, r.stderr)
+    assert not (tmp_path / "local").exists()  # refused before the syncer or any island started
 
 
 def test_launch_dry_run_without_torch_shows_a_head_that_installs_no_torch(tmp_path):
