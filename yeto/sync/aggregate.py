@@ -59,6 +59,10 @@ def accumulate(total: Optional[np.ndarray], delta: np.ndarray, scale: float, fus
 
     def add_span(first: int, end: int) -> None:
         scratch = np.empty(min(ACCUMULATE_CHUNK, end - first), dtype=alpha.dtype)
+        with np.errstate(over="ignore"):  # a huge delta overflows to inf: the merge refuses a non-finite result
+            add_chunks(first, end, scratch)
+
+    def add_chunks(first: int, end: int, scratch: np.ndarray) -> None:
         for a in range(first, end, ACCUMULATE_CHUNK):
             part, into = scratch[: min(ACCUMULATE_CHUNK, end - a)], total[a : min(a + ACCUMULATE_CHUNK, end)]
             np.multiply(d[a : a + part.size], alpha, out=part)
