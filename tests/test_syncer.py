@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 import pytest
-import torch  # noqa: F401  (imported up front: quantize's first import would stall a raw learner past a 1 s timeout)
 
 from tests.peers import FAST, NAMES, QuadraticIsland, RawLearner, island_thread, tape_with, wait_until
 from yeto import YetoError

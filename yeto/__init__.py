@@ -12,3 +12,30 @@ def one_line(e: BaseException, limit: int = 300) -> str:
     of hints and tracebacks) adds to a one-line error of ours."""
     lines = str(e).splitlines()
     return f"{type(e).__name__}: {lines[0][:limit]}" if lines and lines[0] else type(e).__name__
+
+
+TORCH_EXTRA = "pip install 'yeto[torch]'"
+TORCH_MODULES = ("torch", "peft")  # the torch learner's extra; the syncer, CLI, launch and MLX island need neither
+
+
+def missing_torch() -> str | None:
+    """The first of the torch extra's modules this install cannot import (None when it has them all)."""
+    import importlib.util
+    import sys
+
+    for name in TORCH_MODULES:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except ValueError:  # in sys.modules without a spec: blocked (None) or a stand-in
+            if sys.modules.get(name) is None:
+                return name
+    return None
+
+
+def require_torch(what: str) -> None:
+    """One line, not an import traceback, where a torch-only part runs on an install without the torch extra."""
+    missing = missing_torch()
+    if missing is not None:
+        raise YetoError(f"{what} runs on torch and this install has no {missing}: {TORCH_EXTRA} (or, on a Mac, "
+                        "train on MLX: pip install 'yeto[mlx]', then python -m yeto.mlx.learner)")

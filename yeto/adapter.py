@@ -33,7 +33,8 @@ def find_adapter_dir(path: str | Path) -> Path:
 
 
 def peft_config_dict(cfg, record: dict[str, Any]) -> dict[str, Any]:
-    """adapter_config.json's content for a peft LoraConfig, with the base model named as provenance resolved it."""
+    """adapter_config.json's content for a peft LoraConfig (or a peft-free yeto.lora.LoraSpec), with the base model
+    named as provenance resolved it."""
     model = record.get("model", {})
     cfg.base_model_name_or_path = model.get("hub_id") or model.get("path") or cfg.base_model_name_or_path
     cfg.revision = model.get("revision") if model.get("source") == "hub" else None
@@ -100,7 +101,7 @@ def write_adapter(out_dir: str | Path, tensors: dict[str, Any], adapter_config: 
 def read_provenance(adapter_dir: str | Path) -> dict[str, Any]:
     from safetensors import safe_open
 
-    with safe_open(str(find_adapter_dir(adapter_dir) / ADAPTER_WEIGHTS), framework="pt") as f:
+    with safe_open(str(find_adapter_dir(adapter_dir) / ADAPTER_WEIGHTS), framework="numpy") as f:
         meta = f.metadata() or {}
     if METADATA_KEY not in meta:
         raise YetoError(f"{adapter_dir}: adapter has no yeto provenance metadata")

@@ -7,7 +7,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from yeto import YetoError
+from yeto import YetoError, missing_torch, require_torch
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="LoRA fine-tuning across independent islands, DiLoCo-style.")
@@ -44,15 +44,24 @@ def _guarded(typer_app: typer.Typer) -> None:
 
 def _register() -> None:
     from yeto.launch.command import down_command, launch_command, logs_command, status_command
-    from yeto.learner import train_command
     from yeto.sync.server import syncer_command
 
-    app.command("train")(train_command)
+    if missing_torch() is None:
+        from yeto.learner import train_command
+
+        app.command("train")(train_command)
+    else:  # every invocation, --help included, is the one line that says how to get the torch learner
+        app.command("train", add_help_option=False, help="Train a LoRA adapter on one island (needs the torch extra).",
+                    context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(_train_without_torch)
     app.command("syncer")(syncer_command)
     app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch_command)
     app.command("status")(status_command)
     app.command("logs")(logs_command)
     app.command("down")(down_command)
+
+
+def _train_without_torch() -> None:
+    require_torch("yeto train")
 
 
 keys_app = typer.Typer(no_args_is_help=True, help="The run's credentials (docs/SECURITY.md): the syncer's key pair, "
@@ -145,6 +154,7 @@ def generate(
     from rich.console import Console
     from rich.table import Table
 
+    require_torch("yeto generate")
     from yeto.generate import compare
 
     rows = compare(model, adapter, prompt, max_new_tokens, model_revision, device, trust_remote_code)

@@ -19,7 +19,8 @@ every backend (torch, MLX) adapts exactly the same layers:
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
 
 from yeto import YetoError
 
@@ -103,18 +104,49 @@ def torch_linears(model) -> tuple[list[Linear], list[str]]:
     return linears, exclude
 
 
-def lora_config_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha: float = 32.0, dropout: float = 0.05):
-    """The peft LoraConfig any backend describes its adapter with: the linears `select_targets`
-    chose, among all of the model's `linears`."""
-    from peft import LoraConfig
-
+def _check_lora(r: int, dropout: float) -> None:
     if r < 1:
         raise YetoError(f"--lora-r must be at least 1, got {r}")
     if not 0.0 <= dropout < 1.0:
         raise YetoError(f"--lora-dropout must be in [0, 1), got {dropout}")
+
+
+def lora_config_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha: float = 32.0, dropout: float = 0.05):
+    """The peft LoraConfig the torch learner builds its adapter from: the linears `select_targets`
+    chose, among all of the model's `linears`."""
+    from peft import LoraConfig
+
+    _check_lora(r, dropout)
     targets = peft_target_modules(chosen, [n for n, _, _ in linears])
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM",
                       bias="none")
+
+
+@dataclass
+class LoraSpec:
+    """An adapter's peft description without peft (which needs torch), for a backend that runs without it: `to_dict`
+    is an adapter_config.json peft loads, the fields left out taking peft's defaults (those yeto's LoraConfig has)."""
+
+    r: int
+    lora_alpha: float
+    lora_dropout: float
+    target_modules: str | list[str]
+    base_model_name_or_path: Optional[str] = None
+    revision: Optional[str] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        targets = self.target_modules if isinstance(self.target_modules, str) else sorted(self.target_modules)
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none", "inference_mode": True,
+                "r": self.r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
+                "target_modules": targets, "base_model_name_or_path": self.base_model_name_or_path,
+                "revision": self.revision}
+
+
+def lora_spec_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha: float = 32.0,
+                  dropout: float = 0.05) -> LoraSpec:
+    """As `lora_config_for`, as a LoraSpec (no peft, no torch): the MLX island's."""
+    _check_lora(r, dropout)
+    return LoraSpec(r, alpha, dropout, peft_target_modules(chosen, [n for n, _, _ in linears]))
 
 
 def lora_config(model, mode: str = "auto", r: int = 16, alpha: float = 32.0, dropout: float = 0.05):

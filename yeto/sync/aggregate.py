@@ -34,23 +34,46 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
-import torch
 
 from yeto.sync.layout import Layout
 from yeto.sync.merge import Directions
+from yeto.sync.spans import over_spans
 
 ROBUST_MODES = ("norm-clip", "trimmed-mean", "off")
 DEFAULT_CLIP_K = 4.0
 NORM_HISTORY_ROUNDS = 8
 TRIM_FRACTION = 0.2
+ACCUMULATE_CHUNK = 1 << 16  # values per step of the running sum (256 KiB: stays in cache)
+ACCUMULATE_SPAN = 1 << 19  # values at least per thread
 
 
-def accumulate(total: Optional[torch.Tensor], delta: np.ndarray, scale: float) -> torch.Tensor:
-    """total += scale * delta, in place (torch: one multi-threaded pass)."""
-    d = torch.from_numpy(np.ascontiguousarray(delta, dtype=np.float32).reshape(-1))
+def accumulate(total: Optional[np.ndarray], delta: np.ndarray, scale: float, fused: bool = False) -> np.ndarray:
+    """total += scale * delta, in place, in cache-sized chunks (one pass over memory, no full-size temporary).
+
+    `fused` rounds once, as a fused multiply-add (the product is exact in float64): for a correction that cancels
+    most of an earlier term (a clip), where a rounded product's error would be large against what remains."""
+    d = np.ascontiguousarray(delta, dtype=np.float32).reshape(-1)
     if total is None:
-        total = torch.zeros(d.numel(), dtype=torch.float32)
-    return total.add_(d, alpha=float(scale))
+        total = np.zeros(d.size, dtype=np.float32)
+    alpha = np.float64(np.float32(scale)) if fused else np.float32(scale)
+
+    def add_span(first: int, end: int) -> None:
+        scratch = np.empty(min(ACCUMULATE_CHUNK, end - first), dtype=alpha.dtype)
+        with np.errstate(over="ignore"):  # a huge delta overflows to inf: the merge refuses a non-finite result
+            add_chunks(first, end, scratch)
+
+    def add_chunks(first: int, end: int, scratch: np.ndarray) -> None:
+        for a in range(first, end, ACCUMULATE_CHUNK):
+            part, into = scratch[: min(ACCUMULATE_CHUNK, end - a)], total[a : min(a + ACCUMULATE_CHUNK, end)]
+            np.multiply(d[a : a + part.size], alpha, out=part)
+            if fused:
+                part += into
+                into[...] = part
+            else:
+                np.add(into, part, out=into)
+
+    over_spans(d.size, add_span, ACCUMULATE_SPAN)
+    return total
 
 
 def effective_weight(weight: float, scale: float) -> float:
@@ -63,7 +86,7 @@ class RoundSum:
     """sum_i t_i * d_i over the deltas added so far, in arrival order (and RDA's sums, when the rule is rda)."""
 
     numel: int
-    total: Optional[torch.Tensor] = None
+    total: Optional[np.ndarray] = None
     weight: float = 0.0
     order: list[int] = field(default_factory=list)  # learner ids, as added
     directions: Optional[Directions] = None  # `--merge rda`: the radial and direction sums
@@ -84,13 +107,13 @@ class RoundSum:
 
     def copy(self) -> "RoundSum":
         """A copy a merge may correct (clips) while the round's own sum stays as the deltas arrived."""
-        return RoundSum(self.numel, None if self.total is None else self.total.clone(), self.weight, list(self.order),
+        return RoundSum(self.numel, None if self.total is None else self.total.copy(), self.weight, list(self.order),
                         self.directions)
 
     def mean(self) -> np.ndarray:
         if self.total is None or self.weight <= 0:
             raise ValueError("a merge needs at least one delta of positive weight")
-        return (self.total / float(self.weight)).numpy()
+        return self.total / np.float32(self.weight)
 
 
 def clip_factors(norms: Sequence[float], history: Sequence[float], k: float) -> list[float]:
@@ -108,7 +131,7 @@ def clipped_merge(s: RoundSum, factors: dict[int, float], weights: dict[int, flo
         c = factors.get(lid, 1.0)
         if c < 1.0:
             shrink[lid] = (1.0 - c) * weights[lid]  # what the clip takes off this delta's weight
-            s.total = accumulate(s.total, delta_of(lid), -shrink[lid])
+            s.total = accumulate(s.total, delta_of(lid), -shrink[lid], fused=True)
     if s.directions is None:
         return s.mean(), None
     return s.directions.merge(s.mean(), s.weight, shrink)

@@ -243,7 +243,7 @@ def decode_fragments(layout: Layout, msg: Message) -> np.ndarray:
             raise ProtocolError(f"{msg.type}: fragment {f.index} payload is {len(frame)} bytes, "
                                 f"{bits}-bit encoding of {f.numel} values is {encoded_size(f.numel, bits)}")
         try:
-            out[f.start : f.start + f.numel] = dequantize(frame, f.numel, bits)
+            dequantize(frame, f.numel, bits, out=out[f.start : f.start + f.numel])
         except QuantError as e:
             raise ProtocolError(f"{msg.type}: fragment {f.index}: {e}", Code.REFUSED) from e
     return out
