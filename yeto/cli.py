@@ -2,44 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Optional
 
 import typer
 
-from yeto import YetoError, missing_torch, require_torch
+from yeto import missing_torch, require_torch
+from yeto.usage import run_guarded
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="LoRA fine-tuning across independent islands, DiLoCo-style.")
-
-
-def run_typer(fn: Callable) -> None:
-    """Run a single-command typer app, turning YetoError into one clear line and exit 2."""
-    single = typer.Typer(add_completion=False)
-    single.command()(fn)
-    _guarded(single)
-
-
-def _guarded(typer_app: typer.Typer) -> None:
-    try:
-        rc = typer_app(standalone_mode=False)  # click returns an Exit's code instead of raising it here
-        if isinstance(rc, int) and rc:
-            sys.exit(rc)
-    except YetoError as e:
-        typer.secho(f"error: {e}", fg="red", err=True)
-        sys.exit(2)
-    except typer.Abort:
-        typer.secho("aborted", err=True)
-        sys.exit(130)
-    except (typer.Exit, SystemExit) as e:
-        sys.exit(getattr(e, "exit_code", getattr(e, "code", 0)))
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
 
 
 def _register() -> None:
@@ -186,7 +157,7 @@ def models() -> None:
 
 def main() -> None:
     _register()
-    _guarded(app)
+    run_guarded(app)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import typer
 from yeto import YetoError, __version__
 from yeto.micro_batch import WHOLE_BATCH
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype (auto: fp32 on CPU, bf16 on GPU for torch)
+
 if TYPE_CHECKING:
     from yeto.checkpoint import TrainState
 
@@ -151,6 +153,31 @@ class MetricsLog:
         self._f.close()
 
 
+def check_config(cfg: TrainConfig) -> None:
+    """The flags every backend checks before it loads anything: one line naming the flag and the fix."""
+    from yeto.checks import check_address, check_out_dir, check_range
+
+    for name in ("batch_size", "grad_accum", "max_steps", "seq_len", "lora_r"):
+        check_range(getattr(cfg, name), f"--{name.replace('_', '-')}", low=1)
+    check_range(cfg.seq_len, "--seq-len", low=2)
+    check_range(cfg.lr, "--lr", low=0, low_open=True)
+    check_range(cfg.lora_alpha, "--lora-alpha", low=0, low_open=True)
+    check_range(cfg.lora_dropout, "--lora-dropout", low=0, high=1, high_open=True)
+    check_range(cfg.min_lr_ratio, "--min-lr-ratio", low=0, high=1)
+    check_range(cfg.max_grad_norm, "--max-grad-norm", low=0, low_open=True)
+    check_range(cfg.eval_fraction, "--eval-fraction", low=0, high=1, high_open=True)
+    for name in ("warmup_steps", "weight_decay", "eval_every", "save_every", "threads", "max_inner_steps",
+                 "step_delay"):
+        check_range(getattr(cfg, name), f"--{name.replace('_', '-')}", low=0)
+    check_range(cfg.syncer_timeout, "--syncer-timeout", low=0, low_open=True)
+    check_range(cfg.give_up_after, "--give-up-after", low=0, low_open=True)
+    if cfg.dtype not in DTYPES:
+        raise YetoError(f"unknown --dtype {cfg.dtype!r}: use {', '.join(DTYPES)}")
+    if cfg.syncer:
+        check_address(cfg.syncer)
+    check_out_dir(cfg.out)
+
+
 @dataclass
 class Session:
     """What a run needs before any model loads: its console, its --out directory and, with --syncer, its key."""
@@ -164,6 +191,7 @@ def open_session(cfg: TrainConfig) -> Session:
     """Check the key and make --out before the model loads, so a missing key is one line at once."""
     from rich.console import Console
 
+    check_config(cfg)
     console = Console(stderr=True)
     join_key = None
     if cfg.syncer:
@@ -232,8 +260,6 @@ def run_training(learner, cfg: TrainConfig, session: Session, show_progress: boo
 
     The training state is saved in --out as it goes (yeto.checkpoint), and the same command resumes from it."""
     out, console = session.out, session.console
-    if cfg.save_every < 0:
-        raise YetoError(f"--save-every must be 0 (only at the end) or more, got {cfg.save_every}")
     resumed = resume_state(learner, cfg, out, session.log)
     metrics = MetricsLog(out / "metrics.jsonl")
     (out / "run.json").write_text(json.dumps(learner.record(), indent=2))

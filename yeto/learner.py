@@ -23,11 +23,25 @@ from yeto.data import Blocks, prepare_data
 from yeto.losses import LossFn, load_loss_function
 from yeto.lora import is_lora_a, lora_config
 from yeto.micro_batch import chunks, largest_that_fits, parse_micro_batch_size
-from yeto.island import BatchSampler, TrainConfig, island_record, lr_lambda, make_train_command
+from yeto.island import BatchSampler, TrainConfig, check_config, island_record, lr_lambda, make_train_command
 from yeto.models import default_device, load_model, load_tokenizer, resolve_model
 from yeto.torchrun import SHARDINGS, RankGroup, RelayedIsland, follow, shard_base
 
 __all__ = ["TorchLearner", "TrainConfig", "masked_loss", "train", "train_command"]
+
+
+def check_device(device: str) -> None:
+    """--device names a device this machine has: auto, cpu, cuda, cuda:N or mps."""
+    kind, _, index = device.partition(":")
+    if kind not in ("auto", "cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
+        raise YetoError(f"unknown --device {device!r}: use auto, cpu, cuda, cuda:N or mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise YetoError(f"--device {device}, but this machine has no CUDA device torch can use: use --device auto "
+                        "or cpu (or install torch's CUDA build)")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        raise YetoError(f"--device {device}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise YetoError("--device mps, but MPS is not available here (Apple silicon only): use --device auto or cpu")
 
 
 def masked_loss(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, loss_fn: LossFn,
@@ -63,18 +77,15 @@ class TorchLearner:
     def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print, group: Optional[RankGroup] = None):
         self.cfg = cfg
         self.group = group  # a torchrun island: this rank trains on its slice of every global batch
+        check_config(cfg)
+        check_device(cfg.device)
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         self.device = default_device() if cfg.device == "auto" else cfg.device
         if group is not None and self.device == "cuda":
             self.device = f"cuda:{group.local_rank}"
         dtype = None if cfg.dtype == "auto" else {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                                                  "float16": torch.float16}.get(cfg.dtype)
-        if cfg.dtype != "auto" and dtype is None:
-            raise YetoError(f"unknown --dtype {cfg.dtype!r}: use auto, float32, bfloat16 or float16")
-        for name in ("batch_size", "grad_accum", "max_steps", "seq_len"):
-            if getattr(cfg, name) < 1:
-                raise YetoError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+                                                  "float16": torch.float16}[cfg.dtype]
         self.loss_fn = load_loss_function(cfg.loss_function)
         self.model_artifact = resolve_model(cfg.model, cfg.model_revision)
         self.tokenizer = load_tokenizer(self.model_artifact, cfg.trust_remote_code)
@@ -329,7 +340,7 @@ train_command = make_train_command(train, doc="Train a LoRA adapter on one islan
 
 
 def main() -> None:
-    from yeto.cli import run_typer
+    from yeto.usage import run_typer
 
     run_typer(train_command)
 

@@ -14,26 +14,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from yeto import YetoError
-from yeto.island import TrainConfig, make_train_command
+from yeto.island import TrainConfig, check_config, make_train_command
 from yeto.launch.plan import SYNCER_PORT, FleetPlan
 from yeto.launch.tasks import learner_command, syncer_command
+from yeto.usage import usage_errors
 
 TORCH_BACKEND, MLX_BACKEND = "yeto.learner", "yeto.mlx.learner"
 HELP = {TORCH_BACKEND: "`yeto train --help`", MLX_BACKEND: "`python -m yeto.mlx.learner --help`"}
 WHO = {TORCH_BACKEND: "every learner", MLX_BACKEND: "the MLX learners"}
 PLACEHOLDER_SYNCER = "127.0.0.1:1"  # the learner's --syncer is launch's own (known once the head is up)
-
-
-def _usage_errors() -> tuple[type[Exception], ...]:
-    """click's usage errors: click's own and those of the click that typer bundles (typer 0.26+ raises these)."""
-    import click
-
-    errors: list[type[Exception]] = [click.ClickException]
-    try:
-        from typer._click.exceptions import ClickException
-    except ImportError:  # a typer that uses click itself
-        return tuple(errors)
-    return (*errors, ClickException)
 
 
 def run_parser(fn: Callable[..., Any], args: list[str], prog: str, invoke: bool) -> None:
@@ -49,7 +38,7 @@ def run_parser(fn: Callable[..., Any], args: list[str], prog: str, invoke: bool)
         with command.make_context(prog, list(args)) as ctx:
             if invoke:
                 command.invoke(ctx)
-    except _usage_errors() as e:
+    except usage_errors() as e:
         raise YetoError(" ".join(e.format_message().split())) from e
 
 
@@ -59,7 +48,7 @@ def _backend_checks(backend: str) -> Callable[[TrainConfig], None]:
         from yeto.mlx import learner as mlx_learner  # (imports neither MLX nor torch)
 
         return mlx_learner.check_flags
-    return lambda cfg: None
+    return check_config
 
 
 def check_learner_flags(plan: FleetPlan, backend: str) -> None:

@@ -136,7 +136,7 @@ def head_command(
 
 
 def main() -> None:
-    from yeto.cli import run_typer
+    from yeto.usage import run_typer
 
     run_typer(head_command)
 

@@ -21,7 +21,8 @@ import numpy as np
 from yeto import YetoError
 from yeto.checkpoint import TrainState
 from yeto.data import Blocks, prepare_data
-from yeto.island import BatchSampler, TrainConfig, island_record, lr_lambda, make_train_command, train
+from yeto.island import (BatchSampler, TrainConfig, check_config, island_record, lr_lambda, make_train_command,
+                         train)
 from yeto.micro_batch import WHOLE_BATCH
 from yeto.models import load_tokenizer, resolve_model
 
@@ -32,28 +33,20 @@ if TYPE_CHECKING:
 # torch.optim.AdamW's defaults, which the torch learner uses
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
-DTYPES = ("float32", "bfloat16", "float16")  # --dtype besides auto (auto: the checkpoint's own dtype)
 DEVICES = ("auto", "cpu")  # auto: MLX's default device (the Apple GPU; the CPU on Linux)
 PROBE_TOKENS = 16  # tokens of the start-up check that the loss-rows-only path gives the model's own logits
 
 
 def check_flags(cfg: TrainConfig) -> None:
-    """Refuse, one line each and before any model loads, the flags an MLX island cannot honour."""
-    for name in ("batch_size", "grad_accum", "max_steps", "seq_len"):
-        if getattr(cfg, name) < 1:
-            raise YetoError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    """Refuse, one line each and before any model loads, the flags an MLX island cannot honour (after the checks
+    every backend makes)."""
+    check_config(cfg)
     if cfg.loss_function != "cross_entropy":
         raise YetoError(f"the MLX learner supports --loss-function cross_entropy only, got {cfg.loss_function!r} "
                         "(a torch callable cannot run on MLX)")
-    if cfg.max_grad_norm < 0:
-        raise YetoError(f"--max-grad-norm must be 0 or more, got {cfg.max_grad_norm}")
-    if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
-        raise YetoError(f"unknown --dtype {cfg.dtype!r}: use auto (the checkpoint's dtype), {', '.join(DTYPES)}")
     if cfg.device not in DEVICES:
         raise YetoError(f"--device {cfg.device} is the torch learner's; an MLX island runs on MLX's default device "
                         "(the Apple GPU; the CPU on Linux): use --device auto or cpu")
-    if cfg.threads < 0:
-        raise YetoError(f"--threads must be 0 (the default) or more, got {cfg.threads}")
     if cfg.gradient_checkpointing:
         raise YetoError("--gradient-checkpointing is the torch learner's; an MLX island keeps every activation "
                         "(lower --batch-size and raise --grad-accum to use less memory)")
@@ -379,7 +372,7 @@ train_command = make_train_command(lambda cfg, progress: train(cfg, MLXLearner, 
 
 
 def main() -> None:
-    from yeto.cli import run_typer
+    from yeto.usage import run_typer
     from yeto.mlx.compat import reexec_with_fast_blas
 
     reexec_with_fast_blas()

@@ -36,6 +36,7 @@ import typer
 import zmq
 
 from yeto import YetoError
+from yeto.checks import check_out_dir
 from yeto.sync.auth import KEYS_RESCAN_S, Gatekeeper, Keyring, curve_server, require_loopback
 from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
@@ -70,6 +71,7 @@ class Syncer:
 
     def __init__(self, cfg: SyncerConfig):
         cfg.check()
+        check_out_dir(cfg.out)
         self.cfg = cfg
         if cfg.insecure:
             require_loopback(cfg.host, "the syncer's --host")
@@ -400,7 +402,7 @@ def syncer_command(
 
 
 def main() -> None:
-    from yeto.cli import run_typer
+    from yeto.usage import run_typer
 
     run_typer(syncer_command)
 

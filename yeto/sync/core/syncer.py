@@ -43,6 +43,7 @@ from typing import Any, Optional
 import numpy as np
 
 from yeto import YetoError
+from yeto.checks import check_port
 from yeto.sync.aggregate import (DEFAULT_CLIP_K, NORM_HISTORY_ROUNDS, ROBUST_MODES, RoundSum, clip_factors,
                                   clipped_merge, effective_weight, trimmed_mean)
 from yeto.sync.audit import TapeFold
@@ -154,6 +155,7 @@ class SyncerConfig:
             self.merge_by_default = True
 
     def check(self) -> None:
+        check_port(self.port, "--port")
         if self.sync_bits not in BITS:
             raise YetoError(f"--sync-bits must be one of {BITS}, got {self.sync_bits}")
         if self.learners < 1 or self.quorum < 1:
