@@ -115,7 +115,9 @@ def tape(
 def generate(
     prompt: Annotated[list[str], typer.Option(help="A prompt to answer (repeat for several).")],
     adapter: Annotated[str, typer.Option(help="The adapter directory (or a run directory holding adapter/).")],
-    model: Annotated[str, typer.Option(help="Base model alias, local directory or hub id.")] = "smollm2-135m",
+    model: Annotated[Optional[str], typer.Option(help="Base model alias, local directory or hub id (default: the "
+                                                      "base the adapter records; given, it must be that base).")
+                     ] = None,
     model_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the base model.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per answer (greedy).")] = 64,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
@@ -129,7 +131,7 @@ def generate(
     from yeto.generate import compare
 
     rows = compare(model, adapter, prompt, max_new_tokens, model_revision, device, trust_remote_code)
-    table = Table(title=f"{model}: base vs adapter {adapter}", show_lines=True)
+    table = Table(title=f"{model or 'its recorded base'}: base vs adapter {adapter}", show_lines=True)
     table.add_column("prompt", style="bold")
     table.add_column("base")
     table.add_column("with adapter", style="green")

@@ -8,11 +8,14 @@ each island's contribution over rounds.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 TAPE_FILE = "tape.jsonl"
 # events the summary prints one by one: what went wrong, and how the run recovered
@@ -70,22 +73,27 @@ class Tape:
 
 
 def read_tape(path: str | Path) -> list[dict[str, Any]]:
+    """Every event of a tape. Only its last line may be torn (a syncer that died, or is still writing, mid-line):
+    that line is left out and said on stderr; a garbled line before it is damage, an error naming the line."""
+    from yeto import YetoError
+
     p = Path(path)
     if p.is_dir():
         p = p / TAPE_FILE
     if not p.is_file():
-        from yeto import YetoError
-
         raise YetoError(f"no event tape at {p}")
+    lines = p.read_bytes().split(b"\n")
     events = []
-    with open(p) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a torn last line after a crash
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            events.append(json.loads(line))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            if any(rest.strip() for rest in lines[lineno:]):
+                raise YetoError(f"{p}:{lineno}: the tape is damaged ({type(e).__name__}) before its last line; "
+                                "restore it from a copy (the syncer never rewrites a line)") from e
+            log.warning("%s:%d: a torn last line (the syncer died or is writing it), left out", p, lineno)
     return events
 
 

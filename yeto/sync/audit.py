@@ -237,7 +237,8 @@ class AuditReport:
 def audit(events: Iterable[dict[str, Any]]) -> AuditReport:
     """Run every invariant over a tape; the report names the first violation, if any."""
     fold = TapeFold(strict=True)
-    violation = None
+    events = list(events)
+    violation = None if events else AuditViolation(0, "the tape is empty: no syncer has run here (nothing to prove)")
     for e in events:
         try:
             fold.feed(e)

@@ -36,6 +36,7 @@ import typer
 import zmq
 
 from yeto import YetoError
+from yeto.adapter import ADAPTER_WEIGHTS
 from yeto.checks import check_out_dir
 from yeto.sync.auth import KEYS_RESCAN_S, Gatekeeper, Keyring, curve_server, require_loopback
 from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta, Send
@@ -397,7 +398,9 @@ def syncer_command(
     cfg = SyncerConfig(**{k: v for k, v in locals().items() if k in SyncerConfig.__dataclass_fields__})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s syncer %(levelname)s %(message)s", datefmt="%H:%M:%S")
     code = Syncer(cfg).serve()
-    print(f"syncer: merged adapter {Path(cfg.out) / 'adapter'}, tape {Path(cfg.out) / 'tape.jsonl'}", flush=True)
+    adapter = Path(cfg.out) / "adapter"
+    merged = f"merged adapter {adapter}" if (adapter / ADAPTER_WEIGHTS).is_file() else "no merge yet, so no adapter"
+    print(f"syncer: {merged}, tape {Path(cfg.out) / 'tape.jsonl'}", flush=True)
     raise typer.Exit(code)
 
 
