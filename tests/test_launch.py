@@ -638,6 +638,31 @@ def test_join_script_is_what_a_user_would_run():
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
 
 
+def test_a_loss_file_ships_with_the_run_to_cloud_learners_the_head_and_reserved_slots(tmp_path):
+    from yeto.launch.join import write_join_files
+
+    loss = tmp_path / "my loss.py"  # a space: the path is quoted wherever it is written
+    loss.write_text("def fn(logits, targets, weights):\n    return logits.sum() * 0\n")
+    plan = plan_for(tmp_path, external=1, model_revision=None)
+    plan.learner_args = ["--seq-len", "256", "--loss-function", f"{loss}:fn"]
+    keys = Keyring.ensure(tmp_path / "run" / "syncer")
+    task = learner_task(plan, 0, "203.0.113.7:29400", keys.join.text()).to_yaml_config()
+    assert task["file_mounts"]["/yeto/loss/my loss.py"] == str(loss)
+    assert "--loss-function '/yeto/loss/my loss.py:fn'" in task["run"] and str(loss) not in task["run"]
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json())
+    head = head_task(plan, plan_file, keys.bundle(), "https://sky.example.com").to_yaml_config()
+    assert head["file_mounts"]["/yeto/loss/my loss.py"] == str(loss)  # the head relaunches learners with it
+    script = write_join_files(plan, keys, "203.0.113.7:29400", tmp_path / "out")[0]
+    assert (script.parent / "my loss.py").read_text() == loss.read_text()
+    text = script.read_text()
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    line = [x for x in text.splitlines() if x.startswith("exec ")][0]
+    echoed = subprocess.run(["bash", "-c", f'HERE=/j/k; set -- {line.removeprefix("exec ")}; echo "$@"'],
+                            capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}).stdout
+    assert "--loss-function /j/k/my loss.py:fn" in echoed, echoed
+
+
 def test_a_local_run_with_a_reserved_slot_joined_by_its_script_then_status_logs_and_down(tiny_model, tmp_path):
     """`yeto launch --gpu local:1 --external-learners 1`: a second process runs exactly join/1.sh; the run merges
     with both; `yeto status` shows both learners; `yeto logs` prints; `yeto down` ends the fleet."""

@@ -49,3 +49,21 @@ def test_user_loss_function_loads(tmp_path, monkeypatch):
     with pytest.raises(YetoError, match="no callable 'nope'"):
         load_loss_function("myloss:nope")
     sys.modules.pop("myloss", None)
+
+
+def test_a_loss_from_a_file_loads_and_its_contents_pin_it(tmp_path):
+    from yeto.provenance import loss_identity
+
+    path = tmp_path / "my_loss.py"
+    path.write_text("from yeto.losses import sft_loss\n\ndef fn(logits, targets, weights):\n"
+                    "    return 2 * sft_loss(logits, targets, weights)\n")
+    fn = load_loss_function(f"{path}:fn")
+    logits, targets, weights = torch.randn(3, 5), torch.tensor([0, 1, 2]), torch.ones(3)
+    torch.testing.assert_close(fn(logits, targets, weights), 2 * sft_loss(logits, targets, weights))
+    first = loss_identity(f"{path}:fn")
+    assert first.startswith("fn@sha256:")
+    path.write_text(path.read_text().replace("2 *", "3 *"))  # same name, other code: another loss
+    assert loss_identity(f"{path}:fn") != first
+    assert loss_identity("cross_entropy") == "cross_entropy"
+    with pytest.raises(YetoError, match="cannot import"):
+        load_loss_function(f"{tmp_path / 'missing.py'}:fn")

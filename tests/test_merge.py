@@ -233,7 +233,8 @@ def test_frozen_a_trains_b_only_on_both_backends_and_averaging_b_is_exact(tiny_m
 
 def test_a_learner_that_trains_a_in_a_frozen_a_run_is_refused_by_the_contract():
     run = {"lora_freeze_a": True}
-    assert contract_mismatch(run, {"lora_freeze_a": False}) == "lora_freeze_a is False on this learner, True in the run"
+    assert contract_mismatch(run, {"lora_freeze_a": False}) == (
+        "lora_freeze_a (--lora-freeze-a) is False on this learner, True in the run")
     assert contract_mismatch(run, {"lora_freeze_a": True}) is None
 
 

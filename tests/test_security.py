@@ -199,11 +199,32 @@ def test_the_contract_is_pinned_and_a_mismatch_names_the_field_and_both_values(s
     other_prov = {"model": {**prov["model"], "revision": "sha256:bbb"}}
     r = other_rev.ask(other_rev.hello_parts(state, provenance=other_prov)[0])
     assert r.type == "refuse" and r.header["code"] == "contract_mismatch"
-    assert "base_revision is 'sha256:bbb' on this learner, 'sha256:aaa' in the run" in r.header["reason"]
+    assert ("base_revision (--model-revision) is 'sha256:bbb' on this learner, 'sha256:aaa' in the run"
+            in r.header["reason"])
     other_alpha = RawLearner(port, 2, key=key)
     r = other_alpha.ask(other_alpha.hello_parts(state, {**ADAPTER_CONFIG, "lora_alpha": 16}, prov)[0])
-    assert r.type == "refuse" and "lora_alpha is 16 on this learner, 4 in the run" in r.header["reason"]
+    assert r.type == "refuse" and "lora_alpha (--lora-alpha) is 16 on this learner, 4 in the run" in r.header["reason"]
     assert syncer.core.founding.provenance["run"]["lora_alpha"] == 4  # the run's provenance: its contract
+
+
+@pytest.mark.parametrize("field, changed, reason", [
+    ("data", {"data": {"name": "d", "revision": "sha256:other"}}, "data (--data"),
+    ("split", {"data_stats": {"split": "test"}}, "sha256:ddd test"),
+    ("loss", {"loss": "my_loss@sha256:two"}, "loss (--loss-function) is 'my_loss@sha256:two' on this learner"),
+    ("shard count", {"config": {"num_learners": 1}}, "num_learners (--num-learners) is 1 on this learner, 2 in"),
+])
+def test_a_learner_on_other_data_another_loss_or_another_shard_count_is_refused(start_syncer, field, changed,
+                                                                                reason):
+    syncer, port, key = secure(start_syncer, learners=2, quorum=2, outer_steps=5, inner_steps=1)
+    state = QuadraticIsland(0.0, 1).state
+    prov = {"data": {"name": "d", "revision": "sha256:ddd"}, "data_stats": {"split": "train"},
+            "loss": "my_loss@sha256:one", "config": {"num_learners": 2}}
+    founder = RawLearner(port, 0, key=key)
+    assert founder.ask(founder.hello_parts(state, provenance=prov)[0]).type == "init_request"
+    other = RawLearner(port, 1, key=key)
+    r = other.ask(other.hello_parts(state, provenance={**prov, **changed})[0])
+    assert r.type == "refuse" and r.header["code"] == "contract_mismatch", r.header
+    assert reason in r.header["reason"], r.header["reason"]
 
 
 def test_inflated_claims_are_refused_and_an_outlier_delta_is_clipped(start_syncer, tmp_path):

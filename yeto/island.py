@@ -124,6 +124,8 @@ class BatchSampler:
 
 def island_record(learner) -> dict[str, Any]:
     """What a saved adapter and run.json say about the island that made it (any backend)."""
+    from yeto.provenance import loss_identity
+
     return {
         "yeto_version": __version__,
         "backend": learner.backend,
@@ -131,6 +133,7 @@ def island_record(learner) -> dict[str, Any]:
         "data": learner.data.artifact.to_dict(),
         "data_stats": learner.data.stats,
         "config": asdict(learner.cfg),
+        "loss": loss_identity(learner.cfg.loss_function),
         "steps": learner.step_count,
         "tokens": learner.tokens_seen,
         "loss_tokens": learner.loss_tokens_seen,

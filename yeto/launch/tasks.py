@@ -97,6 +97,32 @@ def model_mounts(plan: FleetPlan) -> Mounted:
     return _shipped(plan.model, "model") if plan.model_local else Mounted(plan.model)
 
 
+LOSS_FLAG = "--loss-function"
+
+
+def loss_file(args: list[str]) -> Optional[str]:
+    """The local file of a `--loss-function path/to/loss.py:fn` among learner flags (None: a built-in or a module)."""
+    for i, a in enumerate(args):
+        value = args[i + 1] if a == LOSS_FLAG and i + 1 < len(args) else a.removeprefix(f"{LOSS_FLAG}=")
+        if (a == LOSS_FLAG or a.startswith(f"{LOSS_FLAG}=")) and ":" in value:
+            path = value.rsplit(":", 1)[0]
+            if path.endswith(".py"):
+                return path
+    return None
+
+
+def with_loss_file(args: list[str], path: str) -> list[str]:
+    """The learner flags with the loss file's path replaced by `path` (where the learner's machine has it)."""
+    source = loss_file(args)
+    return [a.replace(f"{source}:", f"{path}:", 1) if source and f"{source}:" in a else a for a in args]
+
+
+def loss_mounts(plan: FleetPlan) -> Mounted:
+    """A custom loss file ships with the run like local data (the contract's digest proves every island runs it)."""
+    source = loss_file(list(plan.learner_args))
+    return _shipped(source, "loss") if source else Mounted("")
+
+
 TORCHRUN_PORT = 29500  # the island's own rendezvous, on its nodes' private network
 TORCHRUN_RESTARTS = 3  # torchrun restarts a group that lost a rank this often; then the launch controller relaunches
 
@@ -119,15 +145,17 @@ def syncer_command(plan: FleetPlan, host: str, port: int, out: Path, python: str
 
 
 def learner_command(plan: FleetPlan, learner: int, syncer: str, data: str, model: str, backend: str = "yeto.learner",
-                    python: str = "python3") -> list[str]:
-    """The learner's command line (no secret on it: the join key comes from the environment or --join-key)."""
+                    python: str = "python3", loss: str = "") -> list[str]:
+    """The learner's command line (no secret on it: the join key comes from the environment or --join-key); `loss`:
+    where the learner's machine has a --loss-function file (default: the path given)."""
     cmd = [python, "-m", backend, "--syncer", syncer, "--learner-id", str(learner), "--num-learners",
            str(plan.num_learners), "--model", model, "--data", data]
     if plan.model_revision:
         cmd += ["--model-revision", plan.model_revision]
     if plan.data_revision:
         cmd += ["--data-revision", plan.data_revision]
-    return cmd + list(plan.learner_args)
+    args = list(plan.learner_args)
+    return cmd + (with_loss_file(args, loss) if loss else args)
 
 
 @dataclass(frozen=True)
@@ -152,8 +180,8 @@ def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "
     restart of the job (a relaunch on a new VM is let back in once the old one is gone)."""
     sky = _sky()
     island = plan.islands[learner]
-    data, model = data_mounts(plan), model_mounts(plan)
-    cmd = learner_command(plan, learner, syncer, data.path, model.path) + ["--no-progress"]
+    data, model, loss = data_mounts(plan), model_mounts(plan), loss_mounts(plan)
+    cmd = learner_command(plan, learner, syncer, data.path, model.path, loss=loss.path) + ["--no-progress"]
     root = checkout_root()
     run = f"{shlex.join(cmd)} --out ~/yeto-island-{learner}"  # (~ unquoted: the VM's home)
     if island.gpus > 1:  # one torchrun group is one island (shell variables unquoted: each node expands its own)
@@ -162,7 +190,7 @@ def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "
     task = sky.Task(name=plan.cluster(learner), setup=install_commands("torch", model=plan.model), run=run,
                     envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: join_key},
                     workdir=str(root) if root else None, num_nodes=island.nodes,
-                    file_mounts={**data.files, **model.files} or None)
+                    file_mounts={**data.files, **model.files, **loss.files} or None)
     if data.storage:
         task.set_storage_mounts(data.storage)
     task.set_resources(sky.Resources(infra=island.infra, accelerators=island.accelerators, use_spot=plan.spot))
@@ -184,7 +212,8 @@ def head_task(plan: FleetPlan, plan_file: Path, run_keys: str, api_endpoint: Opt
         secrets[API_TOKEN_ENV] = api_token
     if (plan.output or "").startswith("hf://") and os.environ.get(HF_TOKEN_ENV):
         secrets[HF_TOKEN_ENV] = os.environ[HF_TOKEN_ENV]
-    shipped = {**data_mounts(plan).files, **model_mounts(plan).files}  # the head relaunches learners: it holds them
+    # the head relaunches learners: it holds them
+    shipped = {**data_mounts(plan).files, **model_mounts(plan).files, **loss_mounts(plan).files}
     run = f"python3 -m yeto.launch.head --plan {REMOTE_PLAN} --out {HEAD_RUN_DIR}"
     setup = install_commands("launch")
     driver = next((d for scheme, d in OUTPUT_DRIVERS.items() if (plan.output or "").startswith(scheme)), None)

@@ -21,7 +21,15 @@ from yeto.sync.layout import Layout
 
 # fields that must be equal on every learner of a run, in the order mismatches are reported
 CONTRACT_KEYS = ("base_model", "base_revision", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "layout",
-                 "lora_freeze_a")
+                 "lora_freeze_a", "data", "loss", "num_learners")
+# fields checked only where a learner declares them (a peer that says nothing of its shard count is not refused
+# for it; a real learner always says)
+DECLARED_ONLY = ("num_learners",)
+# the learner flag that sets a field, named in a refusal
+FLAGS = {"base_model": "--model", "base_revision": "--model-revision", "lora_r": "--lora-r",
+         "lora_alpha": "--lora-alpha", "lora_dropout": "--lora-dropout", "lora_targets": "--lora-targets",
+         "lora_freeze_a": "--lora-freeze-a", "data": "--data (and --data-split, --data-config)",
+         "loss": "--loss-function", "num_learners": "--num-learners"}
 MAX_TOKENS_PER_STEP = 1 << 32
 
 
@@ -42,8 +50,21 @@ def learner_contract(adapter_config: dict[str, Any], provenance: dict[str, Any],
         "lora_targets": sorted(targets) if isinstance(targets, (list, tuple, set)) else targets,
         "layout": layout.fingerprint,
         "lora_freeze_a": bool((provenance.get("config") or {}).get("lora_freeze_a", False)),
+        "data": data_identity(provenance),
+        "loss": provenance.get("loss"),
+        "num_learners": (provenance.get("config") or {}).get("num_learners"),
         "tokens_per_step": int(tokens_per_step),
     }
+
+
+def data_identity(provenance: dict[str, Any]) -> Optional[str]:
+    """The data a learner trains on: its content (hub commit or local sha256) and the split and config it reads.
+    Every learner of a run reads the same dataset and takes its own shard of it."""
+    data, stats = provenance.get("data") or {}, provenance.get("data_stats") or {}
+    if not data.get("revision"):
+        return None
+    split = "/".join(str(stats[k]) for k in ("config", "split") if stats.get(k))
+    return f"{data['revision']}{' ' + split if split else ''}"
 
 
 MAX_ISLAND_RANKS = 4096  # more processes in one island than any cluster runs: a larger claim is cut to this
@@ -65,7 +86,7 @@ def contract_problem(contract: Any) -> Optional[str]:
     if not isinstance(contract, dict):
         return "contract must be a JSON object"
     for k in (*CONTRACT_KEYS, "tokens_per_step"):
-        if k not in contract:
+        if k not in contract and k not in DECLARED_ONLY:
             return f"contract is missing {k!r}"
     tps = contract["tokens_per_step"]
     if not isinstance(tps, int) or isinstance(tps, bool) or not 0 <= tps <= MAX_TOKENS_PER_STEP:
@@ -87,8 +108,11 @@ def run_contract(declared: dict[str, Any], pinned: dict[str, Any]) -> dict[str, 
 def contract_mismatch(run: dict[str, Any], declared: dict[str, Any]) -> Optional[str]:
     """The first field in which a learner's contract differs from the run's, with both values; None if none."""
     for k in CONTRACT_KEYS:
+        if k in DECLARED_ONLY and declared.get(k) is None:
+            continue
         if k in run and _norm(declared.get(k)) != _norm(run[k]):
-            return f"{k} is {_show(declared.get(k))} on this learner, {_show(run[k])} in the run"
+            flag = f" ({FLAGS[k]})" if k in FLAGS else ""
+            return f"{k}{flag} is {_show(declared.get(k))} on this learner, {_show(run[k])} in the run"
     return None
 
 
