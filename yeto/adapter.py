@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from yeto import YetoError
+from yeto.provenance import Artifact
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -106,3 +107,25 @@ def read_provenance(adapter_dir: str | Path) -> dict[str, Any]:
     if METADATA_KEY not in meta:
         raise YetoError(f"{adapter_dir}: adapter has no yeto provenance metadata")
     return json.loads(meta[METADATA_KEY])
+
+
+def adapter_base(adapter_dir: Path, model: str | None, revision: str | None) -> Artifact:
+    """The base model to load under an adapter: the one it records (yeto's provenance, else peft's
+    `base_model_name_or_path`), or `model` when given, which must then be that same base (same content)."""
+    from yeto.models import resolve_model
+
+    try:
+        recorded = read_provenance(adapter_dir).get("model") or {}
+    except YetoError:  # an adapter yeto did not write: peft's own record of its base
+        config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+        recorded = {"name": config.get("base_model_name_or_path"), "revision": config.get("revision")}
+    if model is None:
+        if not recorded.get("name"):
+            raise YetoError(f"{adapter_dir} does not record its base model: pass --model")
+        local = recorded.get("path") if recorded.get("source") == "local" else None
+        return resolve_model(local or recorded["name"], revision or recorded.get("requested_revision"))
+    artifact = resolve_model(model, revision)
+    if recorded.get("revision") and recorded.get("source") and artifact.revision != recorded["revision"]:
+        raise YetoError(f"--model {model} ({artifact.revision[:19]}) is not the base this adapter was trained on: "
+                        f"{recorded.get('name')} ({str(recorded['revision'])[:19]}); drop --model to use that one")
+    return artifact

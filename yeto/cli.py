@@ -1,4 +1,4 @@
-"""The `yeto` command: train, syncer, launch, keys, tape, generate, models."""
+"""The `yeto` command: train, syncer, launch, keys, tape, generate, export, models."""
 
 from __future__ import annotations
 
@@ -138,6 +138,25 @@ def generate(
     for p, before, after in rows:
         table.add_row(p, before, after)
     Console().print(table)
+
+
+@app.command()
+def export(
+    adapter: Annotated[str, typer.Argument(help="The adapter directory (or a run directory holding adapter/).")],
+    merged: Annotated[str, typer.Option(help="Where to write the base with the adapter merged in (a new directory).")],
+    model: Annotated[Optional[str], typer.Option(help="Base model alias, directory or hub id (default: the base the "
+                                                      "adapter records; given, it must be that base).")] = None,
+    model_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the base model.")] = None,
+    dtype: Annotated[str, typer.Option(help="Weights' dtype: float32, bfloat16 or float16.")] = "float32",
+    force: Annotated[bool, typer.Option(help="Replace a non-empty --merged directory.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own code to run.")] = False,
+) -> None:
+    """Write the base model with the adapter merged in: a plain transformers checkpoint (safetensors, config,
+    tokenizer, chat template) for AutoModelForCausalLM, vLLM or llama.cpp's converter."""
+    require_torch("yeto export")
+    from yeto.export import export_merged
+
+    export_merged(adapter, merged, model, model_revision, dtype, force, trust_remote_code, log=typer.echo)
 
 
 @app.command()

@@ -6,10 +6,8 @@ from pathlib import Path
 
 import torch
 
-from yeto import YetoError
-from yeto.adapter import ADAPTER_CONFIG, find_adapter_dir, read_provenance
-from yeto.models import default_device, load_model, load_tokenizer, resolve_model
-from yeto.provenance import Artifact
+from yeto.adapter import adapter_base, find_adapter_dir
+from yeto.models import default_device, load_model, load_tokenizer
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
@@ -28,28 +26,6 @@ def greedy(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat: bool =
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-
-
-def adapter_base(adapter_dir: Path, model: str | None, revision: str | None) -> Artifact:
-    """The base model to load under an adapter: the one it records (yeto's provenance, else peft's
-    `base_model_name_or_path`), or `model` when given, which must then be that same base (same content)."""
-    import json
-
-    try:
-        recorded = read_provenance(adapter_dir).get("model") or {}
-    except YetoError:  # an adapter yeto did not write: peft's own record of its base
-        config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-        recorded = {"name": config.get("base_model_name_or_path"), "revision": config.get("revision")}
-    if model is None:
-        if not recorded.get("name"):
-            raise YetoError(f"{adapter_dir} does not record its base model: pass --model")
-        local = recorded.get("path") if recorded.get("source") == "local" else None
-        return resolve_model(local or recorded["name"], revision or recorded.get("requested_revision"))
-    artifact = resolve_model(model, revision)
-    if recorded.get("revision") and recorded.get("source") and artifact.revision != recorded["revision"]:
-        raise YetoError(f"--model {model} ({artifact.revision[:19]}) is not the base this adapter was trained on: "
-                        f"{recorded.get('name')} ({str(recorded['revision'])[:19]}); drop --model to use that one")
-    return artifact
 
 
 def compare(model_name: str | None, adapter: str | Path, prompts: list[str], max_new_tokens: int = 64,

@@ -1,0 +1,67 @@
+"""`yeto export --merged`: a plain transformers checkpoint that computes what base + adapter computes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import DEMO_DATA
+
+YETO = [sys.executable, "-m", "yeto"]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory):
+    from yeto.learner import TorchLearner, TrainConfig
+
+    cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, max_steps=3,
+                      lora_r=4, lora_targets="all-linear", lora_dropout=0.0, lr=1e-2)
+    learner = TorchLearner(cfg, log=lambda s: None)
+    for _ in range(3):
+        learner.step()
+    return learner, learner.save(tmp_path_factory.mktemp("export") / "adapter")
+
+
+def test_the_merged_checkpoint_loads_with_transformers_and_matches_base_plus_adapter(trained, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    learner, adapter = trained
+    out = tmp_path / "merged"
+    r = subprocess.run(YETO + ["export", str(adapter), "--merged", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert list(out.glob("*.safetensors")) and (out / "config.json").is_file()
+    ids = torch.from_numpy(learner.data.train.input_ids[:2])
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    base = AutoModelForCausalLM.from_pretrained(learner.cfg.model)
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits.clone()
+        want = PeftModel.from_pretrained(base, str(adapter)).eval()(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (want - plain).abs().max() > 1e-3  # the adapter changes the logits: the comparison has teeth
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template
+    prompt = tokenizer("Hello", return_tensors="pt")
+    generated = merged.generate(**prompt, max_new_tokens=3, do_sample=False)
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 3
+
+
+def test_export_refuses_a_non_empty_directory_and_another_base_in_one_line(trained, tiny_model, tmp_path):
+    _, adapter = trained
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    cases = [(["export", str(adapter), "--merged", str(full)], "--force"),
+             (["export", str(adapter), "--merged", str(tmp_path / "m"), "--model", str(tiny_model("lfm2"))],
+              "is not the base this adapter was trained on"),
+             (["export", str(tmp_path / "nowhere"), "--merged", str(tmp_path / "m2")], "no peft adapter")]
+    for args, says in cases:
+        r = subprocess.run(YETO + args, capture_output=True, text=True, timeout=300)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and says in lines[0], (args, r.stderr[-1500:])
+    assert (full / "keep.txt").read_text() == "mine"

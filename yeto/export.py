@@ -1,0 +1,63 @@
+"""`yeto export ADAPTER --merged OUT`: the base model with the adapter merged into its weights, as a plain
+transformers checkpoint (safetensors shards, config, tokenizer and chat template) that
+`AutoModelForCausalLM.from_pretrained(OUT)` loads, and vLLM or llama.cpp's converter take as they are.
+
+peft does the merge (`merge_and_unload`: W + scale x B A per adapted linear) and transformers the writing
+(`save_pretrained`); the base is the one the adapter records, unless --model names it (it must be that base).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+from yeto import YetoError
+from yeto.adapter import RUN_RECORD, adapter_base, find_adapter_dir
+
+EXPORT_RECORD = "yeto_export.json"
+DTYPES = ("float32", "bfloat16", "float16")
+MAX_SHARD_SIZE = "5GB"  # transformers' default shard size, named: the hub and vLLM expect shards about this big
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise YetoError(f"--merged {out} is a file: pass a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise YetoError(f"--merged {out} exists and is not empty: pick a new directory, or pass --force to replace it")
+
+
+def export_merged(adapter: str | Path, out: str | Path, model: Optional[str] = None,
+                  model_revision: Optional[str] = None, dtype: str = "float32", force: bool = False,
+                  trust_remote_code: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Write base + adapter merged to `out` (written beside it, then moved in place: a failed export leaves no half
+    checkpoint); returns `out`."""
+    import torch
+    from peft import PeftModel
+
+    from yeto.models import load_model, load_tokenizer
+
+    if dtype not in DTYPES:
+        raise YetoError(f"unknown --dtype {dtype!r}: use {', '.join(DTYPES)}")
+    adapter_dir = find_adapter_dir(adapter)
+    out = Path(out).expanduser()
+    _check_out(out, force)
+    base_artifact = adapter_base(adapter_dir, model, model_revision)
+    log(f"base {base_artifact.name} @ {base_artifact.revision[:19]}; adapter {adapter_dir}")
+    base = load_model(base_artifact, "cpu", getattr(torch, dtype), trust_remote_code)
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    tokenizer = load_tokenizer(base_artifact, trust_remote_code)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
+    tokenizer.save_pretrained(tmp)  # the chat template rides in tokenizer_config.json / chat_template.jinja
+    record = {"base": base_artifact.to_dict(), "adapter": str(adapter_dir.resolve()), "dtype": dtype}
+    if (adapter_dir / RUN_RECORD).is_file():
+        record["adapter_run"] = json.loads((adapter_dir / RUN_RECORD).read_text())
+    (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    log(f"merged model: {out} (AutoModelForCausalLM.from_pretrained loads it)")
+    return out
