@@ -65,3 +65,29 @@ def test_export_refuses_a_non_empty_directory_and_another_base_in_one_line(train
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(lines) == 1 and says in lines[0], (args, r.stderr[-1500:])
     assert (full / "keep.txt").read_text() == "mine"
+
+
+def test_init_adapter_starts_a_run_from_an_adapter_and_refuses_another_shape(trained, tmp_path):
+    from yeto import YetoError
+    from yeto.adapter import read_adapter
+    from yeto.island import start_from_adapter
+    from yeto.learner import TorchLearner, TrainConfig
+
+    source, adapter = trained
+    learner = TorchLearner(source.cfg, log=lambda s: None)
+    fresh = learner.adapter_state()
+    saved = read_adapter(adapter)
+    assert any(abs(fresh[k] - saved[k]).max() > 0 for k in saved)  # the run's own init is not the adapter
+    start_from_adapter(learner, str(adapter), log=lambda s: None)
+    state = learner.adapter_state()
+    assert state.keys() == saved.keys() and all((state[k] == saved[k]).all() for k in saved)
+    other = TrainConfig(**{**source.cfg.__dict__, "lora_r": 8})
+    with pytest.raises(YetoError, match="its r is 4, this run's is 8"):
+        start_from_adapter(TorchLearner(other, log=lambda s: None), str(adapter), log=lambda s: None)
+    r = subprocess.run(YETO + ["train", "--model", source.cfg.model, "--data", str(DEMO_DATA), "--out",
+                               str(tmp_path / "run"), "--lora-r", "8", "--seq-len", "64", "--init-adapter",
+                               str(adapter), "--no-progress", "--max-steps", "1"],
+                       capture_output=True, text=True, timeout=300)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(lines) == 1 and "cannot start this run" in lines[0], r.stderr[-1500:]
+    assert "Traceback" not in r.stderr

@@ -129,3 +129,51 @@ def adapter_base(adapter_dir: Path, model: str | None, revision: str | None) -> 
         raise YetoError(f"--model {model} ({artifact.revision[:19]}) is not the base this adapter was trained on: "
                         f"{recorded.get('name')} ({str(recorded['revision'])[:19]}); drop --model to use that one")
     return artifact
+
+
+LORA_CONTRACT = ("r", "lora_alpha", "target_modules")  # what an adapter must share with the run it starts
+
+
+def canonical_name(peft_key: str) -> str:
+    """`...lora_A.weight` (peft's file key) -> `...lora_A.default.weight` (the parameter name): peft_file_name's
+    inverse."""
+    head, sep, tail = peft_key.rpartition(".")
+    return f"{head}.default.{tail}" if sep and ".lora_" in f".{head}" else peft_key
+
+
+def resolve_adapter_dir(name: str) -> Path:
+    """A local adapter directory (or run directory holding adapter/), else a hub id resolved to one commit."""
+    local = Path(name).expanduser()
+    if local.exists():
+        return find_adapter_dir(local)
+    from yeto.provenance import resolve_hub_snapshot
+
+    path, _ = resolve_hub_snapshot(name, None, "model")
+    return find_adapter_dir(path)
+
+
+def read_adapter(adapter_dir: Path) -> dict[str, Any]:
+    """A peft adapter directory's tensors, by canonical name, as fp32 numpy arrays."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    return {canonical_name(k): np.asarray(v, dtype=np.float32)
+            for k, v in load_file(str(adapter_dir / ADAPTER_WEIGHTS)).items()}
+
+
+def init_adapter_mismatch(adapter_dir: Path, run_config: dict[str, Any], base_revision: str) -> str | None:
+    """Why an adapter cannot start this run (another LoRA shape or another base), or None."""
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    for key in LORA_CONTRACT:
+        mine, theirs = config.get(key), run_config.get(key)
+        if key == "target_modules":
+            mine, theirs = sorted(mine or []), sorted(theirs or [])
+        if mine != theirs and not (isinstance(mine, (int, float)) and float(mine) == float(theirs or 0)):
+            return f"its {key} is {mine!r}, this run's is {theirs!r}"
+    try:
+        recorded = (read_provenance(adapter_dir).get("model") or {}).get("revision")
+    except YetoError:
+        recorded = None  # an adapter yeto did not write: its LoRA shape is all that can be checked
+    if recorded and recorded != base_revision:
+        return f"it was trained on base {recorded[:19]}, this run's base is {base_revision[:19]}"
+    return None

@@ -77,6 +77,7 @@ class TrainConfig:
     micro_batch_size: str = WHOLE_BATCH  # blocks through the model at once: "all", N or "auto" (see yeto.micro_batch)
     save_every: int = 50  # standalone: save the training state every N steps (0: only at the end); fleet: each round
     fresh: bool = False  # start over, replacing the training state saved in --out
+    init_adapter: Optional[str] = None  # start from this peft adapter (a directory or hub id) instead of LoRA's init
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -212,6 +213,20 @@ def train(cfg: TrainConfig, learner_cls: Callable[..., Any], show_progress: bool
     return run_training(learner_cls(cfg, log=session.log), cfg, session, show_progress)
 
 
+def start_from_adapter(learner, name: str, log: Callable[[str], None]) -> None:
+    """Load an existing peft adapter into a fresh learner (`--init-adapter`), refused in one line when its base or
+    LoRA shape is not this run's."""
+    from yeto.adapter import init_adapter_mismatch, read_adapter, resolve_adapter_dir
+
+    adapter_dir = resolve_adapter_dir(name)
+    problem = init_adapter_mismatch(adapter_dir, learner.adapter_config(), learner.model_artifact.revision)
+    if problem:
+        raise YetoError(f"--init-adapter {name} cannot start this run: {problem}; train with its settings "
+                        "(--model, --lora-r, --lora-alpha, --lora-targets) or pick another adapter")
+    learner.load_adapter_state(read_adapter(adapter_dir))
+    log(f"starting from the adapter {adapter_dir}")
+
+
 def resume_state(learner, cfg: TrainConfig, out: Path, log: Callable[[str], None]) -> Optional[TrainState]:
     """Load the training state saved in --out into `learner`, if there is one and it is this run's: a state of
     another run, or of a finished one, is refused with what differs (--fresh starts over); None: a fresh start."""
@@ -264,6 +279,8 @@ def run_training(learner, cfg: TrainConfig, session: Session, show_progress: boo
     The training state is saved in --out as it goes (yeto.checkpoint), and the same command resumes from it."""
     out, console = session.out, session.console
     resumed = resume_state(learner, cfg, out, session.log)
+    if resumed is None and cfg.init_adapter:
+        start_from_adapter(learner, cfg.init_adapter, session.log)
     metrics = MetricsLog(out / "metrics.jsonl")
     (out / "run.json").write_text(json.dumps(learner.record(), indent=2))
     if resumed is not None:
@@ -488,6 +505,11 @@ def _train_signature(
                                                  "(0: only at the end; with --syncer: every round).")] = D.save_every,
     fresh: Annotated[bool, typer.Option(help="Start over: ignore the training state in --out (of a killed or "
                                              "finished run) and replace it.")] = False,
+    init_adapter: Annotated[Optional[str], typer.Option(help="Start from this peft adapter (directory or hub id) "
+                                                             "instead of a fresh LoRA: a fine-tune continued; with "
+                                                             "--syncer, the founding learner's becomes the run's "
+                                                             "first global. Its base and LoRA shape must be the "
+                                                             "run's.")] = None,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
     """(the flags of `yeto train`; see make_train_command)"""
