@@ -405,14 +405,14 @@ OPENBLAS_HERE = hasattr(ctypes.CDLL(None), "openblas_set_num_threads")
     ("device", "cuda", "--device cuda is the torch learner's"),
     ("device", "mps", "--device mps is the torch learner's"),
     ("gradient_checkpointing", True, "--gradient-checkpointing is the torch learner's"),
-    ("threads", -1, "--threads must be 0"),
+    ("threads", -1, "--threads must be at least 0"),
     pytest.param("threads", 2, "does not run on OpenBLAS",
                  marks=pytest.mark.skipif(OPENBLAS_HERE, reason="OpenBLAS is loaded in this process")),
     ("base_quantization", "nf4", "--base-quantization is the torch learner's"),
     ("shard", "fsdp", "--shard fsdp is for torchrun"),
     ("micro_batch_size", "2", "--micro-batch-size is the torch learner's"),
     ("loss_function", "mymod:fn", "cross_entropy only"),
-    ("max_grad_norm", -1.0, "--max-grad-norm must be 0 or more"),
+    ("max_grad_norm", -1.0, "--max-grad-norm must be above 0"),
     ("grad_accum", 0, "--grad-accum must be at least 1"),
 ])
 def test_mlx_learner_refuses_flags_it_cannot_honour(flag, value, says):
