@@ -233,7 +233,7 @@ class SyncerConfig:
 
     def pinned(self) -> dict[str, Any]:
         """The contract fields fixed by the syncer's flags rather than by the founding learner."""
-        pinned = {"base_model": self.model, "base_revision": self.model_revision, "num_learners": self.learners}
+        pinned = {"base_model": self.model, "base_revision": self.model_revision}
         return {k: v for k, v in pinned.items() if v is not None}
 
 
