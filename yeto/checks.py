@@ -15,12 +15,13 @@ def check_port(port: int, flag: str) -> None:
         raise YetoError(f"{flag} {port} is not a TCP port: use {PORT_MIN}-{PORT_MAX} (the syncer's default is 29400)")
 
 
-def check_address(address: str, flag: str = "--syncer") -> None:
-    """HOST:PORT (or tcp://HOST:PORT) with a port in range."""
+def check_address(address: str, flag: str = "--syncer") -> tuple[str, int]:
+    """HOST:PORT (or tcp://HOST:PORT) with a port in range -> (host, port)."""
     host, sep, port = address.removeprefix("tcp://").rpartition(":")
     if not sep or not host or not port.isdigit():
         raise YetoError(f"{flag} must be HOST:PORT (e.g. syncer.example.org:29400), got {address!r}")
     check_port(int(port), f"{flag}'s port")
+    return host, int(port)
 
 
 def check_out_dir(path: str, flag: str = "--out") -> None:

@@ -31,6 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from yeto import YetoError
+from yeto.checks import check_address
 from yeto.sync.auth import JOIN_KEY_ENV, JOIN_KEY_FILE, JoinKey, curve_client
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
 from yeto.sync.core.learner import LearnerCore, RoundCounts, Task, Verdict, Wait
@@ -48,11 +49,8 @@ MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_
 
 def parse_address(address: str) -> str:
     """'host:port' (or 'tcp://host:port') -> a ZeroMQ endpoint."""
-    a = address.removeprefix("tcp://")
-    host, sep, port = a.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise YetoError(f"--syncer must be HOST:PORT, got {address!r}")
-    return f"tcp://{host}:{int(port)}"
+    host, port = check_address(address)
+    return f"tcp://{host}:{port}"
 
 
 class SyncerLink:
