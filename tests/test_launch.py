@@ -159,7 +159,7 @@ def test_learner_and_head_tasks_are_skypilot_objects_and_carry_secrets_only_as_s
     assert l0["resources"] == {"infra": "aws/us-west-2", "accelerators": {"A10G": 1}, "use_spot": True}
     assert l1["resources"] == {"infra": "runpod", "accelerators": {"H100": 1}, "use_spot": True}
     assert head["resources"]["use_spot"] is False and head["resources"]["ports"] == ["29400"]
-    assert "--syncer 203.0.113.7:29400 --learner-id 1 --num-learners 3" in l1["run"] and "--seq-len 256" in l1["run"]
+    assert "--syncer 203.0.113.7:29400 --learner-id 1" in l1["run"] and "--seq-len 256" in l1["run"]
     assert l0["file_mounts"] == {f"/yeto/data/{DEMO_DATA.name}": str(DEMO_DATA.resolve())}
     assert head["file_mounts"][f"/yeto/data/{DEMO_DATA.name}"] == str(DEMO_DATA.resolve())  # it relaunches learners
     on_head = FleetPlan.from_json(plan.to_json())  # the head rebuilds learner tasks where the data is its mount
@@ -506,14 +506,14 @@ def test_dry_run_prints_tasks_skypilot_accepts_and_no_secret(tmp_path):
              "--sync-bits", "8", "--outer-steps", "20", "--seq-len", "256", env=env)
     assert r.returncode == 0, r.stderr
     text = r.stdout
-    assert "# --- join/2.sh" in text and "--learner-id 2 --num-learners 3" in text
+    assert "# --- join/2.sh" in text and "--learner-id 2" in text
     assert not (out / "join").exists()  # shown, not written: the head's address is not known in a dry run
     body = text.split("# --- tasks (SkyPilot YAML) ---\n", 1)[1].split("# --- end of tasks ---", 1)[0]
     docs = list(yaml.safe_load_all(body))
     assert [d["name"] for d in docs] == ["two-clouds-head", "two-clouds-learner-0", "two-clouds-learner-1"]
     for d in docs:
         sky.Task.from_yaml_config(dict(d))  # SkyPilot's own parser accepts every printed task
-    assert docs[2]["resources"]["infra"] == "gcp/us-central1" and "--learner-id 1 --num-learners 3" in docs[2]["run"]
+    assert docs[2]["resources"]["infra"] == "gcp/us-central1" and "--learner-id 1" in docs[2]["run"]
     assert "syncer flags --outer-steps 20 --inner-steps 10 --quorum 3 --sync-bits 8" in text
     secret_files = [out / "syncer" / "join.key", out / "syncer" / "keys" / "syncer.key_secret",
                     out / "syncer" / "keys" / "learners" / "2.key"]
@@ -633,7 +633,7 @@ def test_join_script_is_what_a_user_would_run():
                      learner_args=["--seq-len", "256"])
     text = join_script(plan, 1, "203.0.113.7:29400")
     assert "yeto.mlx.learner" in text and "yeto.learner" in text and "Darwin-arm64" in text
-    assert '--syncer 203.0.113.7:29400 --learner-id 1 --num-learners 2' in text and "--seq-len 256" in text
+    assert '--syncer 203.0.113.7:29400 --learner-id 1' in text and "--seq-len 256" in text
     assert "YETO_JOIN_KEY" in text and "1.key" in text and "pip install" in text
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
 
@@ -799,7 +799,7 @@ def test_the_head_runs_the_syncer_and_relaunches_a_preempted_learner_that_rejoin
     tape = head_out / "syncer" / "tape.jsonl"
     try:
         assert wait_until(lambda: tape.exists() and sum(e["event"] == "merge" for e in read_tape(tape)) >= 3, 240)
-        assert any(f"--syncer 127.0.0.1:{port} --learner-id 1 --num-learners 2" in run for run in cloud.runs)
+        assert any(f"--syncer 127.0.0.1:{port} --learner-id 1" in run for run in cloud.runs)
         cloud.take_away(cloud.procs["fake-cloud-learner-1"])  # the spot VM is taken away
         cloud.procs.pop("fake-cloud-learner-1")
         head.join(300)

@@ -190,7 +190,7 @@ def test_a_fleet_restore_takes_the_next_step_as_the_learner_would_have(tiny_mode
 
     cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), out=str(tmp_path), seq_len=64,
                       batch_size=2, lora_r=4, lora_dropout=0.1, max_steps=10, warmup_steps=2, lr=1e-3,
-                      syncer="127.0.0.1:9")
+                      syncer="127.0.0.1:9", num_learners=1)
     quiet = dict(log=lambda s: None)
     a = TorchLearner(cfg, **quiet)
     a.set_total_steps(20)  # the syncer's horizon

@@ -1,6 +1,7 @@
 """Islands of several processes under torchrun (gloo on CPU, 2 ranks, a tiny Llama): the same training as one
 process with the whole batch, a 2-rank island and a 1-process island merged by a real syncer, a killed rank."""
 
+import json
 import os
 import re
 import signal
@@ -59,6 +60,32 @@ def test_a_two_rank_island_trains_as_one_process_does_with_the_whole_batch(tiny_
     assert '"tokens": 1536' in summary_two  # the island's tokens: 6 steps x 4 blocks x 64, both ranks counted
 
 
+def test_a_killed_torchrun_island_resumes_from_its_saved_state(tiny_model, tmp_path):
+    """Rank 0 saves the island's training state (--save-every); the same command after a kill resumes there on every
+    rank (moments, schedule, batch order) and ends on the adapter of an uninterrupted run."""
+    model = tiny_model("llama")
+    args = ("--batch-size", 2, "--max-steps", 6, "--eval-every", 0, "--save-every", 2)
+    whole = torchrun(model, tmp_path / "whole", *args)
+    out, _ = whole.communicate(timeout=300)
+    assert whole.returncode == 0, out[-3000:]
+    killed = torchrun(model, tmp_path / "k", *args, "--step-delay", 1)
+    assert wait_until(lambda: (tmp_path / "k" / "train_state.safetensors").exists(), 200), "never saved its state"
+    ranks = subprocess.run(["pgrep", "-P", str(killed.pid)], capture_output=True, text=True).stdout.split()
+    for pid in [*ranks, killed.pid]:  # (the ranks run in sessions of their own: kill each)
+        os.kill(int(pid), signal.SIGKILL)
+    killed_out, _ = killed.communicate(timeout=60)
+    assert "done" not in killed_out, killed_out[-3000:]
+    again = torchrun(model, tmp_path / "k", *args)
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, out[-3000:]
+    step = int(re.search(r"resuming from \S+ at step (\d+)", out).group(1))
+    assert step in (2, 4)
+    a, b = adapter(tmp_path / "whole"), adapter(tmp_path / "k")
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    assert json.loads((tmp_path / "k" / "summary.json").read_text())["steps"] == 6
+
+
 def test_a_two_rank_island_a_one_process_island_and_an_mlx_island_merge_in_one_run(tiny_model, tmp_path):
     """A real syncer; a 2-rank torchrun island (learner 0), a 1-process torch island (1), an MLX island (2). Every
     broadcast is checked by digest on both ranks (a difference ends the island); the island's tokens and its
@@ -66,11 +93,11 @@ def test_a_two_rank_island_a_one_process_island_and_an_mlx_island_merge_in_one_r
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
     procs = {"syncer": syncer(port, s_out, "--learners", 3, "--quorum", 3, "--outer-steps", 3, "--inner-steps", 3,
                               "--sync-bits", 8)}
-    procs[0] = torchrun(model, tmp_path / "l0", "--syncer", f"127.0.0.1:{port}", "--learner-id", 0, "--num-learners",
-                        3, "--batch-size", 2)
+    procs[0] = torchrun(model, tmp_path / "l0", "--syncer", f"127.0.0.1:{port}", "--learner-id", 0,
+                        "--batch-size", 2)  # no --num-learners: the syncer says the shard (relayed to rank 1)
     procs[1] = learner(model, port, 1, 3, tmp_path / "l1", "--lora-dropout", 0)  # (the contract: the same LoRA)
     procs[2] = subprocess.Popen([sys.executable, "-m", "yeto.mlx.learner", "--model", str(model), "--syncer",
-                                 f"127.0.0.1:{port}", "--learner-id", "2", "--num-learners", "3", "--out",
+                                 f"127.0.0.1:{port}", "--learner-id", "2", "--out",
                                  str(tmp_path / "l2"), "--batch-size", "2", *COMMON], cwd=REPO, env=ENV,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     outs = {name: p.communicate(timeout=400) for name, p in procs.items()}
@@ -84,6 +111,8 @@ def test_a_two_rank_island_a_one_process_island_and_an_mlx_island_merge_in_one_r
     assert deltas[(1, 0)]["tokens"] == 3 * 2 * 2 * 64  # 3 steps x 2 ranks x batch 2 x 64
     assert deltas[(1, 1)]["tokens"] == deltas[(1, 2)]["tokens"] == 3 * 2 * 64
     assert audit(tape).ok, audit(tape).summary()
+    shards = [json.loads((tmp_path / f"l{i}" / "summary.json").read_text())["shard"] for i in range(3)]
+    assert shards == [[0, 3], [1, 3], [2, 3]]  # said by the syncer (0, 2) or declared and checked (1)
     merged = load_file(str(s_out / "adapter" / "adapter_model.safetensors"))
     for island in ("l0", "l1", "l2"):
         mine = adapter(tmp_path / island)

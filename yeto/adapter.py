@@ -131,7 +131,6 @@ def adapter_base(adapter_dir: Path, model: str | None, revision: str | None) -> 
     return artifact
 
 
-LORA_CONTRACT = ("r", "lora_alpha", "target_modules")  # what an adapter must share with the run it starts
 
 
 def canonical_name(peft_key: str) -> str:
@@ -163,17 +162,29 @@ def read_adapter(adapter_dir: Path) -> dict[str, Any]:
 
 def init_adapter_mismatch(adapter_dir: Path, run_config: dict[str, Any], base_revision: str) -> str | None:
     """Why an adapter cannot start this run (another LoRA shape or another base), or None."""
-    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    for key in LORA_CONTRACT:
-        mine, theirs = config.get(key), run_config.get(key)
-        if key == "target_modules":
-            mine, theirs = sorted(mine or []), sorted(theirs or [])
-        if mine != theirs and not (isinstance(mine, (int, float)) and float(mine) == float(theirs or 0)):
-            return f"its {key} is {mine!r}, this run's is {theirs!r}"
-    try:
-        recorded = (read_provenance(adapter_dir).get("model") or {}).get("revision")
-    except YetoError:
-        recorded = None  # an adapter yeto did not write: its LoRA shape is all that can be checked
+    from yeto.sync.core.contract import lora_shape_mismatch
+
+    problem = lora_shape_mismatch(json.loads((adapter_dir / ADAPTER_CONFIG).read_text()), run_config)
+    if problem:
+        return problem
+    recorded = recorded_base_revision(adapter_dir)
     if recorded and recorded != base_revision:
         return f"it was trained on base {recorded[:19]}, this run's base is {base_revision[:19]}"
     return None
+
+
+def recorded_base_revision(adapter_dir: Path) -> str | None:
+    """The base revision yeto recorded in an adapter; None for an adapter yeto did not write."""
+    try:
+        return (read_provenance(adapter_dir).get("model") or {}).get("revision")
+    except YetoError:
+        return None
+
+
+def load_init_adapter(name: str):
+    """`--init-adapter NAME` for the syncer: the adapter's config, base and tensors (numpy: no torch)."""
+    from yeto.sync.core.contract import InitAdapter
+
+    adapter_dir = resolve_adapter_dir(name)
+    return InitAdapter(name, json.loads((adapter_dir / ADAPTER_CONFIG).read_text()),
+                       recorded_base_revision(adapter_dir), read_adapter(adapter_dir))

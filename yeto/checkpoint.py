@@ -58,14 +58,16 @@ def run_identity(learner: Any) -> dict[str, Any]:
     """The flags and resolved inputs (model commit, data digest) a state belongs to; the --out, the device, the
     syncer's address and --max-steps may change between a run and its resumption."""
     cfg = learner.cfg
-    return {"model": learner.model_artifact.revision, "data": learner.data.artifact.revision,
-            "fleet": bool(cfg.syncer), **{f: getattr(cfg, f) for f in RUN_FIELDS}}
+    return {"model": learner.model_artifact.revision, "data": learner.source.artifact.revision,
+            "fleet": bool(cfg.syncer), "ranks": getattr(learner, "ranks", 1),
+            **{f: getattr(cfg, f) for f in RUN_FIELDS}}
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """'--flag A there, B here' for every field where a saved run's identity differs from this one's."""
     names = {"model": "the model (resolved commit)", "data": "the data (digest)",
-             "fleet": "the mode (--syncer given)"}
+             "fleet": "the mode (--syncer given)", "ranks": "the island's processes (torchrun)"}
+    saved = {"ranks": 1, **saved}  # (states saved before torchrun islands saved theirs)
     return [f"{names.get(k, '--' + k.replace('_', '-'))}: {saved.get(k)!r} there, {now.get(k)!r} here"
             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
 

@@ -576,19 +576,59 @@ def split_and_shard(n: int, learner_id: int, num_learners: int, eval_fraction: f
     return train_idx[learner_id::num_learners], eval_idx
 
 
-def prepare_data(
+@dataclass
+class DataSource:
+    """A dataset read and checked, before it is cut into shards: its usable training records, the held-out blocks
+    (the same for every learner) and what reading found. A learner reads before it joins a run, so bad data fails
+    before anything else, and takes its shard once the syncer has told it which (`shard`)."""
+
+    name: str
+    tokenizer: Any
+    seq_len: int
+    pool: list[Record]
+    train_idx: np.ndarray
+    eval: Blocks
+    artifact: Artifact
+    stats: dict[str, Any]
+    unusable: Counter
+    where: dict[str, str]
+
+    def shard(self, index: int, count: int) -> PreparedData:
+        """Shard `index` of `count` (round-robin over the seeded order), tokenized and packed, with the held-out
+        blocks."""
+        if count < 1:
+            raise YetoError(f"--num-learners must be at least 1, got {count}")
+        if not 0 <= index < count:
+            raise YetoError(f"--learner-id must be in [0, {count}), got {index}")
+        idx = self.train_idx[index::count]
+        if len(idx) == 0:
+            raise YetoError(f"learner {index} of {count} has no training records "
+                            f"({len(self.pool)} usable records in {self.name})")
+        unusable, where = Counter(self.unusable), dict(self.where)
+        examples = _encode_all([self.pool[i] for i in idx], self.tokenizer, self.seq_len, unusable, where)
+        pad = _pad_id(self.tokenizer)
+        train, tstats = pack_examples(examples, self.seq_len, pad)
+        if len(train) == 0:
+            raise YetoError(f"no loss-bearing tokens in the training shard of {self.name} "
+                            f"(unusable records: {dict(unusable)}); check --seq-len {self.seq_len} and the records")
+        stats = {**self.stats, "shard": [index, count], "train_records": len(examples), "unusable": dict(unusable),
+                 "unusable_first": where, "train_blocks": len(train), "eval_blocks": len(self.eval),
+                 "train_loss_tokens": train.loss_tokens, "fill": round(tstats["fill"], 4),
+                 "split_examples": tstats["split_examples"]}
+        return PreparedData(train, self.eval, self.artifact, stats)
+
+
+def read_data(
     data: str,
     tokenizer,
     seq_len: int,
-    learner_id: int = 0,
-    num_learners: int = 1,
     eval_fraction: float = 0.05,
     seed: int = 0,
     revision: str | None = None,
     split: str = "train",
     config: str | None = None,
-) -> PreparedData:
-    """This learner's training blocks and the held-out blocks of `data` (split `split` of config `config`).
+) -> DataSource:
+    """Split `split` of config `config` of `data`, read and checked, with its held-out blocks.
 
     The held-out set is the dataset's own validation (else test) split where it
     has one, else `eval_fraction` of `split`: rows of another split never reach
@@ -606,37 +646,26 @@ def prepare_data(
     formats: Counter[str] = Counter()
     pool = _usable(layout.splits[split](), f"{data} (split {split!r})", formats, unusable, where)
     held_out = _usable(layout.splits[eval_split](), data, formats, unusable, where) if eval_split else []
-    train_idx, eval_idx = split_and_shard(len(pool), learner_id, num_learners,
-                                          0.0 if eval_split else eval_fraction, seed)
-    if len(train_idx) == 0:
-        raise YetoError(f"learner {learner_id} of {num_learners} has no training records "
-                        f"({len(pool)} usable records in {data})")
+    train_idx, eval_idx = split_and_shard(len(pool), 0, 1, 0.0 if eval_split else eval_fraction, seed)
     eval_records = held_out if eval_split else [pool[i] for i in eval_idx]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_examples = _encode_all([pool[i] for i in train_idx], tokenizer, seq_len, unusable, where)
-    train, tstats = pack_examples(train_examples, seq_len, pad)
-    evalb, _ = pack_examples(_encode_all(eval_records, tokenizer, seq_len, unusable, where), seq_len, pad)
-    if len(train) == 0:
-        raise YetoError(f"no loss-bearing tokens in the training shard of {data} "
-                        f"(unusable records: {dict(unusable)}); check --seq-len {seq_len} and the records")
-    stats = {
-        "split": split,
-        "config": layout.config,
-        "eval_split": eval_split,
-        "records": len(pool),
-        "formats": dict(formats),
-        "train_records": len(train_examples),
-        "eval_records": int(len(eval_records)),
-        "unusable": dict(unusable),
-        "unusable_first": where,
-        "skipped_files": layout.skipped,
-        "train_blocks": len(train),
-        "eval_blocks": len(evalb),
-        "train_loss_tokens": train.loss_tokens,
-        "fill": round(tstats["fill"], 4),
-        "split_examples": tstats["split_examples"],
-    }
-    return PreparedData(train, evalb, artifact, stats)
+    evalb, _ = pack_examples(_encode_all(eval_records, tokenizer, seq_len, unusable, where), seq_len,
+                             _pad_id(tokenizer))
+    stats = {"split": split, "config": layout.config, "eval_split": eval_split, "records": len(pool),
+             "formats": dict(formats), "eval_records": int(len(eval_records)), "skipped_files": layout.skipped}
+    return DataSource(data, tokenizer, seq_len, pool, train_idx, evalb, artifact, stats, unusable, where)
+
+
+def prepare_data(data: str, tokenizer, seq_len: int, learner_id: int = 0, num_learners: int = 1,
+                 eval_fraction: float = 0.05, seed: int = 0, revision: str | None = None, split: str = "train",
+                 config: str | None = None) -> PreparedData:
+    """This learner's training blocks and the held-out blocks of `data`: `read_data`, then shard `learner_id` of
+    `num_learners`."""
+    return read_data(data, tokenizer, seq_len, eval_fraction, seed, revision, split,
+                     config).shard(learner_id, num_learners)
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def _usable(records: list[Record], name: str, formats: Counter, unusable: Counter,

@@ -56,6 +56,7 @@ class Island(Protocol):
     def adapter_config(self) -> dict[str, Any]: ...
     def record(self) -> dict[str, Any]: ...
     def set_total_steps(self, total: int) -> None: ...
+    def use_shard(self, index: int, count: int) -> None: ...
 
 
 @dataclass
@@ -165,6 +166,8 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                 done = task
                 break
             assert isinstance(task, Train)
+            if core.shard is not None and hasattr(island, "use_shard"):
+                island.use_shard(*core.shard)  # the data shard the syncer says (a no-op once held)
             if t_start is None:
                 t_start = time.perf_counter()
                 policy = core.policy

@@ -27,6 +27,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype (auto: fp32 on CP
 
 if TYPE_CHECKING:
     from yeto.checkpoint import TrainState
+    from yeto.data import Blocks, DataSource, PreparedData
 
 
 @dataclass
@@ -57,7 +58,7 @@ class TrainConfig:
     eval_fraction: float = 0.05
     seed: int = 0
     learner_id: int = 0
-    num_learners: int = 1
+    num_learners: int = 0  # 0: standalone the whole data, in a fleet the shard count the syncer says
     device: str = "auto"
     dtype: str = "auto"
     gradient_checkpointing: bool = False
@@ -123,6 +124,57 @@ class BatchSampler:
         self.order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
 
 
+class ShardedData:
+    """A learner's data (every backend): the dataset read and checked before the learner joins a run, and its
+    shard of it taken once known: at start from --learner-id of --num-learners (or the whole of it standalone),
+    else from the syncer's welcome (`use_shard`), which cuts the data into the run's shard count."""
+
+    source: "DataSource"
+    data: Optional["PreparedData"] = None
+    shard: Optional[tuple[int, int]] = None
+    sampler: Optional[BatchSampler] = None
+    ranks: int = 1
+
+    def read_data(self, cfg: TrainConfig, tokenizer: Any, log: Callable[[str], None]) -> None:
+        from yeto.data import read_data
+
+        self.source = read_data(cfg.data, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.seed, cfg.data_revision,
+                                cfg.data_split, cfg.data_config)
+        self._log_data = log
+        if cfg.num_learners or not cfg.syncer:
+            self.use_shard(cfg.learner_id if cfg.num_learners else 0, cfg.num_learners or 1)
+        else:
+            log(f"data: {json.dumps(self.source.stats)}; the syncer says which shard this learner trains on")
+
+    def use_shard(self, index: int, count: int) -> None:
+        """Train on shard `index` of `count` from here on (a no-op if it is the shard held)."""
+        if self.shard == (index, count):
+            return
+        cfg = self.cfg  # type: ignore[attr-defined]
+        self.data = self.source.shard(index, count)
+        self.shard = (index, count)
+        self._log_data(f"data: {json.dumps(self.data.stats)}")
+        # every rank of a torchrun island draws the same global batch (ranks x --batch-size) and takes its slice
+        self.sampler = BatchSampler(len(self.data.train), cfg.batch_size * self.ranks, cfg.seed + 1000 * cfg.learner_id)
+
+    def resume_data(self, meta: dict[str, Any]) -> None:
+        """Take the shard and batch position a saved training state had (a restarted learner goes on with them)."""
+        if meta.get("shard"):
+            self.use_shard(*meta["shard"])
+        if meta.get("sampler") and self.sampler is not None:
+            self.sampler.seek(meta["sampler"])
+
+    def train_blocks(self) -> "Blocks":
+        if self.data is None or self.sampler is None:
+            raise YetoError("this learner has no data shard yet: pass --num-learners, or join a syncer (it says "
+                            "which shard)")
+        return self.data.train
+
+    def data_record(self) -> dict[str, Any]:
+        return {"data": self.source.artifact.to_dict(),
+                "data_stats": self.data.stats if self.data is not None else self.source.stats}
+
+
 def island_record(learner) -> dict[str, Any]:
     """What a saved adapter and run.json say about the island that made it (any backend)."""
     from yeto.provenance import loss_identity
@@ -131,8 +183,7 @@ def island_record(learner) -> dict[str, Any]:
         "yeto_version": __version__,
         "backend": learner.backend,
         "model": learner.model_artifact.to_dict(),
-        "data": learner.data.artifact.to_dict(),
-        "data_stats": learner.data.stats,
+        **learner.data_record(),
         "config": asdict(learner.cfg),
         "loss": loss_identity(learner.cfg.loss_function),
         "steps": learner.step_count,
@@ -171,8 +222,11 @@ def check_config(cfg: TrainConfig) -> None:
     check_range(cfg.max_grad_norm, "--max-grad-norm", low=0, low_open=True)
     check_range(cfg.eval_fraction, "--eval-fraction", low=0, high=1, high_open=True)
     for name in ("warmup_steps", "weight_decay", "eval_every", "save_every", "threads", "max_inner_steps",
-                 "step_delay"):
+                 "step_delay", "learner_id", "num_learners"):
         check_range(getattr(cfg, name), f"--{name.replace('_', '-')}", low=0)
+    if cfg.num_learners and cfg.learner_id >= cfg.num_learners:
+        raise YetoError(f"--learner-id must be in [0, {cfg.num_learners}) with --num-learners {cfg.num_learners}, "
+                        f"got {cfg.learner_id}: fix one, or drop --num-learners (the syncer then says the count)")
     check_range(cfg.syncer_timeout, "--syncer-timeout", low=0, low_open=True)
     check_range(cfg.give_up_after, "--give-up-after", low=0, low_open=True)
     if cfg.dtype not in DTYPES:
@@ -232,9 +286,8 @@ def resume_state(learner, cfg: TrainConfig, out: Path, log: Callable[[str], None
     another run, or of a finished one, is refused with what differs (--fresh starts over); None: a fresh start."""
     from yeto.checkpoint import STATE_FILE, differences, load_state, run_identity
 
-    if not hasattr(learner, "load_training_state") or getattr(learner, "ranks", 1) > 1:
-        log("note: this island saves no training state (a torchrun island, or a backend without it): a restart "
-            "starts its optimizer and LR schedule afresh")
+    if not hasattr(learner, "load_training_state"):
+        log("note: this backend saves no training state: a restart starts its optimizer and LR schedule afresh")
         return None
     if cfg.fresh:
         return None
@@ -264,7 +317,7 @@ def save_training_state(learner, cfg: TrainConfig, out: Path, residual: Optional
     """Save what `resume_state` needs (with --syncer, the delta quantizer's error-feedback residual too)."""
     from yeto.checkpoint import run_identity, save_state
 
-    if not hasattr(learner, "training_state") or getattr(learner, "ranks", 1) > 1:
+    if not hasattr(learner, "training_state"):
         return
     state = learner.training_state()
     state.meta.update(run=run_identity(learner), finished=finished)
@@ -314,7 +367,7 @@ def run_training(learner, cfg: TrainConfig, session: Session, show_progress: boo
     save_training_state(learner, cfg, out, finished=True)
     summary = {"adapter": str(adapter), "steps": learner.step_count, "eval_loss_before": eval0,
                "eval_loss_after": final_eval, "tokens": learner.tokens_seen, "loss_tokens": learner.loss_tokens_seen,
-               **extra}
+               "shard": list(learner.shard) if getattr(learner, "shard", None) else None, **extra}
     metrics.write(event="done", **summary)
     metrics.close()
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -467,8 +520,9 @@ def _train_signature(
                                                       "for the eval loss.")] = D.eval_fraction,
     seed: Annotated[int, typer.Option(help="Seed for the split, the batch order and the LoRA init.")] = D.seed,
     learner_id: Annotated[int, typer.Option(help="This learner's index, for data sharding.")] = D.learner_id,
-    num_learners: Annotated[int, typer.Option(help="How many learners share the data "
-                                                   "(each gets a disjoint shard).")] = D.num_learners,
+    num_learners: Annotated[int, typer.Option(help="How many shards the data is cut into (this learner takes "
+                                                   "--learner-id's). 0: the whole data standalone; with --syncer, "
+                                                   "the run's count, which the syncer says.")] = D.num_learners,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = D.device,
     dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), "
                                             "float32, bfloat16 or float16.")] = D.dtype,

@@ -9,7 +9,6 @@ Run it as `yeto train ...` or `python -m yeto.learner ...`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -19,11 +18,11 @@ import torch
 from yeto import YetoError, island
 from yeto.adapter import save_adapter
 from yeto.checkpoint import TrainState
-from yeto.data import Blocks, prepare_data
+from yeto.data import Blocks
 from yeto.losses import LossFn, load_loss_function
 from yeto.lora import is_lora_a, lora_config
 from yeto.micro_batch import chunks, largest_that_fits, parse_micro_batch_size
-from yeto.island import BatchSampler, TrainConfig, check_config, island_record, lr_lambda, make_train_command
+from yeto.island import ShardedData, TrainConfig, check_config, island_record, lr_lambda, make_train_command
 from yeto.models import default_device, load_model, load_tokenizer, resolve_model
 from yeto.torchrun import SHARDINGS, RankGroup, RelayedIsland, follow, shard_base
 
@@ -69,7 +68,7 @@ def masked_loss(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, loss_fn
     return loss_fn(logits, targets, w)
 
 
-class TorchLearner:
+class TorchLearner(ShardedData):
     """Model + LoRA + data + AdamW: the state of one island's inner loop (a `yeto.diloco.Island`)."""
 
     backend = "torch"
@@ -89,11 +88,8 @@ class TorchLearner:
         self.loss_fn = load_loss_function(cfg.loss_function)
         self.model_artifact = resolve_model(cfg.model, cfg.model_revision)
         self.tokenizer = load_tokenizer(self.model_artifact, cfg.trust_remote_code)
-        self.data = prepare_data(
-            cfg.data, self.tokenizer, cfg.seq_len, cfg.learner_id, cfg.num_learners, cfg.eval_fraction, cfg.seed,
-            cfg.data_revision, split=cfg.data_split, config=cfg.data_config
-        )
-        log(f"data: {json.dumps(self.data.stats)}")
+        self.ranks = group.world if group is not None else 1
+        self.read_data(cfg, self.tokenizer, log)
         torch.manual_seed(cfg.seed)
         base = load_model(self.model_artifact, self.device, dtype, cfg.trust_remote_code, cfg.base_quantization)
         from peft import get_peft_model
@@ -122,9 +118,6 @@ class TorchLearner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         )
-        self.ranks = group.world if group is not None else 1
-        # every rank draws the same global batch (ranks x --batch-size) and trains on its own slice of it
-        self.sampler = BatchSampler(len(self.data.train), cfg.batch_size * self.ranks, cfg.seed + 1000 * cfg.learner_id)
         if group is not None:
             group.align(list(self.trainable.values()))
         size = parse_micro_batch_size(cfg.micro_batch_size, cfg.batch_size)
@@ -142,11 +135,11 @@ class TorchLearner:
         """--micro-batch-size auto: the largest micro-batch whose forward and backward fit on this device (and, in a
         torchrun island, on every rank), probed with full-length blocks whose every position bears loss. The probes
         leave no gradient and no trace in the random streams, so training is what it would be with that size given."""
-        blocks = self.data.train
         tried: dict[int, bool] = {}
 
         def fits(n: int) -> bool:
-            ids, mask = self._batch(blocks, np.arange(n) % len(blocks))
+            shape = (n, self.cfg.seq_len)  # (the tokens do not matter, only the shape)
+            ids, mask = self._batch(Blocks(np.zeros(shape, np.int64), np.ones(shape, np.float32)), np.arange(n))
             ok = True
             try:
                 masked_loss(self.model, ids, torch.ones_like(mask), self.loss_fn, self.cfg.full_logits).backward()
@@ -184,7 +177,8 @@ class TorchLearner:
         island, across the ranks: the gradient is the whole global batch's)."""
         cfg = self.cfg
         self.model.train()
-        micro = [self._batch(self.data.train, self._mine(self.sampler.next())) for _ in range(cfg.grad_accum)]
+        blocks = self.train_blocks()
+        micro = [self._batch(blocks, self._mine(self.sampler.next())) for _ in range(cfg.grad_accum)]
         total_w = sum(float(m[:, 1:].sum()) for _, m in micro)
         if self.group is not None:
             (total_w,) = self.group.sum_scalars(total_w)
@@ -216,7 +210,7 @@ class TorchLearner:
     @torch.no_grad()
     def evaluate(self, blocks: Blocks | None = None) -> float | None:
         """Token-weighted mean loss over the held-out blocks."""
-        blocks = self.data.eval if blocks is None else blocks
+        blocks = self.source.eval if blocks is None else blocks
         if len(blocks) == 0:
             return None
         self.model.eval()
@@ -274,7 +268,8 @@ class TorchLearner:
             tensors["rng/cuda"] = torch.cuda.get_rng_state(self.device).numpy()
         meta = {"backend": self.backend, "step": self.step_count, "tokens": self.tokens_seen,
                 "loss_tokens": self.loss_tokens_seen, "total_steps": getattr(self, "total_steps", self.cfg.max_steps),
-                "sampler": self.sampler.position(), "param_steps": param_steps}
+                "sampler": self.sampler.position() if self.sampler else None, "shard": self.shard,
+                "param_steps": param_steps}
         return TrainState(meta, tensors)
 
     @torch.no_grad()
@@ -291,7 +286,7 @@ class TorchLearner:
                     "exp_avg_sq": torch.from_numpy(exp_avg_sq[name].copy()).to(p.device, p.dtype)}
         self.step_count, self.tokens_seen = int(state.meta["step"]), int(state.meta["tokens"])
         self.loss_tokens_seen = int(state.meta["loss_tokens"])
-        self.sampler.seek(state.meta["sampler"])
+        self.resume_data(state.meta)
         if state.meta.get("total_steps") and self.cfg.syncer:  # (standalone: --max-steps, which may have grown)
             self.set_total_steps(int(state.meta["total_steps"]))
         cfg = self.cfg

@@ -175,6 +175,16 @@ class RelayedIsland:
         self._relay({"op": "total", "total": total})
         self.learner.set_total_steps(total)
 
+    def use_shard(self, index: int, count: int) -> None:
+        if self.learner.shard != (index, count):
+            self._relay({"op": "shard", "shard": [index, count]})
+            self.learner.use_shard(index, count)
+
+    def load_training_state(self, state: Any, adapter: bool = True) -> None:
+        """Every rank resumes from rank 0's saved state (the ranks' adapters, moments and batch order are one)."""
+        self._relay({"op": "resume", "state": state, "adapter": adapter})
+        self.learner.load_training_state(state, adapter)
+
     def evaluate(self) -> Optional[float]:
         self._relay({"op": "eval"})  # (a sharded base's forward needs every rank)
         return self.learner.evaluate()
@@ -199,6 +209,10 @@ def follow(learner: Any, group: RankGroup) -> None:
             group.check_same(learner.adapter_state(), "a broadcast")
         elif op == "total":
             learner.set_total_steps(command["total"])
+        elif op == "resume":
+            learner.load_training_state(command["state"], command["adapter"])
+        elif op == "shard":
+            learner.use_shard(*command["shard"])
         elif op == "eval":
             learner.evaluate()
         elif op == "exit":

@@ -147,9 +147,9 @@ def syncer_command(plan: FleetPlan, host: str, port: int, out: Path, python: str
 def learner_command(plan: FleetPlan, learner: int, syncer: str, data: str, model: str, backend: str = "yeto.learner",
                     python: str = "python3", loss: str = "") -> list[str]:
     """The learner's command line (no secret on it: the join key comes from the environment or --join-key); `loss`:
-    where the learner's machine has a --loss-function file (default: the path given)."""
-    cmd = [python, "-m", backend, "--syncer", syncer, "--learner-id", str(learner), "--num-learners",
-           str(plan.num_learners), "--model", model, "--data", data]
+    where the learner's machine has a --loss-function file (default: the path given). The syncer (its --learners
+    is the fleet's count) says each learner's data shard."""
+    cmd = [python, "-m", backend, "--syncer", syncer, "--learner-id", str(learner), "--model", model, "--data", data]
     if plan.model_revision:
         cmd += ["--model-revision", plan.model_revision]
     if plan.data_revision:

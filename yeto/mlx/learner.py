@@ -11,7 +11,6 @@ A flag this backend cannot honour is refused (`check_flags`), never ignored.
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
@@ -20,8 +19,8 @@ import numpy as np
 
 from yeto import YetoError
 from yeto.checkpoint import TrainState
-from yeto.data import Blocks, prepare_data
-from yeto.island import (BatchSampler, TrainConfig, check_config, island_record, lr_lambda, make_train_command,
+from yeto.data import Blocks
+from yeto.island import (ShardedData, TrainConfig, check_config, island_record, lr_lambda, make_train_command,
                          train)
 from yeto.micro_batch import WHOLE_BATCH
 from yeto.models import load_tokenizer, resolve_model
@@ -137,7 +136,7 @@ def loss_rows_decoder(model: nn.Module) -> Optional[nn.Module]:
     return decoder
 
 
-class MLXLearner:
+class MLXLearner(ShardedData):
     """Model + our LoRALinear + data + AdamW on MLX: a `yeto.diloco.Island`."""
 
     backend = "mlx"
@@ -165,9 +164,7 @@ class MLXLearner:
         self.mx = mx
         self.model_artifact = resolve_model(cfg.model, cfg.model_revision)  # a hub snapshot is materialized first
         self.tokenizer = load_tokenizer(self.model_artifact, cfg.trust_remote_code)
-        self.data = prepare_data(cfg.data, self.tokenizer, cfg.seq_len, cfg.learner_id, cfg.num_learners,
-                                 cfg.eval_fraction, cfg.seed, cfg.data_revision, cfg.data_split, cfg.data_config)
-        log(f"data: {json.dumps(self.data.stats)}")
+        self.read_data(cfg, self.tokenizer, log)
         mx.random.seed(cfg.seed)
         self.model = load_mlx_model(self.model_artifact.path)
         if cfg.dtype != "auto":  # the frozen base; the LoRA factors are made in float32, as peft keeps them
@@ -192,7 +189,6 @@ class MLXLearner:
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=list(ADAM_BETAS), eps=ADAM_EPS,
                                      weight_decay=cfg.weight_decay, bias_correction=True)
         self.total_steps = cfg.max_steps
-        self.sampler = BatchSampler(len(self.data.train), cfg.batch_size, cfg.seed + 1000 * cfg.learner_id)
         import mlx.nn as nn
 
         self.decoder = None if cfg.full_logits else loss_rows_decoder(self.model)
@@ -233,7 +229,8 @@ class MLXLearner:
 
         mx, cfg = self.mx, self.cfg
         self.model.train()
-        micro = [self._batch(self.data.train, self.sampler.next()) for _ in range(cfg.grad_accum)]
+        blocks = self.train_blocks()
+        micro = [self._batch(blocks, self.sampler.next()) for _ in range(cfg.grad_accum)]
         total_w = sum(m[4] for m in micro)
         grads, loss_sum = None, 0.0
         for ids, rows, targets, w, wsum in micro:
@@ -260,7 +257,7 @@ class MLXLearner:
                 "tokens": tokens, "loss_tokens": int(total_w)}
 
     def evaluate(self, blocks: Blocks | None = None) -> float | None:
-        blocks = self.data.eval if blocks is None else blocks
+        blocks = self.source.eval if blocks is None else blocks
         if len(blocks) == 0:
             return None
         self.model.eval()
@@ -331,7 +328,8 @@ class MLXLearner:
         tensors["rng/mlx"] = np.array(self.mx.random.state[0], dtype=np.uint32)
         meta = {"backend": self.backend, "step": self.step_count, "tokens": self.tokens_seen,
                 "loss_tokens": self.loss_tokens_seen, "total_steps": self.total_steps,
-                "sampler": self.sampler.position(), "param_steps": {n: step for n in names}}
+                "sampler": self.sampler.position() if self.sampler else None, "shard": self.shard,
+                "param_steps": {n: step for n in names}}
         return TrainState(meta, tensors)
 
     def load_training_state(self, state: TrainState, adapter: bool = True) -> None:
@@ -357,7 +355,7 @@ class MLXLearner:
         self.optimizer.state = tree_unflatten(list(flat.items()))
         self.step_count, self.tokens_seen = int(state.meta["step"]), int(state.meta["tokens"])
         self.loss_tokens_seen = int(state.meta["loss_tokens"])
-        self.sampler.seek(state.meta["sampler"])
+        self.resume_data(state.meta)
         if state.meta.get("total_steps") and self.cfg.syncer:  # (standalone: --max-steps, which may have grown)
             self.total_steps = int(state.meta["total_steps"])
         key = state.group("rng").get("mlx")

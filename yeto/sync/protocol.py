@@ -26,7 +26,7 @@ import numpy as np
 from yeto.sync.layout import Layout
 from yeto.sync.quant import BITS, ErrorFeedback, QuantError, dequantize, encoded_size, quantize
 
-PROTOCOL_VERSION = 3  # 3: a delta reports `carried_steps`
+PROTOCOL_VERSION = 4  # 4: a welcome says the learner's data shard
 DEFAULT_MAX_MESSAGE_MB = 1024  # the syncer's default inbound limit (--max-message-mb)
 MAX_HEADER_BYTES = 4 << 20
 HEADER_SLACK_BYTES = 64 << 10  # room for a delta's JSON header next to its payload when sizing a message
@@ -52,7 +52,7 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "leave": {"reason": str},
     # syncer -> learner
     "welcome": {"incarnation": str, "version": int, "digest": str, "policy": dict, "open_round": (dict, type(None)),
-                "contributed": bool, "merged": list, "finished": bool},
+                "contributed": bool, "merged": list, "finished": bool, "shard": list},
     "init_request": {"bits": int},
     "refuse": {"code": str, "reason": str},
     "error": {"code": str, "reason": str},

@@ -80,8 +80,14 @@ class Syncer:
         else:
             self.keys = Keyring.ensure(cfg.out, cfg.join_key)
         self.store = DiskStore(cfg.out)
-        self.core = SyncerCore(cfg, incarnation=secrets.token_hex(4))
-        self._start_actions = self.core.start(time.monotonic(), self.store.load())  # may refuse (config conflict)
+        durable = self.store.load()
+        init = None
+        if cfg.init_adapter and durable.checkpoint is None:  # (a resumed run has its version 0 already)
+            from yeto.adapter import load_init_adapter
+
+            init = load_init_adapter(cfg.init_adapter)
+        self.core = SyncerCore(cfg, incarnation=secrets.token_hex(4), init=init)
+        self._start_actions = self.core.start(time.monotonic(), durable)  # may refuse (config conflict)
         self.sock: zmq.Socket | None = None
         self.backlog: dict[bytes, deque[Parked]] = {}  # per destination, in order
         self.stopping: tuple[str, int] | None = None
@@ -386,6 +392,10 @@ def syncer_command(
     model_revision: Annotated[Optional[str], typer.Option(help="Pin the base model's resolved revision (commit or "
                                                                "sha256:...); default: the first learner's.")] = None,
     max_learners: Annotated[int, typer.Option(help="Most learner ids held at once.")] = _D.max_learners,
+    init_adapter: Annotated[Optional[str], typer.Option(
+        help="Start the run from this peft adapter (a directory, a run directory holding adapter/, or a hub id) "
+             "instead of the founding learner's fresh LoRA; learners of another base or LoRA shape are refused."
+    )] = None,
     max_connections: Annotated[int, typer.Option(help="Most open connections (two per learner); more are refused "
                                                       "at the handshake.")] = _D.max_connections,
     join_key: Annotated[Optional[str], typer.Option(help="Admit learners holding this join key file (default: the "

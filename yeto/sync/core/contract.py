@@ -14,8 +14,11 @@ sizes): it is the learner's declared ceiling, against which its claims are check
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any, Optional
+
+import numpy as np
 
 from yeto.sync.layout import Layout
 
@@ -52,7 +55,7 @@ def learner_contract(adapter_config: dict[str, Any], provenance: dict[str, Any],
         "lora_freeze_a": bool((provenance.get("config") or {}).get("lora_freeze_a", False)),
         "data": data_identity(provenance),
         "loss": provenance.get("loss"),
-        "num_learners": (provenance.get("config") or {}).get("num_learners"),
+        "num_learners": (provenance.get("config") or {}).get("num_learners") or None,  # 0: the run's
         "tokens_per_step": int(tokens_per_step),
     }
 
@@ -125,3 +128,48 @@ def _norm(v: Any) -> Any:
 def _show(v: Any) -> str:
     s = repr(v)
     return s if len(s) <= 80 else s[:77] + "..."
+
+
+LORA_SHAPE = ("r", "lora_alpha", "target_modules")  # what an adapter must share with the run it starts
+
+
+@dataclass(frozen=True)
+class InitAdapter:
+    """An existing peft adapter a run starts from (`--init-adapter`), as read from its directory."""
+
+    source: str  # the directory or hub id given
+    config: dict[str, Any]  # its adapter_config.json
+    base_revision: Optional[str]  # the base it was trained on, where yeto recorded it
+    tensors: dict[str, np.ndarray]  # by canonical peft name, fp32
+
+
+def lora_shape_mismatch(config: dict[str, Any], run_config: dict[str, Any]) -> Optional[str]:
+    """How an adapter's LoRA shape (rank, alpha, targets) differs from a run's peft config, or None."""
+    for key in LORA_SHAPE:
+        mine, theirs = config.get(key), run_config.get(key)
+        if key == "target_modules":
+            mine, theirs = sorted(mine or []), sorted(theirs or [])
+        if mine != theirs and not (isinstance(mine, (int, float)) and float(mine) == float(theirs or 0)):
+            return f"its {key} is {mine!r}, this run's is {theirs!r}"
+    return None
+
+
+def init_adapter_problem(init: InitAdapter, layout: Layout, adapter_config: dict[str, Any],
+                         contract: dict[str, Any]) -> Optional[str]:
+    """Why `init` cannot be version 0 of a run founded by a learner with this layout, peft config and contract."""
+    problem = lora_shape_mismatch(init.config, adapter_config)
+    if problem:
+        return problem
+    base = contract.get("base_revision")
+    if init.base_revision and base and init.base_revision != base:
+        return f"it was trained on base {init.base_revision[:19]}, this run's base is {str(base)[:19]}"
+    shapes = {s.name: tuple(s.shape) for s in layout.specs}
+    missing = sorted(set(shapes) - set(init.tensors))
+    extra = sorted(set(init.tensors) - set(shapes))
+    if missing or extra:
+        return f"its tensors are not this run's ({len(missing)} missing, e.g. {(missing or extra)[0]!r})" if missing \
+            else f"it has tensors this run lacks (e.g. {extra[0]!r})"
+    for name, shape in shapes.items():
+        if tuple(init.tensors[name].shape) != shape:
+            return f"{name} is {list(init.tensors[name].shape)} in it, {list(shape)} in this run"
+    return None

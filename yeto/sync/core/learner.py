@@ -199,6 +199,7 @@ class LearnerCore:
         self.joined = False
         self.incarnation: Optional[str] = None
         self.policy: dict[str, Any] = {}
+        self.shard: Optional[tuple[int, int]] = None  # (index, count) of the data shard the syncer says we train on
         self.last_heard = 0.0  # news from the syncer, or a fresh connection
         self.silent_since: Optional[float] = None  # last news from the syncer (a connection is not news)
         self.attempt = 0
@@ -574,6 +575,8 @@ class LearnerCore:
         self.init_sent = None
         self.incarnation = h["incarnation"]
         self.policy = h["policy"]
+        index, count = h["shard"]
+        self.shard = (int(index), int(count))
         self.syncer_version = h["version"]
         if self.global_ is None or self.version != h["version"] or self.digest != h["digest"]:
             self.need_state = True

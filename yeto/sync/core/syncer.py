@@ -49,11 +49,12 @@ from yeto.sync.aggregate import (DEFAULT_CLIP_K, NORM_HISTORY_ROUNDS, ROBUST_MOD
 from yeto.sync.audit import TapeFold
 from yeto.sync.core.actions import (AcceptedDelta, Action, Checkpoint, DropDeltas, Durable, Exit, Log, Record,
                                     SaveCheckpoint, SaveDelta, Send)
-from yeto.sync.core.contract import contract_mismatch, contract_problem, run_contract
+from yeto.sync.core.contract import (InitAdapter, contract_mismatch, contract_problem, init_adapter_problem,
+                                     run_contract)
 from yeto.sync.core.learner import WINDOW_NEAREST_BOUNDARY
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.given_up import quorum_after_give_ups
-from yeto.sync.layout import Layout, layout_from_json, layout_mismatch
+from yeto.sync.layout import Layout, flatten, layout_from_json, layout_mismatch
 from yeto.sync.merge import (LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS, DeltaCounts, merge_weights, product_merge,
                              round_length, staleness_factor, weight_of)
 from yeto.sync.outer import nesterov_step
@@ -135,6 +136,7 @@ class SyncerConfig:
     model: Optional[str] = None  # pins the run's base model (else the founding learner's is the run's)
     model_revision: Optional[str] = None
     max_learners: int = DEFAULT_MAX_LEARNERS
+    init_adapter: Optional[str] = None  # a new run's version 0 is this peft adapter (the shell reads it)
     # the I/O shell's (security, connections); here so that one config describes the syncer
     insecure: bool = False
     join_key: Optional[str] = None
@@ -294,10 +296,12 @@ class MergeError(Exception):
 
 
 class SyncerCore:
-    def __init__(self, cfg: SyncerConfig, incarnation: str):
+    def __init__(self, cfg: SyncerConfig, incarnation: str, init: Optional[InitAdapter] = None):
+        """`init`: the adapter a new run starts from (--init-adapter), instead of the founding learner's."""
         cfg.check()
         self.cfg = cfg
         self.incarnation = incarnation
+        self.init = init
         self.max_message_bytes = cfg.max_message_mb << 20
         self.founding: Optional[Founding] = None
         self.founder: Optional[int] = None  # who uploaded the initial adapter (this process)
@@ -646,6 +650,12 @@ class SyncerCore:
         if problem:
             return self._refuse(peer, lid, Code.CONTRACT, f"this learner does not match the run's contract: {problem}"
                                 f"; start it with the run's settings", now, backend=backend)
+        if self.run is None and self.init is not None:
+            problem = init_adapter_problem(self.init, layout, h["adapter_config"], h["contract"])
+            if problem:
+                return self._refuse(peer, lid, Code.CONTRACT, f"the syncer's --init-adapter {self.init.source} cannot "
+                                    f"start this run: {problem}; start the learners with its settings, or the "
+                                    "syncer with another adapter", now, backend=backend)
         need = message_size(layout, self.cfg.sync_bits)
         if need > self.max_message_bytes:
             return self._refuse(peer, lid, Code.TOO_LARGE,
@@ -690,12 +700,16 @@ class SyncerCore:
         if self.run is None:
             if self.founding is None:
                 contract = run_contract(h["contract"], self.cfg.pinned())
+                contract["num_learners"] = contract.get("num_learners") or self.cfg.learners  # (the shard count)
                 self.founding = Founding(layout, h["adapter_config"], _run_provenance(h.get("provenance") or {},
                                                                                        contract), contract)
                 self._record("layout", learner=lid, fingerprint=layout.fingerprint, tensors=len(layout.specs),
                              numel=layout.numel, fragments=len(layout.fragments))
                 self._record("contract", learner=lid, **contract, sync_bits=self.cfg.sync_bits,
                              protocol=PROTOCOL_VERSION)
+            if self.init is not None:  # version 0 is the given adapter, exact (no upload, no quantization)
+                self._found(lid, flatten(layout, self.init.tensors), now, source=self.init.source)
+                return
             self._record("join", learner=lid, backend=backend, session=session, rejoin=rejoin, waiting_for="init")
             self._ask_founder(again_from=lid)
             return
@@ -734,7 +748,8 @@ class SyncerCore:
                                        "open_round": open_round, "contributed": contributed,
                                        "pending": mine.ref() if contributed else None,
                                        "merged": self.merged.get(m.learner, []),
-                                       "finished": self.finished_at is not None})
+                                       "finished": self.finished_at is not None,
+                                       "shard": self._shard(m.learner)})
         self._record("join", learner=m.learner, backend=m.backend, session=m.session, rejoin=rejoin,
                      learner_version=learner_version, version=self.run.version,
                      round=r.number if r is not None else None, contributed=contributed)
@@ -742,6 +757,13 @@ class SyncerCore:
                           f"{self.run.version}; {len(self._live())} live")
         if self.finish_header is not None:
             self._send(m.peer, "finish", self.finish_header_for_wire())
+
+    def _shard(self, lid: int) -> list[int]:
+        """[index, count]: the data shard learner `lid` trains on. The count is the run's (the founding learner's
+        --num-learners, else --learners); a learner beyond it shares the shard of `lid` mod count."""
+        assert self.run is not None
+        count = int(self.run.contract.get("num_learners") or self.cfg.learners)
+        return [lid % count, count]
 
     def _ask_founder(self, again_from: Optional[int] = None) -> None:
         """Ask one live member for the initial adapter: another one if the one asked is gone, the same one
@@ -769,9 +791,14 @@ class SyncerCore:
             return  # a repeat of the upload that founded the run
         if self.run is not None or f is None or f.asked != m.learner:
             raise ProtocolError("an initial adapter nobody asked for", Code.WRONG_PHASE)
-        self.founder = m.learner
         flat = decode_fragments(f.layout, msg)
-        bits = sorted({d["bits"] for d in msg.header["fragments"]})
+        self._found(m.learner, flat, now, bits=sorted({d["bits"] for d in msg.header["fragments"]}), bytes=msg.nbytes)
+
+    def _found(self, founder: int, flat: np.ndarray, now: float, **fields: Any) -> None:
+        """Commit version 0 (`flat`: the founding learner's upload, or --init-adapter) and welcome everyone."""
+        f = self.founding
+        assert f is not None
+        self.founder = founder
         digest = array_digest(flat)
         self.ef = ErrorFeedback(f.layout.numel)
         self.run = Checkpoint(0, f.layout, f.adapter_config, f.provenance, flat, np.zeros_like(flat),
@@ -781,7 +808,7 @@ class SyncerCore:
         self.founding = None
         known = set(self.seen)
         self.seen.update(x.learner for x in self._active())  # (saved with checkpoint 0: a restart waits for them)
-        self._record("init", learner=m.learner, digest=digest, bits=bits, bytes=msg.nbytes)
+        self._record("init", learner=founder, digest=digest, **fields)
         self.out.append(SaveCheckpoint(self._checkpoint()))
         self._record("checkpoint", version=0, digest=digest)
         for other in self._active():
