@@ -61,6 +61,12 @@ def _delta_before_finish(t):
     ("a restart at the wrong version", lambda t: t[first(t, "resume")].update(version=99),
      "restart resumed at version"),
     ("an accepted delta never merged", _delta_before_finish, "accepted deltas never merged"),
+    ("a claim that bought more than the median's weight",
+     lambda t: t[first(t, "merge")].update(counted=[c * 1e6 for c in t[first(t, "merge")]["counted"]]),
+     "the bound gives"),
+    ("a delta merged above the clip's bound",
+     lambda t: t[first(t, "merge")].update(merged_norms=[n + 1e3 for n in t[first(t, "merge")]["merged_norms"]]),
+     "above the clip bound"),
 ])
 def test_a_planted_violation_is_named(good_tape, name, edit, message):
     t = copy.deepcopy(good_tape)

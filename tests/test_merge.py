@@ -152,23 +152,26 @@ def push(fleet, deltas, counts):
 
 
 def test_the_syncer_merges_by_the_configured_rule_and_weights_and_records_them():
+    """Weights follow --merge-weight, each count capped at the round's low median (a claim buys no more than the
+    median delta's weight; a short delta keeps its small one)."""
     plain = {"outer_lr": 1.0, "outer_momentum": 0.0, "robust": "off"}
     rng = np.random.default_rng(3)
-    counts = {0: (100, 90, 2), 1: (300, 10, 2)}
-    for merge, weight, expect_w in (("rda", "equal", [0.5, 0.5]), ("mean", "tokens", [0.25, 0.75]),
-                                    ("mean", "loss-tokens", [0.9, 0.1])):
-        f = Fleet(n=2, merge=merge, merge_weight=weight, **plain)
+    counts = {0: (100, 90, 2), 1: (300, 10, 2), 2: (200, 50, 2)}
+    for merge, weight, expect_w in (("rda", "equal", [1 / 3] * 3),
+                                    ("mean", "tokens", [0.2, 0.4, 0.4]),  # 100, 300 -> 200, 200
+                                    ("mean", "loss-tokens", [50 / 110, 10 / 110, 50 / 110])):  # 90 -> 50, 10, 50
+        f = Fleet(n=3, merge=merge, merge_weight=weight, **plain)
         g0 = f.syncer.run.global_.copy()
-        deltas = {lid: rng.normal(size=f.layout.numel).astype(np.float32) for lid in (0, 1)}
+        deltas = {lid: rng.normal(size=f.layout.numel).astype(np.float32) for lid in (0, 1, 2)}
         push(f, deltas, counts)
         e = [e for e in f.tape if e["event"] == "merge"][0]
         assert (e["merge"], e["merge_weight"], e["lora_merge"]) == (merge, weight, "factors")
         np.testing.assert_allclose(e["weights"], expect_w)
         if merge == "rda":
-            want, _ = rda([deltas[0], deltas[1]], np.array(expect_w), f.layout)
+            want, _ = rda([deltas[0], deltas[1], deltas[2]], np.array(expect_w), f.layout)
             assert "rda_fallbacks" in e
         else:
-            want = expect_w[0] * deltas[0] + expect_w[1] * deltas[1]
+            want = sum(w * deltas[i] for i, w in enumerate(expect_w))
         np.testing.assert_allclose(f.syncer.run.global_ - g0, want, rtol=1e-4, atol=1e-5)
 
 
@@ -313,10 +316,10 @@ def test_merge_alpha_starts_each_round_from_the_blend_of_the_merged_and_the_own_
 
 
 def test_step_normalize_scales_each_delta_to_the_longest_island():
-    """Island 0 does 4 steps (+0.01 each, 200 loss tokens), island 1 one step (50): the weighted mean is
-    (200 x 0.04 + 50 x 0.01) / 250 = 0.034, shorter than the long island's move; normalized, each delta is scaled to
-    4 steps first: (200 x 0.04 + 50 x 0.04) / 250 = 0.04."""
-    for normalize, expect in ((False, 0.034), (True, 0.04)):
+    """Island 0 does 4 steps (+0.01 each, 200 loss tokens), island 1 one step (50; in a pair the larger claim counts
+    as the smaller): the mean is (0.04 + 0.01) / 2 = 0.025, shorter than the long island's move; normalized, each
+    delta is scaled to 4 steps first: (0.04 + 0.04) / 2 = 0.04."""
+    for normalize, expect in ((False, 0.025), (True, 0.04)):
         f = Fleet(n=2, quorum=2, inner_steps=4, outer_lr=1.0, outer_momentum=0.0, robust="off",
                   step_normalize=normalize)
         f.learners[1].max_inner_steps = 1  # a weaker island: one step per round

@@ -5,6 +5,7 @@ runs many more). The simulator itself must be able to fail: planted bugs, each a
 mistake this design exists to prevent, are found within a bounded number of seeds.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -119,6 +120,12 @@ def _no_merged_ack(orig):
     return on_delta
 
 
+def _weights_by_claim(orig):
+    def terms(self, ids):  # every claim buys its full weight (the red team's "weight by claim")
+        return dataclasses.replace(orig(self, ids), counted=[self._weight(self.pending[i]) for i in ids])
+    return terms
+
+
 PLANTED = {
     "a delta against a newer adapter than it trained from": [(lcore.LearnerCore, "after_step",
                                                               _after_step_ignoring_new_versions),
@@ -128,6 +135,7 @@ PLANTED = {
     "merging one responder short of quorum": [(score.SyncerCore, "_maybe_close", _quorum_minus_one)],
     "a restart that forgets the saved deltas": [(score.SyncerCore, "start", _forget_saved_deltas)],
     "a learner that never catches up": [(lcore.LearnerCore, "_maybe_sync", lambda orig: lambda self, now: None)],
+    "a claim that buys more than the round's median weight": [(score.SyncerCore, "_terms", _weights_by_claim)],
     "an error-feedback residual given back for a delta that counted": [
         (lcore.LearnerCore, "_settle_refused", _settle_every_refusal), (score.SyncerCore, "_on_delta", _no_merged_ack)],
 }

@@ -211,12 +211,14 @@ def test_running_sum_is_the_token_weighted_mean_whatever_the_arrival_order(token
     assert s.order == [int(i) for i in order]
 
 
-def test_norm_clip_scales_only_the_outlier_and_uses_the_history_in_a_pair():
+def test_norm_clip_scales_only_the_outlier_even_in_a_pair():
     from yeto.sync.aggregate import RoundSum, clip_factors, clipped_merge
 
     assert clip_factors([1.0, 1.2, 100.0], [], 4.0) == [1.0, 1.0, pytest.approx(4 * 1.2 / 100)]
-    assert clip_factors([1.0, 100.0], [], 4.0) == [1.0, 1.0]  # a pair alone: the median is half the outlier
-    assert clip_factors([1.0, 100.0], [1.0, 1.1, 0.9], 4.0)[1] == pytest.approx(4 * 1.0 / 100)  # history decides
+    assert clip_factors([1.0, 100.0], [], 4.0) == [1.0, pytest.approx(4 * 1.0 / 100)]  # a pair: the low median
+    assert clip_factors([100.0, 1.0], [], 4.0) == [pytest.approx(4 * 1.0 / 100), 1.0]  # (in either order)
+    assert clip_factors([1.0, 100.0], [100.0, 100.0, 1.0, 1.0], 4.0)[1] == pytest.approx(4 * 1.0 / 100)  # its history
+    assert clip_factors([1.0, 3.0], [1.0, 1.1, 0.9], 4.0) == [1.0, 1.0]  # honest spread is left alone
     d = {0: np.ones(8, np.float32), 1: np.full(8, 100.0, np.float32)}
     s = RoundSum(8)
     for i in (1, 0):
@@ -327,3 +329,22 @@ def test_the_kernels_give_the_same_bits_on_one_thread_and_on_many(monkeypatch):
     bad[2_500_000] = np.nan  # in a later span than the first
     with pytest.raises(QuantError, match="index 2500000"):
         quantize(bad, 4)
+
+
+def test_claims_buy_no_more_than_the_median_delta_and_step_claims_are_bounded():
+    from yeto.sync.merge import MAX_CLAIM_OVER_MEDIAN as C
+    from yeto.sync.merge import MAX_STEP_SCALE, capped_claims, merge_terms, round_length
+
+    assert C == 1
+    assert capped_claims([1000, 1000, 2 ** 40]) == [1000, 1000, 1000]  # 2^40 tokens count as the median
+    assert capped_claims([1000, 2 ** 40]) == [1000, 1000]  # in a pair, as the smaller claim
+    assert capped_claims([100, 1000, 1000]) == [100, 1000, 1000]  # a short delta keeps its small weight
+    assert capped_claims([100, 1000, 5000]) == [100, 1000, 1000]
+    assert round_length([10, 10, 10 ** 7], [10, 10, 10 ** 7]) == 10 * MAX_STEP_SCALE  # a step claim cannot set it
+    assert round_length([10, 1], [10, 1]) == 10  # an honest fast island does
+    counts = [DeltaCounts(1000, 2000, 10), DeltaCounts(1000, 2000, 1)]
+    t = merge_terms(counts, "loss-tokens", [0, 0], 0.5, True, [10, 1])
+    assert t.length == 10 and t.scales == [1 / 10, 1 / 1]  # each delta an estimate of a 10-step move
+    liar = merge_terms([DeltaCounts(1000, 2000, 10)] * 2 + [DeltaCounts(1000, 2000, 1)], "loss-tokens", [0, 0, 0],
+                       0.5, True, [10 ** 6, 10 ** 6, 1])
+    assert liar.length == 10 ** 6 and liar.scales[2] * liar.length == MAX_STEP_SCALE  # scaled up 16x, no more

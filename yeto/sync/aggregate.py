@@ -6,13 +6,16 @@ default). `RoundSum` adds each delta as it arrives, so the syncer holds one fp32
 vector per round, not one per learner; the deltas themselves stay in their wire
 encoding (4 bits: 1/8 of fp32) for the durable copy and for the rare rebuild.
 
-Norm clipping (`--robust norm-clip`, the default): with n_i = |d_i| and
-ref = median(this round's norms and the norms merged in the last
-`NORM_HISTORY_ROUNDS` rounds), a delta with n_i > k * ref is scaled by
-c_i = k * ref / n_i before it is weighted. The history makes it work in a
-two-learner fleet, where the round's own median is the mean of an honest and a
-hostile norm. Applied as a correction on the running sum:
-sum <- sum - (1 - c_i) * t_i * d_i.
+Norm clipping (`--robust norm-clip`, the default): with n_i = |s_i d_i| (the
+delta as it is merged: staleness and step normalization applied) and
+ref = median_low(this round's norms and the norms merged in the last
+`NORM_HISTORY_ROUNDS` rounds, after their clips), a delta with n_i > k * ref is
+scaled by c_i = k * ref / n_i before it is weighted. The low median (of a pair,
+the smaller) is what makes it hold for any fleet size: a two-learner round's
+plain median is the mean of an honest and a hostile norm, which never clips.
+With at most half the norms hostile, ref is at most an honest norm, so one
+learner moves the global by at most its weight x k x ref per round. Applied as
+a correction on the running sum: sum <- sum - (1 - c_i) * t_i * d_i.
 
 Trimmed mean (`--robust trimmed-mean`): per coordinate, drop the
 floor(`TRIM_FRACTION` * n) (at least one) largest and smallest values and take
@@ -36,7 +39,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from yeto.sync.layout import Layout
-from yeto.sync.merge import Directions
+from yeto.sync.merge import Directions, low_median
 from yeto.sync.spans import over_spans
 
 ROBUST_MODES = ("norm-clip", "trimmed-mean", "off")
@@ -116,9 +119,14 @@ class RoundSum:
         return self.total / np.float32(self.weight)
 
 
+def clip_reference(norms: Sequence[float], history: Sequence[float]) -> float:
+    """ref = median_low(norms + history): what a delta's norm is judged against."""
+    return low_median([*norms, *history]) if norms else 0.0
+
+
 def clip_factors(norms: Sequence[float], history: Sequence[float], k: float) -> list[float]:
-    """c_i = min(1, k * median(norms + history) / n_i) (1 for a zero norm)."""
-    ref = float(np.median(np.asarray([*norms, *history], dtype=np.float64))) if norms else 0.0
+    """c_i = min(1, k * ref / n_i) (1 for a zero norm)."""
+    ref = clip_reference(norms, history)
     return [1.0 if n <= k * ref or n == 0 else k * ref / n for n in norms]
 
 

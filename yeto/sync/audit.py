@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from yeto.sync.given_up import quorum_after_give_ups
+from yeto.sync.merge import MAX_CLAIM_OVER_MEDIAN, MERGE_WEIGHTS, DeltaCounts, capped_claims, weight_of
+
+CLIP_SLACK = 1e-6  # float rounding allowed over the clip's bound
 
 Key = tuple[int, int]  # (round, learner)
 
@@ -60,6 +63,7 @@ class TapeFold:
     given_up: set = field(default_factory=set)  # learner ids given up since the last start
     outer_steps: int = 0
     max_base_lag: int = 0  # a delta may be accepted this many versions after its base
+    robust_k: float = 0.0  # --robust-k under norm-clip (0: no clip bound to check)
     counts: dict[str, int] = field(default_factory=dict)
 
     def resolved(self, rnd: int, learner: int, digest: str) -> bool:
@@ -87,6 +91,7 @@ class TapeFold:
         self.given_up = set()  # a restarted syncer applies its given-up folder again
         self.outer_steps = int(cfg.get("outer_steps", self.outer_steps))
         self.max_base_lag = int(cfg.get("max_base_lag", 0))
+        self.robust_k = float(cfg.get("robust_k", 0.0)) if cfg.get("robust") == "norm-clip" else 0.0
 
     def _on_given_up(self, e: dict[str, Any]) -> None:
         """The fleet controller gave a learner up: the quorum shrinks, by the rule, not by the record's word."""
@@ -158,10 +163,29 @@ class TapeFold:
                 continue
             used.append(self.outstanding.pop((rnd, lid)))
             self.settled.add((rnd, lid, dg))
+        if len(used) == len(responders):
+            self._check_bounds(e, used)
         self.version = v
         self.digests[v] = e["digest"]
         self.merged[v] = e
         self.merged_deltas[v] = used
+
+    def _check_bounds(self, e: dict[str, Any], used: list[dict[str, Any]]) -> None:
+        """No learner's claim bought more weight than the rule allows, and no merged delta was longer than the clip's
+        bound (yeto.sync.merge, yeto.sync.aggregate): checked from the tape's own numbers."""
+        counted, how = e.get("counted"), e.get("merge_weight", "loss-tokens")
+        if counted is not None and how in MERGE_WEIGHTS:
+            claims = [weight_of(DeltaCounts(d["loss_tokens"], d["tokens"], d["inner_steps"]), how) for d in used]
+            if len(counted) != len(claims) or counted != capped_claims(claims):
+                self._fail(e, f"merge of round {e['round']} counts claims {counted}; the bound gives "
+                              f"{capped_claims(claims)} (at most {MAX_CLAIM_OVER_MEDIAN:g} x the low median)")
+        ref, norms = e.get("clip_ref"), e.get("merged_norms")
+        if self.robust_k and ref is not None and norms is not None:
+            bound = self.robust_k * ref * (1 + CLIP_SLACK)
+            over = [i for i, n in zip(e["responders"], norms) if n > bound]
+            if over:
+                self._fail(e, f"merge of round {e['round']} merged learner(s) {over} above the clip bound "
+                              f"{self.robust_k:g} x {ref:.4g}")
 
     def _on_checkpoint(self, e: dict[str, Any]) -> None:
         if e["version"] != self.version or e.get("digest", self.digests.get(self.version)) != self.digests.get(

@@ -39,6 +39,15 @@ round (a tenth of the steps, so a tenth of the weight and a delta a tenth as lon
 instead. With equal steps it is the plain rule. The default in time-window rounds, with the mean (docs/benchmarks.md,
 heterogeneous fleet); not with rda, whose norm rule would take a short delta's scaled-up noise for length.
 
+Bounded claims (no learner's word buys it more than a fair share): the counts behind the weights and the step counts
+behind step normalization are the learners' own claims, so before the rule each claimed weight is cut to the round's
+low median (C = MAX_CLAIM_OVER_MEDIAN = 1: t_i' = min(t_i, median_low(t))). A delta weighs by its count but never
+more than the round's median delta: a short delta (a slow island's) keeps its small weight, a long claim (a fast
+island's, or a lie) counts as the median, so one learner among n weighs at most 1/n of a merge where the others'
+claims are alike (in a pair, the two weigh the same unless the smaller claims less). A round's length k_max comes
+from window steps each cut to MAX_STEP_SCALE times their low median, and no delta is scaled up by more than
+MAX_STEP_SCALE. The norm clip (yeto.sync.aggregate) then judges each delta as it is merged.
+
 Staleness (`--staleness-exponent a`): a delta accepted `lag` versions after its base is scaled by s = (1 + lag)^-a
 before any rule sees it (FedAsync's polynomial rule; a = 0: no discount). The weights stay normalised by the counts
 alone, so the discount shrinks the step even when the stale delta merges by itself: w_i s_i sums to less than 1.
@@ -62,6 +71,8 @@ RDA_CANCEL = 1e-3  # |sum of weighted unit directions| below this (of the weight
 ALS_MAX_ITERATIONS = 50
 ALS_TOLERANCE = 1e-9  # stop once the residual improves by less than this (relative to |W|^2)
 RIDGE = 1e-12  # keeps the normal equations of a rank-deficient factor solvable
+MAX_CLAIM_OVER_MEDIAN = 1.0  # no delta's weight claim counts for more than this x the round's low median claim
+MAX_STEP_SCALE = 16.0  # step normalization scales no delta up by more, nor takes a round longer than this x its median
 
 
 @dataclass(frozen=True)
@@ -73,10 +84,47 @@ class DeltaCounts:
     inner_steps: int
 
 
+def low_median(values: Sequence[float]) -> float:
+    """The lower middle value (of a pair, the smaller): one outlier among two cannot move it."""
+    ordered = sorted(values)
+    return float(ordered[(len(ordered) - 1) // 2]) if ordered else 0.0
+
+
 def round_length(window_steps: Sequence[int], inner_steps: Sequence[int]) -> int:
     """k_max of step normalization: the most steps a delta took in the round's window (each delta's inner steps less
-    those carried in); in a round whose every delta was carried in whole, the most inner steps."""
-    return max(1, max(window_steps, default=0) or max(inner_steps, default=1))
+    those carried in; in a round whose every delta was carried in whole, the most inner steps), each claim cut to
+    MAX_STEP_SCALE x the claims' low median."""
+    claims = [s for s in window_steps if s > 0] or [s for s in inner_steps if s > 0] or [1]
+    return max(1, int(min(max(claims), MAX_STEP_SCALE * low_median(claims))))
+
+
+def capped_claims(claims: Sequence[float]) -> list[float]:
+    """t_i' = min(t_i, C median_low(t)): the weights a round's claims may buy (C = MAX_CLAIM_OVER_MEDIAN)."""
+    cap = MAX_CLAIM_OVER_MEDIAN * low_median(claims)
+    return [min(float(t), cap) for t in claims]
+
+
+@dataclass(frozen=True)
+class MergeTerms:
+    """What each delta of a merge counts for, by responder position: the merged update is
+    length x rule(scales_i x d_i, weights counted_i)."""
+
+    counted: list[float]  # unnormalised weights: the claims, capped (`capped_claims`)
+    scales: list[float]  # staleness discount x step normalization's share (1/k_i of the round's length)
+    length: float  # the round's length (1 without step normalization)
+
+
+def merge_terms(counts: Sequence[DeltaCounts], how: str, lags: Sequence[int], staleness_exponent: float,
+                normalize: bool, window_steps: Sequence[int]) -> MergeTerms:
+    """The bounded weights and scales of one merge (the syncer's and every replay's: one expression, same bits)."""
+    counted = capped_claims([weight_of(c, how) for c in counts])
+    length = round_length(window_steps, [c.inner_steps for c in counts]) if normalize else 1
+    scales = []
+    for c, lag in zip(counts, lags):
+        s = staleness_factor(lag, staleness_exponent)
+        k = max(1, c.inner_steps)
+        scales.append(s if not normalize else s / k if length / k <= MAX_STEP_SCALE else s * MAX_STEP_SCALE / length)
+    return MergeTerms(counted, scales, float(length))
 
 
 def staleness_factor(lag: int, exponent: float) -> float:

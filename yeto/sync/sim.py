@@ -45,7 +45,7 @@ from yeto.sync.core.actions import (Checkpoint, DropDeltas, Durable, Exit, Log, 
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict, Wait
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.layout import build_layout
-from yeto.sync.merge import round_length, staleness_factor
+from yeto.sync.merge import DeltaCounts, low_median, merge_terms, weight_of
 from yeto.sync.aggregate import RoundSum, clipped_merge, effective_weight
 from yeto.sync.outer import nesterov_step
 from yeto.sync.protocol import (Code, Message, array_digest, decode, decode_fragments, digest_bytes, encode,
@@ -62,6 +62,7 @@ ADAPTER_SHAPES = {"m.layers.0.q.lora_A.default.weight": (2, 8), "m.layers.0.q.lo
 FRAGMENT_NUMEL = 24  # small fragments, so payloads span several frames
 POISON = -6e4  # fits the learners' fp16 block minimums, but not once the outer step scaled it: the merge fails
 SIM_OUTER_LR, SIM_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's: the outer step scales the poison past fp16 (not the default)
+HOSTILE_P = 0.2  # the share of schedules (of 2 or more learners) with a hostile learner
 POISON_WEIGHT = 1000  # ... provided it weighs enough in the merge: the poisoned step claims this many more tokens
 ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"], "task_type": "CAUSAL_LM"}
 ZOMBIE_SLEEPS_LONGER_S = 20.0  # a zombie wakes up at most this long after its replacement started
@@ -75,6 +76,15 @@ class Violation(Exception):
 
 
 # ---------------------------------------------------------------------------------------------- the schedule
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """A learner that claims `claims` x the tokens it trained and steps `outlier` x as far as an honest one."""
+
+    learner: int
+    claims: int
+    outlier: float
 
 
 @dataclass
@@ -104,6 +114,7 @@ class Schedule:
     staleness_exponent: float = 0.0
     grace_ms: float = 3000.0
     merge: str = "rda"
+    hostile: Optional["Hostile"] = None  # a join-key holder steering the merge with its claims and outliers
 
     @staticmethod
     def draw(seed: int) -> "Schedule":
@@ -142,7 +153,16 @@ class Schedule:
             p_slow_step=rng.choice([0.0, 0.0, 0.02]), learner_kills=sorted(kills), syncer_kills=sorted(syncer_kills),
             cuts=sorted(cuts), pauses=sorted(pauses), stops=stops, poison=poison,
             max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)], give_ups=Schedule.draw_give_ups(seed, kills),
-            **Schedule.draw_policy(seed))
+            hostile=Schedule.draw_hostile(seed, n), **Schedule.draw_policy(seed))
+
+    @staticmethod
+    def draw_hostile(seed: int, n: int) -> Optional["Hostile"]:
+        """Now and then one learner lies about its work and pushes outliers (a stream of its own, so older seeds
+        keep their faults)."""
+        rng = random.Random(seed * 31 + 41)
+        if n < 2 or rng.random() >= HOSTILE_P:
+            return None
+        return Hostile(rng.randrange(n), rng.choice([1, 10**3, 10**6]), rng.choice([1.0, 10.0, 1000.0]))
 
     @staticmethod
     def draw_policy(seed: int) -> dict[str, Any]:
@@ -428,9 +448,30 @@ class World:
         lost = sorted(a for a in self.acked if a not in settled)
         if lost:
             raise Violation(f"acked deltas (learner, base version, digest) never merged nor refused: {lost}")
+        self.check_influence(tape)
         replayed = self.replay(tape)
         if not np.array_equal(replayed, final.global_):
             raise Violation("replaying the tape's merges does not give the final global adapter")
+
+    def check_influence(self, tape: list[dict[str, Any]]) -> None:
+        """No single learner's contribution to any merge exceeds its bound: its weight is bought by a claim of at most
+        the round's low median (recomputed here from the deltas' own claims), and what it merged is at most k x the
+        clip's reference."""
+        cfg = self.syncer.core.cfg
+        claims = {(e["round"], e["learner"], e["digest"]): weight_of(DeltaCounts(e["loss_tokens"], e["tokens"],
+                                                                                 e["inner_steps"]), cfg.merge_weight)
+                  for e in tape if e["event"] == "delta"}
+        for e in tape:
+            if e["event"] != "merge":
+                continue
+            mine = [claims[(e["round"], lid, d)] for lid, d in zip(e["responders"], e["deltas"])]
+            for lid, counted, norm in zip(e["responders"], e["counted"], e["merged_norms"]):
+                if counted > low_median(mine):
+                    raise Violation(f"merge of round {e['round']}: learner {lid} counts {counted}, above the round's "
+                                    f"low median claim {low_median(mine)}")
+                if cfg.robust == "norm-clip" and norm > cfg.robust_k * e["clip_ref"] * (1 + 1e-6):
+                    raise Violation(f"merge of round {e['round']}: learner {lid} merged a delta of norm {norm:.4g}, "
+                                    f"above {cfg.robust_k:g} x the clip's reference {e['clip_ref']:.4g}")
 
     def replay(self, tape: list[dict[str, Any]]) -> np.ndarray:
         fold = TapeFold()
@@ -447,20 +488,20 @@ class World:
                                                                  self.payloads[d][1]))
                       for lid, d in zip(e["responders"], e["deltas"])}
             lags = e.get("lags") or [0] * len(e["responders"])
-            tokens = dict(zip(e["responders"], e["loss_tokens"]))
             normalize = bool(e.get("step_normalize"))
-            mine = {lid: deltas_on_tape[d] for lid, d in zip(e["responders"], e["deltas"])}
-            scale = {lid: staleness_factor(lag, cfg.staleness_exponent) / (
-                max(1, mine[lid]["inner_steps"]) if normalize else 1) for lid, lag in zip(e["responders"], lags)}
+            mine = [deltas_on_tape[d] for d in e["deltas"]]
+            terms = merge_terms([DeltaCounts(d["loss_tokens"], d["tokens"], d["inner_steps"]) for d in mine],
+                                cfg.merge_weight, lags, cfg.staleness_exponent, normalize,
+                                [d["round_steps"] for d in mine])
+            weight = dict(zip(e["responders"], terms.counted))
+            scale = dict(zip(e["responders"], terms.scales))
             s = RoundSum.for_rule(self.layout, e["merge"])
             for lid in e["summed"]:
-                s.add(lid, deltas[lid], tokens[lid], scale[lid])
+                s.add(lid, deltas[lid], weight[lid], scale[lid])
             clip = {int(k): c for k, c in e["clip"].items()}
-            weights = {lid: effective_weight(tokens[lid], scale[lid]) for lid in tokens}
+            weights = {lid: effective_weight(weight[lid], scale[lid]) for lid in weight}
             avg, fallbacks = clipped_merge(s, clip, weights, deltas.__getitem__)
-            if normalize:  # (the round's length: the longest window)
-                avg = avg * np.float32(round_length([d["round_steps"] for d in mine.values()],
-                                                    [d["inner_steps"] for d in mine.values()]))
+            avg = avg * np.float32(terms.length)
             if fallbacks != e.get("rda_fallbacks"):
                 raise Violation(f"replay of merge {v}: {fallbacks} RDA fallbacks, the tape says "
                                 f"{e.get('rda_fallbacks')}")
@@ -672,16 +713,18 @@ class SimSyncer:
 class SimIsland:
     """A fake island: each step adds a known pseudo-random vector to the adapter."""
 
-    def __init__(self, lid: int, numel: int, seed: int):
+    def __init__(self, lid: int, numel: int, seed: int, hostile: Optional[Hostile] = None):
         self.lid, self.seed = lid, seed
         self.flat = np.random.default_rng([seed, lid, 99]).standard_normal(numel).astype(np.float32) * 0.1
         self.steps = 0
+        self.outlier, self.claims = (hostile.outlier, hostile.claims) if hostile is not None else (1.0, 1)
 
     def step(self) -> dict[str, Any]:
         self.steps += 1
         rng = np.random.default_rng([self.seed, self.lid, self.steps])
-        self.flat = self.flat + (rng.standard_normal(self.flat.size) * 0.01).astype(np.float32)
-        return {"tokens": 40 + 2 * self.lid, "loss_tokens": 20 + self.lid, "loss": 1.0 / self.steps}
+        self.flat = self.flat + (rng.standard_normal(self.flat.size) * 0.01 * self.outlier).astype(np.float32)
+        return {"tokens": (40 + 2 * self.lid) * self.claims, "loss_tokens": (20 + self.lid) * self.claims,
+                "loss": 1.0 / self.steps}
 
 
 class SimLearner:
@@ -726,7 +769,8 @@ class SimLearner:
         self.alive = True
         self.booted_at = w.now
         self.stepping = False
-        self.island = SimIsland(self.lid, w.layout.numel, w.s.seed)
+        hostile = w.s.hostile if w.s.hostile is not None and w.s.hostile.learner == self.lid else None
+        self.island = SimIsland(self.lid, w.layout.numel, w.s.seed, hostile)
         self.core = LearnerCore(self.lid, "sim", w.layout, self.island.flat.copy(), ADAPTER_CONFIG, {"sim": w.s.seed},
                                 random.Random(w.rng.getrandbits(64)), LINK, w.s.max_inner_steps[self.lid],
                                 started_at_us=int(w.now * 1e6), identity=f"sim-identity-{w.s.seed}-{self.lid}")

@@ -45,7 +45,7 @@ import numpy as np
 from yeto import YetoError
 from yeto.checks import check_port
 from yeto.sync.aggregate import (DEFAULT_CLIP_K, NORM_HISTORY_ROUNDS, ROBUST_MODES, RoundSum, clip_factors,
-                                  clipped_merge, effective_weight, trimmed_mean)
+                                  clip_reference, clipped_merge, effective_weight, trimmed_mean)
 from yeto.sync.audit import TapeFold
 from yeto.sync.core.actions import (AcceptedDelta, Action, Checkpoint, DropDeltas, Durable, Exit, Log, Record,
                                     SaveCheckpoint, SaveDelta, Send)
@@ -55,8 +55,8 @@ from yeto.sync.core.learner import WINDOW_NEAREST_BOUNDARY
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.given_up import quorum_after_give_ups
 from yeto.sync.layout import Layout, flatten, layout_from_json, layout_mismatch
-from yeto.sync.merge import (LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS, DeltaCounts, merge_weights, product_merge,
-                             round_length, staleness_factor, weight_of)
+from yeto.sync.merge import (LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS, DeltaCounts, MergeTerms, merge_terms,
+                             product_merge, staleness_factor, weight_of)
 from yeto.sync.outer import nesterov_step
 from yeto.sync.protocol import (CLOCK_JUMP_S, DEFAULT_MAX_MESSAGE_MB, PROTOCOL_VERSION, Code, Message, ProtocolError,
                                 array_digest, decode, decode_fragments, digest_bytes, encode_fragments,
@@ -95,6 +95,7 @@ MAX_LOSS = 1e4  # a reported mean loss above this is no loss of a language model
 STATE_REQUESTS_PER_WINDOW = 20  # full-state (or broadcast) resends per learner per RATE_WINDOW_S
 REPLIES_PER_WINDOW = 30  # refusals/errors answered and written to the tape per peer per RATE_WINDOW_S
 RATE_WINDOW_S = 60.0
+FRESH_IDS_PER_WINDOW = 32  # learner ids beyond --learners one key holder may bring in per RATE_WINDOW_S
 DEFAULT_MAX_LEARNERS = 1024
 # what a restart may not change: the run's math and its wire format depend on them
 CONTRACT_FIELDS = ("sync_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds", "robust", "robust_k",
@@ -317,6 +318,7 @@ class SyncerCore:
         self.given_up: dict[int, str] = {}  # learner id -> why the fleet controller stopped bringing it back
         self.replies = RateLimit(REPLIES_PER_WINDOW, RATE_WINDOW_S)
         self.state_requests = RateLimit(STATE_REQUESTS_PER_WINDOW, RATE_WINDOW_S)
+        self.fresh_ids = RateLimit(FRESH_IDS_PER_WINDOW, RATE_WINDOW_S)  # per principal (or connection, insecure)
         self.sum: Optional[RoundSum] = None  # the open round's running sum of accepted deltas
         self.norm_history: deque[float] = deque(maxlen=NORM_HISTORY_ROUNDS * 4)
         self.merged: dict[int, list] = {}  # learner id -> its latest merged deltas, [[round, digest], ...]
@@ -488,6 +490,7 @@ class SyncerCore:
         for m in self._active():
             if now - m.last_seen > self.cfg.learner_timeout:
                 self._drop(m, f"silent for {self.cfg.learner_timeout:g}s", now)
+        self._expire_silent_ids(now)
         if self.finished_at is not None:
             if self._all_gone(now) or now >= self.linger_until:
                 self._exit()
@@ -672,6 +675,8 @@ class SyncerCore:
             # restart); a relaunched learner on a new machine gets the id once the old holder is gone
             raise ProtocolError(f"learner id {lid} is held by a live learner with another identity; retrying until it "
                                 "goes silent (two learners with the same --learner-id?)", Code.ID_TAKEN)
+        if old is None and lid not in self.seen:
+            self._admit_fresh(peer, lid, now)
         if old is None and len(self.members) >= self.cfg.max_learners and not self._evict_member():
             raise ProtocolError(f"the run holds --max-learners {self.cfg.max_learners} live learners; retrying",
                                 Code.BUSY)
@@ -724,6 +729,34 @@ class SyncerCore:
         if p == "join" and lid in self.bound_ids:
             return f"learner {lid} has its own key (yeto keys add): join with that key, not the shared join key"
         return None
+
+    def _admit_fresh(self, peer: str, lid: int, now: float) -> None:
+        """A learner id new to the run: one connection speaks for one id, and ids beyond --learners (the ones the run
+        does not expect) come at most FRESH_IDS_PER_WINDOW per key holder per window and never fill the share of
+        --max-learners kept for the expected ones, so a flood of fresh ids leaves room for a real learner."""
+        if any(m.peer == peer and m.active for m in self.members.values()):
+            raise ProtocolError("this connection already speaks for another learner id: one connection per learner",
+                                Code.IDENTITY)
+        if lid < self.cfg.learners:
+            return
+        if not self.fresh_ids.allow(self.principal or peer, now):
+            raise ProtocolError(f"more than {FRESH_IDS_PER_WINDOW} new learner ids beyond --learners from this key in "
+                                f"{RATE_WINDOW_S:g}s; retrying", Code.BUSY)
+        unexpected = sum(1 for m in self.members.values() if m.active and m.learner >= self.cfg.learners)
+        if unexpected >= self.cfg.max_learners - self.cfg.learners:
+            raise ProtocolError(f"the run holds {unexpected} live learners beyond --learners {self.cfg.learners} "
+                                f"(the rest of --max-learners {self.cfg.max_learners} is kept for those); retrying",
+                                Code.BUSY)
+
+    def _expire_silent_ids(self, now: float) -> None:
+        """Ids beyond --learners that joined, never delivered a delta and are gone are forgotten (from `seen`,
+        `owners` and so the checkpoint): a flood of fresh ids leaves nothing behind."""
+        for lid in [x for x in self.seen if x >= self.cfg.learners and x not in self.merged and x not in self.pending]:
+            m = self.members.get(lid)
+            if m is None or (not m.active and now - m.last_seen > self.cfg.learner_timeout):
+                self.seen.discard(lid)
+                self.owners.pop(lid, None)
+                self.members.pop(lid, None)
 
     def _evict_member(self) -> bool:
         """Make room for a new learner id by forgetting the longest-gone member; False if every member is live."""
@@ -1099,7 +1132,8 @@ class SyncerCore:
             try:
                 merged = self._merge(ids)
             except MergeError as e:
-                culprit = max(ids, key=lambda i: (self.pending[i].peak, i))
+                contribution = self._contributions(ids)  # (the delta that moves the merge most, not the largest)
+                culprit = max(ids, key=lambda i: (contribution[i], i))
                 self._refuse_merged(culprit, f"round {r.number} could not be merged with this delta: {e}")
                 continue
             self._commit(r, ids, merged, stragglers, now)
@@ -1132,28 +1166,52 @@ class SyncerCore:
         """The pending deltas' learners in the order they were added to the running sum."""
         return [i for i in self.sum.order if i in self.pending] if self.sum is not None else sorted(self.pending)
 
+    def _terms(self, ids: list[int]) -> MergeTerms:
+        """The bounded weights and scales of merging these pending deltas (`yeto.sync.merge.merge_terms`)."""
+        ds = [self.pending[i] for i in ids]
+        return merge_terms([self._counts(d) for d in ds], self.cfg.merge_weight, [d.lag for d in ds],
+                           self.cfg.staleness_exponent, bool(self.cfg.step_normalize), [d.round_steps for d in ds])
+
+    def _bounded_sum(self, ids: list[int], terms: MergeTerms) -> RoundSum:
+        """The round's running sum, or, where a claim was capped or a scale bounded, the sum rebuilt with what each
+        delta counts for (the running sum adds each delta as it arrives, before the round's median is known)."""
+        arrived = [(self._weight(self.pending[i]), self._scale(self.pending[i])) for i in ids]
+        if all(a == (w, sc) for a, w, sc in zip(arrived, terms.counted, terms.scales)):
+            return self.sum.copy()
+        s = RoundSum.for_rule(self.run.layout, self.cfg.merge)
+        for i, w, sc in zip(ids, terms.counted, terms.scales):
+            s.add(i, self._decode(self.pending[i]), w, sc)
+        return s
+
+    def _contributions(self, ids: list[int]) -> dict[int, float]:
+        """How far each delta could move the merge: its bounded weight x scale x largest value."""
+        t = self._terms(ids)
+        total = sum(t.counted) or 1.0
+        return {i: w / total * sc * t.length * self.pending[i].peak for i, w, sc in zip(ids, t.counted, t.scales)}
+
     def _merge(self, ids: list[int]) -> dict[str, Any]:
         run, cfg = self.run, self.cfg
         ds = [self.pending[i] for i in ids]
-        scales = {i: self._scale(self.pending[i]) for i in ids}
-        # (the longest window: a delta carried over two windows is an estimate of the round's move, not twice it)
-        most = np.float32(round_length([d.round_steps for d in ds], [d.inner_steps for d in ds])
-                          if cfg.step_normalize else 1)
-        unnormalised = {i: effective_weight(self._weight(self.pending[i]), scales[i]) for i in ids}
+        terms = self._terms(ids)
+        scales = dict(zip(ids, terms.scales))
+        most = np.float32(terms.length)
+        unnormalised = {i: effective_weight(w, scales[i]) for i, w in zip(ids, terms.counted)}
+        norms = [d.norm * scales[i] * terms.length for i, d in zip(ids, ds)]  # (the deltas as they are merged)
         rule: dict[str, Any] = {}  # what the rule reports on the tape
+        ref = clip_reference(norms, list(self.norm_history))
         try:
             with np.errstate(all="ignore"):
-                weights = merge_weights([self._counts(d) for d in ds], cfg.merge_weight)
+                weights = np.asarray(terms.counted, dtype=np.float64) / sum(terms.counted)
                 clip: dict[int, float] = {}
                 if cfg.robust == "trimmed-mean":  # fragment by fragment: n fragments in memory, not n adapters
                     avg = trimmed_mean(lambda k: np.stack([self._decode_fragment(self.pending[i], k) * np.float32(
-                        scales[i] * most) for i in ids]), [self._weight(self.pending[i]) for i in ids], run.layout)
+                        scales[i] * most) for i in ids]), terms.counted, run.layout)
                 else:
                     if cfg.robust == "norm-clip":
-                        factors = clip_factors([d.norm for d in ds], list(self.norm_history), cfg.robust_k)
+                        factors = clip_factors(norms, list(self.norm_history), cfg.robust_k)
                         clip = {i: c for i, c in zip(ids, factors) if c < 1.0}
                     if cfg.lora_merge == "factors":  # the running sums: one or two vectors in memory, not n
-                        avg, fallbacks = clipped_merge(self.sum.copy(), clip, unnormalised,
+                        avg, fallbacks = clipped_merge(self._bounded_sum(ids, terms), clip, unnormalised,
                                                        lambda i: self._decode(self.pending[i]))
                         avg = avg * most
                         rule = {} if fallbacks is None else {"rda_fallbacks": fallbacks}
@@ -1174,9 +1232,11 @@ class SyncerCore:
                     raise MergeError("the new global adapter is not finite")
         except (QuantError, ValueError, FloatingPointError, OverflowError) as e:
             raise MergeError(str(e)) from e
+        bounds = {"counted": list(terms.counted), "merged_norms": [n * clip.get(i, 1.0) for i, n in zip(ids, norms)],
+                  "clip_ref": ref if cfg.robust == "norm-clip" else None}
         weights = weights * np.asarray([scales[i] * float(most) for i in ids])  # what each delta counted for
         return {"global": committed, "momentum": momentum, "residual": ef.residual, "weights": weights,
-                "descs": descs, "frames": tuple(frames), "sent": sent, "clip": clip, "rule": rule}
+                "descs": descs, "frames": tuple(frames), "sent": sent, "clip": clip, "rule": rule, "bounds": bounds}
 
     def _commit(self, r: OpenRound, ids: list[int], merged: dict[str, Any], stragglers: list[int], now: float) -> None:
         run = self.run
@@ -1184,6 +1244,9 @@ class SyncerCore:
         digest = array_digest(merged["global"])
         summed, ids = ids, sorted(ids)  # the tape lists responders sorted, and the order they were summed in
         weights = [float(w) for _, w in sorted(zip(summed, merged["weights"]))]
+        b = merged["bounds"]
+        bounds = {"clip_ref": b["clip_ref"], **{k: [float(x) for _, x in sorted(zip(summed, b[k]))]
+                                                for k in ("counted", "merged_norms")}}
         deltas = [self.pending[i].digest for i in ids]
         lags = [self.pending[i].lag for i in ids]
         self._record("merge", round=r.number, version=version, responders=ids, weights=weights,
@@ -1192,12 +1255,12 @@ class SyncerCore:
                      robust=self.cfg.robust, clip={str(i): c for i, c in merged["clip"].items()},
                      merge=self.cfg.merge, merge_weight=self.cfg.merge_weight, lora_merge=self.cfg.lora_merge,
                      step_normalize=self.cfg.step_normalize,
-                     lags=lags,
+                     lags=lags, **bounds,
                      grace_s=round(now - r.fresh_at, 6) if r.fresh_at is not None else None, **merged["rule"])
         if merged["clip"]:
             self._log("warning", f"round {r.number}: robust merge clipped learner(s) "
                                  f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged['clip'].items())}")
-        self.norm_history.extend(self.pending[i].norm * merged["clip"].get(i, 1.0) for i in ids)
+        self.norm_history.extend(b["merged_norms"])
         for i in ids:
             d = self.pending[i]
             history = self.merged.setdefault(i, [])

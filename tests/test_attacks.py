@@ -1,0 +1,171 @@
+"""A join-key holder trying to steer the merge, on a real CURVE syncer on loopback (docs/SECURITY.md's threat table).
+
+Honest learners push along one direction (+0.01 on every value, as the red team's did); the attacker pushes against
+it with claims and deltas chosen to pull hardest. Each test measures the global's move along the honest direction
+after ROUNDS merges and asserts the bound docs/SECURITY.md states: per merge, one learner among n moves the global
+by at most its bounded weight x k x the clip's reference norm (k = --robust-k, the reference at most an honest norm),
+and no claim raises its weight above the round's median delta's.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from tests.peers import QuadraticIsland, RawLearner, wait_until
+from yeto.sync.aggregate import DEFAULT_CLIP_K
+from yeto.sync.audit import audit
+from yeto.sync.merge import MAX_STEP_SCALE
+from yeto.tape import read_tape
+
+ROUNDS = 10
+HONEST_STEP = 0.01  # each honest delta: +0.01 on every value (a norm of 0.01 x sqrt(numel))
+HONEST_TOKENS = 100
+MERGE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Attack:
+    """What the attacker declares and pushes each round: `against` x HONEST_STEP on every value (negative: against
+    the honest direction), with these claims."""
+
+    against: float
+    tokens: int = HONEST_TOKENS
+    steps: int = 2
+    tokens_per_step: int = 64
+
+
+def run(start_syncer, tmp_path, honest: int, attack: Attack | None, **syncer_kw) -> tuple[float, list[dict]]:
+    """ROUNDS merges of `honest` learners (and the attacker, last); the global's mean move and the tape."""
+    n = honest + (attack is not None)
+    syncer, port = start_syncer(insecure=False, learners=n, quorum=n, outer_steps=ROUNDS, sync_bits=32,
+                                outer_lr=1.0, outer_momentum=0.0, out=tmp_path / f"syncer-{honest}-{attack}",
+                                **syncer_kw)
+    key = syncer.keys.join
+    state = QuadraticIsland(0.0, 1).state
+    peers = [RawLearner(port, i, key=key) for i in range(n)]
+    try:
+        layout = peers[0].found(state)
+        for i, p in enumerate(peers[1:], start=1):
+            tps = attack.tokens_per_step if attack is not None and i == honest else 64
+            p.ctl.send_multipart(p.hello_parts(state, tokens_per_step=tps)[0])
+            assert p.recv(want="welcome")
+        g0 = syncer.global_.copy()
+        for r in range(1, ROUNDS + 1):
+            for i, p in enumerate(peers):
+                hostile = attack is not None and i == honest
+                value = HONEST_STEP * (attack.against if hostile else 1.0)
+                tokens, steps = (attack.tokens, attack.steps) if hostile else (HONEST_TOKENS, 2)
+                parts = p.delta_parts(layout, r, r - 1, np.full(layout.numel, value, np.float32), tokens=tokens,
+                                      loss_tokens=tokens, steps=steps)
+                assert p.ask(parts, bulk=True, want="ack", timeout=MERGE_TIMEOUT_S).header["merge_round"] == r
+            assert wait_until(lambda: syncer.version == r, MERGE_TIMEOUT_S), f"round {r} never merged"
+        assert wait_until(lambda: sum(e["event"] == "merge" for e in read_tape(syncer.cfg.out)) == ROUNDS)
+        tape = read_tape(syncer.cfg.out)
+        assert audit(tape).ok, audit(tape).summary()  # (the audit checks each merge's bounds from the tape)
+        return float(np.mean(syncer.global_ - g0)), [e for e in tape if e["event"] == "merge"]
+    finally:
+        for p in peers:
+            p.close()
+
+
+def bound(honest: int) -> float:
+    """How far one attacker among honest + 1 learners can pull the global from where the honest learners alone take
+    it in ROUNDS merges (docs/SECURITY.md): per merge, its weight is at most 1/n of it, which it takes from the
+    honest delta (h) and gives to its own, clipped to at most k x the reference (an honest norm): (1 + k) h / n."""
+    return ROUNDS * (1 + DEFAULT_CLIP_K) * HONEST_STEP / (honest + 1)
+
+
+def assert_fair_weights(merges: list[dict], attacker: int) -> None:
+    """The attacker's counted claim is at most the round's low median (here an honest claim)."""
+    for m in merges:
+        counted = dict(zip(m["responders"], m["counted"]))
+        assert counted[attacker] <= min(c for lid, c in counted.items() if lid != attacker)
+
+
+def test_a_weight_claim_buys_no_more_than_the_median_weight(start_syncer, tmp_path):
+    """The red team's 'weight by claim': no declared tokens per step, 2^40 tokens claimed per delta, a delta 3.99x the
+    honest norm (under the clip) against the honest direction. It had weights [9e-11, 9e-11, 1.0] and moved the global
+    -0.40 in 10 rounds; now it weighs as the median delta."""
+    alone, _ = run(start_syncer, tmp_path, 2, None, inner_steps=2)
+    assert alone == pytest.approx(ROUNDS * HONEST_STEP, rel=1e-4)  # +0.10: the honest-only progress
+    move, merges = run(start_syncer, tmp_path, 2, Attack(-3.99, tokens=2**40, tokens_per_step=0), inner_steps=2)
+    assert_fair_weights(merges, attacker=2)
+    assert all(max(m["weights"]) == pytest.approx(1 / 3) for m in merges)
+    assert abs(alone - move) <= bound(2) * (1 + 1e-4)
+    print(f"weight claim: honest alone {alone:+.4f}, with the attacker {move:+.4f} (bound {bound(2):.4f})")
+
+
+def test_a_two_learner_fleet_clips_the_outlier(start_syncer, tmp_path):
+    """The red team's pair: one learner pushing 1000x the honest norm (it ended at |global| 17). The clip's low
+    median is the honest norm: the outlier merges at k x it."""
+    alone, _ = run(start_syncer, tmp_path, 1, None, inner_steps=2)
+    move, merges = run(start_syncer, tmp_path, 1, Attack(-1000.0), inner_steps=2)
+    assert all(m["clip"].get("1", 1.0) == pytest.approx(DEFAULT_CLIP_K / 1000, rel=1e-4) for m in merges)
+    assert all(max(m["merged_norms"]) <= DEFAULT_CLIP_K * m["clip_ref"] * (1 + 1e-6) for m in merges)
+    assert abs(alone - move) <= bound(1) * (1 + 1e-4)
+    assert abs(move) < 0.2  # (unclipped: -5.0 after 10 rounds)
+    print(f"pair outlier: honest alone {alone:+.4f}, with the attacker {move:+.4f} (bound {bound(1):.4f})")
+
+
+def test_a_step_claim_scales_honest_deltas_by_a_bounded_factor(start_syncer, tmp_path):
+    """The red team's 'step normalization by claim': in time-window rounds (step normalization on) one learner
+    claiming 10^7 inner steps set the round's length and every honest delta was scaled by 10^6 (|global| 1e5 after
+    10 rounds). Now a round is at most MAX_STEP_SCALE x its median claim long."""
+    window = {"round_seconds": 0.2, "straggler_timeout": 5.0}
+    move, merges = run(start_syncer, tmp_path, 2, Attack(1.0, steps=10**7), **window)
+    assert all(m["step_normalize"] for m in merges)
+    assert 0 < move <= ROUNDS * MAX_STEP_SCALE * HONEST_STEP * (1 + 1e-4)  # at most 16x the honest progress
+    print(f"step claim: with the attacker {move:+.4f} (honest alone +0.1000, bound "
+          f"{ROUNDS * MAX_STEP_SCALE * HONEST_STEP:.4f})")
+
+
+def test_a_fresh_id_flood_leaves_room_for_a_real_learner_and_nothing_behind(start_syncer, tmp_path):
+    """The red team's fresh-id flood: a join-key holder filled --max-learners with fresh ids in seconds, a real new
+    learner got `busy`, and every fake id stayed in the checkpoint. Now ids beyond --learners come at most
+    FRESH_IDS_PER_WINDOW per key holder and never take the share kept for the run's expected ids; one connection
+    speaks for one id; and ids that delivered nothing expire once gone."""
+    from yeto.sync.core.syncer import FRESH_IDS_PER_WINDOW
+    from yeto.sync.protocol import encode
+
+    syncer, port = start_syncer(insecure=False, learners=2, quorum=2, outer_steps=2, inner_steps=2, sync_bits=32,
+                                max_learners=8, learner_timeout=1.5, out=tmp_path / "syncer")
+    key, state = syncer.keys.join, QuadraticIsland(0.0, 1).state
+    founder = RawLearner(port, 0, key=key)
+    layout = founder.found(state)
+    flood = [RawLearner(port, 100 + i, key=key) for i in range(FRESH_IDS_PER_WINDOW + 8)]
+    answers = []
+    for f in flood:
+        f.ctl.send_multipart(f.hello_parts(state, tokens_per_step=64)[0])
+        answers.append(f.recv(timeout=MERGE_TIMEOUT_S))
+    welcomed = [a for a in answers if a.type == "welcome"]
+    busy = [a for a in answers if a.type == "error" and a.header["code"] == "busy"]
+    assert len(welcomed) == 8 - 2 and len(welcomed) + len(busy) == len(flood)  # the expected ids' share is kept
+    assert any("new learner ids" in a.header["reason"] for a in busy)  # (the key's rate, after the share)
+    honest = RawLearner(port, 1, key=key)
+    honest.ctl.send_multipart(honest.hello_parts(state, tokens_per_step=64)[0])
+    assert honest.recv(want="welcome")  # a real learner gets in during the flood
+    liar = flood[0]
+    liar.ctl.send_multipart(encode("hello", {**json_header(liar.hello_parts(state)[0]), "learner": 999}))
+    err = liar.recv(want="error")
+    assert err.header["code"] == "identity" and "one connection per learner" in err.header["reason"]
+    for p in (founder, honest):
+        assert p.ask(p.delta_parts(layout, 1, 0, np.full(layout.numel, HONEST_STEP, np.float32), steps=2),
+                     bulk=True, want="ack")
+    assert wait_until(lambda: syncer.version == 1, MERGE_TIMEOUT_S)
+    for f in flood:
+        f.close()
+    assert wait_until(lambda: not [i for i in syncer.core.seen if i >= 100], 10.0), sorted(syncer.core.seen)
+    assert not [i for i in syncer.core.owners if i >= 100]
+    ck = syncer.core._checkpoint()
+    assert set(ck.members) <= {0, 1} and set(ck.owners) <= {0, 1}  # the checkpoint keeps nothing of the flood
+    founder.close()
+    honest.close()
+
+
+def json_header(parts: list[bytes]) -> dict:
+    """A message's header fields (its frame 0, less the protocol's own)."""
+    import json
+
+    h = json.loads(parts[0])
+    return {k: v for k, v in h.items() if k not in ("v", "type")}
