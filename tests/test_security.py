@@ -9,7 +9,9 @@ must leave the honest learners merging and the run's state untouched.
 import os
 import socket
 import stat
+import threading
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -18,11 +20,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.peers import (ADAPTER_CONFIG, SEND_TIMEOUT_MS, QuadraticIsland, RawLearner, island_thread, tape_with,
+from tests.peers import (ADAPTER_CONFIG, FAST, SEND_TIMEOUT_MS, QuadraticIsland, RawLearner, island_thread, tape_with,
                          wait_until)
 from yeto import YetoError
 from yeto.diloco import run_island
 from yeto.launch.local import free_port
+from yeto.sync import auth
 from yeto.sync.auth import JoinKey, Keyring, learner_join_key, read_join_key
 from yeto.sync.protocol import encode
 from yeto.sync.server import Syncer, SyncerConfig
@@ -293,6 +296,99 @@ def test_floods_of_connections_and_oversized_frames_leave_the_syncer_serving(sta
     assert sum(e["event"] == "merge" for e in tape) == 4
     assert any(e["event"] == "auth_refused" and "too many connections" in e["reason"] for e in tape)
     assert not any(e.get("learner") == 9 for e in tape)  # the oversized message never reached the core
+
+
+class KeylessFlood:
+    """A stranger without a key holding plain TCP connections to the syncer from several source addresses (loopback
+    is 127.0.0.0/8): `per_address` from each, each reopened when the syncer cuts it or before the handshake timeout,
+    so it never lets go of its share."""
+
+    def __init__(self, port: int, addresses: list[str], per_address: int, reopen_after_s: float):
+        self.port, self.reopen_after_s = port, reopen_after_s
+        self.slots = [(a, None, 0.0) for a in addresses for _ in range(per_address)]
+        self.cut = 0  # connections the syncer closed under the stranger
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self, address: str) -> socket.socket:
+        s = socket.socket()
+        s.bind((address, 0))
+        s.connect(("127.0.0.1", self.port))
+        s.setblocking(False)
+        return s
+
+    def _alive(self, s: socket.socket) -> bool:
+        try:
+            return s.recv(4096) != b""  # (the syncer's greeting is read and dropped; b"": closed by the syncer)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            now = time.monotonic()
+            for i, (address, s, opened) in enumerate(self.slots):
+                alive = s is not None and self._alive(s)
+                if s is not None and not alive:
+                    self.cut += 1
+                if alive and now - opened < self.reopen_after_s:
+                    continue
+                if s is not None:
+                    s.close()
+                try:
+                    self.slots[i] = (address, self._open(address), now)
+                except OSError:
+                    self.slots[i] = (address, None, now)
+            self.stop.wait(FLOOD_SWEEP_S)
+        for _, s, _ in self.slots:
+            if s is not None:
+                s.close()
+
+    def __enter__(self) -> "KeylessFlood":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+FLOOD_SWEEP_S = 0.2  # how often the stranger reopens what the syncer cut
+FLOOD_REOPEN_S = 3.0  # ... and reopens every connection, well before the syncer's handshake timeout
+ROUNDS = 40  # long enough (about 0.25 s each) for the joiner to get in while the flood is on
+
+
+def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path, monkeypatch):
+    # caps small enough that the stranger's few dozen sockets overflow both, per source address and in total
+    monkeypatch.setattr(auth, "PENDING_PER_ADDRESS", 4, raising=False)
+    monkeypatch.setattr(auth, "PENDING_TOTAL", 12, raising=False)
+    max_connections = 6  # two learners' four connections fit; the stranger alone holds five times as many
+    syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=ROUNDS, inner_steps=2,
+                               max_connections=max_connections)
+    results = {}
+    first = island_thread(QuadraticIsland(1.0, 100), port, 0, results, join_key=key, step_delay=0.1)
+    assert wait_until(lambda: syncer.version >= 1, 15)
+    addresses = [f"127.0.0.{i}" for i in range(2, 6)]
+    with KeylessFlood(port, addresses, per_address=8, reopen_after_s=FLOOD_REOPEN_S) as flood:
+        time.sleep(1.0)  # the stranger holds its sockets: without a fix, every one counts toward the cap
+        during = syncer.version
+        joiner = island_thread(QuadraticIsland(-1.0, 150), port, 1, results, join_key=key, step_delay=0.1)
+        assert wait_until(lambda: any(e["event"] == "join" and e["learner"] == 1
+                                      for e in read_tape(tmp_path / "syncer")) or 1 in results, 20)
+        assert not isinstance(results.get(1), Exception), results[1]  # refused for good, with the wrong message
+        with pytest.raises(YetoError, match="refused this learner's key.*--join-key"):  # a wrong key: still final
+            run_island(QuadraticIsland(0.0, 1), f"127.0.0.1:{port}", 5, log_fn=lambda s: None,
+                       join_key=stranger_key(key), timeouts=FAST)
+        assert wait_until(lambda: syncer.version >= during + 3, 10), (during, syncer.version)  # the run goes on
+        assert flood.cut > 0  # the stranger's oldest sockets were dropped ...
+        waiting = syncer.gate.pending  # ... so that what waits for a handshake stays within both caps
+        assert len(waiting) <= auth.PENDING_TOTAL
+        assert max(Counter(w.address for w in waiting.values()).values()) <= auth.PENDING_PER_ADDRESS
+    join_all([first, joiner], results)
+    tape = read_tape(tmp_path / "syncer")
+    assert not any(e["event"] == "auth_refused" and "too many connections" in e["reason"] for e in tape)
+    assert sum(e["event"] == "merge" for e in tape) == ROUNDS
 
 
 # ZMTP 3.0 greeting (RFC 23): signature, version 3.0, mechanism "CURVE" padded to 20 bytes, as-server 0, filler
