@@ -25,7 +25,7 @@ from tests.peers import (ADAPTER_CONFIG, FAST, SEND_TIMEOUT_MS, QuadraticIsland,
 from yeto import YetoError
 from yeto.diloco import run_island
 from yeto.launch.local import free_port
-from yeto.sync import auth
+from yeto.sync import auth, client
 from yeto.sync.auth import JoinKey, Keyring, learner_join_key, read_join_key
 from yeto.sync.protocol import encode
 from yeto.sync.server import Syncer, SyncerConfig
@@ -91,7 +91,7 @@ def test_insecure_is_refused_off_loopback_and_learners_need_a_key(tmp_path, monk
         Syncer(SyncerConfig(host="0.0.0.0", port=free_port(), out=str(tmp_path / "s"), insecure=True))
     with pytest.raises(YetoError, match="--insecure is refused"):
         learner_join_key(None, True, "203.0.113.7:29400")
-    monkeypatch.delenv("YETO_JOIN_KEY", raising=False)
+    monkeypatch.delenv("YETO_JOIN_KEY")
     with pytest.raises(YetoError, match="no join key: pass --join-key FILE or set YETO_JOIN_KEY"):
         learner_join_key(None, False, "127.0.0.1:29400")
     key = Keyring.ensure(tmp_path / "s").join
@@ -361,8 +361,8 @@ ROUNDS = 40  # long enough (about 0.25 s each) for the joiner to get in while th
 
 def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path, monkeypatch):
     # caps small enough that the stranger's few dozen sockets overflow both, per source address and in total
-    monkeypatch.setattr(auth, "PENDING_PER_ADDRESS", 4, raising=False)
-    monkeypatch.setattr(auth, "PENDING_TOTAL", 12, raising=False)
+    monkeypatch.setattr(auth, "PENDING_PER_ADDRESS", 4)
+    monkeypatch.setattr(auth, "PENDING_TOTAL", 12)
     max_connections = 6  # two learners' four connections fit; the stranger alone holds five times as many
     syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=ROUNDS, inner_steps=2,
                                max_connections=max_connections)
@@ -389,6 +389,37 @@ def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path,
     tape = read_tape(tmp_path / "syncer")
     assert not any(e["event"] == "auth_refused" and "too many connections" in e["reason"] for e in tape)
     assert sum(e["event"] == "merge" for e in tape) == ROUNDS
+
+
+def test_a_full_syncer_has_key_holders_retry_and_still_refuses_a_wrong_key_for_good(start_syncer, tmp_path,
+                                                                                    monkeypatch):
+    monkeypatch.setattr(auth, "HANDSHAKE_IVL_MS", 2000)  # a busy refusal shows at the syncer's handshake timeout ...
+    monkeypatch.setattr(client, "BUSY_AFTER_S", 1.0)  # ... shortened here, and the learner's reading of it with it
+    syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=2, inner_steps=1, max_connections=2)
+    occupant = RawLearner(port, 9, key=key)  # a key holder's two connections fill --max-connections
+    assert wait_until(lambda: len(syncer.gate.handshaked) == 2, 5)
+    with pytest.raises(YetoError, match="refused this learner's key.*--join-key"):  # the key is judged first
+        run_island(QuadraticIsland(0.0, 1), f"127.0.0.1:{port}", 5, log_fn=lambda s: None,
+                   join_key=stranger_key(key), timeouts=FAST)
+    results, logs = {}, []
+
+    def learner():
+        try:
+            results[0] = run_island(QuadraticIsland(1.0, 100), f"127.0.0.1:{port}", 0, log_fn=logs.append,
+                                    timeouts=FAST, join_key=key)
+        except Exception as e:  # surfaced by the test
+            results[0] = e
+
+    t = threading.Thread(target=learner, daemon=True)
+    t.start()
+    assert wait_until(lambda: any("retrying" in line for line in logs), 10), logs
+    time.sleep(2 * auth.HANDSHAKE_IVL_MS / 1000)  # refused again and again meanwhile: never for good
+    assert 0 not in results and syncer.core.run is None, results
+    occupant.close()  # room again: the learner that waited gets in on its own
+    join_all([t], results)
+    tape = read_tape(tmp_path / "syncer")
+    assert any(e["event"] == "auth_refused" and "too many connections" in e["reason"] for e in tape)
+    assert sum(e["event"] == "merge" for e in tape) == 2
 
 
 # ZMTP 3.0 greeting (RFC 23): signature, version 3.0, mechanism "CURVE" padded to 20 bytes, as-server 0, filler
