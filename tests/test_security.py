@@ -372,6 +372,8 @@ def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path,
     addresses = [f"127.0.0.{i}" for i in range(2, 6)]
     with KeylessFlood(port, addresses, per_address=8, reopen_after_s=FLOOD_REOPEN_S) as flood:
         time.sleep(1.0)  # the stranger holds its sockets: without a fix, every one counts toward the cap
+        for fd in list(syncer.gate.handshaked):  # the learner in the run loses its connections and reconnects
+            auth.cut(fd)
         during = syncer.version
         joiner = island_thread(QuadraticIsland(-1.0, 150), port, 1, results, join_key=key, step_delay=0.1)
         assert wait_until(lambda: any(e["event"] == "join" and e["learner"] == 1
@@ -380,7 +382,8 @@ def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path,
         with pytest.raises(YetoError, match="refused this learner's key.*--join-key"):  # a wrong key: still final
             run_island(QuadraticIsland(0.0, 1), f"127.0.0.1:{port}", 5, log_fn=lambda s: None,
                        join_key=stranger_key(key), timeouts=FAST)
-        assert wait_until(lambda: syncer.version >= during + 3, 10), (during, syncer.version)  # the run goes on
+        assert wait_until(lambda: syncer.version >= during + 3, 10), (during, syncer.version, results)  # it goes on
+        assert 0 not in results  # (the learner that reconnected was not told its key is wrong)
         assert flood.cut > 0  # the stranger's oldest sockets were dropped ...
         waiting = syncer.gate.pending  # ... so that what waits for a handshake stays within both caps
         assert len(waiting) <= auth.PENDING_TOTAL
