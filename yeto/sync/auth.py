@@ -14,9 +14,8 @@ this module only manages keys and answers ZAP requests (ZeroMQ RFC 27).
 Why a ZAP handler of our own instead of pyzmq's `Authenticator`: the syncer
 must record each refusal with the peer's address and reason, map a key to the
 learner id it is bound to (ZAP's User-Id, which the syncer sees on every
-message), cap learner connections and the sockets still waiting for a handshake, and run inside its own poll
-loop. pyzmq's
-credentials callback sees only the key. The handler is a few lines of frame
+message), cap learner connections and the sockets still in their handshake,
+and run inside its own poll loop. pyzmq's credentials callback sees only the key. The handler is a few lines of frame
 parsing; nothing cryptographic happens here.
 """
 
@@ -404,7 +403,8 @@ class Gatekeeper:
         while self.monitor is not None and self.monitor.poll(0):
             e = recv_monitor_message(self.monitor)
             if e["event"] == zmq.EVENT_ACCEPTED:
-                self.handshaked.discard(e["value"])
+                self.handshaked.discard(e["value"])  # (a number libzmq reused: the old connection is gone)
+                self.pending.pop(e["value"], None)  # (... and the new one goes last in the accept order)
                 self.pending[e["value"]] = Pending(peer_address(e["value"]), now)
                 accepted = True
             elif e["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:  # before ZAP: no address is known here
@@ -461,7 +461,8 @@ class Gatekeeper:
                 revoked = z85.encode(frames[6]) in self.ring.revoked
                 reason = "revoked learner key" if revoked else "unknown key (not this run's join key)"
             elif len(self.handshaked) >= self.max_connections:
-                status, reason = ZAP_TEMPORARY, f"too many connections (over {self.max_connections}): retry later"
+                status = ZAP_TEMPORARY
+                reason = f"too many connections (--max-connections {self.max_connections} reached): retry later"
             else:
                 user = principal.encode()
         if user:
