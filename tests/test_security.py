@@ -394,6 +394,52 @@ def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path,
     assert sum(e["event"] == "merge" for e in tape) == ROUNDS
 
 
+def test_the_gatekeeper_cuts_the_oldest_sockets_waiting_for_a_handshake_per_address_and_in_total(tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setattr(auth, "PENDING_PER_ADDRESS", 3)
+    monkeypatch.setattr(auth, "PENDING_TOTAL", 5)
+    ctx = zmq.Context()
+    ring = Keyring.ensure(tmp_path / "run")
+    router = ctx.socket(zmq.ROUTER)
+    auth.curve_server(router, ring)
+    gate = auth.Gatekeeper(ctx, ring, max_connections=2)
+    gate.watch(router)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def connect(address: str) -> socket.socket:  # one plain TCP socket, seen by the gatekeeper before the next
+        s = socket.create_connection(("127.0.0.1", port), source_address=(address, 0))
+        seen = (len(gate.pending), len(gate.refusals))  # (a socket over a cap is one more, and one cut)
+        assert wait_until(lambda: gate.handle(time.monotonic()) or (len(gate.pending), len(gate.refusals)) != seen, 5)
+        return s
+
+    def cut_off(s: socket.socket) -> bool:
+        s.settimeout(0.5)
+        try:
+            while s.recv(4096):  # (the syncer's greeting)
+                pass
+            return True
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+
+    try:
+        elsewhere = [connect("127.0.0.3") for _ in range(2)]
+        flood = [connect("127.0.0.2") for _ in range(5)]
+        assert [cut_off(s) for s in flood] == [True, True, False, False, False]  # its own oldest, 3 left
+        late = connect("127.0.0.4")  # 6 waiting in all: the oldest of all goes
+        assert [cut_off(s) for s in elsewhere + [late]] == [True, False, False]
+        assert len(gate.pending) == auth.PENDING_TOTAL and not gate.handshaked
+        assert [r.address for r in gate.drain()[0] if "pending handshakes" in r.reason] == ["127.0.0.2"] * 2 + [
+            "127.0.0.3"]
+        for s in elsewhere + flood + [late]:
+            s.close()
+    finally:
+        gate.close()
+        router.close(linger=0)
+        ctx.term()
+
+
 def test_a_full_syncer_has_key_holders_retry_and_still_refuses_a_wrong_key_for_good(start_syncer, tmp_path,
                                                                                     monkeypatch):
     monkeypatch.setattr(auth, "HANDSHAKE_IVL_MS", 2000)  # a busy refusal shows at the syncer's handshake timeout ...
