@@ -399,6 +399,13 @@ class Gatekeeper:
 
     def handle(self, now: float) -> None:
         """Drain the connection events, then answer every waiting ZAP request."""
+        self._events(now)
+        while self.zap.poll(0):
+            request = self.zap.recv_multipart()
+            self._events(now)  # (libzmq queues a socket's ACCEPTED before its ZAP request: seen before the answer)
+            self._answer(request, now)
+
+    def _events(self, now: float) -> None:
         accepted = False
         while self.monitor is not None and self.monitor.poll(0):
             e = recv_monitor_message(self.monitor)
@@ -422,8 +429,6 @@ class Gatekeeper:
             if now - p.accepted_at < HANDSHAKED_AFTER_S:
                 break  # (oldest first: the rest are younger)
             self._handshake_done(fd)
-        while self.zap.poll(0):
-            self._answer(self.zap.recv_multipart(), now)
 
     def _handshake_done(self, fd: int) -> None:
         del self.pending[fd]
