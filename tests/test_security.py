@@ -384,7 +384,7 @@ def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path,
         joiner = island_thread(QuadraticIsland(-1.0, 150), port, 1, results, join_key=key, step_delay=0.1)
         assert wait_until(lambda: any(e["event"] == "join" and e["learner"] == 1
                                       for e in read_tape(tmp_path / "syncer")) or 1 in results, 20)
-        assert not isinstance(results.get(1), Exception), results[1]  # refused for good, with the wrong message
+        assert not isinstance(results.get(1), Exception), results[1]  # (not refused for good as a wrong key)
         with pytest.raises(YetoError, match="refused this learner's key.*--join-key"):  # a wrong key: still final
             run_island(QuadraticIsland(0.0, 1), f"127.0.0.1:{port}", 5, log_fn=lambda s: None,
                        join_key=stranger_key(key), timeouts=FAST)
