@@ -9,7 +9,9 @@ must leave the honest learners merging and the run's state untouched.
 import os
 import socket
 import stat
+import threading
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -18,11 +20,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.peers import (ADAPTER_CONFIG, SEND_TIMEOUT_MS, QuadraticIsland, RawLearner, island_thread, tape_with,
+from tests.peers import (ADAPTER_CONFIG, FAST, SEND_TIMEOUT_MS, QuadraticIsland, RawLearner, island_thread, tape_with,
                          wait_until)
 from yeto import YetoError
 from yeto.diloco import run_island
 from yeto.launch.local import free_port
+from yeto.sync import auth, client
 from yeto.sync.auth import JoinKey, Keyring, learner_join_key, read_join_key
 from yeto.sync.protocol import encode
 from yeto.sync.server import Syncer, SyncerConfig
@@ -293,6 +296,184 @@ def test_floods_of_connections_and_oversized_frames_leave_the_syncer_serving(sta
     assert sum(e["event"] == "merge" for e in tape) == 4
     assert any(e["event"] == "auth_refused" and "too many connections" in e["reason"] for e in tape)
     assert not any(e.get("learner") == 9 for e in tape)  # the oversized message never reached the core
+
+
+class KeylessFlood:
+    """A stranger without a key holding plain TCP connections to the syncer from several source addresses (loopback
+    is 127.0.0.0/8): `per_address` from each, each reopened when the syncer cuts it or before the handshake timeout,
+    so it never lets go of its share."""
+
+    def __init__(self, port: int, addresses: list[str], per_address: int, reopen_after_s: float):
+        self.port, self.reopen_after_s = port, reopen_after_s
+        self.slots = [(a, None, 0.0) for a in addresses for _ in range(per_address)]
+        self.cut = 0  # connections the syncer closed under the stranger
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self, address: str) -> socket.socket:
+        s = socket.socket()
+        s.bind((address, 0))
+        s.connect(("127.0.0.1", self.port))
+        s.setblocking(False)
+        return s
+
+    def _alive(self, s: socket.socket) -> bool:
+        try:
+            return s.recv(4096) != b""  # (the syncer's greeting is read and dropped; b"": closed by the syncer)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            now = time.monotonic()
+            for i, (address, s, opened) in enumerate(self.slots):
+                alive = s is not None and self._alive(s)
+                if s is not None and not alive:
+                    self.cut += 1
+                if alive and now - opened < self.reopen_after_s:
+                    continue
+                if s is not None:
+                    s.close()
+                try:
+                    self.slots[i] = (address, self._open(address), now)
+                except OSError:
+                    self.slots[i] = (address, None, now)
+            self.stop.wait(FLOOD_SWEEP_S)
+        for _, s, _ in self.slots:
+            if s is not None:
+                s.close()
+
+    def __enter__(self) -> "KeylessFlood":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+FLOOD_SWEEP_S = 0.2  # how often the stranger reopens what the syncer cut
+FLOOD_REOPEN_S = 3.0  # ... and reopens every connection, well before the syncer's handshake timeout
+ROUNDS = 40  # long enough (about 0.25 s each) for the joiner to get in while the flood is on
+
+
+def within_caps(gate: auth.Gatekeeper) -> bool:
+    waiting = list(dict(gate.pending).values())  # (a copy: the syncer's thread changes it meanwhile)
+    per_address = Counter(w.address for w in waiting)
+    return len(waiting) <= auth.PENDING_TOTAL and max(per_address.values(), default=0) <= auth.PENDING_PER_ADDRESS
+
+
+def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path, monkeypatch):
+    # caps small enough that the stranger's few dozen sockets overflow both, per source address and in total
+    monkeypatch.setattr(auth, "PENDING_PER_ADDRESS", 4)
+    monkeypatch.setattr(auth, "PENDING_TOTAL", 12)
+    max_connections = 6  # two learners' four connections fit; the stranger alone holds five times as many
+    syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=ROUNDS, inner_steps=2,
+                               max_connections=max_connections)
+    results = {}
+    first = island_thread(QuadraticIsland(1.0, 100), port, 0, results, join_key=key, step_delay=0.1)
+    assert wait_until(lambda: syncer.version >= 1, 15)
+    addresses = [f"127.0.0.{i}" for i in range(2, 6)]
+    with KeylessFlood(port, addresses, per_address=8, reopen_after_s=FLOOD_REOPEN_S) as flood:
+        time.sleep(1.0)  # the stranger holds its sockets: without a fix, every one counts toward the cap
+        for fd in list(syncer.gate.handshaked):  # the learner in the run loses its connections and reconnects
+            auth.cut(fd)
+        during = syncer.version
+        joiner = island_thread(QuadraticIsland(-1.0, 150), port, 1, results, join_key=key, step_delay=0.1)
+        assert wait_until(lambda: any(e["event"] == "join" and e["learner"] == 1
+                                      for e in read_tape(tmp_path / "syncer")) or 1 in results, 20)
+        assert not isinstance(results.get(1), Exception), results[1]  # (not refused for good as a wrong key)
+        with pytest.raises(YetoError, match="refused this learner's key.*--join-key"):  # a wrong key: still final
+            run_island(QuadraticIsland(0.0, 1), f"127.0.0.1:{port}", 5, log_fn=lambda s: None,
+                       join_key=stranger_key(key), timeouts=FAST)
+        assert wait_until(lambda: syncer.version >= during + 3, 10), (during, syncer.version, results)  # it goes on
+        assert 0 not in results  # (the learner that reconnected was not told its key is wrong)
+        assert flood.cut > 0  # the stranger's oldest sockets were dropped ...
+        assert wait_until(lambda: within_caps(syncer.gate), 5)  # ... so that what waits for a handshake stays
+        # within both caps (once the syncer's thread has cut what it just accepted: sampled until it has)
+    join_all([first, joiner], results)
+    tape = read_tape(tmp_path / "syncer")
+    assert not any(e["event"] == "auth_refused" and "too many connections" in e["reason"] for e in tape)
+    assert sum(e["event"] == "merge" for e in tape) == ROUNDS
+
+
+def test_the_gatekeeper_cuts_the_oldest_sockets_waiting_for_a_handshake_per_address_and_in_total(tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setattr(auth, "PENDING_PER_ADDRESS", 3)
+    monkeypatch.setattr(auth, "PENDING_TOTAL", 5)
+    ctx = zmq.Context()
+    ring = Keyring.ensure(tmp_path / "run")
+    router = ctx.socket(zmq.ROUTER)
+    auth.curve_server(router, ring)
+    gate = auth.Gatekeeper(ctx, ring, max_connections=2)
+    gate.watch(router)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def connect(address: str) -> socket.socket:  # one plain TCP socket, seen by the gatekeeper before the next
+        s = socket.create_connection(("127.0.0.1", port), source_address=(address, 0))
+        seen = (len(gate.pending), len(gate.refusals))  # (a socket over a cap is one more, and one cut)
+        assert wait_until(lambda: gate.handle(time.monotonic()) or (len(gate.pending), len(gate.refusals)) != seen, 5)
+        return s
+
+    def cut_off(s: socket.socket) -> bool:
+        s.settimeout(0.5)
+        try:
+            while s.recv(4096):  # (the syncer's greeting)
+                pass
+            return True
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+
+    try:
+        elsewhere = [connect("127.0.0.3") for _ in range(2)]
+        flood = [connect("127.0.0.2") for _ in range(5)]
+        assert [cut_off(s) for s in flood] == [True, True, False, False, False]  # its own oldest, 3 left
+        late = connect("127.0.0.4")  # 6 waiting in all: the oldest of all goes
+        assert [cut_off(s) for s in elsewhere + [late]] == [True, False, False]
+        assert len(gate.pending) == auth.PENDING_TOTAL and not gate.handshaked
+        assert [r.address for r in gate.drain()[0] if "pending handshakes" in r.reason] == ["127.0.0.2"] * 2 + [
+            "127.0.0.3"]
+        for s in elsewhere + flood + [late]:
+            s.close()
+    finally:
+        gate.close()
+        router.close(linger=0)
+        ctx.term()
+
+
+def test_a_full_syncer_has_key_holders_retry_and_still_refuses_a_wrong_key_for_good(start_syncer, tmp_path,
+                                                                                    monkeypatch):
+    monkeypatch.setattr(auth, "HANDSHAKE_IVL_MS", 2000)  # a busy refusal shows at the syncer's handshake timeout ...
+    monkeypatch.setattr(client, "BUSY_AFTER_S", 1.0)  # ... shortened here, and the learner's reading of it with it
+    syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=2, inner_steps=1, max_connections=2)
+    occupant = RawLearner(port, 9, key=key)  # a key holder's two connections fill --max-connections
+    assert wait_until(lambda: len(syncer.gate.handshaked) == 2, 5)
+    with pytest.raises(YetoError, match="refused this learner's key.*--join-key"):  # the key is judged first
+        run_island(QuadraticIsland(0.0, 1), f"127.0.0.1:{port}", 5, log_fn=lambda s: None,
+                   join_key=stranger_key(key), timeouts=FAST)
+    results, logs = {}, []
+
+    def learner():
+        try:
+            results[0] = run_island(QuadraticIsland(1.0, 100), f"127.0.0.1:{port}", 0, log_fn=logs.append,
+                                    timeouts=FAST, join_key=key)
+        except Exception as e:  # surfaced by the test
+            results[0] = e
+
+    t = threading.Thread(target=learner, daemon=True)
+    t.start()
+    assert wait_until(lambda: any("retrying" in line for line in logs), 10), logs
+    time.sleep(2 * auth.HANDSHAKE_IVL_MS / 1000)  # refused again and again meanwhile: never for good
+    assert 0 not in results and syncer.core.run is None, results
+    occupant.close()  # room again: the learner that waited gets in on its own
+    join_all([t], results)
+    tape = read_tape(tmp_path / "syncer")
+    assert any(e["event"] == "auth_refused" and "too many connections" in e["reason"] for e in tape)
+    assert sum(e["event"] == "merge" for e in tape) == 2
 
 
 # ZMTP 3.0 greeting (RFC 23): signature, version 3.0, mechanism "CURVE" padded to 20 bytes, as-server 0, filler

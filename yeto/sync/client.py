@@ -14,7 +14,8 @@ Connections: control (`learner-<id>-<session>-<nonce>`: hello, pings, acks,
 round announcements) and bulk (the same id plus `/bulk`: deltas, broadcasts,
 states), so a heartbeat never waits behind an adapter on the same TCP stream.
 Both are CURVE clients with the run's join key (`yeto.sync.auth`); a handshake
-the syncer refuses ends the learner with a line that says what to fix.
+the syncer refuses for the key ends the learner with a line that says what to fix,
+while a busy syncer's temporary refusal is retried (libzmq reconnects, with backoff).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from yeto import YetoError
 from yeto.checks import check_address
-from yeto.sync.auth import JOIN_KEY_ENV, JOIN_KEY_FILE, JoinKey, curve_client
+from yeto.sync.auth import HANDSHAKE_IVL_MS, JOIN_KEY_ENV, JOIN_KEY_FILE, ZAP_TEMPORARY, JoinKey, curve_client
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
 from yeto.sync.core.learner import LearnerCore, RoundCounts, Task, Verdict, Wait
 from yeto.sync.protocol import BULK_SUFFIX, ProtocolError, decode, encode, is_bulk, message_bytes
@@ -43,8 +44,14 @@ RECONNECT_IVL_MS = 200  # ZeroMQ's own reconnect interval after a TCP break (it 
 CLOSE_LINGER_MS = 2000  # on close, give the goodbye this long to leave
 HANDSHAKE_FAILURES_TO_GIVE_UP = 5  # unexplained handshake failures in a row (no success between): a wrong syncer key
 ZMTP_MECHANISM_MISMATCH = 0x11000002  # ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: one side secure, the other not
-MONITORED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+# A syncer that cannot read our key (another syncer's key) drops the handshake at once; one that is full answers
+# ZAP 300, which CurveZMQ turns into a silent drop at the syncer's handshake timeout (libzmq 4.3 shows the client no
+# HANDSHAKE_FAILED_AUTH for it, only for 400): a failure this long after connecting is a busy syncer, retried.
+BUSY_AFTER_S = HANDSHAKE_IVL_MS / 1000 / 2
+ZAP_TEMPORARY_STATUS = int(ZAP_TEMPORARY)  # the value of HANDSHAKE_FAILED_AUTH for a temporary refusal
+MONITORED = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+             | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 def parse_address(address: str) -> str:
@@ -61,6 +68,9 @@ class SyncerLink:
         self.join_key = join_key
         self.nonce = secrets.token_hex(8)  # in the routing id: a connection id nobody else can guess
         self.handshake_failures = 0
+        self.welcomed = False  # a handshake succeeded once: this key is the run's, later failures are temporary
+        self.busy_logged = False
+        self.connected_at: dict[zmq.Socket, float] = {}  # monitor -> when its connection's TCP connect succeeded
         self.core = core
         self.log_fn = log_fn
         self.lock = threading.Lock()
@@ -192,11 +202,14 @@ class SyncerLink:
             if mon in ready:
                 while mon.poll(0):
                     event = recv_monitor_message(mon)
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                    now = time.monotonic()
+                    if event["event"] == zmq.EVENT_CONNECTED:
+                        self.connected_at[mon] = now
+                    elif event["event"] == zmq.EVENT_DISCONNECTED:
                         with self.lock:
-                            self._do(self.core.link_lost(time.monotonic()))
+                            self._do(self.core.link_lost(now))
                     else:
-                        self._handshake(event["event"], event["value"])
+                        self._handshake(event["event"], event["value"], now - self.connected_at.get(mon, now))
         for sock in (self.ctl, self.bulk):
             if sock is None or sock not in ready:
                 continue
@@ -217,12 +230,23 @@ class SyncerLink:
                 if self.ctl is None:  # the core asked to reconnect
                     return
 
-    def _handshake(self, event: int, value: int) -> None:
-        """A CURVE handshake's outcome: a refusal ends the learner with what to fix (lock taken here)."""
+    def _handshake(self, event: int, value: int, after_s: float) -> None:
+        """A CURVE handshake's outcome, `after_s` after its connection was made: a refusal of the key ends the
+        learner with what to fix (lock taken here); a busy syncer is waited for (libzmq reconnects with backoff)."""
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.handshake_failures = 0
+            self.welcomed, self.busy_logged = True, False
             return
         where = f"the syncer at {self.endpoint.removeprefix('tcp://')}"
+        temporary = event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == ZAP_TEMPORARY_STATUS
+        unexplained = event != zmq.EVENT_HANDSHAKE_FAILED_AUTH and not (
+            event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == ZMTP_MECHANISM_MISMATCH)
+        if temporary or (unexplained and (self.welcomed or after_s >= BUSY_AFTER_S)):
+            if not self.busy_logged:  # a key that worked, or a syncer that kept us waiting: busy, never a wrong key
+                self.busy_logged = True
+                self.log_fn(f"warning: {where} did not finish the handshake (busy, at its connection cap, or "
+                            "restarting): retrying")
+            return
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             reason = (f"{where} refused this learner's key (not this run's join key, or a revoked learner key): pass "
                       f"the run's key with --join-key FILE or {JOIN_KEY_ENV} (the syncer writes <its --out>/"
@@ -294,4 +318,5 @@ class SyncerLink:
         for m in self.monitors:
             m.close(linger=0)
         self.monitors = []
+        self.connected_at.clear()
         self.ctl = self.bulk = None

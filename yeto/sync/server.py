@@ -396,8 +396,8 @@ def syncer_command(
         help="Start the run from this peft adapter (a directory, a run directory holding adapter/, or a hub id) "
              "instead of the founding learner's fresh LoRA; learners of another base or LoRA shape are refused."
     )] = None,
-    max_connections: Annotated[int, typer.Option(help="Most open connections (two per learner); more are refused "
-                                                      "at the handshake.")] = _D.max_connections,
+    max_connections: Annotated[int, typer.Option(help="Most connections that proved a key (two per learner); more "
+                                                      "are asked to retry at the handshake.")] = _D.max_connections,
     join_key: Annotated[Optional[str], typer.Option(help="Admit learners holding this join key file (default: the "
                                                          "run's own, created as DIR/join.key on first start).")
                         ] = None,
