@@ -73,10 +73,10 @@ def tape_with(out, event: str, timeout=10.0) -> list[dict]:
     return read_tape(out)
 
 
-def island_thread(island, port, lid, results, **kw):
+def island_thread(island, port, lid, results, log_fn=lambda s: None, **kw):
     def target():
         try:
-            results[lid] = run_island(island, f"127.0.0.1:{port}", lid, log_fn=lambda s: None, timeouts=FAST, **kw)
+            results[lid] = run_island(island, f"127.0.0.1:{port}", lid, log_fn=log_fn, timeouts=FAST, **kw)
         except Exception as e:  # surfaced by the test
             results[lid] = e
 

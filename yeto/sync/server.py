@@ -16,7 +16,16 @@ Delivery: the socket is `ROUTER_MANDATORY`, so a message to a learner whose
 pipe is full or not connected raises instead of vanishing; it is kept and
 retried for a while, then dropped with a `send_dropped` event on the tape (the
 learner notices from versions and asks again). SIGINT/SIGTERM: checkpoint, tell
-every learner to finish (each saves its adapter), exit 130/143.
+every learner to finish (each saves its adapter), exit 130/143 (128 + the signal,
+whenever it comes, the final linger included).
+
+Disk failures are handled by what was being written, never by the exception's
+type: derived data (the peft adapter) is recorded and survived; a failed write of
+the run's state (tape, checkpoint, saved deltas) stops the syncer at once and
+cleanly: nothing more is written or acknowledged, every learner is told `finish`
+with the reason, one error line names the path and its free space, and the exit
+code is DISK_FAILED_EXIT. The checkpoint on disk stays whole: the same command
+resumes once space is freed.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import signal
 import threading
 import time
@@ -43,7 +53,7 @@ from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCh
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.given_up import read_given_up
 from yeto.sync.protocol import BULK_SUFFIX, MAX_HEADER_BYTES, encode, is_bulk, message_size
-from yeto.sync.store import DiskStore, crash_point
+from yeto.sync.store import PENDING_DIR, STATE_FILE, DiskStore, crash_point
 
 log = logging.getLogger("yeto.syncer")
 TICK_S = 0.05  # timer resolution of the core (poll timeout)
@@ -53,6 +63,7 @@ MAX_BACKLOG_BYTES_PER_PEER = 512 << 20  # beyond this, the oldest messages parke
 SNDHWM = 64  # messages queued per learner connection before ZeroMQ says "full" (and we keep them ourselves)
 RCVHWM = 16  # inbound messages queued per connection: with the message size limit, what one peer can make us hold
 LINGER_MS = 5000  # on exit, give queued messages (the finish) this long to leave
+DISK_FAILED_EXIT = 74  # sysexits' EX_IOERR: the run's state could not be written (resumable once fixed)
 
 
 @dataclass
@@ -94,6 +105,8 @@ class Syncer:
         self.signals = 0
         self.killed = False
         self.kill_code = 137
+        self.signal_code: Optional[int] = None  # 128 + the last signal received, whenever it came
+        self.disk_failure: Optional[str] = None  # why the run's state could not be written (then the syncer stops)
 
     # views for tests and logs
     @property
@@ -102,9 +115,16 @@ class Syncer:
 
     @property
     def exit_code(self) -> int:
-        """The core's exit code once the run ended; 128+signal if killed before that; 0 while running."""
-        if self.core.exit_code is not None:
+        """DISK_FAILED_EXIT if the run's state could not be written; 128+signal if a signal came (before, during or
+        after the finish); else the core's exit code once the run ended; 0 while running."""
+        if self.disk_failure is not None:
+            return DISK_FAILED_EXIT
+        if self.core.exit_code:
             return self.core.exit_code
+        if self.signal_code is not None:  # (a signal after a complete run, during the final linger: still 128+sig)
+            return self.signal_code
+        if self.core.exit_code is not None:
+            return 0
         return self.kill_code if self.killed else 0
 
     @property
@@ -143,21 +163,18 @@ class Syncer:
                  self.core.incarnation, "INSECURE: no encryption, no authentication" if self.gate is None else
                  f"CURVE; learners join with {Path(self.cfg.out) / 'join.key'}")
         old = {}
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():  # (kept until the last message has left)
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._serve_loop(sock)
-        except OSError as e:  # the disk failed us: die loudly; the checkpoint on disk is whole, a restart resumes
-            raise YetoError(f"could not write the run's state under {self.cfg.out}: {e}. Fix it (disk full?), then "
-                            "restart with the same --out: the run resumes from its last checkpoint") from e
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-            self.store.close()
+            self._durable(self.store.out, self.store.close)
             sock.close(linger=0 if self.killed else LINGER_MS)
             if self.gate is not None:
                 self.gate.close()
             ctx.term()
+            for s, h in old.items():
+                signal.signal(s, h)
         return self.exit_code
 
     def _serve_loop(self, sock: zmq.Socket) -> None:
@@ -208,14 +225,46 @@ class Syncer:
         refused, more = self.gate.drain()
         for r in refused:
             if r.address:  # refused by the gatekeeper (ZAP): the peer's address is known
-                self.store.append("auth_refused", {"address": r.address, "reason": r.reason})
+                self._append("auth_refused", {"address": r.address, "reason": r.reason})
             else:  # refused by libzmq before any key was shown
-                self.store.append("handshake_failed", {"reason": r.reason})
+                self._append("handshake_failed", {"reason": r.reason})
             log.warning("refused a connection from %s: %s", r.address or "a peer", r.reason)
         if more:
-            self.store.append("auth_refused_more", {"count": more})
+            self._append("auth_refused_more", {"count": more})
+
+    # ------------------------------------------------------------------ the disk
+
+    def _append(self, event: str, fields: dict) -> None:
+        self._durable(self.store.tape.path, lambda: self.store.append(event, fields))
+
+    def _durable(self, path: Path, write: Callable[[], object]) -> bool:
+        """Write the run's state; on any failure (a full disk raises OSError from a file, SafetensorError from
+        safetensors, ...) stop the syncer cleanly instead of running on with state it cannot keep. False if it
+        failed (now or before: nothing is written after a failure)."""
+        if self.disk_failure is not None:
+            return False
+        try:
+            write()
+            return True
+        except Exception as e:  # (by what was written, not by type: see the module docstring)
+            self._disk_failed(path, e)
+            return False
+
+    def _disk_failed(self, path: Path, error: Exception) -> None:
+        try:
+            free = f"{shutil.disk_usage(Path(path).parent if not Path(path).is_dir() else path).free / 2**20:.1f} MiB"
+        except OSError:
+            free = "unknown"
+        self.disk_failure = (f"could not write {path} ({type(error).__name__}: {str(error)[:200]}); {free} free on "
+                             "its disk. Free space (or fix the disk), then restart with the same --out: the run "
+                             "resumes from its last checkpoint")
+        log.error("%s", self.disk_failure)
+        if self.stopping is None:
+            self.stopping = ("the syncer could not write its state (disk full?); it stops, resumable",
+                             DISK_FAILED_EXIT)
 
     def _on_signal(self, signum: int, frame) -> None:
+        self.signal_code = 128 + signum
         self.signals += 1
         if self.signals > 1:
             self.killed = True  # a second signal: leave now, without waiting for goodbyes
@@ -253,28 +302,43 @@ class Syncer:
             self.core.observe_merge(time.monotonic() - t)
 
     def _execute(self, actions: list[Action]) -> None:
+        """The core's actions in order. Once the run's state could not be written, the rest of that batch is
+        dropped (no ack for a delta that is not saved) and later batches only log and say `finish` (no version the
+        disk does not hold reaches a learner)."""
+        failed_before = self.disk_failure is not None
         for a in actions:
+            if self.disk_failure is not None and not (failed_before and (
+                    isinstance(a, (Log, Exit)) or (isinstance(a, Send) and a.type == "finish"))):
+                continue
             if isinstance(a, Send):
                 dest = a.peer.encode() + (BULK_SUFFIX if is_bulk(a.type) else b"")
                 self._send(Parked(dest, encode(a.type, a.header, a.frames), time.monotonic(), a.type))
             elif isinstance(a, Record):
-                self.store.append(a.event, a.fields)
+                self._append(a.event, a.fields)
             elif isinstance(a, SaveCheckpoint):
                 if crash_point("checkpoint", a.checkpoint.version):
                     os.kill(os.getpid(), signal.SIGKILL)
-                self.store.save_checkpoint(a.checkpoint)
-                try:
-                    self.store.write_adapter(a.checkpoint)
-                except (OSError, ValueError, TypeError) as e:  # derived data: record, never die for it
-                    self.store.append("adapter_write_failed", {"version": a.checkpoint.version, "reason": str(e)[:300]})
+                if self._durable(self.store.out / STATE_FILE, lambda: self.store.save_checkpoint(a.checkpoint)):
+                    self._write_adapter(a.checkpoint)
             elif isinstance(a, SaveDelta):
-                self.store.save_delta(a.delta)
+                self._durable(self.store.delta_path(a.delta.round, a.delta.learner),
+                              lambda: self.store.save_delta(a.delta))
             elif isinstance(a, DropDeltas):
-                self.store.drop_deltas(a.through_round, a.round, a.learner)
+                self._durable(self.store.out / PENDING_DIR,
+                              lambda: self.store.drop_deltas(a.through_round, a.round, a.learner))
             elif isinstance(a, Log):
                 getattr(log, a.level)(a.text)
             elif isinstance(a, Exit):
-                self.store.tape.sync()
+                self._durable(self.store.tape.path, self.store.tape.sync)
+
+    def _write_adapter(self, ck) -> None:
+        """The peft adapter is derived from the checkpoint: a failure to write it is recorded and survived."""
+        try:
+            self.store.write_adapter(ck)
+        except Exception as e:  # (any: a full disk raises SafetensorError from safetensors, not OSError)
+            log.warning("could not write the merged adapter of version %d: %s", ck.version, e)
+            self._append("adapter_write_failed", {"version": ck.version, "reason": f"{type(e).__name__}: "
+                                                                              f"{str(e)[:300]}"})
 
     def _send(self, p: Parked) -> bool:
         q = self.backlog.get(p.dest)
@@ -407,7 +471,11 @@ def syncer_command(
     """Run the syncer: wait for learners, run outer rounds, merge, broadcast, checkpoint."""
     cfg = SyncerConfig(**{k: v for k, v in locals().items() if k in SyncerConfig.__dataclass_fields__})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s syncer %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    code = Syncer(cfg).serve()
+    syncer = Syncer(cfg)
+    code = syncer.serve()
+    if syncer.disk_failure is not None:
+        typer.echo(f"error: {syncer.disk_failure}", err=True)
+        raise typer.Exit(code)
     adapter = Path(cfg.out) / "adapter"
     merged = f"merged adapter {adapter}" if (adapter / ADAPTER_WEIGHTS).is_file() else "no merge yet, so no adapter"
     print(f"syncer: {merged}, tape {Path(cfg.out) / 'tape.jsonl'}", flush=True)

@@ -133,7 +133,7 @@ class DiskStore:
 
         self.tape.sync()
         tensors = {f"frame{i}": np.frombuffer(f, dtype=np.uint8) for i, f in enumerate(d.frames)}
-        _write_durably(self._delta_path(d.round, d.learner),
+        _write_durably(self.delta_path(d.round, d.learner),
                        lambda tmp: save_file(tensors, str(tmp), metadata={"delta": json.dumps(d.saved_fields())}))
 
     def drop_deltas(self, through_round: int = -1, rnd: int = -1, learner: int = -1) -> None:
@@ -148,7 +148,7 @@ class DiskStore:
         self.tape.sync()
         self.tape.close()
 
-    def _delta_path(self, rnd: int, learner: int) -> Path:
+    def delta_path(self, rnd: int, learner: int) -> Path:
         return self.out / PENDING_DIR / f"r{rnd:08d}-l{learner}.safetensors"
 
 
