@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
-from yeto import YetoError, one_line
+from yeto import one_line
+from yeto.launch.skypilot import import_sky
 from yeto.launch.controller import FAILED_JOBS, ClusterView, Down, FleetController, GiveUp, Launch, Note
 from yeto.launch.tasks import LearnerExit, learner_exit
 
@@ -24,20 +25,6 @@ LOOP_S = 0.5  # how often it looks for finished launches and the run's end
 AUTODOWN_IDLE_MINUTES = 10  # a learner cluster idle this long (its job ended, nobody relaunched it) tears itself down
 FINISH_WAIT_S = 900.0  # after the run ends, wait at most this long for launches in flight (autodown covers the rest)
 EXIT_LOG_LINES = 40  # of a failed learner job's log: enough for its error line and the exit code after it
-MIN_SKYPILOT = (0, 10)  # the request-based client SDK (sky.get / sky.stream_and_get)
-
-
-def import_sky() -> Any:
-    """SkyPilot, or a one-line error naming the fix."""
-    try:
-        import sky
-    except ImportError as e:
-        raise YetoError("cloud launch needs SkyPilot: pip install 'yeto[launch]' (then `sky check` to see which "
-                        "clouds your credentials reach)") from e
-    version = tuple(int(p) for p in sky.__version__.split(".")[:2] if p.isdigit())
-    if version and version < MIN_SKYPILOT and not sky.__version__.startswith("1.0.0.dev"):
-        raise YetoError(f"SkyPilot {sky.__version__} is too old: yeto needs 0.10 or newer (pip install -U skypilot)")
-    return sky
 
 
 class SkyClient(Protocol):

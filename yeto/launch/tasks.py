@@ -60,7 +60,7 @@ def install_commands(extras: str = "", model: str = "") -> str:
 
 
 def _sky() -> Any:
-    from yeto.launch.cloud import import_sky
+    from yeto.launch.skypilot import import_sky
 
     return import_sky()
 

@@ -13,12 +13,6 @@ from pathlib import Path
 GIVEN_UP_DIR = "given-up"
 
 
-def quorum_after_give_ups(quorum: int, learners: int, given_up: int) -> int:
-    """The quorum once `given_up` of the run's `learners` are not coming back: lowered so that the run can go on,
-    never below 1, never above --quorum. (The syncer's core applies it; the audit recomputes it from the tape.)"""
-    return max(1, min(quorum, learners - given_up))
-
-
 def give_up(out: str | Path, learner: int, reason: str) -> Path:
     """Tell the syncer whose --out this is that `learner` is not coming back (atomic, idempotent)."""
     folder = Path(out) / GIVEN_UP_DIR

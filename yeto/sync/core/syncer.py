@@ -46,14 +46,14 @@ from yeto import YetoError
 from yeto.checks import check_port
 from yeto.sync.aggregate import (DEFAULT_CLIP_K, NORM_HISTORY_ROUNDS, ROBUST_MODES, RoundSum, clip_factors,
                                   clip_reference, clipped_merge, effective_weight, trimmed_mean)
-from yeto.sync.audit import TapeFold
 from yeto.sync.core.actions import (AcceptedDelta, Action, Checkpoint, DropDeltas, Durable, Exit, Log, Record,
                                     SaveCheckpoint, SaveDelta, Send)
+from yeto.sync.core.fold import TapeFold
 from yeto.sync.core.contract import (InitAdapter, contract_mismatch, contract_problem, init_adapter_problem,
                                      run_contract)
 from yeto.sync.core.learner import WINDOW_NEAREST_BOUNDARY
 from yeto.sync.core.limits import RateLimit
-from yeto.sync.given_up import quorum_after_give_ups
+from yeto.sync.core.quorum import quorum_after_give_ups
 from yeto.sync.layout import Layout, flatten, layout_from_json, layout_mismatch
 from yeto.sync.merge import (LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS, DeltaCounts, MergeTerms, merge_terms,
                              product_merge, staleness_factor, weight_of)

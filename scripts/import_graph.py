@@ -1,0 +1,152 @@
+"""yeto's import graph, from the code: prints it by layer and fails on what the architecture forbids.
+
+    python scripts/import_graph.py            # the layers and their edges (docs/design.md's picture comes from it)
+    python scripts/import_graph.py --check    # exit 1 on an import circle, a core module importing a shell,
+                                              # or a library module importing the CLI
+
+Imports are read with `ast` (module level and inside functions alike: a deferred import is still a dependency), so
+nothing is imported to draw the graph. Written here because no maintained tool checks these project-specific layer
+rules without a configuration language of its own (import-linter would need its own contract file and install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "yeto"
+# the pure coordination cores: state machines, the math and the wire format they use (no sockets, files, clocks)
+CORE = ("yeto.sync.core", "yeto.sync.layout", "yeto.sync.quant", "yeto.sync.aggregate", "yeto.sync.merge",
+        "yeto.sync.outer", "yeto.sync.protocol", "yeto.sync.spans")
+# I/O shells around them
+SHELLS = ("yeto.sync.server", "yeto.sync.client", "yeto.sync.store", "yeto.sync.auth", "yeto.sync.given_up",
+          "yeto.sync.audit", "yeto.sync.sim", "yeto.tape")
+CLI = ("yeto.cli", "yeto.__main__")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(path: Path, name: str) -> set[str]:
+    """The yeto modules `path` imports (resolved to modules, not names inside them)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {m for m in found if m == PACKAGE or m.startswith(PACKAGE + ".")}
+
+
+def graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in (ROOT / PACKAGE).rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in sorted(files.items()):
+        edges[name] = {m for m in imports_of(path, name) if m in files and m != name and m != PACKAGE}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def in_layer(module: str, layer: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in layer)
+
+
+def problems(edges: dict[str, set[str]]) -> list[str]:
+    found = [f"import circle: {' -> '.join(c)}" for c in cycles(edges)]
+    for src, dsts in sorted(edges.items()):
+        for dst in sorted(dsts):
+            if in_layer(src, CORE) and in_layer(dst, SHELLS):
+                found.append(f"core module {src} imports the shell {dst}")
+            if in_layer(dst, CLI) and not in_layer(src, CLI):
+                found.append(f"library module {src} imports the CLI ({dst})")
+    return found
+
+
+def layer_of(module: str) -> str:
+    if in_layer(module, CORE):
+        return "core"
+    if in_layer(module, SHELLS):
+        return "shell"
+    if in_layer(module, CLI):
+        return "cli"
+    for folder in ("yeto.launch", "yeto.mlx"):
+        if in_layer(module, (folder,)):
+            return folder.split(".")[1]
+    return "island and torch backend"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 on a forbidden import")
+    args = ap.parse_args(argv)
+    edges = graph()
+    found = problems(edges)
+    if args.check:
+        for p in found:
+            print(f"error: {p}", file=sys.stderr)
+        print(f"{len(edges)} modules, {sum(map(len, edges.values()))} imports: "
+              f"{'OK' if not found else f'{len(found)} problem(s)'}")
+        return 1 if found else 0
+    by_layer: dict[str, list[str]] = defaultdict(list)
+    for m in edges:
+        by_layer[layer_of(m)].append(m)
+    for layer in sorted(by_layer):
+        print(f"[{layer}]")
+        for m in sorted(by_layer[layer]):
+            deps = sorted(d for d in edges[m] if layer_of(d) != layer)
+            print(f"  {m}" + (f" -> {', '.join(deps)}" if deps else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
