@@ -108,8 +108,3 @@ def process_start(pid: int) -> Optional[float]:
             return float(f.read().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
-
-
-def list_runs() -> list[RunRecord]:
-    folder = runs_dir()
-    return [load_run(p.stem) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []

@@ -48,7 +48,6 @@ def import_mlx_lm():
     return mlx_lm
 
 
-ROPE_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor")
 # keys mlx-lm requires that transformers 5 no longer writes, derived from ones it does write
 DERIVED_KEYS = {"lfm2": {"block_dim": "hidden_size"}}
 

@@ -35,7 +35,6 @@ MAX_REASON_CHARS = 500  # error texts echoed to a peer or written to the tape ar
 # its peers' silence over that gap is not held against them
 CLOCK_JUMP_S = 2.0
 
-_opt_int = (int, type(None))
 _opt_list = (list, type(None))
 _number = (int, float)
 
