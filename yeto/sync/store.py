@@ -185,9 +185,6 @@ def read_delta(path: Path) -> AcceptedDelta:
     with safe_open(str(path), framework="numpy") as f:
         fields = json.loads((f.metadata() or {})["delta"])
         frames = tuple(f.get_tensor(f"frame{i}").tobytes() for i in range(len(fields["descs"])))
-    window = fields.pop("window_steps", None)  # (saved by yeto of 2026-12-04: steps in its window, 0 for all)
-    if window:
-        fields["carried_steps"] = fields["inner_steps"] - window
     d = AcceptedDelta(**fields, frames=frames)
     if digest_bytes(d.frames) != d.digest:
         raise ValueError(f"{path.name}: payload does not match its digest (damaged on disk)")
