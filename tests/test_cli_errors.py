@@ -7,6 +7,7 @@ not exist, so an error about the flag proves the check ran before any model was 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEMO_DATA
+from tests.conftest import DEMO_DATA, REPO
 
 YETO = [sys.executable, "-m", "yeto"]
 NO_MODEL = "/nonexistent/model"  # an error about it would mean the flag check came too late
@@ -157,3 +158,16 @@ def test_generate_refuses_a_model_that_is_not_the_adapters_base(adapter, tiny_mo
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
     assert "is not the base this adapter was trained on" in lines[0]
+
+
+@pytest.mark.parametrize("command", [["train"], ["syncer"]])
+def test_help_shows_everyday_flags_first_and_hides_test_hooks(command):
+    """--help: the everyday flags, then the Advanced panel (research and tuning knobs); test hooks are not shown."""
+    r = subprocess.run([sys.executable, "-m", "yeto", *command, "--help"], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, COLUMNS="120"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    everyday, _, advanced = r.stdout.partition("Advanced (defaults need no touching)")
+    assert advanced, r.stdout[-2000:]
+    assert "--step-delay" not in r.stdout
+    first, knob = ("--max-steps", "--weight-decay") if command == ["train"] else ("--outer-steps", "--robust-k")
+    assert first in everyday and knob in advanced and knob not in everyday

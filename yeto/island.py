@@ -450,6 +450,12 @@ def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: s
 # ----------------------------------------------------------------------------- CLI
 
 D = TrainConfig()
+# `yeto train --help` shows these after the everyday flags (their defaults need no touching)
+TRAIN_ADVANCED = ("model_revision", "data_revision", "data_config", "trust_remote_code", "grad_accum", "lora_freeze_a",
+                  "micro_batch_size", "min_lr_ratio", "weight_decay", "max_grad_norm", "lora_dropout", "lora_targets",
+                  "loss_function", "eval_fraction", "dtype", "gradient_checkpointing", "full_logits", "overlap",
+                  "threads", "max_inner_steps", "syncer_timeout", "give_up_after", "shard", "base_quantization",
+                  "save_every")
 
 
 def make_train_command(train_fn: Callable[[TrainConfig, bool], dict[str, Any]], doc: str) -> Callable[..., None]:
@@ -462,8 +468,11 @@ def make_train_command(train_fn: Callable[[TrainConfig, bool], dict[str, Any]], 
     import functools
     import inspect
 
+    from yeto.usage import with_help_panels
+
     wrapper = functools.wraps(_train_signature)(command)
     wrapper.__signature__ = inspect.signature(_train_signature, eval_str=True)
+    with_help_panels(wrapper, advanced=TRAIN_ADVANCED, hidden=("step_delay",))
     wrapper.__doc__ = doc
     return wrapper
 

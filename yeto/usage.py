@@ -7,13 +7,15 @@ click and raises that copy's exceptions, so both copies' classes are caught here
 
 from __future__ import annotations
 
+import inspect
 import sys
-from typing import Callable
+from typing import Callable, Iterable
 
 import typer
 
 from yeto import YetoError
 
+ADVANCED_PANEL = "Advanced (defaults need no touching)"
 USAGE_EXIT = 2  # click's and yeto's exit code for a usage or input error
 INTERRUPTED_EXIT = 130  # 128 + SIGINT
 
@@ -66,3 +68,19 @@ def run_typer(fn: Callable) -> None:
     single = typer.Typer(add_completion=False)
     single.command()(fn)
     run_guarded(single)
+
+
+def with_help_panels(command: Callable[..., None], advanced: Iterable[str], hidden: Iterable[str] = ()) -> None:
+    """Show `command`'s everyday flags first: the `advanced` ones (research and tuning knobs) go in a panel of their
+    own after them, and the `hidden` ones (test hooks) are left out of --help but keep working."""
+    advanced, hidden = set(advanced), set(hidden)
+    signature = inspect.signature(command, eval_str=True)  # (evaluated once: the options edited are the ones used)
+    unknown = (advanced | hidden) - set(signature.parameters)
+    if unknown:
+        raise ValueError(f"no such flags on {command.__name__}: {sorted(unknown)}")
+    for p in signature.parameters.values():
+        for option in getattr(p.annotation, "__metadata__", ()):
+            if isinstance(option, typer.models.OptionInfo):
+                option.rich_help_panel = ADVANCED_PANEL if p.name in advanced else option.rich_help_panel
+                option.hidden = option.hidden or p.name in hidden
+    command.__signature__ = signature  # type: ignore[attr-defined]

@@ -53,6 +53,7 @@ from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCh
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.given_up import read_given_up
 from yeto.sync.protocol import BULK_SUFFIX, MAX_HEADER_BYTES, encode, is_bulk, message_size
+from yeto.usage import with_help_panels
 from yeto.sync.store import PENDING_DIR, STATE_FILE, DiskStore, crash_point
 
 log = logging.getLogger("yeto.syncer")
@@ -480,6 +481,12 @@ def syncer_command(
     merged = f"merged adapter {adapter}" if (adapter / ADAPTER_WEIGHTS).is_file() else "no merge yet, so no adapter"
     print(f"syncer: {merged}, tape {Path(cfg.out) / 'tape.jsonl'}", flush=True)
     raise typer.Exit(code)
+
+
+with_help_panels(syncer_command, advanced=(
+    "outer_lr", "outer_momentum", "straggler_timeout", "quorum_timeout", "learner_timeout", "max_message_mb", "robust",
+    "robust_k", "merge", "merge_weight", "lora_merge", "grace_ms", "max_base_lag", "staleness_exponent",
+    "step_normalize", "merge_alpha", "max_learners", "max_connections"))
 
 
 def main() -> None:
