@@ -450,6 +450,7 @@ def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: s
 # ----------------------------------------------------------------------------- CLI
 
 D = TrainConfig()
+TEST_HOOKS = ("step_delay",)  # flags for fault tests (a simulated slow island): they work, --help does not show them
 # `yeto train --help` shows these after the everyday flags (their defaults need no touching)
 TRAIN_ADVANCED = ("model_revision", "data_revision", "data_config", "trust_remote_code", "grad_accum", "lora_freeze_a",
                   "micro_batch_size", "min_lr_ratio", "weight_decay", "max_grad_norm", "lora_dropout", "lora_targets",
@@ -472,7 +473,7 @@ def make_train_command(train_fn: Callable[[TrainConfig, bool], dict[str, Any]], 
 
     wrapper = functools.wraps(_train_signature)(command)
     wrapper.__signature__ = inspect.signature(_train_signature, eval_str=True)
-    with_help_panels(wrapper, advanced=TRAIN_ADVANCED, hidden=("step_delay",))
+    with_help_panels(wrapper, advanced=TRAIN_ADVANCED, hidden=TEST_HOOKS)
     wrapper.__doc__ = doc
     return wrapper
 
