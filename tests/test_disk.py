@@ -6,6 +6,7 @@ checked on a real syncer process.
 """
 
 import errno
+import os
 import signal
 import subprocess
 import sys
@@ -131,3 +132,38 @@ def test_sigterm_exits_143_whenever_it_comes(tmp_path, when):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_full_tmpfs_stops_the_run_and_freeing_space_resumes_it(start_syncer, tmp_path):
+    """The real thing where mounting is permitted (root): a small tmpfs filled to the last byte mid-run."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        out = mnt / "syncer"
+        syncer, port = start_syncer(learners=1, quorum=1, outer_steps=6, inner_steps=1, sync_bits=32, out=out)
+        results = {}
+        t = island_thread(QuadraticIsland(1.0, 10, lr=0.1), port, 0, results)
+        assert wait_until(lambda: syncer.version >= 2 or syncer.finished)
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 512):
+                pass
+        except OSError:  # (ENOSPC: full)
+            pass
+        finally:
+            os.close(fd)
+        assert wait_until(lambda: syncer.finished, 30)
+        t.join(40)
+        assert syncer.exit_code == DISK_FAILED_EXIT and str(out) in syncer.disk_failure, syncer.disk_failure
+        (mnt / "filler").unlink()
+        again, _ = start_syncer(learners=1, quorum=1, outer_steps=6, inner_steps=1, sync_bits=32, out=out,
+                                port=port, learner_timeout=2.0)
+        results = {}
+        t = island_thread(QuadraticIsland(1.0, 10, lr=0.1), port, 0, results)
+        assert wait_until(lambda: again.finished, 60)
+        t.join(40)
+        assert again.version == 6 and again.exit_code == 0
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
