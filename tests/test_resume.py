@@ -73,6 +73,14 @@ def assert_same_adapter(a, b):
                      f"{max(diff.values())}"
 
 
+def assert_resumed_from_step_2(whole, out):
+    """The run in `out` went on from its state saved at step 2 and ended as the uninterrupted one in `whole`: the same
+    steps logged, the same adapter bit for bit."""
+    assert steps_after_resume(out) == [3, 4, 5, 6, 7, 8]
+    assert_same_adapter(whole, out)
+    assert steps_logged(out) == steps_logged(whole)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_model, tmp_path_factory):
     model, out = tiny_model("llama"), tmp_path_factory.mktemp("uninterrupted")
@@ -111,9 +119,7 @@ def test_an_mlx_run_killed_mid_save_resumes_to_the_uninterrupted_adapter(tiny_mo
     assert code == -signal.SIGKILL and saved_step(out) == 2, text[-3000:]
     code, text = run(model, out, module="yeto.mlx.learner")
     assert code == 0 and "at step 2" in text, text[-3000:]
-    assert steps_after_resume(out) == [3, 4, 5, 6, 7, 8]
-    assert_same_adapter(whole, out)
-    assert steps_logged(out) == steps_logged(whole)
+    assert_resumed_from_step_2(whole, out)
 
 
 def test_a_run_sigkilled_between_saves_resumes_to_the_uninterrupted_adapter(uninterrupted, tmp_path):
@@ -130,9 +136,7 @@ def test_a_run_sigkilled_between_saves_resumes_to_the_uninterrupted_adapter(unin
     assert saved_step(out) == 2 and max(steps_logged(out)) >= 3
     code, text = run(model, out)
     assert code == 0, text[-3000:]
-    assert steps_after_resume(out) == [3, 4, 5, 6, 7, 8]
-    assert_same_adapter(whole, out)
-    assert steps_logged(out) == steps_logged(whole)
+    assert_resumed_from_step_2(whole, out)
 
 
 def test_a_state_of_another_run_is_refused_naming_what_differs(uninterrupted, tmp_path):
