@@ -160,19 +160,6 @@ def read_adapter(adapter_dir: Path) -> dict[str, Any]:
             for k, v in load_file(str(adapter_dir / ADAPTER_WEIGHTS)).items()}
 
 
-def init_adapter_mismatch(adapter_dir: Path, run_config: dict[str, Any], base_revision: str) -> str | None:
-    """Why an adapter cannot start this run (another LoRA shape or another base), or None."""
-    from yeto.sync.core.contract import lora_shape_mismatch
-
-    problem = lora_shape_mismatch(json.loads((adapter_dir / ADAPTER_CONFIG).read_text()), run_config)
-    if problem:
-        return problem
-    recorded = recorded_base_revision(adapter_dir)
-    if recorded and recorded != base_revision:
-        return f"it was trained on base {recorded[:19]}, this run's base is {base_revision[:19]}"
-    return None
-
-
 def recorded_base_revision(adapter_dir: Path) -> str | None:
     """The base revision yeto recorded in an adapter; None for an adapter yeto did not write."""
     try:
@@ -182,7 +169,7 @@ def recorded_base_revision(adapter_dir: Path) -> str | None:
 
 
 def load_init_adapter(name: str):
-    """`--init-adapter NAME` for the syncer: the adapter's config, base and tensors (numpy: no torch)."""
+    """`--init-adapter NAME`: the adapter's config, recorded base and tensors (numpy: the syncer needs no torch)."""
     from yeto.sync.core.contract import InitAdapter
 
     adapter_dir = resolve_adapter_dir(name)

@@ -269,16 +269,19 @@ def train(cfg: TrainConfig, learner_cls: Callable[..., Any], show_progress: bool
 
 def start_from_adapter(learner, name: str, log: Callable[[str], None]) -> None:
     """Load an existing peft adapter into a fresh learner (`--init-adapter`), refused in one line when its base or
-    LoRA shape is not this run's."""
-    from yeto.adapter import init_adapter_mismatch, read_adapter, resolve_adapter_dir
+    LoRA shape is not this run's (the syncer's --init-adapter check)."""
+    from yeto.adapter import load_init_adapter
+    from yeto.sync.core.contract import init_adapter_problem
+    from yeto.sync.layout import build_layout
 
-    adapter_dir = resolve_adapter_dir(name)
-    problem = init_adapter_mismatch(adapter_dir, learner.adapter_config(), learner.model_artifact.revision)
+    init = load_init_adapter(name)
+    problem = init_adapter_problem(init, build_layout(learner.adapter_state()), learner.adapter_config(),
+                                   {"base_revision": learner.model_artifact.revision})
     if problem:
         raise YetoError(f"--init-adapter {name} cannot start this run: {problem}; train with its settings "
                         "(--model, --lora-r, --lora-alpha, --lora-targets) or pick another adapter")
-    learner.load_adapter_state(read_adapter(adapter_dir))
-    log(f"starting from the adapter {adapter_dir}")
+    learner.load_adapter_state(init.tensors)
+    log(f"starting from the adapter {name}")
 
 
 def resume_state(learner, cfg: TrainConfig, out: Path, log: Callable[[str], None]) -> Optional[TrainState]:

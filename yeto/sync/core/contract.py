@@ -156,7 +156,8 @@ def lora_shape_mismatch(config: dict[str, Any], run_config: dict[str, Any]) -> O
 
 def init_adapter_problem(init: InitAdapter, layout: Layout, adapter_config: dict[str, Any],
                          contract: dict[str, Any]) -> Optional[str]:
-    """Why `init` cannot be version 0 of a run founded by a learner with this layout, peft config and contract."""
+    """Why `init` cannot start a run with this layout, peft config and contract (its `base_revision`): version 0 of a
+    fleet (the syncer's --init-adapter) or a standalone learner's start (yeto train --init-adapter)."""
     problem = lora_shape_mismatch(init.config, adapter_config)
     if problem:
         return problem
@@ -166,9 +167,10 @@ def init_adapter_problem(init: InitAdapter, layout: Layout, adapter_config: dict
     shapes = {s.name: tuple(s.shape) for s in layout.specs}
     missing = sorted(set(shapes) - set(init.tensors))
     extra = sorted(set(init.tensors) - set(shapes))
-    if missing or extra:
-        return f"its tensors are not this run's ({len(missing)} missing, e.g. {(missing or extra)[0]!r})" if missing \
-            else f"it has tensors this run lacks (e.g. {extra[0]!r})"
+    if missing:
+        return f"its tensors are not this run's ({len(missing)} missing, e.g. {missing[0]!r})"
+    if extra:
+        return f"it has tensors this run lacks (e.g. {extra[0]!r})"
     for name, shape in shapes.items():
         if tuple(init.tensors[name].shape) != shape:
             return f"{name} is {list(init.tensors[name].shape)} in it, {list(shape)} in this run"
