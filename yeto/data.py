@@ -558,14 +558,19 @@ def pack_examples(examples: list[tuple[list[int], list[int]]], seq_len: int, pad
 # ----------------------------------------------------------------------------- the whole pipeline
 
 
+def check_shard(index: int, count: int) -> None:
+    """Shard `index` of `count` must exist: one line naming the flags otherwise."""
+    if count < 1:
+        raise YetoError(f"--num-learners must be at least 1, got {count}")
+    if not 0 <= index < count:
+        raise YetoError(f"--learner-id must be in [0, {count}), got {index}")
+
+
 def split_and_shard(n: int, learner_id: int, num_learners: int, eval_fraction: float,
                     seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train indices of this learner, eval indices): a seeded permutation, the
     held-out set first (the same for every learner), then a round-robin shard."""
-    if num_learners < 1:
-        raise YetoError(f"--num-learners must be at least 1, got {num_learners}")
-    if not 0 <= learner_id < num_learners:
-        raise YetoError(f"--learner-id must be in [0, {num_learners}), got {learner_id}")
+    check_shard(learner_id, num_learners)
     if not 0.0 <= eval_fraction < 1.0:
         raise YetoError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
     order = np.random.default_rng(seed).permutation(n)
@@ -596,10 +601,7 @@ class DataSource:
     def shard(self, index: int, count: int) -> PreparedData:
         """Shard `index` of `count` (round-robin over the seeded order), tokenized and packed, with the held-out
         blocks."""
-        if count < 1:
-            raise YetoError(f"--num-learners must be at least 1, got {count}")
-        if not 0 <= index < count:
-            raise YetoError(f"--learner-id must be in [0, {count}), got {index}")
+        check_shard(index, count)
         idx = self.train_idx[index::count]
         if len(idx) == 0:
             raise YetoError(f"learner {index} of {count} has no training records "
