@@ -212,13 +212,16 @@ def test_running_sum_is_the_token_weighted_mean_whatever_the_arrival_order(token
 
 
 def test_norm_clip_scales_only_the_outlier_even_in_a_pair():
-    from yeto.sync.aggregate import RoundSum, clip_factors, clipped_merge
+    from yeto.sync.aggregate import RoundSum, clip_factors, clip_reference, clipped_merge
 
-    assert clip_factors([1.0, 1.2, 100.0], [], 4.0) == [1.0, 1.0, pytest.approx(4 * 1.2 / 100)]
-    assert clip_factors([1.0, 100.0], [], 4.0) == [1.0, pytest.approx(4 * 1.0 / 100)]  # a pair: the low median
-    assert clip_factors([100.0, 1.0], [], 4.0) == [pytest.approx(4 * 1.0 / 100), 1.0]  # (in either order)
-    assert clip_factors([1.0, 100.0], [100.0, 100.0, 1.0, 1.0], 4.0)[1] == pytest.approx(4 * 1.0 / 100)  # its history
-    assert clip_factors([1.0, 3.0], [1.0, 1.1, 0.9], 4.0) == [1.0, 1.0]  # honest spread is left alone
+    def factors(norms, history):
+        return clip_factors(norms, clip_reference(norms, history), 4.0)
+
+    assert factors([1.0, 1.2, 100.0], []) == [1.0, 1.0, pytest.approx(4 * 1.2 / 100)]
+    assert factors([1.0, 100.0], []) == [1.0, pytest.approx(4 * 1.0 / 100)]  # a pair: the low median
+    assert factors([100.0, 1.0], []) == [pytest.approx(4 * 1.0 / 100), 1.0]  # (in either order)
+    assert factors([1.0, 100.0], [100.0, 100.0, 1.0, 1.0])[1] == pytest.approx(4 * 1.0 / 100)  # its history
+    assert factors([1.0, 3.0], [1.0, 1.1, 0.9]) == [1.0, 1.0]  # honest spread is left alone
     d = {0: np.ones(8, np.float32), 1: np.full(8, 100.0, np.float32)}
     s = RoundSum(8)
     for i in (1, 0):

@@ -124,9 +124,8 @@ def clip_reference(norms: Sequence[float], history: Sequence[float]) -> float:
     return low_median([*norms, *history]) if norms else 0.0
 
 
-def clip_factors(norms: Sequence[float], history: Sequence[float], k: float) -> list[float]:
-    """c_i = min(1, k * ref / n_i) (1 for a zero norm)."""
-    ref = clip_reference(norms, history)
+def clip_factors(norms: Sequence[float], ref: float, k: float) -> list[float]:
+    """c_i = min(1, k * ref / n_i) (1 for a zero norm), ref from `clip_reference`."""
     return [1.0 if n <= k * ref or n == 0 else k * ref / n for n in norms]
 
 

@@ -1208,7 +1208,7 @@ class SyncerCore:
                         scales[i] * most) for i in ids]), terms.counted, run.layout)
                 else:
                     if cfg.robust == "norm-clip":
-                        factors = clip_factors(norms, list(self.norm_history), cfg.robust_k)
+                        factors = clip_factors(norms, ref, cfg.robust_k)
                         clip = {i: c for i, c in zip(ids, factors) if c < 1.0}
                     if cfg.lora_merge == "factors":  # the running sums: one or two vectors in memory, not n
                         avg, fallbacks = clipped_merge(self._bounded_sum(ids, terms), clip, unnormalised,
