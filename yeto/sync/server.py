@@ -30,6 +30,7 @@ resumes once space is freed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -53,8 +54,8 @@ from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCh
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.given_up import read_given_up
 from yeto.sync.protocol import BULK_SUFFIX, MAX_HEADER_BYTES, encode, is_bulk, message_size
-from yeto.usage import with_help_panels
 from yeto.sync.store import PENDING_DIR, STATE_FILE, DiskStore, crash_point
+from yeto.usage import with_help_panels
 
 log = logging.getLogger("yeto.syncer")
 TICK_S = 0.05  # timer resolution of the core (poll timeout)
@@ -169,7 +170,11 @@ class Syncer:
         try:
             self._serve_loop(sock)
         finally:
-            self._durable(self.store.out, self.store.close)
+            if self.disk_failure is None:
+                self._durable(self.store.out, self.store.close)
+            else:
+                with contextlib.suppress(Exception):  # (after a failure: a file handle to release, no state to keep)
+                    self.store.close()
             sock.close(linger=0 if self.killed else LINGER_MS)
             if self.gate is not None:
                 self.gate.close()

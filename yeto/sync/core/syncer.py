@@ -48,9 +48,9 @@ from yeto.sync.aggregate import (DEFAULT_CLIP_K, NORM_HISTORY_ROUNDS, ROBUST_MOD
                                   clip_reference, clipped_merge, effective_weight, trimmed_mean)
 from yeto.sync.core.actions import (AcceptedDelta, Action, Checkpoint, DropDeltas, Durable, Exit, Log, Record,
                                     SaveCheckpoint, SaveDelta, Send)
-from yeto.sync.core.fold import TapeFold
 from yeto.sync.core.contract import (InitAdapter, contract_mismatch, contract_problem, init_adapter_problem,
                                      run_contract)
+from yeto.sync.core.fold import TapeFold
 from yeto.sync.core.learner import WINDOW_NEAREST_BOUNDARY
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.core.quorum import quorum_after_give_ups
