@@ -1,0 +1,5 @@
+import sys
+
+from yeto.sync.sim.nodes import main
+
+sys.exit(main())
