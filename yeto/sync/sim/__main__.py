@@ -1,5 +1,7 @@
+"""`python -m yeto.sync.sim --seeds N`: see yeto.sync.sim.runner.main."""
+
 import sys
 
-from yeto.sync.sim.nodes import main
+from yeto.sync.sim.runner import main
 
 sys.exit(main())

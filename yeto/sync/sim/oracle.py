@@ -1,0 +1,159 @@
+"""The oracle: what the simulation knows that no node does (every durable global adapter, every payload sent, every
+ack received, every delta merged), and the invariants it checks along the way and at the end of a schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from yeto.sync.aggregate import RoundSum, clipped_merge, effective_weight
+from yeto.sync.audit import TapeFold, audit
+from yeto.sync.core.actions import Checkpoint, Out
+from yeto.sync.merge import DeltaCounts, merge_terms
+from yeto.sync.outer import nesterov_step
+from yeto.sync.protocol import Code, Message, array_digest, decode_fragments, digest_bytes, encode_fragments_ef
+from yeto.sync.quant import ErrorFeedback
+
+class Violation(Exception):
+    """An invariant broken: the schedule's finding."""
+
+
+class Oracle:
+    def __init__(self, world: Any):  # the World (yeto.sync.sim.world imports this module, not the other way round)
+        self.w = world
+        self.globals: dict[int, tuple[str, np.ndarray]] = {}  # durable version -> (digest, adapter)
+        self.payloads: dict[str, tuple[list, list[bytes]]] = {}  # delta digest -> (descs, frames)
+        self.init_payloads: dict[str, np.ndarray] = {}  # global digest -> initial adapter
+        # deltas as (learner, base version, digest): two sessions of one learner may send equal bits on other bases
+        self.acked: set[tuple[int, int, str]] = set()  # every ack a learner received
+        self.merged: set[tuple[int, int, str]] = set()  # the deltas in durable merges
+
+    def note_durable(self, ck: Checkpoint) -> None:
+        had = self.globals.get(ck.version)
+        if had is not None and had[0] != ck.digest:
+            raise Violation(f"durable version {ck.version} redefined: {had[0]} then {ck.digest}")
+        self.globals[ck.version] = (ck.digest, ck.global_.copy())
+
+    def check_held(self, lid: int, version: int, flat: np.ndarray) -> None:
+        want = self.globals.get(version)
+        if want is None or not np.array_equal(want[1], flat):
+            raise Violation(f"learner {lid} holds version {version} ({array_digest(flat)}), which the syncer's disk "
+                            f"does not ({want[0] if want else 'no such durable version'})")
+
+    def check_base(self, lid: int, version: int, base: np.ndarray) -> None:
+        want = self.globals.get(version)
+        if want is None or not np.array_equal(want[1], base):
+            raise Violation(f"learner {lid} pushed a delta against version {version} but trained from another "
+                            f"adapter ({array_digest(base)} vs {want[0] if want else 'unknown'})")
+
+    def check_end(self) -> None:
+        tape = self.w.syncer.disk.tape
+        # (the audit's bound checks are the influence invariant: no learner's claim bought more than the round's low
+        # median weight, no merged delta was above k x the clip's reference)
+        report = audit(tape)
+        if not report.ok:
+            raise Violation(f"audit: {report.violation}")
+        core = self.w.syncer.core
+        final = core.run
+        if self.w.syncer.exit_code != 0 or final is None or final.version < core.cfg.outer_steps:
+            raise Violation(f"the syncer ended with code {self.w.syncer.exit_code} at version "
+                            f"{final.version if final else None} of {core.cfg.outer_steps}")
+        for lrn in self.w.processes():
+            for done, holds, at, booted in lrn.results:
+                if done.complete and not (holds[0] == final.version and np.array_equal(holds[1], final.global_)):
+                    raise Violation(f"learner {lrn.lid} finished holding version {holds[0]}, not the final "
+                                    f"version {final.version} bit for bit")
+                # excused: it (re)started after the run was over, or the run ended while faults still cut it off
+                # (a finished syncer waits for silent learners, but not forever)
+                # or a zombie (its replacement holds the id; it may be told so, or give up)
+                # or one kept out because a newer process holds its learner id
+                excused = (booted > self.w.syncer.exited_at or self.w.syncer.exited_at < self.w.healed_at
+                           or lrn in self.w.zombies or done.code == Code.BUSY)
+                if done.error and not excused:
+                    raise Violation(f"learner {lrn.lid} ended in error at t={at:.1f}s: {done.reason}")
+                if not done.complete and not done.error and at > self.w.healed_at and lrn not in self.w.zombies:
+                    raise Violation(f"learner {lrn.lid} ended at t={at:.1f}s, with the network healthy since "
+                                    f"t={self.w.healed_at:.1f}s, without the final adapter: {done.reason}")
+        fold = TapeFold()
+        for e in tape:
+            fold.feed(e)
+        bases = {(e["round"], e["learner"], e["digest"]): e["base_version"] for e in tape if e["event"] == "delta"}
+        settled = {(lid, bases.get((rnd, lid, d)), d) for rnd, lid, d in fold.settled}
+        lost = sorted(a for a in self.acked if a not in settled)
+        if lost:
+            raise Violation(f"acked deltas (learner, base version, digest) never merged nor refused: {lost}")
+        replayed = self.replay(tape)
+        if not np.array_equal(replayed, final.global_):
+            raise Violation("replaying the tape's merges does not give the final global adapter")
+
+    def replay(self, tape: list[dict[str, Any]]) -> np.ndarray:
+        fold = TapeFold()
+        for e in tape:
+            fold.feed(e)
+        cfg = self.w.s.syncer_config()
+        deltas_on_tape = {e["digest"]: e for e in tape if e["event"] == "delta"}
+        g = self.init_payloads[fold.digests[0]].copy()
+        m = np.zeros_like(g)
+        ef = ErrorFeedback(self.w.layout.numel)
+        for v in sorted(fold.merged):
+            e = fold.merged[v]
+            deltas = {lid: decode_fragments(self.w.layout, Message("delta", {"fragments": self.payloads[d][0]},
+                                                                 self.payloads[d][1]))
+                      for lid, d in zip(e["responders"], e["deltas"])}
+            lags = e.get("lags") or [0] * len(e["responders"])
+            normalize = bool(e.get("step_normalize"))
+            mine = [deltas_on_tape[d] for d in e["deltas"]]
+            terms = merge_terms([DeltaCounts(d["loss_tokens"], d["tokens"], d["inner_steps"]) for d in mine],
+                                cfg.merge_weight, lags, cfg.staleness_exponent, normalize,
+                                [d["round_steps"] for d in mine])
+            weight = dict(zip(e["responders"], terms.counted))
+            scale = dict(zip(e["responders"], terms.scales))
+            s = RoundSum.for_rule(self.w.layout, e["merge"])
+            for lid in e["summed"]:
+                s.add(lid, deltas[lid], weight[lid], scale[lid])
+            clip = {int(k): c for k, c in e["clip"].items()}
+            weights = {lid: effective_weight(weight[lid], scale[lid]) for lid in weight}
+            avg, fallbacks = clipped_merge(s, clip, weights, deltas.__getitem__)
+            avg = avg * np.float32(terms.length)
+            if fallbacks != e.get("rda_fallbacks"):
+                raise Violation(f"replay of merge {v}: {fallbacks} RDA fallbacks, the tape says "
+                                f"{e.get('rda_fallbacks')}")
+            new, m = nesterov_step(g, avg, m, cfg.outer_lr, cfg.outer_momentum)
+            _, _, sent = encode_fragments_ef(self.w.layout, new - g, cfg.sync_bits, ef)
+            g = g + sent
+            if array_digest(g) != e["digest"]:
+                raise Violation(f"replay of merge {v} gives {array_digest(g)}, the tape says {e['digest']}")
+        return g
+
+    def check_sent(self, node: Any, a: Out) -> None:
+        """A delta leaving for the first time (at once, or held until the previous one settled): it is its adapter
+        minus the version it trained from, quantized with exactly the quantization error of this session's merged
+        deltas (an oracle that knows, from the syncer's disk, which of them were merged)."""
+        h, p, digest = a.header, node.core.pushed, digest_bytes(a.frames)
+        if any(key == (node.lid, h["base_version"], digest) for key, _ in node.pushes):
+            return  # sent again
+        if p is None or p.digest != digest:
+            raise Violation(f"learner {node.lid} sent a delta for round {h['round']} that it does not hold as pushed")
+        x = node.raw.pop((h["round"], h["base_version"]), None)
+        if x is None:
+            raise Violation(f"learner {node.lid} sent a delta for round {h['round']} on version {h['base_version']} "
+                            "that it never trained")
+        r = np.zeros(self.w.layout.numel, np.float32)
+        pieces = [(f.start, f.numel) for f in self.w.layout.fragments]
+        for key, y in node.pushes:
+            if key in self.merged:
+                ef = ErrorFeedback(self.w.layout.numel)
+                ef.residual = r
+                ef.encode(y, int(node.core.policy["sync_bits"]), pieces)
+                r = ef.residual
+        if not np.array_equal(r, p.residual_before):
+            raise Violation(f"learner {node.lid}'s error-feedback residual does not follow what was merged "
+                            f"(off by {float(np.abs(r - p.residual_before).max()):.3g})")
+        expect = ErrorFeedback(self.w.layout.numel)
+        expect.residual = p.residual_before
+        _, frames, _ = encode_fragments_ef(self.w.layout, x, int(node.core.policy["sync_bits"]), expect)
+        if list(frames) != list(a.frames):
+            raise Violation(f"learner {node.lid}'s delta for round {h['round']} is not its adapter minus the "
+                            f"version {h['base_version']} it trained from")
+        node.pushes.append(((node.lid, p.base_version, p.digest), x))

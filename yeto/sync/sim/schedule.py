@@ -1,0 +1,144 @@
+"""The seeded fault schedule: one seed draws a fleet (learners, quorum, round policy, wire bits) and the faults it
+meets (lost, duplicated and delayed messages, cut links, killed, frozen and given-up learners, killed and stopped
+syncers, a poisoned step, a hostile learner), and the simulation's constants."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from yeto.sync.core.learner import LinkTimeouts
+from yeto.sync.core.syncer import SyncerConfig
+
+TICK_S = 0.25  # how often each node's timers run (the real shells tick faster)
+START_S = 2.0  # learners boot in [0, this)
+ROUND_OVERHEAD_S = 1.0  # messages and merge per round, roughly
+HORIZON_STRETCH = 1.5  # faults are drawn over this many times a fault-free run's length
+HEAL_BUDGET_S = 900.0  # once healed, the run must finish within this (simulated) time
+ADAPTER_SHAPES = {"m.layers.0.q.lora_A.default.weight": (2, 8), "m.layers.0.q.lora_B.default.weight": (8, 2),
+                  "m.layers.1.q.lora_A.default.weight": (2, 8), "m.layers.1.q.lora_B.default.weight": (8, 2)}
+FRAGMENT_NUMEL = 24  # small fragments, so payloads span several frames
+POISON = -6e4  # fits the learners' fp16 block minimums, but not once the outer step scaled it: the merge fails
+SIM_OUTER_LR, SIM_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's: the outer step scales the poison past fp16 (not the default)
+HOSTILE_P = 0.2  # the share of schedules (of 2 or more learners) with a hostile learner
+POISON_WEIGHT = 1000  # ... provided it weighs enough in the merge: the poisoned step claims this many more tokens
+ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"], "task_type": "CAUSAL_LM"}
+ZOMBIE_SLEEPS_LONGER_S = 20.0  # a zombie wakes up at most this long after its replacement started
+DIE_DURING_WITHIN_S = 20.0  # a syncer to be killed inside a durable write dies at the latest this long after
+LINK = LinkTimeouts(heartbeat_s=1.0, dead_after_s=4.0, give_up_s=600.0, backoff_base_s=0.2, backoff_max_s=2.0)
+PROGRESS_CHUNK = 50  # schedules per work unit (and per progress line)
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """A learner that claims `claims` x the tokens it trained and steps `outlier` x as far as an honest one."""
+
+    learner: int
+    claims: int
+    outlier: float
+
+
+@dataclass
+class Schedule:
+    seed: int
+    learners: int
+    quorum: int
+    outer_steps: int
+    inner_steps: int
+    round_seconds: float
+    sync_bits: int
+    step_s: list[float]
+    latency_s: tuple[float, float]
+    p_drop: float
+    p_dup: float
+    p_slow_step: float
+    # (at, learner, down for (None: for good), a zombie: the old process only sleeps and wakes up later)
+    learner_kills: list[tuple[float, int, Optional[float], bool]]
+    syncer_kills: list[tuple[float, float, bool]]  # (at, down for, during the next event's actions)
+    cuts: list[tuple[float, int, float]]  # (at, learner, for)
+    pauses: list[tuple[float, int, float]]  # (at, node (-1: syncer), for)
+    stops: list[tuple[float, float]]  # (at, down for): SIGTERM the syncer, then relaunch the whole fleet
+    poison: Optional[tuple[float, int]]  # (at, learner): its next step jumps by POISON (a delta too big to merge)
+    max_inner_steps: list[int]  # per learner: 0, or a cap on its steps per round (a weaker island)
+    give_ups: list[tuple[float, int]] = field(default_factory=list)  # (at, learner): the fleet controller gave it up
+    max_base_lag: int = 0  # the syncer's staleness policy and grace (drawn from a stream of their own)
+    staleness_exponent: float = 0.0
+    grace_ms: float = 3000.0
+    merge: str = "rda"
+    hostile: Optional["Hostile"] = None  # a join-key holder steering the merge with its claims and outliers
+
+    @staticmethod
+    def draw(seed: int) -> "Schedule":
+        """The fleet first, then faults spread over about the time that fleet needs to finish (faults after the end
+        test nothing), with downtimes that often outlast it."""
+        rng = random.Random(seed)
+        n = rng.randint(1, 4)
+        quorum = rng.randint(1, n)
+        outer_steps, inner_steps = rng.randint(2, 6), rng.randint(1, 4)
+        round_seconds = rng.choice([0.0, 0.0, 0.0, 1.5])
+        step_s = [rng.uniform(0.05, 0.8) for _ in range(n)]
+        round_s = round_seconds or inner_steps * max(step_s)
+        horizon = START_S + outer_steps * (round_s + ROUND_OVERHEAD_S) * HORIZON_STRETCH
+        lossy = rng.random() < 0.7
+        permanent_budget = n - quorum
+        kills = []
+        for _ in range(rng.choice([0, 0, 1, 2, 3, 5])):
+            lid = rng.randrange(n)
+            forever = permanent_budget > 0 and rng.random() < 0.2
+            permanent_budget -= forever
+            kills.append((rng.uniform(0, horizon), lid, None if forever else rng.uniform(0.5, 20.0),
+                          rng.random() < 0.2))
+        syncer_kills = [(rng.uniform(0, horizon), rng.uniform(0.2, 25.0), rng.random() < 0.5)
+                        for _ in range(rng.choice([0, 0, 1, 1, 2, 4]))]
+        cuts = [(rng.uniform(0, horizon), rng.randrange(n), rng.uniform(0.5, 15.0))
+                for _ in range(rng.choice([0, 1, 2, 4]))]
+        pauses = [(rng.uniform(0, horizon), rng.randrange(-1, n), rng.uniform(0.5, 12.0))
+                  for _ in range(rng.choice([0, 0, 1, 3]))]
+        stops = [(rng.uniform(0, horizon), rng.uniform(0.5, 10.0))] if rng.random() < 0.1 else []
+        poison = (rng.uniform(0, horizon), rng.randrange(n)) if rng.random() < 0.15 else None
+        return Schedule(
+            seed=seed, learners=n, quorum=quorum, outer_steps=outer_steps, inner_steps=inner_steps,
+            round_seconds=round_seconds, sync_bits=rng.choice([4, 4, 8, 32]), step_s=step_s,
+            latency_s=(rng.uniform(0.001, 0.05), rng.uniform(0.05, 0.6)),
+            p_drop=rng.uniform(0.0, 0.08) if lossy else 0.0, p_dup=rng.uniform(0.0, 0.05) if lossy else 0.0,
+            p_slow_step=rng.choice([0.0, 0.0, 0.02]), learner_kills=sorted(kills), syncer_kills=sorted(syncer_kills),
+            cuts=sorted(cuts), pauses=sorted(pauses), stops=stops, poison=poison,
+            max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)], give_ups=Schedule.draw_give_ups(seed, kills),
+            hostile=Schedule.draw_hostile(seed, n), **Schedule.draw_policy(seed))
+
+    @staticmethod
+    def draw_hostile(seed: int, n: int) -> Optional["Hostile"]:
+        """Now and then one learner lies about its work and pushes outliers (a stream of its own, so older seeds
+        keep their faults)."""
+        rng = random.Random(seed * 31 + 41)
+        if n < 2 or rng.random() >= HOSTILE_P:
+            return None
+        return Hostile(rng.randrange(n), rng.choice([1, 10**3, 10**6]), rng.choice([1.0, 10.0, 1000.0]))
+
+    @staticmethod
+    def draw_policy(seed: int) -> dict[str, Any]:
+        """Stale deltas and the adaptive grace: drawn from a stream of their own (older seeds keep their faults)."""
+        rng = random.Random(seed * 31 + 29)
+        return {"max_base_lag": rng.choice([0, 1, 2, 4]), "staleness_exponent": rng.choice([0.0, 0.5]),
+                "grace_ms": rng.choice([0.0, 500.0, 3000.0]), "merge": rng.choice(["mean", "rda"])}
+
+    @staticmethod
+    def draw_give_ups(seed: int, kills: list) -> list[tuple[float, int]]:
+        """The fleet controller (`yeto launch`) giving up a killed learner after a while: mostly one killed for
+        good, sometimes one that comes back anyway. Drawn from a stream of their own, so every older seed keeps its
+        schedule."""
+        rng = random.Random(seed * 31 + 17)
+        return sorted((at + rng.uniform(1.0, 30.0), lid) for at, lid, down, _ in kills
+                      if rng.random() < (0.6 if down is None else 0.15))
+
+    def syncer_config(self) -> SyncerConfig:
+        return SyncerConfig(learners=self.learners, quorum=self.quorum, outer_steps=self.outer_steps,
+                            inner_steps=self.inner_steps, round_seconds=self.round_seconds, sync_bits=self.sync_bits,
+                            straggler_timeout=3.0, quorum_timeout=1e6, learner_timeout=6.0, out="(simulated)",
+                            outer_lr=SIM_OUTER_LR, outer_momentum=SIM_OUTER_MOMENTUM,
+                            max_base_lag=self.max_base_lag, staleness_exponent=self.staleness_exponent,
+                            grace_ms=self.grace_ms, merge=self.merge)
+
+
+# ---------------------------------------------------------------------------------------------- the world
