@@ -439,7 +439,7 @@ def test_a_carry_ends_when_a_rollback_makes_its_base_version_another_adapter():
     f.syncer = f._boot_syncer(Durable(f.checkpoints[0], [], list(f.tape)))
     f.tick(dt=0.5, times=12)  # learner 0 notices the new syncer, joins it and takes version 0
     assert f.syncer.version == 0 and c0.version == 0
-    c0.training = None  # (its round 2 is gone with the rollback: the loop would abandon it)
+    assert c0.after_step(1, f.now) is Verdict.ABANDON  # its round 2 is gone with the rollback
     task = c0.next_task(f.now)
     assert isinstance(task, Train) and (task.round, task.base_version) == (1, 0)
     f.tick(dt=0.5, times=math.ceil(task.seconds / 0.5))

@@ -32,13 +32,14 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Optional, Union
 
 import numpy as np
 
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
 from yeto.sync.core.contract import learner_contract, tokens_per_step
+from yeto.sync.core.learner_loop import Done, RoundCounts, Task, Train, Verdict, Wait
+from yeto.sync.core.learner_phases import DATA, Held, Phase, PhaseData, Place, Training, check_transition
 from yeto.sync.layout import Layout
 from yeto.sync.protocol import (CLOCK_JUMP_S, FINAL_CODES, Code, Message, ProtocolError, array_digest,
                                 decode_fragments, digest_bytes, encode_fragments, encode_fragments_ef, session_id)
@@ -61,99 +62,6 @@ class LinkTimeouts:
     give_up_s: float = 1800.0  # silence after which the learner gives up (saving its adapter)
     backoff_base_s: float = 0.5  # reconnect backoff: uniform in [0, min(max, base * 2**attempt)]
     backoff_max_s: float = 30.0
-
-
-# ---------------------------------------------------------------------------------------------- tasks
-
-
-@dataclass(frozen=True)
-class Wait:
-    pass
-
-
-@dataclass(frozen=True)
-class Train:
-    round: int
-    base_version: int
-    adapter: np.ndarray  # the global adapter of base_version: load it, train, push local - it
-    steps: int  # 0 in time-window rounds
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Done:
-    reason: str
-    complete: bool = False  # the syncer finished the run (not stopped early)
-    error: bool = False  # refused, or gave up: the learner exits non-zero
-    code: str = ""  # why it was refused (a protocol.Code), if it was
-
-
-Task = Union[Wait, Train, Done]
-
-
-class Verdict(Enum):
-    CONTINUE = "continue"
-    PUSH = "push"  # the round's work is done: push it
-    ABANDON = "abandon"  # the round closed without us (or our adapter is unusable): drop the work
-    STOP = "stop"  # the run is over for this learner
-    # a time window is over, but our previous (late) delta holds this round's place in the syncer (one per learner
-    # per round): keep the work and carry it onto the next global, so the next push lands fresh
-    CARRY = "carry"
-
-
-@dataclass(frozen=True)
-class Place:
-    """A round's place in the syncer (one delta per learner per round): the round and the global it opened on."""
-
-    round: int
-    version: int
-    digest: str = ""  # that global's, where it matters (a carry: a rollback may make its version another adapter)
-
-    def matches(self, rnd: int, version: int) -> bool:
-        return (self.round, self.version) == (rnd, version)
-
-
-@dataclass
-class Training:
-    round: int
-    base_version: int
-    base: np.ndarray
-    started_at: float
-    steps: int
-    seconds: float  # time windows: what is left of the round's window when training starts (0: one step)
-    base_digest: str = ""
-    windowed: bool = False  # a time-window round
-    place_taken: bool = False  # our previous delta, late, holds (or will hold) this round's place in the syncer
-
-
-@dataclass(frozen=True)
-class RoundCounts:
-    """What a round's training took, as its delta reports it (the merge weighs by these; the syncer checks them)."""
-
-    tokens: int
-    loss_tokens: int
-    steps: int
-    loss: float
-    compute_s: float
-    # of `steps`, those trained in an earlier round's window and carried onto this one (Verdict.CARRY): step
-    # normalization leaves them out of the round's length
-    carried_steps: int = 0
-
-    def header(self) -> dict[str, Any]:
-        h = {"tokens": self.tokens, "loss_tokens": self.loss_tokens, "inner_steps": self.steps, "loss": self.loss,
-             "compute_s": round(self.compute_s, 4)}
-        if self.carried_steps:
-            h["carried_steps"] = self.carried_steps
-        return h
-
-
-@dataclass
-class Held:
-    """A finished round's work waiting for the previous delta to settle (raw: quantized once it goes)."""
-
-    training: Training
-    local: np.ndarray = field(repr=False)
-    counts: RoundCounts
 
 
 @dataclass
@@ -215,12 +123,13 @@ class LearnerCore:
         self.sync_attempt = 0
         self.next_sync_at = -math.inf
         self.open_round: Optional[dict[str, Any]] = None
-        self.training: Optional[Training] = None
-        self.pushed: Optional[Pushed] = None
-        self.held: Optional[Held] = None
+        # the phase, and the data only it holds (see learner_phases; changed by _enter alone)
+        self.phase = Phase.JOINING
+        self.phase_data: PhaseData = None
+        self.phase_log: list[tuple[Phase, str]] = []  # every move: (the phase entered, the event), for the simulator
+        self.pushed: Optional[Pushed] = None  # the delta in the syncer's hands, until it is merged or refused
         self.lineage: dict[int, str] = {}  # recent versions held -> digest: a stale round's base must be the run's
         self.contributed: Optional[tuple[int, int]] = None  # (round, base) an earlier session of ours delivered
-        self.carried: Optional[Place] = None  # the round whose work the training loop carries onto the next global
         self.place_held: Optional[Place] = None  # a round where the syncer holds a late delta of ours that is not
         # `pushed` (an earlier process's, told by the welcome, or a push refused as a duplicate said so)
         self.init_sent: Optional[tuple[dict[str, Any], tuple[bytes, ...]]] = None  # our founding upload
@@ -233,6 +142,31 @@ class LearnerCore:
         self.gave_up: Optional[str] = None
         self.last_tick = math.inf  # (no jump before the first tick)
         self.out: list[LearnerAction] = []
+
+    # ------------------------------------------------------------------ phases
+
+    def _enter(self, phase: Phase, event: str, data: PhaseData = None) -> None:
+        """The one way a learner changes phase: the move must be in the table (learner_phases.TRANSITIONS), and the
+        new phase gets its own data, dropping the old phase's."""
+        check_transition(self.phase, phase, event)
+        assert isinstance(data, DATA[phase]), f"learner core: {phase.value} holds {DATA[phase].__name__}, not {data!r}"
+        self.phase, self.phase_data = phase, data
+        self.phase_log.append((phase, event))
+
+    @property
+    def training(self) -> Optional[Training]:
+        """The round being trained, while training."""
+        return self.phase_data if isinstance(self.phase_data, Training) else None
+
+    @property
+    def held(self) -> Optional[Held]:
+        """A finished round's work waiting for the previous delta to settle, while holding."""
+        return self.phase_data if isinstance(self.phase_data, Held) else None
+
+    @property
+    def carried(self) -> Optional[Place]:
+        """The round whose work the training loop carries onto the next global, while carrying."""
+        return self.phase_data if isinstance(self.phase_data, Place) else None
 
     # ------------------------------------------------------------------ link events
 
@@ -331,35 +265,57 @@ class LearnerCore:
 
     def next_task(self, now: float) -> Task:
         """What the training loop should do now."""
+        if self.phase is Phase.DONE:
+            assert isinstance(self.phase_data, Done)
+            return self.phase_data
+        ending = self._ending(now)
+        if ending is not None:
+            if isinstance(ending, Done):
+                self._enter(Phase.DONE, "the run is over for this learner", ending)
+            elif self.phase in (Phase.JOINING, Phase.WAITING, Phase.CARRYING):  # (a round in hand ends by itself)
+                self._enter(Phase.FINISHING, "the syncer finished the run")
+            return ending
+        t = self.training
+        if t is not None:
+            return Train(t.round, t.base_version, t.base, t.steps, t.seconds)
+        c = self.carried
+        if c is not None and not self.carrying:  # (the global after its base came while the round trained)
+            self._enter(Phase.WAITING, f"carry of round {c.round} ends: version {self.version} is here")
+        if self.phase is not Phase.WAITING or not self.joined or self.need_state or self._delta_unsettled():
+            return Wait()  # (holding: a finished round waits for the previous delta to settle; carrying: the loop
+            # keeps training, and that work goes on top of the next global)
+        r = self.open_round
+        if r is None or r["version"] != self.version:
+            return Wait()
+        return self._start_round(r, now)
+
+    def _ending(self, now: float) -> Optional[Union[Done, Wait]]:
+        """Done when refused, given up, or finished and holding the final adapter (or past hope of fetching it);
+        Wait while a finished run's final adapter is on its way; None while the run goes on."""
         if self.refused:
             return Done(self.refused, error=True, code=self.refused_code)
         if self.gave_up:
             return Done(self.gave_up, error=True, code=Code.BUSY if self.busy else "")
-        if self.finish is not None:
-            caught_up = self.version >= self.finish["version"] and not self.need_state
-            if caught_up:
-                return Done(self.finish["reason"], complete=bool(self.finish["complete"]))
-            if now - self.finish_at >= FINISH_CATCHUP_DEAD_AFTERS * self.t.dead_after_s:
-                return Done(f"{self.finish['reason']}; this learner could not fetch the final adapter (version "
-                            f"{self.finish['version']}; it holds {self.version}): the syncer's adapter is the result")
-            return Wait()
-        t = self.training
-        if t is not None:
-            return Train(t.round, t.base_version, t.base, t.steps, t.seconds)
-        if not self.joined or self.global_ is None or self.need_state:
-            return Wait()
-        if self.held is not None:
-            return Wait()  # a finished round waits for the previous delta to settle
+        if self.finish is None:
+            return None
+        if self.version >= self.finish["version"] and not self.need_state:
+            return Done(self.finish["reason"], complete=bool(self.finish["complete"]))
+        if now - self.finish_at >= FINISH_CATCHUP_DEAD_AFTERS * self.t.dead_after_s:
+            return Done(f"{self.finish['reason']}; this learner could not fetch the final adapter (version "
+                        f"{self.finish['version']}; it holds {self.version}): the syncer's adapter is the result")
+        return Wait()
+
+    def _delta_unsettled(self) -> bool:
+        """Our delta awaits its merge (or, a stale one, its ack: one per round in the syncer), or an earlier
+        session's delta counts in the round open on our version."""
         p = self.pushed
         if p is not None and (p.base_version == self.version or not p.acked):
-            return Wait()  # our delta awaits its merge (or, a stale one, its ack: one per round in the syncer)
-        if self.contributed is not None and self.contributed[1] == self.version:
-            return Wait()
-        if self.carrying:
-            return Wait()  # (the loop keeps training; that work goes on top of the next global)
-        r = self.open_round
-        if r is None or r["version"] != self.version:
-            return Wait()
+            return True
+        return self.contributed is not None and self.contributed[1] == self.version
+
+    def _start_round(self, r: dict[str, Any], now: float) -> Task:
+        """Train the round open on our version (unless our held delta already stands for it in a fixed-step round)."""
+        assert self.global_ is not None
         windowed = bool(r["round_seconds"])
         held = self.place_held is not None and self.place_held.matches(r["round"], r["version"])
         if held and not windowed:
@@ -369,30 +325,33 @@ class LearnerCore:
             steps = min(steps, self.max_inner_steps) if steps else self.max_inner_steps
         seconds = max(0.0, r["ends_at"] - now) if windowed and "ends_at" in r else float(r["round_seconds"])
         # (one delta per learner per round: this round's work could only go a version late, like every later one)
+        p = self.pushed
         place_taken = (p is not None and p.base_version < self.version) or held
-        self.carried = None
-        self.training = Training(r["round"], self.version, self.global_.copy(), now, steps, seconds, self.digest,
-                                 windowed, place_taken)
-        return Train(r["round"], self.version, self.training.base, steps, seconds)
+        t = Training(r["round"], self.version, self.global_.copy(), now, steps, seconds, self.digest, windowed,
+                     place_taken)
+        self._enter(Phase.TRAINING, f"round {r['round']} open on version {self.version}", t)
+        return Train(t.round, t.base_version, t.base, steps, seconds)
 
     def after_step(self, steps_done: int, now: float, window_steps: Optional[int] = None) -> Verdict:
         """Whether the round's training goes on. `steps_done` counts toward a round of inner steps; `window_steps`
         (default: the same) are the steps taken since this round's training started, which pace a time window
         (steps carried over from before it count toward the delta, not toward the window's pace)."""
-        if self.refused or self.gave_up or self.finish is not None:
-            self.training = None
-            return Verdict.STOP
         t = self.training
+        if self.refused or self.gave_up or self.finish is not None:
+            if t is not None:
+                self._enter(Phase.WAITING, "stop: the run is over for this learner")
+            return Verdict.STOP
         if t is None or not self._base_ok(t.base_version, t.base_digest):
-            self.training = None
+            if t is not None:
+                self._enter(Phase.WAITING, f"abandon round {t.round}: its base version {t.base_version} is gone")
             return Verdict.ABANDON
         elapsed = now - t.started_at
         paced = steps_done if window_steps is None else window_steps
         if (t.steps and steps_done >= t.steps) or (
                 t.windowed and paced >= 1 and elapsed * (1 + WINDOW_NEAREST_BOUNDARY / paced) >= t.seconds):
             if t.windowed and t.place_taken:  # carried onto the next global, the work's next push lands fresh
-                self.training = None
-                self.carried = Place(t.round, t.base_version, t.base_digest)
+                self._enter(Phase.CARRYING, f"carry round {t.round}: a late delta of ours holds its place",
+                            Place(t.round, t.base_version, t.base_digest))
                 return Verdict.CARRY
             return Verdict.PUSH
         return Verdict.CONTINUE
@@ -407,10 +366,13 @@ class LearnerCore:
     def push(self, local: np.ndarray, counts: RoundCounts) -> list[LearnerAction]:
         """Send the round's delta (local - the adapter it trained from), quantized with error feedback."""
         self.out = []
-        t, self.training = self.training, None
-        if t is None or not self._base_ok(t.base_version, t.base_digest):
+        t = self.training
+        if t is None:
             return self._flush()
-        self.held = Held(t, local, counts)
+        if not self._base_ok(t.base_version, t.base_digest):
+            self._enter(Phase.WAITING, f"push of round {t.round}: its base version {t.base_version} is gone")
+            return self._flush()
+        self._enter(Phase.HOLDING, f"push of round {t.round}", Held(t, local, counts))
         self._release_held()
         return self._flush()
 
@@ -419,8 +381,8 @@ class LearnerCore:
         h = self.held
         if h is None or self.pushed is not None:
             return
-        self.held = None
         t = h.training
+        self._enter(Phase.WAITING, f"release of round {t.round}'s held work")
         if not self._base_ok(t.base_version, t.base_digest):
             self._log("warning", f"round {t.round}: its base version {t.base_version} is too old or was rolled back "
                                  "while it waited to be sent; dropping the round's work")
@@ -492,6 +454,8 @@ class LearnerCore:
         (`merged`: [round, digest] of this learner id's merged deltas the syncer told us about)."""
         self.global_, self.version, self.digest = flat, version, digest
         self.need_state = False
+        if self.phase is Phase.JOINING:
+            self._enter(Phase.WAITING, f"the run's version {version} adopted")
         self.lineage = {v: d for v, d in self.lineage.items() if version - self.max_lag <= v < version}
         self.lineage[version] = digest
         p = self.pushed
@@ -506,8 +470,10 @@ class LearnerCore:
                 self.pushed = None
         if self.contributed is not None and self.contributed[1] != version:
             self.contributed = None
-        if self.carried is not None and (self.carried.version, self.carried.digest) != (version, digest):
-            self.carried = None  # the global it waited for came (or a rollback took the run elsewhere): carry it
+        c = self.carried
+        if c is not None and (c.version, c.digest) != (version, digest):
+            # the global it waited for came (or a rollback took the run elsewhere): carry it
+            self._enter(Phase.WAITING, f"carry of round {c.round} ends: version {version} came")
         if self.open_round is not None and self.open_round["version"] < version:
             self.open_round = None
         self._maybe_sync_reset()
@@ -556,7 +522,7 @@ class LearnerCore:
         if t is not None and (t.round, t.base_version) == (rnd, version):
             t.place_taken = False
         if self.carried is not None and self.carried.matches(rnd, version):
-            self.carried = None
+            self._enter(Phase.WAITING, f"carry goes back to round {rnd}: the place our late delta held is free")
 
     def _set_open_round(self, r: dict[str, Any], now: float) -> None:
         cur = self.open_round
@@ -620,6 +586,8 @@ class LearnerCore:
         # what the syncer will decode: hold it too, so the welcome finds us current
         flat = np.concatenate([dequantize(fr, f.numel, bits) for fr, f in zip(frames, self.layout.fragments)])
         self.global_, self.version, self.digest = flat, 0, array_digest(flat)
+        if self.phase is Phase.JOINING:
+            self._enter(Phase.WAITING, "founding the run")
         self.lineage = {0: self.digest}
         self._log("info", f"founding the run: sent the initial adapter at {bits} bits")
 
