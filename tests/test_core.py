@@ -16,6 +16,7 @@ from yeto.sync.audit import audit
 from yeto.sync.client import SyncerLink
 from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict, Wait
+from yeto.sync.core.learner_phases import TRANSITIONS, Held, IllegalTransition, Phase, Training
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.layout import build_layout
 from yeto.sync.protocol import decode, encode
@@ -683,3 +684,26 @@ def test_a_stale_round_is_abandoned_when_its_base_was_rolled_back():
     f, late, task = _late_learner_mid_round(max_base_lag=4)
     late.lineage[1] = "another"  # as if a syncer restart redefined version 1 under it
     assert late.after_step(1, f.now) is Verdict.ABANDON
+
+
+def test_a_learner_moves_through_its_phases_by_the_table_and_an_illegal_move_raises_naming_it():
+    """A round's life as phases (each move recorded as the core makes it); a move the table does not have (here:
+    training a second round while one waits to be sent) raises an internal error naming both phases and the event."""
+    assert set(TRANSITIONS) == set(Phase) and not TRANSITIONS[Phase.DONE]
+    f = Fleet(n=1, quorum=1)
+    c = f.learners[0]
+    moves = []
+    c.on_move = lambda old, new, event: moves.append((old, new))
+    assert c.phase is Phase.WAITING  # (the fixture's learner founded the run)
+    task = c.next_task(f.now)
+    assert c.phase is Phase.TRAINING and c.training is not None and c.carried is None and c.held is None
+    assert c.after_step(task.steps, f.now) is Verdict.PUSH
+    f.to_syncer(0, c.push(task.adapter + 0.01, RoundCounts(100, 50, task.steps, 1.0, 0.1)))
+    assert moves == [(Phase.WAITING, Phase.TRAINING), (Phase.TRAINING, Phase.HOLDING), (Phase.HOLDING, Phase.WAITING)]
+    assert c.training is None and c.held is None
+    with pytest.raises(IllegalTransition, match="illegal phase transition waiting -> holding on a planted push"):
+        c._enter(Phase.HOLDING, "a planted push", Held(Training(1, 0, task.adapter, 0.0, 1, 0.0), task.adapter,
+                                                            RoundCounts(1, 1, 1, 1.0, 0.1)))
+    assert c.phase is Phase.WAITING and len(moves) == 3  # (nothing changed)
+    with pytest.raises(AssertionError, match="training holds Training"):
+        c._enter(Phase.TRAINING, "a round without its data")

@@ -13,6 +13,7 @@ import pytest
 from yeto.sync import sim
 from yeto.sync.core import actions
 from yeto.sync.core import learner as lcore
+from yeto.sync.core import learner_phases as lphases
 from yeto.sync.core import syncer as score
 
 SEEDS = int(os.environ.get("YETO_SIM_SEEDS", "300"))
@@ -150,3 +151,51 @@ def test_the_simulator_finds_a_planted_bug(bug, monkeypatch):
         if not out.ok:
             return
     pytest.fail(f"{PLANTED_SEEDS} schedules did not notice: {bug}")
+
+
+PHASE_SEEDS = 50  # a planted bad move of a learner's phase must be caught within this many schedules
+
+
+def _first_violation(seeds: int) -> str:
+    for seed in range(seeds):
+        out = sim.run_seed(seed)
+        if not out.ok:
+            return out.error
+    pytest.fail(f"{seeds} schedules did not notice the planted move")
+
+
+def _without_abandon(monkeypatch):
+    """The table forgets that a round may be abandoned (training -> waiting), which the core still does."""
+    allowed = lphases.TRANSITIONS[lphases.Phase.TRAINING] - {lphases.Phase.WAITING}
+    monkeypatch.setitem(lphases.TRANSITIONS, lphases.Phase.TRAINING, allowed)
+
+
+def test_the_learner_core_refuses_a_move_its_phase_table_does_not_have(monkeypatch):
+    _without_abandon(monkeypatch)
+    error = _first_violation(PHASE_SEEDS)
+    assert "IllegalTransition" in error and "illegal phase transition training -> waiting on " in error, error
+
+
+def test_the_simulator_checks_every_move_against_the_phase_table_itself(monkeypatch):
+    """With the core's own check switched off, the oracle still finds the move the table does not have."""
+    _without_abandon(monkeypatch)
+    monkeypatch.setattr(lcore, "check_transition", lambda old, new, event: None)
+    error = _first_violation(PHASE_SEEDS)
+    assert "moved training -> waiting on " in error and "the phase table has no such move" in error, error
+
+
+def test_the_simulator_catches_a_phase_changed_around_the_one_method_that_checks_it(monkeypatch):
+    """A call site that sets the phase itself (here: abandoning a round) is caught after the event."""
+    orig = lcore.LearnerCore.after_step
+
+    def after_step(self, steps_done, now, window_steps=None):
+        t = self.training
+        if t is not None and not self._base_ok(t.base_version, t.base_digest) and self.finish is None and not (
+                self.refused or self.gave_up):
+            self.phase, self.phase_data = lphases.Phase.WAITING, None
+            return lcore.Verdict.ABANDON
+        return orig(self, steps_done, now, window_steps)
+
+    monkeypatch.setattr(lcore.LearnerCore, "after_step", after_step)
+    error = _first_violation(PHASE_SEEDS * 4)
+    assert "last recorded move entered training: a phase changed outside LearnerCore._enter" in error, error

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -126,7 +126,7 @@ class LearnerCore:
         # the phase, and the data only it holds (see learner_phases; changed by _enter alone)
         self.phase = Phase.JOINING
         self.phase_data: PhaseData = None
-        self.phase_log: list[tuple[Phase, str]] = []  # every move: (the phase entered, the event), for the simulator
+        self.on_move: Optional[Callable[[Phase, Phase, str], None]] = None  # told every move (the simulator's oracle)
         self.pushed: Optional[Pushed] = None  # the delta in the syncer's hands, until it is merged or refused
         self.lineage: dict[int, str] = {}  # recent versions held -> digest: a stale round's base must be the run's
         self.contributed: Optional[tuple[int, int]] = None  # (round, base) an earlier session of ours delivered
@@ -148,10 +148,12 @@ class LearnerCore:
     def _enter(self, phase: Phase, event: str, data: PhaseData = None) -> None:
         """The one way a learner changes phase: the move must be in the table (learner_phases.TRANSITIONS), and the
         new phase gets its own data, dropping the old phase's."""
-        check_transition(self.phase, phase, event)
+        old = self.phase
+        check_transition(old, phase, event)
         assert isinstance(data, DATA[phase]), f"learner core: {phase.value} holds {DATA[phase].__name__}, not {data!r}"
         self.phase, self.phase_data = phase, data
-        self.phase_log.append((phase, event))
+        if self.on_move is not None:
+            self.on_move(old, phase, event)
 
     @property
     def training(self) -> Optional[Training]:

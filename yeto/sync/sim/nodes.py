@@ -260,6 +260,7 @@ class SimLearner:
         self.core = LearnerCore(self.lid, "sim", w.layout, self.island.flat.copy(), ADAPTER_CONFIG, {"sim": w.s.seed},
                                 random.Random(w.rng.getrandbits(64)), LINK, w.s.max_inner_steps[self.lid],
                                 started_at_us=int(w.now * 1e6), identity=f"sim-identity-{w.s.seed}-{self.lid}")
+        w.oracle.watch_phases(self.lid, self.core)
         self.pushes = []
         self.raw = {}
         self.carry_base: Optional[np.ndarray] = None  # a carried round's base: its work goes on top of the next global
@@ -270,12 +271,15 @@ class SimLearner:
         self.schedule_tick(self.life)
 
     def guarded(self, life: int, fn: Callable[[], None]) -> None:
+        """Run fn (every event of this learner's goes through here) unless this life is over, then check the moves
+        of its phase; a frozen learner runs it when it wakes up."""
         if life != self.life or not self.alive:
             return
         if self.w.now < self.paused_until:
             self.w.at(self.paused_until, lambda: self.guarded(life, fn))
             return
         fn()
+        self.w.oracle.check_phases(self.lid, self.core)
 
     def schedule_tick(self, life: int) -> None:
         def tick() -> None:

@@ -10,6 +10,8 @@ import numpy as np
 from yeto.sync.aggregate import RoundSum, clipped_merge, effective_weight
 from yeto.sync.audit import TapeFold, audit
 from yeto.sync.core.actions import Checkpoint, Out
+from yeto.sync.core.learner import LearnerCore
+from yeto.sync.core.learner_phases import TRANSITIONS, Phase
 from yeto.sync.merge import DeltaCounts, merge_terms
 from yeto.sync.outer import nesterov_step
 from yeto.sync.protocol import Code, Message, array_digest, decode_fragments, digest_bytes, encode_fragments_ef
@@ -28,6 +30,33 @@ class Oracle:
         # deltas as (learner, base version, digest): two sessions of one learner may send equal bits on other bases
         self.acked: set[tuple[int, int, str]] = set()  # every ack a learner received
         self.merged: set[tuple[int, int, str]] = set()  # the deltas in durable merges
+        # each learner core's phase sequence: (moves as (from, to, event), how many of them were checked)
+        self.moves: dict[int, tuple[list[tuple[Phase, Phase, str]], list[int]]] = {}
+
+    def watch_phases(self, lid: int, core: LearnerCore) -> None:
+        """Record every move of a learner core's phase (its phase sequence), to check it after each event."""
+        moves: list[tuple[Phase, Phase, str]] = []
+        self.moves[id(core)] = (moves, [0])
+        core.on_move = lambda old, new, event: moves.append((old, new, event))
+
+    def check_phases(self, lid: int, core: LearnerCore) -> None:
+        """Each move since the last check is in the phase table and starts where the one before it ended, and the
+        core is in the phase its last move entered (a phase changed around `LearnerCore._enter` is caught here even
+        where the core's own check was skipped)."""
+        moves, checked = self.moves[id(core)]
+        at = moves[checked[0] - 1][1] if checked[0] else Phase.JOINING
+        for old, new, event in moves[checked[0]:]:
+            if old is not at:
+                raise Violation(f"learner {lid} moved {old.value} -> {new.value} on {event}, but its last recorded "
+                                f"move entered {at.value}: a phase changed outside LearnerCore._enter")
+            if new not in TRANSITIONS[old]:
+                raise Violation(f"learner {lid} moved {old.value} -> {new.value} on {event}: the phase table has no "
+                                "such move")
+            at = new
+        checked[0] = len(moves)
+        if core.phase is not at:
+            raise Violation(f"learner {lid} is {core.phase.value}, but its last recorded move entered {at.value}: a "
+                            "phase changed outside LearnerCore._enter")
 
     def note_durable(self, ck: Checkpoint) -> None:
         had = self.globals.get(ck.version)
