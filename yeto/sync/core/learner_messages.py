@@ -1,0 +1,265 @@
+"""What the syncer's messages mean to a learner: `SyncerMessages`, the message handlers of `LearnerCore`.
+
+Each `_on_<type>` takes one message from the syncer and updates what the learner knows: the run (welcome, state,
+broadcast, finish), the open round (round, pong), and where its own delta stands (ack, error, pong, welcome). They
+notice lost messages by what the syncer says it holds (see `yeto.sync.core.learner`'s rules), and settle a delta
+that will never count by giving its error-feedback residual back. The state they read and change is
+`LearnerCore`'s (this class is its base, split out so each module reads as one concept).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from yeto.sync.core.learner_phases import Phase, Place
+from yeto.sync.protocol import FINAL_CODES, Code, Message, array_digest, decode_fragments, encode_fragments
+from yeto.sync.quant import dequantize
+
+
+class SyncerMessages:
+    def _settle_refused(self, code: str, h: dict[str, Any]) -> None:
+        """Our delta for (round, base_version) did not count: give its residual back. But "stale" is final only
+        when the syncer is behind its base (it rolled back): if it has merged the round since, the broadcast or
+        state says whether ours was in; if the round is not open yet (a restarted syncer), it will be, and the
+        delta goes again then (a copy sent meanwhile may even be accepted)."""
+        where = [h.get("round"), h.get("base_version")]
+        if code != Code.STALE and self.contributed is not None and list(self.contributed) == where:
+            self.contributed = None  # an earlier session's delta was refused: this session trains the round itself
+        p = self.pushed
+        if p is None or [p.round, p.base_version] != where or h.get("digest", p.digest) != p.digest:
+            return  # not about the delta we hold (e.g. an earlier push of this round)
+        behind = h.get("version", -1) - p.base_version
+        if code == Code.STALE and behind >= 0 and (not self.max_lag or behind <= self.max_lag):
+            p.acked, p.stale = False, True
+            return
+        if code == Code.DUPLICATE and h.get("version") == self.version:  # another delta of ours holds the round
+            self.place_held = Place(self.version + 1, self.version)
+        self._drop_uncounted()
+
+    def _drop_uncounted(self) -> None:
+        """Our pushed delta will never count: its residual is ours again. (The place a late one held is freed by the
+        next pong saying the round holds nothing of ours, not here: a merge that refused it may have gone on without
+        it and closed the round, and this error comes before that broadcast, which travels on the bulk connection.)"""
+        p = self.pushed
+        assert p is not None
+        self.ef.residual = p.residual_before
+        self.pushed = None
+
+    def _free_place(self, rnd: int, version: int) -> None:
+        """The syncer holds no delta of ours in round `rnd` (open on `version`) after all: the late one that held its
+        place was refused or lost. The work trained for that round, or carried since, goes to it, not on top of the
+        next global (the syncer counts us as training it)."""
+        if self.place_held is not None and self.place_held.matches(rnd, version):
+            self.place_held = None
+        t = self.training
+        if t is not None and (t.round, t.base_version) == (rnd, version):
+            t.place_taken = False
+        if self.carried is not None and self.carried.matches(rnd, version):
+            self._enter(Phase.WAITING, f"carry goes back to round {rnd}: the place our late delta held is free")
+
+    def _set_open_round(self, r: dict[str, Any], now: float) -> None:
+        cur = self.open_round
+        if cur is None or r["round"] > cur["round"]:
+            self.open_round = _with_window_end(r, now)
+
+    # ------------------------------------------------------------------ messages
+
+    def _on_other(self, msg: Message, now: float) -> None:
+        self._log("warning", f"ignoring an unexpected {msg.type} from the syncer")
+
+    def _on_welcome(self, msg: Message, now: float) -> None:
+        h = msg.header
+        self.joined = True
+        self.busy = False
+        self.init_sent = None
+        self.incarnation = h["incarnation"]
+        self.policy = h["policy"]
+        index, count = h["shard"]
+        self.shard = (int(index), int(count))
+        self.syncer_version = h["version"]
+        if self.global_ is None or self.version != h["version"] or self.digest != h["digest"]:
+            self.need_state = True
+            self.next_sync_at = -math.inf
+            # versions from here on may be redefined (a syncer that rolled back): no stale round trained from them
+            self.lineage = {v: d for v, d in self.lineage.items() if v < h["version"] or (
+                v == h["version"] and d == h["digest"])}
+        self.open_round = _with_window_end(h["open_round"], now) if h["open_round"] else None
+        self.contributed = self.place_held = None
+        r = self.open_round
+        p = self.pushed
+        pending = h.get("pending")
+        if r is not None and h["contributed"]:
+            if p is not None and (pending == [p.round, p.base_version, p.digest] if pending is not None else
+                                  [p.round, p.base_version] == [r["round"], r["version"]]):
+                p.acked, p.merge_round = True, r["round"]
+            elif pending is None or pending[1] == r["version"]:
+                self.contributed = (r["round"], r["version"])
+            else:  # an earlier process's late delta: this round's work goes on top of the next global
+                self.place_held = Place(r["round"], r["version"])
+                t = self.training
+                if t is not None and self.place_held.matches(t.round, t.base_version):
+                    t.place_taken = True
+        elif r is not None and p is not None and self._may_land(p, r["round"], r["version"]):
+            self._resend_pushed()  # the syncer lost it (it restarted before the delta was saved)
+        elif r is not None and p is None:
+            self._free_place(r["round"], r["version"])  # (a late delta we knew of is gone)
+        self._log("info", f"joined the syncer at version {h['version']}; policy {self.policy}")
+        self._maybe_sync(now)
+
+    def _on_init_request(self, msg: Message, now: float) -> None:
+        """Found the run: upload our initial adapter at the run's wire precision. Asked again (our hello was
+        repeated while the upload is on its way), we do not start another one: a lost upload is sent again when a
+        broken connection is noticed (`link_lost`)."""
+        if self.joined or self.init_sent is not None:
+            return
+        bits = msg.header["bits"]
+        descs, frames = encode_fragments(self.layout, self.init_flat, bits)
+        self.init_sent = ({"fragments": descs}, tuple(frames))
+        self._send("init", *self.init_sent)
+        # what the syncer will decode: hold it too, so the welcome finds us current
+        flat = np.concatenate([dequantize(fr, f.numel, bits) for fr, f in zip(frames, self.layout.fragments)])
+        self.global_, self.version, self.digest = flat, 0, array_digest(flat)
+        if self.phase is Phase.JOINING:
+            self._enter(Phase.WAITING, "founding the run")
+        self.lineage = {0: self.digest}
+        self._log("info", f"founding the run: sent the initial adapter at {bits} bits")
+
+    def _on_round(self, msg: Message, now: float) -> None:
+        h = msg.header
+        if h["version"] < self.version:
+            return
+        self.syncer_version = max(self.syncer_version, h["version"])
+        self._set_open_round(h, now)
+        p = self.pushed
+        if p is not None and self._may_land(p, h["round"], h["version"]):
+            self._resend_pushed()  # the syncer announces a round only to those whose delta it lacks
+        self._maybe_sync(now)
+
+    def _on_broadcast(self, msg: Message, now: float) -> None:
+        h = msg.header
+        self.syncer_version = max(self.syncer_version, h["version"])
+        if h["version"] != self.version + 1 or self.global_ is None or self.need_state:
+            return  # a duplicate, or we are further behind: catch-up asks for what is missing
+        flat = self.global_ + decode_fragments(self.layout, msg)
+        digest = array_digest(flat)
+        if digest != h["digest"]:
+            self.need_state = True
+            self._log("warning", f"broadcast {h['version']} does not reproduce the syncer's adapter "
+                                 f"({digest} != {h['digest']}): asking for the full state")
+            return
+        lags = h.get("lags") or [0] * len(h["responders"])
+        mine = [[h["round"] - lag, d] for lid, d, lag in zip(h["responders"], h["deltas"], lags)
+                if lid == self.learner_id]
+        self._adopt(h["version"], flat, digest, mine)
+
+    def _on_state(self, msg: Message, now: float) -> None:
+        h = msg.header
+        if not (self.need_state or h["version"] > self.version):
+            return
+        flat = decode_fragments(self.layout, msg)
+        if array_digest(flat) != h["digest"]:
+            self._log("warning", f"state {h['version']} arrived damaged; asking again")
+            return
+        self.syncer_version = max(self.syncer_version, h["version"])
+        self._adopt(h["version"], flat, h["digest"], [list(x) for x in h["merged"]])
+
+    def _on_pong(self, msg: Message, now: float) -> None:
+        h = msg.header
+        if h["incarnation"] != self.incarnation:
+            # from a syncer process that is gone, or from one whose welcome we lost (it restarted after the welcome
+            # we hold): join it, or we would wait on a process that no longer exists
+            if self.joined and now - self.hello_at >= self.heartbeat_s:
+                self.joined = False
+                if self.pushed is not None:
+                    self.pushed.resend = True  # the welcome says whether it still has our delta
+                self._hello(now)
+            return
+        self.syncer_version = max(self.syncer_version, h["version"])
+        p = self.pushed
+        c = self.contributed
+        if c is not None and h["round_open"] and [h["round"], h["version"]] == list(c) and not h["contributed"]:
+            self.contributed = None  # the earlier session's delta is gone (refused): this session trains the round
+        if h["round_open"] and not h["contributed"] and p is None:
+            self._free_place(h["round"], h["version"])  # the late delta that held it is gone (refused)
+        if h["round_open"] and h["version"] >= self.version:  # (trained once we hold that version)
+            mine = p is not None and p.round == h["round"]
+            if not mine and not (self.contributed and self.contributed[0] == h["round"]) and (
+                    self.training is None or self.training.round != h["round"]):
+                self._set_open_round({"round": h["round"], "version": h["version"],
+                                      "inner_steps": self.policy.get("inner_steps", 1),
+                                      "round_seconds": self.policy.get("round_seconds", 0.0),
+                                      "seconds_left": h.get("seconds_left")}, now)
+            if p is not None and self._may_land(p, h["round"], h["version"]) and (
+                    p.merge_round is None or p.merge_round == h["round"]):
+                if h["have_delta"]:
+                    p.acked, p.merge_round = True, h["round"]  # (a pong without it proves nothing: the delta may
+                    # still be on its way ...)
+                elif p.stale:  # (... unless the syncer told us it had no round for it: now it has)
+                    p.stale = False
+                    self._resend_pushed()
+                elif p.acked and not h["contributed"]:  # it had it (acked: saved), and with the round still open it
+                    # holds nothing from us any more: refused (the error saying so was lost). A pong sent after the
+                    # ack is received after it (one connection, in order), so it is not news from before the delta.
+                    self._drop_uncounted()
+        self._maybe_sync(now)
+
+    def _on_ack(self, msg: Message, now: float) -> None:
+        h = msg.header
+        p = self.pushed
+        if p is not None and [p.round, p.base_version, p.digest] == [h["round"], h["base_version"], h["digest"]]:
+            p.acked = True
+            if h.get("merged"):  # sent again after its ack was lost, and merged meanwhile: it counted
+                self.pushed = None
+            elif isinstance(h.get("merge_round"), int):
+                p.merge_round = h["merge_round"]
+
+    def _on_error(self, msg: Message, now: float) -> None:
+        h = msg.header
+        code = h["code"]
+        if code == Code.NOT_JOINED:
+            self.init_sent = None  # a syncer that forgot us forgot any founding upload too: upload again if asked
+            if self.pushed is not None:
+                self.pushed.resend = True  # and maybe our delta: the welcome or the round says
+            if self.joined or now - self.hello_at >= self.heartbeat_s:
+                self.joined = False
+                self._hello(now)
+        elif code in FINAL_CODES:
+            self.refused, self.refused_code = h["reason"], code
+        elif code in (Code.BUSY, Code.ID_TAKEN):
+            self.joined = False  # hello again later: the session holding our id may be a dead one
+            self.busy = True
+            self._log("warning", h["reason"])
+        elif code in (Code.STALE, Code.REFUSED, Code.DUPLICATE):
+            self._settle_refused(code, h)
+            self._log("warning", f"delta not counted ({code}): {h['reason']}")
+        else:
+            self._log("warning", f"syncer error ({code}): {h['reason']}")
+
+    def _on_refuse(self, msg: Message, now: float) -> None:
+        self.refused = f"the syncer refused this learner: {msg.header['reason']}"
+        self.refused_code = msg.header["code"]
+        self._log("error", self.refused)
+
+    def _on_finish(self, msg: Message, now: float) -> None:
+        if self.finish is None:
+            self.finish = dict(msg.header)
+            self.finish_at = now
+            self.syncer_version = max(self.syncer_version, msg.header["version"])
+            self._maybe_sync(now)
+
+
+def _with_window_end(r: dict[str, Any], now: float) -> dict[str, Any]:
+    """The open round as announced, with its time window's end on our clock (`ends_at`): the syncer says how much of
+    the round's window was left when it wrote (relative: no clocks need agree). Missing or out of range (an older
+    syncer), the window is a whole `round_seconds` from now."""
+    out = dict(r)
+    out.pop("ends_at", None)  # (ours to compute, never the sender's)
+    window = r.get("round_seconds")
+    left = r.get("seconds_left")
+    if isinstance(window, (int, float)) and window > 0:
+        ok = isinstance(left, (int, float)) and not isinstance(left, bool) and math.isfinite(left) and left >= 0
+        out["ends_at"] = now + (min(float(left), float(window)) if ok else float(window))
+    return out
