@@ -7,6 +7,12 @@ what to train. The training loop (`yeto.diloco.run_island`) and the I/O thread
 (`yeto.sync.client.SyncerLink`) only carry its decisions out; the simulator
 drives the same core with a simulated clock and network.
 
+What the training loop holds of a round is the core's phase (joining, waiting,
+training, holding, carrying, finishing, done: `learner_phases`), with the data
+only that phase needs; every move goes through `_enter`, checked against the
+one table. The syncer's messages are handled in `learner_messages`, the loop's
+tasks and verdicts are `learner_loop`'s.
+
 Rules it keeps:
 - Train round r only from the global adapter of the round's base version, and
   push `local - that adapter` with that version, so a delta is always computed

@@ -194,17 +194,23 @@ class SyncerMessages:
                                       "seconds_left": h.get("seconds_left")}, now)
             if p is not None and self._may_land(p, h["round"], h["version"]) and (
                     p.merge_round is None or p.merge_round == h["round"]):
-                if h["have_delta"]:
-                    p.acked, p.merge_round = True, h["round"]  # (a pong without it proves nothing: the delta may
-                    # still be on its way ...)
-                elif p.stale:  # (... unless the syncer told us it had no round for it: now it has)
-                    p.stale = False
-                    self._resend_pushed()
-                elif p.acked and not h["contributed"]:  # it had it (acked: saved), and with the round still open it
-                    # holds nothing from us any more: refused (the error saying so was lost). A pong sent after the
-                    # ack is received after it (one connection, in order), so it is not news from before the delta.
-                    self._drop_uncounted()
+                self._pong_about_pushed(h)
         self._maybe_sync(now)
+
+    def _pong_about_pushed(self, h: dict[str, Any]) -> None:
+        """A pong of the round our pushed delta may land in: what it says of that delta."""
+        p = self.pushed
+        assert p is not None
+        if h["have_delta"]:
+            p.acked, p.merge_round = True, h["round"]  # (a pong without it proves nothing: the delta may still be on
+            # its way ...)
+        elif p.stale:  # (... unless the syncer told us it had no round for it: now it has)
+            p.stale = False
+            self._resend_pushed()
+        elif p.acked and not h["contributed"]:  # it had it (acked: saved), and with the round still open it holds
+            # nothing from us any more: refused (the error saying so was lost). A pong sent after the ack is received
+            # after it (one connection, in order), so it is not news from before the delta.
+            self._drop_uncounted()
 
     def _on_ack(self, msg: Message, now: float) -> None:
         h = msg.header
