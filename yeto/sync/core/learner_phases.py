@@ -1,10 +1,12 @@
 """A learner's phases: what its training loop holds of a round, and the one table of the moves between them.
 
-    JOINING ──▶ WAITING ──▶ TRAINING ──▶ HOLDING ──▶ WAITING     (a round trained, pushed once the last delta settled)
-                   ▲           │  └──▶ CARRYING ──▶ WAITING      (a late delta of ours holds the round: the work goes
-                   └───────────┘  (abandoned)                     on top of the next global, or back to its round)
-    JOINING, WAITING, CARRYING ──▶ FINISHING ──▶ DONE            (the syncer finished: fetch the final adapter)
-    every phase but DONE ──▶ DONE                                (refused, gave up, or finished)
+    JOINING ──▶ WAITING ──▶ TRAINING ──▶ HOLDING ──▶ WAITING   a round trained, sent once the previous delta settled
+                              │ │
+                              │ └──▶ CARRYING ──▶ WAITING     a late delta of ours holds the round: the work goes on
+                              │                               top of the next global, or back to its round
+                              └──▶ WAITING                    abandoned (the round's base is gone), or stopped
+    JOINING, WAITING, CARRYING ──▶ FINISHING ──▶ DONE         the syncer finished: fetch its final adapter first
+    any phase but DONE ──▶ DONE                               refused, gave up, or finished
 
 Each phase owns the data only it needs (`Training`, `Held`, `Place`, `Done`), so a learner cannot train one round
 while holding another's work or carrying a third. What is not a phase is said beside it in `LearnerCore`: the link
