@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yeto import YetoError
-from yeto.data import (encode_chat, encode_record, pack_examples, prepare_data, read_records, record_format,
-                       split_and_shard, Record, Unusable)
+from yeto.island.data import (encode_chat, encode_record, pack_examples, prepare_data, read_records, record_format,
+                              split_and_shard, Record, Unusable)
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}]
 

@@ -64,7 +64,7 @@ def run_guarded(typer_app: typer.Typer) -> None:
 
 
 def run_typer(fn: Callable) -> None:
-    """Run a single-command typer app (`python -m yeto.learner` and its peers) under `run_guarded`."""
+    """Run a single-command typer app (`python -m yeto.backends.torch` and its peers) under `run_guarded`."""
     single = typer.Typer(add_completion=False)
     single.command()(fn)
     run_guarded(single)

@@ -10,7 +10,7 @@ def torch_adapter_specs(path: str, mode: str = "auto", r: int = 16) -> dict[str,
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from yeto.lora import lora_config
+    from yeto.island.lora import lora_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
@@ -21,9 +21,9 @@ def torch_adapter_specs(path: str, mode: str = "auto", r: int = 16) -> dict[str,
 def mlx_adapter_specs(path: str, mode: str = "auto", r: int = 16) -> dict[str, tuple[int, ...]]:
     from transformers import AutoConfig
 
-    from yeto.lora import select_targets
-    from yeto.mlx.compat import load_mlx_model
-    from yeto.mlx.lora import apply_lora, lora_state, mlx_linears
+    from yeto.island.lora import select_targets
+    from yeto.backends.mlx.compat import load_mlx_model
+    from yeto.backends.mlx.lora import apply_lora, lora_state, mlx_linears
 
     model = load_mlx_model(path)
     linears = mlx_linears(model)

@@ -1,7 +1,7 @@
 """How a round's deltas become one: a running token-weighted sum, and robust merges against one bad learner.
 
 The mean (`--robust off`): mean = sum_i t_i * d_i / sum_i t_i, with t_i the
-delta's weight (`--merge-weight`, `yeto.sync.merge`: its loss-bearing tokens by
+delta's weight (`--merge-weight`, `yeto.sync.merge.rules`: its loss-bearing tokens by
 default). `RoundSum` adds each delta as it arrives, so the syncer holds one fp32
 vector per round, not one per learner; the deltas themselves stay in their wire
 encoding (4 bits: 1/8 of fp32) for the durable copy and for the rare rebuild.
@@ -23,7 +23,7 @@ the token-weighted mean of the rest; it needs every delta at once, so it walks
 the adapter fragment by fragment (memory: n fragments, not n adapters). With
 fewer than three deltas there is nothing to trim and it is the mean.
 
-RDA (`--merge rda`, yeto.sync.merge) streams too: `RoundSum` carries its
+RDA (`--merge rda`, yeto.sync.merge.rules) streams too: `RoundSum` carries its
 per-tensor radial sums and running sum of unit directions, and a clip corrects
 the radial sum from the delta's stored tensor norms (no decode).
 
@@ -38,9 +38,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from yeto.sync.layout import Layout
-from yeto.sync.merge import Directions, low_median
-from yeto.sync.spans import over_spans
+from yeto.sync.wire.layout import Layout
+from yeto.sync.merge.rules import Directions, low_median
+from yeto.sync.merge.spans import over_spans
 
 ROBUST_MODES = ("norm-clip", "trimmed-mean", "off")
 DEFAULT_CLIP_K = 4.0

@@ -1,5 +1,5 @@
-"""The syncer's outer step on flat fp32 vectors (the round's mean is `yeto.sync.aggregate`'s, its weights and
-rules `yeto.sync.merge`'s)."""
+"""The syncer's outer step on flat fp32 vectors (the round's mean is `yeto.sync.merge.aggregate`'s, its weights and
+rules `yeto.sync.merge.rules`'s)."""
 
 from __future__ import annotations
 

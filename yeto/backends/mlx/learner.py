@@ -1,10 +1,10 @@
-"""The MLX learner island: `python -m yeto.mlx.learner` with the torch learner's flags.
+"""The MLX learner island: `python -m yeto.backends.mlx` with the torch learner's flags.
 
-Same adapter (yeto.mlx.lora matches peft), same target rule (yeto.lora), same
-blocks and masks (yeto.data with the Hugging Face tokenizer), same weighted
+Same adapter (yeto.backends.mlx.lora matches peft), same target rule (yeto.island.lora), same
+blocks and masks (yeto.island.data with the Hugging Face tokenizer), same weighted
 per-token cross-entropy re-derived in MLX, and the same optimizer step as the
 torch learner's `torch.optim.AdamW` + `clip_grad_norm_` + `LambdaLR`. One process
-is one island; with `--syncer` the DiLoCo bridge (yeto.diloco) drives it exactly
+is one island; with `--syncer` the DiLoCo bridge (yeto.island.diloco) drives it exactly
 as it drives the torch learner, crossing mx -> numpy only at round boundaries.
 A flag this backend cannot honour is refused (`check_flags`), never ignored.
 """
@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import numpy as np
 
 from yeto import YetoError
-from yeto.checkpoint import TrainState
-from yeto.data import Blocks
-from yeto.island import (ShardedData, TrainConfig, check_config, island_record, lr_lambda, make_train_command,
-                         train)
-from yeto.micro_batch import WHOLE_BATCH
+from yeto.island.checkpoint import TrainState
+from yeto.island.data import Blocks
+from yeto.island.config import TrainConfig, check_config
+from yeto.island.metrics import island_record
+from yeto.island.schedule import lr_lambda
+from yeto.island.shard import ShardedData
+from yeto.island.micro_batch import WHOLE_BATCH
 from yeto.models import load_tokenizer, resolve_model
 
 if TYPE_CHECKING:
@@ -61,7 +63,7 @@ def check_flags(cfg: TrainConfig) -> None:
 
 
 def sft_loss_mx(logits, targets, weights):
-    """sum_i w_i * CE(logits_i, target_i) / sum_i w_i: yeto.losses.sft_loss in MLX."""
+    """sum_i w_i * CE(logits_i, target_i) / sum_i w_i: yeto.island.losses.sft_loss in MLX."""
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -137,18 +139,18 @@ def loss_rows_decoder(model: nn.Module) -> Optional[nn.Module]:
 
 
 class MLXLearner(ShardedData):
-    """Model + our LoRALinear + data + AdamW on MLX: a `yeto.diloco.Island`."""
+    """Model + our LoRALinear + data + AdamW on MLX: a `yeto.island.diloco.Island`."""
 
     backend = "mlx"
 
     def __init__(self, cfg: TrainConfig, log: Callable[[str], None] = print):
         check_flags(cfg)
-        from yeto.mlx.compat import import_mlx_lm, load_mlx_model, set_blas_threads
+        from yeto.backends.mlx.compat import import_mlx_lm, load_mlx_model, set_blas_threads
 
         import_mlx_lm()
         if cfg.threads > 0 and not set_blas_threads(cfg.threads):
             raise YetoError("--threads sets OpenBLAS's threads, and this MLX island does not run on OpenBLAS (run it "
-                            "as python -m yeto.mlx.learner on Linux with libopenblas0-pthread installed, or drop "
+                            "as python -m yeto.backends.mlx on Linux with libopenblas0-pthread installed, or drop "
                             "--threads)")
         import mlx.core as mx
 
@@ -157,8 +159,8 @@ class MLXLearner(ShardedData):
         import mlx.optimizers as optim
         from transformers import AutoConfig
 
-        from yeto.lora import lora_spec_for, select_targets
-        from yeto.mlx.lora import apply_lora, freeze_lora_a, mlx_linears
+        from yeto.island.lora import lora_spec_for, select_targets
+        from yeto.backends.mlx.lora import apply_lora, freeze_lora_a, mlx_linears
 
         self.cfg = cfg
         self.mx = mx
@@ -203,7 +205,7 @@ class MLXLearner(ShardedData):
 
     def _logits(self, model, ids, rows):
         """(N, vocab) logits of the loss-bearing rows, as the model's own forward makes them (its head, logit
-        soft-capping and scaling included: yeto.learner.masked_loss's logits)."""
+        soft-capping and scaling included: yeto.backends.torch.learner.masked_loss's logits)."""
         if self.decoder is None:
             logits = model(ids)
             return logits[:, :-1].reshape(-1, logits.shape[-1])[rows]
@@ -274,12 +276,12 @@ class MLXLearner(ShardedData):
     # ------------------------------------------------------------------ the Island view
 
     def adapter_state(self) -> dict[str, np.ndarray]:
-        from yeto.mlx.lora import lora_state
+        from yeto.backends.mlx.lora import lora_state
 
         return {k: np.array(v, dtype=np.float32) for k, v in lora_state(self.model).items()}
 
     def load_adapter_state(self, state: dict[str, np.ndarray]) -> None:
-        from yeto.mlx.lora import to_mlx_path
+        from yeto.backends.mlx.lora import to_mlx_path
 
         mine = self.adapter_state()
         missing = set(mine) - set(state)
@@ -306,7 +308,7 @@ class MLXLearner(ShardedData):
 
         return write_adapter(out_dir, self.adapter_state(), self.adapter_config(), self.record())
 
-    # ------------------------------------------------------------------ resuming (yeto.checkpoint)
+    # ------------------------------------------------------------------ resuming (yeto.island.checkpoint)
 
     _MOMENTS = {"m": "exp_avg", "v": "exp_avg_sq"}  # MLX's AdamW state names -> torch's (the file's)
 
@@ -315,7 +317,7 @@ class MLXLearner(ShardedData):
         learner's canonical names."""
         from mlx.utils import tree_flatten
 
-        from yeto.mlx.lora import to_peft_name
+        from yeto.backends.mlx.lora import to_peft_name
 
         tensors = {f"adapter/{k}": v for k, v in self.adapter_state().items()}
         flat = dict(tree_flatten(self.optimizer.state))
@@ -336,7 +338,7 @@ class MLXLearner(ShardedData):
         """Continue from `state` (`adapter`: restore its adapter too; in a fleet the rejoin brings the global)."""
         from mlx.utils import tree_flatten, tree_unflatten
 
-        from yeto.mlx.lora import to_peft_name
+        from yeto.backends.mlx.lora import to_peft_name
 
         mx = self.mx
         if adapter:
@@ -362,20 +364,3 @@ class MLXLearner(ShardedData):
         if key is not None:  # a key (hi, lo) is what mx.random.seed(hi << 32 | lo) sets
             mx.random.seed((int(key[0]) << 32) | int(key[1]))
         mx.eval(self.model.trainable_parameters(), self.optimizer.state)
-
-
-train_command = make_train_command(lambda cfg, progress: train(cfg, MLXLearner, progress),
-                                   doc="Train a LoRA adapter on one MLX island (Apple silicon; MLX's CPU backend on "
-                                       "Linux).")
-
-
-def main() -> None:
-    from yeto.usage import run_typer
-    from yeto.mlx.compat import reexec_with_fast_blas
-
-    reexec_with_fast_blas()
-    run_typer(train_command)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """One island over several processes (torchrun): data-parallel inside the island, one link to the syncer.
 
-    torchrun --nproc-per-node N [--nnodes M ...] -m yeto.learner --syncer HOST:PORT --learner-id I ...
+    torchrun --nproc-per-node N [--nnodes M ...] -m yeto.backends.torch --syncer HOST:PORT --learner-id I ...
 
 Every rank holds the whole adapter and trains on its slice of each global batch; the LoRA gradients are summed
 across ranks every inner step, token-weighted, so that a step of N ranks is one process's step over the whole batch.

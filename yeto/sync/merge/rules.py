@@ -46,7 +46,7 @@ more than the round's median delta: a short delta (a slow island's) keeps its sm
 island's, or a lie) counts as the median, so one learner among n weighs at most 1/n of a merge where the others'
 claims are alike (in a pair, the two weigh the same unless the smaller claims less). A round's length k_max comes
 from window steps each cut to MAX_STEP_SCALE times their low median, and no delta is scaled up by more than
-MAX_STEP_SCALE. The norm clip (yeto.sync.aggregate) then judges each delta as it is merged.
+MAX_STEP_SCALE. The norm clip (yeto.sync.merge.aggregate) then judges each delta as it is merged.
 
 Staleness (`--staleness-exponent a`): a delta accepted `lag` versions after its base is scaled by s = (1 + lag)^-a
 before any rule sees it (FedAsync's polynomial rule; a = 0: no discount). The weights stay normalised by the counts
@@ -62,7 +62,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from yeto.sync.layout import Layout
+from yeto.sync.wire.layout import Layout
 
 MERGE_RULES = ("mean", "rda")
 MERGE_WEIGHTS = ("loss-tokens", "tokens", "steps", "equal")

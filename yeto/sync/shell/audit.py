@@ -55,12 +55,12 @@ def audit(events: Iterable[dict[str, Any]]) -> AuditReport:
 def audit_run(path: str | Path) -> AuditReport:
     """Audit a syncer's --out directory (or its tape); where the checkpoint is there too, also check that it holds
     the tape's last merge."""
-    from yeto.tape import read_tape
+    from yeto.sync.shell.tape import read_tape
 
     report = audit(read_tape(path))
     state = Path(path) / "state.safetensors"
     if report.ok and state.is_file():
-        from yeto.sync.store import read_checkpoint
+        from yeto.sync.shell.store import read_checkpoint
 
         try:
             ck = read_checkpoint(state)

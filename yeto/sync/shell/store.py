@@ -27,9 +27,9 @@ import numpy as np
 from yeto import YetoError
 from yeto.adapter import write_adapter
 from yeto.sync.core.actions import AcceptedDelta, Checkpoint, Durable, Record
-from yeto.sync.layout import layout_from_json, unflatten
-from yeto.sync.protocol import array_digest, digest_bytes
-from yeto.tape import Tape
+from yeto.sync.wire.layout import layout_from_json, unflatten
+from yeto.sync.wire.protocol import array_digest, digest_bytes
+from yeto.sync.shell.tape import Tape
 
 STATE_FILE = "state.safetensors"
 PREV_STATE_FILE = "state.prev.safetensors"

@@ -38,10 +38,10 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 
 from yeto import YetoError
-from yeto.sync.auth import JoinKey, write_secret
-from yeto.sync.client import SyncerLink
+from yeto.sync.shell.auth import JoinKey, write_secret
+from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict
-from yeto.sync.layout import DEFAULT_FRAGMENT_NUMEL, build_layout, flatten, unflatten
+from yeto.sync.wire.layout import DEFAULT_FRAGMENT_NUMEL, build_layout, flatten, unflatten
 
 
 IDENTITY_FILE = "identity"

@@ -13,7 +13,7 @@ and `push`, under one lock; its sends are queued for the I/O thread.
 Connections: control (`learner-<id>-<session>-<nonce>`: hello, pings, acks,
 round announcements) and bulk (the same id plus `/bulk`: deltas, broadcasts,
 states), so a heartbeat never waits behind an adapter on the same TCP stream.
-Both are CURVE clients with the run's join key (`yeto.sync.auth`); a handshake
+Both are CURVE clients with the run's join key (`yeto.sync.shell.auth`); a handshake
 the syncer refuses for the key ends the learner with a line that says what to fix,
 while a busy syncer's temporary refusal is retried (libzmq reconnects, with backoff).
 """
@@ -33,10 +33,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from yeto import YetoError
 from yeto.checks import check_address
-from yeto.sync.auth import HANDSHAKE_IVL_MS, JOIN_KEY_ENV, JOIN_KEY_FILE, ZAP_TEMPORARY, JoinKey, curve_client
+from yeto.sync.shell.auth import HANDSHAKE_IVL_MS, JOIN_KEY_ENV, JOIN_KEY_FILE, ZAP_TEMPORARY, JoinKey, curve_client
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
 from yeto.sync.core.learner import LearnerCore, RoundCounts, Task, Verdict, Wait
-from yeto.sync.protocol import BULK_SUFFIX, ProtocolError, decode, encode, is_bulk, message_bytes
+from yeto.sync.wire.protocol import BULK_SUFFIX, ProtocolError, decode, encode, is_bulk, message_bytes
 
 log = logging.getLogger("yeto.client")
 IO_TICK_S = 0.05  # the I/O thread's poll timeout: timer resolution, and the longest a queued send waits

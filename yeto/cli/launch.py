@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from yeto import YetoError
-from yeto.launch.flags import check_passed_flags
+from yeto.cli.launch_flags import check_passed_flags
 from yeto.launch.plan import SYNCER_PORT, FleetPlan, pin_revision, split_extra_args
 from yeto.launch.registry import live_run, runs_dir
 from yeto.launch.spec import GRAMMAR, parse_gpu

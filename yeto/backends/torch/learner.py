@@ -1,10 +1,10 @@
 """The torch learner island: one process (or one torchrun group), one LoRA adapter, AdamW inner steps.
 
 `TorchLearner` holds the model, data and optimizer and exposes the pieces a
-training loop needs (`step`, `evaluate`, `adapter_state`, `save`); `yeto.island`
+training loop needs (`step`, `evaluate`, `adapter_state`, `save`); `yeto.island.training`
 runs the loop around them (standalone, or as one island of a DiLoCo run).
 
-Run it as `yeto train ...` or `python -m yeto.learner ...`.
+Run it as `yeto train ...` or `python -m yeto.backends.torch ...`.
 """
 
 from __future__ import annotations
@@ -15,18 +15,22 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from yeto import YetoError, island
+from yeto import YetoError
 from yeto.adapter import save_adapter
-from yeto.checkpoint import TrainState
-from yeto.data import Blocks
-from yeto.losses import LossFn, load_loss_function
-from yeto.lora import is_lora_a, lora_config
-from yeto.micro_batch import chunks, largest_that_fits, parse_micro_batch_size
-from yeto.island import ShardedData, TrainConfig, check_config, island_record, lr_lambda, make_train_command
+from yeto.island.checkpoint import TrainState
+from yeto.island.data import Blocks
+from yeto.island.losses import LossFn, load_loss_function
+from yeto.island.lora import is_lora_a, lora_config
+from yeto.island.micro_batch import chunks, largest_that_fits, parse_micro_batch_size
+from yeto.island import training
+from yeto.island.config import TrainConfig, check_config
+from yeto.island.metrics import island_record
+from yeto.island.schedule import lr_lambda
+from yeto.island.shard import ShardedData
 from yeto.models import default_device, load_model, load_tokenizer, resolve_model
-from yeto.torchrun import SHARDINGS, RankGroup, RelayedIsland, follow, shard_base
+from yeto.backends.torch.torchrun import SHARDINGS, RankGroup, RelayedIsland, follow, shard_base
 
-__all__ = ["TorchLearner", "TrainConfig", "masked_loss", "train", "train_command"]
+__all__ = ["TorchLearner", "TrainConfig", "masked_loss", "train"]
 
 
 def check_device(device: str) -> None:
@@ -69,7 +73,7 @@ def masked_loss(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, loss_fn
 
 
 class TorchLearner(ShardedData):
-    """Model + LoRA + data + AdamW: the state of one island's inner loop (a `yeto.diloco.Island`)."""
+    """Model + LoRA + data + AdamW: the state of one island's inner loop (a `yeto.island.diloco.Island`)."""
 
     backend = "torch"
 
@@ -254,7 +258,8 @@ class TorchLearner(ShardedData):
         return save_adapter(self.model, out_dir, self.record())
 
     def training_state(self) -> TrainState:
-        """The adapter, AdamW moments, counters, schedule position, batch position and dropout RNG (yeto.checkpoint)."""
+        """The adapter, AdamW moments, counters, schedule position, batch position and dropout RNG
+        (yeto.island.checkpoint)."""
         tensors = {f"adapter/{k}": v for k, v in self.adapter_state().items()}
         param_steps = {}
         for name, p in self.trainable.items():
@@ -306,14 +311,14 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
     """Train one torch island; under torchrun rank 0 trains and talks, the other ranks follow it."""
     group = RankGroup.from_env()
     if group is None:
-        return island.train(cfg, TorchLearner, show_progress)
+        return training.train(cfg, TorchLearner, show_progress)
     if not group.leader:
         return _follow_rank(cfg, group)
-    session = island.open_session(cfg)
+    session = training.open_session(cfg)
     # in a torchrun island every call rank 0 makes goes to the other ranks first (a sharded forward is collective)
     relayed = RelayedIsland(TorchLearner(cfg, session.log, group), group)
     try:
-        return island.run_training(relayed, cfg, session, show_progress)
+        return training.run_training(relayed, cfg, session, show_progress)
     finally:
         relayed.finish()  # the other ranks stop following (they would otherwise wait for a collective)
         group.close()
@@ -328,17 +333,3 @@ def _follow_rank(cfg: TrainConfig, group: RankGroup) -> dict[str, Any]:
     finally:
         group.close()
     return {"rank": group.rank, "steps": learner.step_count}
-
-
-train_command = make_train_command(train, doc="Train a LoRA adapter on one island (torch + peft): standalone, "
-                                              "or with --syncer as part of a DiLoCo run.")
-
-
-def main() -> None:
-    from yeto.usage import run_typer
-
-    run_typer(train_command)
-
-
-if __name__ == "__main__":
-    main()

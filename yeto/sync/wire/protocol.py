@@ -2,7 +2,7 @@
 
 A message is a multipart ZeroMQ message: frame 0 is a UTF-8 JSON header
 `{"v": PROTOCOL_VERSION, "type": ..., ...}`; frames 1..n are raw tensor
-payloads, one per layout fragment, encoded by `yeto.sync.quant` (never pickle).
+payloads, one per layout fragment, encoded by `yeto.sync.wire.quant` (never pickle).
 Every header field is checked against `SCHEMA` before a handler sees it, so a
 malformed message becomes a `ProtocolError`, never a crash.
 
@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from yeto.sync.layout import Layout
-from yeto.sync.quant import BITS, ErrorFeedback, QuantError, dequantize, encoded_size, quantize
+from yeto.sync.wire.layout import Layout
+from yeto.sync.wire.quant import BITS, ErrorFeedback, QuantError, dequantize, encoded_size, quantize
 
 PROTOCOL_VERSION = 4  # 4: a welcome says the learner's data shard
 DEFAULT_MAX_MESSAGE_MB = 1024  # the syncer's default inbound limit (--max-message-mb)

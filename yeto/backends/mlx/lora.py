@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from yeto.lora import Linear
+from yeto.island.lora import Linear
 
 PEFT_PREFIX = "base_model.model."
 PEFT_SUFFIX = ".default.weight"

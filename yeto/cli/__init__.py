@@ -7,20 +7,20 @@ from typing import Annotated, Optional
 import typer
 
 from yeto import missing_torch, require_torch
-from yeto.usage import run_guarded
+from yeto.cli.usage import run_guarded
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="LoRA fine-tuning across independent islands, DiLoCo-style.")
 
 
 def _register() -> None:
-    from yeto.launch.command import down_command, launch_command, logs_command, status_command
-    from yeto.sync.server import syncer_command
+    from yeto.cli.launch import down_command, launch_command, logs_command, status_command
+    from yeto.cli.syncer import syncer_command
 
     if missing_torch() is None:
-        from yeto.learner import train_command
+        from yeto.cli.train import torch_train_command
 
-        app.command("train")(train_command)
+        app.command("train")(torch_train_command())
     else:  # every invocation, --help included, is the one line that says how to get the torch learner
         app.command("train", add_help_option=False, help="Train a LoRA adapter on one island (needs the torch extra).",
                     context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(_train_without_torch)
@@ -44,7 +44,7 @@ OutOption = Annotated[str, typer.Option(help="The syncer's --out directory (its 
 @keys_app.command("init")
 def keys_init(out: OutOption) -> None:
     """Create the run's credentials before the syncer's first start (the syncer does it itself otherwise)."""
-    from yeto.sync.auth import JOIN_KEY_FILE, Keyring
+    from yeto.sync.shell.auth import JOIN_KEY_FILE, Keyring
 
     Keyring.ensure(out)
     typer.echo(f"join key: {out}/{JOIN_KEY_FILE} (mode 0600; give it to learners with --join-key or YETO_JOIN_KEY)")
@@ -54,7 +54,7 @@ def keys_init(out: OutOption) -> None:
 def keys_add(out: OutOption, learner: Annotated[int, typer.Option(help="The learner id this key admits.")]) -> None:
     """Issue a key that admits one learner id only (and that `revoke` can withdraw); the running syncer picks it
     up within seconds. From then on learner I must use it: the shared join key no longer speaks for I."""
-    from yeto.sync.auth import Keyring
+    from yeto.sync.shell.auth import Keyring
 
     path = Keyring.ensure(out).add_learner(learner)
     typer.echo(f"learner {learner}'s key: {path} (start it with --join-key {path.name} or YETO_JOIN_KEY)")
@@ -64,7 +64,7 @@ def keys_add(out: OutOption, learner: Annotated[int, typer.Option(help="The lear
 def keys_revoke(out: OutOption, learner: Annotated[int, typer.Option(help="The learner id whose key to revoke.")]
                 ) -> None:
     """Withdraw a learner's key: the running syncer refuses its handshakes and cuts its connections."""
-    from yeto.sync.auth import Keyring
+    from yeto.sync.shell.auth import Keyring
 
     path = Keyring.ensure(out).revoke_learner(learner)
     typer.echo(f"revoked learner {learner}'s key (kept as {path})")
@@ -73,7 +73,7 @@ def keys_revoke(out: OutOption, learner: Annotated[int, typer.Option(help="The l
 @keys_app.command("list")
 def keys_list(out: OutOption) -> None:
     """The learner keys of the run, and the revoked ones."""
-    from yeto.sync.auth import Keyring
+    from yeto.sync.shell.auth import Keyring
 
     ring = Keyring.ensure(out)
     typer.echo(f"join key: {out}/join.key (any learner id without its own key)")
@@ -95,11 +95,11 @@ def tape(
                                              "violation.")] = False,
 ) -> None:
     """Summarize a syncer's event tape: a table per round (responders, weights, tokens, bytes, loss)."""
-    from yeto.tape import plot as plot_tape
-    from yeto.tape import summarize
+    from yeto.sync.shell.tape import plot as plot_tape
+    from yeto.sync.shell.tape import summarize
 
     if audit:
-        from yeto.sync.audit import audit_run
+        from yeto.sync.shell.audit import audit_run
 
         report = audit_run(run_dir)
         typer.secho(report.summary(), fg="green" if report.ok else "red")
@@ -128,7 +128,7 @@ def generate(
     from rich.table import Table
 
     require_torch("yeto generate")
-    from yeto.generate import compare
+    from yeto.backends.torch.generate import compare
 
     rows = compare(model, adapter, prompt, max_new_tokens, model_revision, device, trust_remote_code)
     table = Table(title=f"{model or 'its recorded base'}: base vs adapter {adapter}", show_lines=True)
@@ -154,7 +154,7 @@ def export(
     """Write the base model with the adapter merged in: a plain transformers checkpoint (safetensors, config,
     tokenizer, chat template) for AutoModelForCausalLM, vLLM or llama.cpp's converter."""
     require_torch("yeto export")
-    from yeto.export import export_merged
+    from yeto.backends.torch.export import export_merged
 
     export_merged(adapter, merged, model, model_revision, dtype, force, trust_remote_code, log=typer.echo)
 
