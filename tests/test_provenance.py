@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from yeto import YetoError
-from yeto.island.data import resolve_data
+from yeto.island.records import resolve_data
 from yeto.models import ALIASES, resolve_model
 from yeto.provenance import content_hash
 
