@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from yeto.sync.core.learner_phases import Phase, Place
-from yeto.sync.protocol import FINAL_CODES, Code, Message, array_digest, decode_fragments, encode_fragments
-from yeto.sync.quant import dequantize
+from yeto.sync.wire.protocol import FINAL_CODES, Code, Message, array_digest, decode_fragments, encode_fragments
+from yeto.sync.wire.quant import dequantize
 
 
 class SyncerMessages:

@@ -44,8 +44,8 @@ import numpy as np
 
 from yeto import YetoError
 from yeto.checks import check_port
-from yeto.sync.aggregate import (DEFAULT_CLIP_K, NORM_HISTORY_ROUNDS, ROBUST_MODES, RoundSum, clip_factors,
-                                  clip_reference, clipped_merge, effective_weight, trimmed_mean)
+from yeto.sync.merge.aggregate import (DEFAULT_CLIP_K, NORM_HISTORY_ROUNDS, ROBUST_MODES, RoundSum, clip_factors,
+                                       clip_reference, clipped_merge, effective_weight, trimmed_mean)
 from yeto.sync.core.actions import (AcceptedDelta, Action, Checkpoint, DropDeltas, Durable, Exit, Log, Record,
                                     SaveCheckpoint, SaveDelta, Send)
 from yeto.sync.core.contract import (InitAdapter, contract_mismatch, contract_problem, init_adapter_problem,
@@ -54,14 +54,15 @@ from yeto.sync.core.fold import TapeFold
 from yeto.sync.core.learner import WINDOW_NEAREST_BOUNDARY
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.core.quorum import quorum_after_give_ups
-from yeto.sync.layout import Layout, flatten, layout_from_json, layout_mismatch
-from yeto.sync.merge import (LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS, DeltaCounts, MergeTerms, merge_terms,
-                             product_merge, staleness_factor, weight_of)
-from yeto.sync.outer import nesterov_step
-from yeto.sync.protocol import (CLOCK_JUMP_S, DEFAULT_MAX_MESSAGE_MB, PROTOCOL_VERSION, Code, Message, ProtocolError,
-                                array_digest, decode, decode_fragments, digest_bytes, encode_fragments,
-                                encode_fragments_ef, identity_proof, message_size, session_start, truncate)
-from yeto.sync.quant import BITS, ErrorFeedback, QuantError, dequantize
+from yeto.sync.wire.layout import Layout, flatten, layout_from_json, layout_mismatch
+from yeto.sync.merge.rules import (LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS, DeltaCounts, MergeTerms, merge_terms,
+                                   product_merge, staleness_factor, weight_of)
+from yeto.sync.merge.outer import nesterov_step
+from yeto.sync.wire.protocol import (CLOCK_JUMP_S, DEFAULT_MAX_MESSAGE_MB, PROTOCOL_VERSION, Code, Message,
+                                     ProtocolError, array_digest, decode, decode_fragments, digest_bytes,
+                                     encode_fragments, encode_fragments_ef, identity_proof, message_size, session_start,
+                                     truncate)
+from yeto.sync.wire.quant import BITS, ErrorFeedback, QuantError, dequantize
 
 QUORUM_WAIT_LOG_S = 15.0  # how often a round short of quorum says whom it waits for
 PROGRESS_LOG_S = 60.0  # how often a slow round says whom it waits for
@@ -124,13 +125,13 @@ class SyncerConfig:
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
     robust: str = "norm-clip"
     robust_k: float = DEFAULT_CLIP_K
-    merge: Optional[str] = None  # yeto.sync.merge: mean | rda (None: rda, or mean where another choice needs it)
+    merge: Optional[str] = None  # yeto.sync.merge.rules: mean | rda (None: rda, or mean where another choice needs it)
     merge_weight: str = "loss-tokens"  # loss-tokens | tokens | steps | equal
     lora_merge: str = "factors"  # factors | product
     grace_ms: float = DEFAULT_GRACE_MS
     max_base_lag: int = DEFAULT_MAX_BASE_LAG
     staleness_exponent: float = DEFAULT_STALENESS_EXPONENT
-    # scale each delta to the round's longest (FedNova-style): see yeto.sync.merge (None: on in time-window rounds
+    # scale each delta to the round's longest (FedNova-style): see yeto.sync.merge.rules (None: on in time-window rounds
     # under the mean, where islands of unequal speed take unequal steps)
     step_normalize: Optional[bool] = None
     merge_alpha: float = 1.0  # learners start a round from alpha x global + (1 - alpha) x their own last adapter
@@ -1167,7 +1168,7 @@ class SyncerCore:
         return [i for i in self.sum.order if i in self.pending] if self.sum is not None else sorted(self.pending)
 
     def _terms(self, ids: list[int]) -> MergeTerms:
-        """The bounded weights and scales of merging these pending deltas (`yeto.sync.merge.merge_terms`)."""
+        """The bounded weights and scales of merging these pending deltas (`yeto.sync.merge.rules.merge_terms`)."""
         ds = [self.pending[i] for i in ids]
         return merge_terms([self._counts(d) for d in ds], self.cfg.merge_weight, [d.lag for d in ds],
                            self.cfg.staleness_exponent, bool(self.cfg.step_normalize), [d.round_steps for d in ds])

@@ -15,7 +15,7 @@ The package reads as: `schedule` (the seeded faults), `world` (clock, network,
 disk), `nodes` (the syncer and learners around the real cores), `oracle` (the
 invariants), `runner` (one seed, or a sweep).
 After every schedule, and along the way:
-- the tape passes `yeto.sync.audit.audit`;
+- the tape passes `yeto.sync.shell.audit.audit`;
 - every delta was computed against the exact global adapter of its base version;
 - a durable version is never redefined;
 - the run finishes (every merge) once faults stop: nobody waits forever;

@@ -17,8 +17,8 @@ from yeto.sync.core.actions import (DropDeltas, Durable, Exit, Log, Out, Reconne
                                     Send)
 from yeto.sync.core.learner import Done, LearnerCore, RoundCounts, Train, Verdict, Wait
 from yeto.sync.core.syncer import SyncerCore
-from yeto.sync.protocol import array_digest, decode, decode_fragments, digest_bytes, encode_fragments_ef
-from yeto.sync.quant import ErrorFeedback, QuantError
+from yeto.sync.wire.protocol import array_digest, decode, decode_fragments, digest_bytes, encode_fragments_ef
+from yeto.sync.wire.quant import ErrorFeedback, QuantError
 from yeto.sync.sim.oracle import Violation
 from yeto.sync.sim.schedule import (ADAPTER_CONFIG, DIE_DURING_WITHIN_S, LINK, POISON, POISON_WEIGHT, TICK_S,
                                     Hostile)

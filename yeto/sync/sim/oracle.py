@@ -7,15 +7,15 @@ from typing import Any
 
 import numpy as np
 
-from yeto.sync.aggregate import RoundSum, clipped_merge, effective_weight
-from yeto.sync.audit import TapeFold, audit
+from yeto.sync.merge.aggregate import RoundSum, clipped_merge, effective_weight
+from yeto.sync.shell.audit import TapeFold, audit
 from yeto.sync.core.actions import Checkpoint, Out
 from yeto.sync.core.learner import LearnerCore
 from yeto.sync.core.learner_phases import TRANSITIONS, Phase
-from yeto.sync.merge import DeltaCounts, merge_terms
-from yeto.sync.outer import nesterov_step
-from yeto.sync.protocol import Code, Message, array_digest, decode_fragments, digest_bytes, encode_fragments_ef
-from yeto.sync.quant import ErrorFeedback
+from yeto.sync.merge.rules import DeltaCounts, merge_terms
+from yeto.sync.merge.outer import nesterov_step
+from yeto.sync.wire.protocol import Code, Message, array_digest, decode_fragments, digest_bytes, encode_fragments_ef
+from yeto.sync.wire.quant import ErrorFeedback
 
 class Violation(Exception):
     """An invariant broken: the schedule's finding."""

@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from yeto.sync.core.actions import Checkpoint
-from yeto.sync.layout import build_layout
-from yeto.sync.protocol import encode, is_bulk
+from yeto.sync.wire.layout import build_layout
+from yeto.sync.wire.protocol import encode, is_bulk
 from yeto.sync.sim.nodes import SimLearner, SimSyncer
 from yeto.sync.sim.oracle import Oracle, Violation
 from yeto.sync.sim.schedule import (ADAPTER_SHAPES, DIE_DURING_WITHIN_S, FRAGMENT_NUMEL, HEAL_BUDGET_S, LINK,
