@@ -37,7 +37,12 @@ class Oracle:
         """Record every move of a learner core's phase (its phase sequence), to check it after each event."""
         moves: list[tuple[Phase, Phase, str]] = []
         self.moves[id(core)] = (moves, [0])
-        core.on_move = lambda old, new, event: moves.append((old, new, event))
+
+        def on_move(old: Phase, new: Phase, event: str) -> None:
+            moves.append((old, new, event))
+            self.w.log(f"learner {lid}: {old.value} -> {new.value} ({event})")
+
+        core.on_move = on_move
 
     def check_phases(self, lid: int, core: LearnerCore) -> None:
         """Each move since the last check is in the phase table and starts where the one before it ended, and the
