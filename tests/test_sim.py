@@ -192,7 +192,7 @@ def test_the_simulator_catches_a_phase_changed_around_the_one_method_that_checks
         t = self.training
         if t is not None and not self._base_ok(t.base_version, t.base_digest) and self.finish is None and not (
                 self.refused or self.gave_up):
-            self.phase, self.phase_data = lphases.Phase.WAITING, None
+            self._phase, self._phase_data = lphases.Phase.WAITING, None
             return lcore.Verdict.ABANDON
         return orig(self, steps_done, now, window_steps)
 

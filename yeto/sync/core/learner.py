@@ -131,8 +131,8 @@ class LearnerCore(SyncerMessages):
         self.next_sync_at = -math.inf
         self.open_round: Optional[dict[str, Any]] = None
         # the phase, and the data only it holds (see learner_phases; changed by _enter alone)
-        self.phase = Phase.JOINING
-        self.phase_data: PhaseData = None
+        self._phase = Phase.JOINING
+        self._phase_data: PhaseData = None
         self.on_move: Optional[Callable[[Phase, Phase, str], None]] = None  # told every move (the simulator's oracle)
         self.pushed: Optional[Pushed] = None  # the delta in the syncer's hands, until it is merged or refused
         self.lineage: dict[int, str] = {}  # recent versions held -> digest: a stale round's base must be the run's
@@ -155,27 +155,32 @@ class LearnerCore(SyncerMessages):
     def _enter(self, phase: Phase, event: str, data: PhaseData = None) -> None:
         """The one way a learner changes phase: the move must be in the table (learner_phases.TRANSITIONS), and the
         new phase gets its own data, dropping the old phase's."""
-        old = self.phase
+        old = self._phase
         check_transition(old, phase, event)
         assert isinstance(data, DATA[phase]), f"learner core: {phase.value} holds {DATA[phase].__name__}, not {data!r}"
-        self.phase, self.phase_data = phase, data
+        self._phase, self._phase_data = phase, data
         if self.on_move is not None:
             self.on_move(old, phase, event)
 
     @property
+    def phase(self) -> Phase:
+        """Read only: `_enter` is the one way to change it."""
+        return self._phase
+
+    @property
     def training(self) -> Optional[Training]:
         """The round being trained, while training."""
-        return self.phase_data if isinstance(self.phase_data, Training) else None
+        return self._phase_data if isinstance(self._phase_data, Training) else None
 
     @property
     def held(self) -> Optional[Held]:
         """A finished round's work waiting for the previous delta to settle, while holding."""
-        return self.phase_data if isinstance(self.phase_data, Held) else None
+        return self._phase_data if isinstance(self._phase_data, Held) else None
 
     @property
     def carried(self) -> Optional[Place]:
         """The round whose work the training loop carries onto the next global, while carrying."""
-        return self.phase_data if isinstance(self.phase_data, Place) else None
+        return self._phase_data if isinstance(self._phase_data, Place) else None
 
     # ------------------------------------------------------------------ link events
 
@@ -279,8 +284,8 @@ class LearnerCore(SyncerMessages):
     def next_task(self, now: float) -> Task:
         """What the training loop should do now."""
         if self.phase is Phase.DONE:
-            assert isinstance(self.phase_data, Done)
-            return self.phase_data
+            assert isinstance(self._phase_data, Done)
+            return self._phase_data
         ending = self._ending(now)
         if ending is not None:
             if isinstance(ending, Done):
