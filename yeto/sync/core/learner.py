@@ -476,16 +476,7 @@ class LearnerCore(SyncerMessages):
             self._enter(Phase.WAITING, f"the run's version {version} adopted")
         self.lineage = {v: d for v, d in self.lineage.items() if version - self.max_lag <= v < version}
         self.lineage[version] = digest
-        p = self.pushed
-        if p is not None and p.base_version != version:
-            counted = [p.round, p.digest] in merged
-            may_land = not counted and 0 < version - p.base_version <= self.max_lag and (
-                self.lineage.get(p.base_version) == p.base_digest) and not (
-                p.merge_round is not None and version >= p.merge_round)  # (acked into a round merged without it)
-            if not counted and not may_land:
-                self.ef.residual = p.residual_before  # it never counted: its quantization error is not ours to carry
-            if not may_land:
-                self.pushed = None
+        self._settle_pushed(version, merged)
         if self.contributed is not None and self.contributed[1] != version:
             self.contributed = None
         c = self.carried
@@ -495,6 +486,21 @@ class LearnerCore(SyncerMessages):
         if self.open_round is not None and self.open_round["version"] < version:
             self.open_round = None
         self._maybe_sync_reset()
+
+    def _settle_pushed(self, version: int, merged: list[list]) -> None:
+        """A new global: our pushed delta counted if it is among the merged ones; if not, and it cannot land in a
+        later round either, it never will, and its residual is ours again."""
+        p = self.pushed
+        if p is None or p.base_version == version:
+            return
+        counted = [p.round, p.digest] in merged
+        may_land = not counted and 0 < version - p.base_version <= self.max_lag and (
+            self.lineage.get(p.base_version) == p.base_digest) and not (
+            p.merge_round is not None and version >= p.merge_round)  # (acked into a round merged without it)
+        if not counted and not may_land:
+            self.ef.residual = p.residual_before  # it never counted: its quantization error is not ours to carry
+        if not may_land:
+            self.pushed = None
 
     def _maybe_sync_reset(self) -> None:
         if self.version >= self.syncer_version:
