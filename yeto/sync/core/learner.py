@@ -451,22 +451,6 @@ class LearnerCore(SyncerMessages):
             p.acked = False  # an ack from a syncer process that lost it says nothing about this copy (sim seed 5316)
             self._send("delta", p.header, p.frames)
 
-    def _maybe_sync(self, now: float) -> None:
-        """Behind the syncer (a broadcast lost, or a welcome on another version): ask, with backoff."""
-        target = max(self.syncer_version, self.finish["version"] if self.finish else -1)
-        if not self.joined or not (self.need_state or target > self.version):
-            self.behind_since = None
-            self.sync_attempt = 0
-            return
-        if self.behind_since is None:
-            self.behind_since = now
-        grace = 0.0 if self.need_state else 2 * self.heartbeat_s  # a broadcast may still be on its way
-        if now - self.behind_since < grace or now < self.next_sync_at:
-            return
-        self._send("sync", {"version": -1 if self.need_state else self.version, "pushed": self._pushed_ref()})
-        self.next_sync_at = now + min(4 * self.t.dead_after_s, 2 * self.heartbeat_s * (2 ** self.sync_attempt))
-        self.sync_attempt += 1
-
     def _adopt(self, version: int, flat: np.ndarray, digest: str, merged: list[list]) -> None:
         """Hold a new global adapter; settle the pushed delta by whether it was among the merged ones
         (`merged`: [round, digest] of this learner id's merged deltas the syncer told us about)."""
@@ -501,9 +485,3 @@ class LearnerCore(SyncerMessages):
             self.ef.residual = p.residual_before  # it never counted: its quantization error is not ours to carry
         if not may_land:
             self.pushed = None
-
-    def _maybe_sync_reset(self) -> None:
-        if self.version >= self.syncer_version:
-            self.behind_since = None
-            self.sync_attempt = 0
-            self.next_sync_at = -math.inf

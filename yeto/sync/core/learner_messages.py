@@ -2,8 +2,9 @@
 
 Each `_on_<type>` takes one message from the syncer and updates what the learner knows: the run (welcome, state,
 broadcast, finish), the open round (round, pong), and where its own delta stands (ack, error, pong, welcome). They
-notice lost messages by what the syncer says it holds (see `yeto.sync.core.learner`'s rules), and settle a delta
-that will never count by giving its error-feedback residual back. The state they read and change is
+notice lost messages by what the syncer says it holds (see `yeto.sync.core.learner`'s rules) and ask, with
+backoff, for what a learner behind is missing (`_maybe_sync`), and settle a delta that will never count by giving
+its error-feedback residual back. The state they read and change is
 `LearnerCore`'s (this class is its base, split out so each module reads as one concept).
 """
 
@@ -20,6 +21,28 @@ from yeto.sync.wire.quant import dequantize
 
 
 class SyncerMessages:
+    def _maybe_sync(self, now: float) -> None:
+        """Behind the syncer (a broadcast lost, or a welcome on another version): ask, with backoff."""
+        target = max(self.syncer_version, self.finish["version"] if self.finish else -1)
+        if not self.joined or not (self.need_state or target > self.version):
+            self.behind_since = None
+            self.sync_attempt = 0
+            return
+        if self.behind_since is None:
+            self.behind_since = now
+        grace = 0.0 if self.need_state else 2 * self.heartbeat_s  # a broadcast may still be on its way
+        if now - self.behind_since < grace or now < self.next_sync_at:
+            return
+        self._send("sync", {"version": -1 if self.need_state else self.version, "pushed": self._pushed_ref()})
+        self.next_sync_at = now + min(4 * self.t.dead_after_s, 2 * self.heartbeat_s * (2 ** self.sync_attempt))
+        self.sync_attempt += 1
+
+    def _maybe_sync_reset(self) -> None:
+        if self.version >= self.syncer_version:
+            self.behind_since = None
+            self.sync_attempt = 0
+            self.next_sync_at = -math.inf
+
     def _settle_refused(self, code: str, h: dict[str, Any]) -> None:
         """Our delta for (round, base_version) did not count: give its residual back. But "stale" is final only
         when the syncer is behind its base (it rolled back): if it has merged the round since, the broadcast or
