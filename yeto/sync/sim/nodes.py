@@ -9,7 +9,7 @@ import copy
 import json
 import math
 import random
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -123,34 +123,11 @@ class SimSyncer:
         w = self.w
         for a in actions:
             if isinstance(a, Send):
-                w.log(f"syncer -> {a.peer}: {a.type} {_brief(a.header)}")
-                node = w.node_for(a.peer)
-                if node is not None:  # (to a process that is gone: ZeroMQ has no pipe for it)
-                    w.post(node, False, a.type, a.header, a.frames,
-                           lambda parts, node=node, peer=a.peer: node.deliver(peer, parts))
+                self._send(a)
             elif isinstance(a, Record):
-                self.disk.append(a.event, a.fields, w.now)
-                if a.event == "merge":
-                    self.last_merge = a.fields
-                if a.event in ("merge", "rollback", "discard", "resume", "refuse_delta", "finish"):
-                    w.log(f"tape: {a.event} {_brief(a.fields)}")
-            elif isinstance(a, SaveCheckpoint):
-                self.disk.sync()
-                self.disk.checkpoint = copy.deepcopy(a.checkpoint)
-                w.oracle.note_durable(a.checkpoint)
-                m = self.last_merge
-                if m is not None and m["version"] == a.checkpoint.version:
-                    w.oracle.merged.update((lid, m["round"] - 1 - lag, d) for lid, d, lag in zip(
-                        m["responders"], m["deltas"], m["lags"]))
-            elif isinstance(a, SaveDelta):
-                self.disk.sync()
-                d = copy.copy(a.delta)
-                self.disk.deltas[(d.round, d.learner)] = d
-            elif isinstance(a, DropDeltas):
-                self.disk.sync()
-                for key in list(self.disk.deltas):
-                    if key[0] <= a.through_round or key == (a.round, a.learner):
-                        del self.disk.deltas[key]
+                self._record(a)
+            elif isinstance(a, (SaveCheckpoint, SaveDelta, DropDeltas)):
+                self._save(a)
             elif isinstance(a, Exit):
                 self.disk.sync()
                 self.exited = True
@@ -160,6 +137,39 @@ class SimSyncer:
                 return
             elif isinstance(a, Log):
                 w.log(f"syncer {a.level}: {a.text}")
+
+    def _send(self, a: Send) -> None:
+        w = self.w
+        w.log(f"syncer -> {a.peer}: {a.type} {_brief(a.header)}")
+        node = w.node_for(a.peer)
+        if node is not None:  # (to a process that is gone: ZeroMQ has no pipe for it)
+            w.post(node, False, a.type, a.header, a.frames,
+                   lambda parts, node=node, peer=a.peer: node.deliver(peer, parts))
+
+    def _record(self, a: Record) -> None:
+        self.disk.append(a.event, a.fields, self.w.now)
+        if a.event == "merge":
+            self.last_merge = a.fields
+        if a.event in ("merge", "rollback", "discard", "resume", "refuse_delta", "finish"):
+            self.w.log(f"tape: {a.event} {_brief(a.fields)}")
+
+    def _save(self, a: Union[SaveCheckpoint, SaveDelta, DropDeltas]) -> None:
+        """A durable write: the tape is fsynced first, then the file lands (and the oracle learns what is durable)."""
+        self.disk.sync()
+        if isinstance(a, SaveCheckpoint):
+            self.disk.checkpoint = copy.deepcopy(a.checkpoint)
+            self.w.oracle.note_durable(a.checkpoint)
+            m = self.last_merge
+            if m is not None and m["version"] == a.checkpoint.version:
+                self.w.oracle.merged.update((lid, m["round"] - 1 - lag, d) for lid, d, lag in zip(
+                    m["responders"], m["deltas"], m["lags"]))
+        elif isinstance(a, SaveDelta):
+            d = copy.copy(a.delta)
+            self.disk.deltas[(d.round, d.learner)] = d
+        else:
+            for key in list(self.disk.deltas):
+                if key[0] <= a.through_round or key == (a.round, a.learner):
+                    del self.disk.deltas[key]
 
     def kill(self, down: float, during: bool) -> None:
         if not self.up or self.exited:
