@@ -94,21 +94,7 @@ class Oracle:
             raise Violation(f"the syncer ended with code {self.w.syncer.exit_code} at version "
                             f"{final.version if final else None} of {core.cfg.outer_steps}")
         for lrn in self.w.processes():
-            for done, holds, at, booted in lrn.results:
-                if done.complete and not (holds[0] == final.version and np.array_equal(holds[1], final.global_)):
-                    raise Violation(f"learner {lrn.lid} finished holding version {holds[0]}, not the final "
-                                    f"version {final.version} bit for bit")
-                # excused: it (re)started after the run was over, or the run ended while faults still cut it off
-                # (a finished syncer waits for silent learners, but not forever)
-                # or a zombie (its replacement holds the id; it may be told so, or give up)
-                # or one kept out because a newer process holds its learner id
-                excused = (booted > self.w.syncer.exited_at or self.w.syncer.exited_at < self.w.healed_at
-                           or lrn in self.w.zombies or done.code == Code.BUSY)
-                if done.error and not excused:
-                    raise Violation(f"learner {lrn.lid} ended in error at t={at:.1f}s: {done.reason}")
-                if not done.complete and not done.error and at > self.w.healed_at and lrn not in self.w.zombies:
-                    raise Violation(f"learner {lrn.lid} ended at t={at:.1f}s, with the network healthy since "
-                                    f"t={self.w.healed_at:.1f}s, without the final adapter: {done.reason}")
+            self.check_learner_ends(lrn, final)
         fold = TapeFold()
         for e in tape:
             fold.feed(e)
@@ -120,6 +106,25 @@ class Oracle:
         replayed = self.replay(tape)
         if not np.array_equal(replayed, final.global_):
             raise Violation("replaying the tape's merges does not give the final global adapter")
+
+    def check_learner_ends(self, lrn: Any, final: Checkpoint) -> None:
+        """How a learner process ended, each time it did: finished holding the final adapter bit for bit, and in error
+        or without it only where excused."""
+        for done, holds, at, booted in lrn.results:
+            if done.complete and not (holds[0] == final.version and np.array_equal(holds[1], final.global_)):
+                raise Violation(f"learner {lrn.lid} finished holding version {holds[0]}, not the final "
+                                f"version {final.version} bit for bit")
+            # excused: it (re)started after the run was over, or the run ended while faults still cut it off
+            # (a finished syncer waits for silent learners, but not forever)
+            # or a zombie (its replacement holds the id; it may be told so, or give up)
+            # or one kept out because a newer process holds its learner id
+            excused = (booted > self.w.syncer.exited_at or self.w.syncer.exited_at < self.w.healed_at
+                       or lrn in self.w.zombies or done.code == Code.BUSY)
+            if done.error and not excused:
+                raise Violation(f"learner {lrn.lid} ended in error at t={at:.1f}s: {done.reason}")
+            if not done.complete and not done.error and at > self.w.healed_at and lrn not in self.w.zombies:
+                raise Violation(f"learner {lrn.lid} ended at t={at:.1f}s, with the network healthy since "
+                                f"t={self.w.healed_at:.1f}s, without the final adapter: {done.reason}")
 
     def replay(self, tape: list[dict[str, Any]]) -> np.ndarray:
         fold = TapeFold()
