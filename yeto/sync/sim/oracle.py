@@ -63,6 +63,10 @@ class Oracle:
             raise Violation(f"learner {lid} is {core.phase.value}, but its last recorded move entered {at.value}: a "
                             "phase changed outside LearnerCore._enter")
 
+    def moves_seen(self) -> set[tuple[str, str]]:
+        """The phase moves (from, to) any learner of this schedule made."""
+        return {(old.value, new.value) for moves, _ in self.moves.values() for old, new, _ in moves}
+
     def note_durable(self, ck: Checkpoint) -> None:
         had = self.globals.get(ck.version)
         if had is not None and had[0] != ck.digest:

@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from yeto.sync.core.learner_phases import TRANSITIONS
 from yeto.sync.sim.oracle import Violation
 from yeto.sync.sim.schedule import PROGRESS_CHUNK, Schedule
 from yeto.sync.sim.world import World
@@ -25,6 +26,7 @@ class Outcome:
     merges: int = 0
     restarts: int = 0
     exercised: frozenset[str] = frozenset()  # the fault paths this schedule took (see EXERCISED)
+    moves: frozenset[tuple[str, str]] = frozenset()  # the learner phase moves it took (from, to)
 
 
 # tape events that mark a recovery path, counted per schedule so a sweep shows what it really exercised
@@ -50,7 +52,7 @@ def run_seed(seed: int, trace: Optional[Callable[[str], None]] = None) -> Outcom
     paths |= {"carry"} if w.carries else set()
     paths |= {"carry_back"} if w.carries_back else set()
     return Outcome(seed, True, "", w.now, sum(1 for e in tape if e["event"] == "merge"),
-                   sum(1 for e in tape if e["event"] == "resume"), frozenset(paths))
+                   sum(1 for e in tape if e["event"] == "resume"), frozenset(paths), frozenset(w.oracle.moves_seen()))
 
 
 def _run_range(args: tuple[int, int]) -> list[Outcome]:
@@ -93,6 +95,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     took = Counter(p for o in outcomes for p in o.exercised)
     paths = (*EXERCISED, "zombie", "carry", "carry_back")
     print("schedules that took each recovery path: " + ", ".join(f"{p} {took[p]}" for p in paths))
+    moved = Counter(m for o in outcomes for m in o.moves)
+    table = [(old.value, new.value) for old, news in TRANSITIONS.items() for new in sorted(news, key=lambda p: p.value)]
+    print("schedules that took each learner phase move: " + ", ".join(f"{o}->{n} {moved[(o, n)]}" for o, n in table))
     for o in bad[:20]:
         print(f"seed {o.seed}: {o.error.splitlines()[0] if o.error else ''}")
     if bad:
