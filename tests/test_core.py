@@ -190,7 +190,8 @@ def test_lost_broadcast_round_announcement_and_finish_are_noticed_and_recovered(
     f.lost = lambda d, lid, t: False
     f.tick(dt=1.0, times=4)  # the next ping gets the finish again, then the final adapter
     done = f.learners[1].next_task(f.now)
-    assert isinstance(done, Done) and done.complete
+    assert isinstance(done, Done) and done.complete and f.learners[1].phase is Phase.DONE
+    assert f.learners[1].next_task(f.now) is done  # (done is final)
     assert np.array_equal(f.learners[1].global_, f.syncer.run.global_)
 
 
@@ -518,6 +519,7 @@ def test_a_carry_whose_late_delta_is_refused_goes_back_to_its_round(told_by):
         f.lost = lambda direction, lid, msg_type: lid == 1 and msg_type == "pong"
     f.tick(dt=0.5, times=math.ceil(second1.seconds / 0.5))  # the window's end
     assert c1.after_step(8, f.now) is Verdict.CARRY and c1.carrying
+    assert c1.phase is Phase.CARRYING and c1.carried.matches(2, 1) and c1.training is None
     f.tick(dt=0.5, times=6)  # round 2's window and grace are over: its merge refuses the late delta
     assert [e["learner"] for e in f.tape if e["event"] == "refuse_delta"] == [1] and f.syncer.version == 1
     if told_by == "welcome":
@@ -525,7 +527,7 @@ def test_a_carry_whose_late_delta_is_refused_goes_back_to_its_round(told_by):
         f.lost = lambda direction, lid, msg_type: False
         f.to_syncer(1, c1.connected_now(f.now))
         f.run()
-    assert not c1.carrying
+    assert not c1.carrying and c1.phase is Phase.WAITING and c1.carried is None  # the place is free again
     again = c1.next_task(f.now)
     assert isinstance(again, Train) and (again.round, again.base_version) == (2, 1)
     assert c1.after_step(9, f.now + 0.5, window_steps=1) is Verdict.PUSH
