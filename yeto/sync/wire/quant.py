@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from yeto.sync.merge.spans import over_spans
+from yeto.sync.wire.spans import over_spans
 
 BLOCK = 128
 BITS = (4, 8, 16, 32)
