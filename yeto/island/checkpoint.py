@@ -33,7 +33,7 @@ import numpy as np
 from yeto import YetoError
 
 STATE_FILE = "train_state.safetensors"
-FORMAT = 1
+FORMAT = 1  # raised whenever the file's layout changes: a state of another format is refused, never misread
 META_KEY = "yeto_train_state"
 # the flags that shape a learner's trajectory: a state saved under other values is another run's
 RUN_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",

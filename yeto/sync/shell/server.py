@@ -57,7 +57,7 @@ from yeto.sync.shell.store import PENDING_DIR, STATE_FILE, DiskStore, crash_poin
 log = logging.getLogger("yeto.syncer")
 TICK_S = 0.05  # timer resolution of the core (poll timeout)
 SEND_RETRY_S = 15.0  # a message that cannot be delivered is retried this long, then dropped (on the tape)
-MAX_BACKLOG_PER_PEER = 256
+MAX_BACKLOG_PER_PEER = 256  # messages parked for one learner; beyond, its oldest are dropped (it asks again)
 MAX_BACKLOG_BYTES_PER_PEER = 512 << 20  # beyond this, the oldest messages parked for one learner are dropped
 SNDHWM = 64  # messages queued per learner connection before ZeroMQ says "full" (and we keep them ourselves)
 RCVHWM = 16  # inbound messages queued per connection: with the message size limit, what one peer can make us hold

@@ -34,7 +34,7 @@ from yeto.sync.shell.tape import Tape
 STATE_FILE = "state.safetensors"
 PREV_STATE_FILE = "state.prev.safetensors"
 PENDING_DIR = "pending"
-STATE_FORMAT = "yeto-syncer-state/2"
+STATE_FORMAT = "yeto-syncer-state/2"  # raised whenever the layout changes: another format is refused, never misread
 
 
 def fsync_dir(path: Path) -> None:
