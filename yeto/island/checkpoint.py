@@ -67,7 +67,6 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """'--flag A there, B here' for every field where a saved run's identity differs from this one's."""
     names = {"model": "the model (resolved commit)", "data": "the data (digest)",
              "fleet": "the mode (--syncer given)", "ranks": "the island's processes (torchrun)"}
-    saved = {"ranks": 1, **saved}  # (states saved before torchrun islands saved theirs)
     return [f"{names.get(k, '--' + k.replace('_', '-'))}: {saved.get(k)!r} there, {now.get(k)!r} here"
             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
 

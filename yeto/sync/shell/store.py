@@ -174,9 +174,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
                       json.loads(meta["adapter_config"]), json.loads(meta["provenance"]), arrays["global"],
                       arrays["momentum"], arrays["residual"], meta["digest"], json.loads(meta["config"]),
                       json.loads(meta["members"]), {int(k): v for k, v in json.loads(meta["merged"]).items()},
-                      {int(k): v for k, v in json.loads(meta.get("retired", "{}")).items()},
-                      json.loads(meta.get("contract", "{}")),
-                      {int(k): v for k, v in json.loads(meta.get("owners", "{}")).items()})
+                      {int(k): v for k, v in json.loads(meta["retired"]).items()}, json.loads(meta["contract"]),
+                      {int(k): v for k, v in json.loads(meta["owners"]).items()})
 
 
 def read_delta(path: Path) -> AcceptedDelta:
