@@ -75,6 +75,10 @@ def _input_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "cuda without CUDA": (train + ["--device", "cuda"], "no CUDA"),
         "syncer not HOST:PORT": (train + ["--syncer", "nohost", "--insecure"], "HOST:PORT"),
         "syncer port out of range": (train + ["--syncer", "127.0.0.1:99999", "--insecure"], "1-65535"),
+        # a renamed flag's old spelling still works (it feeds the new flag, whose check names it) and is not doubled
+        "old spelling works": (train + ["--num-learners", "2", "--learner-id", "3"], "[0, 2) with --learners 2"),
+        "both spellings": (train + ["--learners", "2", "--num-learners", "2"],
+                           "--num-learners is the old spelling of --learners: give one of them"),
         "train out is a file": (YETO + ["train", "--model", NO_MODEL, "--out", str(a_file)], "is a file"),
         "mlx lr zero": ([sys.executable, "-m", "yeto.backends.mlx", "--model", NO_MODEL, "--lr", "0"], "--lr"),
         "syncer port 99999": (YETO + ["syncer", "--port", "99999", "--out", str(tmp / "s1")], "1-65535"),

@@ -40,7 +40,7 @@ import numpy as np
 
 from yeto.sync.wire.layout import Layout
 from yeto.sync.merge.rules import Directions, low_median
-from yeto.sync.merge.spans import over_spans
+from yeto.sync.wire.spans import over_spans
 
 ROBUST_MODES = ("norm-clip", "trimmed-mean", "off")
 DEFAULT_CLIP_K = 4.0  # --robust-k: room for honest norms to differ; one learner moves the global by at most k x ref

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import shutil
 import signal
@@ -52,7 +51,8 @@ from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCh
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.shell.given_up import read_given_up
 from yeto.sync.wire.protocol import BULK_SUFFIX, MAX_HEADER_BYTES, encode, is_bulk, message_size
-from yeto.sync.shell.store import PENDING_DIR, STATE_FILE, DiskStore, crash_point
+from yeto.test_hooks import CHECKPOINT, crash_here
+from yeto.sync.shell.store import PENDING_DIR, STATE_FILE, DiskStore
 
 log = logging.getLogger("yeto.syncer")
 TICK_S = 0.05  # timer resolution of the core (poll timeout)
@@ -319,8 +319,7 @@ class Syncer:
             elif isinstance(a, Record):
                 self._append(a.event, a.fields)
             elif isinstance(a, SaveCheckpoint):
-                if crash_point("checkpoint", a.checkpoint.version):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                crash_here(CHECKPOINT, a.checkpoint.version)  # (a test hook)
                 if self._durable(self.store.out / STATE_FILE, lambda: self.store.save_checkpoint(a.checkpoint)):
                     self._write_adapter(a.checkpoint)
             elif isinstance(a, SaveDelta):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -188,10 +188,3 @@ def read_delta(path: Path) -> AcceptedDelta:
     if digest_bytes(d.frames) != d.digest:
         raise ValueError(f"{path.name}: payload does not match its digest (damaged on disk)")
     return d
-
-
-def crash_point(kind: str, version: int) -> Optional[str]:
-    """Test hook: YETO_CRASH_AT="checkpoint:V" kills the syncer (SIGKILL) just before the checkpoint of version V
-    becomes durable, i.e. between a merge and its checkpoint. Unset in real runs."""
-    want = os.environ.get("YETO_CRASH_AT", "")
-    return want if want == f"{kind}:{version}" else None
