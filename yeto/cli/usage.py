@@ -99,7 +99,7 @@ class OldSpelling:
     """A renamed flag's old spelling: it keeps working (hidden from --help) so existing commands and scripts do, and
     feeds the parameter `param` of the new flag through `convert` (e.g. milliseconds to seconds)."""
     flag: str  # "--num-learners"
-    param: str  # the command's parameter it feeds: "num_learners" (today's flag: --learners)
+    param: str  # the command's parameter it feeds: "num_learners" (given as --learners)
     convert: Callable[[Any], Any] = lambda value: value
 
 

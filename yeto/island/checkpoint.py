@@ -33,7 +33,7 @@ from yeto import YetoError
 from yeto.test_hooks import TRAIN_STATE, crash_here
 
 STATE_FILE = "train_state.safetensors"
-FORMAT = 1
+FORMAT = 1  # raised whenever the file's layout changes: a state of another format is refused, never misread
 META_KEY = "yeto_train_state"
 # the flags that shape a learner's trajectory: a state saved under other values is another run's
 RUN_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
@@ -67,7 +67,6 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """'--flag A there, B here' for every field where a saved run's identity differs from this one's."""
     names = {"model": "the model (resolved commit)", "data": "the data (digest)",
              "fleet": "the mode (--syncer given)", "ranks": "the island's processes (torchrun)"}
-    saved = {"ranks": 1, **saved}  # (states saved before torchrun islands saved theirs)
     return [f"{names.get(k, '--' + k.replace('_', '-'))}: {saved.get(k)!r} there, {now.get(k)!r} here"
             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
 

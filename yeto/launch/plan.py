@@ -16,7 +16,7 @@ from typing import Any, Optional
 from yeto import YetoError, one_line
 from yeto.launch.spec import IslandSpec
 
-SYNCER_PORT = 29400
+SYNCER_PORT = 29400  # a cloud syncer's public port (docs/PROTOCOL.md), apart from torchrun's 29500
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # SkyPilot's cluster names: lower case, digits and dashes, starting with a letter (and short enough for every cloud)
 RUN_NAME = re.compile(r"^[a-z][a-z0-9-]{0,34}$")

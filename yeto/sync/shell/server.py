@@ -46,7 +46,8 @@ import zmq
 
 from yeto import YetoError
 from yeto.checks import check_out_dir
-from yeto.sync.shell.auth import KEYS_RESCAN_S, Gatekeeper, Keyring, curve_server, require_loopback
+from yeto.sync.shell.gate import Gatekeeper, curve_server
+from yeto.sync.shell.keys import KEYS_RESCAN_S, Keyring, require_loopback
 from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.shell.given_up import read_given_up
@@ -57,7 +58,7 @@ from yeto.sync.shell.store import PENDING_DIR, STATE_FILE, DiskStore
 log = logging.getLogger("yeto.syncer")
 TICK_S = 0.05  # timer resolution of the core (poll timeout)
 SEND_RETRY_S = 15.0  # a message that cannot be delivered is retried this long, then dropped (on the tape)
-MAX_BACKLOG_PER_PEER = 256
+MAX_BACKLOG_PER_PEER = 256  # messages parked for one learner; beyond, its oldest are dropped (it asks again)
 MAX_BACKLOG_BYTES_PER_PEER = 512 << 20  # beyond this, the oldest messages parked for one learner are dropped
 SNDHWM = 64  # messages queued per learner connection before ZeroMQ says "full" (and we keep them ourselves)
 RCVHWM = 16  # inbound messages queued per connection: with the message size limit, what one peer can make us hold

@@ -34,7 +34,7 @@ from yeto.sync.shell.tape import Tape
 STATE_FILE = "state.safetensors"
 PREV_STATE_FILE = "state.prev.safetensors"
 PENDING_DIR = "pending"
-STATE_FORMAT = "yeto-syncer-state/2"
+STATE_FORMAT = "yeto-syncer-state/2"  # raised whenever the layout changes: another format is refused, never misread
 
 
 def fsync_dir(path: Path) -> None:
@@ -174,9 +174,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
                       json.loads(meta["adapter_config"]), json.loads(meta["provenance"]), arrays["global"],
                       arrays["momentum"], arrays["residual"], meta["digest"], json.loads(meta["config"]),
                       json.loads(meta["members"]), {int(k): v for k, v in json.loads(meta["merged"]).items()},
-                      {int(k): v for k, v in json.loads(meta.get("retired", "{}")).items()},
-                      json.loads(meta.get("contract", "{}")),
-                      {int(k): v for k, v in json.loads(meta.get("owners", "{}")).items()})
+                      {int(k): v for k, v in json.loads(meta["retired"]).items()}, json.loads(meta["contract"]),
+                      {int(k): v for k, v in json.loads(meta["owners"]).items()})
 
 
 def read_delta(path: Path) -> AcceptedDelta:
