@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from yeto import YetoError
+from yeto.catalog import num_experts
 
 ATTENTION_REGEX = r".*\.(self_attn|attention|attn)\.(q_proj|k_proj|v_proj|o_proj|out_proj|qkv_proj)$"
 ROUTER_REGEX = r"(.*\.)?(gate|router|shared_expert_gate|expert_gate|moe_gate|wg|gating)$"
 EXPERT_REGEX = r".*\.experts\.\d+\..*"
 MODES = ("attention", "all-linear", "auto")
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 Linear = tuple[str, int, int]  # (module name, in_features, out_features)
 
@@ -36,14 +36,6 @@ Linear = tuple[str, int, int]  # (module name, in_features, out_features)
 def is_lora_a(peft_name: str) -> bool:
     """A LoRA down-projection (`lora_A`, or an embedding's `lora_embedding_A`), by its peft name."""
     return ".lora_A." in peft_name or ".lora_embedding_A." in peft_name
-
-
-def num_experts(config) -> int:
-    for key in MOE_KEYS:
-        v = getattr(config, key, None)
-        if isinstance(v, int) and v > 1:
-            return v
-    return 0
 
 
 def is_router(name: str, out_features: int, config) -> bool:

@@ -8,7 +8,8 @@
 - `fast_blas_env`: the Linux `mlx[cpu]` wheel bundles a slow reference BLAS; Debian's OpenBLAS
   (`libopenblas0-pthread`), preloaded, multiplies matrices tens of times faster (see docs/benchmarks.md,
   MLX learner). `set_blas_threads` then sets its thread count (`--threads`).
-- `load_mlx_model` refuses, in one line, a model type mlx-lm has no implementation of.
+- `load_mlx_model` refuses, in one line, a model type mlx-lm has no implementation of; `mlx_implements` says
+  beforehand which model types it has (`yeto models` marks the others).
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ def mlx_config_shim(config: dict[str, Any]) -> dict[str, Any]:
             if inner:
                 out[sub] = {**config[sub], **inner}
     return out
+
+
+def mlx_implements(model_type: str) -> bool | None:
+    """Whether the installed mlx-lm has an implementation of `model_type` (its own remapping included); None when
+    mlx-lm is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("mlx_lm") is None:
+        return None
+    import mlx_lm.utils
+
+    remapped = mlx_lm.utils.MODEL_REMAPPING.get(model_type, model_type)
+    return importlib.util.find_spec(f"mlx_lm.models.{remapped}") is not None
 
 
 def load_mlx_model(path: str | Path):
