@@ -26,7 +26,8 @@ PUBLISHED = {
     "qwen3-235b-a22b": (235 * B, 22 * B),
     "qwen2.5-7b": (7.61 * B, None),
     "gemma3-1b": (1.0 * B, None),
-    "gemma3-4b": (4.3 * B, None),  # with its vision tower, as the hub counts it
+    "gemma3-4b": (4.3 * B, None),  # with its SigLIP vision tower, as the hub counts it
+    "gemma3-27b": (27.4 * B, None),
     "phi4": (14.7 * B, None),
     "mistral-7b": (7.25 * B, None),
     "lfm2-1.2b": (1.17 * B, None),

@@ -46,7 +46,7 @@ def gemma3_vision(text: dict[str, Any]) -> dict[str, Any]:
     text = {k: v for k, v in text.items() if k not in ("model_type", "tie_word_embeddings")}
     return dict(model_type="gemma3", tie_word_embeddings=True, mm_tokens_per_image=256, text_config=text,
                 vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
-                                   num_attention_heads=16, image_size=896, patch_size=14))
+                                   num_attention_heads=16, image_size=896, patch_size=14, vision_use_head=False))
 
 
 LLAMA3 = dict(rope_theta=500000.0)
@@ -163,13 +163,13 @@ CATALOG: dict[str, Entry] = {
                         layer_types=every_sixth_global(26), **GEMMA3), 999885952),
     "gemma3-4b": E("google/gemma-3-4b-it", "Gemma 3", "gemma", 131072, gemma3_vision(
                    arch("gemma3_text", 2560, 10240, 34, 8, 4, 262208, True, head_dim=256, sliding_window=1024,
-                        layer_types=every_sixth_global(34), **GEMMA3)), 4315317824),
+                        layer_types=every_sixth_global(34), **GEMMA3)), 4300079472),
     "gemma3-12b": E("google/gemma-3-12b-it", "Gemma 3", "gemma", 131072, gemma3_vision(
                     arch("gemma3_text", 3840, 15360, 48, 16, 8, 262208, True, head_dim=256, sliding_window=1024,
-                         layer_types=every_sixth_global(48), **GEMMA3)), 12202563392),
+                         layer_types=every_sixth_global(48), **GEMMA3)), 12187325040),
     "gemma3-27b": E("google/gemma-3-27b-it", "Gemma 3", "gemma", 131072, gemma3_vision(
                     arch("gemma3_text", 5376, 21504, 62, 32, 16, 262208, True, head_dim=128, sliding_window=1024,
-                         layer_types=every_sixth_global(62), **{**GEMMA3, "query_pre_attn_scalar": 168})), 27447644992),
+                         layer_types=every_sixth_global(62), **{**GEMMA3, "query_pre_attn_scalar": 168})), 27432406640),
     # Mistral / Ministral (Mistral AI)
     "mistral-7b": E("mistralai/Mistral-7B-Instruct-v0.3", "Mistral", "apache-2.0", 32768,
                     arch("mistral", 4096, 14336, 32, 32, 8, 32768, False, rope_theta=1000000.0), 7248023552),
