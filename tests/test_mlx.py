@@ -70,6 +70,14 @@ def test_canonical_names_both_ways():
     path = "model.layers.3.self_attn.q_proj.lora_A"
     name = "base_model.model.model.layers.3.self_attn.q_proj.lora_A.default.weight"
     assert to_peft_name(path) == name and to_mlx_path(name) == path
+    from yeto.backends.mlx.lora import RENAMES
+
+    gemma = "language_model.model.layers.3.self_attn.q_proj.lora_A"  # mlx-lm's Gemma 3; transformers': model.language_
+    assert to_peft_name(gemma, RENAMES["gemma3"]) == ("base_model.model.model.language_model.layers.3.self_attn.q_proj"
+                                                      ".lora_A.default.weight")
+    assert to_mlx_path(to_peft_name(gemma, RENAMES["gemma3"]), RENAMES["gemma3"]) == gemma
+    dense = "model.layers.0.feed_forward.down_proj.lora_B"  # mlx-lm's LFM2-MoE dense MLP; transformers': w2
+    assert to_peft_name(dense, RENAMES["lfm2_moe"]).endswith("layers.0.feed_forward.w2.lora_B.default.weight")
     with pytest.raises(ValueError):
         to_mlx_path("model.layers.3.self_attn.q_proj.weight")
 

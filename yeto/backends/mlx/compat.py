@@ -55,10 +55,6 @@ DERIVED_KEYS = {"lfm2": {"block_dim": "hidden_size"}, "qwen3_moe": {"num_experts
 LAYER_TYPE_ROPE = {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"}
 # model types mlx-lm implements that the MLX island does not train yet, and why (`load_mlx_model` refuses them)
 NOT_YET = {
-    "gemma3": "mlx-lm names the decoder language_model.model.*, peft model.language_model.*: the adapters would not "
-              "match",
-    "lfm2_moe": "mlx-lm names the dense layers' MLP gate/up/down_proj, transformers w1/w3/w2: the adapters would not "
-                "match",
     "gpt_oss": "mlx-lm loads the hub's MXFP4 expert tensors only, not the unquantized layout transformers saves",
 }
 
@@ -81,6 +77,9 @@ def mlx_config_shim(config: dict[str, Any]) -> dict[str, Any]:
     for key, source in DERIVED_KEYS.get(config.get("model_type", ""), {}).items():
         if key not in config and source in config:
             out[key] = config[source]
+    text = config.get("text_config")
+    if isinstance(text, dict) and "vocab_size" in text and "vocab_size" not in config:  # mlx-lm's gemma3 reads it here
+        out["vocab_size"] = text["vocab_size"]
     pattern = sliding_window_pattern(config.get("layer_types"))
     if pattern and "sliding_window_pattern" not in config:
         out["sliding_window_pattern"] = pattern
