@@ -128,4 +128,26 @@ def test_yeto_models_refuses_a_missing_directory_in_one_line():
     r = subprocess.run([sys.executable, "-m", "yeto", "models", "--model", "/nonexistent/model"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and "not an alias or a local model directory" in lines[0], r.stderr
+    assert r.returncode == 2 and len(lines) == 1 and "not an alias, a local model directory" in lines[0], r.stderr
+
+
+def test_a_hub_id_is_sized_from_the_cached_config(tiny_model, tmp_path, monkeypatch):
+    """A hub id whose config.json the Hugging Face cache holds (laid out as the hub client lays it out) is counted."""
+    import shutil
+
+    from yeto.catalog import sized_row
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    commit = "0" * 40
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    shutil.copy(tiny_model("qwen2_moe") / "config.json", snapshot / "config.json")
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text(commit)
+    sized = sized_row("org/tiny")
+    assert (sized["hub_id"], sized["revision"], sized["architecture"]) == ("org/tiny", commit, "qwen2_moe")
+    assert (sized["total_params"], sized["active_params"]) == tuple(
+        getattr(size_local(tiny_model("qwen2_moe")), k) for k in ("total", "active"))
+    with pytest.raises(YetoError, match="not an alias, a local model directory or a hub id in this machine's"):
+        sized_row("org/not-cached")

@@ -161,8 +161,9 @@ def export(
 
 @app.command()
 def models(
-    model: Annotated[Optional[str], typer.Option(help="Size this local model directory (its config.json, built on "
-                                                      "the meta device: no weights read) instead of listing aliases.")
+    model: Annotated[Optional[str], typer.Option(help="Size this alias, local model directory or hub id in this "
+                                                      "machine's Hugging Face cache (its config.json, built on the "
+                                                      "meta device: no weights read) instead of listing aliases.")
                      ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own code to run (with --model).")
@@ -176,10 +177,10 @@ def models(
     from rich.table import Table
 
     from yeto.backends.mlx.compat import mlx_implements
-    from yeto.catalog import CATALOG, human, row
+    from yeto.catalog import CATALOG, human, row, sized_row
 
     if model is not None:
-        rows = [_sized(model, trust_remote_code)]
+        rows = [sized_row(model, trust_remote_code)]
     else:
         rows = [row(name, e) for name, e in CATALOG.items()]
     mlx = {r["architecture"]: mlx_implements(r["architecture"]) for r in rows if r["architecture"] != "?"}
@@ -199,28 +200,6 @@ def models(
     Console(width=200).print(table)
     if model is None:
         typer.echo("?: the published config is not known offline; size a download with yeto models --model DIR")
-
-
-def _sized(model: str, trust_remote_code: bool) -> dict:
-    """`yeto models --model`: an alias's row, or a local directory counted from its config.json."""
-    import json
-    from pathlib import Path
-
-    from yeto import YetoError
-    from yeto.catalog import CATALOG, row, size_local
-
-    if model in CATALOG:
-        return row(model, CATALOG[model])
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise YetoError(f"--model {model}: not an alias or a local model directory (a hub id is sized from its "
-                        "config.json: download it with `hf download ID config.json --local-dir DIR`, then pass DIR)")
-    count = size_local(path, trust_remote_code)
-    config = json.loads((path / "config.json").read_text())
-    text = config.get("text_config") or config
-    return dict(alias=str(path), hub_id=None, revision=None, family=None, architecture=config["model_type"],
-                total_params=count.total, active_params=count.active,
-                context=text.get("max_position_embeddings"), license=None, trust_remote_code=trust_remote_code)
 
 
 def main() -> None:
