@@ -93,6 +93,19 @@ def test_a_local_directory_is_sized_like_the_loaded_model(tiny_model):
         assert count.active == count.total - (experts // 2 if moe else 0)
 
 
+def test_a_model_transformers_cannot_build_is_counted_from_its_safetensors(tiny_model, tmp_path):
+    import shutil
+
+    for kind in ("llama", "qwen2_moe"):
+        path = tmp_path / kind
+        shutil.copytree(tiny_model(kind), path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "model_type": "no_such_architecture"}))
+        stored, built = size_local(path), size_local(tiny_model(kind))
+        assert stored.source == "safetensors" and built.source == "config"
+        assert (stored.total, stored.active, stored.experts) == (built.total, built.active, built.experts)
+
+
 def test_bad_local_directories_are_one_line(tmp_path):
     with pytest.raises(YetoError, match="has no config.json"):
         size_local(tmp_path)
@@ -101,6 +114,9 @@ def test_bad_local_directories_are_one_line(tmp_path):
         size_local(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(YetoError, match="names no model_type"):
+        size_local(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_architecture"}))
+    with pytest.raises(YetoError, match="cannot build 'no_such_architecture' .* no safetensors to count"):
         size_local(tmp_path)
 
 
@@ -122,6 +138,7 @@ def test_yeto_models_lists_every_alias_and_sizes_a_directory(tiny_model):
     assert r.exit_code == 0, r.output
     [row] = json.loads(r.output)
     assert row["architecture"] == "llama" and row["total_params"] == size_local(path).total
+    assert row["counted_from"] == "config" and rows["qwen3-30b-a3b"]["counted_from"] == "config"
 
 
 def test_yeto_models_refuses_a_missing_directory_in_one_line():

@@ -238,6 +238,14 @@ class ParamCount:
     total: int
     active: int  # total less the routed-expert tensors a token does not visit
     experts: int  # the routed experts' tensors, all of them
+    source: str = "config"  # "config": the model built on the meta device; "safetensors": the stored tensors' headers
+
+
+def _active(total: int, experts: int, text_config) -> int:
+    """The total less the routed experts a token does not visit (top_k of them run)."""
+    n = num_experts(text_config)
+    top_k = getattr(text_config, "num_experts_per_tok", None) or getattr(text_config, "experts_per_token", None) or n
+    return total - (experts - experts * top_k // n) if n else total
 
 
 def hf_config(config: dict[str, Any]):
@@ -264,14 +272,34 @@ def count_params(config, trust_remote_code: bool = False) -> ParamCount:
         if ".experts." in name:  # routed experts, fused (experts.gate_up_proj) or one module each (experts.3.w1)
             experts += p.numel()
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    n = num_experts(text)
-    top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "experts_per_token", None) or n
-    unused = experts - experts * top_k // n if n else 0
-    return ParamCount(total, total - unused, experts)
+    return ParamCount(total, _active(total, experts, text), experts)
+
+
+def count_stored(directory: Path, fields: dict[str, Any]) -> Optional[ParamCount]:
+    """Count from the headers of a directory's safetensors files, no tensor read: for a model transformers cannot
+    build here. Elements as stored (a quantized checkpoint's packed tensors count packed); None without any."""
+    from math import prod
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return None
+    total = experts = 0
+    for file in files:
+        with safe_open(file, framework="numpy") as stored:
+            for name in stored.keys():
+                n = prod(stored.get_slice(name).get_shape())
+                total += n
+                experts += n if ".experts." in name else 0
+    text = SimpleNamespace(**(fields.get("text_config") or fields))
+    return ParamCount(total, _active(total, experts, text), experts, "safetensors")
 
 
 def size_local(path: str | Path, trust_remote_code: bool = False) -> ParamCount:
-    """Count the parameters of a local model directory from its config.json (no weights read)."""
+    """Count the parameters of a local model directory from its config.json (no weights read), or, for a model
+    transformers cannot build here, from its safetensors headers."""
     config = Path(path).expanduser() / "config.json"
     if not config.is_file():
         raise YetoError(f"{path} has no config.json: give a Hugging Face model directory")
@@ -284,8 +312,11 @@ def size_local(path: str | Path, trust_remote_code: bool = False) -> ParamCount:
     try:
         return count_params(fields, trust_remote_code)
     except (ValueError, KeyError) as e:
-        raise YetoError(f"transformers cannot build {fields['model_type']!r} from {config} ({e}); if the repo "
-                        "ships its own code, pass --trust-remote-code") from e
+        stored = count_stored(config.parent, fields)
+        if stored is not None:
+            return stored
+        raise YetoError(f"transformers cannot build {fields['model_type']!r} from {config} ({e}) and the directory "
+                        "has no safetensors to count; if the repo ships its own code, pass --trust-remote-code") from e
 
 
 def human(n: Optional[int]) -> str:
@@ -303,7 +334,7 @@ def row(alias: str, e: Entry) -> dict[str, Any]:
     """One alias as `yeto models --json` shows it."""
     return dict(alias=alias, hub_id=e.hub_id, revision=e.revision, family=e.family, architecture=e.architecture,
                 total_params=e.total, active_params=e.active, context=e.context, license=e.license,
-                trust_remote_code=e.trust_remote_code)
+                trust_remote_code=e.trust_remote_code, counted_from="config" if e.config else None)
 
 
 def sized_row(name: str, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -329,7 +360,8 @@ def sized_row(name: str, trust_remote_code: bool = False) -> dict[str, Any]:
     text = config.get("text_config") or config
     return dict(alias=name, hub_id=hub_id, revision=path.name if hub_id else None, family=None,
                 architecture=config["model_type"], total_params=count.total, active_params=count.active,
-                context=text.get("max_position_embeddings"), license=None, trust_remote_code=trust_remote_code)
+                context=text.get("max_position_embeddings"), license=None, trust_remote_code=trust_remote_code,
+                counted_from=count.source)
 
 
 def stale_counts() -> list[str]:
