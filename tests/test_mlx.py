@@ -348,8 +348,9 @@ def logit_model(tmp_path_factory, tokenizer):
 
 @pytest.mark.parametrize("kind", sorted({*MLX_CLASSES, "qwen2_moe", "gpt_bigcode", *LOGIT_TRANSFORMS}))
 def test_loss_matches_torch(tiny_model, logit_model, kind):
-    """Same adapter, same blocks: the same loss, on architectures whose decoder is not `model.model` (GPTBigCode's
-    is `model.transformer`) and whose logits are soft-capped or scaled after the head."""
+    """Same adapter, same blocks: the same loss on every class of the catalog (the architecture matrix: and the same
+    first step), on architectures whose decoder is not `model.model` (GPTBigCode's is `model.transformer`) and whose
+    logits are soft-capped or scaled after the head."""
     special = kind in LOGIT_TRANSFORMS or kind in OTHER_LAYOUTS
     t, m, _ = twins(logit_model(kind) if special else tiny_model(kind),
                     lora_targets="all-linear" if kind in OTHER_LAYOUTS else "auto")
@@ -360,6 +361,10 @@ def test_loss_matches_torch(tiny_model, logit_model, kind):
     assert m.evaluate() == pytest.approx(t.evaluate(), rel=LOSS_RTOL)
     if kind in LOGIT_TRANSFORMS:  # the transform matters: a loss without it would fail the comparison above
         assert abs(torch_plain_loss(t, batch) - want) > 100 * LOSS_RTOL * want
+    if kind in ARCHITECTURES:  # the same gradient: MoE routing, sliding windows and conv blocks included
+        st, sm = t.step(), m.step()
+        assert sm["loss"] == pytest.approx(st["loss"], rel=LOSS_RTOL)
+        assert sm["grad_norm"] == pytest.approx(st["grad_norm"], rel=1e-5)
 
 
 def test_the_loss_rows_path_is_taken_only_where_it_gives_the_models_own_logits():
