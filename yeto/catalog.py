@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from yeto import YetoError
+from yeto import YetoError, missing_torch, require_torch
 
 
 def arch(model_type: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, tie: bool,
@@ -299,7 +299,7 @@ def count_stored(directory: Path, fields: dict[str, Any]) -> Optional[ParamCount
 
 def size_local(path: str | Path, trust_remote_code: bool = False) -> ParamCount:
     """Count the parameters of a local model directory from its config.json (no weights read), or, for a model
-    transformers cannot build here, from its safetensors headers."""
+    transformers cannot build here (or on an install without torch), from its safetensors headers."""
     config = Path(path).expanduser() / "config.json"
     if not config.is_file():
         raise YetoError(f"{path} has no config.json: give a Hugging Face model directory")
@@ -309,14 +309,19 @@ def size_local(path: str | Path, trust_remote_code: bool = False) -> ParamCount:
         raise YetoError(f"{config} is not valid JSON ({e}): fix or re-download it") from e
     if "model_type" not in fields:
         raise YetoError(f"{config} names no model_type: it is not a transformers model's config")
-    try:
-        return count_params(fields, trust_remote_code)
-    except (ValueError, KeyError) as e:
-        stored = count_stored(config.parent, fields)
-        if stored is not None:
-            return stored
-        raise YetoError(f"transformers cannot build {fields['model_type']!r} from {config} ({e}) and the directory "
-                        "has no safetensors to count; if the repo ships its own code, pass --trust-remote-code") from e
+    reason = None
+    if missing_torch() is None:
+        try:
+            return count_params(fields, trust_remote_code)
+        except (ValueError, KeyError) as e:
+            reason = f"transformers cannot build {fields['model_type']!r} from {config} ({e})"
+    stored = count_stored(config.parent, fields)
+    if stored is not None:
+        return stored
+    if reason is None:  # an install without torch, and nothing stored to count
+        require_torch("counting a model from its config.json")
+    raise YetoError(f"{reason} and the directory has no safetensors to count; if the repo ships its own code, pass "
+                    "--trust-remote-code")
 
 
 def human(n: Optional[int]) -> str:
