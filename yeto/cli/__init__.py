@@ -160,20 +160,46 @@ def export(
 
 
 @app.command()
-def models() -> None:
-    """List the model aliases and where each resolves."""
+def models(
+    model: Annotated[Optional[str], typer.Option(help="Size this alias, local model directory or hub id in this "
+                                                      "machine's Hugging Face cache (its config.json, built on the "
+                                                      "meta device: no weights read) instead of listing aliases.")
+                     ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own code to run (with --model).")
+                                 ] = False,
+) -> None:
+    """The model catalog: each alias's hub id, architecture, parameters (counted from its config: total, and active
+    for MoE), context, license, whether its repo's code must run, and whether the MLX learner can train it."""
+    import json
+
     from rich.console import Console
     from rich.table import Table
 
-    from yeto.models import ALIASES
+    from yeto.backends.mlx.compat import mlx_implements
+    from yeto.catalog import CATALOG, human, row, sized_row
 
-    table = Table(title="model aliases")
-    table.add_column("alias")
-    table.add_column("hub id")
-    table.add_column("offline source")
-    for name, a in ALIASES.items():
-        table.add_row(name, a.hub_id, f"pip package {a.package.replace('_', '-')}" if a.package else "-")
-    Console().print(table)
+    if model is not None:
+        rows = [sized_row(model, trust_remote_code)]
+    else:
+        rows = [row(name, e) for name, e in CATALOG.items()]
+    mlx = {r["architecture"]: mlx_implements(r["architecture"]) for r in rows if r["architecture"] != "?"}
+    for r in rows:
+        r["mlx"] = mlx.get(r["architecture"])
+    if json_out:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    table = Table(title=f"{len(rows)} models (parameters counted from each config.json on the meta device)")
+    for col in ("alias", "hub id", "class", "total", "active", "context", "license", "remote code", "MLX"):
+        table.add_column(col, justify="right" if col in ("total", "active", "context") else "left")
+    marks = {True: "yes", False: "no (torch only)", None: "?"}
+    for r in rows:
+        table.add_row(r["alias"], r["hub_id"] or "-", r["architecture"], human(r["total_params"]),
+                      human(r["active_params"]), str(r["context"] or "?"), r["license"] or "?",
+                      "yes" if r["trust_remote_code"] else "no", marks[r["mlx"]])
+    Console(width=200).print(table)
+    if model is None:
+        typer.echo("?: the published config is not known offline; size a download with yeto models --model DIR")
 
 
 def main() -> None:

@@ -13,7 +13,12 @@ every backend (torch, MLX) adapts exactly the same layers:
   shared experts), and never a router or gate. Routed experts are left alone:
   each sees a fraction of the tokens and adapting them multiplies the adapter
   by the expert count; routers are left alone because small changes to them
-  reshuffle which expert every token visits.
+  reshuffle which expert every token visits. (transformers 5 fuses each
+  layer's routed experts into 3-D tensors, `experts.gate_up_proj`, which are no
+  linears: then no rule adapts them, `all-linear` included.)
+
+A multimodal checkpoint's vision or audio tower and its projector (`NON_TEXT_REGEX`) are never adapted: yeto
+trains on text, which never reaches them.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from yeto import YetoError
+from yeto.catalog import num_experts
 
 ATTENTION_REGEX = r".*\.(self_attn|attention|attn)\.(q_proj|k_proj|v_proj|o_proj|out_proj|qkv_proj)$"
 ROUTER_REGEX = r"(.*\.)?(gate|router|shared_expert_gate|expert_gate|moe_gate|wg|gating)$"
 EXPERT_REGEX = r".*\.experts\.\d+\..*"
+NON_TEXT_REGEX = r"(.*\.)?(vision_tower|vision_model|multi_modal_projector|audio_tower|visual)(\..*)?"
 MODES = ("attention", "all-linear", "auto")
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 Linear = tuple[str, int, int]  # (module name, in_features, out_features)
 
@@ -36,14 +42,6 @@ Linear = tuple[str, int, int]  # (module name, in_features, out_features)
 def is_lora_a(peft_name: str) -> bool:
     """A LoRA down-projection (`lora_A`, or an embedding's `lora_embedding_A`), by its peft name."""
     return ".lora_A." in peft_name or ".lora_embedding_A." in peft_name
-
-
-def num_experts(config) -> int:
-    for key in MOE_KEYS:
-        v = getattr(config, key, None)
-        if isinstance(v, int) and v > 1:
-            return v
-    return 0
 
 
 def is_router(name: str, out_features: int, config) -> bool:
@@ -56,7 +54,8 @@ def select_targets(linears: Iterable[Linear], config, mode: str, exclude: Iterab
     if mode not in MODES:
         raise YetoError(f"unknown --lora-targets {mode!r}: use one of {', '.join(MODES)}")
     excluded = set(exclude)
-    linears = [(n, i, o) for n, i, o in linears if n not in excluded and not n.endswith("lm_head")]
+    linears = [(n, i, o) for n, i, o in linears
+               if n not in excluded and not n.endswith("lm_head") and not re.fullmatch(NON_TEXT_REGEX, n)]
     attention = {n for n, _, _ in linears if re.fullmatch(ATTENTION_REGEX, n)}
     moe = num_experts(config) > 0
     if mode == "attention" or (mode == "auto" and not moe):

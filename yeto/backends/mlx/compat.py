@@ -8,7 +8,8 @@
 - `fast_blas_env`: the Linux `mlx[cpu]` wheel bundles a slow reference BLAS; Debian's OpenBLAS
   (`libopenblas0-pthread`), preloaded, multiplies matrices tens of times faster (see docs/benchmarks.md,
   MLX learner). `set_blas_threads` then sets its thread count (`--threads`).
-- `load_mlx_model` refuses, in one line, a model type mlx-lm has no implementation of.
+- `load_mlx_model` refuses, in one line, a model type mlx-lm has no implementation of, or one the MLX island does
+  not train yet (`NOT_YET`); `mlx_implements` says beforehand which it trains (`yeto models` marks the others).
 """
 
 from __future__ import annotations
@@ -49,14 +50,23 @@ def import_mlx_lm():
 
 
 # keys mlx-lm requires that transformers 5 does not write, derived from ones it does write
-DERIVED_KEYS = {"lfm2": {"block_dim": "hidden_size"}}
+DERIVED_KEYS = {"lfm2": {"block_dim": "hidden_size"}, "qwen3_moe": {"num_experts": "num_local_experts"}}
+# Gemma 3's rope per layer type (transformers 5: rope_parameters.{full,sliding}_attention), as mlx-lm's keys
+LAYER_TYPE_ROPE = {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"}
+# model types mlx-lm implements that the MLX island does not train yet, and why (`load_mlx_model` refuses them)
+NOT_YET = {
+    "gpt_oss": "mlx-lm loads the hub's MXFP4 expert tensors only, not the unquantized layout transformers saves",
+}
 
 
 def mlx_config_shim(config: dict[str, Any]) -> dict[str, Any]:
-    """Config overrides for mlx-lm: hoist `rope_parameters` entries to the top level."""
+    """Config overrides for mlx-lm: hoist `rope_parameters` entries to the top level; derive the keys it needs."""
     rope = config.get("rope_parameters")
     out: dict[str, Any] = {}
     if isinstance(rope, dict):
+        for layer_type, key in LAYER_TYPE_ROPE.items():
+            if isinstance(rope.get(layer_type), dict) and "rope_theta" in rope[layer_type] and key not in config:
+                out[key] = rope[layer_type]["rope_theta"]
         if "rope_theta" in rope and "rope_theta" not in config:
             out["rope_theta"] = rope["rope_theta"]
         kind = rope.get("rope_type", "default")
@@ -67,6 +77,12 @@ def mlx_config_shim(config: dict[str, Any]) -> dict[str, Any]:
     for key, source in DERIVED_KEYS.get(config.get("model_type", ""), {}).items():
         if key not in config and source in config:
             out[key] = config[source]
+    text = config.get("text_config")
+    if isinstance(text, dict) and "vocab_size" in text and "vocab_size" not in config:  # mlx-lm's gemma3 reads it here
+        out["vocab_size"] = text["vocab_size"]
+    pattern = sliding_window_pattern(config.get("layer_types"))
+    if pattern and "sliding_window_pattern" not in config:
+        out["sliding_window_pattern"] = pattern
     for sub in ("text_config",):
         if isinstance(config.get(sub), dict):
             inner = mlx_config_shim(config[sub])
@@ -75,11 +91,37 @@ def mlx_config_shim(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def sliding_window_pattern(layer_types: Any) -> int | None:
+    """Gemma's `sliding_window_pattern` (every Nth layer global) from transformers 5's `layer_types`, where they
+    follow one; mlx-lm reads only the pattern, and defaults it to 6."""
+    if not isinstance(layer_types, list) or not {"full_attention", "sliding_attention"} <= set(layer_types):
+        return None
+    n = layer_types.index("full_attention") + 1
+    periodic = all((t == "full_attention") == ((i + 1) % n == 0) for i, t in enumerate(layer_types))
+    return n if periodic else None
+
+
+def mlx_implements(model_type: str) -> bool | None:
+    """Whether the installed mlx-lm has an implementation of `model_type` (its own remapping included); None when
+    mlx-lm is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("mlx_lm") is None:
+        return None
+    import mlx_lm.utils
+
+    remapped = mlx_lm.utils.MODEL_REMAPPING.get(model_type, model_type)
+    return model_type not in NOT_YET and importlib.util.find_spec(f"mlx_lm.models.{remapped}") is not None
+
+
 def load_mlx_model(path: str | Path):
     """mlx-lm's model for a HF directory, with the config shim applied."""
     mlx_lm = import_mlx_lm()
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") in NOT_YET:
+        raise YetoError(f"the MLX learner does not train model_type {config['model_type']!r} yet "
+                        f"({NOT_YET[config['model_type']]}); train this model with the torch learner (yeto train)")
     overrides = mlx_config_shim(config)
     get_classes = getattr(mlx_lm.utils, "_get_classes", None)  # mlx-lm's own lookup (remappings included)
     if get_classes is not None:

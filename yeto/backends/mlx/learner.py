@@ -281,15 +281,14 @@ class MLXLearner(ShardedData):
         return {k: np.array(v, dtype=np.float32) for k, v in lora_state(self.model).items()}
 
     def load_adapter_state(self, state: dict[str, np.ndarray]) -> None:
-        from yeto.backends.mlx.lora import to_mlx_path
+        from yeto.backends.mlx.lora import renames_of, to_mlx_path
 
-        mine = self.adapter_state()
+        mine, renames = self.adapter_state(), renames_of(self.model)
         missing = set(mine) - set(state)
         if missing:
             raise YetoError(f"adapter state lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
-        self.model.load_weights(
-            [(to_mlx_path(k), self.mx.array(np.asarray(state[k], dtype=np.float32))) for k in mine], strict=False
-        )
+        self.model.load_weights([(to_mlx_path(k, renames), self.mx.array(np.asarray(state[k], dtype=np.float32)))
+                                 for k in mine], strict=False)
         self.mx.eval(self.model.trainable_parameters())
 
     def adapter_config(self) -> dict[str, Any]:
@@ -317,14 +316,15 @@ class MLXLearner(ShardedData):
         learner's canonical names."""
         from mlx.utils import tree_flatten
 
-        from yeto.backends.mlx.lora import to_peft_name
+        from yeto.backends.mlx.lora import renames_of, to_peft_name
 
+        renames = renames_of(self.model)
         tensors = {f"adapter/{k}": v for k, v in self.adapter_state().items()}
         flat = dict(tree_flatten(self.optimizer.state))
         for key, value in flat.items():
             path, _, moment = key.rpartition(".")
             if moment in self._MOMENTS and path.endswith((".lora_A", ".lora_B")):
-                tensors[f"{self._MOMENTS[moment]}/{to_peft_name(path)}"] = np.array(value, dtype=np.float32)
+                tensors[f"{self._MOMENTS[moment]}/{to_peft_name(path, renames)}"] = np.array(value, dtype=np.float32)
         step = int(flat["step"].item()) if "step" in flat else 0
         names = [k[len("exp_avg/"):] for k in tensors if k.startswith("exp_avg/")]
         tensors["rng/mlx"] = np.array(self.mx.random.state[0], dtype=np.uint32)
@@ -338,9 +338,9 @@ class MLXLearner(ShardedData):
         """Continue from `state` (`adapter`: restore its adapter too; in a fleet the rejoin brings the global)."""
         from mlx.utils import tree_flatten, tree_unflatten
 
-        from yeto.backends.mlx.lora import to_peft_name
+        from yeto.backends.mlx.lora import renames_of, to_peft_name
 
-        mx = self.mx
+        mx, renames = self.mx, renames_of(self.model)
         if adapter:
             self.load_adapter_state(state.group("adapter"))
         moments = {m: state.group(name) for m, name in self._MOMENTS.items()}
@@ -349,7 +349,7 @@ class MLXLearner(ShardedData):
         for key in flat:
             path, _, moment = key.rpartition(".")
             if moment in moments and path.endswith((".lora_A", ".lora_B")):
-                saved = moments[moment].get(to_peft_name(path))
+                saved = moments[moment].get(to_peft_name(path, renames))
                 if saved is not None:
                     flat[key] = mx.array(saved)
         steps = set(state.meta["param_steps"].values())
