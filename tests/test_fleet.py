@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import DEMO_DATA, REPO
 from yeto.launch.local import free_port
 from yeto.sync.auth import JOIN_KEY_ENV, Keyring
-from yeto.sync.core.syncer import DEFAULT_STALENESS_EXPONENT
+from yeto.sync.core.config import DEFAULT_STALENESS_EXPONENT
 from yeto.sync.merge import capped_claims, staleness_factor
 from yeto.tape import read_tape
 
