@@ -65,6 +65,7 @@ def test_every_command_documents_every_flag():
 
     from yeto.island import TEST_HOOKS
     from yeto.learner import TrainConfig
+    from yeto.sync.core.config import flag_of
     from yeto.sync.server import SyncerConfig
 
     cases = [(YETO + ["train"], TrainConfig), ([sys.executable, "-m", "yeto.learner"], TrainConfig),
@@ -73,7 +74,7 @@ def test_every_command_documents_every_flag():
         out = help_lines(args)
         for field in (f.name for f in dataclasses.fields(cfg) if f.init and f.name not in TEST_HOOKS):  # (the
             # others are derived, not flags; test hooks work but --help does not show them)
-            assert "--" + field.replace("_", "-") in out, (args, field)
+            assert (flag_of(field) if cfg is SyncerConfig else "--" + field.replace("_", "-")) in out, (args, field)
     for cmd in (["train"], ["syncer"], ["launch"], ["generate"], ["tape"], ["models"]):
         out = help_lines(YETO + cmd)
         # every option row carries a help text, not just a type and a default

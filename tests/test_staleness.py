@@ -12,14 +12,14 @@ from tests.peers import QuadraticIsland, island_thread, tape_with
 from yeto.sync.core.syncer import (GRACE_SLACK, GRACE_SLACK_S, WINDOW_NEAREST_BOUNDARY, Member, OpenRound, SyncerConfig,
                                    SyncerCore)
 
-GRACE_MS = 300.0  # below the slow island's step: it is never waited for
+GRACE_S = 0.3  # below the slow island's step: it is never waited for
 ROUND_S = 0.6
 FAST_STEP_S, SLOW_STEP_S = 0.03, 1.0  # the slow island's one step ends 0.4 s past the window: a version late
 
 
 def test_a_slow_island_contributes_every_delta_and_the_fast_one_never_waits_past_the_cap(start_syncer, tmp_path):
     out = tmp_path / "syncer"
-    s, port = start_syncer(out=out, learners=2, quorum=1, outer_steps=10, round_seconds=ROUND_S, grace_ms=GRACE_MS,
+    s, port = start_syncer(out=out, learners=2, quorum=1, outer_steps=10, round_seconds=ROUND_S, grace_s=GRACE_S,
                            max_base_lag=4, straggler_timeout=30.0)
     results: dict = {}
     fast = island_thread(QuadraticIsland(1.0, 100), port, 0, results, step_delay=FAST_STEP_S)
@@ -48,7 +48,7 @@ def test_a_slow_island_contributes_every_delta_and_the_fast_one_never_waits_past
     for m in merges:
         assert len(m["lags"]) == len(m["responders"])
         # the fast island (quorum) never waited past the cap for the slow one
-        assert m["grace_s"] is None or m["grace_s"] <= GRACE_MS / 1000 + 0.1, m
+        assert m["grace_s"] is None or m["grace_s"] <= GRACE_S + 0.1, m
     assert results[0]["abandoned_rounds"] == 0
 
 
@@ -74,7 +74,7 @@ def test_overlap_steps_are_the_rounds_own_not_carried_in(start_syncer, tmp_path)
 def test_the_grace_waits_for_an_island_predicted_within_the_cap_and_not_for_one_beyond():
     """The grace rule alone, with the clock in hand: after quorum the round waits until the latest predicted push
     among the members predicted within the cap, never longer than the cap, and not at all for one predicted later."""
-    core = SyncerCore(SyncerConfig(learners=3, quorum=1, grace_ms=2000, straggler_timeout=100.0), "inc")
+    core = SyncerCore(SyncerConfig(learners=3, quorum=1, grace_s=2.0, straggler_timeout=100.0), "inc")
     r = OpenRound(number=5, base_version=4, opened_at=-100.0, quorum_at=10.0)  # 5% of 110 s: the 2 s cap binds
     core.members = {lid: Member(lid, "s", f"p{lid}", "test", last_seen=10.0) for lid in (1, 2)}
     core.members[1].round_s, core.members[1].since = 8.0, 2.0  # predicted at 2 + 1.02 x 8 + 0.25: within the cap
@@ -99,7 +99,7 @@ def test_a_time_window_round_waits_for_its_window_and_predicts_each_member_at_it
     (the others are training until then); after it, a member is predicted at the window's end, padded by the half
     step its push may trail it by, and waited for up to the cap (5% of the round); one that started so late that its
     single step ends past the cap is not waited for; with everyone in, the round closes at once."""
-    core = SyncerCore(SyncerConfig(learners=2, quorum=1, grace_ms=5000, round_seconds=20.0,
+    core = SyncerCore(SyncerConfig(learners=2, quorum=1, grace_s=5.0, round_seconds=20.0,
                                    straggler_timeout=100.0), "inc")
     r = OpenRound(number=1, base_version=0, opened_at=0.0, quorum_at=12.0, ends_at=20.0)  # cap: 5% of 20 s = 1 s
     core.members = {1: Member(1, "s", "p1", "test", last_seen=12.0)}
@@ -113,5 +113,5 @@ def test_a_time_window_round_waits_for_its_window_and_predicts_each_member_at_it
     assert core._grace_until(r, [], []) == 12.0  # everyone in: no waiting for the window
     late = OpenRound(number=1, base_version=0, opened_at=0.0, quorum_at=22.0, ends_at=20.0)
     core.members[1].step_s, core.members[1].since = 1.0, 0.0  # due by 20.75, quorum came at 22: overdue (its pace
-    assert core._grace_until(late, [1], []) == 27.0  # changed?): --grace-ms, as in any round
+    assert core._grace_until(late, [1], []) == 27.0  # changed?): --grace, as in any round
 

@@ -51,6 +51,7 @@ from yeto.adapter import ADAPTER_WEIGHTS
 from yeto.checks import check_out_dir
 from yeto.sync.auth import KEYS_RESCAN_S, Gatekeeper, Keyring, curve_server, require_loopback
 from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta, Send
+from yeto.sync.core.config import DEFAULT_GRACE_S, grace_seconds
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.given_up import read_given_up
 from yeto.sync.protocol import BULK_SUFFIX, MAX_HEADER_BYTES, encode, is_bulk, message_size
@@ -442,9 +443,11 @@ def syncer_command(
     lora_merge: Annotated[str, typer.Option(help="LoRA aggregation: factors (lora_A and lora_B apart) or product "
                                                  "(the mean of the B.A updates, re-factorised to rank r).")
                           ] = _D.lora_merge,
-    grace_ms: Annotated[float, typer.Option(help="Once quorum is in, wait at most this long (less the merge time) for "
-                                                 "islands predicted, from their step times, to push by then.")
-                        ] = _D.grace_ms,
+    grace: Annotated[Optional[float], typer.Option(help=f"Once quorum is in, wait at most this many seconds (less the "
+                                                        "merge time) for islands predicted, from their step times, to "
+                                                        f"push by then (default {DEFAULT_GRACE_S:g}).")] = None,
+    grace_ms: Annotated[Optional[float], typer.Option(hidden=True, help="--grace in milliseconds (older spelling).")
+                        ] = None,
     max_base_lag: Annotated[int, typer.Option(help="Merge a delta trained from a global up to this many versions old "
                                                    "(a slow island's work is not thrown away; 0: refuse them).")
                             ] = _D.max_base_lag,
@@ -475,6 +478,7 @@ def syncer_command(
                         ] = False,
 ) -> None:
     """Run the syncer: wait for learners, run outer rounds, merge, broadcast, checkpoint."""
+    grace_s = grace_seconds(grace, grace_ms)
     cfg = SyncerConfig(**{k: v for k, v in locals().items() if k in SyncerConfig.__dataclass_fields__})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s syncer %(levelname)s %(message)s", datefmt="%H:%M:%S")
     syncer = Syncer(cfg)
@@ -490,7 +494,7 @@ def syncer_command(
 
 with_help_panels(syncer_command, advanced=(
     "outer_lr", "outer_momentum", "straggler_timeout", "quorum_timeout", "learner_timeout", "max_message_mb", "robust",
-    "robust_k", "merge", "merge_weight", "lora_merge", "grace_ms", "max_base_lag", "staleness_exponent",
+    "robust_k", "merge", "merge_weight", "lora_merge", "grace", "max_base_lag", "staleness_exponent",
     "step_normalize", "merge_alpha", "max_learners", "max_connections"))
 
 

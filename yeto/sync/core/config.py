@@ -17,7 +17,7 @@ from yeto.sync.merge import LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS
 from yeto.sync.protocol import DEFAULT_MAX_MESSAGE_MB
 from yeto.sync.quant import BITS
 
-DEFAULT_GRACE_MS = 5000.0  # after quorum, wait at most this long for an island predicted to push soon
+DEFAULT_GRACE_S = 5.0  # after quorum, wait at most this long for an island predicted to push soon
 DEFAULT_MAX_BASE_LAG = 4
 MAX_BASE_LAG = 64  # beyond this a delta describes another model
 DEFAULT_STALENESS_EXPONENT = 0.5
@@ -28,6 +28,9 @@ DEFAULT_MAX_LEARNERS = 1024
 CONTRACT_FIELDS = ("sync_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds", "robust", "robust_k",
                    "merge", "merge_weight", "lora_merge", "max_base_lag", "staleness_exponent", "step_normalize",
                    "merge_alpha", "model", "model_revision")
+# fields whose flag is not the field's name in dashes (a duration is in seconds: its flag needs no unit)
+FLAGS = {"grace_s": "--grace"}
+ALIASES = {"--grace-ms": "grace_s"}  # older spellings a command line may still use (hidden; the CLI converts them)
 
 
 @dataclass
@@ -54,7 +57,7 @@ class SyncerConfig:
     merge: Optional[str] = None  # yeto.sync.merge: mean | rda (None: rda, or mean where another choice needs it)
     merge_weight: str = "loss-tokens"  # loss-tokens | tokens | steps | equal
     lora_merge: str = "factors"  # factors | product
-    grace_ms: float = DEFAULT_GRACE_MS
+    grace_s: float = DEFAULT_GRACE_S
     max_base_lag: int = DEFAULT_MAX_BASE_LAG
     staleness_exponent: float = DEFAULT_STALENESS_EXPONENT
     # scale each delta to the round's longest (FedNova-style): see yeto.sync.merge (None: on in time-window rounds
@@ -115,8 +118,9 @@ class SyncerConfig:
                             "--lora-merge factors, or pick --robust norm-clip")
         if self.merge == "rda" and self.lora_merge == "product":
             raise YetoError("--lora-merge product merges the B.A products by their mean: use it with --merge mean")
-        if self.grace_ms < 0:
-            raise YetoError(f"--grace-ms must be >= 0 (0: close a round as soon as quorum is in), got {self.grace_ms}")
+        if self.grace_s < 0:
+            raise YetoError(f"--grace must be >= 0 seconds (0: close a round as soon as quorum is in), got "
+                            f"{self.grace_s:g}")
         if not 0 <= self.max_base_lag <= MAX_BASE_LAG:
             raise YetoError(f"--max-base-lag must be between 0 (only deltas of the open round's version) and "
                             f"{MAX_BASE_LAG}, got {self.max_base_lag}")
@@ -139,7 +143,7 @@ class SyncerConfig:
             self.step_normalize = saved.get("step_normalize") is True
         for name in CONTRACT_FIELDS:
             if name in saved and saved[name] != getattr(self, name):
-                flag = "--" + name.replace("_", "-")
+                flag = flag_of(name)
                 fix = (f"--{'' if saved[name] else 'no-'}{flag[2:]}" if isinstance(saved[name], bool)
                        else f"{flag} {saved[name]}")  # (a switch has no value)
                 raise YetoError(f"{flag} {getattr(self, name)} conflicts with the checkpoint in {self.out} ({name} "
@@ -159,9 +163,24 @@ class SyncerConfig:
 
     @property
     def grace_cap_s(self) -> float:
-        return min(self.grace_ms / 1000.0, self.straggler_timeout)
+        return min(self.grace_s, self.straggler_timeout)
 
     def pinned(self) -> dict[str, Any]:
         """The contract fields fixed by the syncer's flags rather than by the founding learner."""
         pinned = {"base_model": self.model, "base_revision": self.model_revision}
         return {k: v for k, v in pinned.items() if v is not None}
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of the config field `name`."""
+    return FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def grace_seconds(grace: Optional[float], grace_ms: Optional[float]) -> float:
+    """--grace in seconds, or its older spelling --grace-ms converted; both at once is a mistake."""
+    if grace is not None and grace_ms is not None:
+        raise YetoError(f"--grace {grace:g} and --grace-ms {grace_ms:g} both set the grace: pass only --grace "
+                        "(seconds)")
+    if grace_ms is not None:
+        return grace_ms / 1000.0
+    return DEFAULT_GRACE_S if grace is None else grace

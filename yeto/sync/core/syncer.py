@@ -14,7 +14,7 @@ The round protocol, in the terms used below:
   It closes when quorum responded and either nobody else is expected, or the
   grace after quorum passed: the time until the last expected member's predicted
   push (its last push plus its observed round time), counting only those
-  predicted within the cap (`--grace-ms`, less the time merges take, at most
+  predicted within the cap (`--grace`, less the time merges take, at most
   `--straggler-timeout`); a member not yet measured is waited for up to the cap.
 - A delta trained from an older version (the global moved on while it trained)
   is merged in the round open when it arrives, if its base is at most
@@ -934,10 +934,10 @@ class SyncerCore:
 
     def _grace_until(self, r: OpenRound, waiting: list[int], absent: list[int]) -> float:
         """When a round with quorum in stops waiting: at the latest predicted push among the expected members
-        predicted within the cap (--grace-ms and 5% of the time the round took to reach quorum, less the merge
+        predicted within the cap (--grace and 5% of the time the round took to reach quorum, less the merge
         time), so an island far behind never holds the others (they stay >= 95% busy) and one about to push is not
         left out (a prediction padded for jitter past the cap is cut at the cap, not dropped). A member not measured
-        yet, or overdue (its pace changed), is waited for up to --grace-ms. A time-window round does not close
+        yet, or overdue (its pace changed), is waited for up to --grace. A time-window round does not close
         before its window ends (the members train until then) and predicts each member at the window's end, or one
         step after its start if it started later, padded by the half step a push may trail the window by."""
         start = r.fresh_at if r.fresh_at is not None else r.quorum_at
