@@ -50,9 +50,10 @@ from yeto.sync.core.config import SyncerConfig
 from yeto.sync.core.contract import (InitAdapter, contract_mismatch, contract_problem, init_adapter_problem,
                                      run_contract)
 from yeto.sync.core.fold import TapeFold
-from yeto.sync.core.learner import WINDOW_NEAREST_BOUNDARY
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.core.quorum import quorum_after_give_ups
+from yeto.sync.core.rounds import (ClosePolicy, OpenRound, Pace, RoundMembers, RoundPhase, RoundPhaseError, Verdict,
+                                   close_decision)
 from yeto.sync.layout import Layout, flatten, layout_from_json, layout_mismatch
 from yeto.sync.merge import (DeltaCounts, MergeTerms, merge_terms,
                              product_merge, staleness_factor, weight_of)
@@ -64,10 +65,6 @@ from yeto.sync.quant import ErrorFeedback, QuantError, dequantize
 
 QUORUM_WAIT_LOG_S = 15.0  # how often a round short of quorum says whom it waits for
 PROGRESS_LOG_S = 60.0  # how often a slow round says whom it waits for
-WINDOW_GRACE_CAP_S = 30.0  # a time-window round waits at most this long past its window (or --straggler-timeout)
-GRACE_ROUND_SHARE = 0.05  # ... and at most this share of the time the round took to reach quorum (>= 95% busy)
-GRACE_SLACK = 1.02  # a predicted push: its observed round time (a running estimate) times this ...
-GRACE_SLACK_S = 0.25  # ... plus this (upload, jitter), after its start
 ROUND_TIME_EMA = 0.5  # weight of a member's newest round time in its running estimate
 MERGE_TIME_EMA = 0.5
 FINISH_LINGER_TIMEOUTS = 10  # after the finish, serve stragglers at most this many --learner-timeouts
@@ -109,17 +106,6 @@ class Member:
     round_s: Optional[float] = None  # its observed compute time per round (running estimate)
     step_s: Optional[float] = None  # ... and per inner step (time windows: how far its push may trail the window)
     since: float = 0.0  # when it (last) started training: a round's open, or the ack of its delta
-
-
-@dataclass
-class OpenRound:
-    number: int
-    base_version: int
-    opened_at: float
-    quorum_at: Optional[float] = None
-    fresh_at: Optional[float] = None  # when quorum was met by fresh deltas alone (the grace counts from here)
-    last_wait_log: float = -math.inf
-    ends_at: float = math.inf  # a time-window round's window end: every member's window ends here
 
 
 @dataclass
@@ -276,6 +262,8 @@ class SyncerCore:
             msg = decode(parts, self.max_message_bytes)
             self.principal = principal
             getattr(self, f"_on_{msg.type}", self._on_unexpected)(peer, msg, now)
+        except RoundPhaseError:  # the core's own state is wrong: stop (a restart resumes from the tape), never go on
+            raise
         except ProtocolError as e:
             self._reject(peer, str(e), e.code, now)
         except Exception as e:  # a bug must not take the fleet down: record it, answer, go on
@@ -324,6 +312,8 @@ class SyncerCore:
         self.out = []
         try:
             self._tick(now)
+        except RoundPhaseError:
+            raise
         except Exception as e:  # a bug must not take the fleet down: record it (once per kind), go on
             key = f"{type(e).__name__}: {e}"
             if key not in self.internal_errors:
@@ -879,95 +869,67 @@ class SyncerCore:
             header["seconds_left"] = round(max(0.0, r.ends_at - now), 3)
         return header
 
-    def _expected(self, now: float) -> tuple[list[int], list[int]]:
-        """(live members that have not answered, members known before a restart that may still come back)."""
-        waiting = sorted(m.learner for m in self._live() if m.learner not in self.pending)
-        absent = []
+    def _round_members(self, now: float) -> RoundMembers:
+        """The open round's responders, and whom it expects: the live members that have not answered, and (for a
+        --learner-timeout after a restart) the members known before it that may still come back."""
+        live = self._live()
+        waiting = {m.learner: Pace(m.since, m.round_s, m.step_s)
+                   for m in sorted(live, key=lambda m: m.learner) if m.learner not in self.pending}
+        absent: tuple[int, ...] = ()
         if now < self.absent_until:
-            live = {m.learner for m in self._live()}
-            absent = sorted(lid for lid in self.seen if lid not in live and lid not in self.pending)
-        return waiting, absent
+            here = {m.learner for m in live}
+            absent = tuple(sorted(lid for lid in self.seen if lid not in here and lid not in self.pending))
+        return RoundMembers(tuple(sorted(self.pending)), self._fresh(), waiting, absent)
+
+    def _close_policy(self) -> ClosePolicy:
+        cfg = self.cfg
+        return ClosePolicy(self._quorum(), cfg.grace_cap_s, cfg.straggler_timeout, cfg.quorum_timeout,
+                           cfg.round_seconds, self.merge_s)
 
     def _maybe_close(self, now: float) -> None:
+        """Apply the round's `close_decision`: merge it, keep waiting, or give the run up short of quorum."""
         r = self.round
         if r is None:
             return
-        responders = sorted(self.pending)
-        waiting, absent = self._expected(now)
-        q = self._quorum()
-        if len(responders) >= q:
-            if r.quorum_at is None:
-                r.quorum_at = now
-            window, cap = self.cfg.round_seconds, min(WINDOW_GRACE_CAP_S, self.cfg.straggler_timeout)
-            window_over = window > 0 and now - r.opened_at > window + cap
-            if self._fresh() < q:  # stale deltas made the quorum: the round is paced by those still training
-                until = r.quorum_at + self.cfg.straggler_timeout
-                if math.isfinite(r.ends_at) and waiting:  # ... who train until the window's end
-                    until = max(until, self._grace_until(r, waiting, absent))
-            else:
-                if r.fresh_at is None:
-                    r.fresh_at = now
-                until = self._grace_until(r, waiting, absent)
-            if not (waiting or absent) or now >= until or window_over:
-                self._close_round(now, stragglers=waiting + absent)
-            return
-        if now - r.opened_at > self.cfg.quorum_timeout:
-            self._record("quorum_timeout", round=r.number, responders=responders, quorum=q)
-            self._log("error", f"round {r.number} did not reach quorum {q} within {self.cfg.quorum_timeout:g}s "
-                               f"({len(responders)} responded): giving up")
-            self._finish(f"round {r.number} did not reach quorum {q}", now, code=3, complete=False)
-            return
-        short = len(responders) + len(waiting) + len(absent) < q
-        if now - max(r.opened_at, r.last_wait_log) >= (QUORUM_WAIT_LOG_S if short else PROGRESS_LOG_S):
-            r.last_wait_log = now
-            gone = sorted(lid for lid in self.seen if lid not in {m.learner for m in self._live()}
-                          and lid not in self.pending)
-            if short:  # on the tape too: the run is stuck until someone (re)joins
-                self._record("quorum_wait", round=r.number, responders=responders, waiting=waiting, gone=gone,
-                             quorum=q, short=short)
-                self._log("warning", f"round {r.number} cannot reach quorum {q} with the learners present "
-                                     f"({len(responders)} responded {responders}, training {waiting}, gone {gone}); "
-                                     f"waiting up to {self.cfg.quorum_timeout - (now - r.opened_at):.0f}s more for "
-                                     "learners to (re)join")
-            else:
-                self._log("info", f"round {r.number}: {len(responders)}/{q} responders so far, waiting for {waiting}")
+        members = self._round_members(now)
+        d = close_decision(r, members, now, self._close_policy())
+        r.quorum_at, r.fresh_at = d.quorum_at, d.fresh_at
+        r.enter(RoundPhase.OPEN if d.verdict in (Verdict.SHORT, Verdict.QUORUM_TIMEOUT) else RoundPhase.GRACE)
+        if d.verdict is Verdict.CLOSE:
+            self._close_round(now, stragglers=list(d.waiting_for))
+        elif d.verdict is Verdict.QUORUM_TIMEOUT:
+            self._give_up_round(r, members, now)
+        elif d.verdict is Verdict.SHORT:
+            self._log_wait(r, members, now)
 
-    def _grace_until(self, r: OpenRound, waiting: list[int], absent: list[int]) -> float:
-        """When a round with quorum in stops waiting: at the latest predicted push among the expected members
-        predicted within the cap (--grace and 5% of the time the round took to reach quorum, less the merge
-        time), so an island far behind never holds the others (they stay >= 95% busy) and one about to push is not
-        left out (a prediction padded for jitter past the cap is cut at the cap, not dropped). A member not measured
-        yet, or overdue (its pace changed), is waited for up to --grace. A time-window round does not close
-        before its window ends (the members train until then) and predicts each member at the window's end, or one
-        step after its start if it started later, padded by the half step a push may trail the window by."""
-        start = r.fresh_at if r.fresh_at is not None else r.quorum_at
-        assert start is not None
-        if math.isfinite(r.ends_at) and (waiting or absent):
-            start = max(start, r.ends_at)  # quorum came before the window's end: the others train until then
-        cap = self.cfg.grace_cap_s - self.merge_s
-        deadline = start + max(0.0, min(cap, GRACE_ROUND_SHARE * (start - r.opened_at) - self.merge_s))
-        until = start
-        for lid in waiting + absent:
-            m = self.members.get(lid)
-            if lid in absent or m is None:
-                until = max(until, start + max(0.0, cap))
-                continue
-            if math.isfinite(r.ends_at):
-                if m.step_s is None:  # its pace unknown: it pushes at the window's end, or at most the cap after
-                    due, eta = r.ends_at, math.inf
-                else:
-                    due = max(r.ends_at, m.since + m.step_s)
-                    eta = due + WINDOW_NEAREST_BOUNDARY * m.step_s + GRACE_SLACK_S
-            elif m.round_s is None:
-                until = max(until, start + max(0.0, cap))
-                continue
-            else:
-                due, eta = m.since + m.round_s, m.since + GRACE_SLACK * m.round_s + GRACE_SLACK_S  # measured; padded
-            if eta < start:
-                until = max(until, start + max(0.0, cap))
-            elif due <= deadline:  # (the padding never leaves out one due within the deadline: it is cut there)
-                until = max(until, min(deadline, eta))
-        return until
+    def _give_up_round(self, r: OpenRound, members: RoundMembers, now: float) -> None:
+        q = self._quorum()
+        responders = list(members.responders)
+        self._record("quorum_timeout", round=r.number, responders=responders, quorum=q)
+        self._log("error", f"round {r.number} did not reach quorum {q} within {self.cfg.quorum_timeout:g}s "
+                           f"({len(responders)} responded): giving up")
+        self._finish(f"round {r.number} did not reach quorum {q}", now, code=3, complete=False)
+
+    def _log_wait(self, r: OpenRound, members: RoundMembers, now: float) -> None:
+        """Say, now and then, whom a round short of quorum waits for; on the tape too when those present cannot
+        reach it (the run is stuck until someone (re)joins)."""
+        q = self._quorum()
+        responders, waiting = list(members.responders), list(members.waiting)
+        short = len(responders) + len(members.expected) < q
+        if now - max(r.opened_at, r.last_wait_log) < (QUORUM_WAIT_LOG_S if short else PROGRESS_LOG_S):
+            return
+        r.last_wait_log = now
+        if not short:
+            self._log("info", f"round {r.number}: {len(responders)}/{q} responders so far, waiting for {waiting}")
+            return
+        gone = sorted(lid for lid in self.seen if lid not in {m.learner for m in self._live()}
+                      and lid not in self.pending)
+        self._record("quorum_wait", round=r.number, responders=responders, waiting=waiting, gone=gone,
+                     quorum=q, short=short)
+        self._log("warning", f"round {r.number} cannot reach quorum {q} with the learners present "
+                             f"({len(responders)} responded {responders}, training {waiting}, gone {gone}); "
+                             f"waiting up to {self.cfg.quorum_timeout - (now - r.opened_at):.0f}s more for "
+                             "learners to (re)join")
 
     def observe_merge(self, seconds: float) -> None:
         """The shell measured how long a merge took: the grace leaves that much of the cap for it."""
@@ -978,6 +940,7 @@ class SyncerCore:
         """Merge the round as a transaction; a delta that breaks the merge is refused and the merge retried."""
         r = self.round
         assert r is not None and self.run is not None
+        r.advance(RoundPhase.MERGING)
         while len(self.pending) >= self._quorum():
             ids = self._order()
             try:
@@ -990,6 +953,7 @@ class SyncerCore:
             self._commit(r, ids, merged, stragglers, now)
             return
         r.quorum_at = r.fresh_at = None  # refusals took the round back below quorum: it stays open
+        r.advance(RoundPhase.OPEN)
 
     def _refuse_merged(self, lid: int, reason: str) -> None:
         d = self.pending.pop(lid)
@@ -1090,6 +1054,7 @@ class SyncerCore:
                 "descs": descs, "frames": tuple(frames), "sent": sent, "clip": clip, "rule": rule, "bounds": bounds}
 
     def _commit(self, r: OpenRound, ids: list[int], merged: dict[str, Any], stragglers: list[int], now: float) -> None:
+        r.advance(RoundPhase.COMMITTED)
         run = self.run
         version = run.version + 1
         digest = array_digest(merged["global"])
@@ -1147,6 +1112,8 @@ class SyncerCore:
     def _finish(self, reason: str, now: float, code: int, complete: bool, linger_s: Optional[float] = None) -> None:
         self.finished_at = now
         self.linger_until = now + (FINISH_LINGER_TIMEOUTS * self.cfg.learner_timeout if linger_s is None else linger_s)
+        if self.round is not None:
+            self.round.advance(RoundPhase.ABANDONED)
         self.round = None
         self.finish_header = {"version": self.version, "reason": reason, "complete": complete, "code": code}
         for m in self._active():
