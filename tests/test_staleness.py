@@ -11,7 +11,8 @@ import numpy as np
 from tests.peers import QuadraticIsland, island_thread, tape_with
 from yeto.sync.core.learner import WINDOW_NEAREST_BOUNDARY
 from yeto.sync.core.rounds import GRACE_SLACK, GRACE_SLACK_S, OpenRound, Pace, RoundMembers, grace_until
-from yeto.sync.core.syncer import Member, SyncerConfig, SyncerCore
+from yeto.sync.core.state import Member
+from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 
 GRACE_S = 0.3  # below the slow island's step: it is never waited for
 ROUND_S = 0.6

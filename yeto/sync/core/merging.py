@@ -1,0 +1,194 @@
+"""merging"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from yeto.sync.aggregate import RoundSum, clip_factors, clip_reference, clipped_merge, effective_weight, trimmed_mean
+from yeto.sync.core.actions import Checkpoint, DropDeltas, SaveCheckpoint
+from yeto.sync.core.deltas import Deltas
+from yeto.sync.core.rounds import OpenRound, RoundPhase
+from yeto.sync.core.state import Broadcast
+from yeto.sync.merge import MergeTerms, merge_terms, product_merge
+from yeto.sync.outer import nesterov_step
+from yeto.sync.protocol import Code, array_digest, encode_fragments_ef, truncate
+from yeto.sync.quant import ErrorFeedback, QuantError
+
+MERGED_HISTORY = 16  # per learner id, its latest merged deltas: one back from a long absence learns which counted
+
+
+class MergeError(Exception):
+    pass
+
+
+class Merging(Deltas):
+    def _close_round(self, now: float, stragglers: list[int]) -> None:
+        """Merge the round as a transaction; a delta that breaks the merge is refused and the merge retried."""
+        r = self.round
+        assert r is not None and self.run is not None
+        r.advance(RoundPhase.MERGING)
+        while len(self.pending) >= self._quorum():
+            ids = self._order()
+            try:
+                merged = self._merge(ids)
+            except MergeError as e:
+                contribution = self._contributions(ids)  # (the delta that moves the merge most, not the largest)
+                culprit = max(ids, key=lambda i: (contribution[i], i))
+                self._refuse_merged(culprit, f"round {r.number} could not be merged with this delta: {e}")
+                continue
+            self._commit(r, ids, merged, stragglers, now)
+            return
+        r.quorum_at = r.fresh_at = None  # refusals took the round back below quorum: it stays open
+        r.advance(RoundPhase.OPEN)
+
+    def _refuse_merged(self, lid: int, reason: str) -> None:
+        d = self.pending.pop(lid)
+        order = self._order()
+        # rebuilt without it, in the order the others arrived
+        self.sum = RoundSum.for_rule(self.run.layout, self.cfg.merge)
+        for i in order:
+            self.sum.add(i, self._decode(self.pending[i]), self._weight(self.pending[i]), self._scale(self.pending[i]))
+        reason = truncate(reason)
+        self._record("refuse_delta", learner=lid, round=d.round, digest=d.digest, reason=reason)
+        self.out.append(DropDeltas(round=d.round, learner=lid))
+        m = self.members.get(lid)
+        if m is not None and m.active:
+            self._send(m.peer, "error", {"code": str(Code.REFUSED), "reason": reason, "round": d.base_version + 1,
+                                         "base_version": d.base_version, "digest": d.digest, "version": self.version})
+        self._remember_refused(d.digest)
+        self._log("warning", f"refused learner {lid}'s delta: {reason}")
+
+    def _order(self) -> list[int]:
+        """The pending deltas' learners in the order they were added to the running sum."""
+        return [i for i in self.sum.order if i in self.pending] if self.sum is not None else sorted(self.pending)
+
+    def _terms(self, ids: list[int]) -> MergeTerms:
+        """The bounded weights and scales of merging these pending deltas (`yeto.sync.merge.merge_terms`)."""
+        ds = [self.pending[i] for i in ids]
+        return merge_terms([self._counts(d) for d in ds], self.cfg.merge_weight, [d.lag for d in ds],
+                           self.cfg.staleness_exponent, bool(self.cfg.step_normalize), [d.round_steps for d in ds])
+
+    def _bounded_sum(self, ids: list[int], terms: MergeTerms) -> RoundSum:
+        """The round's running sum, or, where a claim was capped or a scale bounded, the sum rebuilt with what each
+        delta counts for (the running sum adds each delta as it arrives, before the round's median is known)."""
+        arrived = [(self._weight(self.pending[i]), self._scale(self.pending[i])) for i in ids]
+        if all(a == (w, sc) for a, w, sc in zip(arrived, terms.counted, terms.scales)):
+            return self.sum.copy()
+        s = RoundSum.for_rule(self.run.layout, self.cfg.merge)
+        for i, w, sc in zip(ids, terms.counted, terms.scales):
+            s.add(i, self._decode(self.pending[i]), w, sc)
+        return s
+
+    def _contributions(self, ids: list[int]) -> dict[int, float]:
+        """How far each delta could move the merge: its bounded weight x scale x largest value."""
+        t = self._terms(ids)
+        total = sum(t.counted) or 1.0
+        return {i: w / total * sc * t.length * self.pending[i].peak for i, w, sc in zip(ids, t.counted, t.scales)}
+
+    def _merge(self, ids: list[int]) -> dict[str, Any]:
+        run, cfg = self.run, self.cfg
+        ds = [self.pending[i] for i in ids]
+        terms = self._terms(ids)
+        scales = dict(zip(ids, terms.scales))
+        most = np.float32(terms.length)
+        unnormalised = {i: effective_weight(w, scales[i]) for i, w in zip(ids, terms.counted)}
+        norms = [d.norm * scales[i] * terms.length for i, d in zip(ids, ds)]  # (the deltas as they are merged)
+        rule: dict[str, Any] = {}  # what the rule reports on the tape
+        ref = clip_reference(norms, list(self.norm_history))
+        try:
+            with np.errstate(all="ignore"):
+                weights = np.asarray(terms.counted, dtype=np.float64) / sum(terms.counted)
+                clip: dict[int, float] = {}
+                if cfg.robust == "trimmed-mean":  # fragment by fragment: n fragments in memory, not n adapters
+                    avg = trimmed_mean(lambda k: np.stack([self._decode_fragment(self.pending[i], k) * np.float32(
+                        scales[i] * most) for i in ids]), terms.counted, run.layout)
+                else:
+                    if cfg.robust == "norm-clip":
+                        factors = clip_factors(norms, ref, cfg.robust_k)
+                        clip = {i: c for i, c in zip(ids, factors) if c < 1.0}
+                    if cfg.lora_merge == "factors":  # the running sums: one or two vectors in memory, not n
+                        avg, fallbacks = clipped_merge(self._bounded_sum(ids, terms), clip, unnormalised,
+                                                       lambda i: self._decode(self.pending[i]))
+                        avg = avg * most
+                        rule = {} if fallbacks is None else {"rda_fallbacks": fallbacks}
+                    else:  # every delta at once (LoRA adapters are small: n of them fit where one base does not)
+                        deltas = [self._decode(self.pending[i]) * np.float32(clip.get(i, 1.0) * scales[i] * most)
+                                  for i in ids]
+                        pm = product_merge([run.global_ + d for d in deltas], weights, run.layout)
+                        avg = pm.merged - run.global_
+                        rule = {"residual": pm.residual, "residual_mean": pm.residual_mean}
+                new_global, momentum = nesterov_step(run.global_, avg, run.momentum, cfg.outer_lr, cfg.outer_momentum)
+                if not (np.isfinite(new_global).all() and np.isfinite(momentum).all()):
+                    raise MergeError("the outer step overflows")
+                ef = ErrorFeedback(run.layout.numel)
+                ef.residual = self.ef.residual
+                descs, frames, sent = encode_fragments_ef(run.layout, new_global - run.global_, cfg.sync_bits, ef)
+                committed = run.global_ + sent
+                if not np.isfinite(committed).all():
+                    raise MergeError("the new global adapter is not finite")
+        except (QuantError, ValueError, FloatingPointError, OverflowError) as e:
+            raise MergeError(str(e)) from e
+        bounds = {"counted": list(terms.counted), "merged_norms": [n * clip.get(i, 1.0) for i, n in zip(ids, norms)],
+                  "clip_ref": ref if cfg.robust == "norm-clip" else None}
+        weights = weights * np.asarray([scales[i] * float(most) for i in ids])  # what each delta counted for
+        return {"global": committed, "momentum": momentum, "residual": ef.residual, "weights": weights,
+                "descs": descs, "frames": tuple(frames), "sent": sent, "clip": clip, "rule": rule, "bounds": bounds}
+
+    def _commit(self, r: OpenRound, ids: list[int], merged: dict[str, Any], stragglers: list[int], now: float) -> None:
+        r.advance(RoundPhase.COMMITTED)
+        run = self.run
+        version = run.version + 1
+        digest = array_digest(merged["global"])
+        summed, ids = ids, sorted(ids)  # the tape lists responders sorted, and the order they were summed in
+        weights = [float(w) for _, w in sorted(zip(summed, merged["weights"]))]
+        b = merged["bounds"]
+        bounds = {"clip_ref": b["clip_ref"], **{k: [float(x) for _, x in sorted(zip(summed, b[k]))]
+                                                for k in ("counted", "merged_norms")}}
+        deltas = [self.pending[i].digest for i in ids]
+        lags = [self.pending[i].lag for i in ids]
+        self._record("merge", round=r.number, version=version, responders=ids, weights=weights,
+                     loss_tokens=[self.pending[i].loss_tokens for i in ids], deltas=deltas, digest=digest,
+                     stragglers=stragglers, update_norm=float(np.linalg.norm(merged["sent"])), summed=summed,
+                     robust=self.cfg.robust, clip={str(i): c for i, c in merged["clip"].items()},
+                     merge=self.cfg.merge, merge_weight=self.cfg.merge_weight, lora_merge=self.cfg.lora_merge,
+                     step_normalize=self.cfg.step_normalize,
+                     lags=lags, **bounds,
+                     grace_s=round(now - r.fresh_at, 6) if r.fresh_at is not None else None, **merged["rule"])
+        if merged["clip"]:
+            self._log("warning", f"round {r.number}: robust merge clipped learner(s) "
+                                 f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged['clip'].items())}")
+        self.norm_history.extend(b["merged_norms"])
+        for i in ids:
+            d = self.pending[i]
+            history = self.merged.setdefault(i, [])
+            history.append(d.ref()[::2])  # [the round it trained, digest]: as its learner names it
+            del history[:-MERGED_HISTORY]
+            m = self.members.get(i)
+            if m is not None and d.lag == 0:
+                m.since = now  # it waited for this merge: it trains from the broadcast on
+        self.run = Checkpoint(version, run.layout, run.adapter_config, run.provenance, merged["global"],
+                              merged["momentum"], merged["residual"], digest, asdict(self.cfg), sorted(self.seen),
+                              dict(self.merged), contract=run.contract)
+        self.ef.residual = merged["residual"]
+        self.digests[version] = digest
+        for v in [v for v in self.digests if v < version - self.cfg.max_base_lag]:
+            del self.digests[v]
+        self.out.append(SaveCheckpoint(self._checkpoint()))
+        self._record("checkpoint", version=version, digest=digest)
+        self.out.append(DropDeltas(through_round=r.number))
+        self.pending = {}
+        self.sum = RoundSum.for_rule(run.layout, self.cfg.merge)
+        self.round = None
+        header = {"version": version, "round": r.number, "digest": digest, "responders": ids, "weights": weights,
+                  "deltas": deltas, "lags": lags, "fragments": merged["descs"]}
+        self.last_broadcast = Broadcast(version, header, merged["frames"])
+        to = []
+        for m in self._live():
+            self._send(m.peer, "broadcast", header, merged["frames"])
+            to.append(m.learner)
+        self._record("broadcast", round=r.number, version=version, to=to, bits=self.cfg.sync_bits)
+        self._log("info", f"round {r.number} merged {ids} weights {[round(w, 3) for w in weights]}; version {version}")
+        self._maybe_open(now)
