@@ -1,10 +1,19 @@
-"""admission"""
+"""Admission: who may join the run, as whom, and how a new run is founded.
+
+A hello is checked in steps that read in order: its own fields (`_checked_hello`), then whether the learner fits the
+run (`_hello_refusal`: its config, its key, its adapter's layout, its contract, the size of its deltas), then its
+claim to a learner id (`_check_id_free`: the identity that holds the id; `_make_room`: the limits on fresh ids and
+on members; `_take_over`: a new session for a known id), and it joins (`_join`). A refusal is answered and on the tape;
+a malformed hello is an error. Before the run has a version 0, the first hello defines its layout and contract
+(`_begin_founding`) and one member is asked for the initial adapter (`_ask_founder`, `_on_init`, `_found`), unless the
+syncer was given one (--init-adapter). A welcome tells a member the run's state and its data shard.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -13,19 +22,9 @@ from yeto.sync.aggregate import RoundSum
 from yeto.sync.core.actions import Checkpoint, SaveCheckpoint
 from yeto.sync.core.contract import contract_mismatch, contract_problem, init_adapter_problem, run_contract
 from yeto.sync.core.state import FRESH_IDS_PER_WINDOW, RATE_WINDOW_S, Founding, Member, SyncerState
-from yeto.sync.layout import flatten, layout_from_json, layout_mismatch
-from yeto.sync.protocol import (
-    PROTOCOL_VERSION,
-    Code,
-    Message,
-    ProtocolError,
-    array_digest,
-    decode_fragments,
-    identity_proof,
-    message_size,
-    session_start,
-    truncate,
-)
+from yeto.sync.layout import Layout, flatten, layout_from_json, layout_mismatch
+from yeto.sync.protocol import (PROTOCOL_VERSION, Code, Message, ProtocolError, array_digest, decode_fragments,
+                                identity_proof, message_size, session_start, truncate)
 from yeto.sync.quant import ErrorFeedback
 
 MAX_ADAPTER_CONFIG_BYTES = 64 << 10
@@ -36,109 +35,154 @@ MAX_LEARNER_ID = (1 << 31) - 1
 MAX_RETIRED_SESSIONS = 8  # per learner id: older sessions that get "superseded" instead of "say hello"
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a hello is refused: the code, the reason its learner reads, and what the tape's record adds."""
+
+    code: Code
+    reason: str
+    fields: dict[str, Any]
+
+
 class Admission(SyncerState):
+    """Hello, identity and sessions, founding, welcome."""
+
     def _on_hello(self, peer: str, msg: Message, now: float) -> None:
+        """A learner asks to join: its hello is checked, then what it claims (its id, its identity, its session),
+        then it becomes a member; before the run is founded it is asked for (or waits for) the initial adapter."""
         h = msg.header
-        lid, session, backend = h["learner"], h["session"], h["backend"]
         if self.run is None and self.finished_at is not None:
             self._send(peer, "finish", self.finish_header_for_wire())
             return
+        layout = self._checked_hello(h)
+        refusal = self._hello_refusal(h, layout)
+        if refusal is not None:
+            self._refuse(peer, h["learner"], refusal.code, refusal.reason, now, **refusal.fields)
+            return
+        old = self.members.get(h["learner"])
+        proof = identity_proof(h["identity"])
+        self._check_id_free(h["learner"], old, proof, now)
+        if old is None:
+            self._make_room(peer, h["learner"], now)
+        elif old.session != h["session"] and not self._take_over(old, h["session"]):
+            self._send(peer, "finish", self.finish_header_for_wire())  # the run is over anyway: it may stop
+            return
+        self._join(peer, h, layout, proof, rejoin=old is not None or h["learner"] in self.seen, now=now)
+
+    def _checked_hello(self, h: dict[str, Any]) -> Layout:
+        """The hello's own fields, checked (a malformed one is an error, not a refusal); returns its layout."""
+        lid, session = h["learner"], h["session"]
         if not 0 <= lid <= MAX_LEARNER_ID:
             raise ProtocolError(f"learner id must be between 0 and {MAX_LEARNER_ID}")
         if session in self.retired.get(lid, ()):
             raise ProtocolError(f"learner {lid}'s session {truncate(session, 20)} was taken over by a newer one",
                                 Code.SUPERSEDED)
-        if not 0 < len(session) <= MAX_SESSION_CHARS or len(backend) > MAX_BACKEND_CHARS:
+        if not 0 < len(session) <= MAX_SESSION_CHARS or len(h["backend"]) > MAX_BACKEND_CHARS:
             raise ProtocolError(f"hello: session must be 1-{MAX_SESSION_CHARS} characters and backend at most "
                                 f"{MAX_BACKEND_CHARS}")
         try:
-            layout = layout_from_json(h["layout"])
+            return layout_from_json(h["layout"])
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ProtocolError(f"hello: malformed layout ({truncate(str(e), 200)})") from e
+
+    def _hello_refusal(self, h: dict[str, Any], layout: Layout) -> Optional[Refusal]:
+        """Why this learner cannot join the run, or None: its config, its key, its adapter's layout, its contract,
+        the syncer's --init-adapter, or the size its deltas would be (checked in that order)."""
+        lid, backend = h["learner"], {"backend": h["backend"]}
         problem = _config_problem(h["adapter_config"], h.get("provenance", {})) or contract_problem(h["contract"])
         if problem:
-            return self._refuse(peer, lid, Code.BAD_CONFIG, problem, now, backend=backend)
+            return Refusal(Code.BAD_CONFIG, problem, backend)
         bound = self._principal_problem(lid)
         if bound:
-            return self._refuse(peer, lid, Code.IDENTITY, bound, now, principal=self.principal)
+            return Refusal(Code.IDENTITY, bound, {"principal": self.principal})
         run_layout = self.run.layout if self.run else self.founding.layout if self.founding else None
-        if run_layout is not None:
-            problem = layout_mismatch(run_layout, layout)
-            if problem:
-                return self._refuse(peer, lid, Code.LAYOUT, f"adapter layout differs from the run's: {problem}", now,
-                                    backend=backend)
+        problem = layout_mismatch(run_layout, layout) if run_layout is not None else None
+        if problem:
+            return Refusal(Code.LAYOUT, f"adapter layout differs from the run's: {problem}", backend)
         contract = self.run.contract if self.run else self.founding.contract if self.founding else self.cfg.pinned()
         problem = contract_mismatch(contract, h["contract"])
         if problem:
-            return self._refuse(peer, lid, Code.CONTRACT, f"this learner does not match the run's contract: {problem}"
-                                f"; start it with the run's settings", now, backend=backend)
-        if self.run is None and self.init is not None:
-            problem = init_adapter_problem(self.init, layout, h["adapter_config"], h["contract"])
-            if problem:
-                return self._refuse(peer, lid, Code.CONTRACT, f"the syncer's --init-adapter {self.init.source} cannot "
-                                    f"start this run: {problem}; start the learners with its settings, or the "
-                                    "syncer with another adapter", now, backend=backend)
+            return Refusal(Code.CONTRACT, f"this learner does not match the run's contract: {problem}; start it with "
+                           "the run's settings", backend)
+        problem = init_adapter_problem(self.init, layout, h["adapter_config"], h["contract"]) \
+            if self.run is None and self.init is not None else None
+        if problem:
+            return Refusal(Code.CONTRACT, f"the syncer's --init-adapter {self.init.source} cannot start this run: "
+                           f"{problem}; start the learners with its settings, or the syncer with another adapter",
+                           backend)
         need = message_size(layout, self.cfg.sync_bits)
         if need > self.max_message_bytes:
-            return self._refuse(peer, lid, Code.TOO_LARGE,
-                                f"this adapter's deltas ({layout.numel:,} values at {self.cfg.sync_bits} bits) need "
-                                f"messages of {need / 2**20:.0f} MiB, above --max-message-mb "
-                                f"{self.cfg.max_message_mb}: "
-                                "restart the syncer with a larger --max-message-mb", now, backend=backend)
-        proof = identity_proof(h["identity"])
-        old = self.members.get(lid)
+            return Refusal(Code.TOO_LARGE, f"this adapter's deltas ({layout.numel:,} values at {self.cfg.sync_bits} "
+                           f"bits) need messages of {need / 2**20:.0f} MiB, above --max-message-mb "
+                           f"{self.cfg.max_message_mb}: restart the syncer with a larger --max-message-mb", backend)
+        return None
+
+    def _check_id_free(self, lid: int, old: Optional[Member], proof: str, now: float) -> None:
+        """Another identity claims a held id: refused while its holder is live (or expected back after a restart); a
+        relaunched learner on a new machine gets the id once the old holder is gone."""
         owner = self.owners.get(lid)
-        if owner is not None and owner != proof and (
-                (old is not None and old.active) or (old is None and lid in self.seen and now < self.absent_until)):
-            # another identity claims a held id: refused while its holder is live (or expected back after a
-            # restart); a relaunched learner on a new machine gets the id once the old holder is gone
+        held = (old is not None and old.active) or (old is None and lid in self.seen and now < self.absent_until)
+        if owner is not None and owner != proof and held:
             raise ProtocolError(f"learner id {lid} is held by a live learner with another identity; retrying until it "
                                 "goes silent (two learners with the same --learner-id?)", Code.ID_TAKEN)
-        if old is None and lid not in self.seen:
+
+    def _make_room(self, peer: str, lid: int, now: float) -> None:
+        """A learner id with no member record: admitted if new to the run within its limits, and with room for it."""
+        if lid not in self.seen:
             self._admit_fresh(peer, lid, now)
-        if old is None and len(self.members) >= self.cfg.max_learners and not self._evict_member():
+        if len(self.members) >= self.cfg.max_learners and not self._evict_member():
             raise ProtocolError(f"the run holds --max-learners {self.cfg.max_learners} live learners; retrying",
                                 Code.BUSY)
-        if old is not None and old.session != session and old.active and session_start(session) < session_start(
-                old.session):  # a hello from an older process (delayed, or one that woke up): never the newer's id
+
+    def _take_over(self, old: Member, session: str) -> bool:
+        """A new session for a member's id takes it over (the old one is told, and retired unless it is older);
+        a hello from an older process than a live member's never does: False once the run is over (it may just
+        stop), else it is asked to retry."""
+        lid = old.learner
+        if old.active and session_start(session) < session_start(old.session):  # (delayed, or one that woke up)
             if self.finish_header is not None:
-                self._send(peer, "finish", self.finish_header_for_wire())  # the run is over anyway: it may stop
-                return
+                return False
             raise ProtocolError(f"learner id {lid} is held by a live session that started later; retrying until it "
                                 "goes silent (another process with this --learner-id is running?)", Code.BUSY)
-        if old is not None and old.session != session:
-            if session_start(session) >= session_start(old.session):  # an older one (it was silent) is not retired:
-                retired = self.retired.setdefault(lid, [])  # it takes the id back when it returns
-                retired.append(old.session)
-                del retired[:-MAX_RETIRED_SESSIONS]
-            if old.active:
-                self._send(old.peer, "refuse", {"code": str(Code.SUPERSEDED),
-                                                "reason": f"learner id {lid} was taken over by a new session"})
-            self._record("supersede", learner=lid, old_session=old.session, session=session)
-        rejoin = old is not None or lid in self.seen
-        m = Member(lid, session, peer, backend, now, principal=self.principal,
+        if session_start(session) >= session_start(old.session):  # an older one (it was silent) is not retired:
+            retired = self.retired.setdefault(lid, [])  # it takes the id back when it returns
+            retired.append(old.session)
+            del retired[:-MAX_RETIRED_SESSIONS]
+        if old.active:
+            self._send(old.peer, "refuse", {"code": str(Code.SUPERSEDED),
+                                            "reason": f"learner id {lid} was taken over by a new session"})
+        self._record("supersede", learner=lid, old_session=old.session, session=session)
+        return True
+
+    def _join(self, peer: str, h: dict[str, Any], layout: Layout, proof: str, rejoin: bool, now: float) -> None:
+        """Make the hello's sender the member for its id: welcomed into the run, or (not founded yet) the founding."""
+        lid = h["learner"]
+        m = Member(lid, h["session"], peer, h["backend"], now, principal=self.principal,
                    tokens_per_step=h["contract"]["tokens_per_step"])
         self.members[lid] = m
-        if owner != proof:
+        if self.owners.get(lid) != proof:
             self.owners[lid] = proof
-        if self.run is None:
-            if self.founding is None:
-                contract = run_contract(h["contract"], self.cfg.pinned())
-                contract["num_learners"] = contract.get("num_learners") or self.cfg.learners  # (the shard count)
-                self.founding = Founding(layout, h["adapter_config"], _run_provenance(h.get("provenance") or {},
-                                                                                       contract), contract)
-                self._record("layout", learner=lid, fingerprint=layout.fingerprint, tensors=len(layout.specs),
-                             numel=layout.numel, fragments=len(layout.fragments))
-                self._record("contract", learner=lid, **contract, sync_bits=self.cfg.sync_bits,
-                             protocol=PROTOCOL_VERSION)
-            if self.init is not None:  # version 0 is the given adapter, exact (no upload, no quantization)
-                self._found(lid, flatten(layout, self.init.tensors), now, source=self.init.source)
-                return
-            self._record("join", learner=lid, backend=backend, session=session, rejoin=rejoin, waiting_for="init")
-            self._ask_founder(again_from=lid)
+        if self.run is not None:
+            self._welcome(m, now, rejoin=rejoin, learner_version=h["version"])
+            self._maybe_open(now)
             return
-        self._welcome(m, now, rejoin=rejoin, learner_version=h["version"])
-        self._maybe_open(now)
+        if self.founding is None:
+            self._begin_founding(lid, h, layout)
+        if self.init is not None:  # version 0 is the given adapter, exact (no upload, no quantization)
+            self._found(lid, flatten(layout, self.init.tensors), now, source=self.init.source)
+            return
+        self._record("join", learner=lid, backend=m.backend, session=m.session, rejoin=rejoin, waiting_for="init")
+        self._ask_founder(again_from=lid)
+
+    def _begin_founding(self, lid: int, h: dict[str, Any], layout: Layout) -> None:
+        """The first learner's hello defines the run: its layout and contract (with what the syncer pins)."""
+        contract = run_contract(h["contract"], self.cfg.pinned())
+        contract["num_learners"] = contract.get("num_learners") or self.cfg.learners  # (the shard count)
+        self.founding = Founding(layout, h["adapter_config"], _run_provenance(h.get("provenance") or {}, contract),
+                                 contract)
+        self._record("layout", learner=lid, fingerprint=layout.fingerprint, tensors=len(layout.specs),
+                     numel=layout.numel, fragments=len(layout.fragments))
+        self._record("contract", learner=lid, **contract, sync_bits=self.cfg.sync_bits, protocol=PROTOCOL_VERSION)
 
     def _principal_problem(self, lid: int) -> Optional[str]:
         """Why this connection's key may not speak for learner `lid`, or None."""

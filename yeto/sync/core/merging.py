@@ -1,9 +1,17 @@
-"""merging"""
+"""The merge transaction: a round's pending deltas combined, the outer step taken, the next version committed.
+
+`_close_round` merges on copies (`_merge`: the rule's average, `_average`, then the outer Nesterov step and the
+broadcast's quantization); a delta that makes the merge fail is refused (on the tape, to its learner: the one that
+moves the merge most, `_contributions`) and the merge is retried without it; the run's state changes only in
+`_commit`, once a merge completed. Each delta counts for its bounded claim (`_terms`: no claim buys more than the
+round's median weight allows) and its staleness scale. Durability order: the merge is recorded, the checkpoint saved,
+then the new version broadcast.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
 
 import numpy as np
 
@@ -21,10 +29,40 @@ MERGED_HISTORY = 16  # per learner id, its latest merged deltas: one back from a
 
 
 class MergeError(Exception):
-    pass
+    """A merge that cannot be made with these deltas (its result is not finite, or a delta does not fit the rule)."""
+
+
+@dataclass
+class Average:
+    """The rule's combined delta, and what the rule did: the deltas it clipped (by factor) and what it reports."""
+
+    delta: np.ndarray
+    clip: dict[int, float] = field(default_factory=dict)
+    rule: dict[str, Any] = field(default_factory=dict)  # extra fields of the tape's merge record
+
+
+@dataclass
+class Merged:
+    """A merge computed on copies: the run's next state, and what the tape records of it (per delta, in the order
+    the deltas were summed)."""
+
+    global_: np.ndarray  # the new global adapter, as learners will hold it (the update quantized for the broadcast)
+    momentum: np.ndarray
+    residual: np.ndarray  # the broadcast's error feedback after this update
+    sent: np.ndarray  # the update as broadcast
+    descs: list[dict[str, Any]]
+    frames: tuple[bytes, ...]
+    weights: np.ndarray  # what each delta counted for
+    counted: list[float]  # each delta's bounded claim
+    merged_norms: list[float]  # each delta's norm as merged (scaled, clipped)
+    clip_ref: Optional[float]  # norm-clip: the reference norm the clip is relative to
+    clip: dict[int, float]
+    rule: dict[str, Any]
 
 
 class Merging(Deltas):
+    """Closing a round: the merge transaction and its commit."""
+
     def _close_round(self, now: float, stragglers: list[int]) -> None:
         """Merge the round as a transaction; a delta that breaks the merge is refused and the merge retried."""
         r = self.round
@@ -88,39 +126,21 @@ class Merging(Deltas):
         total = sum(t.counted) or 1.0
         return {i: w / total * sc * t.length * self.pending[i].peak for i, w, sc in zip(ids, t.counted, t.scales)}
 
-    def _merge(self, ids: list[int]) -> dict[str, Any]:
+    def _merge(self, ids: list[int]) -> Merged:
+        """The merge of these pending deltas and the outer step, computed on copies (the run is untouched until
+        `_commit`); MergeError where the result is not finite or the deltas do not fit the rule."""
         run, cfg = self.run, self.cfg
-        ds = [self.pending[i] for i in ids]
         terms = self._terms(ids)
         scales = dict(zip(ids, terms.scales))
         most = np.float32(terms.length)
-        unnormalised = {i: effective_weight(w, scales[i]) for i, w in zip(ids, terms.counted)}
-        norms = [d.norm * scales[i] * terms.length for i, d in zip(ids, ds)]  # (the deltas as they are merged)
-        rule: dict[str, Any] = {}  # what the rule reports on the tape
+        norms = [self.pending[i].norm * scales[i] * terms.length for i in ids]  # (the deltas as they are merged)
         ref = clip_reference(norms, list(self.norm_history))
         try:
             with np.errstate(all="ignore"):
                 weights = np.asarray(terms.counted, dtype=np.float64) / sum(terms.counted)
-                clip: dict[int, float] = {}
-                if cfg.robust == "trimmed-mean":  # fragment by fragment: n fragments in memory, not n adapters
-                    avg = trimmed_mean(lambda k: np.stack([self._decode_fragment(self.pending[i], k) * np.float32(
-                        scales[i] * most) for i in ids]), terms.counted, run.layout)
-                else:
-                    if cfg.robust == "norm-clip":
-                        factors = clip_factors(norms, ref, cfg.robust_k)
-                        clip = {i: c for i, c in zip(ids, factors) if c < 1.0}
-                    if cfg.lora_merge == "factors":  # the running sums: one or two vectors in memory, not n
-                        avg, fallbacks = clipped_merge(self._bounded_sum(ids, terms), clip, unnormalised,
-                                                       lambda i: self._decode(self.pending[i]))
-                        avg = avg * most
-                        rule = {} if fallbacks is None else {"rda_fallbacks": fallbacks}
-                    else:  # every delta at once (LoRA adapters are small: n of them fit where one base does not)
-                        deltas = [self._decode(self.pending[i]) * np.float32(clip.get(i, 1.0) * scales[i] * most)
-                                  for i in ids]
-                        pm = product_merge([run.global_ + d for d in deltas], weights, run.layout)
-                        avg = pm.merged - run.global_
-                        rule = {"residual": pm.residual, "residual_mean": pm.residual_mean}
-                new_global, momentum = nesterov_step(run.global_, avg, run.momentum, cfg.outer_lr, cfg.outer_momentum)
+                avg = self._average(ids, terms, weights, norms, ref)
+                new_global, momentum = nesterov_step(run.global_, avg.delta, run.momentum, cfg.outer_lr,
+                                                     cfg.outer_momentum)
                 if not (np.isfinite(new_global).all() and np.isfinite(momentum).all()):
                     raise MergeError("the outer step overflows")
                 ef = ErrorFeedback(run.layout.numel)
@@ -131,48 +151,65 @@ class Merging(Deltas):
                     raise MergeError("the new global adapter is not finite")
         except (QuantError, ValueError, FloatingPointError, OverflowError) as e:
             raise MergeError(str(e)) from e
-        bounds = {"counted": list(terms.counted), "merged_norms": [n * clip.get(i, 1.0) for i, n in zip(ids, norms)],
-                  "clip_ref": ref if cfg.robust == "norm-clip" else None}
-        weights = weights * np.asarray([scales[i] * float(most) for i in ids])  # what each delta counted for
-        return {"global": committed, "momentum": momentum, "residual": ef.residual, "weights": weights,
-                "descs": descs, "frames": tuple(frames), "sent": sent, "clip": clip, "rule": rule, "bounds": bounds}
+        return Merged(global_=committed, momentum=momentum, residual=ef.residual, sent=sent, descs=descs,
+                      frames=tuple(frames), weights=weights * np.asarray([scales[i] * float(most) for i in ids]),
+                      counted=list(terms.counted), merged_norms=[n * avg.clip.get(i, 1.0) for i, n in zip(ids, norms)],
+                      clip_ref=ref if cfg.robust == "norm-clip" else None, clip=avg.clip, rule=avg.rule)
 
-    def _commit(self, r: OpenRound, ids: list[int], merged: dict[str, Any], stragglers: list[int], now: float) -> None:
+    def _average(self, ids: list[int], terms: MergeTerms, weights: np.ndarray, norms: list[float],
+                 ref: float) -> Average:
+        """The deltas combined by the run's rule (--robust, --merge, --lora-merge), at the round's length."""
+        run, cfg = self.run, self.cfg
+        scales = dict(zip(ids, terms.scales))
+        most = np.float32(terms.length)
+        if cfg.robust == "trimmed-mean":  # fragment by fragment: n fragments in memory, not n adapters
+            return Average(trimmed_mean(lambda k: np.stack([self._decode_fragment(self.pending[i], k) * np.float32(
+                scales[i] * most) for i in ids]), terms.counted, run.layout))
+        clip: dict[int, float] = {}
+        if cfg.robust == "norm-clip":
+            factors = clip_factors(norms, ref, cfg.robust_k)
+            clip = {i: c for i, c in zip(ids, factors) if c < 1.0}
+        if cfg.lora_merge == "factors":  # the running sums: one or two vectors in memory, not n
+            unnormalised = {i: effective_weight(w, scales[i]) for i, w in zip(ids, terms.counted)}
+            avg, fallbacks = clipped_merge(self._bounded_sum(ids, terms), clip, unnormalised,
+                                           lambda i: self._decode(self.pending[i]))
+            return Average(avg * most, clip, {} if fallbacks is None else {"rda_fallbacks": fallbacks})
+        # every delta at once (LoRA adapters are small: n of them fit where one base does not)
+        deltas = [self._decode(self.pending[i]) * np.float32(clip.get(i, 1.0) * scales[i] * most) for i in ids]
+        pm = product_merge([run.global_ + d for d in deltas], weights, run.layout)
+        return Average(pm.merged - run.global_, clip, {"residual": pm.residual, "residual_mean": pm.residual_mean})
+
+    def _commit(self, r: OpenRound, ids: list[int], merged: Merged, stragglers: list[int], now: float) -> None:
+        """The merge becomes the run's next version: on the tape, checkpointed, then broadcast (in that order)."""
         r.advance(RoundPhase.COMMITTED)
         run = self.run
         version = run.version + 1
-        digest = array_digest(merged["global"])
+        digest = array_digest(merged.global_)
         summed, ids = ids, sorted(ids)  # the tape lists responders sorted, and the order they were summed in
-        weights = [float(w) for _, w in sorted(zip(summed, merged["weights"]))]
-        b = merged["bounds"]
-        bounds = {"clip_ref": b["clip_ref"], **{k: [float(x) for _, x in sorted(zip(summed, b[k]))]
-                                                for k in ("counted", "merged_norms")}}
+
+        def by_learner(values: Any) -> list[float]:
+            return [float(x) for _, x in sorted(zip(summed, values))]
+
+        weights = by_learner(merged.weights)
         deltas = [self.pending[i].digest for i in ids]
         lags = [self.pending[i].lag for i in ids]
         self._record("merge", round=r.number, version=version, responders=ids, weights=weights,
                      loss_tokens=[self.pending[i].loss_tokens for i in ids], deltas=deltas, digest=digest,
-                     stragglers=stragglers, update_norm=float(np.linalg.norm(merged["sent"])), summed=summed,
-                     robust=self.cfg.robust, clip={str(i): c for i, c in merged["clip"].items()},
+                     stragglers=stragglers, update_norm=float(np.linalg.norm(merged.sent)), summed=summed,
+                     robust=self.cfg.robust, clip={str(i): c for i, c in merged.clip.items()},
                      merge=self.cfg.merge, merge_weight=self.cfg.merge_weight, lora_merge=self.cfg.lora_merge,
-                     step_normalize=self.cfg.step_normalize,
-                     lags=lags, **bounds,
-                     grace_s=round(now - r.fresh_at, 6) if r.fresh_at is not None else None, **merged["rule"])
-        if merged["clip"]:
+                     step_normalize=self.cfg.step_normalize, lags=lags, clip_ref=merged.clip_ref,
+                     counted=by_learner(merged.counted), merged_norms=by_learner(merged.merged_norms),
+                     grace_s=round(now - r.fresh_at, 6) if r.fresh_at is not None else None, **merged.rule)
+        if merged.clip:
             self._log("warning", f"round {r.number}: robust merge clipped learner(s) "
-                                 f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged['clip'].items())}")
-        self.norm_history.extend(b["merged_norms"])
-        for i in ids:
-            d = self.pending[i]
-            history = self.merged.setdefault(i, [])
-            history.append(d.ref()[::2])  # [the round it trained, digest]: as its learner names it
-            del history[:-MERGED_HISTORY]
-            m = self.members.get(i)
-            if m is not None and d.lag == 0:
-                m.since = now  # it waited for this merge: it trains from the broadcast on
-        self.run = Checkpoint(version, run.layout, run.adapter_config, run.provenance, merged["global"],
-                              merged["momentum"], merged["residual"], digest, asdict(self.cfg), sorted(self.seen),
+                                 f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged.clip.items())}")
+        self.norm_history.extend(merged.merged_norms)
+        self._note_merged(ids, now)
+        self.run = Checkpoint(version, run.layout, run.adapter_config, run.provenance, merged.global_,
+                              merged.momentum, merged.residual, digest, asdict(self.cfg), sorted(self.seen),
                               dict(self.merged), contract=run.contract)
-        self.ef.residual = merged["residual"]
+        self.ef.residual = merged.residual
         self.digests[version] = digest
         for v in [v for v in self.digests if v < version - self.cfg.max_base_lag]:
             del self.digests[v]
@@ -183,12 +220,27 @@ class Merging(Deltas):
         self.sum = RoundSum.for_rule(run.layout, self.cfg.merge)
         self.round = None
         header = {"version": version, "round": r.number, "digest": digest, "responders": ids, "weights": weights,
-                  "deltas": deltas, "lags": lags, "fragments": merged["descs"]}
-        self.last_broadcast = Broadcast(version, header, merged["frames"])
-        to = []
-        for m in self._live():
-            self._send(m.peer, "broadcast", header, merged["frames"])
-            to.append(m.learner)
-        self._record("broadcast", round=r.number, version=version, to=to, bits=self.cfg.sync_bits)
+                  "deltas": deltas, "lags": lags, "fragments": merged.descs}
+        self._broadcast(Broadcast(version, header, merged.frames), r.number)
         self._log("info", f"round {r.number} merged {ids} weights {[round(w, 3) for w in weights]}; version {version}")
         self._maybe_open(now)
+
+    def _note_merged(self, ids: list[int], now: float) -> None:
+        """Each learner's merged deltas (its latest MERGED_HISTORY), and the fresh ones' members train from now."""
+        for i in ids:
+            d = self.pending[i]
+            history = self.merged.setdefault(i, [])
+            history.append(d.ref()[::2])  # [the round it trained, digest]: as its learner names it
+            del history[:-MERGED_HISTORY]
+            m = self.members.get(i)
+            if m is not None and d.lag == 0:
+                m.since = now  # it waited for this merge: it trains from the broadcast on
+
+    def _broadcast(self, b: Broadcast, round_number: int) -> None:
+        """The new version to every live member (and kept, for one that asks again)."""
+        self.last_broadcast = b
+        to = []
+        for m in self._live():
+            self._send(m.peer, "broadcast", b.header, b.frames)
+            to.append(m.learner)
+        self._record("broadcast", round=round_number, version=b.version, to=to, bits=self.cfg.sync_bits)

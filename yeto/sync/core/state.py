@@ -1,4 +1,12 @@
-"""state"""
+"""What the syncer's core holds, and the helpers every concern of it shares.
+
+`SyncerState` holds the run (the committed checkpoint), the members, the open round and what it has received; its
+helpers put actions out (`_record` on the tape, `_send` to a peer, `_log`), answer refusals within a rate limit, and
+look members up. The concerns build on it, each in its own module: `admission` (hello, identity, founding), `deltas`
+(a delta's intake), `merging` (the merge transaction), `recovery` (a start from what survived on disk); `syncer`'s
+`SyncerCore` combines them and drives the round. The four round hooks at the end are `SyncerCore`'s: a concern calls
+them when what it did may open, close or end a round.
+"""
 
 from __future__ import annotations
 
@@ -60,8 +68,9 @@ class Broadcast:
     frames: tuple[bytes, ...]
 
 
-
 class SyncerState:
+    """The core's state and shared helpers (events come in through `yeto.sync.core.syncer.SyncerCore`)."""
+
     def __init__(self, cfg: SyncerConfig, incarnation: str, init: Optional[InitAdapter] = None):
         """`init`: the adapter a new run starts from (--init-adapter), instead of the founding learner's."""
         cfg.check()
@@ -203,3 +212,21 @@ class SyncerState:
     def finish_header_for_wire(self) -> dict[str, Any]:
         assert self.finish_header is not None
         return {k: v for k, v in self.finish_header.items() if k != "code"}
+
+    # ------------------------------------------------------------------ the round's driver (SyncerCore's)
+
+    def _maybe_open(self, now: float) -> None:
+        """Open the next round if the run can (founded, not finished, its gate passed)."""
+        raise NotImplementedError
+
+    def _maybe_close(self, now: float) -> None:
+        """Close the open round if its `close_decision` says so."""
+        raise NotImplementedError
+
+    def _round_header(self, r: OpenRound, now: float) -> dict[str, Any]:
+        """What a learner trains the open round by."""
+        raise NotImplementedError
+
+    def _finish(self, reason: str, now: float, code: int, complete: bool, linger_s: Optional[float] = None) -> None:
+        """End the run: every learner is told, and the syncer exits once they had their chance to hear it."""
+        raise NotImplementedError
