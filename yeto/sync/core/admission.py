@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Optional
 
 import numpy as np
@@ -21,7 +21,7 @@ import numpy as np
 from yeto.sync.aggregate import RoundSum
 from yeto.sync.core.actions import Checkpoint, SaveCheckpoint
 from yeto.sync.core.contract import contract_mismatch, contract_problem, init_adapter_problem, run_contract
-from yeto.sync.core.state import FRESH_IDS_PER_WINDOW, RATE_WINDOW_S, Founding, Member, SyncerState
+from yeto.sync.core.state import FRESH_IDS_PER_WINDOW, RATE_WINDOW_S, Founding, Member, Refusal, SyncerState
 from yeto.sync.layout import Layout, flatten, layout_from_json, layout_mismatch
 from yeto.sync.protocol import (PROTOCOL_VERSION, Code, Message, ProtocolError, array_digest, decode_fragments,
                                 identity_proof, message_size, session_start, truncate)
@@ -33,15 +33,6 @@ MAX_SESSION_CHARS = 64
 MAX_BACKEND_CHARS = 32
 MAX_LEARNER_ID = (1 << 31) - 1
 MAX_RETIRED_SESSIONS = 8  # per learner id: older sessions that get "superseded" instead of "say hello"
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a hello is refused: the code, the reason its learner reads, and what the tape's record adds."""
-
-    code: Code
-    reason: str
-    fields: dict[str, Any]
 
 
 class Admission(SyncerState):

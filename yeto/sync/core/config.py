@@ -88,6 +88,16 @@ class SyncerConfig:
             self.merge_by_default = True
 
     def check(self) -> None:
+        """Refuse a config no run can go by, naming the flag and what it takes."""
+        self._check_run()
+        self._check_merge()
+        self._check_timing()
+        if self.max_learners < self.learners or self.max_connections < 1:
+            raise YetoError(f"--max-learners ({self.max_learners}) must be at least --learners ({self.learners}) and "
+                            "--max-connections at least 1")
+
+    def _check_run(self) -> None:
+        """The run's shape: its port, bits, counts, rounds and timeouts."""
         check_port(self.port, "--port")
         if self.sync_bits not in BITS:
             raise YetoError(f"--sync-bits must be one of {BITS}, got {self.sync_bits}")
@@ -104,6 +114,9 @@ class SyncerConfig:
                 raise YetoError(f"--{name.replace('_', '-')} must be positive")
         if self.max_message_mb < 1:
             raise YetoError("--max-message-mb must be at least 1")
+
+    def _check_merge(self) -> None:
+        """The merge rule: each choice known, and only the combinations that have a meaning."""
         if self.robust not in ROBUST_MODES:
             raise YetoError(f"--robust must be one of {', '.join(ROBUST_MODES)}, got {self.robust!r}")
         if not self.robust_k >= 1:
@@ -118,6 +131,9 @@ class SyncerConfig:
                             "--lora-merge factors, or pick --robust norm-clip")
         if self.merge == "rda" and self.lora_merge == "product":
             raise YetoError("--lora-merge product merges the B.A products by their mean: use it with --merge mean")
+
+    def _check_timing(self) -> None:
+        """The grace, and what a late delta is worth."""
         if self.grace_s < 0:
             raise YetoError(f"--grace must be >= 0 seconds (0: close a round as soon as quorum is in), got "
                             f"{self.grace_s:g}")
@@ -130,9 +146,6 @@ class SyncerConfig:
         if not 0 < self.merge_alpha <= 1:
             raise YetoError(f"--merge-alpha must be in (0, 1] (1: every round starts from the merged adapter), got "
                             f"{self.merge_alpha}")
-        if self.max_learners < self.learners or self.max_connections < 1:
-            raise YetoError(f"--max-learners ({self.max_learners}) must be at least --learners ({self.learners}) and "
-                            "--max-connections at least 1")
 
     def check_resume(self, saved: dict[str, Any], version: int) -> None:
         """Refuse a restart whose flags contradict the run in the checkpoint; an unset --merge (--step-normalize)

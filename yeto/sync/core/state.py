@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from yeto.sync.aggregate import NORM_HISTORY_ROUNDS, RoundSum
@@ -59,6 +59,15 @@ class Founding:
     provenance: dict[str, Any]
     contract: dict[str, Any]
     asked: Optional[int] = None  # learner id asked for the adapter
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a message is refused: the code, the reason its learner reads, and what the tape's record adds."""
+
+    code: Code
+    reason: str
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

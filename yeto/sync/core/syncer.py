@@ -1,11 +1,13 @@
 """The syncer's core: rounds, membership, quorum, merges and recovery as a deterministic state machine.
 
-Events in: `receive(peer, parts, now)` (a message from a learner's connection),
-`tick(now)` (a timer), `stop(now, ...)` (a signal), and `start(now, durable)`
-(a process start, with whatever survived on disk). Actions out: `Send`,
-`Record` (append to the tape), `SaveCheckpoint`, `SaveDelta`, `DropDeltas`,
-`Log` and `Exit`. The shell executes them in order; every durable action makes
-the tape durable first, so the tape is never behind the disk.
+This module is the event dispatcher, and the driver of the open round. Events in: `start(now, durable)` (a process
+start, with whatever survived on disk), `receive(peer, parts, now)` (a message from a learner's connection),
+`tick(now)` (a timer), `stop(now, ...)` (a signal), `set_keys` and `give_up` (the run's keys and the fleet controller
+changed). Actions out: `Send`, `Record` (append to the tape), `SaveCheckpoint`, `SaveDelta`, `DropDeltas`, `Log` and
+`Exit`. The shell executes them in order; every durable action makes the tape durable first, so the tape is never
+behind the disk. `SyncerCore` combines the concerns, each in its own module: `config` (the flags and their checks),
+`state` (what the core holds), `admission` (hello, identity, founding), `deltas` (a delta's intake), `rounds` (the
+round's phases and when it closes), `merging` (the merge transaction) and `recovery` (the start).
 
 The round protocol, in the terms used below:
 - Round r trains from global version r-1 and, once merged, produces version r.
@@ -42,16 +44,8 @@ from yeto.sync.core.admission import Admission
 from yeto.sync.core.config import SyncerConfig
 from yeto.sync.core.merging import Merging
 from yeto.sync.core.recovery import Recovery
-from yeto.sync.core.rounds import (
-    ClosePolicy,
-    OpenRound,
-    Pace,
-    RoundMembers,
-    RoundPhase,
-    RoundPhaseError,
-    Verdict,
-    close_decision,
-)
+from yeto.sync.core.rounds import (ClosePolicy, OpenRound, Pace, RoundMembers, RoundPhase, RoundPhaseError, Verdict,
+                                   close_decision)
 from yeto.sync.core.state import RATE_WINDOW_S, STATE_REQUESTS_PER_WINDOW
 from yeto.sync.protocol import CLOCK_JUMP_S, Code, Message, ProtocolError, decode, encode_fragments, truncate
 
@@ -66,6 +60,11 @@ STOP_LINGER_S = 10.0  # after a signal, wait at most this long for learners to s
 
 
 class SyncerCore(Recovery, Admission, Merging):
+    """The syncer's state machine: `SyncerCore(cfg, incarnation).start(now, durable)`, then one call per event, each
+    returning the actions to execute."""
+
+    # ------------------------------------------------------ events (`start`, a process start: `Recovery.start`)
+
     def receive(self, peer: str, parts: list[bytes], now: float, principal: Optional[str] = None) -> list[Action]:
         """One message from a learner connection; nothing a peer sends can raise out of here. `principal`: who the
         connection authenticated as (the ZAP User-Id: "join" or "learner:<id>"); None without security."""
@@ -82,38 +81,6 @@ class SyncerCore(Recovery, Admission, Merging):
             self._reject(peer, str(e), e.code, now)
         except Exception as e:  # a bug must not take the fleet down: record it, answer, go on
             self._reject(peer, f"syncer could not process the message: {e!r}", Code.INTERNAL, now)
-        return self._flush()
-
-    def set_keys(self, bound_ids: set[int], revoked: set[str], now: float) -> list[Action]:
-        """The run's learner keys changed (yeto keys add/revoke): members holding a revoked key are cut off."""
-        self.out = []
-        self.bound_ids, self.revoked = set(bound_ids), set(revoked)
-        for m in self._active():
-            if m.principal is not None and m.principal in self.revoked:
-                self._send(m.peer, "refuse", {"code": str(Code.REVOKED), "reason": f"the key of {m.principal} was "
-                                                                                   "revoked"})
-                self._record("revoked", learner=m.learner, principal=m.principal)
-                self._drop(m, "its key was revoked", now)
-        self._maybe_close(now)
-        return self._flush()
-
-    def give_up(self, learners: dict[int, str], now: float) -> list[Action]:
-        """The fleet controller stopped relaunching these learners (`yeto launch --recover-timeout`): the run goes on
-        without them, its quorum and round-1 gate lowered by as many (never below 1). A learner that comes back anyway
-        is welcome; it does not raise the quorum again."""
-        self.out = []
-        for lid, reason in sorted(learners.items()):
-            if not 0 <= lid < self.cfg.learners:  # only a learner the run counts on lowers the quorum
-                if lid not in self.given_up:
-                    self.given_up[lid] = reason  # (remembered, so this is said once)
-                    self._log("warning", f"given-up learner {lid} ignored: not one of --learners {self.cfg.learners}")
-                continue
-            if lid not in self.given_up:
-                self.given_up[lid] = reason
-                self._record("given_up", learner=lid, reason=truncate(reason), quorum=self._quorum())
-                self._log("warning", f"learner {lid} given up ({reason}); quorum now {self._quorum()}")
-        self._maybe_open(now)
-        self._maybe_close(now)
         return self._flush()
 
     def tick(self, now: float) -> list[Action]:
@@ -161,22 +128,44 @@ class SyncerCore(Recovery, Admission, Merging):
             self._exit()
         return self._flush()
 
-    def _all_gone(self, now: float) -> bool:
-        """After the finish: has every learner had its chance to get it (and the final adapter)? Each one left, or
-        has been silent for a while (a learner asleep when the run ended comes back for it), and right after a
-        restart the learners known before it had their grace to say hello."""
-        grace = FINISH_GRACE_TIMEOUTS * self.cfg.learner_timeout
-        not_back = [lid for lid in self.seen if lid not in self.members]
-        return (not not_back or now >= self.absent_until) and all(
-            m.left or now - m.last_seen >= grace for m in self.members.values()) and all(
-            now - t >= grace for t in self.knocking.values())
+    def set_keys(self, bound_ids: set[int], revoked: set[str], now: float) -> list[Action]:
+        """The run's learner keys changed (yeto keys add/revoke): members holding a revoked key are cut off."""
+        self.out = []
+        self.bound_ids, self.revoked = set(bound_ids), set(revoked)
+        for m in self._active():
+            if m.principal is not None and m.principal in self.revoked:
+                self._send(m.peer, "refuse", {"code": str(Code.REVOKED), "reason": f"the key of {m.principal} was "
+                                                                                   "revoked"})
+                self._record("revoked", learner=m.learner, principal=m.principal)
+                self._drop(m, "its key was revoked", now)
+        self._maybe_close(now)
+        return self._flush()
 
-    def _on_unexpected(self, peer: str, msg: Message, now: float) -> None:
-        raise ProtocolError(f"{msg.type} is a syncer-to-learner message")
+    def give_up(self, learners: dict[int, str], now: float) -> list[Action]:
+        """The fleet controller stopped relaunching these learners (`yeto launch --recover-timeout`): the run goes on
+        without them, its quorum and round-1 gate lowered by as many (never below 1). A learner that comes back anyway
+        is welcome; it does not raise the quorum again."""
+        self.out = []
+        for lid, reason in sorted(learners.items()):
+            if not 0 <= lid < self.cfg.learners:  # only a learner the run counts on lowers the quorum
+                if lid not in self.given_up:
+                    self.given_up[lid] = reason  # (remembered, so this is said once)
+                    self._log("warning", f"given-up learner {lid} ignored: not one of --learners {self.cfg.learners}")
+                continue
+            if lid not in self.given_up:
+                self.given_up[lid] = reason
+                self._record("given_up", learner=lid, reason=truncate(reason), quorum=self._quorum())
+                self._log("warning", f"learner {lid} given up ({reason}); quorum now {self._quorum()}")
+        self._maybe_open(now)
+        self._maybe_close(now)
+        return self._flush()
 
-    def _fresh(self) -> int:
-        """Pending deltas trained from the open round's base."""
-        return sum(1 for d in self.pending.values() if d.lag == 0)
+    def observe_merge(self, seconds: float) -> None:
+        """The shell measured how long a merge took: the grace leaves that much of the cap for it."""
+        if math.isfinite(seconds) and seconds >= 0:
+            self.merge_s = MERGE_TIME_EMA * seconds + (1 - MERGE_TIME_EMA) * self.merge_s
+
+    # ------------------------------------------------------ messages (hello, init: `Admission`; delta: `Deltas`)
 
     def _on_ping(self, peer: str, msg: Message, now: float) -> None:
         m = self._member(peer, msg, now)
@@ -213,22 +202,22 @@ class SyncerCore(Recovery, Admission, Merging):
         self._drop(m, msg.header["reason"], now)
         self._maybe_close(now)
 
+    def _on_unexpected(self, peer: str, msg: Message, now: float) -> None:
+        raise ProtocolError(f"{msg.type} is a syncer-to-learner message")
+
+    # ------------------------------------------------------ the round
+
     def _maybe_open(self, now: float) -> None:
+        """Open the next round (or finish, after the last): once the run is founded, and round 1 once its gate passed;
+        every live member without a delta in is sent the round."""
         run = self.run
         if run is None or self.round is not None or self.finished_at is not None:
             return
         if run.version >= self.cfg.outer_steps:
             self._finish("outer steps done", now, code=0, complete=True)
             return
-        live = len(self._live())
-        if not self.started:
-            if live < self._quorum():
-                self.gate_since = None
-                return
-            if self.gate_since is None:
-                self.gate_since = now
-            if live < self.cfg.learners - self._given_up_count() and now - self.gate_since < self.cfg.straggler_timeout:
-                return  # round 1 waits for --learners, or for quorum plus --straggler-timeout
+        if not self.started and not self._gate_passed(now):
+            return
         self.started = True
         self.round = OpenRound(run.version + 1, run.version, now,
                                ends_at=now + self.cfg.round_seconds if self.cfg.round_seconds else math.inf)
@@ -242,6 +231,16 @@ class SyncerCore(Recovery, Admission, Merging):
                      restored=sorted(self.pending))
         self._log("info", f"round {self.round.number} open with learners {sorted(members)}")
         self._maybe_close(now)
+
+    def _gate_passed(self, now: float) -> bool:
+        """Round 1 waits for --learners (less those given up), or for quorum plus --straggler-timeout."""
+        live = len(self._live())
+        if live < self._quorum():
+            self.gate_since = None
+            return False
+        if self.gate_since is None:
+            self.gate_since = now
+        return live >= self.cfg.learners - self._given_up_count() or now - self.gate_since >= self.cfg.straggler_timeout
 
     def _round_header(self, r: OpenRound, now: float) -> dict[str, Any]:
         """What a learner trains the open round by. A time-window round's window is the round's, not the learner's:
@@ -265,6 +264,10 @@ class SyncerCore(Recovery, Admission, Merging):
             here = {m.learner for m in live}
             absent = tuple(sorted(lid for lid in self.seen if lid not in here and lid not in self.pending))
         return RoundMembers(tuple(sorted(self.pending)), self._fresh(), waiting, absent)
+
+    def _fresh(self) -> int:
+        """Pending deltas trained from the open round's base."""
+        return sum(1 for d in self.pending.values() if d.lag == 0)
 
     def _close_policy(self) -> ClosePolicy:
         cfg = self.cfg
@@ -316,10 +319,7 @@ class SyncerCore(Recovery, Admission, Merging):
                              f"waiting up to {self.cfg.quorum_timeout - (now - r.opened_at):.0f}s more for "
                              "learners to (re)join")
 
-    def observe_merge(self, seconds: float) -> None:
-        """The shell measured how long a merge took: the grace leaves that much of the cap for it."""
-        if math.isfinite(seconds) and seconds >= 0:
-            self.merge_s = MERGE_TIME_EMA * seconds + (1 - MERGE_TIME_EMA) * self.merge_s
+    # ------------------------------------------------------ the finish
 
     def _finish(self, reason: str, now: float, code: int, complete: bool, linger_s: Optional[float] = None) -> None:
         self.finished_at = now
@@ -334,3 +334,13 @@ class SyncerCore(Recovery, Admission, Merging):
                      outstanding=sorted(self.pending))
         if self._all_gone(now):
             self._exit()
+
+    def _all_gone(self, now: float) -> bool:
+        """After the finish: has every learner had its chance to get it (and the final adapter)? Each one left, or
+        has been silent for a while (a learner asleep when the run ended comes back for it), and right after a
+        restart the learners known before it had their grace to say hello."""
+        grace = FINISH_GRACE_TIMEOUTS * self.cfg.learner_timeout
+        not_back = [lid for lid in self.seen if lid not in self.members]
+        return (not not_back or now >= self.absent_until) and all(
+            m.left or now - m.last_seen >= grace for m in self.members.values()) and all(
+            now - t >= grace for t in self.knocking.values())
