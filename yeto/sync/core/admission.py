@@ -108,6 +108,15 @@ class Admission(SyncerState):
                            f"{self.cfg.max_message_mb}: restart the syncer with a larger --max-message-mb", backend)
         return None
 
+    def _principal_problem(self, lid: int) -> Optional[str]:
+        """Why this connection's key may not speak for learner `lid`, or None."""
+        p = self.principal
+        if p is not None and p.startswith("learner:") and p != f"learner:{lid}":
+            return f"this connection's key belongs to {p}; it cannot join as learner {lid}"
+        if p == "join" and lid in self.bound_ids:
+            return f"learner {lid} has its own key (yeto keys add): join with that key, not the shared join key"
+        return None
+
     def _check_id_free(self, lid: int, old: Optional[Member], proof: str, now: float) -> None:
         """Another identity claims a held id: refused while its holder is live (or expected back after a restart); a
         relaunched learner on a new machine gets the id once the old holder is gone."""
@@ -124,6 +133,32 @@ class Admission(SyncerState):
         if len(self.members) >= self.cfg.max_learners and not self._evict_member():
             raise ProtocolError(f"the run holds --max-learners {self.cfg.max_learners} live learners; retrying",
                                 Code.BUSY)
+
+    def _admit_fresh(self, peer: str, lid: int, now: float) -> None:
+        """A learner id new to the run: one connection speaks for one id, and ids beyond --learners (the ones the run
+        does not expect) come at most FRESH_IDS_PER_WINDOW per key holder per window and never fill the share of
+        --max-learners kept for the expected ones, so a flood of fresh ids leaves room for a real learner."""
+        if any(m.peer == peer and m.active for m in self.members.values()):
+            raise ProtocolError("this connection already speaks for another learner id: one connection per learner",
+                                Code.IDENTITY)
+        if lid < self.cfg.learners:
+            return
+        if not self.fresh_ids.allow(self.principal or peer, now):
+            raise ProtocolError(f"more than {FRESH_IDS_PER_WINDOW} new learner ids beyond --learners from this key in "
+                                f"{RATE_WINDOW_S:g}s; retrying", Code.BUSY)
+        unexpected = sum(1 for m in self.members.values() if m.active and m.learner >= self.cfg.learners)
+        if unexpected >= self.cfg.max_learners - self.cfg.learners:
+            raise ProtocolError(f"the run holds {unexpected} live learners beyond --learners {self.cfg.learners} "
+                                f"(the rest of --max-learners {self.cfg.max_learners} is kept for those); retrying",
+                                Code.BUSY)
+
+    def _evict_member(self) -> bool:
+        """Make room for a new learner id by forgetting the longest-gone member; False if every member is live."""
+        gone = [m for m in self.members.values() if not m.active]
+        if not gone:
+            return False
+        del self.members[min(gone, key=lambda m: m.last_seen).learner]
+        return True
 
     def _take_over(self, old: Member, session: str) -> bool:
         """A new session for a member's id takes it over (the old one is told, and retired unless it is older);
@@ -165,62 +200,9 @@ class Admission(SyncerState):
         self._record("join", learner=lid, backend=m.backend, session=m.session, rejoin=rejoin, waiting_for="init")
         self._ask_founder(again_from=lid)
 
-    def _begin_founding(self, lid: int, h: dict[str, Any], layout: Layout) -> None:
-        """The first learner's hello defines the run: its layout and contract (with what the syncer pins)."""
-        contract = run_contract(h["contract"], self.cfg.pinned())
-        contract["num_learners"] = contract.get("num_learners") or self.cfg.learners  # (the shard count)
-        self.founding = Founding(layout, h["adapter_config"], _run_provenance(h.get("provenance") or {}, contract),
-                                 contract)
-        self._record("layout", learner=lid, fingerprint=layout.fingerprint, tensors=len(layout.specs),
-                     numel=layout.numel, fragments=len(layout.fragments))
-        self._record("contract", learner=lid, **contract, sync_bits=self.cfg.sync_bits, protocol=PROTOCOL_VERSION)
-
-    def _principal_problem(self, lid: int) -> Optional[str]:
-        """Why this connection's key may not speak for learner `lid`, or None."""
-        p = self.principal
-        if p is not None and p.startswith("learner:") and p != f"learner:{lid}":
-            return f"this connection's key belongs to {p}; it cannot join as learner {lid}"
-        if p == "join" and lid in self.bound_ids:
-            return f"learner {lid} has its own key (yeto keys add): join with that key, not the shared join key"
-        return None
-
-    def _admit_fresh(self, peer: str, lid: int, now: float) -> None:
-        """A learner id new to the run: one connection speaks for one id, and ids beyond --learners (the ones the run
-        does not expect) come at most FRESH_IDS_PER_WINDOW per key holder per window and never fill the share of
-        --max-learners kept for the expected ones, so a flood of fresh ids leaves room for a real learner."""
-        if any(m.peer == peer and m.active for m in self.members.values()):
-            raise ProtocolError("this connection already speaks for another learner id: one connection per learner",
-                                Code.IDENTITY)
-        if lid < self.cfg.learners:
-            return
-        if not self.fresh_ids.allow(self.principal or peer, now):
-            raise ProtocolError(f"more than {FRESH_IDS_PER_WINDOW} new learner ids beyond --learners from this key in "
-                                f"{RATE_WINDOW_S:g}s; retrying", Code.BUSY)
-        unexpected = sum(1 for m in self.members.values() if m.active and m.learner >= self.cfg.learners)
-        if unexpected >= self.cfg.max_learners - self.cfg.learners:
-            raise ProtocolError(f"the run holds {unexpected} live learners beyond --learners {self.cfg.learners} "
-                                f"(the rest of --max-learners {self.cfg.max_learners} is kept for those); retrying",
-                                Code.BUSY)
-
-    def _expire_silent_ids(self, now: float) -> None:
-        """Ids beyond --learners that joined, never delivered a delta and are gone are forgotten (from `seen`,
-        `owners` and so the checkpoint): a flood of fresh ids leaves nothing behind."""
-        for lid in [x for x in self.seen if x >= self.cfg.learners and x not in self.merged and x not in self.pending]:
-            m = self.members.get(lid)
-            if m is None or (not m.active and now - m.last_seen > self.cfg.learner_timeout):
-                self.seen.discard(lid)
-                self.owners.pop(lid, None)
-                self.members.pop(lid, None)
-
-    def _evict_member(self) -> bool:
-        """Make room for a new learner id by forgetting the longest-gone member; False if every member is live."""
-        gone = [m for m in self.members.values() if not m.active]
-        if not gone:
-            return False
-        del self.members[min(gone, key=lambda m: m.last_seen).learner]
-        return True
-
     def _welcome(self, m: Member, now: float, rejoin: bool, learner_version: int) -> None:
+        """A member of a founded run is told its state: the version, the open round (and whether its delta is in),
+        its merged deltas, its data shard, and the finish if the run is over."""
         assert self.run is not None
         m.welcomed = True
         m.since = now
@@ -252,6 +234,18 @@ class Admission(SyncerState):
         count = int(self.run.contract.get("num_learners") or self.cfg.learners)
         return [lid % count, count]
 
+    # ------------------------------------------------------------------ founding
+
+    def _begin_founding(self, lid: int, h: dict[str, Any], layout: Layout) -> None:
+        """The first learner's hello defines the run: its layout and contract (with what the syncer pins)."""
+        contract = run_contract(h["contract"], self.cfg.pinned())
+        contract["num_learners"] = contract.get("num_learners") or self.cfg.learners  # (the shard count)
+        self.founding = Founding(layout, h["adapter_config"], _run_provenance(h.get("provenance") or {}, contract),
+                                 contract)
+        self._record("layout", learner=lid, fingerprint=layout.fingerprint, tensors=len(layout.specs),
+                     numel=layout.numel, fragments=len(layout.fragments))
+        self._record("contract", learner=lid, **contract, sync_bits=self.cfg.sync_bits, protocol=PROTOCOL_VERSION)
+
     def _ask_founder(self, again_from: Optional[int] = None) -> None:
         """Ask one live member for the initial adapter: another one if the one asked is gone, the same one
         again when it says hello or pings again (the request, or its upload, was lost)."""
@@ -272,6 +266,7 @@ class Admission(SyncerState):
         self._record("init_request", learner=f.asked, bits=self.cfg.sync_bits)
 
     def _on_init(self, peer: str, msg: Message, now: float) -> None:
+        """The initial adapter, from the member asked for it (a repeat of the founding upload is ignored)."""
         m = self._member(peer, msg, now)
         f = self.founding
         if self.run is not None and self.founder == m.learner:
@@ -301,6 +296,18 @@ class Admission(SyncerState):
         for other in self._active():
             self._welcome(other, now, rejoin=other.learner in known, learner_version=-1)
         self._maybe_open(now)
+
+    # ------------------------------------------------------------------ forgetting
+
+    def _expire_silent_ids(self, now: float) -> None:
+        """Ids beyond --learners that joined, never delivered a delta and are gone are forgotten (from `seen`,
+        `owners` and so the checkpoint): a flood of fresh ids leaves nothing behind."""
+        for lid in [x for x in self.seen if x >= self.cfg.learners and x not in self.merged and x not in self.pending]:
+            m = self.members.get(lid)
+            if m is None or (not m.active and now - m.last_seen > self.cfg.learner_timeout):
+                self.seen.discard(lid)
+                self.owners.pop(lid, None)
+                self.members.pop(lid, None)
 
 
 def _config_problem(adapter_config: Any, provenance: Any) -> Optional[str]:

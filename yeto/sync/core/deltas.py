@@ -118,6 +118,8 @@ class Deltas(SyncerState):
         while len(self.refused_digests) > MAX_REFUSED_REMEMBERED:
             del self.refused_digests[next(iter(self.refused_digests))]
 
+    # ------------------------------------------------------------------ what a delta counts for
+
     def _weight(self, d: AcceptedDelta) -> float:
         """The delta's unnormalised merge weight (--merge-weight)."""
         return weight_of(self._counts(d), self.cfg.merge_weight)

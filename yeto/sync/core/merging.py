@@ -82,50 +82,6 @@ class Merging(Deltas):
         r.quorum_at = r.fresh_at = None  # refusals took the round back below quorum: it stays open
         r.advance(RoundPhase.OPEN)
 
-    def _refuse_merged(self, lid: int, reason: str) -> None:
-        d = self.pending.pop(lid)
-        order = self._order()
-        # rebuilt without it, in the order the others arrived
-        self.sum = RoundSum.for_rule(self.run.layout, self.cfg.merge)
-        for i in order:
-            self.sum.add(i, self._decode(self.pending[i]), self._weight(self.pending[i]), self._scale(self.pending[i]))
-        reason = truncate(reason)
-        self._record("refuse_delta", learner=lid, round=d.round, digest=d.digest, reason=reason)
-        self.out.append(DropDeltas(round=d.round, learner=lid))
-        m = self.members.get(lid)
-        if m is not None and m.active:
-            self._send(m.peer, "error", {"code": str(Code.REFUSED), "reason": reason, "round": d.base_version + 1,
-                                         "base_version": d.base_version, "digest": d.digest, "version": self.version})
-        self._remember_refused(d.digest)
-        self._log("warning", f"refused learner {lid}'s delta: {reason}")
-
-    def _order(self) -> list[int]:
-        """The pending deltas' learners in the order they were added to the running sum."""
-        return [i for i in self.sum.order if i in self.pending] if self.sum is not None else sorted(self.pending)
-
-    def _terms(self, ids: list[int]) -> MergeTerms:
-        """The bounded weights and scales of merging these pending deltas (`yeto.sync.merge.merge_terms`)."""
-        ds = [self.pending[i] for i in ids]
-        return merge_terms([self._counts(d) for d in ds], self.cfg.merge_weight, [d.lag for d in ds],
-                           self.cfg.staleness_exponent, bool(self.cfg.step_normalize), [d.round_steps for d in ds])
-
-    def _bounded_sum(self, ids: list[int], terms: MergeTerms) -> RoundSum:
-        """The round's running sum, or, where a claim was capped or a scale bounded, the sum rebuilt with what each
-        delta counts for (the running sum adds each delta as it arrives, before the round's median is known)."""
-        arrived = [(self._weight(self.pending[i]), self._scale(self.pending[i])) for i in ids]
-        if all(a == (w, sc) for a, w, sc in zip(arrived, terms.counted, terms.scales)):
-            return self.sum.copy()
-        s = RoundSum.for_rule(self.run.layout, self.cfg.merge)
-        for i, w, sc in zip(ids, terms.counted, terms.scales):
-            s.add(i, self._decode(self.pending[i]), w, sc)
-        return s
-
-    def _contributions(self, ids: list[int]) -> dict[int, float]:
-        """How far each delta could move the merge: its bounded weight x scale x largest value."""
-        t = self._terms(ids)
-        total = sum(t.counted) or 1.0
-        return {i: w / total * sc * t.length * self.pending[i].peak for i, w, sc in zip(ids, t.counted, t.scales)}
-
     def _merge(self, ids: list[int]) -> Merged:
         """The merge of these pending deltas and the outer step, computed on copies (the run is untouched until
         `_commit`); MergeError where the result is not finite or the deltas do not fit the rule."""
@@ -178,6 +134,52 @@ class Merging(Deltas):
         deltas = [self._decode(self.pending[i]) * np.float32(clip.get(i, 1.0) * scales[i] * most) for i in ids]
         pm = product_merge([run.global_ + d for d in deltas], weights, run.layout)
         return Average(pm.merged - run.global_, clip, {"residual": pm.residual, "residual_mean": pm.residual_mean})
+
+    def _terms(self, ids: list[int]) -> MergeTerms:
+        """The bounded weights and scales of merging these pending deltas (`yeto.sync.merge.merge_terms`)."""
+        ds = [self.pending[i] for i in ids]
+        return merge_terms([self._counts(d) for d in ds], self.cfg.merge_weight, [d.lag for d in ds],
+                           self.cfg.staleness_exponent, bool(self.cfg.step_normalize), [d.round_steps for d in ds])
+
+    def _bounded_sum(self, ids: list[int], terms: MergeTerms) -> RoundSum:
+        """The round's running sum, or, where a claim was capped or a scale bounded, the sum rebuilt with what each
+        delta counts for (the running sum adds each delta as it arrives, before the round's median is known)."""
+        arrived = [(self._weight(self.pending[i]), self._scale(self.pending[i])) for i in ids]
+        if all(a == (w, sc) for a, w, sc in zip(arrived, terms.counted, terms.scales)):
+            return self.sum.copy()
+        s = RoundSum.for_rule(self.run.layout, self.cfg.merge)
+        for i, w, sc in zip(ids, terms.counted, terms.scales):
+            s.add(i, self._decode(self.pending[i]), w, sc)
+        return s
+
+    def _order(self) -> list[int]:
+        """The pending deltas' learners in the order they were added to the running sum."""
+        return [i for i in self.sum.order if i in self.pending] if self.sum is not None else sorted(self.pending)
+
+    def _contributions(self, ids: list[int]) -> dict[int, float]:
+        """How far each delta could move the merge: its bounded weight x scale x largest value."""
+        t = self._terms(ids)
+        total = sum(t.counted) or 1.0
+        return {i: w / total * sc * t.length * self.pending[i].peak for i, w, sc in zip(ids, t.counted, t.scales)}
+
+    def _refuse_merged(self, lid: int, reason: str) -> None:
+        """A delta that broke the merge leaves the round (on the tape, to its learner, remembered: never accepted
+        again); the running sum is rebuilt without it."""
+        d = self.pending.pop(lid)
+        order = self._order()
+        # rebuilt without it, in the order the others arrived
+        self.sum = RoundSum.for_rule(self.run.layout, self.cfg.merge)
+        for i in order:
+            self.sum.add(i, self._decode(self.pending[i]), self._weight(self.pending[i]), self._scale(self.pending[i]))
+        reason = truncate(reason)
+        self._record("refuse_delta", learner=lid, round=d.round, digest=d.digest, reason=reason)
+        self.out.append(DropDeltas(round=d.round, learner=lid))
+        m = self.members.get(lid)
+        if m is not None and m.active:
+            self._send(m.peer, "error", {"code": str(Code.REFUSED), "reason": reason, "round": d.base_version + 1,
+                                         "base_version": d.base_version, "digest": d.digest, "version": self.version})
+        self._remember_refused(d.digest)
+        self._log("warning", f"refused learner {lid}'s delta: {reason}")
 
     def _commit(self, r: OpenRound, ids: list[int], merged: Merged, stragglers: list[int], now: float) -> None:
         """The merge becomes the run's next version: on the tape, checkpointed, then broadcast (in that order)."""

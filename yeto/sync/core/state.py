@@ -123,12 +123,6 @@ class SyncerState:
         self.principal: Optional[str] = None  # of the message being handled
         self.out: list[Action] = []
 
-    def _given_up_count(self) -> int:
-        return sum(1 for lid in self.given_up if 0 <= lid < self.cfg.learners)
-
-    def _quorum(self) -> int:
-        return quorum_after_give_ups(self.cfg.quorum, self.cfg.learners, self._given_up_count())
-
     @property
     def version(self) -> int:
         return self.run.version if self.run is not None else -1
@@ -136,6 +130,14 @@ class SyncerState:
     @property
     def done(self) -> bool:
         return self.exit_code is not None
+
+    def _given_up_count(self) -> int:
+        return sum(1 for lid in self.given_up if 0 <= lid < self.cfg.learners)
+
+    def _quorum(self) -> int:
+        return quorum_after_give_ups(self.cfg.quorum, self.cfg.learners, self._given_up_count())
+
+    # ------------------------------------------------------------------ actions out
 
     def _flush(self) -> list[Action]:
         out, self.out = self.out, []
@@ -179,6 +181,8 @@ class SyncerState:
             self.exit_code = int(self.finish_header.get("code", 0)) if self.finish_header else 0
             self.out.append(Exit(self.exit_code))
 
+    # ------------------------------------------------------------------ members
+
     def _active(self) -> list[Member]:
         return [m for m in self.members.values() if m.active]
 
@@ -187,6 +191,8 @@ class SyncerState:
         return [m for m in self.members.values() if m.active and m.welcomed]
 
     def _member(self, peer: str, msg: Message, now: float) -> Member:
+        """The member a message comes from: its session current, on the connection that said hello (else an error
+        that tells the learner what to do: say hello, or stop, its session taken over)."""
         lid, session = msg.header["learner"], msg.header["session"]
         m = self.members.get(lid)
         if session in self.retired.get(lid, ()):
