@@ -60,7 +60,7 @@ CASES = {
     "an island due within the cap, its padding past it: cut at the cap": Case((1, 2), {3: Pace(2.0, 9.9)},
                                                                                Verdict.GRACE, until=NOW + 2.0),
     "the latest of two predicted islands within the grace": Case(
-        (1, 2), {3: Pace(3.0, 7.0), 4: Pace(2.0, 8.0)}, Verdict.GRACE, until=2.0 + GRACE_SLACK * 8.0 + GRACE_SLACK_S),
+        (1, 2), {3: Pace(2.0, 8.0), 4: Pace(3.0, 7.0)}, Verdict.GRACE, until=2.0 + GRACE_SLACK * 8.0 + GRACE_SLACK_S),
     "an overdue island (its pace changed): the whole cap, not zero": Case((1, 2), {3: Pace(0.0, 1.0)}, Verdict.GRACE,
                                                                            until=NOW + 2.0),
     "the grace capped by GRACE_ROUND_SHARE of a 10 s round": Case((1, 2), {3: Pace(2.0, 8.4)}, Verdict.GRACE,
