@@ -1,8 +1,9 @@
 """Convergence: N islands vs one synchronous data-parallel run with the same total tokens (SmolLM2-135M, demo data).
 
-Every arm is real processes on this machine (a syncer on loopback and `yeto.learner` islands, or one `yeto.learner`
-alone) and reports the held-out eval loss of its final (merged) adapter and its ratio to its baseline (data-parallel
-with the same global batch; for the heterogeneous arms, the fast island alone beside a shadow slow island):
+Every arm is real processes on this machine (a syncer on loopback and torch islands, `python -m yeto.backends.torch`,
+or one alone) and reports the held-out eval loss of its final (merged) adapter and its ratio to its baseline
+(data-parallel with the same global batch; for the heterogeneous arms, the fast island alone beside a shadow
+slow island):
   data-parallel      one process, the fleet's global batch (islands x per-island batch), T steps (the baseline)
   N islands, H       N islands x T steps of batch/N each, rounds of H inner steps, under a merge rule, LoRA
                      aggregation and outer optimizer setting
@@ -110,7 +111,7 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
     out = tmp / arm.name.replace(" ", "_").replace(",", "").replace("/", "-").replace("=", "")
     common = ["--model", a.model, "--data", a.data, "--seq-len", str(a.seq_len), "--lr", str(a.lr),
               "--warmup-steps", "3", "--eval-every", "0", "--lora-dropout", "0", "--no-progress", *arm.learner]
-    learner = [sys.executable, "-m", "yeto.learner"]
+    learner = [sys.executable, "-m", "yeto.backends.torch"]
     t0 = time.perf_counter()
     budget = arm.steps or a.steps  # inner steps per island (data-parallel: its steps)
     if not arm.islands:
@@ -133,7 +134,7 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
     rounds = budget // arm.inner_steps if not arm.round_seconds else a.rounds
 
     def start_syncer(port: int, learners: int, where: Path) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "yeto.sync.server", "--insecure", "--host", "127.0.0.1",
+        return subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--insecure", "--host", "127.0.0.1",
                                  "--port", str(port), "--out", str(where), "--learners", str(learners),
                                  "--quorum", str(1 if arm.round_seconds else learners), "--outer-steps", str(rounds),
                                  "--inner-steps", str(arm.inner_steps), "--round-seconds", str(arm.round_seconds),

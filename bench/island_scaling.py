@@ -2,7 +2,7 @@
 
 Runs, each as real processes:
   1 rank    `yeto train` with the global batch B, all threads in one process (the baseline)
-  N ranks   `torchrun --nproc-per-node N -m yeto.learner`, batch B/N per rank, threads split between ranks
+  N ranks   `torchrun --nproc-per-node N -m yeto.backends.torch`, batch B/N per rank, threads split between ranks
   fleet     a syncer and the N-rank island for a few rounds: the share of rank 0's time spent relaying calls and
             adapters to the other ranks (and checking their digests)
 and prints tokens/s of each and the ratio N ranks / 1 rank. On a CPU machine the ranks share the same cores, so
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from yeto.launch.local import free_port  # noqa: E402
-from yeto.sync.auth import JOIN_KEY_ENV, Keyring  # noqa: E402
+from yeto.sync.shell.auth import JOIN_KEY_ENV, Keyring  # noqa: E402
 
 
 def run(cmd: list[str], env: dict[str, str]) -> float:
@@ -40,7 +40,7 @@ def run(cmd: list[str], env: dict[str, str]) -> float:
 
 def torchrun(ranks: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "yeto.learner"]
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "yeto.backends.torch"]
 
 
 def main() -> None:
@@ -65,7 +65,7 @@ def main() -> None:
 
     print(f"island scaling: {a.model}, seq {a.seq_len}, global batch {a.batch_size}, {a.steps} steps, {cores} cores, "
           f"device {a.device}", flush=True)
-    wall1 = run([sys.executable, "-m", "yeto.learner", *common, "--batch-size", str(a.batch_size), "--threads",
+    wall1 = run([sys.executable, "-m", "yeto.backends.torch", *common, "--batch-size", str(a.batch_size), "--threads",
                  str(cores), "--max-steps", str(a.steps), "--out", str(tmp / "one")], env)
     one = json.loads((tmp / "one" / "summary.json").read_text())
     wallN = run([*torchrun(a.ranks), *common, *per_rank, "--max-steps", str(a.steps), "--out", str(tmp / "n")], env)
@@ -73,7 +73,7 @@ def main() -> None:
 
     port, s_out = free_port(), tmp / "syncer"
     env[JOIN_KEY_ENV] = Keyring.ensure(s_out).join.text()
-    syncer = subprocess.Popen([sys.executable, "-m", "yeto.sync.server", "--host", "127.0.0.1", "--port", str(port),
+    syncer = subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--host", "127.0.0.1", "--port", str(port),
                                "--learners", "1", "--quorum", "1", "--outer-steps", str(a.rounds), "--inner-steps",
                                str(max(1, a.steps // a.rounds)), "--out", str(s_out)], cwd=REPO, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

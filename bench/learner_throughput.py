@@ -32,7 +32,7 @@ def peak_memory_mb() -> float:
 def run_variant(variant: str, args: dict, q) -> None:
     import torch
 
-    from yeto.learner import TorchLearner, TrainConfig
+    from yeto.backends.torch.learner import TorchLearner, TrainConfig
 
     cfg = TrainConfig(model=args["model"], data=args["data"], seq_len=args["seq_len"], batch_size=args["batch_size"],
                       max_steps=args["steps"] + args["warmup"], lr=1e-4, lora_dropout=0.0)

@@ -3,7 +3,7 @@
 The baseline is mlx-lm's trainer step as `mlx_lm.tuner.trainer.train` builds it:
 `linear_to_lora_layers` on the same attention projections, `default_loss`,
 `nn.value_and_grad`, and the `mx.compile`d AdamW update. yeto's learner is
-`yeto.mlx.learner.MLXLearner.step` on the same packed blocks. Each variant runs
+`yeto.backends.mlx.learner.MLXLearner.step` on the same packed blocks. Each variant runs
 in its own process with Debian's OpenBLAS preloaded where installed.
 
     python bench/mlx_throughput.py [--steps 4] [--warmup 1] [--seq-len 128] [--batch-size 4]
@@ -27,8 +27,8 @@ def run_variant(variant: str, a: argparse.Namespace) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from yeto.learner import TrainConfig
-    from yeto.mlx.learner import MLXLearner
+    from yeto.backends.torch.learner import TrainConfig
+    from yeto.backends.mlx.learner import MLXLearner
 
     cfg = TrainConfig(model=a.model, data=a.data, seq_len=a.seq_len, batch_size=a.batch_size, max_steps=100, lr=1e-4,
                       lora_dropout=0.0, lora_r=16, lora_alpha=32)
@@ -41,7 +41,7 @@ def run_variant(variant: str, a: argparse.Namespace) -> dict:
         from mlx_lm.tuner.trainer import default_loss
         from mlx_lm.tuner.utils import linear_to_lora_layers
 
-        from yeto.mlx.compat import load_mlx_model
+        from yeto.backends.mlx.compat import load_mlx_model
 
         model = load_mlx_model(learner.model_artifact.path)
         model.freeze()
@@ -109,7 +109,7 @@ def main() -> None:
     if a.variant:
         print(json.dumps(run_variant(a.variant, a)))
         return
-    from yeto.mlx.compat import fast_blas_env
+    from yeto.backends.mlx.compat import fast_blas_env
 
     env = fast_blas_env() or dict(os.environ)
     blas = "OpenBLAS preloaded" if "openblas" in env.get("LD_PRELOAD", "") else "MLX's bundled BLAS"
@@ -123,7 +123,7 @@ def main() -> None:
     print(f"model {a.model}, batch {a.batch_size} x {a.seq_len}, {a.steps} timed steps after {a.warmup} warmup, {blas}")
     for name, r in results.items():
         print(f"{name:8} {r['tok_s']:8.1f} tok/s  {r['loss_tok_s']:8.1f} loss-bearing tok/s")
-    print(f"ratio yeto/mlx-lm: tokens/s {results['yeto']['tok_s'] / results['mlx-lm']['tok_s']:.2f}x")
+    print(f"ratio yeto/backends/mlx-lm: tokens/s {results['yeto']['tok_s'] / results['mlx-lm']['tok_s']:.2f}x")
     plain_env = dict(os.environ, YETO_NO_FAST_BLAS="1")
     plain_env.pop("LD_PRELOAD", None)
     gf = {}

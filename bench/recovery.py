@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from yeto.launch.local import free_port  # noqa: E402
-from yeto.sync.auth import JOIN_KEY_FILE, Keyring  # noqa: E402
-from yeto.sync.audit import audit_run  # noqa: E402
-from yeto.tape import read_tape  # noqa: E402
+from yeto.sync.shell.auth import JOIN_KEY_FILE, Keyring  # noqa: E402
+from yeto.sync.shell.audit import audit_run  # noqa: E402
+from yeto.sync.shell.tape import read_tape  # noqa: E402
 
 POLL_S = 0.2
 KILL_INTO_ROUND_S = 5.0  # island 1 is killed this long after round 2 opens: mid-round (a round takes ~25 s here)

@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO))
 
 from yeto import YetoError  # noqa: E402
 from yeto.launch.local import free_port  # noqa: E402
-from yeto.sync.audit import audit_run  # noqa: E402
-from yeto.sync.auth import Keyring, read_join_key  # noqa: E402
-from yeto.tape import read_tape  # noqa: E402
+from yeto.sync.shell.audit import audit_run  # noqa: E402
+from yeto.sync.shell.auth import Keyring, read_join_key  # noqa: E402
+from yeto.sync.shell.tape import read_tape  # noqa: E402
 
 WORKERS = 4
 SAMPLE_S = 1.0
@@ -88,7 +88,7 @@ class SmallIsland:
 
 
 def learner_life(port: int, key, lid: int, stop, counts: dict) -> None:
-    from yeto.diloco import run_island
+    from yeto.island.diloco import run_island
     from yeto.sync.core.learner import LinkTimeouts
 
     rng = random.Random(lid)

@@ -1,7 +1,7 @@
 """Wire cost and merge speed of the sync path.
 
 (a) bytes on the wire per round per learner (delta up + broadcast down, whole
-    messages as encoded by yeto.sync.protocol) at 4/8/16 bits vs 32 bits, for
+    messages as encoded by yeto.sync.wire.protocol) at 4/8/16 bits vs 32 bits, for
     SmolLM2-135M's adapter layout (LoRA r=16 on attention, built by peft).
 (b) the syncer's merge throughput for 16 learners' 4-bit deltas of a 1B-class
     adapter layout (Llama-3.2-1B shapes, LoRA r=16 on all linears): decode,
@@ -23,12 +23,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from yeto.sync.layout import TensorSpec, layout_from_specs  # noqa: E402
-from yeto.sync.aggregate import RoundSum  # noqa: E402
-from yeto.sync.outer import nesterov_step  # noqa: E402
-from yeto.sync.protocol import (decode, decode_fragments, encode, encode_fragments, encode_fragments_ef,  # noqa: E402
-                                message_bytes)
-from yeto.sync.quant import ErrorFeedback  # noqa: E402
+from yeto.sync.wire.layout import TensorSpec, layout_from_specs  # noqa: E402
+from yeto.sync.merge.aggregate import RoundSum  # noqa: E402
+from yeto.sync.merge.outer import nesterov_step  # noqa: E402
+from yeto.sync.wire.protocol import (decode, decode_fragments, encode, encode_fragments,  # noqa: E402
+                                     encode_fragments_ef, message_bytes)
+from yeto.sync.wire.quant import ErrorFeedback  # noqa: E402
 
 
 def smollm2_specs(r: int = 16) -> tuple[TensorSpec, ...]:

@@ -1,8 +1,9 @@
 """yeto's import graph, from the code: prints it by layer and fails on what the architecture forbids.
 
     python scripts/import_graph.py            # the layers and their edges (docs/design.md's picture comes from it)
-    python scripts/import_graph.py --check    # exit 1 on an import circle, a core module importing a shell,
-                                              # or a library module importing the CLI
+    python scripts/import_graph.py --check    # exit 1 on an import circle, a core module importing a shell, a
+                                              # library module importing the CLI, a backend importing another, or
+                                              # the backend-neutral island importing a backend
 
 Imports are read with `ast` (module level and inside functions alike: a deferred import is still a dependency), so
 nothing is imported to draw the graph. Written here because no maintained tool checks these project-specific layer
@@ -20,12 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "yeto"
 # the pure coordination cores: state machines, the math and the wire format they use (no sockets, files, clocks)
-CORE = ("yeto.sync.core", "yeto.sync.layout", "yeto.sync.quant", "yeto.sync.aggregate", "yeto.sync.merge",
-        "yeto.sync.outer", "yeto.sync.protocol", "yeto.sync.spans")
+CORE = ("yeto.sync.core", "yeto.sync.wire", "yeto.sync.merge")
 # I/O shells around them
-SHELLS = ("yeto.sync.server", "yeto.sync.client", "yeto.sync.store", "yeto.sync.auth", "yeto.sync.given_up",
-          "yeto.sync.audit", "yeto.sync.sim", "yeto.tape")
-CLI = ("yeto.cli", "yeto.__main__")
+SHELLS = ("yeto.sync.shell", "yeto.sync.sim")
+CLI = ("yeto.cli",)  # and every package's __main__ (an entry point: `python -m yeto.backends.torch`)
+BACKENDS = ("yeto.backends.torch", "yeto.backends.mlx")  # peers: neither imports the other
+ISLAND = ("yeto.island",)  # what every backend shares: imports no backend
 
 
 def module_name(path: Path) -> str:
@@ -101,14 +102,26 @@ def in_layer(module: str, layer: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in layer)
 
 
+def is_cli(module: str) -> bool:
+    return in_layer(module, CLI) or module.rpartition(".")[2] == "__main__"
+
+
+def backend_of(module: str) -> str | None:
+    return next((b for b in BACKENDS if in_layer(module, (b,))), None)
+
+
 def problems(edges: dict[str, set[str]]) -> list[str]:
     found = [f"import circle: {' -> '.join(c)}" for c in cycles(edges)]
     for src, dsts in sorted(edges.items()):
         for dst in sorted(dsts):
             if in_layer(src, CORE) and in_layer(dst, SHELLS):
                 found.append(f"core module {src} imports the shell {dst}")
-            if in_layer(dst, CLI) and not in_layer(src, CLI):
+            if is_cli(dst) and not is_cli(src):
                 found.append(f"library module {src} imports the CLI ({dst})")
+            if backend_of(src) and backend_of(dst) and backend_of(src) != backend_of(dst) and not is_cli(src):
+                found.append(f"backend module {src} imports another backend ({dst})")
+            if in_layer(src, ISLAND) and backend_of(dst):
+                found.append(f"backend-neutral module {src} imports a backend ({dst})")
     return found
 
 
@@ -117,12 +130,12 @@ def layer_of(module: str) -> str:
         return "core"
     if in_layer(module, SHELLS):
         return "shell"
-    if in_layer(module, CLI):
+    if is_cli(module):
         return "cli"
-    for folder in ("yeto.launch", "yeto.mlx"):
+    for folder in ("yeto.launch", "yeto.island", *BACKENDS):
         if in_layer(module, (folder,)):
-            return folder.split(".")[1]
-    return "island and torch backend"
+            return folder.removeprefix("yeto.")
+    return "shared (models, provenance, adapter, checks)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,7 +81,7 @@ def chat_file(tmp_path):
 def start_syncer(tmp_path):
     """start_syncer(**SyncerConfig fields) -> (syncer, port): a real syncer serving on loopback in a thread."""
     from yeto.launch.local import free_port
-    from yeto.sync.server import Syncer, SyncerConfig
+    from yeto.sync.shell.server import Syncer, SyncerConfig
 
     running = []
 

@@ -11,13 +11,13 @@ import time
 import numpy as np
 import zmq
 
-from yeto.diloco import run_island
-from yeto.sync.auth import JoinKey, curve_client
+from yeto.island.diloco import run_island
+from yeto.sync.shell.auth import JoinKey, curve_client
 from yeto.sync.core.contract import learner_contract
 from yeto.sync.core.learner import LinkTimeouts
-from yeto.sync.layout import build_layout, flatten
-from yeto.sync.protocol import BULK_SUFFIX, decode, encode, encode_fragments
-from yeto.tape import read_tape
+from yeto.sync.wire.layout import build_layout, flatten
+from yeto.sync.wire.protocol import BULK_SUFFIX, decode, encode, encode_fragments
+from yeto.sync.shell.tape import read_tape
 
 NAMES = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight",
          "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"]

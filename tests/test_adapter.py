@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from yeto.adapter import read_provenance
-from yeto.learner import TorchLearner, TrainConfig
+from yeto.backends.torch.learner import TorchLearner, TrainConfig
 
 
 def test_peft_round_trip(tiny_model, tmp_path):

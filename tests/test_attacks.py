@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from tests.peers import QuadraticIsland, RawLearner, wait_until
-from yeto.sync.aggregate import DEFAULT_CLIP_K
-from yeto.sync.audit import audit
-from yeto.sync.merge import MAX_STEP_SCALE
-from yeto.tape import read_tape
+from yeto.sync.merge.aggregate import DEFAULT_CLIP_K
+from yeto.sync.shell.audit import audit
+from yeto.sync.merge.rules import MAX_STEP_SCALE
+from yeto.sync.shell.tape import read_tape
 
 ROUNDS = 10
 HONEST_STEP = 0.01  # each honest delta: +0.01 on every value (a norm of 0.01 x sqrt(numel))
@@ -126,7 +126,7 @@ def test_a_fresh_id_flood_leaves_room_for_a_real_learner_and_nothing_behind(star
     FRESH_IDS_PER_WINDOW per key holder and never take the share kept for the run's expected ids; one connection
     speaks for one id; and ids that delivered nothing expire once gone."""
     from yeto.sync.core.state import FRESH_IDS_PER_WINDOW
-    from yeto.sync.protocol import encode
+    from yeto.sync.wire.protocol import encode
 
     syncer, port = start_syncer(insecure=False, learners=2, quorum=2, outer_steps=2, inner_steps=2, sync_bits=32,
                                 max_learners=8, learner_timeout=1.5, out=tmp_path / "syncer")

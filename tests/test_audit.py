@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO
-from yeto.sync.audit import audit
+from yeto.sync.shell.audit import audit
 from yeto.sync.core.actions import AcceptedDelta, Checkpoint
-from yeto.sync.layout import build_layout
-from yeto.sync.protocol import array_digest
+from yeto.sync.wire.layout import build_layout
+from yeto.sync.wire.protocol import array_digest
 from yeto.sync.sim import Schedule, World
-from yeto.sync.store import PREV_STATE_FILE, STATE_FILE, DiskStore
-from yeto.tape import TAPE_FILE, Tape
+from yeto.sync.shell.store import PREV_STATE_FILE, STATE_FILE, DiskStore
+from yeto.sync.shell.tape import TAPE_FILE, Tape
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_checkpoints_round_trip_bit_for_bit_and_a_damaged_one_falls_back_to_the_
 def test_saved_deltas_round_trip_and_drop(tmp_path):
     store = DiskStore(tmp_path)
     frames = (b"\x01\x02\x03", b"\x04" * 10)
-    from yeto.sync.protocol import digest_bytes
+    from yeto.sync.wire.protocol import digest_bytes
 
     d = AcceptedDelta(3, "s", 2, 1, 100, 50, 4, 0.5, digest_bytes(frames), [{"index": 0, "numel": 1, "bits": 4}] * 2,
                       frames)

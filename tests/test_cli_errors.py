@@ -42,9 +42,9 @@ USAGE = {  # name: argv; each must be a usage error
     "generate missing prompt": YETO + ["generate", "--adapter", "x"],
     "generate bad int": YETO + ["generate", "--adapter", "x", "--prompt", "p", "--max-new-tokens", "q"],
     "models unknown flag": YETO + ["models", "--bogus"],
-    "python -m yeto.learner": [sys.executable, "-m", "yeto.learner", "--bogus"],
-    "python -m yeto.mlx.learner": [sys.executable, "-m", "yeto.mlx.learner", "--lr", "abc"],
-    "python -m yeto.sync.server": [sys.executable, "-m", "yeto.sync.server", "--bogus"],
+    "python -m yeto.backends.torch": [sys.executable, "-m", "yeto.backends.torch", "--bogus"],
+    "python -m yeto.backends.mlx": [sys.executable, "-m", "yeto.backends.mlx", "--lr", "abc"],
+    "python -m yeto syncer": [sys.executable, "-m", "yeto", "syncer", "--bogus"],
 }
 
 
@@ -76,7 +76,7 @@ def _input_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "syncer not HOST:PORT": (train + ["--syncer", "nohost", "--insecure"], "HOST:PORT"),
         "syncer port out of range": (train + ["--syncer", "127.0.0.1:99999", "--insecure"], "1-65535"),
         "train out is a file": (YETO + ["train", "--model", NO_MODEL, "--out", str(a_file)], "is a file"),
-        "mlx lr zero": ([sys.executable, "-m", "yeto.mlx.learner", "--model", NO_MODEL, "--lr", "0"], "--lr"),
+        "mlx lr zero": ([sys.executable, "-m", "yeto.backends.mlx", "--model", NO_MODEL, "--lr", "0"], "--lr"),
         "syncer port 99999": (YETO + ["syncer", "--port", "99999", "--out", str(tmp / "s1")], "1-65535"),
         "syncer port 0": (YETO + ["syncer", "--port", "0", "--out", str(tmp / "s2")], "1-65535"),
         "syncer out is a file": (YETO + ["syncer", "--out", str(a_file), "--insecure", "--host", "127.0.0.1"],
@@ -131,7 +131,7 @@ def test_the_audit_of_an_empty_tape_is_not_ok_and_a_torn_last_line_is_said(tmp_p
     r = _run(YETO + ["tape", str(tmp_path), "--audit"])
     assert r.returncode == 1 and "empty" in r.stdout, r.stdout + r.stderr
     (tmp_path / "tape.jsonl").write_text('{"seq": 0, "event": "start"}\n{"seq": 1, "ev')
-    from yeto.tape import read_tape
+    from yeto.sync.shell.tape import read_tape
 
     assert read_tape(tmp_path) == [{"seq": 0, "event": "start"}]  # the torn last line is left out, not an error
     r = _run(YETO + ["tape", str(tmp_path)])
@@ -140,7 +140,7 @@ def test_the_audit_of_an_empty_tape_is_not_ok_and_a_torn_last_line_is_said(tmp_p
 
 @pytest.fixture(scope="module")
 def adapter(tiny_model, tmp_path_factory):
-    from yeto.learner import TorchLearner, TrainConfig
+    from yeto.backends.torch.learner import TorchLearner, TrainConfig
 
     cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, max_steps=1,
                       lora_r=4, lora_dropout=0.0)
@@ -150,7 +150,7 @@ def adapter(tiny_model, tmp_path_factory):
 
 
 def test_generate_uses_the_base_the_adapter_records(adapter):
-    from yeto.generate import adapter_base
+    from yeto.backends.torch.generate import adapter_base
 
     recorded = adapter_base(adapter, None, None)
     assert Path(recorded.path).resolve() == Path(adapter_base(adapter, recorded.path, None).path).resolve()

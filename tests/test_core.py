@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from yeto import YetoError
-from yeto.sync.audit import audit
-from yeto.sync.client import SyncerLink
+from yeto.sync.shell.audit import audit
+from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict, Wait
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
-from yeto.sync.layout import build_layout
-from yeto.sync.protocol import decode, encode
+from yeto.sync.wire.layout import build_layout
+from yeto.sync.wire.protocol import decode, encode
 
 SHAPES = {"m.q.lora_A.default.weight": (2, 4), "m.q.lora_B.default.weight": (4, 2)}
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"]}

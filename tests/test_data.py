@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yeto import YetoError
-from yeto.data import (encode_chat, encode_record, pack_examples, prepare_data, read_records, record_format,
-                       split_and_shard, Record, Unusable)
+from yeto.island.data import (Unusable, encode_chat, encode_record, pack_examples, prepare_data, record_format,
+                              split_and_shard)
+from yeto.island.records import Record, read_records
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}]
 
@@ -457,7 +458,7 @@ def test_cli_bad_data_is_one_line_exit_2(case, tmp_path, tiny_model, tokenizer):
     else:
         make, message = BAD_INPUTS[case]
         data, flags = make(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "yeto.cli", "train", "--model", str(model), "--data", str(data),
+    r = subprocess.run([sys.executable, "-m", "yeto", "train", "--model", str(model), "--data", str(data),
                         "--out", str(tmp_path / "run"), "--max-steps", "1", "--no-progress", *flags],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 2, r.stderr

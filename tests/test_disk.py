@@ -18,9 +18,9 @@ from safetensors import SafetensorError
 from tests.conftest import REPO
 from tests.peers import QuadraticIsland, RawLearner, island_thread, tape_with, wait_until
 from yeto.launch.local import free_port
-from yeto.sync.server import DISK_FAILED_EXIT
-from yeto.sync.store import DiskStore
-from yeto.tape import read_tape
+from yeto.sync.shell.server import DISK_FAILED_EXIT
+from yeto.sync.shell.store import DiskStore
+from yeto.sync.shell.tape import read_tape
 
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 
@@ -111,7 +111,7 @@ def test_a_failed_tape_write_stops_the_syncer_too(start_syncer, tmp_path, monkey
 def test_sigterm_exits_143_whenever_it_comes(tmp_path, when):
     """128 + the signal, during the run and after its finish while the syncer still serves a silent learner."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "yeto.sync.server", "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--host", "127.0.0.1", "--port", str(port),
                              "--insecure", "--out", str(tmp_path / "s"), "--learners", "1", "--outer-steps", "1",
                              "--inner-steps", "1", "--sync-bits", "32", "--learner-timeout", "30"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

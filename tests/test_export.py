@@ -15,7 +15,7 @@ YETO = [sys.executable, "-m", "yeto"]
 
 @pytest.fixture(scope="module")
 def trained(tiny_model, tmp_path_factory):
-    from yeto.learner import TorchLearner, TrainConfig
+    from yeto.backends.torch.learner import TorchLearner, TrainConfig
 
     cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, max_steps=3,
                       lora_r=4, lora_targets="all-linear", lora_dropout=0.0, lr=1e-2)
@@ -70,8 +70,8 @@ def test_export_refuses_a_non_empty_directory_and_another_base_in_one_line(train
 def test_init_adapter_starts_a_run_from_an_adapter_and_refuses_another_shape(trained, tmp_path):
     from yeto import YetoError
     from yeto.adapter import read_adapter
-    from yeto.island import start_from_adapter
-    from yeto.learner import TorchLearner, TrainConfig
+    from yeto.island.training import start_from_adapter
+    from yeto.backends.torch.learner import TorchLearner, TrainConfig
 
     source, adapter = trained
     learner = TorchLearner(source.cfg, log=lambda s: None)

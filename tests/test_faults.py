@@ -14,8 +14,8 @@ from safetensors.numpy import load_file
 from tests.netproxy import Proxy
 from tests.test_fleet import ENV, finish, learner, syncer, wait_for
 from yeto.launch.local import free_port
-from yeto.sync.audit import audit_run
-from yeto.tape import read_tape
+from yeto.sync.shell.audit import audit_run
+from yeto.sync.shell.tape import read_tape
 
 
 def assert_run_complete(s_out, outs, outer_steps, learner_dirs, quorum_of=None):

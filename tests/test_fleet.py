@@ -12,10 +12,10 @@ import pytest
 
 from tests.conftest import DEMO_DATA, REPO
 from yeto.launch.local import free_port
-from yeto.sync.auth import JOIN_KEY_ENV, Keyring
+from yeto.sync.shell.auth import JOIN_KEY_ENV, Keyring
 from yeto.sync.core.config import DEFAULT_STALENESS_EXPONENT
-from yeto.sync.merge import capped_claims, staleness_factor
-from yeto.tape import read_tape
+from yeto.sync.merge.rules import capped_claims, staleness_factor
+from yeto.sync.shell.tape import read_tape
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", COLUMNS="200")
 
@@ -25,7 +25,7 @@ def syncer(port, out, *args, env=None):
     it get its join key through the environment."""
     ENV[JOIN_KEY_ENV] = Keyring.ensure(out).join.text()
     env = dict(env, **{JOIN_KEY_ENV: ENV[JOIN_KEY_ENV]}) if env is not None else ENV
-    return subprocess.Popen([sys.executable, "-m", "yeto.sync.server", "--host", "127.0.0.1", "--port", str(port),
+    return subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--host", "127.0.0.1", "--port", str(port),
                              "--out", str(out), *map(str, args)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -33,7 +33,8 @@ def syncer(port, out, *args, env=None):
 def learner(model, port, lid, n, out, *args):
     """A torch learner process; `n` None: no --num-learners (the syncer says the shard)."""
     shards = ["--num-learners", str(n)] if n is not None else []
-    return subprocess.Popen([sys.executable, "-m", "yeto.learner", "--model", str(model), "--data", str(DEMO_DATA),
+    return subprocess.Popen([sys.executable, "-m", "yeto.backends.torch", "--model", str(model),
+                             "--data", str(DEMO_DATA),
                              "--syncer", f"127.0.0.1:{port}", "--learner-id", str(lid), *shards,
                              "--out", str(out), "--seq-len", "64", "--batch-size", "2", "--lora-r", "4",
                              "--threads", "1", "--no-progress", *map(str, args)], cwd=REPO, env=ENV,
@@ -164,11 +165,12 @@ def test_the_syncer_starts_a_run_from_an_existing_adapter(tiny_model, tmp_path):
     """`yeto syncer --init-adapter DIR`: version 0 is that adapter, exactly (its digest on the tape), whatever the
     founding learner's own LoRA init; a learner of another LoRA shape is refused in one line naming the flag."""
     from yeto.adapter import read_adapter
-    from yeto.sync.layout import build_layout, flatten
-    from yeto.sync.protocol import array_digest
+    from yeto.sync.wire.layout import build_layout, flatten
+    from yeto.sync.wire.protocol import array_digest
 
     model = tiny_model("llama")
-    first = subprocess.run([sys.executable, "-m", "yeto.learner", "--model", str(model), "--data", str(DEMO_DATA),
+    first = subprocess.run([sys.executable, "-m", "yeto.backends.torch", "--model", str(model),
+                            "--data", str(DEMO_DATA),
                             "--out", str(tmp_path / "first"), "--seq-len", "64", "--batch-size", "2", "--lora-r", "4",
                             "--max-steps", "3", "--eval-every", "0", "--threads", "1", "--no-progress"], cwd=REPO,
                            env=ENV, capture_output=True, text=True, timeout=240)

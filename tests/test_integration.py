@@ -18,7 +18,7 @@ def run(args, **kw):
 
 def test_learner_module_trains_and_saves(tiny_model, tmp_path):
     out = tmp_path / "run"
-    r = run([sys.executable, "-m", "yeto.learner", "--model", str(tiny_model("lfm2")), "--data", str(DEMO_DATA),
+    r = run([sys.executable, "-m", "yeto.backends.torch", "--model", str(tiny_model("lfm2")), "--data", str(DEMO_DATA),
              "--out", str(out), "--max-steps", "4", "--seq-len", "64", "--batch-size", "2", "--grad-accum", "2",
              "--eval-every", "2", "--lora-r", "4", "--no-progress"])
     assert r.returncode == 0, r.stderr
@@ -63,13 +63,13 @@ def test_every_command_documents_every_flag():
     import dataclasses
     import re
 
-    from yeto.island import TEST_HOOKS
-    from yeto.learner import TrainConfig
+    from yeto.cli.train import TEST_HOOKS
+    from yeto.backends.torch.learner import TrainConfig
     from yeto.sync.core.config import flag_of
-    from yeto.sync.server import SyncerConfig
+    from yeto.sync.shell.server import SyncerConfig
 
-    cases = [(YETO + ["train"], TrainConfig), ([sys.executable, "-m", "yeto.learner"], TrainConfig),
-             ([sys.executable, "-m", "yeto.mlx.learner"], TrainConfig), (YETO + ["syncer"], SyncerConfig)]
+    cases = [(YETO + ["train"], TrainConfig), ([sys.executable, "-m", "yeto.backends.torch"], TrainConfig),
+             ([sys.executable, "-m", "yeto.backends.mlx"], TrainConfig), (YETO + ["syncer"], SyncerConfig)]
     for args, cfg in cases:
         out = help_lines(args)
         for field in (f.name for f in dataclasses.fields(cfg) if f.init and f.name not in TEST_HOOKS):  # (the
@@ -86,8 +86,8 @@ def test_every_command_documents_every_flag():
 
 @pytest.mark.slow
 def test_smollm2_learns_the_demo_data(tmp_path):
-    from yeto.generate import compare
-    from yeto.learner import TrainConfig, train
+    from yeto.backends.torch.generate import compare
+    from yeto.backends.torch.learner import TrainConfig, train
 
     cfg = TrainConfig(model="smollm2-135m", data=str(DEMO_DATA), out=str(tmp_path / "run"), seq_len=128, batch_size=4,
                       max_steps=12, lr=1e-3, warmup_steps=2, eval_every=0)

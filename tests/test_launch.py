@@ -28,10 +28,10 @@ from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan, pin_revision, split_extra_args
 from yeto.launch.spec import IslandSpec, parse_gpu
 from yeto.launch.tasks import data_mounts, head_task, learner_exit, learner_task, printable
-from yeto.sync.audit import audit
-from yeto.sync.auth import Keyring
-from yeto.sync.given_up import give_up
-from yeto.tape import read_tape
+from yeto.sync.shell.audit import audit
+from yeto.sync.shell.auth import Keyring
+from yeto.sync.shell.given_up import give_up
+from yeto.sync.shell.tape import read_tape
 
 # ---------------------------------------------------------------------------------------------- specs
 
@@ -111,7 +111,7 @@ def test_plans_that_cannot_run_are_refused_before_anything_launches(tmp_path, kw
 
 
 def test_the_syncer_outwaits_the_controller_before_a_round_short_of_quorum_ends_the_run():
-    from yeto.launch.command import GIVE_UP_MARGIN_S, quorum_timeout_args
+    from yeto.cli.launch import GIVE_UP_MARGIN_S, quorum_timeout_args
 
     assert quorum_timeout_args([], 1800.0) == ["--quorum-timeout", f"{1800.0 + GIVE_UP_MARGIN_S:g}"]
     assert quorum_timeout_args(["--quorum-timeout", "99999"], 1800.0) == []
@@ -201,7 +201,7 @@ def test_a_multi_gpu_island_is_one_torchrun_group_over_skypilots_node_variables(
     assert run.startswith("torchrun --nnodes $SKYPILOT_NUM_NODES --nproc-per-node $SKYPILOT_NUM_GPUS_PER_NODE "
                           f"--rdzv-backend c10d --rdzv-id {plan.cluster(0)} --rdzv-endpoint "
                           "$(echo \"$SKYPILOT_NODE_IPS\" | head -n1):29500 --max-restarts 3")
-    assert " -m yeto.learner --syncer 203.0.113.7:29400 --learner-id 0 " in run and "python3" not in run
+    assert " -m yeto.backends.torch --syncer 203.0.113.7:29400 --learner-id 0 " in run and "python3" not in run
     assert subprocess.run(["bash", "-n"], input=run, text=True).returncode == 0
 
 
@@ -553,7 +553,7 @@ def test_a_dry_run_refuses_a_flag_the_learners_or_the_syncer_would_refuse_in_one
 
 
 def test_an_mlx_learners_flag_is_parsed_by_the_mlx_learners_parser(tmp_path):
-    from yeto.launch.flags import MLX_BACKEND, check_passed_flags
+    from yeto.cli.launch_flags import MLX_BACKEND, check_passed_flags
 
     plan = FleetPlan("mlx-mix", str(tmp_path / "run"), parse_gpu("local:2"), mlx=1, data=str(DEMO_DATA),
                      learner_args=["--seq-len", "64"], syncer_args=["--outer-steps", "2"])
@@ -635,7 +635,7 @@ def test_join_script_is_what_a_user_would_run():
     plan = FleetPlan("wan", "/tmp/x", parse_gpu("aws:1xA10G"), external=1, data="HuggingFaceH4/no_robots",
                      learner_args=["--seq-len", "256"])
     text = join_script(plan, 1, "203.0.113.7:29400")
-    assert "yeto.mlx.learner" in text and "yeto.learner" in text and "Darwin-arm64" in text
+    assert "yeto.backends.mlx" in text and "yeto.backends.torch" in text and "Darwin-arm64" in text
     assert '--syncer 203.0.113.7:29400 --learner-id 1' in text and "--seq-len 256" in text
     assert "YETO_JOIN_KEY" in text and "1.key" in text and "pip install" in text
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
@@ -681,7 +681,8 @@ def test_a_local_run_with_a_reserved_slot_joined_by_its_script_then_status_logs_
         assert wait_until(lambda: (out / "join" / "1.sh").is_file() and (out / "join" / "1.key").is_file(), 60)
         wheel = next((out / "join").glob("yeto-*.whl"))  # what a machine without yeto installs: this very code
         with zipfile.ZipFile(wheel) as z:
-            assert {"yeto/launch/join.py", "yeto/sync/core/syncer.py", "yeto/mlx/learner.py"} <= set(z.namelist())
+            wanted = {"yeto/launch/join.py", "yeto/sync/core/syncer.py", "yeto/backends/mlx/learner.py"}
+            assert wanted <= set(z.namelist())
         joined = subprocess.Popen(["bash", str(out / "join" / "1.sh")], cwd=tmp_path,
                                   env=dict(env, PYTHON=sys.executable), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
@@ -827,14 +828,14 @@ def test_the_head_runs_the_syncer_and_relaunches_a_preempted_learner_that_rejoin
 def test_the_syncer_command_pins_the_model_only_with_a_revision_and_runs_the_real_cli(tmp_path):
     """One builder for local fleets and the cloud head: the plan's syncer flags pass through, the model is pinned only
     when its revision is (else the founding learner's model is the run's), and the command parses."""
-    from yeto.launch.tasks import syncer_command
+    from yeto.launch.tasks import syncer_argv
 
     plan = plan_for(tmp_path, syncer_args=["--quorum", "1", "--merge", "mean"])
-    cmd = syncer_command(plan, "127.0.0.1", 29411, tmp_path / "syncer", sys.executable)
-    assert cmd[1:3] == ["-m", "yeto.sync.server"] and "--model" not in cmd
+    cmd = syncer_argv(plan, "127.0.0.1", 29411, tmp_path / "syncer", sys.executable)
+    assert cmd[1:4] == ["-m", "yeto", "syncer"] and "--model" not in cmd
     assert cmd[-4:] == ["--quorum", "1", "--merge", "mean"]
     plan.model_revision = "0123abc"
-    pinned = syncer_command(plan, "0.0.0.0", 29411, tmp_path / "syncer", sys.executable)
+    pinned = syncer_argv(plan, "0.0.0.0", 29411, tmp_path / "syncer", sys.executable)
     assert pinned[-4:] == ["--model", plan.model, "--model-revision", "0123abc"]
     r = subprocess.run([*cmd, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "--merge" in r.stdout

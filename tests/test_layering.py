@@ -1,5 +1,6 @@
 """The architecture the folder tree shows, kept: no import circle, no core module importing an I/O shell, no library
-module importing the CLI (scripts/import_graph.py reads the imports from the code)."""
+module importing the CLI, backends apart from each other and from the island they share (scripts/import_graph.py reads
+the imports from the code)."""
 
 import subprocess
 import sys
@@ -14,15 +15,19 @@ def test_the_import_graph_keeps_the_layers():
 
 
 def test_the_check_can_fail():
-    """A planted core -> shell import and a planted circle are both named."""
+    """Each planted bad import (core -> shell, backend -> backend, island -> backend, a circle) is named."""
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import import_graph
     finally:
         sys.path.pop(0)
     edges = import_graph.graph()
-    edges["yeto.sync.core.syncer"] = edges["yeto.sync.core.syncer"] | {"yeto.sync.server"}
-    edges["yeto.sync.layout"] = edges["yeto.sync.layout"] | {"yeto.sync.core.syncer"}
+    edges["yeto.sync.core.syncer"] = edges["yeto.sync.core.syncer"] | {"yeto.sync.shell.server"}
+    edges["yeto.sync.wire.layout"] = edges["yeto.sync.wire.layout"] | {"yeto.sync.core.syncer"}
+    edges["yeto.backends.mlx.learner"] = edges["yeto.backends.mlx.learner"] | {"yeto.backends.torch.learner"}
+    edges["yeto.island.training"] = edges["yeto.island.training"] | {"yeto.backends.torch.learner"}
     found = import_graph.problems(edges)
-    assert "core module yeto.sync.core.syncer imports the shell yeto.sync.server" in found
-    assert any(p.startswith("import circle:") and "yeto.sync.layout" in p for p in found)
+    assert "backend module yeto.backends.mlx.learner imports another backend (yeto.backends.torch.learner)" in found
+    assert "backend-neutral module yeto.island.training imports a backend (yeto.backends.torch.learner)" in found
+    assert "core module yeto.sync.core.syncer imports the shell yeto.sync.shell.server" in found
+    assert any(p.startswith("import circle:") and "yeto.sync.wire.layout" in p for p in found)

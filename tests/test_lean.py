@@ -16,16 +16,18 @@ import yaml
 
 from tests.peers import QuadraticIsland, island_thread
 from yeto.launch.local import free_port
-from yeto.tape import read_tape
+from yeto.sync.shell.tape import read_tape
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKED = ("torch", "peft", "bitsandbytes")
 DEMO_DATA = str(REPO / "data" / "demo")
 # everything the syncer, the CLI, launch (local and cloud) and the MLX island import
-LEAN_MODULES = ("yeto.cli", "yeto.sync.server", "yeto.sync.client", "yeto.sync.sim", "yeto.sync.audit", "yeto.tape",
-                "yeto.launch.command", "yeto.launch.head", "yeto.launch.local", "yeto.launch.tasks", "yeto.launch.join",
-                "yeto.diloco", "yeto.island", "yeto.data", "yeto.adapter", "yeto.models", "yeto.lora",
-                "yeto.mlx.learner", "yeto.mlx.lora")
+LEAN_MODULES = ("yeto.cli", "yeto.cli.syncer", "yeto.cli.train", "yeto.cli.launch", "yeto.cli.head",
+                "yeto.sync.shell.server", "yeto.sync.shell.client", "yeto.sync.sim", "yeto.sync.shell.audit",
+                "yeto.sync.shell.tape", "yeto.launch.head", "yeto.launch.local", "yeto.launch.tasks",
+                "yeto.launch.join",
+                "yeto.island.diloco", "yeto.island.training", "yeto.island.data", "yeto.adapter", "yeto.models",
+                "yeto.island.lora", "yeto.backends.mlx.learner", "yeto.backends.mlx.lora")
 
 
 def torchless_env(tmp_path: Path) -> dict[str, str]:
@@ -116,6 +118,6 @@ def test_launch_dry_run_without_torch_shows_a_head_that_installs_no_torch(tmp_pa
     assert "pip install" in head and "torch" not in head, head  # the syncer merges on numpy
     assert "[torch]" in learner, learner  # a cloud learner is the torch one
     join = r.stdout.split("# --- join/1.sh", 1)[1]  # a machine of the user's own: MLX on a Mac, torch elsewhere
-    assert 'Darwin-arm64) BACKEND="${YETO_BACKEND:-yeto.mlx.learner}"; EXTRAS="[mlx]"' in join
-    assert '*) BACKEND="${YETO_BACKEND:-yeto.learner}"; EXTRAS="[torch]"' in join
+    assert 'Darwin-arm64) BACKEND="${YETO_BACKEND:-yeto.backends.mlx}"; EXTRAS="[mlx]"' in join
+    assert '*) BACKEND="${YETO_BACKEND:-yeto.backends.torch}"; EXTRAS="[torch]"' in join
 

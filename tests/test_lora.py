@@ -5,7 +5,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from yeto import YetoError
-from yeto.lora import ATTENTION_REGEX, lora_config, select_targets, torch_linears
+from yeto.island.lora import ATTENTION_REGEX, lora_config, select_targets, torch_linears
 
 
 def adapted_modules(model_dir, mode):

@@ -10,8 +10,8 @@ from yeto import YetoError
 from yeto.sync.core.contract import contract_mismatch
 from yeto.sync.core.learner import RoundCounts, Train, Verdict
 from yeto.sync.core.syncer import SyncerConfig
-from yeto.sync.layout import build_layout, flatten, unflatten
-from yeto.sync.merge import lora_pairs, product_merge, rda, refactor
+from yeto.sync.wire.layout import build_layout, flatten, unflatten
+from yeto.sync.merge.rules import lora_pairs, product_merge, rda, refactor
 
 EQUAL2 = np.array([0.5, 0.5])
 
@@ -57,7 +57,7 @@ def rda_by_formula(deltas, weights, layout):
 def test_streaming_rda_matches_the_formula_whatever_the_order_scales_and_clips(seed):
     """The syncer adds deltas as they arrive (a stale one scaled, an outlier clipped at the close): its RDA must be the
     formula's on the deltas as they count, scale and clip applied."""
-    from yeto.sync.aggregate import RoundSum, clipped_merge
+    from yeto.sync.merge.aggregate import RoundSum, clipped_merge
 
     rng = np.random.default_rng(seed)
     layout = build_layout({f"t{k}": np.zeros((3, 5), np.float32) for k in range(4)})
@@ -199,8 +199,8 @@ def test_conflicting_merge_flags_are_one_line_errors():
 
 
 def frozen_a_learners(tiny_model):
-    from yeto.learner import TorchLearner, TrainConfig
-    from yeto.mlx.learner import MLXLearner
+    from yeto.backends.torch.learner import TorchLearner, TrainConfig
+    from yeto.backends.mlx.learner import MLXLearner
 
     common = dict(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, lora_r=4,
                   lora_dropout=0.0, lr=1e-2, warmup_steps=1, num_learners=2, lora_freeze_a=True)
@@ -252,14 +252,14 @@ def test_a_torch_and_an_mlx_island_with_frozen_a_merge_products_exactly(tiny_mod
     from tests.conftest import REPO
     from tests.test_fleet import ENV, finish, learner, syncer
     from yeto.launch.local import free_port
-    from yeto.sync.audit import audit
-    from yeto.tape import read_tape
+    from yeto.sync.shell.audit import audit
+    from yeto.sync.shell.tape import read_tape
 
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 3,
                               "--lora-merge", "product", "--sync-bits", 32)}
     procs[0] = learner(model, port, 0, 2, tmp_path / "l0", "--lora-freeze-a", "--lora-dropout", 0)
-    procs[1] = subprocess.Popen([sys.executable, "-m", "yeto.mlx.learner", "--model", str(model), "--syncer",
+    procs[1] = subprocess.Popen([sys.executable, "-m", "yeto.backends.mlx", "--model", str(model), "--syncer",
                                  f"127.0.0.1:{port}", "--learner-id", "1", "--num-learners", "2", "--out",
                                  str(tmp_path / "l1"), "--data", str(DEMO_DATA), "--seq-len", "64", "--batch-size", "2",
                                  "--lora-r", "4", "--lora-dropout", "0", "--no-progress", "--lora-freeze-a"], cwd=REPO,

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-import yeto.learner
+import yeto.backends.torch.learner
 from tests.conftest import DEMO_DATA
 from yeto import YetoError
-from yeto.learner import TorchLearner, TrainConfig
-from yeto.micro_batch import chunks, largest_that_fits, parse_micro_batch_size
+from yeto.backends.torch.learner import TorchLearner, TrainConfig
+from yeto.island.micro_batch import chunks, largest_that_fits, parse_micro_batch_size
 from yeto.models import load_model
 
 
@@ -56,7 +56,7 @@ def learner(tiny_model, micro, budget=None, dropout=0.0, logs=None):
         return model
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(yeto.learner, "load_model", load_on_device)
+        patch.setattr(yeto.backends.torch.learner, "load_model", load_on_device)
         return TorchLearner(cfg, log=(logs.append if logs is not None else lambda s: None))
 
 
@@ -92,7 +92,7 @@ def test_auto_says_what_to_do_when_not_even_one_block_fits(tiny_model):
 
 def test_the_mlx_learner_refuses_micro_batch_sizes(tiny_model):
     pytest.importorskip("mlx.core")
-    from yeto.mlx.learner import MLXLearner
+    from yeto.backends.mlx.learner import MLXLearner
 
     cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), micro_batch_size="auto")
     with pytest.raises(YetoError, match="--micro-batch-size is the torch learner's"):

@@ -15,12 +15,12 @@ mx = pytest.importorskip("mlx.core")
 
 from tests.conftest import DEMO_DATA, REPO  # noqa: E402
 from yeto import YetoError  # noqa: E402
-from yeto.data import Blocks  # noqa: E402
-from yeto.learner import TorchLearner, TrainConfig  # noqa: E402
-from yeto.losses import sft_loss  # noqa: E402
-from yeto.mlx.compat import load_mlx_model, mlx_config_shim  # noqa: E402
-from yeto.mlx.lora import LoRALinear, to_mlx_path, to_peft_name  # noqa: E402
-from yeto.mlx.parity import name_parity  # noqa: E402
+from yeto.island.data import Blocks  # noqa: E402
+from yeto.backends.torch.learner import TorchLearner, TrainConfig  # noqa: E402
+from yeto.island.losses import sft_loss  # noqa: E402
+from yeto.backends.mlx.compat import load_mlx_model, mlx_config_shim  # noqa: E402
+from yeto.backends.mlx.lora import LoRALinear, to_mlx_path, to_peft_name  # noqa: E402
+from yeto.backends.mlx.parity import name_parity  # noqa: E402
 
 
 def test_lora_linear_matches_peft():
@@ -124,7 +124,7 @@ def test_shimmed_smollm2_generates_what_torch_generates(smollm2, tokenizer):
 
 
 def mlx_learner(tiny_model, kind="llama", **kw):
-    from yeto.mlx.learner import MLXLearner
+    from yeto.backends.mlx.learner import MLXLearner
 
     cfg = TrainConfig(model=str(tiny_model(kind)), data=str(DEMO_DATA), seq_len=64, batch_size=2, max_steps=4, lora_r=4,
                       lora_dropout=0.0, lr=1e-2, warmup_steps=1, **kw)
@@ -144,7 +144,7 @@ def test_same_blocks_as_the_torch_learner(tiny_model, tmp_path):
     from safetensors.numpy import load_file
 
     from yeto.adapter import peft_file_name, write_adapter
-    from yeto.sync.layout import build_layout, pack_fragment, unpack_fragment
+    from yeto.sync.wire.layout import build_layout, pack_fragment, unpack_fragment
 
     lt, lm = build_layout(t.adapter_state(), 1000), build_layout(m.adapter_state(), 1000)
     assert lt == lm and len(lm.fragments) > 1
@@ -190,21 +190,22 @@ def test_mlx_adapter_loads_in_torch_with_matching_logits(tiny_model, tmp_path):
 def test_heterogeneous_fleet_torch_and_mlx(tiny_model, tmp_path):
     from tests.test_fleet import ENV, finish, loss_token_weights, syncer
     from yeto.launch.local import free_port
-    from yeto.tape import read_tape
+    from yeto.sync.shell.tape import read_tape
 
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
     common = ["--model", str(model), "--data", str(DEMO_DATA), "--syncer", f"127.0.0.1:{port}", "--num-learners", "2",
               "--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--no-progress"]
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 4)}
-    procs["torch"] = subprocess.Popen([sys.executable, "-m", "yeto.learner", "--learner-id", "0", "--threads", "1",
+    procs["torch"] = subprocess.Popen([sys.executable, "-m", "yeto.backends.torch", "--learner-id", "0",
+                                       "--threads", "1",
                                        "--out", str(tmp_path / "t"), *common],
                                       cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    procs["mlx"] = subprocess.Popen([sys.executable, "-m", "yeto.mlx.learner", "--learner-id", "1",
+    procs["mlx"] = subprocess.Popen([sys.executable, "-m", "yeto.backends.mlx", "--learner-id", "1",
                                      "--out", str(tmp_path / "m"), *common],
                                     cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     outs = finish(procs)
     assert all(code == 0 for code, _ in outs.values()), {k: v[1][-2500:] for k, v in outs.items()}
-    from yeto.mlx.compat import fast_blas_library
+    from yeto.backends.mlx.compat import fast_blas_library
 
     if sys.platform.startswith("linux") and fast_blas_library():  # the MLX learner re-exec'd itself with OpenBLAS
         assert "OpenBLAS preloaded" in outs["mlx"][1]
@@ -247,7 +248,7 @@ LOSS_RTOL = 2e-5  # fp32 logits summed in other orders; granite's x20 logit scal
 
 def twins(model_path, **kw):
     """A torch and an MLX learner of one config, holding the same non-zero adapter (so A and B both learn)."""
-    from yeto.mlx.learner import MLXLearner
+    from yeto.backends.mlx.learner import MLXLearner
 
     cfg = TrainConfig(model=str(model_path), data=str(DEMO_DATA), **{**PARITY, **kw})
     t, m = TorchLearner(cfg, log=lambda s: None), MLXLearner(cfg, log=lambda s: None)
@@ -345,7 +346,7 @@ def test_loss_matches_torch(tiny_model, logit_model, kind):
 def test_the_loss_rows_path_is_taken_only_where_it_gives_the_models_own_logits():
     import mlx.nn as nn
 
-    from yeto.mlx.learner import find_decoder, loss_rows_decoder
+    from yeto.backends.mlx.learner import find_decoder, loss_rows_decoder
 
     class Body(nn.Module):
         def __init__(self):
@@ -391,7 +392,7 @@ def test_full_logits_dtype_and_device_are_honoured(tiny_model):
     half = mlx_learner(tiny_model, dtype="bfloat16")
     linears = [mod for _, mod in half.model.named_modules() if isinstance(mod, nn.Linear)]
     assert linears and all(mod.weight.dtype == mx.bfloat16 for mod in linears)
-    from yeto.mlx.lora import lora_state
+    from yeto.backends.mlx.lora import lora_state
 
     assert all(v.dtype == mx.float32 for v in lora_state(half.model).values())  # the adapter stays fp32, as peft
     assert np.isfinite(half.step()["loss"])
@@ -416,7 +417,7 @@ OPENBLAS_HERE = hasattr(ctypes.CDLL(None), "openblas_set_num_threads")
     ("grad_accum", 0, "--grad-accum must be at least 1"),
 ])
 def test_mlx_learner_refuses_flags_it_cannot_honour(flag, value, says):
-    from yeto.mlx.learner import MLXLearner
+    from yeto.backends.mlx.learner import MLXLearner
 
     # a model that does not exist: the refusal comes before anything loads
     with pytest.raises(YetoError, match=says):
@@ -424,7 +425,7 @@ def test_mlx_learner_refuses_flags_it_cannot_honour(flag, value, says):
 
 
 def test_mlx_learner_cli_refuses_in_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "yeto.mlx.learner", "--device", "cuda", "--out", str(tmp_path / "o"),
+    r = subprocess.run([sys.executable, "-m", "yeto.backends.mlx", "--device", "cuda", "--out", str(tmp_path / "o"),
                         "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**__import__("os").environ, "YETO_NO_FAST_BLAS": "1"})
     lines = [line for line in r.stderr.splitlines() if line.strip()]

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from yeto import YetoError
-from yeto.data import resolve_data
+from yeto.island.records import resolve_data
 from yeto.models import ALIASES, resolve_model
 from yeto.provenance import content_hash
 
@@ -57,7 +57,7 @@ def test_hub_dataset_resolves_to_one_commit(hub_cache):
 
 def test_training_records_resolved_revisions(hub_cache, tmp_path):
     from yeto.adapter import read_provenance
-    from yeto.learner import TrainConfig, train
+    from yeto.backends.torch.learner import TrainConfig, train
 
     cfg = TrainConfig(model="org/tiny-llama", model_revision="v1", data="org/pirates", out=str(tmp_path / "run"),
                       seq_len=32, batch_size=2, max_steps=2, eval_every=0, lora_r=4)

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 from tests.conftest import DEMO_DATA, REPO
 from tests.test_fleet import ENV, finish, learner, syncer
 from yeto import YetoError
-from yeto.checkpoint import load_state
+from yeto.island.checkpoint import load_state
 from yeto.launch.local import free_port
 
 STEPS = 8
@@ -26,14 +26,14 @@ FLAGS = ("--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--no-progress
          "--eval-every", "0", "--warmup-steps", "2", "--lr", "1e-3", "--lora-dropout", "0.1", "--save-every", "2")
 
 
-def train(model, out, *args, env=None, module="yeto.learner"):
+def train(model, out, *args, env=None, module="yeto.backends.torch"):
     return subprocess.Popen([sys.executable, "-m", module, "--model", str(model), "--data", str(DEMO_DATA),
                              "--out", str(out), "--max-steps", str(STEPS), *FLAGS, *map(str, args),
-                             *(["--threads", "1"] if module == "yeto.learner" else [])], cwd=REPO,
+                             *(["--threads", "1"] if module == "yeto.backends.torch" else [])], cwd=REPO,
                             env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def run(model, out, *args, env=None, module="yeto.learner"):
+def run(model, out, *args, env=None, module="yeto.backends.torch"):
     p = train(model, out, *args, env=env, module=module)
     text, _ = p.communicate(timeout=300)
     return p.returncode, text
@@ -113,11 +113,11 @@ def test_an_mlx_run_killed_mid_save_resumes_to_the_uninterrupted_adapter(tiny_mo
     pytest.importorskip("mlx.core")
     model = tiny_model("llama")
     whole, out = tmp_path / "whole", tmp_path / "run"
-    code, text = run(model, whole, module="yeto.mlx.learner")
+    code, text = run(model, whole, module="yeto.backends.mlx")
     assert code == 0, text[-3000:]
-    code, text = run(model, out, env=dict(ENV, YETO_CRASH_AT="train_state:4"), module="yeto.mlx.learner")
+    code, text = run(model, out, env=dict(ENV, YETO_CRASH_AT="train_state:4"), module="yeto.backends.mlx")
     assert code == -signal.SIGKILL and saved_step(out) == 2, text[-3000:]
-    code, text = run(model, out, module="yeto.mlx.learner")
+    code, text = run(model, out, module="yeto.backends.mlx")
     assert code == 0 and "at step 2" in text, text[-3000:]
     assert_resumed_from_step_2(whole, out)
 
@@ -189,8 +189,8 @@ def test_a_fleet_restore_takes_the_next_step_as_the_learner_would_have(tiny_mode
     the restored learner's next step is the original's, bit for bit (moments, schedule, batch, dropout)."""
     import torch
 
-    from yeto.island import TrainConfig
-    from yeto.learner import TorchLearner
+    from yeto.island.config import TrainConfig
+    from yeto.backends.torch.learner import TorchLearner
 
     cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), out=str(tmp_path), seq_len=64,
                       batch_size=2, lora_r=4, lora_dropout=0.1, max_steps=10, warmup_steps=2, lr=1e-3,

@@ -23,13 +23,13 @@ from hypothesis import strategies as st
 from tests.peers import (ADAPTER_CONFIG, FAST, SEND_TIMEOUT_MS, QuadraticIsland, RawLearner, island_thread, tape_with,
                          wait_until)
 from yeto import YetoError
-from yeto.diloco import run_island
+from yeto.island.diloco import run_island
 from yeto.launch.local import free_port
-from yeto.sync import auth, client
-from yeto.sync.auth import JoinKey, Keyring, learner_join_key, read_join_key
-from yeto.sync.protocol import encode
-from yeto.sync.server import Syncer, SyncerConfig
-from yeto.tape import read_tape
+from yeto.sync.shell import auth, client
+from yeto.sync.shell.auth import JoinKey, Keyring, learner_join_key, read_join_key
+from yeto.sync.wire.protocol import encode
+from yeto.sync.shell.server import Syncer, SyncerConfig
+from yeto.sync.shell.tape import read_tape
 
 FUZZ_CASES = int(os.environ.get("YETO_FUZZ_CASES", "1000"))
 

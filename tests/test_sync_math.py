@@ -9,18 +9,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from yeto.sync.layout import (
-    build_layout,
-    flatten,
-    layout_from_json,
-    layout_mismatch,
-    pack_fragment,
-    unflatten,
-    unpack_fragment,
-)
-from yeto.sync.merge import DeltaCounts, merge_weights, weight_of
-from yeto.sync.outer import nesterov_step
-from yeto.sync.quant import BLOCK, ErrorFeedback, QuantError, block_steps, dequantize, encoded_size, quantize
+from yeto.sync.wire.layout import (build_layout, flatten, layout_from_json, layout_mismatch, pack_fragment, unflatten,
+                                   unpack_fragment)
+from yeto.sync.merge.rules import DeltaCounts, merge_weights, weight_of
+from yeto.sync.merge.outer import nesterov_step
+from yeto.sync.wire.quant import BLOCK, ErrorFeedback, QuantError, block_steps, dequantize, encoded_size, quantize
 
 names = st.text("abcdefghij._", min_size=1, max_size=12)
 shapes = st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple)
@@ -158,7 +151,7 @@ def test_merge_weights_reject_empty_or_zero():
 
 
 def test_merge_is_the_weighted_mean():
-    from yeto.sync.aggregate import RoundSum
+    from yeto.sync.merge.aggregate import RoundSum
 
     s = RoundSum(4)
     s.add(0, np.full(4, 1.0, np.float32), 900)
@@ -192,13 +185,13 @@ def test_outer_step_agrees_with_torch_sgd_nesterov():
     np.testing.assert_allclose(p, tp.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
-# ---------------------------------------------------------------------------- aggregation (yeto.sync.aggregate)
+# ---------------------------------------------------------------------------- aggregation (yeto.sync.merge.aggregate)
 
 
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.integers(1, 10_000), min_size=1, max_size=6), st.integers(0, 2**31))
 def test_running_sum_is_the_token_weighted_mean_whatever_the_arrival_order(tokens, seed):
-    from yeto.sync.aggregate import RoundSum
+    from yeto.sync.merge.aggregate import RoundSum
 
     rng = np.random.default_rng(seed)
     deltas = [rng.standard_normal(257).astype(np.float32) for _ in tokens]
@@ -212,7 +205,7 @@ def test_running_sum_is_the_token_weighted_mean_whatever_the_arrival_order(token
 
 
 def test_norm_clip_scales_only_the_outlier_even_in_a_pair():
-    from yeto.sync.aggregate import RoundSum, clip_factors, clip_reference, clipped_merge
+    from yeto.sync.merge.aggregate import RoundSum, clip_factors, clip_reference, clipped_merge
 
     def factors(norms, history):
         return clip_factors(norms, clip_reference(norms, history), 4.0)
@@ -232,8 +225,8 @@ def test_norm_clip_scales_only_the_outlier_even_in_a_pair():
 
 
 def test_trimmed_mean_drops_the_extremes_per_coordinate():
-    from yeto.sync.aggregate import trimmed_mean
-    from yeto.sync.layout import build_layout
+    from yeto.sync.merge.aggregate import trimmed_mean
+    from yeto.sync.wire.layout import build_layout
 
     layout = build_layout({"a.lora_A.weight": np.zeros((3, 5), np.float32),
                            "b.lora_A.weight": np.zeros((2, 5), np.float32)}, 15)  # two fragments
@@ -252,7 +245,7 @@ REFERENCE = Path(__file__).parent / "data" / "sync_reference.npz"  # the torch k
 
 
 def reference_round():
-    from yeto.sync.layout import build_layout
+    from yeto.sync.wire.layout import build_layout
 
     ref = np.load(REFERENCE)
     layout = build_layout({"a.lora_A.weight": np.zeros((4, 100), np.float32),
@@ -279,7 +272,7 @@ def test_quantization_and_error_feedback_are_bit_for_bit_the_torch_kernels():
 def test_running_sums_and_clipped_merges_match_the_torch_kernels(rule):
     """torch fused each add's multiply (one rounding), numpy rounds the product too (one more rounding per add): sums
     of three agree to a few ulps; a clip's correction is fused here as well, and RDA's merge is bit for bit."""
-    from yeto.sync.aggregate import RoundSum, clipped_merge
+    from yeto.sync.merge.aggregate import RoundSum, clipped_merge
 
     ref, layout, deltas, weights, scales = reference_round()
     s = RoundSum.for_rule(layout, rule)
@@ -309,8 +302,8 @@ def test_outer_step_is_bit_for_bit_its_textbook_form():
 
 
 def test_the_kernels_give_the_same_bits_on_one_thread_and_on_many(monkeypatch):
-    import yeto.sync.spans as spans
-    from yeto.sync.aggregate import accumulate
+    import yeto.sync.merge.spans as spans
+    from yeto.sync.merge.aggregate import accumulate
 
     rng = np.random.default_rng(5)
     x = (rng.standard_normal(3 * (1 << 20) + 77) * 1e-3).astype(np.float32)  # long enough for several spans
@@ -335,8 +328,8 @@ def test_the_kernels_give_the_same_bits_on_one_thread_and_on_many(monkeypatch):
 
 
 def test_claims_buy_no_more_than_the_median_delta_and_step_claims_are_bounded():
-    from yeto.sync.merge import MAX_CLAIM_OVER_MEDIAN as C
-    from yeto.sync.merge import MAX_STEP_SCALE, capped_claims, merge_terms, round_length
+    from yeto.sync.merge.rules import MAX_CLAIM_OVER_MEDIAN as C
+    from yeto.sync.merge.rules import MAX_STEP_SCALE, capped_claims, merge_terms, round_length
 
     assert C == 1
     assert capped_claims([1000, 1000, 2 ** 40]) == [1000, 1000, 1000]  # 2^40 tokens count as the median

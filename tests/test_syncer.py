@@ -13,15 +13,15 @@ import pytest
 
 from tests.peers import FAST, NAMES, QuadraticIsland, RawLearner, island_thread, tape_with, wait_until
 from yeto import YetoError
-from yeto.diloco import run_island
+from yeto.island.diloco import run_island
 from yeto.launch.local import free_port
-from yeto.sync.audit import audit
-from yeto.sync.layout import build_layout, flatten
-from yeto.sync.merge import DeltaCounts, capped_claims, merge_weights
-from yeto.sync.outer import nesterov_step
-from yeto.sync.protocol import PROTOCOL_VERSION, encode, encode_fragments
-from yeto.sync.server import Syncer, SyncerConfig
-from yeto.tape import read_tape
+from yeto.sync.shell.audit import audit
+from yeto.sync.wire.layout import build_layout, flatten
+from yeto.sync.merge.rules import DeltaCounts, capped_claims, merge_weights
+from yeto.sync.merge.outer import nesterov_step
+from yeto.sync.wire.protocol import PROTOCOL_VERSION, encode, encode_fragments
+from yeto.sync.shell.server import Syncer, SyncerConfig
+from yeto.sync.shell.tape import read_tape
 
 
 def test_two_islands_merge_exactly_as_computed_by_hand(start_syncer, tmp_path):

@@ -17,8 +17,8 @@ from tests.peers import wait_until
 from tests.test_faults import assert_run_complete
 from tests.test_fleet import ENV, finish, learner, syncer, wait_for
 from yeto.launch.local import free_port
-from yeto.sync.audit import audit
-from yeto.tape import read_tape
+from yeto.sync.shell.audit import audit
+from yeto.sync.shell.tape import read_tape
 
 COMMON = ["--data", str(DEMO_DATA), "--seq-len", "64", "--lora-r", "4", "--lora-dropout", "0", "--threads", "1",
           "--no-progress"]
@@ -29,7 +29,7 @@ def torchrun(model, out, *args, ranks=2, restarts=0, log=subprocess.PIPE):
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
                              str(ranks), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                              "--max-restarts", str(restarts),
-                             "-m", "yeto.learner", "--model", str(model), "--out", str(out), *COMMON,
+                             "-m", "yeto.backends.torch", "--model", str(model), "--out", str(out), *COMMON,
                              *map(str, args)], cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
@@ -46,7 +46,8 @@ def test_a_two_rank_island_trains_as_one_process_does_with_the_whole_batch(tiny_
     two = torchrun(model, tmp_path / "two", "--batch-size", 2, "--max-steps", 6, "--eval-every", 0)
     out, _ = two.communicate(timeout=300)
     assert two.returncode == 0, out[-3000:]
-    one = subprocess.run([sys.executable, "-m", "yeto.learner", "--model", str(model), "--out", str(tmp_path / "one"),
+    one = subprocess.run([sys.executable, "-m", "yeto.backends.torch", "--model", str(model),
+                          "--out", str(tmp_path / "one"),
                           *COMMON, "--batch-size", "4", "--max-steps", "6", "--eval-every", "0"],
                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
@@ -96,7 +97,7 @@ def test_a_two_rank_island_a_one_process_island_and_an_mlx_island_merge_in_one_r
     procs[0] = torchrun(model, tmp_path / "l0", "--syncer", f"127.0.0.1:{port}", "--learner-id", 0,
                         "--batch-size", 2)  # no --num-learners: the syncer says the shard (relayed to rank 1)
     procs[1] = learner(model, port, 1, 3, tmp_path / "l1", "--lora-dropout", 0)  # (the contract: the same LoRA)
-    procs[2] = subprocess.Popen([sys.executable, "-m", "yeto.mlx.learner", "--model", str(model), "--syncer",
+    procs[2] = subprocess.Popen([sys.executable, "-m", "yeto.backends.mlx", "--model", str(model), "--syncer",
                                  f"127.0.0.1:{port}", "--learner-id", "2", "--out",
                                  str(tmp_path / "l2"), "--batch-size", "2", *COMMON], cwd=REPO, env=ENV,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -126,7 +127,7 @@ def test_a_killed_rank_ends_the_island_without_a_hang(tiny_model, tmp_path):
     try:
         assert wait_until(lambda: (tmp_path / "k" / "metrics.jsonl").exists()
                           and "step" in (tmp_path / "k" / "metrics.jsonl").read_text(), 120), "never trained"
-        ranks = subprocess.run(["pgrep", "-f", "-P", str(island.pid), "yeto.learner"], capture_output=True,
+        ranks = subprocess.run(["pgrep", "-f", "-P", str(island.pid), "yeto.backends.torch"], capture_output=True,
                                text=True).stdout.split()
         assert len(ranks) == 2, ranks
         os.kill(int(ranks[-1]), signal.SIGKILL)  # one rank dies mid-collective
@@ -173,14 +174,15 @@ def test_an_fsdp_island_trains_as_the_replicated_one(tiny_model, tmp_path):
     for k in runs["ddp"]:
         assert runs["ddp"][k].shape == runs["fsdp"][k].shape
         np.testing.assert_allclose(runs["fsdp"][k], runs["ddp"][k], rtol=1e-4, atol=1e-6, err_msg=k)
-    one = subprocess.run([sys.executable, "-m", "yeto.learner", "--model", str(model), "--out", str(tmp_path / "x"),
+    one = subprocess.run([sys.executable, "-m", "yeto.backends.torch", "--model", str(model),
+                          "--out", str(tmp_path / "x"),
                           *COMMON, "--max-steps", "1", "--shard", "fsdp"], cwd=REPO, env=ENV, capture_output=True,
                          text=True, timeout=120)
     assert one.returncode == 2 and "--shard fsdp shards the frozen base across the ranks" in one.stderr
 
 
 def test_base_quantization_nf4_is_cuda_only_and_says_so_in_one_line(tiny_model, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "yeto.learner", "--model", str(tiny_model("llama")), "--out",
+    r = subprocess.run([sys.executable, "-m", "yeto.backends.torch", "--model", str(tiny_model("llama")), "--out",
                         str(tmp_path / "q"), *COMMON, "--max-steps", "1", "--base-quantization", "nf4"], cwd=REPO,
                        env=ENV, capture_output=True, text=True, timeout=120)
     last = r.stderr.strip().splitlines()[-1]  # (after the data summary the learner logs first)
@@ -204,7 +206,7 @@ def test_a_torchrun_island_restarted_by_torchrun_rejoins_the_run(tiny_model, tmp
         try:
             wait_for(s_out, "round_open", round=2)
             wait_for(s_out, "delta", round=2, learner=0)  # mid-round: island 1 still training
-            ranks = subprocess.run(["pgrep", "-f", "-P", str(procs[1].pid), "yeto.learner"], capture_output=True,
+            ranks = subprocess.run(["pgrep", "-f", "-P", str(procs[1].pid), "yeto.backends.torch"], capture_output=True,
                                    text=True).stdout.split()
             assert len(ranks) == 2, ranks
             os.kill(int(ranks[-1]), signal.SIGKILL)

@@ -34,8 +34,8 @@ def find_adapter_dir(path: str | Path) -> Path:
 
 
 def peft_config_dict(cfg, record: dict[str, Any]) -> dict[str, Any]:
-    """adapter_config.json's content for a peft LoraConfig (or a peft-free yeto.lora.LoraSpec), with the base model
-    named as provenance resolved it."""
+    """adapter_config.json's content for a peft LoraConfig (or a peft-free yeto.island.lora.LoraSpec), with the
+    base model named as provenance resolved it."""
     model = record.get("model", {})
     cfg.base_model_name_or_path = model.get("hub_id") or model.get("path") or cfg.base_model_name_or_path
     cfg.revision = model.get("revision") if model.get("source") == "hub" else None

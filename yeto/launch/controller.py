@@ -17,8 +17,8 @@ A relaunched learner keeps its learner id, so it rejoins the run through the syn
 until the relaunched learner has stayed healthy for `stable_s`: a learner that crashes again and again is relaunched
 with growing backoff and given up at --recover-timeout like one that never comes back. A learner whose job exited
 with `USAGE_EXIT` (a flag or input it refuses: relaunching the same command cannot help) is given up at once, with its
-error line as the reason. A learner given up is handed to the syncer (`yeto.sync.given_up`), which lowers its quorum
-(and records the reason on its tape, where `yeto status` shows it), and torn down.
+error line as the reason. A learner given up is handed to the syncer (`yeto.sync.shell.given_up`), which lowers its
+quorum (and records the reason on its tape, where `yeto status` shows it), and torn down.
 """
 
 from __future__ import annotations

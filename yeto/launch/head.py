@@ -1,10 +1,10 @@
-"""The head of a cloud run: `python -m yeto.launch.head` on the head VM (syncer + fleet controller), or, with
+"""The head of a cloud run: `python -m yeto.launch` on the head VM (syncer + fleet controller), or, with
 --no-syncer, the fleet controller alone on the launching machine (when the SkyPilot API server it uses is local
 to it, the head VM cannot reach it).
 
-The syncer is a child process (`yeto.sync.server`) bound to the public port; the controller keeps the learner
+The syncer is a child process (`yeto.sync.shell.server`) bound to the public port; the controller keeps the learner
 clusters alive through SkyPilot (`yeto.launch.cloud.watch_fleet`) and hands a learner it gives up to the syncer
-(`yeto.sync.given_up`). When the syncer ends, every learner cluster goes down, the result is delivered to
+(`yeto.sync.shell.given_up`). When the syncer ends, every learner cluster goes down, the result is delivered to
 --output, and on a clean, confirmed finish the head tears itself down.
 """
 
@@ -17,18 +17,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Callable, Optional
 
-import typer
 
 from yeto import YetoError, one_line
-from yeto.launch.cloud import POLL_S, SkyClient, SkyPilotClient, watch_fleet
+from yeto.launch.cloud import POLL_S, SkyClient, watch_fleet
 from yeto.launch.controller import FleetController
 from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan
-from yeto.launch.tasks import API_ENDPOINT_ENV, HEAD_KEYS_ENV, HEAD_RUN_DIR, learner_task, syncer_command
-from yeto.sync.auth import Keyring
-from yeto.sync.given_up import GIVEN_UP_DIR, give_up
+from yeto.launch.tasks import HEAD_KEYS_ENV, HEAD_RUN_DIR, learner_task, syncer_argv
+from yeto.sync.shell.auth import Keyring
+from yeto.sync.shell.given_up import GIVEN_UP_DIR, give_up
 
 FLEET_TAPE = "fleet.jsonl"  # the controller's own record: launches, losses, relaunches, give-ups
 HEAD_JOB_OVER = frozenset({"SUCCEEDED", "FAILED", "FAILED_SETUP", "FAILED_DRIVER", "CANCELLED", "GONE"})
@@ -44,7 +43,7 @@ def fleet_note(out: Path):
 
 
 def start_syncer(plan: FleetPlan, syncer_out: Path) -> subprocess.Popen:
-    return subprocess.Popen(syncer_command(plan, "0.0.0.0", plan.port, syncer_out, sys.executable))
+    return subprocess.Popen(syncer_argv(plan, "0.0.0.0", plan.port, syncer_out, sys.executable))
 
 
 def keep_fleet(plan: FleetPlan, client: SkyClient, address: str, join_key: str, run_over: Callable[[], bool],
@@ -114,32 +113,3 @@ def run_remote_controller(plan: FleetPlan, out: Path, client: SkyClient, syncer_
         note("head_down", {"cluster": plan.head_cluster})
         client.down(plan.head_cluster)
     return 0
-
-
-def head_command(
-    plan: Annotated[str, typer.Option(help="The fleet plan `yeto launch` wrote.")],
-    out: Annotated[str, typer.Option(help="The head's run directory (syncer/ and fleet.jsonl).")] = HEAD_RUN_DIR,
-    no_syncer: Annotated[bool, typer.Option(help="Run the fleet controller only (the syncer is on the head VM).")
-                         ] = False,
-    syncer_address: Annotated[Optional[str], typer.Option(help="HOST:PORT learners connect to (default: asked of "
-                                                               "SkyPilot for the head cluster).")] = None,
-) -> None:
-    """The head of a cloud run (started by `yeto launch`, not by hand)."""
-    fleet = FleetPlan.from_json(Path(plan).expanduser().read_text())
-    if no_syncer:
-        if syncer_address is None:
-            raise YetoError("--no-syncer needs --syncer-address HOST:PORT (the head's)")
-        raise typer.Exit(run_remote_controller(fleet, Path(out).expanduser(), SkyPilotClient(), syncer_address))
-    controller = API_ENDPOINT_ENV in os.environ  # (else the launching machine runs it)
-    raise typer.Exit(run_head(fleet, Path(out).expanduser(), SkyPilotClient() if controller else None,
-                              syncer_address=syncer_address))
-
-
-def main() -> None:
-    from yeto.usage import run_typer
-
-    run_typer(head_command)
-
-
-if __name__ == "__main__":
-    main()

@@ -18,9 +18,9 @@ from typing import Optional
 
 import yeto
 from yeto.launch.plan import FleetPlan
-from yeto.launch.tasks import checkout_root, learner_command, loss_file
+from yeto.launch.tasks import checkout_root, learner_argv, loss_file
 from yeto.models import ALIASES
-from yeto.sync.auth import Keyring, write_secret
+from yeto.sync.shell.auth import Keyring, write_secret
 
 JOIN_DIR = "join"
 
@@ -42,7 +42,7 @@ def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
                      if alias is not None and alias.package else "")
     source = loss_file(list(plan.learner_args))
     loss = f"@HERE@/{Path(source).name}" if source else ""  # shipped beside the script (write_join_files)
-    cmd = learner_command(plan, learner, syncer, "@DATA@", plan.model, "@BACKEND@", python="@PYTHON@", loss=loss)
+    cmd = learner_argv(plan, learner, syncer, "@DATA@", plan.model, "@BACKEND@", python="@PYTHON@", loss=loss)
     cmd += ["--out", f"runs/{plan.name}-island-{learner}"]
     placeholders = {"@PYTHON@": '"$PYTHON"', "@BACKEND@": '"$BACKEND"', "@DATA@": '"$DATA"'}
     line = " ".join(placeholders.get(a) or _here(shlex.quote(a)) for a in cmd)
@@ -55,8 +55,8 @@ def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
         f"DATA={shlex.quote(plan.data)}",
         'DATA="${YETO_DATA:-$DATA}"',
         'case "$(uname -s)-$(uname -m)" in',
-        '  Darwin-arm64) BACKEND="${YETO_BACKEND:-yeto.mlx.learner}"; EXTRAS="[mlx]" ;;',
-        '  *) BACKEND="${YETO_BACKEND:-yeto.learner}"; EXTRAS="[torch]" ;;',
+        '  Darwin-arm64) BACKEND="${YETO_BACKEND:-yeto.backends.mlx}"; EXTRAS="[mlx]" ;;',
+        '  *) BACKEND="${YETO_BACKEND:-yeto.backends.torch}"; EXTRAS="[torch]" ;;',
         "esac",
         f'WHEEL="$(ls "$HERE"/yeto-{version}-*.whl 2>/dev/null | head -n1 || true)"  # the launching checkout\'s',
         'if ! "$PYTHON" -c "import yeto" 2>/dev/null; then',

@@ -22,9 +22,9 @@ from yeto.launch.join import join_instructions, write_join_files
 from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan
 from yeto.launch.registry import RunRecord, process_start
-from yeto.launch.tasks import learner_command, learner_exit, syncer_command
-from yeto.sync.auth import JOIN_KEY_ENV, Keyring
-from yeto.sync.given_up import give_up
+from yeto.launch.tasks import learner_argv, learner_exit, syncer_argv
+from yeto.sync.shell.auth import JOIN_KEY_ENV, Keyring
+from yeto.sync.shell.given_up import give_up
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_NAMES = (LOOPBACK, "localhost", "::1")
@@ -90,12 +90,12 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
     syncer_out = out / "syncer"
     keys = Keyring.ensure(syncer_out)  # the run's credentials, before anyone starts (the syncer reuses them)
     learner_env = {JOIN_KEY_ENV: keys.join.text()}  # the key travels in the environment, never on a command line
-    start("syncer", syncer_command(plan, bind, port, syncer_out, sys.executable), "bold white")
+    start("syncer", syncer_argv(plan, bind, port, syncer_out, sys.executable), "bold white")
     time.sleep(SYNCER_HEAD_START_S)
     for i in range(n_local):
         mlx = i >= n_local - plan.mlx
-        cmd = learner_command(plan, i, f"127.0.0.1:{port}", plan.data, plan.model,
-                              "yeto.mlx.learner" if mlx else "yeto.learner", sys.executable)
+        cmd = learner_argv(plan, i, f"127.0.0.1:{port}", plan.data, plan.model,
+                              "yeto.backends.mlx" if mlx else "yeto.backends.torch", sys.executable)
         # (an MLX island's BLAS takes OMP_NUM_THREADS from the environment; its --threads needs OpenBLAS preloaded)
         start(f"island-{i}{'-mlx' if mlx else ''}",
               [*cmd, *([] if mlx else ["--threads", str(threads)]), "--out", str(out / f"island-{i}"), "--no-progress"],

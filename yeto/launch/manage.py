@@ -18,7 +18,7 @@ from yeto import YetoError, one_line
 from yeto.launch.registry import RunRecord
 from yeto.launch.registry import process_alive as _alive
 from yeto.launch.tasks import HEAD_RUN_DIR
-from yeto.tape import TAPE_FILE, read_tape
+from yeto.sync.shell.tape import TAPE_FILE, read_tape
 
 SSH_TIMEOUT_S = 20.0
 DOWN_GRACE_S = 30.0  # a local fleet asked to stop has this long before its processes are killed

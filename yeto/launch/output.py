@@ -11,7 +11,7 @@ from pathlib import Path
 
 from yeto import YetoError, one_line
 from yeto.launch.plan import is_object_store
-from yeto.tape import TAPE_FILE
+from yeto.sync.shell.tape import TAPE_FILE
 
 HF_PREFIX = "hf://"
 ADAPTER_DIR = "adapter"

@@ -21,7 +21,7 @@ from yeto.launch.plan import FleetPlan
 from yeto.launch.registry import RunRecord, process_start
 from yeto import YetoError, one_line
 from yeto.launch.tasks import API_TOKEN_ENV, checkout_root, head_task, learner_task, printable
-from yeto.sync.auth import Keyring
+from yeto.sync.shell.auth import Keyring
 
 PLAN_FILE = "plan.json"
 TASKS_BEGIN, TASKS_END = "# --- tasks (SkyPilot YAML) ---", "# --- end of tasks ---"
@@ -107,7 +107,7 @@ def launch_cloud(plan: FleetPlan, dry_run: bool, console) -> int:
                         f"`yeto down {plan.name}` tears down what was started") from e
     if not remote_api:  # the head cannot reach this machine's API server: the controller runs here, detached
         log = open(out / "controller.log", "a")
-        proc = subprocess.Popen([sys.executable, "-m", "yeto.launch.head", "--plan", str(plan_file), "--out",
+        proc = subprocess.Popen([sys.executable, "-m", "yeto.launch", "--plan", str(plan_file), "--out",
                                  str(out), "--no-syncer", "--syncer-address", syncer], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         record.processes["controller"] = proc.pid

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import yeto
 from yeto.launch.plan import FleetPlan, is_object_store
-from yeto.sync.auth import JOIN_KEY_ENV
+from yeto.sync.shell.auth import JOIN_KEY_ENV
 
 if TYPE_CHECKING:
     import sky
@@ -136,16 +136,19 @@ def torchrun_prefix(run_id: str) -> list[str]:
             f"$(echo \"$SKYPILOT_NODE_IPS\" | head -n1):{TORCHRUN_PORT}", "--max-restarts", str(TORCHRUN_RESTARTS)]
 
 
-def syncer_command(plan: FleetPlan, host: str, port: int, out: Path, python: str) -> list[str]:
+SYNCER_ENTRY = ("-m", "yeto", "syncer")  # how a syncer starts: `python -m yeto syncer FLAGS`
+
+
+def syncer_argv(plan: FleetPlan, host: str, port: int, out: Path, python: str) -> list[str]:
     """The syncer's command line for the plan (local fleets and the cloud head alike); the model pinned only with a
     revision (without one the founding learner's model is the run's)."""
     pins = ["--model", plan.model, "--model-revision", plan.model_revision] if plan.model_revision else []
-    return [python, "-m", "yeto.sync.server", "--host", host, "--port", str(port), "--learners", str(plan.num_learners),
+    return [python, *SYNCER_ENTRY, "--host", host, "--port", str(port), "--learners", str(plan.num_learners),
             "--out", str(out), *plan.syncer_args, *pins]
 
 
-def learner_command(plan: FleetPlan, learner: int, syncer: str, data: str, model: str, backend: str = "yeto.learner",
-                    python: str = "python3", loss: str = "") -> list[str]:
+def learner_argv(plan: FleetPlan, learner: int, syncer: str, data: str, model: str,
+                 backend: str = "yeto.backends.torch", python: str = "python3", loss: str = "") -> list[str]:
     """The learner's command line (no secret on it: the join key comes from the environment or --join-key); `loss`:
     where the learner's machine has a --loss-function file (default: the path given). The syncer (its --learners
     is the fleet's count) says each learner's data shard."""
@@ -181,7 +184,7 @@ def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "
     sky = _sky()
     island = plan.islands[learner]
     data, model, loss = data_mounts(plan), model_mounts(plan), loss_mounts(plan)
-    cmd = learner_command(plan, learner, syncer, data.path, model.path, loss=loss.path) + ["--no-progress"]
+    cmd = learner_argv(plan, learner, syncer, data.path, model.path, loss=loss.path) + ["--no-progress"]
     root = checkout_root()
     run = f"{shlex.join(cmd)} --out ~/yeto-island-{learner}"  # (~ unquoted: the VM's home)
     if island.gpus > 1:  # one torchrun group is one island (shell variables unquoted: each node expands its own)
@@ -199,7 +202,7 @@ def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "
 
 def head_task(plan: FleetPlan, plan_file: Path, run_keys: str, api_endpoint: Optional[str] = None,
               api_token: Optional[str] = None) -> "sky.Task":
-    """The head: a small on-demand CPU VM with the syncer's port open, running `python -m yeto.launch.head`
+    """The head: a small on-demand CPU VM with the syncer's port open, running `python -m yeto.launch`
     (the syncer, and the fleet controller when it can reach the SkyPilot API server)."""
     sky = _sky()
     infra = plan.head_infra or plan.islands[0].cloud
@@ -214,7 +217,7 @@ def head_task(plan: FleetPlan, plan_file: Path, run_keys: str, api_endpoint: Opt
         secrets[HF_TOKEN_ENV] = os.environ[HF_TOKEN_ENV]
     # the head relaunches learners: it holds them
     shipped = {**data_mounts(plan).files, **model_mounts(plan).files, **loss_mounts(plan).files}
-    run = f"python3 -m yeto.launch.head --plan {REMOTE_PLAN} --out {HEAD_RUN_DIR}"
+    run = f"python3 -m yeto.launch --plan {REMOTE_PLAN} --out {HEAD_RUN_DIR}"
     setup = install_commands("launch")
     driver = next((d for scheme, d in OUTPUT_DRIVERS.items() if (plan.output or "").startswith(scheme)), None)
     if driver:

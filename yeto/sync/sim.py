@@ -12,7 +12,7 @@ threads, no wall clock, no sockets, so a failing seed reproduces exactly.
 The syncer is `SyncerCore`, every learner is a `LearnerCore` driven by a
 simulated training loop over a fake island whose steps add known vectors.
 After every schedule, and along the way:
-- the tape passes `yeto.sync.audit.audit`;
+- the tape passes `yeto.sync.shell.audit.audit`;
 - every delta was computed against the exact global adapter of its base version;
 - a durable version is never redefined;
 - the run finishes (every merge) once faults stop: nobody waits forever;
@@ -39,18 +39,18 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from yeto.sync.audit import TapeFold, audit
+from yeto.sync.shell.audit import TapeFold, audit
 from yeto.sync.core.actions import (Checkpoint, DropDeltas, Durable, Exit, Log, Out, Reconnect, Record, SaveCheckpoint,
                                     SaveDelta, Send)
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict, Wait
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
-from yeto.sync.layout import build_layout
-from yeto.sync.merge import DeltaCounts, merge_terms
-from yeto.sync.aggregate import RoundSum, clipped_merge, effective_weight
-from yeto.sync.outer import nesterov_step
-from yeto.sync.protocol import (Code, Message, array_digest, decode, decode_fragments, digest_bytes, encode,
-                                encode_fragments_ef, is_bulk)
-from yeto.sync.quant import ErrorFeedback, QuantError
+from yeto.sync.wire.layout import build_layout
+from yeto.sync.merge.rules import DeltaCounts, merge_terms
+from yeto.sync.merge.aggregate import RoundSum, clipped_merge, effective_weight
+from yeto.sync.merge.outer import nesterov_step
+from yeto.sync.wire.protocol import (Code, Message, array_digest, decode, decode_fragments, digest_bytes, encode,
+                                     encode_fragments_ef, is_bulk)
+from yeto.sync.wire.quant import ErrorFeedback, QuantError
 
 TICK_S = 0.25  # how often each node's timers run (the real shells tick faster)
 START_S = 2.0  # learners boot in [0, this)

@@ -4,7 +4,7 @@
 `learner.LearnerCore` (a learner's side of the round protocol) take events in
 (a message received, a timer tick, a training step done) with the time and any
 randomness injected, and return actions (send, record on the tape, save). The
-I/O shells (`yeto.sync.server`, `yeto.sync.client`) execute those actions for
+I/O shells (`yeto.sync.shell.server`, `yeto.sync.shell.client`) execute those actions for
 real; the simulator (`yeto.sync.sim`) executes them against a simulated network
 and disk, through thousands of seeded fault schedules.
 

@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from yeto.sync.layout import Layout
+from yeto.sync.wire.layout import Layout
 
 
 @dataclass(frozen=True)

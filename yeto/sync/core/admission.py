@@ -18,14 +18,14 @@ from typing import Any, Optional
 
 import numpy as np
 
-from yeto.sync.aggregate import RoundSum
 from yeto.sync.core.actions import Checkpoint, SaveCheckpoint
 from yeto.sync.core.contract import contract_mismatch, contract_problem, init_adapter_problem, run_contract
 from yeto.sync.core.state import FRESH_IDS_PER_WINDOW, RATE_WINDOW_S, Founding, Member, Refusal, SyncerState
-from yeto.sync.layout import Layout, flatten, layout_from_json, layout_mismatch
-from yeto.sync.protocol import (PROTOCOL_VERSION, Code, Message, ProtocolError, array_digest, decode_fragments,
-                                identity_proof, message_size, session_start, truncate)
-from yeto.sync.quant import ErrorFeedback
+from yeto.sync.merge.aggregate import RoundSum
+from yeto.sync.wire.layout import Layout, flatten, layout_from_json, layout_mismatch
+from yeto.sync.wire.protocol import (PROTOCOL_VERSION, Code, Message, ProtocolError, array_digest, decode_fragments,
+                                     identity_proof, message_size, session_start, truncate)
+from yeto.sync.wire.quant import ErrorFeedback
 
 MAX_ADAPTER_CONFIG_BYTES = 64 << 10
 MAX_PROVENANCE_BYTES = 256 << 10

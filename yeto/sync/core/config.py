@@ -12,10 +12,10 @@ from typing import Any, Optional
 
 from yeto import YetoError
 from yeto.checks import check_port
-from yeto.sync.aggregate import DEFAULT_CLIP_K, ROBUST_MODES
-from yeto.sync.merge import LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS
-from yeto.sync.protocol import DEFAULT_MAX_MESSAGE_MB
-from yeto.sync.quant import BITS
+from yeto.sync.merge.aggregate import DEFAULT_CLIP_K, ROBUST_MODES
+from yeto.sync.merge.rules import LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS
+from yeto.sync.wire.protocol import DEFAULT_MAX_MESSAGE_MB
+from yeto.sync.wire.quant import BITS
 
 DEFAULT_GRACE_S = 5.0  # after quorum, wait at most this long for an island predicted to push soon
 DEFAULT_MAX_BASE_LAG = 4
@@ -54,13 +54,13 @@ class SyncerConfig:
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
     robust: str = "norm-clip"
     robust_k: float = DEFAULT_CLIP_K
-    merge: Optional[str] = None  # yeto.sync.merge: mean | rda (None: rda, or mean where another choice needs it)
+    merge: Optional[str] = None  # yeto.sync.merge.rules: mean | rda (None: rda, or mean where another choice needs it)
     merge_weight: str = "loss-tokens"  # loss-tokens | tokens | steps | equal
     lora_merge: str = "factors"  # factors | product
     grace_s: float = DEFAULT_GRACE_S
     max_base_lag: int = DEFAULT_MAX_BASE_LAG
     staleness_exponent: float = DEFAULT_STALENESS_EXPONENT
-    # scale each delta to the round's longest (FedNova-style): see yeto.sync.merge (None: on in time-window rounds
+    # scale each delta to the round's longest (FedNova-style): see yeto.sync.merge.rules (None: on in time-window rounds
     # under the mean, where islands of unequal speed take unequal steps)
     step_normalize: Optional[bool] = None
     merge_alpha: float = 1.0  # learners start a round from alpha x global + (1 - alpha) x their own last adapter

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from yeto.sync.layout import Layout
+from yeto.sync.wire.layout import Layout
 
 # fields that must be equal on every learner of a run, in the order mismatches are reported
 CONTRACT_KEYS = ("base_model", "base_revision", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "layout",

@@ -16,9 +16,9 @@ import numpy as np
 
 from yeto.sync.core.actions import AcceptedDelta, SaveDelta
 from yeto.sync.core.state import Member, Refusal, SyncerState
-from yeto.sync.merge import DeltaCounts, staleness_factor, weight_of
-from yeto.sync.protocol import Code, Message, ProtocolError, decode_fragments, digest_bytes, truncate
-from yeto.sync.quant import dequantize
+from yeto.sync.merge.rules import DeltaCounts, staleness_factor, weight_of
+from yeto.sync.wire.protocol import Code, Message, ProtocolError, decode_fragments, digest_bytes, truncate
+from yeto.sync.wire.quant import dequantize
 
 ROUND_TIME_EMA = 0.5  # weight of a member's newest round time in its running estimate
 MAX_TOKENS_PER_DELTA = 1 << 40  # beyond any real round: a larger claim is refused

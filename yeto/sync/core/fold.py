@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yeto.sync.core.quorum import quorum_after_give_ups
-from yeto.sync.merge import MAX_CLAIM_OVER_MEDIAN, MERGE_WEIGHTS, DeltaCounts, capped_claims, weight_of
+from yeto.sync.merge.rules import MAX_CLAIM_OVER_MEDIAN, MERGE_WEIGHTS, DeltaCounts, capped_claims, weight_of
 
 CLIP_SLACK = 1e-6  # float rounding allowed over the clip's bound
 
@@ -171,7 +171,7 @@ class TapeFold:
 
     def _check_bounds(self, e: dict[str, Any], used: list[dict[str, Any]]) -> None:
         """No learner's claim bought more weight than the rule allows, and no merged delta was longer than the clip's
-        bound (yeto.sync.merge, yeto.sync.aggregate): checked from the tape's own numbers."""
+        bound (yeto.sync.merge.rules, yeto.sync.merge.aggregate): checked from the tape's own numbers."""
         counted, how = e.get("counted"), e.get("merge_weight", "loss-tokens")
         if counted is not None and how in MERGE_WEIGHTS:
             claims = [weight_of(DeltaCounts(d["loss_tokens"], d["tokens"], d["inner_steps"]), how) for d in used]

@@ -3,8 +3,8 @@
 The core holds what the learner knows of the run (the global adapter and its
 version, the open round, the delta it pushed and whether it was acked) and
 decides, from messages, timer ticks and training progress, what to send and
-what to train. The training loop (`yeto.diloco.run_island`) and the I/O thread
-(`yeto.sync.client.SyncerLink`) only carry its decisions out; the simulator
+what to train. The training loop (`yeto.island.diloco.run_island`) and the I/O thread
+(`yeto.sync.shell.client.SyncerLink`) only carry its decisions out; the simulator
 drives the same core with a simulated clock and network.
 
 Rules it keeps:
@@ -39,10 +39,10 @@ import numpy as np
 
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
 from yeto.sync.core.contract import learner_contract, tokens_per_step
-from yeto.sync.layout import Layout
-from yeto.sync.protocol import (CLOCK_JUMP_S, FINAL_CODES, Code, Message, ProtocolError, array_digest,
-                                decode_fragments, digest_bytes, encode_fragments, encode_fragments_ef, session_id)
-from yeto.sync.quant import ErrorFeedback, QuantError, dequantize
+from yeto.sync.wire.layout import Layout
+from yeto.sync.wire.protocol import (CLOCK_JUMP_S, FINAL_CODES, Code, Message, ProtocolError, array_digest,
+                                     decode_fragments, digest_bytes, encode_fragments, encode_fragments_ef, session_id)
+from yeto.sync.wire.quant import ErrorFeedback, QuantError, dequantize
 
 HELLO_RETRY_HEARTBEATS = 2  # not welcomed after this many heartbeats: say hello again
 FINISH_CATCHUP_DEAD_AFTERS = 3  # after a finish, try this many dead-peer timeouts to fetch the final adapter

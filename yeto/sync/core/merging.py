@@ -15,15 +15,16 @@ from typing import Any, Optional
 
 import numpy as np
 
-from yeto.sync.aggregate import RoundSum, clip_factors, clip_reference, clipped_merge, effective_weight, trimmed_mean
 from yeto.sync.core.actions import Checkpoint, DropDeltas, SaveCheckpoint
 from yeto.sync.core.deltas import Deltas
 from yeto.sync.core.rounds import OpenRound, RoundPhase
 from yeto.sync.core.state import Broadcast
-from yeto.sync.merge import MergeTerms, merge_terms, product_merge
-from yeto.sync.outer import nesterov_step
-from yeto.sync.protocol import Code, array_digest, encode_fragments_ef, truncate
-from yeto.sync.quant import ErrorFeedback, QuantError
+from yeto.sync.merge.aggregate import (RoundSum, clip_factors, clip_reference, clipped_merge, effective_weight,
+                                       trimmed_mean)
+from yeto.sync.merge.outer import nesterov_step
+from yeto.sync.merge.rules import MergeTerms, merge_terms, product_merge
+from yeto.sync.wire.protocol import Code, array_digest, encode_fragments_ef, truncate
+from yeto.sync.wire.quant import ErrorFeedback, QuantError
 
 MERGED_HISTORY = 16  # per learner id, its latest merged deltas: one back from a long absence learns which counted
 
@@ -136,7 +137,7 @@ class Merging(Deltas):
         return Average(pm.merged - run.global_, clip, {"residual": pm.residual, "residual_mean": pm.residual_mean})
 
     def _terms(self, ids: list[int]) -> MergeTerms:
-        """The bounded weights and scales of merging these pending deltas (`yeto.sync.merge.merge_terms`)."""
+        """The bounded weights and scales of merging these pending deltas (`yeto.sync.merge.rules.merge_terms`)."""
         ds = [self.pending[i] for i in ids]
         return merge_terms([self._counts(d) for d in ds], self.cfg.merge_weight, [d.lag for d in ds],
                            self.cfg.staleness_exponent, bool(self.cfg.step_normalize), [d.round_steps for d in ds])

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Optional
 
-from yeto.sync.aggregate import RoundSum
 from yeto.sync.core.actions import AcceptedDelta, Action, Checkpoint, DropDeltas, Durable
 from yeto.sync.core.deltas import Deltas
 from yeto.sync.core.fold import TapeFold
-from yeto.sync.protocol import ProtocolError, truncate
-from yeto.sync.quant import ErrorFeedback
+from yeto.sync.merge.aggregate import RoundSum
+from yeto.sync.wire.protocol import ProtocolError, truncate
+from yeto.sync.wire.quant import ErrorFeedback
 
 Saved = dict[tuple[int, int], AcceptedDelta]  # (round, learner) -> a delta saved on disk
 

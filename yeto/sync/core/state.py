@@ -15,16 +15,16 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from yeto.sync.aggregate import NORM_HISTORY_ROUNDS, RoundSum
 from yeto.sync.core.actions import AcceptedDelta, Action, Checkpoint, Exit, Log, Record, Send
 from yeto.sync.core.config import SyncerConfig
 from yeto.sync.core.contract import InitAdapter
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.core.quorum import quorum_after_give_ups
 from yeto.sync.core.rounds import OpenRound
-from yeto.sync.layout import Layout
-from yeto.sync.protocol import Code, Message, ProtocolError, truncate
-from yeto.sync.quant import ErrorFeedback
+from yeto.sync.merge.aggregate import NORM_HISTORY_ROUNDS, RoundSum
+from yeto.sync.wire.layout import Layout
+from yeto.sync.wire.protocol import Code, Message, ProtocolError, truncate
+from yeto.sync.wire.quant import ErrorFeedback
 
 STATE_REQUESTS_PER_WINDOW = 20  # full-state (or broadcast) resends per learner per RATE_WINDOW_S
 REPLIES_PER_WINDOW = 30  # refusals/errors answered and written to the tape per peer per RATE_WINDOW_S

@@ -47,7 +47,7 @@ from yeto.sync.core.recovery import Recovery
 from yeto.sync.core.rounds import (ClosePolicy, OpenRound, Pace, RoundMembers, RoundPhase, RoundPhaseError, Verdict,
                                    close_decision)
 from yeto.sync.core.state import RATE_WINDOW_S, STATE_REQUESTS_PER_WINDOW
-from yeto.sync.protocol import CLOCK_JUMP_S, Code, Message, ProtocolError, decode, encode_fragments, truncate
+from yeto.sync.wire.protocol import CLOCK_JUMP_S, Code, Message, ProtocolError, decode, encode_fragments, truncate
 
 __all__ = ["SyncerConfig", "SyncerCore"]  # (the config is the core's: `SyncerCore(SyncerConfig(...), ...)`)
 

@@ -1,0 +1,1 @@
+"""The tensor backends, peers that never import each other: torch (+ peft) and MLX."""

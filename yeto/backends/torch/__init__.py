@@ -1,0 +1,1 @@
+"""The torch + peft island: one process or a torchrun group, micro-batches, generate, export."""

@@ -1,0 +1,185 @@
+"""The `yeto` command: train, syncer, launch, keys, tape, generate, export, models."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from yeto import missing_torch, require_torch
+from yeto.cli.usage import run_guarded
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="LoRA fine-tuning across independent islands, DiLoCo-style.")
+
+
+def _register() -> None:
+    from yeto.cli.launch import down_command, launch_command, logs_command, status_command
+    from yeto.cli.syncer import syncer_command
+
+    if missing_torch() is None:
+        from yeto.cli.train import torch_train_command
+
+        app.command("train")(torch_train_command())
+    else:  # every invocation, --help included, is the one line that says how to get the torch learner
+        app.command("train", add_help_option=False, help="Train a LoRA adapter on one island (needs the torch extra).",
+                    context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(_train_without_torch)
+    app.command("syncer")(syncer_command)
+    app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch_command)
+    app.command("status")(status_command)
+    app.command("logs")(logs_command)
+    app.command("down")(down_command)
+
+
+def _train_without_torch() -> None:
+    require_torch("yeto train")
+
+
+keys_app = typer.Typer(no_args_is_help=True, help="The run's credentials (docs/SECURITY.md): the syncer's key pair, "
+                                                   "the shared join key, and per-learner keys that can be revoked.")
+app.add_typer(keys_app, name="keys")
+OutOption = Annotated[str, typer.Option(help="The syncer's --out directory (its credentials live there).")]
+
+
+@keys_app.command("init")
+def keys_init(out: OutOption) -> None:
+    """Create the run's credentials before the syncer's first start (the syncer does it itself otherwise)."""
+    from yeto.sync.shell.auth import JOIN_KEY_FILE, Keyring
+
+    Keyring.ensure(out)
+    typer.echo(f"join key: {out}/{JOIN_KEY_FILE} (mode 0600; give it to learners with --join-key or YETO_JOIN_KEY)")
+
+
+@keys_app.command("add")
+def keys_add(out: OutOption, learner: Annotated[int, typer.Option(help="The learner id this key admits.")]) -> None:
+    """Issue a key that admits one learner id only (and that `revoke` can withdraw); the running syncer picks it
+    up within seconds. From then on learner I must use it: the shared join key no longer speaks for I."""
+    from yeto.sync.shell.auth import Keyring
+
+    path = Keyring.ensure(out).add_learner(learner)
+    typer.echo(f"learner {learner}'s key: {path} (start it with --join-key {path.name} or YETO_JOIN_KEY)")
+
+
+@keys_app.command("revoke")
+def keys_revoke(out: OutOption, learner: Annotated[int, typer.Option(help="The learner id whose key to revoke.")]
+                ) -> None:
+    """Withdraw a learner's key: the running syncer refuses its handshakes and cuts its connections."""
+    from yeto.sync.shell.auth import Keyring
+
+    path = Keyring.ensure(out).revoke_learner(learner)
+    typer.echo(f"revoked learner {learner}'s key (kept as {path})")
+
+
+@keys_app.command("list")
+def keys_list(out: OutOption) -> None:
+    """The learner keys of the run, and the revoked ones."""
+    from yeto.sync.shell.auth import Keyring
+
+    ring = Keyring.ensure(out)
+    typer.echo(f"join key: {out}/join.key (any learner id without its own key)")
+    for public, lid in sorted(ring.learners.items(), key=lambda kv: kv[1]):
+        typer.echo(f"learner {lid}: key {public.decode()[:8]}...")
+    for lid in sorted(ring.revoked_ids):
+        typer.echo(f"learner {lid}: revoked")
+
+
+@app.command()
+def tape(
+    run_dir: Annotated[str, typer.Argument(help="The syncer's --out directory (or its tape.jsonl).")],
+    plot: Annotated[bool, typer.Option(help="Also draw loss and per-island contribution over rounds to a PNG.")
+                    ] = False,
+    png: Annotated[Optional[str], typer.Option(help="Where to write the plot (default: RUN_DIR/tape.png).")] = None,
+    audit: Annotated[bool, typer.Option(help="Prove from the tape that every accepted delta went into exactly one "
+                                             "merge, every merge had quorum, versions are consecutive and every "
+                                             "restart resumed at the last durable checkpoint; exit 1 naming the first "
+                                             "violation.")] = False,
+) -> None:
+    """Summarize a syncer's event tape: a table per round (responders, weights, tokens, bytes, loss)."""
+    from yeto.sync.shell.tape import plot as plot_tape
+    from yeto.sync.shell.tape import summarize
+
+    if audit:
+        from yeto.sync.shell.audit import audit_run
+
+        report = audit_run(run_dir)
+        typer.secho(report.summary(), fg="green" if report.ok else "red")
+        if not report.ok:
+            raise typer.Exit(1)
+        return
+    summarize(run_dir)
+    if plot or png:
+        typer.echo(f"plot: {plot_tape(run_dir, png)}")
+
+
+@app.command()
+def generate(
+    prompt: Annotated[list[str], typer.Option(help="A prompt to answer (repeat for several).")],
+    adapter: Annotated[str, typer.Option(help="The adapter directory (or a run directory holding adapter/).")],
+    model: Annotated[Optional[str], typer.Option(help="Base model alias, local directory or hub id (default: the "
+                                                      "base the adapter records; given, it must be that base).")
+                     ] = None,
+    model_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the base model.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per answer (greedy).")] = 64,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own code to run.")] = False,
+) -> None:
+    """Show the fine-tuned model's answers next to the base model's (greedy decoding)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    require_torch("yeto generate")
+    from yeto.backends.torch.generate import compare
+
+    rows = compare(model, adapter, prompt, max_new_tokens, model_revision, device, trust_remote_code)
+    table = Table(title=f"{model or 'its recorded base'}: base vs adapter {adapter}", show_lines=True)
+    table.add_column("prompt", style="bold")
+    table.add_column("base")
+    table.add_column("with adapter", style="green")
+    for p, before, after in rows:
+        table.add_row(p, before, after)
+    Console().print(table)
+
+
+@app.command()
+def export(
+    adapter: Annotated[str, typer.Argument(help="The adapter directory (or a run directory holding adapter/).")],
+    merged: Annotated[str, typer.Option(help="Where to write the base with the adapter merged in (a new directory).")],
+    model: Annotated[Optional[str], typer.Option(help="Base model alias, directory or hub id (default: the base the "
+                                                      "adapter records; given, it must be that base).")] = None,
+    model_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the base model.")] = None,
+    dtype: Annotated[str, typer.Option(help="Weights' dtype: float32, bfloat16 or float16.")] = "float32",
+    force: Annotated[bool, typer.Option(help="Replace a non-empty --merged directory.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own code to run.")] = False,
+) -> None:
+    """Write the base model with the adapter merged in: a plain transformers checkpoint (safetensors, config,
+    tokenizer, chat template) for AutoModelForCausalLM, vLLM or llama.cpp's converter."""
+    require_torch("yeto export")
+    from yeto.backends.torch.export import export_merged
+
+    export_merged(adapter, merged, model, model_revision, dtype, force, trust_remote_code, log=typer.echo)
+
+
+@app.command()
+def models() -> None:
+    """List the model aliases and where each resolves."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from yeto.models import ALIASES
+
+    table = Table(title="model aliases")
+    table.add_column("alias")
+    table.add_column("hub id")
+    table.add_column("offline source")
+    for name, a in ALIASES.items():
+        table.add_row(name, a.hub_id, f"pip package {a.package.replace('_', '-')}" if a.package else "-")
+    Console().print(table)
+
+
+def main() -> None:
+    _register()
+    run_guarded(app)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""`yeto syncer`'s flags: the everyday ones, then the merge and timing knobs in the Advanced panel."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from yeto.adapter import ADAPTER_WEIGHTS
+from yeto.cli.usage import with_help_panels
+from yeto.sync.core.config import DEFAULT_GRACE_S, grace_seconds
+from yeto.sync.core.syncer import SyncerConfig
+from yeto.sync.shell.server import Syncer
+
+_D = SyncerConfig()
+
+
+def syncer_command(
+    port: Annotated[int, typer.Option(help="TCP port to listen on.")] = _D.port,
+    host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0: all; 127.0.0.1: this machine only).")
+                    ] = _D.host,
+    learners: Annotated[int, typer.Option(help="Round 1 waits for this many learners (or for --quorum of them plus "
+                                               "--straggler-timeout).")] = _D.learners,
+    quorum: Annotated[int, typer.Option(help="Never merge a round with fewer responders than this.")] = _D.quorum,
+    outer_lr: Annotated[float, typer.Option(help="Outer (DiLoCo) learning rate (1 with momentum 0: the merged "
+                                                 "adapter is the merge of the islands').")] = _D.outer_lr,
+    outer_momentum: Annotated[float, typer.Option(help="Outer Nesterov momentum (DiLoCo's pre-training setting: "
+                                                       "--outer-lr 0.7 --outer-momentum 0.9).")] = _D.outer_momentum,
+    outer_steps: Annotated[int, typer.Option(help="Merges to run; then every learner is told to finish.")
+                           ] = _D.outer_steps,
+    inner_steps: Annotated[int, typer.Option(help="Round policy: every learner does H inner steps per round.")
+                           ] = _D.inner_steps,
+    round_seconds: Annotated[float, typer.Option(help="Round policy: time windows of S seconds; each learner "
+                                                      "contributes what it did (overrides --inner-steps).")
+                             ] = _D.round_seconds,
+    sync_bits: Annotated[int, typer.Option(help="Wire precision of deltas and broadcasts: 4, 8, 16 or 32.")
+                         ] = _D.sync_bits,
+    out: Annotated[str, typer.Option(help="Directory for the tape, the checkpoint, saved deltas and the merged "
+                                          "adapter; restarting with the same --out resumes the run.")] = _D.out,
+    straggler_timeout: Annotated[float, typer.Option(help="Once quorum is reached, wait at most this long for the "
+                                                          "remaining learners.")] = _D.straggler_timeout,
+    quorum_timeout: Annotated[float, typer.Option(help="Give up (exit 3) if a round has not reached quorum after this "
+                                                       "many seconds.")] = _D.quorum_timeout,
+    learner_timeout: Annotated[float, typer.Option(help="A learner silent this long is gone (learners ping 4 times "
+                                                        "per timeout, from their I/O thread).")] = _D.learner_timeout,
+    max_message_mb: Annotated[int, typer.Option(help="Largest inbound message (MiB); a learner whose deltas cannot fit "
+                                                     "is refused at join.")] = _D.max_message_mb,
+    robust: Annotated[str, typer.Option(help="Robust merge against a bad or hostile learner: norm-clip (clip a delta "
+                                             "above --robust-k x the median norm), trimmed-mean, or off.")
+                      ] = _D.robust,
+    robust_k: Annotated[float, typer.Option(help="norm-clip: clip deltas whose norm exceeds k x the median.")
+                        ] = _D.robust_k,
+    merge: Annotated[Optional[str], typer.Option(
+        help="How deltas combine: rda (radial-directional: the mean norm along the mean direction, per tensor; the "
+             "default) or mean (weighted average; the default with --round-seconds, --lora-merge product or --robust "
+             "trimmed-mean). "
+             "Unset on a resume: the run's own rule."
+    )] = None,
+    merge_weight: Annotated[str, typer.Option(help="Weights of the merge: loss-tokens, tokens, steps or equal.")
+                            ] = _D.merge_weight,
+    lora_merge: Annotated[str, typer.Option(help="LoRA aggregation: factors (lora_A and lora_B apart) or product "
+                                                 "(the mean of the B.A updates, re-factorised to rank r).")
+                          ] = _D.lora_merge,
+    grace: Annotated[Optional[float], typer.Option(help=f"Once quorum is in, wait at most this many seconds (less the "
+                                                        "merge time) for islands predicted, from their step times, to "
+                                                        f"push by then (default {DEFAULT_GRACE_S:g}).")] = None,
+    grace_ms: Annotated[Optional[float], typer.Option(hidden=True, help="--grace in milliseconds (older spelling).")
+                        ] = None,
+    max_base_lag: Annotated[int, typer.Option(help="Merge a delta trained from a global up to this many versions old "
+                                                   "(a slow island's work is not thrown away; 0: refuse them).")
+                            ] = _D.max_base_lag,
+    staleness_exponent: Annotated[float, typer.Option(help="A delta lag versions old weighs (1 + lag)^-this "
+                                                           "(0: no discount).")] = _D.staleness_exponent,
+    step_normalize: Annotated[Optional[bool], typer.Option(
+        help="Scale each delta by the round's most inner steps / its own before merging: a slow island's shorter "
+             "delta adds to the others' progress instead of shrinking it. Unset: on with --round-seconds (and the "
+             "mean rule), off otherwise; on a resume, the run's own.")] = None,
+    merge_alpha: Annotated[float, typer.Option(help="Learners start each round from alpha x the merged adapter + "
+                                                    "(1 - alpha) x their own last one (1: the merged adapter).")
+                           ] = _D.merge_alpha,
+    model: Annotated[Optional[str], typer.Option(help="Pin the run's base model (alias or hub id as learners report "
+                                                      "it); default: the first learner's.")] = None,
+    model_revision: Annotated[Optional[str], typer.Option(help="Pin the base model's resolved revision (commit or "
+                                                               "sha256:...); default: the first learner's.")] = None,
+    max_learners: Annotated[int, typer.Option(help="Most learner ids held at once.")] = _D.max_learners,
+    init_adapter: Annotated[Optional[str], typer.Option(
+        help="Start the run from this peft adapter (a directory, a run directory holding adapter/, or a hub id) "
+             "instead of the founding learner's fresh LoRA; learners of another base or LoRA shape are refused."
+    )] = None,
+    max_connections: Annotated[int, typer.Option(help="Most connections that proved a key (two per learner); more "
+                                                      "are asked to retry at the handshake.")] = _D.max_connections,
+    join_key: Annotated[Optional[str], typer.Option(help="Admit learners holding this join key file (default: the "
+                                                         "run's own, created as DIR/join.key on first start).")
+                        ] = None,
+    insecure: Annotated[bool, typer.Option(help="No encryption, no authentication: only with --host 127.0.0.1.")
+                        ] = False,
+) -> None:
+    """Run the syncer: wait for learners, run outer rounds, merge, broadcast, checkpoint."""
+    grace_s = grace_seconds(grace, grace_ms)
+    cfg = SyncerConfig(**{k: v for k, v in locals().items() if k in SyncerConfig.__dataclass_fields__})
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s syncer %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    syncer = Syncer(cfg)
+    code = syncer.serve()
+    if syncer.disk_failure is not None:
+        typer.echo(f"error: {syncer.disk_failure}", err=True)
+        raise typer.Exit(code)
+    adapter = Path(cfg.out) / "adapter"
+    merged = f"merged adapter {adapter}" if (adapter / ADAPTER_WEIGHTS).is_file() else "no merge yet, so no adapter"
+    print(f"syncer: {merged}, tape {Path(cfg.out) / 'tape.jsonl'}", flush=True)
+    raise typer.Exit(code)
+
+
+with_help_panels(syncer_command, advanced=(
+    "outer_lr", "outer_momentum", "straggler_timeout", "quorum_timeout", "learner_timeout", "max_message_mb", "robust",
+    "robust_k", "merge", "merge_weight", "lora_merge", "grace", "max_base_lag", "staleness_exponent",
+    "step_normalize", "merge_alpha", "max_learners", "max_connections"))

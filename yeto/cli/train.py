@@ -1,0 +1,153 @@
+"""`yeto train`'s flags, one signature for every backend: `make_train_command(train_fn)` binds them to a backend."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from yeto.cli.usage import with_help_panels
+from yeto.island.config import TrainConfig
+
+D = TrainConfig()
+TEST_HOOKS = ("step_delay",)  # flags for fault tests (a simulated slow island): they work, --help does not show them
+# `yeto train --help` shows these after the everyday flags (their defaults need no touching)
+TRAIN_ADVANCED = ("model_revision", "data_revision", "data_config", "trust_remote_code", "grad_accum", "lora_freeze_a",
+                  "micro_batch_size", "min_lr_ratio", "weight_decay", "max_grad_norm", "lora_dropout", "lora_targets",
+                  "loss_function", "eval_fraction", "dtype", "gradient_checkpointing", "full_logits", "overlap",
+                  "threads", "max_inner_steps", "syncer_timeout", "give_up_after", "shard", "base_quantization",
+                  "save_every")
+
+
+def make_train_command(train_fn: Callable[[TrainConfig, bool], dict[str, Any]], doc: str) -> Callable[..., None]:
+    """The `train` command with every flag, for any backend: `train_fn(config, show_progress)` runs it."""
+
+    def command(**kwargs: Any) -> None:
+        progress = kwargs.pop("progress")
+        train_fn(TrainConfig(**kwargs), progress)
+
+    wrapper = functools.wraps(_train_signature)(command)
+    wrapper.__signature__ = inspect.signature(_train_signature, eval_str=True)
+    with_help_panels(wrapper, advanced=TRAIN_ADVANCED, hidden=TEST_HOOKS)
+    wrapper.__doc__ = doc
+    return wrapper
+
+
+def torch_train_command() -> Callable[..., None]:
+    """`yeto train` (and `python -m yeto.backends.torch`, under torchrun too): the torch + peft island."""
+    from yeto.backends.torch.learner import train
+
+    return make_train_command(train, doc="Train a LoRA adapter on one island (torch + peft): standalone, or with "
+                                         "--syncer as part of a DiLoCo run.")
+
+
+def mlx_train_command() -> Callable[..., None]:
+    """`python -m yeto.backends.mlx`: the MLX island, with the torch island's flags."""
+    from yeto.backends.mlx.learner import MLXLearner
+    from yeto.island.training import train
+
+    return make_train_command(lambda cfg, progress: train(cfg, MLXLearner, progress),
+                              doc="Train a LoRA adapter on one MLX island (Apple silicon; MLX's CPU backend on Linux).")
+
+
+def _train_signature(
+    model: Annotated[str, typer.Option(help="Model alias (see `yeto models`), "
+                                            "local HF directory, or hub id.")] = D.model,
+    data: Annotated[str, typer.Option(help="Data: a .jsonl/.json/.parquet/.csv/.txt file, a directory of them, "
+                                           "or a hub dataset id.")] = D.data,
+    out: Annotated[str, typer.Option(help="Run directory: metrics.jsonl, run.json, "
+                                          "summary.json and adapter/.")] = D.out,
+    model_revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of the model; "
+                                                               "resolved to one commit and recorded.")] = None,
+    data_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the dataset; "
+                                                              "resolved to one commit and recorded.")] = None,
+    data_split: Annotated[str, typer.Option(help="Dataset split to train on; the held-out set is the dataset's "
+                                                 "validation (else test) split where it has one, else "
+                                                 "--eval-fraction of this split.")] = D.data_split,
+    data_config: Annotated[Optional[str], typer.Option(help="Dataset config (subset) to read, for a dataset with "
+                                                            "several (README `configs` or one subfolder each).")
+                           ] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own Python code to run "
+                                                         "(off unless given).")] = False,
+    seq_len: Annotated[int, typer.Option(help="Tokens per packed block.")] = D.seq_len,
+    batch_size: Annotated[int, typer.Option(help="Blocks per batch (per rank under torchrun).")] = D.batch_size,
+    grad_accum: Annotated[int, typer.Option(help="Batches per optimizer step (gradient accumulation).")] = D.grad_accum,
+    lora_freeze_a: Annotated[bool, typer.Option(help="Train lora_B only; lora_A stays at the run's shared "
+                                                     "initialization (FFA-LoRA: the syncer's average of B is then "
+                                                     "exact). Every learner of a run must agree.")] = False,
+    micro_batch_size: Annotated[str, typer.Option(help="Blocks through the model at once: all (the whole batch), N, "
+                                                       "or auto (the largest that fits the device, probed at start); "
+                                                       "the gradient is the same whatever it is.")
+                        ] = D.micro_batch_size,
+    max_steps: Annotated[int, typer.Option(help="Optimizer steps to run "
+                                                "(with --syncer the syncer decides when to stop; "
+                                                "this is then the LR schedule's horizon for --round-seconds runs).")
+                         ] = D.max_steps,
+    lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = D.lr,
+    warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = D.warmup_steps,
+    min_lr_ratio: Annotated[float, typer.Option(help="Cosine decays to this fraction of --lr.")] = D.min_lr_ratio,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay.")] = D.weight_decay,
+    max_grad_norm: Annotated[float, typer.Option(help="Gradient clipping norm.")] = D.max_grad_norm,
+    lora_r: Annotated[int, typer.Option(help="LoRA rank.")] = D.lora_r,
+    lora_alpha: Annotated[float, typer.Option(help="LoRA alpha (scale = alpha / r).")] = D.lora_alpha,
+    lora_dropout: Annotated[float, typer.Option(help="Dropout on the LoRA input.")] = D.lora_dropout,
+    lora_targets: Annotated[str, typer.Option(help="Which linears to adapt: attention, all-linear or auto (attention; "
+                                                   "MoE: plus non-expert linears, never routers).")] = D.lora_targets,
+    loss_function: Annotated[str, typer.Option(help="cross_entropy, or module:function "
+                                                    "taking (logits[N,V], targets[N], weights[N]) -> scalar.")
+                             ] = D.loss_function,
+    eval_every: Annotated[int, typer.Option(help="Evaluate the held-out loss every N steps "
+                                                 "(0: only at start and end).")] = D.eval_every,
+    eval_fraction: Annotated[float, typer.Option(help="Fraction of records held out "
+                                                      "for the eval loss.")] = D.eval_fraction,
+    seed: Annotated[int, typer.Option(help="Seed for the split, the batch order and the LoRA init.")] = D.seed,
+    learner_id: Annotated[int, typer.Option(help="This learner's index, for data sharding.")] = D.learner_id,
+    num_learners: Annotated[int, typer.Option(help="How many shards the data is cut into (this learner takes "
+                                                   "--learner-id's). 0: the whole data standalone; with --syncer, "
+                                                   "the run's count, which the syncer says.")] = D.num_learners,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = D.device,
+    dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), "
+                                            "float32, bfloat16 or float16.")] = D.dtype,
+    gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute activations in the backward pass "
+                                                              "to save memory.")] = False,
+    full_logits: Annotated[bool, typer.Option(help="Compute the LM head on every position "
+                                                   "(default: loss-bearing positions only).")] = False,
+    syncer: Annotated[Optional[str], typer.Option(help="HOST:PORT of a syncer: train as one DiLoCo island of its run "
+                                                       "(default: standalone).")] = None,
+    overlap: Annotated[bool, typer.Option(help="With --syncer: keep training while a merge is in flight, "
+                                               "then apply it as a correction.")] = False,
+    threads: Annotated[int, typer.Option(help="torch CPU threads (0: torch's default).")] = D.threads,
+    max_inner_steps: Annotated[int, typer.Option(help="With --syncer: do at most this many inner steps per round "
+                                                      "(a weaker island contributing less; "
+                                                      "0: the syncer's policy).")] = D.max_inner_steps,
+    step_delay: Annotated[float, typer.Option(help="Sleep this long after each step, "
+                                                   "to simulate a slow island (tests, benchmarks).")] = D.step_delay,
+    syncer_timeout: Annotated[float, typer.Option(help="With --syncer: silence (seconds) after which the connection is "
+                                                       "presumed dead and remade, with backoff.")] = D.syncer_timeout,
+    give_up_after: Annotated[float, typer.Option(help="With --syncer: give up (exit 2, adapter saved) after the syncer "
+                                                      "has been unreachable this long.")] = D.give_up_after,
+    join_key: Annotated[Optional[str], typer.Option(help="With --syncer: the run's join key file (the syncer writes "
+                                                         "DIR/join.key), or set YETO_JOIN_KEY to its contents.")
+                        ] = None,
+    insecure: Annotated[bool, typer.Option(help="With --syncer: no encryption, no key (a syncer on 127.0.0.1 "
+                                                "started with --insecure).")] = False,
+    shard: Annotated[str, typer.Option(help="Under torchrun: ddp (the frozen base on every rank) or fsdp (the frozen "
+                                            "base sharded across the ranks per transformer block; LoRA whole on "
+                                            "each), for a base larger than one device.")] = D.shard,
+    base_quantization: Annotated[str, typer.Option(help="none, or nf4: the frozen base in 4-bit NF4 through "
+                                                        "bitsandbytes (QLoRA; CUDA only).")] = D.base_quantization,
+    save_every: Annotated[int, typer.Option(help="Save the training state (optimizer, schedule, data position, RNG) "
+                                                 "in --out every N steps, so the same command resumes a killed run "
+                                                 "(0: only at the end; with --syncer: every round).")] = D.save_every,
+    fresh: Annotated[bool, typer.Option(help="Start over: ignore the training state in --out (of a killed or "
+                                             "finished run) and replace it.")] = False,
+    init_adapter: Annotated[Optional[str], typer.Option(help="Start from this peft adapter (directory or hub id) "
+                                                             "instead of a fresh LoRA: a fine-tune continued; with "
+                                                             "--syncer, the founding learner's becomes the run's "
+                                                             "first global. Its base and LoRA shape must be the "
+                                                             "run's.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+) -> None:
+    """(the flags of `yeto train`; see make_train_command)"""

@@ -1,0 +1,1 @@
+"""The island, whatever its backend: config, schedule, data, loss, checkpoint and the DiLoCo loop."""

@@ -1,0 +1,254 @@
+"""The DiLoCo training loop: where every backend meets the syncer.
+
+A backend (torch + peft, MLX, ...) only has to offer an `Island`: its adapter
+as a `{canonical peft name: fp32 numpy array}` view, a way to load such a view
+back, and one inner optimizer step. `run_island` does the rest with a
+`LearnerCore` (what to train, when a round ends, what to push) behind a
+`SyncerLink` (the I/O thread): load the round's global adapter, step until the
+core says the round is done, push `local - that adapter`, and go again until the
+syncer finishes the run. It never touches the inner optimizer, so AdamW moments
+persist across rounds.
+
+Overlap (`overlap=True`): after pushing round r's delta the island keeps
+training instead of waiting; when the merged adapter arrives, the progress made
+since the push is kept on top of it (θ ← g_r + (θ − θ_push)), as in one-step-
+delayed / streaming DiLoCo. Those steps count toward round r+1.
+
+Carry (time-window rounds, always on): a learner whose previous delta came late
+is merged a version late in the next round, where it holds this learner's place
+(one delta per learner per round); the round it trains meanwhile could only go
+late too, and every later one after it. So that round's work is not pushed: the
+island trains on until the next global comes and keeps all of it on top of that
+global (θ ← g + (θ − its base)), and its next push lands fresh.
+
+Merge alpha (the syncer's `--merge-alpha a` < 1): a round starts from
+a x the merged adapter + (1 - a) x the adapter this island last pushed, keeping
+part of its own progress; its delta is still taken against the merged adapter.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+import numpy as np
+
+from yeto import YetoError
+from yeto.sync.shell.auth import JoinKey, write_secret
+from yeto.sync.shell.client import SyncerLink
+from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict
+from yeto.sync.wire.layout import DEFAULT_FRAGMENT_NUMEL, build_layout, flatten, unflatten
+
+
+IDENTITY_FILE = "identity"
+
+
+class Island(Protocol):
+    backend: str
+
+    def adapter_state(self) -> dict[str, np.ndarray]: ...
+    def load_adapter_state(self, state: dict[str, np.ndarray]) -> None: ...
+    def step(self) -> dict[str, Any]: ...
+    def adapter_config(self) -> dict[str, Any]: ...
+    def record(self) -> dict[str, Any]: ...
+    def set_total_steps(self, total: int) -> None: ...
+    def use_shard(self, index: int, count: int) -> None: ...
+
+
+@dataclass
+class RoundStats:
+    round: int
+    steps: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    loss_sum: float = 0.0
+    compute_s: float = 0.0
+    before: int = 0  # of `steps`, those taken before this round's training started (they do not pace its window)
+    carried: int = 0  # of those, the steps trained for an earlier round's window and carried onto this one (CARRY)
+    last_step: Optional[int] = None  # the island's step number after this round's last step, and that step's LR
+    last_lr: Optional[float] = None  # (where its step() says them)
+
+    def add(self, s: dict[str, Any], dt: float) -> None:
+        self.steps += 1
+        self.last_step, self.last_lr = s.get("step"), s.get("lr")
+        self.tokens += s["tokens"]
+        self.loss_tokens += s["loss_tokens"]
+        self.loss_sum += s["loss"] * s["loss_tokens"]
+        self.compute_s += dt
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(1, self.loss_tokens)
+
+    @property
+    def window_steps(self) -> int:
+        """The steps taken since this round's training started: they pace its time window."""
+        return self.steps - self.before
+
+    def counts(self) -> RoundCounts:
+        return RoundCounts(self.tokens, self.loss_tokens, self.steps, self.loss, self.compute_s, self.carried)
+
+
+@dataclass
+class IslandStats:
+    rounds: int = 0
+    abandoned: int = 0
+    carried: int = 0  # rounds whose work went on top of the next global instead of to the syncer (Verdict.CARRY)
+    compute_s: float = 0.0
+    delta_bytes: list[int] = field(default_factory=list)
+
+
+def learner_identity(out: str | Path) -> str:
+    """This learner's identity secret, kept in its run directory (0600): a restart with the same --out proves it
+    is the same learner and takes its id back at once; anyone else waits until the holder is gone."""
+    path = Path(out) / IDENTITY_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        secret = secrets.token_hex(16)
+        write_secret(path, secret + "\n")
+        return secret
+
+
+def inner_step(island: Island, rnd: RoundStats, stats: IslandStats, step_delay: float = 0.0) -> None:
+    t = time.perf_counter()
+    s = island.step()
+    if step_delay:
+        time.sleep(step_delay)  # a simulated slow island: the delay counts as its compute
+    dt = time.perf_counter() - t
+    rnd.add(s, dt)
+    stats.compute_s += dt
+
+
+def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = False,
+               progress: Callable[[dict[str, Any]], None] | None = None, log_fn: Callable[[str], None] = print,
+               timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0, step_delay: float = 0.0,
+               fragment_numel: int = DEFAULT_FRAGMENT_NUMEL, join_key: Optional[JoinKey] = None,
+               identity: str = "", residual: Optional[np.ndarray] = None,
+               on_round_start: Optional[Callable[[np.ndarray], None]] = None) -> dict[str, Any]:
+    """Train `island` as one DiLoCo island of the run at `syncer` until the syncer says finish.
+
+    `join_key`: the run's credentials (None only for an --insecure loopback syncer). `identity`: this learner's
+    secret, the same across its restarts (see `learner_identity`), so a restart may take its id back at once.
+    `residual`: the error-feedback residual a resumed learner saved; `on_round_start(residual)` is called once
+    each round's adapter is loaded (the round boundary where a learner saves its training state), with the residual
+    of the deltas known to count (a delta still in flight may be lost with the process: its error is not carried).
+
+    On every way out (finish, refusal, giving up on the syncer, Ctrl-C) the island is left holding the
+    last global adapter it received, so the caller saves that; a refusal or giving up then raises YetoError.
+    """
+    state = island.adapter_state()
+    layout = build_layout(state, fragment_numel)
+    core = LearnerCore(learner_id, island.backend, layout, flatten(layout, state), island.adapter_config(),
+                       island.record(), random.Random(), timeouts, max_inner_steps, time.time_ns() // 1000,
+                       identity=identity or secrets.token_hex(16))
+    if residual is not None and residual.shape == core.ef.residual.shape:
+        core.ef.residual = residual.astype(np.float32)
+    link = SyncerLink(syncer, core, log_fn, join_key).start()
+    stats = IslandStats()
+    t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
+    stall_s = 0.0
+    carry: Optional[tuple[RoundStats, np.ndarray]] = None  # steps to keep, and the adapter they were taken from
+    carried_round: Optional[int] = None  # the round whose work `carry` holds after a CARRY (not an overlap)
+    last_local: Optional[np.ndarray] = None  # the adapter this island last pushed (--merge-alpha blends it in)
+    done: Optional[Done] = None
+    try:
+        while True:
+            t_wait = time.perf_counter()
+            task = link.next_task()
+            if t_start is not None:
+                stall_s += time.perf_counter() - t_wait
+            if isinstance(task, Done):
+                done = task
+                break
+            assert isinstance(task, Train)
+            if core.shard is not None and hasattr(island, "use_shard"):
+                island.use_shard(*core.shard)  # the data shard the syncer says (a no-op once held)
+            if t_start is None:
+                t_start = time.perf_counter()
+                policy = core.policy
+                if not policy.get("round_seconds"):
+                    island.set_total_steps(int(policy["outer_steps"]) * int(policy["inner_steps"]))
+            if carry is not None:  # keep what was learned since `since` (the push, or the base) on top of the global
+                rnd, since = carry
+                if rnd.round != task.round:  # steps trained for another round's window: carried in (not overlap's,
+                    rnd.carried = rnd.steps  # trained for this round, nor a carry a refusal sent back to its round)
+                elif carried_round == task.round:
+                    stats.carried -= 1
+                    log_fn(f"round {task.round}: the late delta that held its place was refused; its {rnd.steps} "
+                           "steps go to it after all")
+                rnd.round, rnd.before, carried_round = task.round, rnd.steps, None
+                island.load_adapter_state(unflatten(layout, task.adapter + (flatten(layout, island.adapter_state())
+                                                                            - since)))
+                carry = None
+            else:
+                rnd = RoundStats(task.round)
+                alpha = float(core.policy.get("merge_alpha", 1.0))
+                start = task.adapter if last_local is None or alpha >= 1 else (
+                    alpha * task.adapter + (1 - alpha) * last_local).astype(np.float32)
+                island.load_adapter_state(unflatten(layout, start))  # (the delta stays against task.adapter)
+            if on_round_start is not None:
+                on_round_start(link.counted_residual())
+            verdict = link.after_step(rnd.steps, rnd.window_steps) if rnd.steps else Verdict.CONTINUE
+            while verdict is Verdict.CONTINUE:
+                inner_step(island, rnd, stats, step_delay)
+                verdict = link.after_step(rnd.steps, rnd.window_steps)
+            if verdict is Verdict.CARRY:  # our previous delta, late, holds this round's place: train on until the
+                # next global comes (at most --max-inner-steps in all), and carry it all on top of it (a fresh delta)
+                while link.carrying() and not (max_inner_steps and rnd.steps >= max_inner_steps):
+                    inner_step(island, rnd, stats, step_delay)
+                carry, carried_round = (rnd, task.adapter), task.round
+                stats.carried += 1
+                log_fn(f"round {task.round}: our previous delta (late) holds its place in the syncer; carrying "
+                       f"{rnd.steps} steps onto the next global")
+                continue
+            if verdict is Verdict.ABANDON:
+                stats.abandoned += 1
+                last_local = None
+                log_fn(f"round {task.round} closed without us after {rnd.steps} steps: starting from the new global")
+                continue
+            if verdict is Verdict.STOP:
+                continue  # next_task says why
+            local = flatten(layout, island.adapter_state())
+            last_local = local
+            stats.delta_bytes.append(link.push(local, rnd.counts()))
+            stats.rounds += 1
+            if progress:
+                progress({"round": task.round, "steps": rnd.steps, "loss": rnd.loss, "tokens": rnd.tokens,
+                          "step": rnd.last_step, "lr": rnd.last_lr})
+            if overlap:
+                nxt = RoundStats(task.round + 1)
+                limit = max_inner_steps or (task.steps if task.steps else 10**9)
+                while link.awaiting_merge() and nxt.steps < limit:
+                    inner_step(island, nxt, stats, step_delay)
+                carry = (nxt, local) if nxt.steps else None
+    except KeyboardInterrupt:
+        done = Done("interrupted", error=False)
+        raise
+    finally:
+        final = link.global_flat()
+        if final is not None:
+            island.load_adapter_state(unflatten(layout, final))  # end on the last global adapter
+        link.close(done.reason[:200] if done else "error")
+    if done.error:
+        raise YetoError(done.reason)
+    log_fn(f"syncer finished the run: {done.reason}")
+    wall = time.perf_counter() - t_start if t_start is not None else 0.0
+    return {
+        "rounds": stats.rounds,
+        "abandoned_rounds": stats.abandoned,
+        "carried_rounds": stats.carried,
+        "version": core.version,
+        "complete": done.complete,
+        "wall_s": wall,
+        "compute_s": stats.compute_s,
+        "stall_s": stall_s,
+        "utilization": stats.compute_s / wall if wall else 0.0,
+        "bytes_sent": link.bytes_sent,
+        "bytes_received": link.bytes_received,
+        "delta_bytes": stats.delta_bytes,
+    }

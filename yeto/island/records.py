@@ -1,0 +1,298 @@
+"""Where a --data points, read as records: a file, a directory laid out as the hub lays datasets out, a
+dataset saved with `save_to_disk`, or a hub dataset at a pinned commit (the `datasets` library's own rules).
+
+Unreadable input is one error naming the file (or file:line) and the fix: not UTF-8, invalid JSON, corrupt
+parquet, a CSV row with more fields than its header, a damaged save_to_disk directory, a missing split or config.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import functools
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from yeto import YetoError
+from yeto.provenance import Artifact, content_hash, resolve_hub_snapshot
+
+SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv", ".txt")  # matched case-insensitively
+# written by `datasets` beside the data (save_to_disk, the hub's legacy infos): skipped, and said so
+METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
+IGNORED_EXTENSIONS = {".md", ".lock", ".gitattributes", ".py", ".arrow"}  # not data, not worth a word
+
+
+@dataclass(frozen=True)
+class Record:
+    data: dict[str, Any]
+    origin: str  # "file:line", used in every error about this record
+
+
+def resolve_data(name: str, revision: str | None = None) -> Artifact:
+    local = Path(name).expanduser()
+    if local.exists():
+        if revision is not None:
+            raise YetoError(f"--data-revision {revision!r} given for a local path {local}; "
+                            "local data is pinned by content hash")
+        return Artifact(name, "dataset", "local", str(local.resolve()), content_hash(local), None, None)
+    parts = name.split("/")
+    if (len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+            and Path(name).suffix.lower() not in SUPPORTED_EXTENSIONS):
+        path, sha = resolve_hub_snapshot(name, revision, "dataset")
+        return Artifact(name, "dataset", "hub", str(path), sha, revision, name)
+    raise YetoError(f"data file not found: {name}")
+
+
+@dataclass
+class DataLayout:
+    """What a --data resolves to: the records of each split of one config, read on demand.
+
+    A file is one split, `train`. A directory is read as the hub lays datasets
+    out (the `datasets` library's own rules: `train-*`/`test-*`/`validation-*`
+    files, `data/train-...`, the README's `configs`); one with no split names
+    is all `train`. A dataset saved with `save_to_disk` keeps its splits.
+    """
+
+    splits: dict[str, Callable[[], list[Record]]]
+    config: str | None = None
+    skipped: list[str] = field(default_factory=list)  # "file (why)": files in the directory that are not read
+
+
+def data_layout(path: Path, config: str | None = None) -> DataLayout:
+    path = Path(path).expanduser().resolve()
+    if path.is_file():
+        if config is not None:
+            raise YetoError(f"--data-config {config!r} given for the single file {path}; a file has no configs")
+        return DataLayout({"train": lambda: read_records(path)})
+    if not path.is_dir():
+        raise YetoError(f"data file not found: {path}")
+    if _saved_with_save_to_disk(path):
+        return _saved_layout(path, config)
+    return _hub_layout(path, config)
+
+
+def _hub_layout(root: Path, config: str | None) -> DataLayout:
+    from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns, sanitize_patterns
+
+    base, patterns = root, None
+    configs = _readme_configs(root)
+    if configs:
+        name = config or configs.get_default_config_name() or (next(iter(configs)) if len(configs) == 1 else None)
+        if name is None:
+            raise YetoError(f"dataset {root} has configs {', '.join(configs)}: pass --data-config NAME")
+        if name not in configs:
+            raise YetoError(f"--data-config {name!r} is not a config of {root}; its configs: {', '.join(configs)}")
+        entry, config = configs[name], name
+        base = root / entry.get("data_dir", "")
+        if entry.get("data_files"):
+            patterns = sanitize_patterns(entry["data_files"])
+    elif config is not None:
+        base = root / config
+        if not base.is_dir():
+            subdirs = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+            raise YetoError(f"--data-config {config!r}: {root} has no README `configs` and no subfolder {config!r} "
+                            f"(subfolders: {', '.join(subdirs) or 'none'})")
+    try:
+        patterns = patterns or get_data_patterns(str(base))
+        resolved = DataFilesDict.from_patterns(patterns, base_path=str(base))
+    except (EmptyDatasetError, FileNotFoundError):
+        resolved = {}
+    present = _candidate_files(base)  # what a user may expect read: to say what is not, and why
+    splits: dict[str, Callable[[], list[Record]]] = {}
+    taken: set[Path] = set()
+    for split, files in resolved.items():
+        keep = [Path(f) for f in files if Path(f) in present and present[Path(f)] is None]
+        taken.update(keep)
+        if keep:
+            splits[str(split)] = lambda keep=keep: [r for f in keep for r in read_records(f)]
+    skipped = [f"{f.relative_to(root).as_posix()} ({why or 'in no split'})"
+               for f, why in present.items() if f not in taken and (why or not configs)]
+    if not splits:
+        raise YetoError(f"no data files ({', '.join(SUPPORTED_EXTENSIONS)}) in directory {base}"
+                        + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+    return DataLayout(splits, config, skipped)
+
+
+def _candidate_files(base: Path) -> dict[Path, str | None]:
+    """Every file below `base` (hidden parts below it skipped, not above: ~/.cache is fine), with why it is not
+    data (None: it is)."""
+    out: dict[Path, str | None] = {}
+    for p in sorted(base.rglob("*")):
+        rel = p.relative_to(base).parts
+        if not p.is_file() or any(s.startswith(".") for s in rel) or p.name == "README.md":
+            continue
+        if p.name in METADATA_FILES:
+            out[p.resolve()] = "dataset metadata, not records"
+        elif p.suffix.lower() in SUPPORTED_EXTENSIONS:
+            out[p.resolve()] = None
+        elif p.suffix.lower() not in IGNORED_EXTENSIONS:
+            out[p.resolve()] = f"not a data file ({', '.join(SUPPORTED_EXTENSIONS)})"
+    return out
+
+
+def _readme_configs(root: Path):
+    """The `configs` of the README's YAML header (the hub's way to declare several configs), or {}."""
+    readme = root / "README.md"
+    if not readme.is_file() or not readme.read_text(encoding="utf-8", errors="replace").startswith("---"):
+        return {}
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+
+    try:
+        return MetadataConfigs.from_dataset_card_data(DatasetCard.load(readme).data)
+    except Exception as e:  # a README's header is the user's text: a bad one is named, not a traceback
+        raise YetoError(f"{readme}: cannot read its YAML header's `configs` ({flat_message(e)}); "
+                        "fix or remove it") from e
+
+
+def _saved_with_save_to_disk(path: Path) -> bool:
+    """A `save_to_disk` directory: a DatasetDict's dataset_dict.json, or a Dataset's state.json beside its arrow
+    files (a stray state.json beside jsonl files is metadata, skipped)."""
+    if (path / "dataset_dict.json").is_file():
+        return True
+    return (path / "state.json").is_file() and any(path.glob("*.arrow"))
+
+
+def _saved_layout(path: Path, config: str | None) -> DataLayout:
+    """A `datasets` Dataset or DatasetDict saved with `save_to_disk` (arrow files, read by `load_from_disk`)."""
+    from datasets import Dataset, load_from_disk
+
+    if config is not None:
+        raise YetoError(f"--data-config {config!r} given for {path}, a dataset saved with save_to_disk: "
+                        "it holds one config; drop --data-config")
+    try:
+        saved = load_from_disk(str(path))
+    except Exception as e:  # datasets raises FileNotFoundError, ValueError or arrow errors for a damaged save
+        raise YetoError(f"{path}: a dataset saved with save_to_disk that cannot be loaded ({flat_message(e)}); "
+                        "save it again") from e
+    parts = {"train": saved} if isinstance(saved, Dataset) else dict(saved)
+
+    def rows(name: str) -> list[Record]:
+        return [Record(row, f"{path}[{name}]:row {i + 1}") for i, row in enumerate(parts[name])]
+
+    return DataLayout({name: functools.partial(rows, name) for name in parts})
+
+
+def data_files(directory: Path) -> list[Path]:
+    """The data files of a directory, sorted; raises naming the directory when it has none."""
+    present = _candidate_files(directory)
+    files = [f for f, why in present.items() if why is None]
+    if not files:
+        raise YetoError(f"no data files ({', '.join(SUPPORTED_EXTENSIONS)}) in directory {directory}")
+    return files
+
+
+def read_records(path: str | Path) -> list[Record]:
+    """Every record of a file or a directory (its data files, in sorted order; no splits).
+
+    Hard errors (one line naming file:line and the fix): a file that is not UTF-8,
+    invalid JSON, a corrupt parquet file, a CSV row with more fields than its header.
+    Records that parse but cannot be trained on are judged later (`record_format`).
+    """
+    path = Path(path)
+    if path.is_dir():
+        return [r for f in data_files(path) for r in read_records(f)]
+    if not path.is_file():
+        raise YetoError(f"data file not found: {path}")
+    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv,
+               ".txt": _read_txt}
+    reader = readers.get(path.suffix.lower())
+    if reader is None:
+        raise YetoError(f"unsupported data file {path}: expected one of {', '.join(SUPPORTED_EXTENSIONS)}")
+    return list(reader(path))
+
+
+def flat_message(e: BaseException) -> str:
+    """An error's whole message on one line (a parser's multi-line complaint inside ours)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return raw[bom:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        offset = bom + e.start
+        raise YetoError(f"{path}: not UTF-8 text (byte {raw[offset:offset + 1]!r} at byte offset {offset}); "
+                        "re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from e
+
+
+def _jsonl_records(path: Path, text: str) -> Iterable[Record]:
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise YetoError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); "
+                            "fix the line (one JSON object per line)") from e
+        yield Record(data, f"{path}:{lineno}")
+
+
+def _read_jsonl(path: Path) -> Iterable[Record]:
+    return _jsonl_records(path, _read_text(path))
+
+
+def _read_json(path: Path) -> Iterable[Record]:
+    text = _read_text(path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith("["):  # a JSON array that does not parse: where it breaks
+            raise YetoError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}); fix the file") from e
+        yield from _jsonl_records(path, text)  # JSON Lines saved as .json
+        return
+    if isinstance(data, dict):
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) != 1:
+            raise YetoError(f"{path}: expected a list of records (or an object holding one list), "
+                            f"got an object with keys {sorted(data)}")
+        data = lists[0]
+    if not isinstance(data, list):
+        raise YetoError(f"{path}: expected a list of records, got {type(data).__name__}")
+    for i, rec in enumerate(data):
+        yield Record(rec, f"{path}:[{i}]")
+
+
+def _read_parquet(path: Path) -> Iterable[Record]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise YetoError(f"{path}: not a readable parquet file ({flat_message(e)}); re-export it or remove it") from e
+    for i, row in enumerate(rows):
+        yield Record(row, f"{path}:row {i + 1}")
+
+
+def _read_csv(path: Path) -> Iterable[Record]:
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
+    try:
+        for row in reader:
+            if None in row:  # DictReader files the fields past the header under the key None
+                raise YetoError(f"{path}:{reader.line_num}: {len(row[None])} more field(s) than the header's "
+                                f"{len(reader.fieldnames or [])}; quote fields that contain commas")
+            yield Record(dict(row), f"{path}:{reader.line_num}")
+    except csv.Error as e:
+        raise YetoError(f"{path}:{reader.line_num}: malformed CSV ({flat_message(e)}); fix the row") from e
+
+
+def _read_txt(path: Path) -> Iterable[Record]:
+    """A plain-text file is one document per blank-line-separated paragraph."""
+    para: list[str] = []
+    start = 0
+    for lineno, line in enumerate(_read_text(path).split("\n"), 1):
+        if line.strip():
+            if not para:
+                start = lineno
+            para.append(line)
+        elif para:
+            yield Record({"text": "\n".join(para)}, f"{path}:{start}")
+            para = []
+    if para:
+        yield Record({"text": "\n".join(para)}, f"{path}:{start}")

@@ -1,0 +1,64 @@
+"""A learner's data shard: the dataset read before joining, its shard taken when the syncer names it."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from yeto import YetoError
+from yeto.island.config import TrainConfig
+from yeto.island.schedule import BatchSampler
+
+if TYPE_CHECKING:
+    from yeto.island.data import Blocks, DataSource, PreparedData
+
+
+class ShardedData:
+    """A learner's data (every backend): the dataset read and checked before the learner joins a run, and its
+    shard of it taken once known: at start from --learner-id of --num-learners (or the whole of it standalone),
+    else from the syncer's welcome (`use_shard`), which cuts the data into the run's shard count."""
+
+    source: "DataSource"
+    data: Optional["PreparedData"] = None
+    shard: Optional[tuple[int, int]] = None
+    sampler: Optional[BatchSampler] = None
+    ranks: int = 1
+
+    def read_data(self, cfg: TrainConfig, tokenizer: Any, log: Callable[[str], None]) -> None:
+        from yeto.island.data import read_data
+
+        self.source = read_data(cfg.data, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.seed, cfg.data_revision,
+                                cfg.data_split, cfg.data_config)
+        self._log_data = log
+        if cfg.num_learners or not cfg.syncer:
+            self.use_shard(cfg.learner_id if cfg.num_learners else 0, cfg.num_learners or 1)
+        else:
+            log(f"data: {json.dumps(self.source.stats)}; the syncer says which shard this learner trains on")
+
+    def use_shard(self, index: int, count: int) -> None:
+        """Train on shard `index` of `count` from here on (a no-op if it is the shard held)."""
+        if self.shard == (index, count):
+            return
+        cfg = self.cfg  # type: ignore[attr-defined]
+        self.data = self.source.shard(index, count)
+        self.shard = (index, count)
+        self._log_data(f"data: {json.dumps(self.data.stats)}")
+        # every rank of a torchrun island draws the same global batch (ranks x --batch-size) and takes its slice
+        self.sampler = BatchSampler(len(self.data.train), cfg.batch_size * self.ranks, cfg.seed + 1000 * cfg.learner_id)
+
+    def resume_data(self, meta: dict[str, Any]) -> None:
+        """Take the shard and batch position a saved training state had (a restarted learner goes on with them)."""
+        if meta.get("shard"):
+            self.use_shard(*meta["shard"])
+        if meta.get("sampler") and self.sampler is not None:
+            self.sampler.seek(meta["sampler"])
+
+    def train_blocks(self) -> "Blocks":
+        if self.data is None or self.sampler is None:
+            raise YetoError("this learner has no data shard yet: pass --num-learners, or join a syncer (it says "
+                            "which shard)")
+        return self.data.train
+
+    def data_record(self) -> dict[str, Any]:
+        return {"data": self.source.artifact.to_dict(),
+                "data_stats": self.data.stats if self.data is not None else self.source.stats}

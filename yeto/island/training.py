@@ -1,0 +1,240 @@
+"""One island's run, whatever the backend: the session, resume and --init-adapter, the standalone loop, and the
+DiLoCo island loop of `yeto.island.diloco` with --syncer.
+
+A backend (`yeto.backends.torch`, `yeto.backends.mlx`) supplies the learner object, a `yeto.island.diloco.Island`
+with `evaluate`, `save` and step counters; nothing here imports a tensor library, so an MLX island never loads torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import numpy as np
+
+from yeto import YetoError
+from yeto.island.config import TrainConfig, check_config
+from yeto.island.metrics import MetricsLog
+
+if TYPE_CHECKING:
+    from yeto.island.checkpoint import TrainState
+
+
+@dataclass
+class Session:
+    """What a run needs before any model loads: its console, its --out directory and, with --syncer, its key."""
+    console: Any
+    out: Path
+    join_key: Any
+    log: Callable[[str], None]
+
+
+def open_session(cfg: TrainConfig) -> Session:
+    """Check the key and make --out before the model loads, so a missing key is one line at once."""
+    from rich.console import Console
+
+    check_config(cfg)
+    console = Console(stderr=True)
+    join_key = None
+    if cfg.syncer:
+        from yeto.sync.shell.auth import learner_join_key
+
+        join_key = learner_join_key(cfg.join_key, cfg.insecure, cfg.syncer)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return Session(console, out, join_key, lambda s: console.print(f"[dim]{s}[/dim]"))
+
+
+def train(cfg: TrainConfig, learner_cls: Callable[..., Any], show_progress: bool = True) -> dict[str, Any]:
+    """Train one single-process island of `learner_cls`'s backend; the adapter lands in `out/adapter`."""
+    session = open_session(cfg)
+    return run_training(learner_cls(cfg, log=session.log), cfg, session, show_progress)
+
+
+def start_from_adapter(learner, name: str, log: Callable[[str], None]) -> None:
+    """Load an existing peft adapter into a fresh learner (`--init-adapter`), refused in one line when its base or
+    LoRA shape is not this run's (the syncer's --init-adapter check)."""
+    from yeto.adapter import load_init_adapter
+    from yeto.sync.core.contract import init_adapter_problem
+    from yeto.sync.wire.layout import build_layout
+
+    init = load_init_adapter(name)
+    problem = init_adapter_problem(init, build_layout(learner.adapter_state()), learner.adapter_config(),
+                                   {"base_revision": learner.model_artifact.revision})
+    if problem:
+        raise YetoError(f"--init-adapter {name} cannot start this run: {problem}; train with its settings "
+                        "(--model, --lora-r, --lora-alpha, --lora-targets) or pick another adapter")
+    learner.load_adapter_state(init.tensors)
+    log(f"starting from the adapter {name}")
+
+
+def resume_state(learner, cfg: TrainConfig, out: Path, log: Callable[[str], None]) -> Optional[TrainState]:
+    """Load the training state saved in --out into `learner`, if there is one and it is this run's: a state of
+    another run, or of a finished one, is refused with what differs (--fresh starts over); None: a fresh start."""
+    from yeto.island.checkpoint import STATE_FILE, differences, load_state, run_identity
+
+    if not hasattr(learner, "load_training_state"):
+        log("note: this backend saves no training state: a restart starts its optimizer and LR schedule afresh")
+        return None
+    if cfg.fresh:
+        return None
+    state = load_state(out)
+    if state is None:
+        return None
+    path, step = out / STATE_FILE, int(state.meta["step"])
+    diff = differences(state.meta["run"], run_identity(learner))
+    if diff:
+        raise YetoError(f"{path} is the training state of another run ({'; '.join(diff)}): resume with the same flags, "
+                        "pass --fresh to start over (replacing it), or use another --out")
+    if state.meta.get("finished") and (cfg.syncer or step >= cfg.max_steps):
+        more = "" if cfg.syncer else " raise --max-steps to train further,"
+        raise YetoError(f"{out} holds a finished run ({step} steps):{more} pass --fresh to start over, or use "
+                        "another --out")
+    if not cfg.syncer and step > cfg.max_steps:
+        raise YetoError(f"{path} is at step {step}, past --max-steps {cfg.max_steps}: raise --max-steps, or pass "
+                        "--fresh to start over")
+    learner.load_training_state(state, adapter=not cfg.syncer)
+    log(f"resuming from {path} at step {step}" + (" (the syncer brings the current global adapter)"
+                                                   if cfg.syncer else ""))
+    return state
+
+
+def save_training_state(learner, cfg: TrainConfig, out: Path, residual: Optional[np.ndarray] = None,
+                        finished: bool = False) -> None:
+    """Save what `resume_state` needs (with --syncer, the delta quantizer's error-feedback residual too)."""
+    from yeto.island.checkpoint import run_identity, save_state
+
+    if not hasattr(learner, "training_state"):
+        return
+    state = learner.training_state()
+    state.meta.update(run=run_identity(learner), finished=finished)
+    if residual is not None:
+        state.tensors["residual"] = residual
+    save_state(out, state)
+
+
+def run_training(learner, cfg: TrainConfig, session: Session, show_progress: bool = True) -> dict[str, Any]:
+    """Evaluate, train (standalone or as an island of --syncer's run), evaluate again, save the adapter.
+
+    The training state is saved in --out as it goes (yeto.island.checkpoint), and the same command resumes from it."""
+    out, console = session.out, session.console
+    resumed = resume_state(learner, cfg, out, session.log)
+    if resumed is None and cfg.init_adapter:
+        start_from_adapter(learner, cfg.init_adapter, session.log)
+    metrics = MetricsLog(out / "metrics.jsonl")
+    (out / "run.json").write_text(json.dumps(learner.record(), indent=2))
+    if resumed is not None:
+        metrics.write(event="resumed", step=learner.step_count, tokens=learner.tokens_seen)
+    eval0 = learner.evaluate()
+    metrics.write(event="eval", step=learner.step_count, eval_loss=eval0)
+    if cfg.syncer:
+        tag = f"[bold]island {cfg.learner_id}[/bold] "
+        residual = resumed.tensors.get("residual") if resumed is not None else None
+        try:
+            extra = _island_loop(learner, cfg, metrics, console, tag, session.join_key, residual,
+                                 lambda r: save_training_state(learner, cfg, out, r))
+        except BaseException as e:  # refused, gave up on the syncer, Ctrl-C, SIGTERM, a crash: keep the adapter
+            try:
+                adapter = learner.save(out / "adapter")
+                metrics.write(event="aborted", steps=learner.step_count, reason=repr(e)[:300])
+                console.print(f"{tag}[yellow]stopped early[/yellow]; adapter (the last global it received): {adapter}")
+            except Exception as save_error:  # never hide the first error behind a second one
+                console.print(f"{tag}[red]could not save the adapter[/red]: {save_error!r}")
+            raise
+        if hasattr(learner, "relay_s"):  # a torchrun island: rank 0's time relaying to the other ranks
+            extra["relay_s"] = round(learner.relay_s, 3)
+        done = f"{extra['rounds']} rounds, {learner.step_count} steps, utilization {extra['utilization']:.1%}"
+    else:
+        tag = ""
+        extra = _standalone_loop(learner, cfg, metrics, console, eval0, show_progress, out)
+        done = f"{learner.step_count} steps, {extra['tok_s']:.0f} tok/s"
+    final_eval = learner.evaluate()
+    metrics.write(event="eval", step=learner.step_count, eval_loss=final_eval)
+    adapter = learner.save(out / "adapter")
+    save_training_state(learner, cfg, out, finished=True)
+    summary = {"adapter": str(adapter), "steps": learner.step_count, "eval_loss_before": eval0,
+               "eval_loss_after": final_eval, "tokens": learner.tokens_seen, "loss_tokens": learner.loss_tokens_seen,
+               "shard": list(learner.shard) if getattr(learner, "shard", None) else None, **extra}
+    metrics.write(event="done", **summary)
+    metrics.close()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    ev = (f"eval loss {eval0:.3f} -> {final_eval:.3f}" if eval0 is not None and final_eval is not None
+          else "no eval split")
+    console.print(f"{tag}[green]done[/green]: {done}, {ev}; adapter: {adapter}")
+    return summary
+
+
+def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,
+                     show_progress: bool, out: Path) -> dict[str, Any]:
+    """Up to `--max-steps` steps (from where a resumed run was) with a progress bar, periodic eval and saves."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    history: list[dict[str, Any]] = []
+    progress = Progress(
+        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not show_progress,
+    )
+    t0 = time.perf_counter()
+    last_eval = eval0
+    tokens0, loss_tokens0 = learner.tokens_seen, learner.loss_tokens_seen
+    with progress:
+        task = progress.add_task("train", total=cfg.max_steps, completed=learner.step_count, info="")
+        while learner.step_count < cfg.max_steps:
+            t = time.perf_counter()
+            s = learner.step()
+            if cfg.step_delay:
+                time.sleep(cfg.step_delay)  # a simulated slow island (tests): the delay counts as its compute
+            dt = time.perf_counter() - t
+            s.update(tok_s=s["tokens"] / dt, loss_tok_s=s["loss_tokens"] / dt)
+            if not math.isfinite(s["loss"]):
+                raise YetoError(f"loss is {s['loss']} at step {s['step']}; lower --lr or check the data")
+            if cfg.eval_every and s["step"] % cfg.eval_every == 0 and s["step"] < cfg.max_steps:
+                last_eval = learner.evaluate()
+                metrics.write(event="eval", step=s["step"], eval_loss=last_eval)
+            metrics.write(event="step", **s)
+            history.append(s)
+            if cfg.save_every and s["step"] % cfg.save_every == 0 and s["step"] < cfg.max_steps:
+                save_training_state(learner, cfg, out)
+            ev = f" eval {last_eval:.3f}" if last_eval is not None else ""
+            progress.update(task, advance=1, info=f"loss {s['loss']:.3f}{ev} {s['tok_s']:.0f} tok/s")
+    elapsed = time.perf_counter() - t0
+    first, last = (history[0]["loss"], history[-1]["loss"]) if history else (None, None)
+    return {"first_loss": first, "last_loss": last, "tok_s": (learner.tokens_seen - tokens0) / elapsed,
+            "loss_tok_s": (learner.loss_tokens_seen - loss_tokens0) / elapsed}
+
+
+def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: str, join_key,
+                 residual: Optional[np.ndarray], save_state: Callable[[np.ndarray], None]) -> dict[str, Any]:
+    """One island of a DiLoCo run: the syncer decides rounds, merges and the end; `save_state(residual)` runs at
+    the start of every round, and `residual` (a resumed learner's) seeds the delta quantizer's error feedback."""
+    from rich.markup import escape
+
+    from yeto.island.diloco import learner_identity, run_island
+    from yeto.sync.core.learner import LinkTimeouts
+
+    def on_round(r: dict[str, Any]) -> None:
+        metrics.write(event="round", **r)
+        console.print(f"{tag}round {r['round']}: {r['steps']} steps, loss {r['loss']:.4f}, {r['tokens']} tokens")
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # unwinds the training loop, which says goodbye; train() saves the adapter
+
+    previous = (signal.signal(signal.SIGTERM, on_sigterm) if threading.current_thread() is threading.main_thread()
+                else None)
+    try:
+        return run_island(learner, cfg.syncer, cfg.learner_id, overlap=cfg.overlap, progress=on_round,
+                          max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
+                          join_key=join_key, identity=learner_identity(cfg.out), residual=residual,
+                          on_round_start=save_state,
+                          timeouts=LinkTimeouts(dead_after_s=cfg.syncer_timeout, give_up_s=cfg.give_up_after),
+                          log_fn=lambda s: console.print(f"{tag}[dim]{escape(s)}[/dim]"))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,162 @@
+"""How a round's deltas become one: a running token-weighted sum, and robust merges against one bad learner.
+
+The mean (`--robust off`): mean = sum_i t_i * d_i / sum_i t_i, with t_i the
+delta's weight (`--merge-weight`, `yeto.sync.merge.rules`: its loss-bearing tokens by
+default). `RoundSum` adds each delta as it arrives, so the syncer holds one fp32
+vector per round, not one per learner; the deltas themselves stay in their wire
+encoding (4 bits: 1/8 of fp32) for the durable copy and for the rare rebuild.
+
+Norm clipping (`--robust norm-clip`, the default): with n_i = |s_i d_i| (the
+delta as it is merged: staleness and step normalization applied) and
+ref = median_low(this round's norms and the norms merged in the last
+`NORM_HISTORY_ROUNDS` rounds, after their clips), a delta with n_i > k * ref is
+scaled by c_i = k * ref / n_i before it is weighted. The low median (of a pair,
+the smaller) is what makes it hold for any fleet size: a two-learner round's
+plain median is the mean of an honest and a hostile norm, which never clips.
+With at most half the norms hostile, ref is at most an honest norm, so one
+learner moves the global by at most its weight x k x ref per round. Applied as
+a correction on the running sum: sum <- sum - (1 - c_i) * t_i * d_i.
+
+Trimmed mean (`--robust trimmed-mean`): per coordinate, drop the
+floor(`TRIM_FRACTION` * n) (at least one) largest and smallest values and take
+the token-weighted mean of the rest; it needs every delta at once, so it walks
+the adapter fragment by fragment (memory: n fragments, not n adapters). With
+fewer than three deltas there is nothing to trim and it is the mean.
+
+RDA (`--merge rda`, yeto.sync.merge.rules) streams too: `RoundSum` carries its
+per-tensor radial sums and running sum of unit directions, and a clip corrects
+the radial sum from the delta's stored tensor norms (no decode).
+
+Every result is a pure function of the deltas in their accumulation order (the
+tape's `responders`), so the merge replays bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from yeto.sync.wire.layout import Layout
+from yeto.sync.merge.rules import Directions, low_median
+from yeto.sync.merge.spans import over_spans
+
+ROBUST_MODES = ("norm-clip", "trimmed-mean", "off")
+DEFAULT_CLIP_K = 4.0
+NORM_HISTORY_ROUNDS = 8
+TRIM_FRACTION = 0.2
+ACCUMULATE_CHUNK = 1 << 16  # values per step of the running sum (256 KiB: stays in cache)
+ACCUMULATE_SPAN = 1 << 19  # values at least per thread
+
+
+def accumulate(total: Optional[np.ndarray], delta: np.ndarray, scale: float, fused: bool = False) -> np.ndarray:
+    """total += scale * delta, in place, in cache-sized chunks (one pass over memory, no full-size temporary).
+
+    `fused` rounds once, as a fused multiply-add (the product is exact in float64): for a correction that cancels
+    most of an earlier term (a clip), where a rounded product's error would be large against what remains."""
+    d = np.ascontiguousarray(delta, dtype=np.float32).reshape(-1)
+    if total is None:
+        total = np.zeros(d.size, dtype=np.float32)
+    alpha = np.float64(np.float32(scale)) if fused else np.float32(scale)
+
+    def add_span(first: int, end: int) -> None:
+        scratch = np.empty(min(ACCUMULATE_CHUNK, end - first), dtype=alpha.dtype)
+        with np.errstate(over="ignore"):  # a huge delta overflows to inf: the merge refuses a non-finite result
+            add_chunks(first, end, scratch)
+
+    def add_chunks(first: int, end: int, scratch: np.ndarray) -> None:
+        for a in range(first, end, ACCUMULATE_CHUNK):
+            part, into = scratch[: min(ACCUMULATE_CHUNK, end - a)], total[a : min(a + ACCUMULATE_CHUNK, end)]
+            np.multiply(d[a : a + part.size], alpha, out=part)
+            if fused:
+                part += into
+                into[...] = part
+            else:
+                np.add(into, part, out=into)
+
+    over_spans(d.size, add_span, ACCUMULATE_SPAN)
+    return total
+
+
+def effective_weight(weight: float, scale: float) -> float:
+    """What a delta's values are multiplied by in the sum (one expression, so sums replay bit for bit)."""
+    return float(weight) * float(scale)
+
+
+@dataclass
+class RoundSum:
+    """sum_i t_i * d_i over the deltas added so far, in arrival order (and RDA's sums, when the rule is rda)."""
+
+    numel: int
+    total: Optional[np.ndarray] = None
+    weight: float = 0.0
+    order: list[int] = field(default_factory=list)  # learner ids, as added
+    directions: Optional[Directions] = None  # `--merge rda`: the radial and direction sums
+
+    @classmethod
+    def for_rule(cls, layout: Layout, rule: str) -> "RoundSum":
+        """An empty sum for `--merge rule` (mean or rda)."""
+        return cls(layout.numel, directions=Directions.of(layout) if rule == "rda" else None)
+
+    def add(self, learner: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
+        """Add weight x scale x delta; the mean divides by the weights alone (a stale delta's scale < 1 shrinks
+        the step)."""
+        self.total = accumulate(self.total, delta, effective_weight(weight, scale))
+        self.weight += weight
+        self.order.append(learner)
+        if self.directions is not None:
+            self.directions.add(learner, delta, weight, scale)
+
+    def copy(self) -> "RoundSum":
+        """A copy a merge may correct (clips) while the round's own sum stays as the deltas arrived."""
+        return RoundSum(self.numel, None if self.total is None else self.total.copy(), self.weight, list(self.order),
+                        self.directions)
+
+    def mean(self) -> np.ndarray:
+        if self.total is None or self.weight <= 0:
+            raise ValueError("a merge needs at least one delta of positive weight")
+        return self.total / np.float32(self.weight)
+
+
+def clip_reference(norms: Sequence[float], history: Sequence[float]) -> float:
+    """ref = median_low(norms + history): what a delta's norm is judged against."""
+    return low_median([*norms, *history]) if norms else 0.0
+
+
+def clip_factors(norms: Sequence[float], ref: float, k: float) -> list[float]:
+    """c_i = min(1, k * ref / n_i) (1 for a zero norm), ref from `clip_reference`."""
+    return [1.0 if n <= k * ref or n == 0 else k * ref / n for n in norms]
+
+
+def clipped_merge(s: RoundSum, factors: dict[int, float], weights: dict[int, float],
+                  delta_of: Callable[[int], np.ndarray]) -> tuple[np.ndarray, Optional[int]]:
+    """The running sum's merge (the mean, or RDA's with its count of tensors that fell back to the mean) after
+    scaling the listed learners' deltas by their factors (< 1); `weights` are the effective ones, t_i s_i."""
+    shrink = {}
+    for lid in s.order:
+        c = factors.get(lid, 1.0)
+        if c < 1.0:
+            shrink[lid] = (1.0 - c) * weights[lid]  # what the clip takes off this delta's weight
+            s.total = accumulate(s.total, delta_of(lid), -shrink[lid], fused=True)
+    if s.directions is None:
+        return s.mean(), None
+    return s.directions.merge(s.mean(), s.weight, shrink)
+
+
+def trimmed_mean(block: Callable[[int], np.ndarray], weights: Sequence[float], layout: Layout) -> np.ndarray:
+    """Coordinate-wise weighted trimmed mean; `block(k)` gives the (deltas, numel) values of fragment k."""
+    w = np.asarray(weights, dtype=np.float64)
+    count = len(w)
+    cut = max(1, int(TRIM_FRACTION * count)) if count >= 3 else 0
+    out = np.empty(layout.numel, dtype=np.float32)
+    for k, f in enumerate(layout.fragments):
+        x = block(k).astype(np.float64)
+        if cut == 0:
+            out[f.start:f.start + f.numel] = (w @ x) / w.sum()
+            continue
+        order = np.argsort(x, axis=0, kind="stable")
+        xs = np.take_along_axis(x, order, axis=0)[cut:count - cut]
+        ws = w[order][cut:count - cut]
+        out[f.start:f.start + f.numel] = (ws * xs).sum(axis=0) / ws.sum(axis=0)
+    return out

@@ -1,0 +1,277 @@
+"""Merge rules: how a round's deltas d_i (flat fp32, one per responder) become the one the outer step takes.
+
+Weights (`--merge-weight`), w_i >= 0 normalised to sum 1:
+    loss-tokens   w_i ~ the delta's loss-bearing tokens (the default: a token of signal counts once, wherever it
+                  was trained)
+    tokens        w_i ~ all tokens the island read (prompts included)
+    steps         w_i ~ the island's inner steps this round
+    equal         w_i = 1/n
+A slow island already sends a smaller delta (fewer steps, fewer tokens behind it): token weights account for that
+once, and the delta's own size a second time; `equal` counts every island once whatever it did.
+
+Rules (`--merge`):
+    rda    (the default) radial-directional averaging, per tensor t:
+               (sum_i w_i |d_i,t|) * v / |v|,   v = sum_i w_i d_i,t / |d_i,t|
+           The mean of near-orthogonal deltas shrinks as 1/sqrt(n); RDA keeps the typical delta's length and takes the
+           mean direction. When the directions cancel (|v| < RDA_CANCEL * sum_i w_i) it falls back to the mean.
+           Both sums are additive, so the syncer streams them (`Directions`): two vectors per round, not n deltas.
+           bench/convergence.py: 0.98x the data-parallel eval loss at 2 islands where the mean is 1.02x.
+    mean   sum_i w_i d_i (the rule under `--lora-merge product` and `--robust trimmed-mean`, which are means)
+
+LoRA aggregation (`--lora-merge`):
+    factors   the rule applies to lora_A and lora_B separately (B_bar A_bar is not the mean of the B_i A_i: the error
+              is sum_i w_i (B_i - B_bar)(A_i - A_bar))
+    product   per adapted layer, the merged update W = sum_i w_i B_i A_i (each island's adapter = the global it
+              started from + its delta; peft's scale alpha/r is common to every island, so it factors out), written
+              back as rank-r factors (B*, A*) by alternating least squares started from the factor means: exact
+              when rank W <= r, the best rank-r fit otherwise (the relative residual |W - B*A*| / |W| is reported).
+              Starting from the factor means keeps the factors near the islands' (an island-wide agreement merges to
+              itself), so the outer step on (B* - B, A* - A) still reads as a step; with outer lr 1 and no momentum
+              the new global's product is W itself.
+              The ALS works on W in factored form (n*r columns), never on the out x in matrix.
+
+Step normalization (`--step-normalize`, FedNova-style): each delta is scaled by k_max / k_i (k_i its inner steps,
+k_max the round's length: the most steps a delta took in the round's window, its steps carried in from an earlier
+window left out, so a delta carried over two windows is not taken for a round twice as long) before the rule. The
+weighted mean of deltas of unequal length is shorter than the longest one: a 10x slower island in a time-window
+round (a tenth of the steps, so a tenth of the weight and a delta a tenth as long) cuts the fast island's step by
+~8%. Normalized, each delta is an estimate of the same k_max-step move, and the slow island's tokens reduce its noise
+instead. With equal steps it is the plain rule. The default in time-window rounds, with the mean (docs/benchmarks.md,
+heterogeneous fleet); not with rda, whose norm rule would take a short delta's scaled-up noise for length.
+
+Bounded claims (no learner's word buys it more than a fair share): the counts behind the weights and the step counts
+behind step normalization are the learners' own claims, so before the rule each claimed weight is cut to the round's
+low median (C = MAX_CLAIM_OVER_MEDIAN = 1: t_i' = min(t_i, median_low(t))). A delta weighs by its count but never
+more than the round's median delta: a short delta (a slow island's) keeps its small weight, a long claim (a fast
+island's, or a lie) counts as the median, so one learner among n weighs at most 1/n of a merge where the others'
+claims are alike (in a pair, the two weigh the same unless the smaller claims less). A round's length k_max comes
+from window steps each cut to MAX_STEP_SCALE times their low median, and no delta is scaled up by more than
+MAX_STEP_SCALE. The norm clip (yeto.sync.merge.aggregate) then judges each delta as it is merged.
+
+Staleness (`--staleness-exponent a`): a delta accepted `lag` versions after its base is scaled by s = (1 + lag)^-a
+before any rule sees it (FedAsync's polynomial rule; a = 0: no discount). The weights stay normalised by the counts
+alone, so the discount shrinks the step even when the stale delta merges by itself: w_i s_i sums to less than 1.
+
+Every function is pure: the same deltas in the same order give the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from yeto.sync.wire.layout import Layout
+
+MERGE_RULES = ("mean", "rda")
+MERGE_WEIGHTS = ("loss-tokens", "tokens", "steps", "equal")
+LORA_MERGES = ("factors", "product")
+RDA_CANCEL = 1e-3  # |sum of weighted unit directions| below this (of the weights' sum): directions cancel, use the mean
+ALS_MAX_ITERATIONS = 50
+ALS_TOLERANCE = 1e-9  # stop once the residual improves by less than this (relative to |W|^2)
+RIDGE = 1e-12  # keeps the normal equations of a rank-deficient factor solvable
+MAX_CLAIM_OVER_MEDIAN = 1.0  # no delta's weight claim counts for more than this x the round's low median claim
+MAX_STEP_SCALE = 16.0  # step normalization scales no delta up by more, nor takes a round longer than this x its median
+
+
+@dataclass(frozen=True)
+class DeltaCounts:
+    """What a delta says about the work behind it (the fields weights can follow)."""
+
+    loss_tokens: int
+    tokens: int
+    inner_steps: int
+
+
+def low_median(values: Sequence[float]) -> float:
+    """The lower middle value (of a pair, the smaller): one outlier among two cannot move it."""
+    ordered = sorted(values)
+    return float(ordered[(len(ordered) - 1) // 2]) if ordered else 0.0
+
+
+def round_length(window_steps: Sequence[int], inner_steps: Sequence[int]) -> int:
+    """k_max of step normalization: the most steps a delta took in the round's window (each delta's inner steps less
+    those carried in; in a round whose every delta was carried in whole, the most inner steps), each claim cut to
+    MAX_STEP_SCALE x the claims' low median."""
+    claims = [s for s in window_steps if s > 0] or [s for s in inner_steps if s > 0] or [1]
+    return max(1, int(min(max(claims), MAX_STEP_SCALE * low_median(claims))))
+
+
+def capped_claims(claims: Sequence[float]) -> list[float]:
+    """t_i' = min(t_i, C median_low(t)): the weights a round's claims may buy (C = MAX_CLAIM_OVER_MEDIAN)."""
+    cap = MAX_CLAIM_OVER_MEDIAN * low_median(claims)
+    return [min(float(t), cap) for t in claims]
+
+
+@dataclass(frozen=True)
+class MergeTerms:
+    """What each delta of a merge counts for, by responder position: the merged update is
+    length x rule(scales_i x d_i, weights counted_i)."""
+
+    counted: list[float]  # unnormalised weights: the claims, capped (`capped_claims`)
+    scales: list[float]  # staleness discount x step normalization's share (1/k_i of the round's length)
+    length: float  # the round's length (1 without step normalization)
+
+
+def merge_terms(counts: Sequence[DeltaCounts], how: str, lags: Sequence[int], staleness_exponent: float,
+                normalize: bool, window_steps: Sequence[int]) -> MergeTerms:
+    """The bounded weights and scales of one merge (the syncer's and every replay's: one expression, same bits)."""
+    counted = capped_claims([weight_of(c, how) for c in counts])
+    length = round_length(window_steps, [c.inner_steps for c in counts]) if normalize else 1
+    scales = []
+    for c, lag in zip(counts, lags):
+        s = staleness_factor(lag, staleness_exponent)
+        k = max(1, c.inner_steps)
+        scales.append(s if not normalize else s / k if length / k <= MAX_STEP_SCALE else s * MAX_STEP_SCALE / length)
+    return MergeTerms(counted, scales, float(length))
+
+
+def staleness_factor(lag: int, exponent: float) -> float:
+    """(1 + lag)^-exponent: a delta computed against an older global weighs less (FedAsync's polynomial rule)."""
+    return 1.0 if lag <= 0 or exponent == 0 else float((1.0 + lag) ** -exponent)
+
+
+def weight_of(c: DeltaCounts, how: str) -> float:
+    """One delta's unnormalised weight (for running sums): its `--merge-weight` count."""
+    if how not in MERGE_WEIGHTS:
+        raise ValueError(f"unknown merge weight {how!r}")
+    return float({"loss-tokens": c.loss_tokens, "tokens": c.tokens, "steps": c.inner_steps, "equal": 1}[how])
+
+
+def merge_weights(counts: Sequence[DeltaCounts], how: str = "loss-tokens") -> np.ndarray:
+    """w_i per `--merge-weight` (sum 1)."""
+    t = np.asarray([weight_of(c, how) for c in counts], dtype=np.float64)
+    if t.size == 0 or (t < 0).any() or t.sum() <= 0:
+        raise ValueError(f"a merge needs positive {how} counts, got {[float(x) for x in t]}")
+    return t / t.sum()
+
+
+@dataclass
+class Directions:
+    """RDA's running sums, so the syncer adds each delta as it arrives and holds two vectors per round, not n deltas.
+
+    Per tensor k: radial[k] = sum_i t_i s_i |d_i,k| and units[k] = sum_i t_i d_i,k / |d_i,k| (t_i the unnormalised
+    weight, s_i the delta's scale: a scale changes its length, never its direction). The tensors' norms of every delta
+    are kept (a few floats each), so a clip after the fact corrects the radial sum without decoding the delta again.
+    """
+
+    slices: list[slice]
+    units: Optional[np.ndarray] = None  # float32, flat (one more adapter-sized vector per round)
+    radial: Optional[np.ndarray] = None  # float64, one per tensor
+    norms: dict[int, np.ndarray] = field(default_factory=dict)  # per learner: its tensors' norms (unscaled)
+
+    @classmethod
+    def of(cls, layout: Layout) -> "Directions":
+        return cls(list(layout.tensor_slices().values()))
+
+    def add(self, learner: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
+        x = np.asarray(delta).reshape(-1)
+        if self.units is None:
+            self.units, self.radial = np.zeros(x.size, np.float32), np.zeros(len(self.slices))
+        norms = np.zeros(len(self.slices))
+        for j, k in enumerate(self.slices):  # tensor by tensor: float64 for one tensor at a time
+            t = x[k].astype(np.float64)
+            norms[j] = n = float(np.linalg.norm(t))
+            if n > 0:
+                self.units[k] += ((weight / n) * t).astype(np.float32)
+        self.radial += (weight * scale) * norms
+        self.norms[learner] = norms
+
+    def merge(self, mean: np.ndarray, total_weight: float, shrink: dict[int, float]) -> tuple[np.ndarray, int]:
+        """(sum radial / sum t) * v / |v| per tensor, v = units / sum t; the `mean` where |v| < RDA_CANCEL.
+        `shrink` removes (1 - c_i) t_i s_i |d_i| from the radial sums (a clip by c_i, given as that product)."""
+        out = np.asarray(mean, dtype=np.float32).copy()
+        if self.units is None or total_weight <= 0:
+            return out, len(self.slices)
+        radial = self.radial.copy()
+        for lid, amount in shrink.items():
+            radial -= amount * self.norms[lid]
+        fallbacks = 0
+        for j, k in enumerate(self.slices):
+            v = self.units[k].astype(np.float64) / total_weight
+            length = float(np.linalg.norm(v))
+            if length < RDA_CANCEL:
+                fallbacks += 1
+            else:
+                out[k] = (radial[j] / total_weight / length) * v
+        return out, fallbacks
+
+
+def rda(deltas: Sequence[np.ndarray], weights: np.ndarray, layout: Layout) -> tuple[np.ndarray, int]:
+    """Radial-directional average of whole deltas, tensor by tensor; also how many tensors fell back to the mean."""
+    d = Directions.of(layout)
+    for i, x in enumerate(deltas):
+        d.add(i, x, float(weights[i]))
+    mean = sum(float(w) * np.asarray(x, dtype=np.float64) for w, x in zip(weights, deltas))
+    return d.merge(mean / float(np.sum(weights)), float(np.sum(weights)), {})
+
+
+def lora_pairs(layout: Layout) -> list[tuple[str, str]]:
+    """(lora_A name, lora_B name) of every adapted layer (peft's names; embeddings' lora_embedding_A/B too)."""
+    names = {s.name for s in layout.specs}
+    pairs = []
+    for name in sorted(names):
+        for a, b in ((".lora_A.", ".lora_B."), (".lora_embedding_A.", ".lora_embedding_B.")):
+            if a in name and name.replace(a, b) in names:
+                pairs.append((name, name.replace(a, b)))
+    return pairs
+
+
+@dataclass(frozen=True)
+class ProductMerge:
+    merged: np.ndarray  # the merged adapter (flat): factors re-fit to the mean product, other tensors the mean
+    residual: float  # max over layers of |W - B*A*|_F / |W|_F
+    residual_mean: float
+
+
+def product_merge(adapters: Sequence[np.ndarray], weights: np.ndarray, layout: Layout) -> ProductMerge:
+    """The islands' adapters (global + delta, flat) merged as B.A products, re-factorised to rank r."""
+    slices = layout.tensor_slices()
+    shapes = {s.name: s.shape for s in layout.specs}
+    x = np.stack([np.asarray(a, dtype=np.float64) for a in adapters])
+    out = (weights @ x).astype(np.float32)  # the mean: kept for tensors outside any A/B pair
+    residuals = []
+    for a_name, b_name in lora_pairs(layout):
+        a_rows, b_rows = slices[a_name], slices[b_name]
+        a_list = [x[i, a_rows].reshape(shapes[a_name]) for i in range(len(adapters))]  # (r, in)
+        b_list = [x[i, b_rows].reshape(shapes[b_name]) for i in range(len(adapters))]  # (out, r)
+        b_star, a_star, residual = refactor(b_list, a_list, weights)
+        out[a_rows] = a_star.reshape(-1)
+        out[b_rows] = b_star.reshape(-1)
+        residuals.append(residual)
+    return ProductMerge(out, max(residuals, default=0.0), float(np.mean(residuals)) if residuals else 0.0)
+
+
+def refactor(bs: Sequence[np.ndarray], as_: Sequence[np.ndarray], weights: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, float]:
+    """Rank-r factors (B*, A*) of W = sum_i w_i B_i A_i by alternating least squares from the factor means, and the
+    relative residual. W stays factored: W = Bw As with Bw = [w_1 B_1 ... w_n B_n] (out x nr), As = [A_1; ...; A_n]."""
+    bw = np.concatenate([w * b for w, b in zip(weights, bs)], axis=1)
+    a_s = np.concatenate(list(as_), axis=0)
+    gram_b, gram_a = bw.T @ bw, a_s @ a_s.T  # (nr x nr)
+    w_norm2 = float(np.sum(gram_b * gram_a))  # |W|_F^2 = tr(Bw^T Bw As As^T)
+    b = sum(w * b for w, b in zip(weights, bs))
+    a = sum(w * a for w, a in zip(weights, as_))
+    if w_norm2 <= 0:
+        return b, a, 0.0
+    r = a.shape[0]
+    eye = np.eye(r)
+
+    def residual2(b: np.ndarray, a: np.ndarray) -> float:  # |W - BA|^2 = |W|^2 - 2<W, BA> + |BA|^2
+        cross = float(np.sum((b.T @ bw) * (a @ a_s.T)))  # <W, BA> = tr((B^T Bw)(As A^T))
+        return max(w_norm2 - 2 * cross + float(np.sum((b.T @ b) * (a @ a.T))), 0.0)
+
+    last = residual2(b, a)
+    for _ in range(ALS_MAX_ITERATIONS):
+        # B = W A^T (A A^T)^-1, then A = (B^T B)^-1 B^T W, with W applied in factored form
+        aat = a @ a.T
+        b = np.linalg.solve(aat + RIDGE * np.trace(aat) * eye + RIDGE * eye, (bw @ (a_s @ a.T)).T).T
+        btb = b.T @ b
+        a = np.linalg.solve(btb + RIDGE * np.trace(btb) * eye + RIDGE * eye, (b.T @ bw) @ a_s)
+        now = residual2(b, a)
+        if last - now <= ALS_TOLERANCE * w_norm2:
+            last = now
+            break
+        last = now
+    return b, a, float(np.sqrt(last / w_norm2))

@@ -1,0 +1,1 @@
+"""What travels: the adapter's fragment layout, its quantization, and the protocol's messages."""
