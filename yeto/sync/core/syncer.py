@@ -53,7 +53,7 @@ __all__ = ["SyncerConfig", "SyncerCore"]  # (the config is the core's: `SyncerCo
 
 QUORUM_WAIT_LOG_S = 15.0  # how often a round short of quorum says whom it waits for
 PROGRESS_LOG_S = 60.0  # how often a slow round says whom it waits for
-MERGE_TIME_EMA = 0.5
+MERGE_TIME_EMA = 0.5  # weight of the newest merge's time in the running estimate the grace leaves room for
 FINISH_LINGER_TIMEOUTS = 10  # after the finish, serve stragglers at most this many --learner-timeouts
 FINISH_GRACE_TIMEOUTS = 3  # ... and wait for a learner gone silent (asleep?) until it is silent this many
 STOP_LINGER_S = 10.0  # after a signal, wait at most this long for learners to say goodbye
@@ -66,8 +66,9 @@ class SyncerCore(Recovery, Admission, Merging):
     # ------------------------------------------------------ events (`start`, a process start: `Recovery.start`)
 
     def receive(self, peer: str, parts: list[bytes], now: float, principal: Optional[str] = None) -> list[Action]:
-        """One message from a learner connection; nothing a peer sends can raise out of here. `principal`: who the
-        connection authenticated as (the ZAP User-Id: "join" or "learner:<id>"); None without security."""
+        """One message from a learner connection; nothing a peer sends can raise out of here (a `RoundPhaseError`, the
+        core's own bug, does). `principal`: who the connection authenticated as (the ZAP User-Id: "join" or
+        "learner:<id>"); None without security."""
         self.out = []
         try:
             if principal is not None and principal in self.revoked:
