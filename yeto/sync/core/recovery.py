@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Optional
 
-from yeto.sync.core.actions import AcceptedDelta, Action, Checkpoint, DropDeltas, Durable
+from yeto.sync.core.actions import AcceptedDelta, Checkpoint, DropDeltas, Durable
 from yeto.sync.core.deltas import Deltas
 from yeto.sync.core.fold import TapeFold
 from yeto.sync.merge.aggregate import RoundSum
@@ -23,11 +23,11 @@ Saved = dict[tuple[int, int], AcceptedDelta]  # (round, learner) -> a delta save
 
 
 class Recovery(Deltas):
-    """`start`: the process start event."""
+    """What a process start does (`SyncerCore.start`)."""
 
-    def start(self, now: float, durable: Durable) -> list[Action]:
-        """A process start: resume from what survived, reconciling the tape with the disk."""
-        self.out = []
+    def _recover(self, now: float, durable: Durable) -> bool:
+        """Resume from what survived, reconciling the tape with the disk; False when nothing durable was found (the
+        run starts from scratch)."""
         ck = durable.checkpoint
         if ck is not None:  # (first: the start record shows the config the run goes on with)
             self.cfg.check_resume(ck.config, ck.version)
@@ -40,7 +40,7 @@ class Recovery(Deltas):
             fold.rollback(v)
         if ck is None:
             self._start_from_scratch(fold, durable)
-            return self._flush()
+            return False
         self._resume_state(ck, fold)
         saved = {(d.round, d.learner): d for d in durable.deltas}
         self._discard_unsaved(ck, fold, saved)
@@ -54,8 +54,7 @@ class Recovery(Deltas):
         self._record("resume", version=ck.version, digest=ck.digest, restored=restored, rolled_back=rolled_back)
         self._log("info", f"resumed at version {ck.version} ({len(restored)} delta(s) of round {ck.version + 1} "
                           "restored)")
-        self._maybe_open(now)
-        return self._flush()
+        return True
 
     def _fold(self, tape: list[dict[str, Any]]) -> TapeFold:
         """The tape folded; the deltas merges refused are remembered (never accepted again)."""

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from yeto.sync.core.actions import Action, SaveCheckpoint
+from yeto.sync.core.actions import Action, Durable, SaveCheckpoint
 from yeto.sync.core.admission import Admission
 from yeto.sync.core.config import SyncerConfig
 from yeto.sync.core.merging import Merging
@@ -63,7 +63,14 @@ class SyncerCore(Recovery, Admission, Merging):
     """The syncer's state machine: `SyncerCore(cfg, incarnation).start(now, durable)`, then one call per event, each
     returning the actions to execute."""
 
-    # ------------------------------------------------------ events (`start`, a process start: `Recovery.start`)
+    # ------------------------------------------------------ events
+
+    def start(self, now: float, durable: Durable) -> list[Action]:
+        """A process start: the run resumed from what survived on disk (`Recovery`), and its round opened if it can."""
+        self.out = []
+        if self._recover(now, durable):
+            self._maybe_open(now)
+        return self._flush()
 
     def receive(self, peer: str, parts: list[bytes], now: float, principal: Optional[str] = None) -> list[Action]:
         """One message from a learner connection; nothing a peer sends can raise out of here (a `RoundPhaseError`, the
