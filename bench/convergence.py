@@ -145,7 +145,7 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
         delay = ["--step-delay", str(delay_s)] if delay_s else []
         return subprocess.Popen(learner + common + [
             "--batch-size", str(batch), "--syncer", f"127.0.0.1:{port}", "--insecure", "--learner-id", str(i),
-            "--num-learners", str(arm.shards or n), "--threads", str(threads), "--out", str(where), *delay],
+            "--learners", str(arm.shards or n), "--threads", str(threads), "--out", str(where), *delay],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     syncer = start_syncer(port, n, out / "syncer")

@@ -78,7 +78,7 @@ def main() -> None:
                                str(max(1, a.steps // a.rounds)), "--out", str(s_out)], cwd=REPO, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run([*torchrun(a.ranks), *common, *per_rank, "--syncer", f"127.0.0.1:{port}", "--learner-id", "0",
-         "--num-learners", "1", "--out", str(tmp / "fleet")], env)
+         "--learners", "1", "--out", str(tmp / "fleet")], env)
     syncer.wait(timeout=120)
     fleet = json.loads((tmp / "fleet" / "summary.json").read_text())
 

@@ -58,7 +58,7 @@ def fleet(name: str, tmp: Path, a: argparse.Namespace, fault: str | None) -> dic
 
     def learner(i: int) -> subprocess.Popen:
         return spawn(["train", "--model", "smollm2-135m", "--data", str(REPO / "data" / "demo"), "--syncer",
-                      f"127.0.0.1:{port}", "--learner-id", str(i), "--num-learners", "2", "--out",
+                      f"127.0.0.1:{port}", "--learner-id", str(i), "--learners", "2", "--out",
                       str(run / f"island-{i}"), "--seq-len", "128", "--batch-size", "4", "--lr", "1e-3",
                       "--warmup-steps", "3", "--eval-every", "0", "--threads", str(threads), "--no-progress",
                       "--syncer-timeout", "10", "--join-key", str(run / "syncer" / JOIN_KEY_FILE)],

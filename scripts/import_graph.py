@@ -1,6 +1,7 @@
 """yeto's import graph, from the code: prints it by layer and fails on what the architecture forbids.
 
-    python scripts/import_graph.py            # the layers and their edges (docs/design.md's picture comes from it)
+    python scripts/import_graph.py            # the layers and their edges
+    python scripts/import_graph.py --folders  # the folders and their imports, as the mermaid graph in docs/design.md
     python scripts/import_graph.py --check    # exit 1 on an import circle, a core module importing a shell, a
                                               # library module importing the CLI, a backend importing another, or
                                               # the backend-neutral island importing a backend
@@ -138,11 +139,36 @@ def layer_of(module: str) -> str:
     return "shared (models, provenance, adapter, checks)"
 
 
+def folder_of(module: str) -> str:
+    """The package folder a module lives in (a package's own __init__ is its folder)."""
+    path = ROOT / Path(*module.split("."))
+    return module if path.is_dir() else module.rpartition(".")[0]
+
+
+def folder_graph(edges: dict[str, set[str]]) -> str:
+    """The import graph between folders, as a mermaid flowchart (docs/design.md holds this text, checked by a test)."""
+    links: set[tuple[str, str]] = set()
+    for src, dsts in edges.items():
+        if src.rpartition(".")[2] == "__main__":
+            continue  # an entry point: `python -m` runs the CLI it imports
+        links.update((folder_of(src), folder_of(d)) for d in dsts if folder_of(d) != folder_of(src))
+    folders = sorted({f for link in links for f in link})
+    node = {f: f.replace(".", "_") for f in folders}
+    lines = ["flowchart TD"]
+    lines += [f"  {node[f]}[\"{f.removeprefix('yeto.') or f}/\"]" for f in folders]
+    lines += [f"  {node[a]} --> {node[b]}" for a, b in sorted(links)]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 on a forbidden import")
+    ap.add_argument("--folders", action="store_true", help="print the folder graph (mermaid)")
     args = ap.parse_args(argv)
     edges = graph()
+    if args.folders:
+        print(folder_graph(edges))
+        return 0
     found = problems(edges)
     if args.check:
         for p in found:

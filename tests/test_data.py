@@ -137,7 +137,7 @@ def test_shards_are_disjoint_and_cover_the_train_split(n, num, frac, seed):
 def test_shard_arguments_are_checked():
     with pytest.raises(YetoError, match="--learner-id"):
         split_and_shard(10, 3, 3, 0.0, 0)
-    with pytest.raises(YetoError, match="--num-learners"):
+    with pytest.raises(YetoError, match="--learners"):
         split_and_shard(10, 0, 0, 0.0, 0)
 
 

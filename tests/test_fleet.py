@@ -31,8 +31,8 @@ def syncer(port, out, *args, env=None):
 
 
 def learner(model, port, lid, n, out, *args):
-    """A torch learner process; `n` None: no --num-learners (the syncer says the shard)."""
-    shards = ["--num-learners", str(n)] if n is not None else []
+    """A torch learner process; `n` None: no --learners (the syncer says the shard)."""
+    shards = ["--learners", str(n)] if n is not None else []
     return subprocess.Popen([sys.executable, "-m", "yeto.backends.torch", "--model", str(model),
                              "--data", str(DEMO_DATA),
                              "--syncer", f"127.0.0.1:{port}", "--learner-id", str(lid), *shards,

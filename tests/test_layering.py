@@ -31,3 +31,49 @@ def test_the_check_can_fail():
     assert "backend-neutral module yeto.island.training imports a backend (yeto.backends.torch.learner)" in found
     assert "core module yeto.sync.core.syncer imports the shell yeto.sync.shell.server" in found
     assert any(p.startswith("import circle:") and "yeto.sync.wire.layout" in p for p in found)
+
+
+def _design_modules_section() -> str:
+    text = (REPO / "docs" / "design.md").read_text()
+    return text[text.index("## Modules"):text.index("\n## ", text.index("## Modules") + 1)]
+
+
+def test_the_design_doc_draws_the_folder_graph_the_code_has():
+    """docs/design.md's picture is scripts/import_graph.py --folders' output, so it cannot drift from the code."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import import_graph
+    finally:
+        sys.path.pop(0)
+    section = _design_modules_section()
+    drawn = section[section.index("```mermaid\n") + len("```mermaid\n"):]
+    drawn = drawn[:drawn.index("```")].strip()
+    assert drawn == import_graph.folder_graph(import_graph.graph()), "rerun scripts/import_graph.py --folders"
+
+
+def test_the_design_doc_maps_every_module():
+    """Every module of yeto/ has a row in docs/design.md's module map, and every row names a module that exists."""
+    import re
+
+    section = _design_modules_section()
+    named = set(re.findall(r"`(yeto(?:\.\w+)+)`", section))
+    modules = {".".join(p.relative_to(REPO).with_suffix("").parts) for p in (REPO / "yeto").rglob("*.py")
+               if p.name not in ("__init__.py", "__main__.py")}
+    packages = {".".join(p.relative_to(REPO).parent.parts) for p in (REPO / "yeto").rglob("__init__.py")}
+    assert modules - named == set(), "modules missing from docs/design.md's map"
+    assert named - modules - packages == set(), "docs/design.md names modules that do not exist"
+
+
+LONG_MODULE_LINES = 500  # a module past this says at its top why it is one module ("Why one module: ...")
+
+
+def test_a_long_module_says_why_it_is_one():
+    import ast
+
+    long = {}
+    for path in (REPO / "yeto").rglob("*.py"):
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > LONG_MODULE_LINES and "Why one module:" not in (ast.get_docstring(ast.parse(text)) or ""):
+            long[str(path.relative_to(REPO))] = lines
+    assert not long, f"split these, or say at their top why each is one module ('Why one module: ...'): {long}"

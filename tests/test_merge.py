@@ -260,7 +260,7 @@ def test_a_torch_and_an_mlx_island_with_frozen_a_merge_products_exactly(tiny_mod
                               "--lora-merge", "product", "--sync-bits", 32)}
     procs[0] = learner(model, port, 0, 2, tmp_path / "l0", "--lora-freeze-a", "--lora-dropout", 0)
     procs[1] = subprocess.Popen([sys.executable, "-m", "yeto.backends.mlx", "--model", str(model), "--syncer",
-                                 f"127.0.0.1:{port}", "--learner-id", "1", "--num-learners", "2", "--out",
+                                 f"127.0.0.1:{port}", "--learner-id", "1", "--learners", "2", "--out",
                                  str(tmp_path / "l1"), "--data", str(DEMO_DATA), "--seq-len", "64", "--batch-size", "2",
                                  "--lora-r", "4", "--lora-dropout", "0", "--no-progress", "--lora-freeze-a"], cwd=REPO,
                                 env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -193,7 +193,7 @@ def test_heterogeneous_fleet_torch_and_mlx(tiny_model, tmp_path):
     from yeto.sync.shell.tape import read_tape
 
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
-    common = ["--model", str(model), "--data", str(DEMO_DATA), "--syncer", f"127.0.0.1:{port}", "--num-learners", "2",
+    common = ["--model", str(model), "--data", str(DEMO_DATA), "--syncer", f"127.0.0.1:{port}", "--learners", "2",
               "--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--no-progress"]
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 4)}
     procs["torch"] = subprocess.Popen([sys.executable, "-m", "yeto.backends.torch", "--learner-id", "0",

@@ -214,7 +214,7 @@ def test_the_contract_is_pinned_and_a_mismatch_names_the_field_and_both_values(s
     ("data", {"data": {"name": "d", "revision": "sha256:other"}}, "data (--data"),
     ("split", {"data_stats": {"split": "test"}}, "sha256:ddd test"),
     ("loss", {"loss": "my_loss@sha256:two"}, "loss (--loss-function) is 'my_loss@sha256:two' on this learner"),
-    ("shard count", {"config": {"num_learners": 1}}, "num_learners (--num-learners) is 1 on this learner, 2 in"),
+    ("shard count", {"config": {"num_learners": 1}}, "num_learners (--learners) is 1 on this learner, 2 in"),
 ])
 def test_a_learner_on_other_data_another_loss_or_another_shard_count_is_refused(start_syncer, field, changed,
                                                                                 reason):

@@ -302,7 +302,7 @@ def test_outer_step_is_bit_for_bit_its_textbook_form():
 
 
 def test_the_kernels_give_the_same_bits_on_one_thread_and_on_many(monkeypatch):
-    import yeto.sync.merge.spans as spans
+    import yeto.sync.wire.spans as spans
     from yeto.sync.merge.aggregate import accumulate
 
     rng = np.random.default_rng(5)

@@ -95,7 +95,7 @@ def test_a_two_rank_island_a_one_process_island_and_an_mlx_island_merge_in_one_r
     procs = {"syncer": syncer(port, s_out, "--learners", 3, "--quorum", 3, "--outer-steps", 3, "--inner-steps", 3,
                               "--sync-bits", 8)}
     procs[0] = torchrun(model, tmp_path / "l0", "--syncer", f"127.0.0.1:{port}", "--learner-id", 0,
-                        "--batch-size", 2)  # no --num-learners: the syncer says the shard (relayed to rank 1)
+                        "--batch-size", 2)  # no --learners: the syncer says the shard (relayed to rank 1)
     procs[1] = learner(model, port, 1, 3, tmp_path / "l1", "--lora-dropout", 0)  # (the contract: the same LoRA)
     procs[2] = subprocess.Popen([sys.executable, "-m", "yeto.backends.mlx", "--model", str(model), "--syncer",
                                  f"127.0.0.1:{port}", "--learner-id", "2", "--out",
@@ -201,7 +201,7 @@ def test_a_torchrun_island_restarted_by_torchrun_rejoins_the_run(tiny_model, tmp
                        "--syncer-timeout", 5)
     with open(tmp_path / "island1.log", "w") as log:
         procs[1] = torchrun(model, tmp_path / "l1", "--syncer", f"127.0.0.1:{port}", "--learner-id", 1,
-                            "--num-learners", 2, "--batch-size", 1, "--step-delay", 1.5, "--syncer-timeout", 5,
+                            "--learners", 2, "--batch-size", 1, "--step-delay", 1.5, "--syncer-timeout", 5,
                             restarts=1, log=log)
         try:
             wait_for(s_out, "round_open", round=2)

@@ -39,7 +39,8 @@ ALIASES: dict[str, Alias] = {
 }
 
 
-MATERIALIZED_FORMAT = 2  # 2: special tokens taken from the model's config (1 trusted the GGUF tokenizer conversion)
+# how a materialized model is made (special tokens from the model's config); a cache stamped lower is made again
+MATERIALIZED_FORMAT = 2
 
 
 def yeto_home() -> Path:
@@ -112,7 +113,7 @@ def materialize_packaged(name: str, alias: Alias) -> tuple[Path, str, str]:
         made = json.loads(stamp.read_text())
         if made.get("format", 1) >= MATERIALIZED_FORMAT:
             return target, made["revision"], pkg
-        shutil.rmtree(target, ignore_errors=True)  # made by an older yeto (its special tokens may be wrong): redo
+        shutil.rmtree(target, ignore_errors=True)  # made another way (its special tokens may be wrong): redo
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from yeto.cli.usage import with_help_panels
+
 from yeto import YetoError
 from yeto.cli.launch_flags import check_passed_flags
 from yeto.launch.plan import SYNCER_PORT, FleetPlan, pin_revision, split_extra_args
@@ -113,6 +115,10 @@ def launch_command(
     from yeto.launch.submit import launch_cloud
 
     raise typer.Exit(launch_cloud(plan, dry_run, console))
+
+
+with_help_panels(launch_command, advanced=("model_revision", "data_revision", "name", "port", "public_host", "overlap",
+                                           "retry_until_up", "recover_timeout", "head"))
 
 
 RunArg = Annotated[Optional[str], typer.Argument(help="The run's name (default: the latest launched).")]

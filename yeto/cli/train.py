@@ -8,17 +8,18 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from yeto.cli.usage import with_help_panels
+from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
 from yeto.island.config import TrainConfig
+from yeto.test_hooks import HIDDEN_TRAIN_FLAGS
 
 D = TrainConfig()
-TEST_HOOKS = ("step_delay",)  # flags for fault tests (a simulated slow island): they work, --help does not show them
 # `yeto train --help` shows these after the everyday flags (their defaults need no touching)
-TRAIN_ADVANCED = ("model_revision", "data_revision", "data_config", "trust_remote_code", "grad_accum", "lora_freeze_a",
-                  "micro_batch_size", "min_lr_ratio", "weight_decay", "max_grad_norm", "lora_dropout", "lora_targets",
-                  "loss_function", "eval_fraction", "dtype", "gradient_checkpointing", "full_logits", "overlap",
-                  "threads", "max_inner_steps", "syncer_timeout", "give_up_after", "shard", "base_quantization",
-                  "save_every")
+OLD_SPELLINGS = (OldSpelling("--num-learners", "num_learners"),)  # renamed flags, still accepted
+TRAIN_ADVANCED = ("model_revision", "data_revision", "data_split", "data_config", "warmup_steps", "trust_remote_code",
+                  "grad_accum", "lora_freeze_a", "micro_batch_size", "min_lr_ratio", "weight_decay", "max_grad_norm",
+                  "lora_dropout", "lora_targets", "loss_function", "eval_fraction", "dtype", "gradient_checkpointing",
+                  "full_logits", "overlap", "threads", "max_inner_steps", "syncer_timeout", "give_up_after", "shard",
+                  "base_quantization", "save_every")
 
 
 def make_train_command(train_fn: Callable[[TrainConfig, bool], dict[str, Any]], doc: str) -> Callable[..., None]:
@@ -30,9 +31,9 @@ def make_train_command(train_fn: Callable[[TrainConfig, bool], dict[str, Any]], 
 
     wrapper = functools.wraps(_train_signature)(command)
     wrapper.__signature__ = inspect.signature(_train_signature, eval_str=True)
-    with_help_panels(wrapper, advanced=TRAIN_ADVANCED, hidden=TEST_HOOKS)
+    with_help_panels(wrapper, advanced=TRAIN_ADVANCED, hidden=HIDDEN_TRAIN_FLAGS)
     wrapper.__doc__ = doc
-    return wrapper
+    return with_old_spellings(wrapper, OLD_SPELLINGS)
 
 
 def torch_train_command() -> Callable[..., None]:
@@ -53,12 +54,11 @@ def mlx_train_command() -> Callable[..., None]:
 
 
 def _train_signature(
-    model: Annotated[str, typer.Option(help="Model alias (see `yeto models`), "
-                                            "local HF directory, or hub id.")] = D.model,
-    data: Annotated[str, typer.Option(help="Data: a .jsonl/.json/.parquet/.csv/.txt file, a directory of them, "
-                                           "or a hub dataset id.")] = D.data,
-    out: Annotated[str, typer.Option(help="Run directory: metrics.jsonl, run.json, "
-                                          "summary.json and adapter/.")] = D.out,
+    model: Annotated[str, typer.Option(help="Model alias (`yeto models`), local HF directory or hub id.")
+                     ] = D.model,
+    data: Annotated[str, typer.Option(help="A .jsonl/.json/.parquet/.csv/.txt file, a directory, a hub dataset.")
+                    ] = D.data,
+    out: Annotated[str, typer.Option(help="Run directory: adapter/, metrics, state.")] = D.out,
     model_revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of the model; "
                                                                "resolved to one commit and recorded.")] = None,
     data_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the dataset; "
@@ -81,9 +81,7 @@ def _train_signature(
                                                        "or auto (the largest that fits the device, probed at start); "
                                                        "the gradient is the same whatever it is.")
                         ] = D.micro_batch_size,
-    max_steps: Annotated[int, typer.Option(help="Optimizer steps to run "
-                                                "(with --syncer the syncer decides when to stop; "
-                                                "this is then the LR schedule's horizon for --round-seconds runs).")
+    max_steps: Annotated[int, typer.Option(help="Optimizer steps (with --syncer: the LR schedule's horizon).")
                          ] = D.max_steps,
     lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = D.lr,
     warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = D.warmup_steps,
@@ -98,15 +96,14 @@ def _train_signature(
     loss_function: Annotated[str, typer.Option(help="cross_entropy, or module:function "
                                                     "taking (logits[N,V], targets[N], weights[N]) -> scalar.")
                              ] = D.loss_function,
-    eval_every: Annotated[int, typer.Option(help="Evaluate the held-out loss every N steps "
-                                                 "(0: only at start and end).")] = D.eval_every,
+    eval_every: Annotated[int, typer.Option(help="Held-out loss every N steps (0: at start and end).")
+                          ] = D.eval_every,
     eval_fraction: Annotated[float, typer.Option(help="Fraction of records held out "
                                                       "for the eval loss.")] = D.eval_fraction,
-    seed: Annotated[int, typer.Option(help="Seed for the split, the batch order and the LoRA init.")] = D.seed,
+    seed: Annotated[int, typer.Option(help="Seed of the split, batch order and LoRA init.")] = D.seed,
     learner_id: Annotated[int, typer.Option(help="This learner's index, for data sharding.")] = D.learner_id,
-    num_learners: Annotated[int, typer.Option(help="How many shards the data is cut into (this learner takes "
-                                                   "--learner-id's). 0: the whole data standalone; with --syncer, "
-                                                   "the run's count, which the syncer says.")] = D.num_learners,
+    num_learners: Annotated[int, typer.Option("--learners", help="Learners sharing the data (0: all; with --syncer, "
+                                                                 "the syncer's count).")] = D.num_learners,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = D.device,
     dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), "
                                             "float32, bfloat16 or float16.")] = D.dtype,
@@ -114,8 +111,8 @@ def _train_signature(
                                                               "to save memory.")] = False,
     full_logits: Annotated[bool, typer.Option(help="Compute the LM head on every position "
                                                    "(default: loss-bearing positions only).")] = False,
-    syncer: Annotated[Optional[str], typer.Option(help="HOST:PORT of a syncer: train as one DiLoCo island of its run "
-                                                       "(default: standalone).")] = None,
+    syncer: Annotated[Optional[str], typer.Option(help="HOST:PORT of a syncer: train as an island of its run.")
+                      ] = None,
     overlap: Annotated[bool, typer.Option(help="With --syncer: keep training while a merge is in flight, "
                                                "then apply it as a correction.")] = False,
     threads: Annotated[int, typer.Option(help="torch CPU threads (0: torch's default).")] = D.threads,
@@ -128,11 +125,9 @@ def _train_signature(
                                                        "presumed dead and remade, with backoff.")] = D.syncer_timeout,
     give_up_after: Annotated[float, typer.Option(help="With --syncer: give up (exit 2, adapter saved) after the syncer "
                                                       "has been unreachable this long.")] = D.give_up_after,
-    join_key: Annotated[Optional[str], typer.Option(help="With --syncer: the run's join key file (the syncer writes "
-                                                         "DIR/join.key), or set YETO_JOIN_KEY to its contents.")
-                        ] = None,
-    insecure: Annotated[bool, typer.Option(help="With --syncer: no encryption, no key (a syncer on 127.0.0.1 "
-                                                "started with --insecure).")] = False,
+    join_key: Annotated[Optional[str], typer.Option(help="The run's join key file (or YETO_JOIN_KEY).")] = None,
+    insecure: Annotated[bool, typer.Option(help="No encryption, no key: a syncer on 127.0.0.1 run --insecure.")
+                        ] = False,
     shard: Annotated[str, typer.Option(help="Under torchrun: ddp (the frozen base on every rank) or fsdp (the frozen "
                                             "base sharded across the ranks per transformer block; LoRA whole on "
                                             "each), for a base larger than one device.")] = D.shard,
@@ -141,13 +136,9 @@ def _train_signature(
     save_every: Annotated[int, typer.Option(help="Save the training state (optimizer, schedule, data position, RNG) "
                                                  "in --out every N steps, so the same command resumes a killed run "
                                                  "(0: only at the end; with --syncer: every round).")] = D.save_every,
-    fresh: Annotated[bool, typer.Option(help="Start over: ignore the training state in --out (of a killed or "
-                                             "finished run) and replace it.")] = False,
-    init_adapter: Annotated[Optional[str], typer.Option(help="Start from this peft adapter (directory or hub id) "
-                                                             "instead of a fresh LoRA: a fine-tune continued; with "
-                                                             "--syncer, the founding learner's becomes the run's "
-                                                             "first global. Its base and LoRA shape must be the "
-                                                             "run's.")] = None,
+    fresh: Annotated[bool, typer.Option(help="Start over, replacing the training state saved in --out.")] = False,
+    init_adapter: Annotated[Optional[str], typer.Option(help="Start from this peft adapter (its base and LoRA "
+                                                             "shape the run's).")] = None,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
     """(the flags of `yeto train`; see make_train_command)"""

@@ -7,9 +7,12 @@ click and raises that copy's exceptions, so both copies' classes are caught here
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
-from typing import Callable, Iterable
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Iterable, Optional
 
 import typer
 
@@ -72,7 +75,8 @@ def run_typer(fn: Callable) -> None:
 
 def with_help_panels(command: Callable[..., None], advanced: Iterable[str], hidden: Iterable[str] = ()) -> None:
     """Show `command`'s everyday flags first: the `advanced` ones (research and tuning knobs) go in a panel of their
-    own after them, and the `hidden` ones (test hooks) are left out of --help but keep working."""
+    own after them, and the `hidden` ones (test hooks) are left out of --help but keep working. A switch that is off
+    by default is shown as `--name` alone."""
     advanced, hidden = set(advanced), set(hidden)
     signature = inspect.signature(command, eval_str=True)  # (evaluated once: the options edited are the ones used)
     unknown = (advanced | hidden) - set(signature.parameters)
@@ -83,4 +87,56 @@ def with_help_panels(command: Callable[..., None], advanced: Iterable[str], hidd
             if isinstance(option, typer.models.OptionInfo):
                 option.rich_help_panel = ADVANCED_PANEL if p.name in advanced else option.rich_help_panel
                 option.hidden = option.hidden or p.name in hidden
+                if p.default is False and not option.param_decls and option.default in (False, ...):
+                    # a switch that is off unless given is just `--name`: no `--no-name` twin, no default row
+                    option.param_decls = ("--" + p.name.replace("_", "-"),)
+                    option.show_default = False
     command.__signature__ = signature  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class OldSpelling:
+    """A renamed flag's old spelling: it keeps working (hidden from --help) so existing commands and scripts do, and
+    feeds the parameter `param` of the new flag through `convert` (e.g. milliseconds to seconds)."""
+    flag: str  # "--num-learners"
+    param: str  # the command's parameter it feeds: "num_learners" (given as --learners)
+    convert: Callable[[Any], Any] = lambda value: value
+
+
+def flag_of(parameter: inspect.Parameter) -> str:
+    """The flag a command's parameter is given as: its option's own name, else --the-parameter-name."""
+    for option in getattr(parameter.annotation, "__metadata__", ()):
+        if isinstance(option, typer.models.OptionInfo):
+            # typer reads Annotated[..., typer.Option("--name")]'s first argument as the flag's name
+            names = [*option.param_decls, *([option.default] if isinstance(option.default, str) else [])]
+            for name in names:
+                if name.startswith("--"):
+                    return name
+    return "--" + parameter.name.replace("_", "-")
+
+
+def with_old_spellings(command: Callable[..., None], olds: Iterable[OldSpelling]) -> Callable[..., None]:
+    """`command` with each old spelling as a hidden flag; giving both spellings of one flag is a one-line error."""
+    olds = tuple(olds)
+    signature = inspect.signature(command, eval_str=True)
+    extra = []
+    for i, old in enumerate(olds):
+        target = signature.parameters[old.param]
+        base = typing.get_args(target.annotation)[0]
+        extra.append(inspect.Parameter(f"old_spelling_{i}", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                       annotation=Annotated[Optional[base], typer.Option(old.flag, hidden=True)]))
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> None:
+        for i, old in enumerate(olds):
+            value = kwargs.pop(f"old_spelling_{i}")
+            if value is None:
+                continue
+            target = signature.parameters[old.param]
+            if kwargs[old.param] != target.default:
+                raise YetoError(f"{old.flag} is the old spelling of {flag_of(target)}: give one of them")
+            kwargs[old.param] = old.convert(value)
+        return command(**kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *extra])  # type: ignore
+    return wrapper

@@ -14,7 +14,7 @@ a kill during a save leaves the previous state whole; one file, so its tensors a
                              saved under, compared field by field on resume
 
 Numpy's global generator is not saved: nothing in training draws from it (the batch order is its own seeded
-generator, saved as its position). Test hook: YETO_CRASH_AT="train_state:N" kills the process (SIGKILL) in the
+generator, saved as its position). A test hook (yeto.test_hooks: YETO_CRASH_AT="train_state:N") kills the process in the
 save of step N, after the temp file is written and before it replaces the state (unset in real runs).
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +30,10 @@ from typing import Any, Optional
 import numpy as np
 
 from yeto import YetoError
+from yeto.test_hooks import TRAIN_STATE, crash_here
 
 STATE_FILE = "train_state.safetensors"
-FORMAT = 1
+FORMAT = 1  # raised whenever the file's layout changes: a state of another format is refused, never misread
 META_KEY = "yeto_train_state"
 # the flags that shape a learner's trajectory: a state saved under other values is another run's
 RUN_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
@@ -67,7 +67,6 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """'--flag A there, B here' for every field where a saved run's identity differs from this one's."""
     names = {"model": "the model (resolved commit)", "data": "the data (digest)",
              "fleet": "the mode (--syncer given)", "ranks": "the island's processes (torchrun)"}
-    saved = {"ranks": 1, **saved}  # (states saved before torchrun islands saved theirs)
     return [f"{names.get(k, '--' + k.replace('_', '-'))}: {saved.get(k)!r} there, {now.get(k)!r} here"
             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
 
@@ -85,8 +84,7 @@ def save_state(out: str | Path, state: TrainState) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if os.environ.get("YETO_CRASH_AT") == f"train_state:{state.meta.get('step')}":  # test hook: die mid-save
-            os.kill(os.getpid(), signal.SIGKILL)
+        crash_here(TRAIN_STATE, int(state.meta.get("step", -1)))  # (a test hook: die mid-save)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -80,8 +80,8 @@ def check_config(cfg: TrainConfig) -> None:
                  "step_delay", "learner_id", "num_learners"):
         check_range(getattr(cfg, name), f"--{name.replace('_', '-')}", low=0)
     if cfg.num_learners and cfg.learner_id >= cfg.num_learners:
-        raise YetoError(f"--learner-id must be in [0, {cfg.num_learners}) with --num-learners {cfg.num_learners}, "
-                        f"got {cfg.learner_id}: fix one, or drop --num-learners (the syncer then says the count)")
+        raise YetoError(f"--learner-id must be in [0, {cfg.num_learners}) with --learners {cfg.num_learners}, "
+                        f"got {cfg.learner_id}: fix one, or drop --learners (the syncer then says the count)")
     check_range(cfg.syncer_timeout, "--syncer-timeout", low=0, low_open=True)
     check_range(cfg.give_up_after, "--give-up-after", low=0, low_open=True)
     if cfg.dtype not in DTYPES:

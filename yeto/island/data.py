@@ -280,7 +280,7 @@ def pack_examples(examples: list[tuple[list[int], list[int]]], seq_len: int, pad
 def check_shard(index: int, count: int) -> None:
     """Shard `index` of `count` must exist: one line naming the flags otherwise."""
     if count < 1:
-        raise YetoError(f"--num-learners must be at least 1, got {count}")
+        raise YetoError(f"--learners must be at least 1, got {count}")
     if not 0 <= index < count:
         raise YetoError(f"--learner-id must be in [0, {count}), got {index}")
 

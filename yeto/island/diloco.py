@@ -41,10 +41,11 @@ from yeto import YetoError
 from yeto.sync.shell.auth import JoinKey, write_secret
 from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict
-from yeto.sync.wire.layout import DEFAULT_FRAGMENT_NUMEL, build_layout, flatten, unflatten
+from yeto.sync.wire.layout import DEFAULT_FRAGMENT_NUMEL, Layout, build_layout, flatten, unflatten
 
 
 IDENTITY_FILE = "identity"
+NO_STEP_LIMIT = 10**9  # an overlap with neither --max-inner-steps nor a step policy trains until the merge comes
 
 
 class Island(Protocol):
@@ -124,6 +125,13 @@ def inner_step(island: Island, rnd: RoundStats, stats: IslandStats, step_delay: 
     stats.compute_s += dt
 
 
+@dataclass
+class Carry:
+    """Steps already trained that go on top of the next global: (θ ← g + (θ − since))."""
+    rnd: RoundStats  # the steps kept
+    since: np.ndarray  # the adapter they were taken from (the push, or the round's base)
+
+
 def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = False,
                progress: Callable[[dict[str, Any]], None] | None = None, log_fn: Callable[[str], None] = print,
                timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0, step_delay: float = 0.0,
@@ -148,107 +156,145 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                        identity=identity or secrets.token_hex(16))
     if residual is not None and residual.shape == core.ef.residual.shape:
         core.ef.residual = residual.astype(np.float32)
-    link = SyncerLink(syncer, core, log_fn, join_key).start()
-    stats = IslandStats()
-    t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
-    stall_s = 0.0
-    carry: Optional[tuple[RoundStats, np.ndarray]] = None  # steps to keep, and the adapter they were taken from
-    carried_round: Optional[int] = None  # the round whose work `carry` holds after a CARRY (not an overlap)
-    last_local: Optional[np.ndarray] = None  # the adapter this island last pushed (--merge-alpha blends it in)
-    done: Optional[Done] = None
-    try:
-        while True:
-            t_wait = time.perf_counter()
-            task = link.next_task()
-            if t_start is not None:
-                stall_s += time.perf_counter() - t_wait
-            if isinstance(task, Done):
-                done = task
-                break
-            assert isinstance(task, Train)
-            if core.shard is not None and hasattr(island, "use_shard"):
-                island.use_shard(*core.shard)  # the data shard the syncer says (a no-op once held)
-            if t_start is None:
-                t_start = time.perf_counter()
-                policy = core.policy
-                if not policy.get("round_seconds"):
-                    island.set_total_steps(int(policy["outer_steps"]) * int(policy["inner_steps"]))
-            if carry is not None:  # keep what was learned since `since` (the push, or the base) on top of the global
-                rnd, since = carry
-                if rnd.round != task.round:  # steps trained for another round's window: carried in (not overlap's,
-                    rnd.carried = rnd.steps  # trained for this round, nor a carry a refusal sent back to its round)
-                elif carried_round == task.round:
-                    stats.carried -= 1
-                    log_fn(f"round {task.round}: the late delta that held its place was refused; its {rnd.steps} "
-                           "steps go to it after all")
-                rnd.round, rnd.before, carried_round = task.round, rnd.steps, None
-                island.load_adapter_state(unflatten(layout, task.adapter + (flatten(layout, island.adapter_state())
-                                                                            - since)))
-                carry = None
-            else:
-                rnd = RoundStats(task.round)
-                alpha = float(core.policy.get("merge_alpha", 1.0))
-                start = task.adapter if last_local is None or alpha >= 1 else (
-                    alpha * task.adapter + (1 - alpha) * last_local).astype(np.float32)
-                island.load_adapter_state(unflatten(layout, start))  # (the delta stays against task.adapter)
-            if on_round_start is not None:
-                on_round_start(link.counted_residual())
-            verdict = link.after_step(rnd.steps, rnd.window_steps) if rnd.steps else Verdict.CONTINUE
-            while verdict is Verdict.CONTINUE:
-                inner_step(island, rnd, stats, step_delay)
-                verdict = link.after_step(rnd.steps, rnd.window_steps)
-            if verdict is Verdict.CARRY:  # our previous delta, late, holds this round's place: train on until the
-                # next global comes (at most --max-inner-steps in all), and carry it all on top of it (a fresh delta)
-                while link.carrying() and not (max_inner_steps and rnd.steps >= max_inner_steps):
-                    inner_step(island, rnd, stats, step_delay)
-                carry, carried_round = (rnd, task.adapter), task.round
-                stats.carried += 1
-                log_fn(f"round {task.round}: our previous delta (late) holds its place in the syncer; carrying "
-                       f"{rnd.steps} steps onto the next global")
-                continue
-            if verdict is Verdict.ABANDON:
-                stats.abandoned += 1
-                last_local = None
-                log_fn(f"round {task.round} closed without us after {rnd.steps} steps: starting from the new global")
-                continue
-            if verdict is Verdict.STOP:
-                continue  # next_task says why
-            local = flatten(layout, island.adapter_state())
-            last_local = local
-            stats.delta_bytes.append(link.push(local, rnd.counts()))
-            stats.rounds += 1
-            if progress:
-                progress({"round": task.round, "steps": rnd.steps, "loss": rnd.loss, "tokens": rnd.tokens,
-                          "step": rnd.last_step, "lr": rnd.last_lr})
-            if overlap:
-                nxt = RoundStats(task.round + 1)
-                limit = max_inner_steps or (task.steps if task.steps else 10**9)
-                while link.awaiting_merge() and nxt.steps < limit:
-                    inner_step(island, nxt, stats, step_delay)
-                carry = (nxt, local) if nxt.steps else None
-    except KeyboardInterrupt:
-        done = Done("interrupted", error=False)
-        raise
-    finally:
-        final = link.global_flat()
-        if final is not None:
-            island.load_adapter_state(unflatten(layout, final))  # end on the last global adapter
-        link.close(done.reason[:200] if done else "error")
-    if done.error:
-        raise YetoError(done.reason)
-    log_fn(f"syncer finished the run: {done.reason}")
-    wall = time.perf_counter() - t_start if t_start is not None else 0.0
-    return {
-        "rounds": stats.rounds,
-        "abandoned_rounds": stats.abandoned,
-        "carried_rounds": stats.carried,
-        "version": core.version,
-        "complete": done.complete,
-        "wall_s": wall,
-        "compute_s": stats.compute_s,
-        "stall_s": stall_s,
-        "utilization": stats.compute_s / wall if wall else 0.0,
-        "bytes_sent": link.bytes_sent,
-        "bytes_received": link.bytes_received,
-        "delta_bytes": stats.delta_bytes,
-    }
+    loop = IslandLoop(island, layout, core, SyncerLink(syncer, core, log_fn, join_key).start(), log_fn, overlap,
+                      max_inner_steps, step_delay, progress, on_round_start)
+    return loop.run()
+
+
+class IslandLoop:
+    """One island's rounds: load the round's start, train until the core's verdict, then push, carry or drop."""
+
+    def __init__(self, island: Island, layout: Layout, core: LearnerCore, link: SyncerLink,
+                 log_fn: Callable[[str], None], overlap: bool, max_inner_steps: int, step_delay: float,
+                 progress: Callable[[dict[str, Any]], None] | None,
+                 on_round_start: Optional[Callable[[np.ndarray], None]]):
+        self.island, self.layout, self.core, self.link, self.log = island, layout, core, link, log_fn
+        self.overlap, self.max_inner_steps, self.step_delay = overlap, max_inner_steps, step_delay
+        self.progress, self.on_round_start = progress, on_round_start
+        self.stats = IslandStats()
+        self.t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
+        self.stall_s = 0.0
+        self.carry: Optional[Carry] = None
+        self.carried_round: Optional[int] = None  # the round whose work `carry` holds after a CARRY (not an overlap)
+        self.last_local: Optional[np.ndarray] = None  # the adapter this island last pushed (--merge-alpha blends it in)
+
+    def run(self) -> dict[str, Any]:
+        done: Optional[Done] = None
+        try:
+            while True:
+                task = self._next_task()
+                if isinstance(task, Done):
+                    done = task
+                    break
+                self._round(task)
+        except KeyboardInterrupt:
+            done = Done("interrupted", error=False)
+            raise
+        finally:
+            final = self.link.global_flat()
+            if final is not None:
+                self.island.load_adapter_state(unflatten(self.layout, final))  # end on the last global adapter
+            self.link.close(done.reason[:200] if done else "error")
+        if done.error:
+            raise YetoError(done.reason)
+        self.log(f"syncer finished the run: {done.reason}")
+        return self._result(done)
+
+    def _next_task(self) -> Train | Done:
+        t_wait = time.perf_counter()
+        task = self.link.next_task()
+        if self.t_start is not None:
+            self.stall_s += time.perf_counter() - t_wait
+        return task
+
+    def _round(self, task: Train) -> None:
+        if self.core.shard is not None and hasattr(self.island, "use_shard"):
+            self.island.use_shard(*self.core.shard)  # the data shard the syncer says (a no-op once held)
+        if self.t_start is None:
+            self.t_start = time.perf_counter()
+            policy = self.core.policy
+            if not policy.get("round_seconds"):
+                self.island.set_total_steps(int(policy["outer_steps"]) * int(policy["inner_steps"]))
+        rnd = self._start(task)
+        if self.on_round_start is not None:
+            self.on_round_start(self.link.counted_residual())
+        verdict = self.link.after_step(rnd.steps, rnd.window_steps) if rnd.steps else Verdict.CONTINUE
+        while verdict is Verdict.CONTINUE:
+            self._step(rnd)
+            verdict = self.link.after_step(rnd.steps, rnd.window_steps)
+        if verdict is Verdict.CARRY:
+            self._carry(task, rnd)
+        elif verdict is Verdict.ABANDON:
+            self.stats.abandoned += 1
+            self.last_local = None
+            self.log(f"round {task.round} closed without us after {rnd.steps} steps: starting from the new global")
+        elif verdict is not Verdict.STOP:  # (STOP: next_task says why)
+            self._push(task, rnd)
+
+    def _start(self, task: Train) -> RoundStats:
+        """Load the round's start: the carried steps on top of its global, else the global (blended with our last
+        push under --merge-alpha < 1); the delta is always taken against the global."""
+        if self.carry is None:
+            alpha = float(self.core.policy.get("merge_alpha", 1.0))
+            start = task.adapter if self.last_local is None or alpha >= 1 else (
+                alpha * task.adapter + (1 - alpha) * self.last_local).astype(np.float32)
+            self.island.load_adapter_state(unflatten(self.layout, start))
+            return RoundStats(task.round)
+        rnd, since = self.carry.rnd, self.carry.since
+        if rnd.round != task.round:  # steps trained for another round's window: carried in (not overlap's,
+            rnd.carried = rnd.steps  # trained for this round, nor a carry a refusal sent back to its round)
+        elif self.carried_round == task.round:
+            self.stats.carried -= 1
+            self.log(f"round {task.round}: the late delta that held its place was refused; its {rnd.steps} "
+                     "steps go to it after all")
+        rnd.round, rnd.before, self.carried_round = task.round, rnd.steps, None
+        here = flatten(self.layout, self.island.adapter_state())
+        self.island.load_adapter_state(unflatten(self.layout, task.adapter + (here - since)))
+        self.carry = None
+        return rnd
+
+    def _step(self, rnd: RoundStats) -> None:
+        inner_step(self.island, rnd, self.stats, self.step_delay)
+
+    def _carry(self, task: Train, rnd: RoundStats) -> None:
+        """Our previous delta, late, holds this round's place: train on until the next global comes (at most
+        --max-inner-steps in all), and carry it all on top of it (a fresh delta)."""
+        while self.link.carrying() and not (self.max_inner_steps and rnd.steps >= self.max_inner_steps):
+            self._step(rnd)
+        self.carry, self.carried_round = Carry(rnd, task.adapter), task.round
+        self.stats.carried += 1
+        self.log(f"round {task.round}: our previous delta (late) holds its place in the syncer; carrying "
+                 f"{rnd.steps} steps onto the next global")
+
+    def _push(self, task: Train, rnd: RoundStats) -> None:
+        local = flatten(self.layout, self.island.adapter_state())
+        self.last_local = local
+        self.stats.delta_bytes.append(self.link.push(local, rnd.counts()))
+        self.stats.rounds += 1
+        if self.progress:
+            self.progress({"round": task.round, "steps": rnd.steps, "loss": rnd.loss, "tokens": rnd.tokens,
+                           "step": rnd.last_step, "lr": rnd.last_lr})
+        if self.overlap:  # train on while the merge is in flight; those steps go on top of the merged adapter
+            nxt = RoundStats(task.round + 1)
+            limit = self.max_inner_steps or (task.steps if task.steps else NO_STEP_LIMIT)
+            while self.link.awaiting_merge() and nxt.steps < limit:
+                self._step(nxt)
+            self.carry = Carry(nxt, local) if nxt.steps else None
+
+    def _result(self, done: Done) -> dict[str, Any]:
+        wall = time.perf_counter() - self.t_start if self.t_start is not None else 0.0
+        stats, link = self.stats, self.link
+        return {
+            "rounds": stats.rounds,
+            "abandoned_rounds": stats.abandoned,
+            "carried_rounds": stats.carried,
+            "version": self.core.version,
+            "complete": done.complete,
+            "wall_s": wall,
+            "compute_s": stats.compute_s,
+            "stall_s": self.stall_s,
+            "utilization": stats.compute_s / wall if wall else 0.0,
+            "bytes_sent": link.bytes_sent,
+            "bytes_received": link.bytes_received,
+            "delta_bytes": stats.delta_bytes,
+        }

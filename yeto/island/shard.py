@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 class ShardedData:
     """A learner's data (every backend): the dataset read and checked before the learner joins a run, and its
-    shard of it taken once known: at start from --learner-id of --num-learners (or the whole of it standalone),
+    shard of it taken once known: at start from --learner-id of --learners (or the whole of it standalone),
     else from the syncer's welcome (`use_shard`), which cuts the data into the run's shard count."""
 
     source: "DataSource"
@@ -55,7 +55,7 @@ class ShardedData:
 
     def train_blocks(self) -> "Blocks":
         if self.data is None or self.sampler is None:
-            raise YetoError("this learner has no data shard yet: pass --num-learners, or join a syncer (it says "
+            raise YetoError("this learner has no data shard yet: pass --learners, or join a syncer (it says "
                             "which shard)")
         return self.data.train
 

@@ -106,72 +106,95 @@ def watch_fleet(ctl: FleetController, client: SkyClient, task_for: Callable[[int
     """Run the controller until the run is over and every learner cluster is down (or given up). Launches run
     through `spawn` (a thread each: one blocks for minutes); tests pass a synchronous spawn and a fake clock. A
     teardown that fails is retried every poll, and a cluster whose teardown failed is not relaunched over."""
-    results: queue.Queue[LaunchResult] = queue.Queue()
-    in_flight: set[int] = set()
-    to_down: set[str] = set()  # teardowns that failed: retried every poll
+    FleetWatch(ctl, client, task_for, retry_until_up, give_up, note, clock, spawn).run(run_over, sleep, poll_s)
 
-    def launch(a: Launch) -> None:
+
+class FleetWatch:
+    """The controller's shell: it executes the controller's actions against SkyPilot and feeds it what happened."""
+
+    def __init__(self, ctl: FleetController, client: SkyClient, task_for: Callable[[int], Any], retry_until_up: bool,
+                 give_up: Callable[[int, str], None], note: Callable[[str, dict], None], clock: Callable[[], float],
+                 spawn: Callable[[Callable[[], None]], None]):
+        self.ctl, self.client, self.task_for, self.retry_until_up = ctl, client, task_for, retry_until_up
+        self.give_up, self.note, self.clock, self.spawn = give_up, note, clock, spawn
+        self.results: queue.Queue[LaunchResult] = queue.Queue()
+        self.in_flight: set[int] = set()
+        self.to_down: set[str] = set()  # teardowns that failed: retried every poll
+
+    def run(self, run_over: Callable[[], bool], sleep: Callable[[float], None], poll_s: float) -> None:
+        self.execute(self.ctl.start(self.clock()))
+        next_poll = self.clock() + poll_s
+        finished_at: Optional[float] = None
+        while True:
+            self.take_results()
+            if finished_at is None and self.guarded("run_over", run_over, False):
+                finished_at = self.clock()
+                self.execute(self.ctl.run_finished(self.clock()))
+            if finished_at is not None and self.settled(finished_at):
+                return
+            if self.clock() >= next_poll:
+                next_poll = self.clock() + poll_s
+                self.poll()
+            sleep(LOOP_S)
+
+    def take_results(self) -> None:
+        while not self.results.empty():
+            r = self.results.get()
+            self.in_flight.discard(r.learner)
+            self.execute(self.ctl.launched(r.learner, r.ok, self.clock(), r.error))
+
+    def settled(self, finished_at: float) -> bool:
+        """After the run: every cluster down, or FINISH_WAIT_S gone (the clusters' own autodown ends them once idle)."""
+        done = self.ctl.settled and not self.to_down
+        if not done and self.clock() - finished_at <= FINISH_WAIT_S:
+            return False
+        if not done:
+            self.note("left_behind", {"launching": sorted(self.in_flight), "not_torn_down": sorted(self.to_down),
+                                      "autodown_idle_minutes": AUTODOWN_IDLE_MINUTES})
+        return True
+
+    def poll(self) -> None:
+        for cluster in sorted(self.to_down):
+            self.down(cluster)
+        views = self.guarded("status", lambda: self.client.clusters([i.cluster for i in self.ctl.islands.values()]))
+        if views is not None:
+            self.execute(self.ctl.observe(views, self.clock()))
+
+    def execute(self, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Launch):
+                self.in_flight.add(a.learner)
+                if a.cluster in self.to_down:  # SkyPilot would reuse the old cluster: two learners with one id
+                    self.results.put(LaunchResult(a.learner, False, "the old cluster could not be torn down yet"))
+                else:
+                    self.spawn(lambda a=a: self.launch(a))
+            elif isinstance(a, Down):
+                self.down(a.cluster)
+            elif isinstance(a, GiveUp):
+                self.guarded("give_up", lambda a=a: self.give_up(a.learner, a.reason))
+            elif isinstance(a, Note):
+                self.guarded("note", lambda a=a: self.note(a.event, a.fields))
+
+    def launch(self, a: Launch) -> None:
         try:
-            client.launch(task_for(a.learner), a.cluster, retry_until_up)
-            results.put(LaunchResult(a.learner, True))
+            self.client.launch(self.task_for(a.learner), a.cluster, self.retry_until_up)
+            self.results.put(LaunchResult(a.learner, True))
         except Exception as e:  # SkyPilot's many failure types all mean the same here: not up, try again later
-            results.put(LaunchResult(a.learner, False, one_line(e)))
+            self.results.put(LaunchResult(a.learner, False, one_line(e)))
 
-    def down(cluster: str) -> bool:
+    def down(self, cluster: str) -> bool:
         try:
-            client.down(cluster)
-            to_down.discard(cluster)
+            self.client.down(cluster)
+            self.to_down.discard(cluster)
             return True
         except Exception as e:
-            to_down.add(cluster)
-            note("down_failed", {"cluster": cluster, "error": one_line(e)})
+            self.to_down.add(cluster)
+            self.note("down_failed", {"cluster": cluster, "error": one_line(e)})
             return False
 
-    def guarded(what: str, fn: Callable[[], Any], default: Any = None) -> Any:
+    def guarded(self, what: str, fn: Callable[[], Any], default: Any = None) -> Any:
         try:
             return fn()
         except Exception as e:  # the controller outlives a failing callback: the next poll tries again
-            note(f"{what}_failed", {"error": one_line(e)})
+            self.note(f"{what}_failed", {"error": one_line(e)})
             return default
-
-    def execute(actions: list) -> None:
-        for a in actions:
-            if isinstance(a, Launch):
-                in_flight.add(a.learner)
-                if a.cluster in to_down:  # SkyPilot would reuse the old cluster: two learners with one id
-                    results.put(LaunchResult(a.learner, False, "the old cluster could not be torn down yet"))
-                else:
-                    spawn(lambda a=a: launch(a))
-            elif isinstance(a, Down):
-                down(a.cluster)
-            elif isinstance(a, GiveUp):
-                guarded("give_up", lambda a=a: give_up(a.learner, a.reason))
-            elif isinstance(a, Note):
-                guarded("note", lambda a=a: note(a.event, a.fields))
-
-    execute(ctl.start(clock()))
-    next_poll = clock() + poll_s
-    finished_at: Optional[float] = None
-    while True:
-        while not results.empty():
-            r = results.get()
-            in_flight.discard(r.learner)
-            execute(ctl.launched(r.learner, r.ok, clock(), r.error))
-        if finished_at is None and guarded("run_over", run_over, False):
-            finished_at = clock()
-            execute(ctl.run_finished(clock()))
-        if finished_at is not None:
-            done = ctl.settled and not to_down
-            if done or clock() - finished_at > FINISH_WAIT_S:
-                if not done:  # the clusters' own autodown ends them once idle
-                    note("left_behind", {"launching": sorted(in_flight), "not_torn_down": sorted(to_down),
-                                         "autodown_idle_minutes": AUTODOWN_IDLE_MINUTES})
-                return
-        if clock() >= next_poll:
-            next_poll = clock() + poll_s
-            for cluster in sorted(to_down):
-                down(cluster)
-            views = guarded("status", lambda: client.clusters([i.cluster for i in ctl.islands.values()]))
-            if views is not None:
-                execute(ctl.observe(views, clock()))
-        sleep(LOOP_S)

@@ -31,7 +31,7 @@ LOOPBACK_NAMES = (LOOPBACK, "localhost", "::1")
 LOGS_DIR = "logs"  # <out>/logs/<process>.log: what `yeto logs` follows
 STOP_GRACE_S = 15.0  # per signal (SIGINT, SIGTERM, SIGKILL) when stopping the fleet
 SYNCER_HEAD_START_S = 0.5  # learners retry anyway; this only keeps their first lines quiet
-WATCH_POLL_S = 0.2
+WATCH_POLL_S = 0.2  # how often the launcher checks its children: a dead syncer stops the fleet within it
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 
 

@@ -20,9 +20,9 @@ from yeto.launch.registry import process_alive as _alive
 from yeto.launch.tasks import HEAD_RUN_DIR
 from yeto.sync.shell.tape import TAPE_FILE, read_tape
 
-SSH_TIMEOUT_S = 20.0
+SSH_TIMEOUT_S = 20.0  # copying the head's tape over ssh: an unreachable head is reported, not waited on
 DOWN_GRACE_S = 30.0  # a local fleet asked to stop has this long before its processes are killed
-FOLLOW_POLL_S = 0.5
+FOLLOW_POLL_S = 0.5  # how often `yeto logs` looks for new lines (a person reading, not a program)
 CLOCK_SLACK_S = 60.0  # a cluster launched this long before the run's record was written is still the run's
 
 

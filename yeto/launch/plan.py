@@ -16,7 +16,7 @@ from typing import Any, Optional
 from yeto import YetoError, one_line
 from yeto.launch.spec import IslandSpec
 
-SYNCER_PORT = 29400
+SYNCER_PORT = 29400  # a cloud syncer's public port (docs/PROTOCOL.md), apart from torchrun's 29500
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # SkyPilot's cluster names: lower case, digits and dashes, starting with a letter (and short enough for every cloud)
 RUN_NAME = re.compile(r"^[a-z][a-z0-9-]{0,34}$")
@@ -166,9 +166,9 @@ def _passed_fields() -> list[Field]:
 
 def syncer_flags() -> set[str]:
     """The syncer's flags that `yeto launch` passes through (every one except those the launch itself sets)."""
-    from yeto.sync.core.config import ALIASES, flag_of
+    from yeto.sync.core.config import OLD_FLAGS, flag_of
 
-    return {flag_of(f.name) for f in _passed_fields()} | set(ALIASES)
+    return {flag_of(f.name) for f in _passed_fields()} | set(OLD_FLAGS)
 
 
 def syncer_switches() -> set[str]:

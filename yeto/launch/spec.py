@@ -22,6 +22,7 @@ CLOUD_ALIASES = {"k8s": "kubernetes"}
 _CLOUD = re.compile(r"^[a-z][a-z0-9-]*$")
 _SHAPE = re.compile(r"^(?:(?P<nodes>\d+)x)?(?P<count>\d+)x(?P<gpu>[A-Za-z][A-Za-z0-9_.-]*)$")
 _REGION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]*$")
+# bounds that catch a typo (a digit too many) before anything is provisioned, well above any real island
 MAX_NODES = 64
 MAX_GPUS_PER_NODE = 16
 MAX_LOCAL_LEARNERS = 64

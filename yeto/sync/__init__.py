@@ -1,2 +1,2 @@
-"""DiLoCo synchronization: layout (fragments), quant (wire precision), outer (merge math),
-protocol (ZeroMQ messages), client (learner side), server (the syncer)."""
+"""DiLoCo synchronization: `core` (the pure state machines), `wire` (layout, quantization, messages), `merge` (the
+math), `shell` (server, client, disk, keys) and the simulator that runs the cores through seeded faults."""

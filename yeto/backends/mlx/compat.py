@@ -4,10 +4,10 @@
 - `mlx_config_shim`: transformers >= 4.54 writes `rope_parameters: {rope_theta: ...}` instead of a
   top-level `rope_theta`; mlx-lm then silently falls back to its default theta and, for SmolLM2,
   generates garbage. The shim hoists those keys back to where mlx-lm reads them, and fills the
-  few keys mlx-lm requires that transformers 5 stopped writing (LFM2's `block_dim`).
-- `fast_blas_env`: the Linux `mlx[cpu]` wheel bundles a reference BLAS (~3.5 GFLOP/s matmul);
-  Debian's OpenBLAS (`libopenblas0-pthread`) is ~30x faster when preloaded. `set_blas_threads` then
-  sets its thread count (`--threads`).
+  few keys mlx-lm requires that transformers 5 does not write (LFM2's `block_dim`).
+- `fast_blas_env`: the Linux `mlx[cpu]` wheel bundles a slow reference BLAS; Debian's OpenBLAS
+  (`libopenblas0-pthread`), preloaded, multiplies matrices tens of times faster (see docs/benchmarks.md,
+  MLX learner). `set_blas_threads` then sets its thread count (`--threads`).
 - `load_mlx_model` refuses, in one line, a model type mlx-lm has no implementation of.
 """
 
@@ -39,7 +39,7 @@ def import_mlx_lm():
         import mlx_lm
         import mlx_lm.utils  # noqa: F401
     except ImportError as e:
-        # mlx-lm releases before 0.28 import tokenizer internals that transformers 5 removed;
+        # mlx-lm releases before 0.28 import tokenizer internals that transformers 5 lacks;
         # yeto never uses mlx-lm's tokenizer wrapper, but the import itself fails.
         import transformers
 
@@ -48,7 +48,7 @@ def import_mlx_lm():
     return mlx_lm
 
 
-# keys mlx-lm requires that transformers 5 no longer writes, derived from ones it does write
+# keys mlx-lm requires that transformers 5 does not write, derived from ones it does write
 DERIVED_KEYS = {"lfm2": {"block_dim": "hidden_size"}}
 
 

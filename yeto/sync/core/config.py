@@ -30,7 +30,7 @@ CONTRACT_FIELDS = ("sync_bits", "outer_lr", "outer_momentum", "inner_steps", "ro
                    "merge_alpha", "model", "model_revision")
 # fields whose flag is not the field's name in dashes (a duration is in seconds: its flag needs no unit)
 FLAGS = {"grace_s": "--grace"}
-ALIASES = {"--grace-ms": "grace_s"}  # older spellings a command line may still use (hidden; the CLI converts them)
+OLD_FLAGS = {"--grace-ms": "grace_s"}  # older spellings the syncer still takes (hidden; the CLI converts them)
 
 
 @dataclass
@@ -187,13 +187,3 @@ class SyncerConfig:
 def flag_of(name: str) -> str:
     """The command-line flag of the config field `name`."""
     return FLAGS.get(name, "--" + name.replace("_", "-"))
-
-
-def grace_seconds(grace: Optional[float], grace_ms: Optional[float]) -> float:
-    """--grace in seconds, or its older spelling --grace-ms converted; both at once is a mistake."""
-    if grace is not None and grace_ms is not None:
-        raise YetoError(f"--grace {grace:g} and --grace-ms {grace_ms:g} both set the grace: pass only --grace "
-                        "(seconds)")
-    if grace_ms is not None:
-        return grace_ms / 1000.0
-    return DEFAULT_GRACE_S if grace is None else grace

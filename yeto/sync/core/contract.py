@@ -32,7 +32,7 @@ DECLARED_ONLY = ("num_learners",)
 FLAGS = {"base_model": "--model", "base_revision": "--model-revision", "lora_r": "--lora-r",
          "lora_alpha": "--lora-alpha", "lora_dropout": "--lora-dropout", "lora_targets": "--lora-targets",
          "lora_freeze_a": "--lora-freeze-a", "data": "--data (and --data-split, --data-config)",
-         "loss": "--loss-function", "num_learners": "--num-learners"}
+         "loss": "--loss-function", "num_learners": "--learners"}
 MAX_TOKENS_PER_STEP = 1 << 32
 
 

@@ -40,12 +40,12 @@ import numpy as np
 
 from yeto.sync.wire.layout import Layout
 from yeto.sync.merge.rules import Directions, low_median
-from yeto.sync.merge.spans import over_spans
+from yeto.sync.wire.spans import over_spans
 
 ROBUST_MODES = ("norm-clip", "trimmed-mean", "off")
-DEFAULT_CLIP_K = 4.0
-NORM_HISTORY_ROUNDS = 8
-TRIM_FRACTION = 0.2
+DEFAULT_CLIP_K = 4.0  # --robust-k: room for honest norms to differ; one learner moves the global by at most k x ref
+NORM_HISTORY_ROUNDS = 8  # past rounds in the reference: a round of two or three deltas is not judged on them alone
+TRIM_FRACTION = 0.2  # dropped at each end per coordinate: a fifth of the deltas may be extreme and not count
 ACCUMULATE_CHUNK = 1 << 16  # values per step of the running sum (256 KiB: stays in cache)
 ACCUMULATE_SPAN = 1 << 19  # values at least per thread
 

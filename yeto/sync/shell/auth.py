@@ -60,7 +60,7 @@ ZAP_OK = b"200"
 ZAP_TEMPORARY = b"300"  # RFC 27: a temporary failure; CURVE then drops the client silently and it reconnects
 ZAP_DENIED = b"400"  # RFC 27: an authentication failure; the client's monitor sees it (final for a learner)
 REFUSALS_RECORDED_PER_WINDOW = 20  # refusals of a kind written to the tape one by one per window; the rest counted
-REFUSAL_WINDOW_S = 60.0
+REFUSAL_WINDOW_S = 60.0  # that budget's window: a flood of one kind costs the tape at most 20 lines a minute
 
 HANDSHAKE_FAILURES = {  # libzmq's ZMQ_PROTOCOL_ERROR_ZMTP_* codes a stranger's connection ends with
     0x11000001: "handshake failed: a message that does not decrypt with this syncer's key (another run's join key?)",

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import shutil
 import signal
@@ -52,12 +51,13 @@ from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCh
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.shell.given_up import read_given_up
 from yeto.sync.wire.protocol import BULK_SUFFIX, MAX_HEADER_BYTES, encode, is_bulk, message_size
-from yeto.sync.shell.store import PENDING_DIR, STATE_FILE, DiskStore, crash_point
+from yeto.test_hooks import CHECKPOINT, crash_here
+from yeto.sync.shell.store import PENDING_DIR, STATE_FILE, DiskStore
 
 log = logging.getLogger("yeto.syncer")
 TICK_S = 0.05  # timer resolution of the core (poll timeout)
 SEND_RETRY_S = 15.0  # a message that cannot be delivered is retried this long, then dropped (on the tape)
-MAX_BACKLOG_PER_PEER = 256
+MAX_BACKLOG_PER_PEER = 256  # messages parked for one learner; beyond, its oldest are dropped (it asks again)
 MAX_BACKLOG_BYTES_PER_PEER = 512 << 20  # beyond this, the oldest messages parked for one learner are dropped
 SNDHWM = 64  # messages queued per learner connection before ZeroMQ says "full" (and we keep them ourselves)
 RCVHWM = 16  # inbound messages queued per connection: with the message size limit, what one peer can make us hold
@@ -319,8 +319,7 @@ class Syncer:
             elif isinstance(a, Record):
                 self._append(a.event, a.fields)
             elif isinstance(a, SaveCheckpoint):
-                if crash_point("checkpoint", a.checkpoint.version):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                crash_here(CHECKPOINT, a.checkpoint.version)  # (a test hook)
                 if self._durable(self.store.out / STATE_FILE, lambda: self.store.save_checkpoint(a.checkpoint)):
                     self._write_adapter(a.checkpoint)
             elif isinstance(a, SaveDelta):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from yeto.sync.shell.tape import Tape
 STATE_FILE = "state.safetensors"
 PREV_STATE_FILE = "state.prev.safetensors"
 PENDING_DIR = "pending"
-STATE_FORMAT = "yeto-syncer-state/2"
+STATE_FORMAT = "yeto-syncer-state/2"  # raised whenever the layout changes: another format is refused, never misread
 
 
 def fsync_dir(path: Path) -> None:
@@ -174,9 +174,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
                       json.loads(meta["adapter_config"]), json.loads(meta["provenance"]), arrays["global"],
                       arrays["momentum"], arrays["residual"], meta["digest"], json.loads(meta["config"]),
                       json.loads(meta["members"]), {int(k): v for k, v in json.loads(meta["merged"]).items()},
-                      {int(k): v for k, v in json.loads(meta.get("retired", "{}")).items()},
-                      json.loads(meta.get("contract", "{}")),
-                      {int(k): v for k, v in json.loads(meta.get("owners", "{}")).items()})
+                      {int(k): v for k, v in json.loads(meta["retired"]).items()}, json.loads(meta["contract"]),
+                      {int(k): v for k, v in json.loads(meta["owners"]).items()})
 
 
 def read_delta(path: Path) -> AcceptedDelta:
@@ -189,10 +188,3 @@ def read_delta(path: Path) -> AcceptedDelta:
     if digest_bytes(d.frames) != d.digest:
         raise ValueError(f"{path.name}: payload does not match its digest (damaged on disk)")
     return d
-
-
-def crash_point(kind: str, version: int) -> Optional[str]:
-    """Test hook: YETO_CRASH_AT="checkpoint:V" kills the syncer (SIGKILL) just before the checkpoint of version V
-    becomes durable, i.e. between a merge and its checkpoint. Unset in real runs."""
-    want = os.environ.get("YETO_CRASH_AT", "")
-    return want if want == f"{kind}:{version}" else None

@@ -1,1 +1,2 @@
-"""What travels: the adapter's fragment layout, its quantization, and the protocol's messages."""
+"""What travels and how it is coded: the adapter's fragment layout, its quantization (numpy loops threaded over spans),
+and the protocol's messages."""

@@ -26,9 +26,9 @@ import numpy as np
 from yeto.sync.wire.layout import Layout
 from yeto.sync.wire.quant import BITS, ErrorFeedback, QuantError, dequantize, encoded_size, quantize
 
-PROTOCOL_VERSION = 4  # 4: a welcome says the learner's data shard
+PROTOCOL_VERSION = 4  # raised whenever SCHEMA changes: a peer of another version is refused, never misread
 DEFAULT_MAX_MESSAGE_MB = 1024  # the syncer's default inbound limit (--max-message-mb)
-MAX_HEADER_BYTES = 4 << 20
+MAX_HEADER_BYTES = 4 << 20  # a JSON header (a hello's config and provenance) larger than this is refused
 HEADER_SLACK_BYTES = 64 << 10  # room for a delta's JSON header next to its payload when sizing a message
 MAX_REASON_CHARS = 500  # error texts echoed to a peer or written to the tape are cut to this
 # a gap this long between two timer ticks means the process was not running (suspended, a laptop asleep):
@@ -93,7 +93,7 @@ class Code(StrEnum):
 
 FINAL_CODES = frozenset({Code.SUPERSEDED, Code.LAYOUT, Code.TOO_LARGE, Code.BAD_CONFIG, Code.IDENTITY, Code.CONTRACT,
                          Code.REVOKED})
-MAX_IDENTITY_CHARS = 128
+MAX_IDENTITY_CHARS = 128  # a hello's identity secret: at least 16 to be unguessable, at most this to stay small
 
 
 class ProtocolError(ValueError):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from yeto.sync.merge.spans import over_spans
+from yeto.sync.wire.spans import over_spans
 
-BLOCK = 128
+BLOCK = 128  # values per fp16 min/step pair: 4 bytes of scales per block, and an outlier coarsens one block only
 BITS = (4, 8, 16, 32)
 CHUNK_BLOCKS = 512  # blocks decoded or encoded per step (256 KiB of fp32: stays in cache)
 SPAN_BLOCKS = 4096  # blocks (512K values) at least per thread
