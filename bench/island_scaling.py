@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from yeto.launch.local import free_port  # noqa: E402
-from yeto.sync.shell.auth import JOIN_KEY_ENV, Keyring  # noqa: E402
+from yeto.sync.shell.keys import JOIN_KEY_ENV, Keyring  # noqa: E402
 
 
 def run(cmd: list[str], env: dict[str, str]) -> float:

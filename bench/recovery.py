@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from yeto.launch.local import free_port  # noqa: E402
-from yeto.sync.shell.auth import JOIN_KEY_FILE, Keyring  # noqa: E402
+from yeto.sync.shell.keys import JOIN_KEY_FILE, Keyring  # noqa: E402
 from yeto.sync.shell.audit import audit_run  # noqa: E402
 from yeto.sync.shell.tape import read_tape  # noqa: E402
 

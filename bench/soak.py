@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from yeto import YetoError  # noqa: E402
 from yeto.launch.local import free_port  # noqa: E402
 from yeto.sync.shell.audit import audit_run  # noqa: E402
-from yeto.sync.shell.auth import Keyring, read_join_key  # noqa: E402
+from yeto.sync.shell.keys import Keyring, read_join_key  # noqa: E402
 from yeto.sync.shell.tape import read_tape  # noqa: E402
 
 WORKERS = 4

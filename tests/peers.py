@@ -12,7 +12,8 @@ import numpy as np
 import zmq
 
 from yeto.island.diloco import run_island
-from yeto.sync.shell.auth import JoinKey, curve_client
+from yeto.sync.shell.gate import curve_client
+from yeto.sync.shell.keys import JoinKey
 from yeto.sync.core.contract import learner_contract
 from yeto.sync.core.learner import LinkTimeouts
 from yeto.sync.wire.layout import build_layout, flatten

@@ -29,7 +29,7 @@ from yeto.launch.plan import FleetPlan, pin_revision, split_extra_args
 from yeto.launch.spec import IslandSpec, parse_gpu
 from yeto.launch.tasks import data_mounts, head_task, learner_exit, learner_task, printable
 from yeto.sync.shell.audit import audit
-from yeto.sync.shell.auth import Keyring
+from yeto.sync.shell.keys import Keyring
 from yeto.sync.shell.given_up import give_up
 from yeto.sync.shell.tape import read_tape
 

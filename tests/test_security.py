@@ -25,8 +25,9 @@ from tests.peers import (ADAPTER_CONFIG, FAST, SEND_TIMEOUT_MS, QuadraticIsland,
 from yeto import YetoError
 from yeto.island.diloco import run_island
 from yeto.launch.local import free_port
-from yeto.sync.shell import auth, client
-from yeto.sync.shell.auth import JoinKey, Keyring, learner_join_key, read_join_key
+from yeto.sync.shell import client
+from yeto.sync.shell import gate as gating
+from yeto.sync.shell.keys import JoinKey, Keyring, learner_join_key, read_join_key
 from yeto.sync.wire.protocol import encode
 from yeto.sync.shell.server import Syncer, SyncerConfig
 from yeto.sync.shell.tape import read_tape
@@ -359,16 +360,16 @@ FLOOD_REOPEN_S = 3.0  # ... and reopens every connection, well before the syncer
 ROUNDS = 40  # long enough (about 0.25 s each) for the joiner to get in while the flood is on
 
 
-def within_caps(gate: auth.Gatekeeper) -> bool:
+def within_caps(gate: gating.Gatekeeper) -> bool:
     waiting = list(dict(gate.pending).values())  # (a copy: the syncer's thread changes it meanwhile)
     per_address = Counter(w.address for w in waiting)
-    return len(waiting) <= auth.PENDING_TOTAL and max(per_address.values(), default=0) <= auth.PENDING_PER_ADDRESS
+    return len(waiting) <= gating.PENDING_TOTAL and max(per_address.values(), default=0) <= gating.PENDING_PER_ADDRESS
 
 
 def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path, monkeypatch):
     # caps small enough that the stranger's few dozen sockets overflow both, per source address and in total
-    monkeypatch.setattr(auth, "PENDING_PER_ADDRESS", 4)
-    monkeypatch.setattr(auth, "PENDING_TOTAL", 12)
+    monkeypatch.setattr(gating, "PENDING_PER_ADDRESS", 4)
+    monkeypatch.setattr(gating, "PENDING_TOTAL", 12)
     max_connections = 6  # two learners' four connections fit; the stranger alone holds five times as many
     syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=ROUNDS, inner_steps=2,
                                max_connections=max_connections)
@@ -379,7 +380,7 @@ def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path,
     with KeylessFlood(port, addresses, per_address=8, reopen_after_s=FLOOD_REOPEN_S) as flood:
         time.sleep(1.0)  # the stranger holds its sockets: without a fix, every one counts toward the cap
         for fd in list(syncer.gate.handshaked):  # the learner in the run loses its connections and reconnects
-            auth.cut(fd)
+            gating.cut(fd)
         during = syncer.version
         joiner = island_thread(QuadraticIsland(-1.0, 150), port, 1, results, join_key=key, step_delay=0.1)
         assert wait_until(lambda: any(e["event"] == "join" and e["learner"] == 1
@@ -401,13 +402,13 @@ def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path,
 
 def test_the_gatekeeper_cuts_the_oldest_sockets_waiting_for_a_handshake_per_address_and_in_total(tmp_path,
                                                                                                  monkeypatch):
-    monkeypatch.setattr(auth, "PENDING_PER_ADDRESS", 3)
-    monkeypatch.setattr(auth, "PENDING_TOTAL", 5)
+    monkeypatch.setattr(gating, "PENDING_PER_ADDRESS", 3)
+    monkeypatch.setattr(gating, "PENDING_TOTAL", 5)
     ctx = zmq.Context()
     ring = Keyring.ensure(tmp_path / "run")
     router = ctx.socket(zmq.ROUTER)
-    auth.curve_server(router, ring)
-    gate = auth.Gatekeeper(ctx, ring, max_connections=2)
+    gating.curve_server(router, ring)
+    gate = gating.Gatekeeper(ctx, ring, max_connections=2)
     gate.watch(router)
     port = router.bind_to_random_port("tcp://127.0.0.1")
 
@@ -434,7 +435,7 @@ def test_the_gatekeeper_cuts_the_oldest_sockets_waiting_for_a_handshake_per_addr
         assert [cut_off(s) for s in flood] == [True, True, False, False, False]  # its own oldest, 3 left
         late = connect("127.0.0.4")  # 6 waiting in all: the oldest of all goes
         assert [cut_off(s) for s in elsewhere + [late]] == [True, False, False]
-        assert len(gate.pending) == auth.PENDING_TOTAL and not gate.handshaked
+        assert len(gate.pending) == gating.PENDING_TOTAL and not gate.handshaked
         assert [r.address for r in gate.drain()[0] if "pending handshakes" in r.reason] == ["127.0.0.2"] * 2 + [
             "127.0.0.3"]
         for s in elsewhere + flood + [late]:
@@ -447,7 +448,7 @@ def test_the_gatekeeper_cuts_the_oldest_sockets_waiting_for_a_handshake_per_addr
 
 def test_a_full_syncer_has_key_holders_retry_and_still_refuses_a_wrong_key_for_good(start_syncer, tmp_path,
                                                                                     monkeypatch):
-    monkeypatch.setattr(auth, "HANDSHAKE_IVL_MS", 2000)  # a busy refusal shows at the syncer's handshake timeout ...
+    monkeypatch.setattr(gating, "HANDSHAKE_IVL_MS", 2000)  # a busy refusal shows at the syncer's handshake timeout ...
     monkeypatch.setattr(client, "BUSY_AFTER_S", 1.0)  # ... shortened here, and the learner's reading of it with it
     syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=2, inner_steps=1, max_connections=2)
     occupant = RawLearner(port, 9, key=key)  # a key holder's two connections fill --max-connections
@@ -467,7 +468,7 @@ def test_a_full_syncer_has_key_holders_retry_and_still_refuses_a_wrong_key_for_g
     t = threading.Thread(target=learner, daemon=True)
     t.start()
     assert wait_until(lambda: any("retrying" in line for line in logs), 10), logs
-    time.sleep(2 * auth.HANDSHAKE_IVL_MS / 1000)  # refused again and again meanwhile: never for good
+    time.sleep(2 * gating.HANDSHAKE_IVL_MS / 1000)  # refused again and again meanwhile: never for good
     assert 0 not in results and syncer.core.run is None, results
     occupant.close()  # room again: the learner that waited gets in on its own
     join_all([t], results)

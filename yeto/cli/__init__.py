@@ -44,7 +44,7 @@ OutOption = Annotated[str, typer.Option(help="The syncer's --out directory (its 
 @keys_app.command("init")
 def keys_init(out: OutOption) -> None:
     """Create the run's credentials before the syncer's first start (the syncer does it itself otherwise)."""
-    from yeto.sync.shell.auth import JOIN_KEY_FILE, Keyring
+    from yeto.sync.shell.keys import JOIN_KEY_FILE, Keyring
 
     Keyring.ensure(out)
     typer.echo(f"join key: {out}/{JOIN_KEY_FILE} (mode 0600; give it to learners with --join-key or YETO_JOIN_KEY)")
@@ -54,7 +54,7 @@ def keys_init(out: OutOption) -> None:
 def keys_add(out: OutOption, learner: Annotated[int, typer.Option(help="The learner id this key admits.")]) -> None:
     """Issue a key that admits one learner id only (and that `revoke` can withdraw); the running syncer picks it
     up within seconds. From then on learner I must use it: the shared join key no longer speaks for I."""
-    from yeto.sync.shell.auth import Keyring
+    from yeto.sync.shell.keys import Keyring
 
     path = Keyring.ensure(out).add_learner(learner)
     typer.echo(f"learner {learner}'s key: {path} (start it with --join-key {path.name} or YETO_JOIN_KEY)")
@@ -64,7 +64,7 @@ def keys_add(out: OutOption, learner: Annotated[int, typer.Option(help="The lear
 def keys_revoke(out: OutOption, learner: Annotated[int, typer.Option(help="The learner id whose key to revoke.")]
                 ) -> None:
     """Withdraw a learner's key: the running syncer refuses its handshakes and cuts its connections."""
-    from yeto.sync.shell.auth import Keyring
+    from yeto.sync.shell.keys import Keyring
 
     path = Keyring.ensure(out).revoke_learner(learner)
     typer.echo(f"revoked learner {learner}'s key (kept as {path})")
@@ -73,7 +73,7 @@ def keys_revoke(out: OutOption, learner: Annotated[int, typer.Option(help="The l
 @keys_app.command("list")
 def keys_list(out: OutOption) -> None:
     """The learner keys of the run, and the revoked ones."""
-    from yeto.sync.shell.auth import Keyring
+    from yeto.sync.shell.keys import Keyring
 
     ring = Keyring.ensure(out)
     typer.echo(f"join key: {out}/join.key (any learner id without its own key)")

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 
 from yeto import YetoError
-from yeto.sync.shell.auth import JoinKey, write_secret
+from yeto.sync.shell.keys import JoinKey, write_secret
 from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict
 from yeto.sync.wire.layout import DEFAULT_FRAGMENT_NUMEL, Layout, build_layout, flatten, unflatten

@@ -43,7 +43,7 @@ def open_session(cfg: TrainConfig) -> Session:
     console = Console(stderr=True)
     join_key = None
     if cfg.syncer:
-        from yeto.sync.shell.auth import learner_join_key
+        from yeto.sync.shell.keys import learner_join_key
 
         join_key = learner_join_key(cfg.join_key, cfg.insecure, cfg.syncer)
     out = Path(cfg.out)

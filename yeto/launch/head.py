@@ -26,7 +26,7 @@ from yeto.launch.controller import FleetController
 from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan
 from yeto.launch.tasks import HEAD_KEYS_ENV, HEAD_RUN_DIR, learner_task, syncer_argv
-from yeto.sync.shell.auth import Keyring
+from yeto.sync.shell.keys import Keyring
 from yeto.sync.shell.given_up import GIVEN_UP_DIR, give_up
 
 FLEET_TAPE = "fleet.jsonl"  # the controller's own record: launches, losses, relaunches, give-ups

@@ -20,7 +20,7 @@ import yeto
 from yeto.launch.plan import FleetPlan
 from yeto.launch.tasks import checkout_root, learner_argv, loss_file
 from yeto.models import ALIASES
-from yeto.sync.shell.auth import Keyring, write_secret
+from yeto.sync.shell.keys import Keyring, write_secret
 
 JOIN_DIR = "join"
 

@@ -23,7 +23,7 @@ from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan
 from yeto.launch.registry import RunRecord, process_start
 from yeto.launch.tasks import learner_argv, learner_exit, syncer_argv
-from yeto.sync.shell.auth import JOIN_KEY_ENV, Keyring
+from yeto.sync.shell.keys import JOIN_KEY_ENV, Keyring
 from yeto.sync.shell.given_up import give_up
 
 LOOPBACK = "127.0.0.1"

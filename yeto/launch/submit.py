@@ -21,7 +21,7 @@ from yeto.launch.plan import FleetPlan
 from yeto.launch.registry import RunRecord, process_start
 from yeto import YetoError, one_line
 from yeto.launch.tasks import API_TOKEN_ENV, checkout_root, head_task, learner_task, printable
-from yeto.sync.shell.auth import Keyring
+from yeto.sync.shell.keys import Keyring
 
 PLAN_FILE = "plan.json"
 TASKS_BEGIN, TASKS_END = "# --- tasks (SkyPilot YAML) ---", "# --- end of tasks ---"

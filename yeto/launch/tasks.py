@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import yeto
 from yeto.launch.plan import FleetPlan, is_object_store
-from yeto.sync.shell.auth import JOIN_KEY_ENV
+from yeto.sync.shell.keys import JOIN_KEY_ENV
 
 if TYPE_CHECKING:
     import sky

@@ -13,7 +13,7 @@ and `push`, under one lock; its sends are queued for the I/O thread.
 Connections: control (`learner-<id>-<session>-<nonce>`: hello, pings, acks,
 round announcements) and bulk (the same id plus `/bulk`: deltas, broadcasts,
 states), so a heartbeat never waits behind an adapter on the same TCP stream.
-Both are CURVE clients with the run's join key (`yeto.sync.shell.auth`); a handshake
+Both are CURVE clients with the run's join key (`yeto.sync.shell.keys`); a handshake
 the syncer refuses for the key ends the learner with a line that says what to fix,
 while a busy syncer's temporary refusal is retried (libzmq reconnects, with backoff).
 """
@@ -33,7 +33,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from yeto import YetoError
 from yeto.checks import check_address
-from yeto.sync.shell.auth import HANDSHAKE_IVL_MS, JOIN_KEY_ENV, JOIN_KEY_FILE, ZAP_TEMPORARY, JoinKey, curve_client
+from yeto.sync.shell.gate import HANDSHAKE_IVL_MS, ZAP_TEMPORARY, curve_client
+from yeto.sync.shell.keys import JOIN_KEY_ENV, JOIN_KEY_FILE, JoinKey
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
 from yeto.sync.core.learner import LearnerCore, RoundCounts, Task, Verdict, Wait
 from yeto.sync.wire.protocol import BULK_SUFFIX, ProtocolError, decode, encode, is_bulk, message_bytes

@@ -46,7 +46,8 @@ import zmq
 
 from yeto import YetoError
 from yeto.checks import check_out_dir
-from yeto.sync.shell.auth import KEYS_RESCAN_S, Gatekeeper, Keyring, curve_server, require_loopback
+from yeto.sync.shell.gate import Gatekeeper, curve_server
+from yeto.sync.shell.keys import KEYS_RESCAN_S, Keyring, require_loopback
 from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.shell.given_up import read_given_up
