@@ -10,7 +10,7 @@ import typer
 
 from yeto.adapter import ADAPTER_WEIGHTS
 from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
-from yeto.sync.core.config import flag_of
+from yeto.sync.core.config import field_flag
 from yeto.sync.core.syncer import SyncerConfig
 from yeto.sync.shell.server import Syncer
 
@@ -65,7 +65,7 @@ def syncer_command(
     lora_merge: Annotated[str, typer.Option(help="LoRA aggregation: factors (lora_A and lora_B apart) or product "
                                                  "(the mean of the B.A updates, re-factorised to rank r).")
                           ] = _D.lora_merge,
-    grace_s: Annotated[float, typer.Option(flag_of("grace_s"), help="Once quorum is in, wait at most this many "
+    grace_s: Annotated[float, typer.Option(field_flag("grace_s"), help="Once quorum is in, wait at most this many "
                                            "seconds (less the merge time) for islands predicted, from their step "
                                            "times, to push by then.")] = _D.grace_s,
     max_base_lag: Annotated[int, typer.Option(help="Merge a delta trained from a global up to this many versions old "

@@ -166,9 +166,9 @@ def _passed_fields() -> list[Field]:
 
 def syncer_flags() -> set[str]:
     """The syncer's flags that `yeto launch` passes through (every one except those the launch itself sets)."""
-    from yeto.sync.core.config import OLD_FLAGS, flag_of
+    from yeto.sync.core.config import OLD_FLAGS, field_flag
 
-    return {flag_of(f.name) for f in _passed_fields()} | set(OLD_FLAGS)
+    return {field_flag(f.name) for f in _passed_fields()} | set(OLD_FLAGS)
 
 
 def syncer_switches() -> set[str]:

@@ -156,7 +156,7 @@ class SyncerConfig:
             self.step_normalize = saved.get("step_normalize") is True
         for name in CONTRACT_FIELDS:
             if name in saved and saved[name] != getattr(self, name):
-                flag = flag_of(name)
+                flag = field_flag(name)
                 fix = (f"--{'' if saved[name] else 'no-'}{flag[2:]}" if isinstance(saved[name], bool)
                        else f"{flag} {saved[name]}")  # (a switch has no value)
                 raise YetoError(f"{flag} {getattr(self, name)} conflicts with the checkpoint in {self.out} ({name} "
@@ -184,6 +184,6 @@ class SyncerConfig:
         return {k: v for k, v in pinned.items() if v is not None}
 
 
-def flag_of(name: str) -> str:
-    """The command-line flag of the config field `name`."""
+def field_flag(name: str) -> str:
+    """The command-line flag of the config field `name` (`yeto launch` routes the syncer's flags by it)."""
     return FLAGS.get(name, "--" + name.replace("_", "-"))
