@@ -125,7 +125,7 @@ def test_a_fresh_id_flood_leaves_room_for_a_real_learner_and_nothing_behind(star
     learner got `busy`, and every fake id stayed in the checkpoint. Now ids beyond --learners come at most
     FRESH_IDS_PER_WINDOW per key holder and never take the share kept for the run's expected ids; one connection
     speaks for one id; and ids that delivered nothing expire once gone."""
-    from yeto.sync.core.syncer import FRESH_IDS_PER_WINDOW
+    from yeto.sync.core.state import FRESH_IDS_PER_WINDOW
     from yeto.sync.wire.protocol import encode
 
     syncer, port = start_syncer(insecure=False, learners=2, quorum=2, outer_steps=2, inner_steps=2, sync_bits=32,

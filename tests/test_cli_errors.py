@@ -85,6 +85,12 @@ def _input_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "syncer port 0": (YETO + ["syncer", "--port", "0", "--out", str(tmp / "s2")], "1-65535"),
         "syncer out is a file": (YETO + ["syncer", "--out", str(a_file), "--insecure", "--host", "127.0.0.1"],
                                  "is a file"),
+        # the grace is in seconds; --grace-ms, its older spelling, still works (converted: -1500 ms is -1.5 s)
+        "syncer grace negative": (YETO + ["syncer", "--grace", "-2", "--out", str(tmp / "s3")], "--grace must be >= 0 "
+                                  "seconds (0: close a round as soon as quorum is in), got -2"),
+        "syncer grace-ms converted": (YETO + ["syncer", "--grace-ms", "-1500", "--out", str(tmp / "s4")], "got -1.5"),
+        "syncer grace twice": (YETO + ["syncer", "--grace", "2", "--grace-ms", "100", "--out", str(tmp / "s5")],
+                               "--grace-ms is the old spelling of --grace: give one of them"),
         "tape damaged line": (YETO + ["tape", str(tape_dir)], "tape.jsonl:2"),
         "tape missing": (YETO + ["tape", str(tmp / "nowhere")], "no event tape"),
         "generate no adapter": (YETO + ["generate", "--adapter", str(tmp / "nowhere"), "--prompt", "p"],

@@ -151,13 +151,11 @@ def test_a_member_gone_stops_blocking_and_one_that_returns_is_counted_again():
     silent = f.learners.pop(1)
     f.tick(dt=1.0, times=4)  # learner 1 is dropped after --learner-timeout ...
     assert any(e["event"] == "leave" and e["learner"] == 1 for e in f.tape)
-    _, absent = f.syncer._expected(f.now)
-    waiting, _ = f.syncer._expected(f.now)
-    assert waiting == [2] and absent == []  # ... and no longer expected; 2 still is
+    expected = f.syncer._round_members(f.now)
+    assert list(expected.waiting) == [2] and expected.absent == ()  # ... and no longer expected; 2 still is
     f.learners[1] = silent  # it comes back: pings get "not joined", it says hello again, is counted again
     f.tick(dt=1.0, times=8)
-    waiting, _ = f.syncer._expected(f.now)
-    assert sorted(waiting) == [1, 2]
+    assert sorted(f.syncer._round_members(f.now).waiting) == [1, 2]
     f.train(1)
     f.train(2)
     assert [e["responders"] for e in f.tape if e["event"] == "merge"][-1] == [0, 1, 2]
@@ -327,7 +325,7 @@ def test_a_time_window_is_the_rounds_so_a_member_that_starts_late_pushes_with_th
     """The window belongs to the round, not to each learner: one that starts 4 s into a 10 s round trains the 6 s
     left (the syncer says what is left, not when: no clocks need agree), and an early push does not close the round
     before the window ends (the others are training until then), so both deltas land in it fresh."""
-    f = Fleet(n=2, quorum=1, round_seconds=10.0, grace_ms=5000)
+    f = Fleet(n=2, quorum=1, round_seconds=10.0, grace_s=5.0)
     first = f.learners[0].next_task(f.now)
     assert isinstance(first, Train) and first.seconds == 10.0
     f.tick(dt=1.0, times=4)
@@ -351,7 +349,7 @@ def _late_delta_holds_round_2(late_delta=0.02, **cfg):
     """Time windows of 10 s, quorum 1: learner 1's single step of round 1 runs past the grace, so round 1 closes
     without it and its delta (base 0, `late_delta` added) is taken, a version late, into round 2, whose place it
     holds. Both learners have started round 2 on version 1."""
-    f = Fleet(n=2, quorum=1, round_seconds=10.0, grace_ms=1000, **{"straggler_timeout": 30.0, **cfg})
+    f = Fleet(n=2, quorum=1, round_seconds=10.0, grace_s=1.0, **{"straggler_timeout": 30.0, **cfg})
     c0, c1 = f.learners[0], f.learners[1]
     first0, first1 = c0.next_task(f.now), c1.next_task(f.now)
     f.tick(dt=1.0, times=10)

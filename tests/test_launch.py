@@ -86,6 +86,13 @@ def test_extra_flags_go_to_the_syncer_or_the_learners():
     # a syncer switch takes no value: the flag after it is not swallowed
     syncer, learner = split_extra_args(["--step-normalize", "--seq-len", "128", "--no-step-normalize"])
     assert syncer == ["--step-normalize", "--no-step-normalize"] and learner == ["--seq-len", "128"]
+    # a flag not spelled like its field (--grace: grace_s), and an older spelling the syncer still takes
+    syncer, learner = split_extra_args(["--grace", "2", "--grace-ms=300", "--seq-len", "128"])
+    assert syncer == ["--grace", "2", "--grace-ms=300"] and learner == ["--seq-len", "128"]
+    from yeto.cli.syncer import OLD_SPELLINGS
+    from yeto.sync.core.config import OLD_FLAGS
+
+    assert {o.flag: o.param for o in OLD_SPELLINGS} == OLD_FLAGS  # the syncer's old spellings are the ones routed
 
 
 def plan_for(tmp_path, gpu="aws:1xA10G@us-west-2,runpod:1xH100", **kw):

@@ -9,11 +9,14 @@ from typing import Annotated, Optional
 import typer
 
 from yeto.adapter import ADAPTER_WEIGHTS
-from yeto.cli.usage import with_help_panels
+from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
+from yeto.sync.core.config import field_flag
 from yeto.sync.core.syncer import SyncerConfig
 from yeto.sync.shell.server import Syncer
 
 _D = SyncerConfig()
+# renamed flags, still accepted (hidden); `yeto launch` routes them to the syncer by core.config.OLD_FLAGS
+OLD_SPELLINGS = (OldSpelling("--grace-ms", "grace_s", lambda ms: ms / 1000.0),)
 
 
 def syncer_command(
@@ -62,9 +65,9 @@ def syncer_command(
     lora_merge: Annotated[str, typer.Option(help="LoRA aggregation: factors (lora_A and lora_B apart) or product "
                                                  "(the mean of the B.A updates, re-factorised to rank r).")
                           ] = _D.lora_merge,
-    grace_ms: Annotated[float, typer.Option(help="Once quorum is in, wait at most this long (less the merge time) for "
-                                                 "islands predicted, from their step times, to push by then.")
-                        ] = _D.grace_ms,
+    grace_s: Annotated[float, typer.Option(field_flag("grace_s"), help="Once quorum is in, wait at most this many "
+                                           "seconds (less the merge time) for islands predicted, from their step "
+                                           "times, to push by then.")] = _D.grace_s,
     max_base_lag: Annotated[int, typer.Option(help="Merge a delta trained from a global up to this many versions old "
                                                    "(a slow island's work is not thrown away; 0: refuse them).")
                             ] = _D.max_base_lag,
@@ -110,5 +113,6 @@ def syncer_command(
 
 with_help_panels(syncer_command, advanced=(
     "outer_lr", "outer_momentum", "straggler_timeout", "quorum_timeout", "learner_timeout", "max_message_mb", "robust",
-    "robust_k", "merge", "merge_weight", "lora_merge", "grace_ms", "max_base_lag", "staleness_exponent",
+    "robust_k", "merge", "merge_weight", "lora_merge", "grace_s", "max_base_lag", "staleness_exponent",
     "step_normalize", "merge_alpha", "max_learners", "max_connections"))
+syncer_command = with_old_spellings(syncer_command, OLD_SPELLINGS)

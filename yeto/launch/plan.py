@@ -166,7 +166,9 @@ def _passed_fields() -> list[Field]:
 
 def syncer_flags() -> set[str]:
     """The syncer's flags that `yeto launch` passes through (every one except those the launch itself sets)."""
-    return {"--" + f.name.replace("_", "-") for f in _passed_fields()}
+    from yeto.sync.core.config import OLD_FLAGS, field_flag
+
+    return {field_flag(f.name) for f in _passed_fields()} | set(OLD_FLAGS)
 
 
 def syncer_switches() -> set[str]:

@@ -7,4 +7,8 @@ randomness injected, and return actions (send, record on the tape, save). The
 I/O shells (`yeto.sync.shell.server`, `yeto.sync.shell.client`) execute those actions for
 real; the simulator (`yeto.sync.sim`) executes them against a simulated network
 and disk, through thousands of seeded fault schedules.
+
+The syncer's core is split by concern: `config`, `state`, `admission`, `deltas`,
+`rounds` (phases and when a round closes), `merging`, `recovery`, and `syncer`
+(the dispatcher that combines them).
 """

@@ -16,7 +16,7 @@ first event that breaks an invariant:
   and not behind the last durable checkpoint;
 - a complete `finish` has run every outer step and left no delta outstanding.
 
-The syncer's recovery (`SyncerCore.start`) uses the same fold to reconcile the
+The syncer's recovery (`yeto.sync.core.recovery`) uses the same fold to reconcile the
 tape with the disk, so the audit and the recovery agree on what a tape means.
 """
 

@@ -138,7 +138,7 @@ class Schedule:
                             straggler_timeout=3.0, quorum_timeout=1e6, learner_timeout=6.0, out="(simulated)",
                             outer_lr=SIM_OUTER_LR, outer_momentum=SIM_OUTER_MOMENTUM,
                             max_base_lag=self.max_base_lag, staleness_exponent=self.staleness_exponent,
-                            grace_ms=self.grace_ms, merge=self.merge)
+                            grace_s=self.grace_ms / 1000, merge=self.merge)
 
 
 # ---------------------------------------------------------------------------------------------- the world

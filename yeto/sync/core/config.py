@@ -1,0 +1,189 @@
+"""The syncer's configuration: its flags as one dataclass, their checks, and what a resume may not change.
+
+`SyncerConfig` describes one syncer, the core's policy and the I/O shell's settings alike, so that one object is
+checked (`check`) and saved with every checkpoint. `check_resume` refuses a restart whose flags contradict the run a
+checkpoint holds (`CONTRACT_FIELDS`: the run's math and wire format depend on them). Every duration is in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from yeto import YetoError
+from yeto.checks import check_port
+from yeto.sync.merge.aggregate import DEFAULT_CLIP_K, ROBUST_MODES
+from yeto.sync.merge.rules import LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS
+from yeto.sync.wire.protocol import DEFAULT_MAX_MESSAGE_MB
+from yeto.sync.wire.quant import BITS
+
+DEFAULT_GRACE_S = 5.0  # after quorum, wait at most this long for an island predicted to push soon
+DEFAULT_MAX_BASE_LAG = 4
+MAX_BASE_LAG = 64  # beyond this a delta describes another model
+DEFAULT_STALENESS_EXPONENT = 0.5
+DEFAULT_MERGE = "rda"
+HEARTBEATS_PER_TIMEOUT = 4  # learners ping this many times per --learner-timeout
+DEFAULT_MAX_LEARNERS = 1024
+# what a restart may not change: the run's math and its wire format depend on them
+CONTRACT_FIELDS = ("sync_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds", "robust", "robust_k",
+                   "merge", "merge_weight", "lora_merge", "max_base_lag", "staleness_exponent", "step_normalize",
+                   "merge_alpha", "model", "model_revision")
+# fields whose flag is not the field's name in dashes (a duration is in seconds: its flag needs no unit)
+FLAGS = {"grace_s": "--grace"}
+OLD_FLAGS = {"--grace-ms": "grace_s"}  # older spellings the syncer still takes (hidden; the CLI converts them)
+
+
+@dataclass
+class SyncerConfig:
+    port: int = 29400
+    host: str = "0.0.0.0"
+    learners: int = 1
+    quorum: int = 1
+    # plain averaging (FedAvg): DiLoCo's 0.7 / Nesterov 0.9, tuned for pre-training with hundreds of inner steps,
+    # overshoots short LoRA runs (bench/convergence.py, docs/benchmarks.md: 1.51x the data-parallel loss vs 1.02x)
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    outer_steps: int = 10
+    inner_steps: int = 50
+    round_seconds: float = 0.0
+    sync_bits: int = 4
+    out: str = "runs/syncer"
+    straggler_timeout: float = 120.0
+    quorum_timeout: float = 1800.0
+    learner_timeout: float = 60.0
+    max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
+    robust: str = "norm-clip"
+    robust_k: float = DEFAULT_CLIP_K
+    merge: Optional[str] = None  # yeto.sync.merge.rules: mean | rda (None: rda, or mean where another choice needs it)
+    merge_weight: str = "loss-tokens"  # loss-tokens | tokens | steps | equal
+    lora_merge: str = "factors"  # factors | product
+    grace_s: float = DEFAULT_GRACE_S
+    max_base_lag: int = DEFAULT_MAX_BASE_LAG
+    staleness_exponent: float = DEFAULT_STALENESS_EXPONENT
+    # scale each delta to the round's longest (FedNova-style): see yeto.sync.merge.rules (None: on in time-window rounds
+    # under the mean, where islands of unequal speed take unequal steps)
+    step_normalize: Optional[bool] = None
+    merge_alpha: float = 1.0  # learners start a round from alpha x global + (1 - alpha) x their own last adapter
+    model: Optional[str] = None  # pins the run's base model (else the founding learner's is the run's)
+    model_revision: Optional[str] = None
+    max_learners: int = DEFAULT_MAX_LEARNERS
+    init_adapter: Optional[str] = None  # a new run's version 0 is this peft adapter (the shell reads it)
+    # the I/O shell's (security, connections); here so that one config describes the syncer
+    insecure: bool = False
+    join_key: Optional[str] = None
+    max_connections: int = 2 * DEFAULT_MAX_LEARNERS
+    merge_by_default: bool = field(default=False, init=False)  # --merge unset: a resumed run keeps its own rule
+    step_normalize_by_default: bool = field(default=False, init=False)  # ... and so for --step-normalize
+
+    def __post_init__(self) -> None:
+        if self.step_normalize is None:  # docs/benchmarks.md, heterogeneous fleet: with a 10x slower island, mean +
+            # step normalization 0.967x the fast island alone (two runs), rda 0.997-1.000x, mean 0.988-1.010x
+            self.step_normalize = self.round_seconds > 0 and self.merge in (None, "mean")
+            self.step_normalize_by_default = True
+        if self.merge is None:  # bench/convergence.py: rda 0.98x the data-parallel loss, mean 1.02x (2 islands)
+            # (rda keeps the deltas' mean norm: a slow island's short delta scaled up is mostly noise, and its norm
+            # inflates the step: rda + step normalization 1.08-1.14x the fast island alone)
+            mean = self.robust == "trimmed-mean" or self.lora_merge == "product" or self.step_normalize
+            self.merge = "mean" if mean else DEFAULT_MERGE
+            self.merge_by_default = True
+
+    def check(self) -> None:
+        """Refuse a config no run can go by, naming the flag and what it takes."""
+        self._check_run()
+        self._check_merge()
+        self._check_timing()
+        if self.max_learners < self.learners or self.max_connections < 1:
+            raise YetoError(f"--max-learners ({self.max_learners}) must be at least --learners ({self.learners}) and "
+                            "--max-connections at least 1")
+
+    def _check_run(self) -> None:
+        """The run's shape: its port, bits, counts, rounds and timeouts."""
+        check_port(self.port, "--port")
+        if self.sync_bits not in BITS:
+            raise YetoError(f"--sync-bits must be one of {BITS}, got {self.sync_bits}")
+        if self.learners < 1 or self.quorum < 1:
+            raise YetoError("--learners and --quorum must be at least 1")
+        if self.quorum > self.learners:
+            raise YetoError(f"--quorum {self.quorum} exceeds --learners {self.learners}: no round could ever close")
+        if self.outer_steps < 1 or self.inner_steps < 1:
+            raise YetoError("--outer-steps and --inner-steps must be at least 1")
+        if self.round_seconds < 0:
+            raise YetoError("--round-seconds must be >= 0 (0: rounds of --inner-steps steps)")
+        for name in ("straggler_timeout", "quorum_timeout", "learner_timeout"):
+            if getattr(self, name) <= 0:
+                raise YetoError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_message_mb < 1:
+            raise YetoError("--max-message-mb must be at least 1")
+
+    def _check_merge(self) -> None:
+        """The merge rule: each choice known, and only the combinations that have a meaning."""
+        if self.robust not in ROBUST_MODES:
+            raise YetoError(f"--robust must be one of {', '.join(ROBUST_MODES)}, got {self.robust!r}")
+        if not self.robust_k >= 1:
+            raise YetoError(f"--robust-k must be at least 1 (a delta is clipped above k x the median norm), got "
+                            f"{self.robust_k}")
+        for flag, value, choices in (("--merge", self.merge, MERGE_RULES), ("--merge-weight", self.merge_weight,
+                                     MERGE_WEIGHTS), ("--lora-merge", self.lora_merge, LORA_MERGES)):
+            if value not in choices:
+                raise YetoError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+        if self.robust == "trimmed-mean" and (self.merge, self.lora_merge) != ("mean", "factors"):
+            raise YetoError("--robust trimmed-mean is its own rule, coordinate by coordinate: use it with --merge mean "
+                            "--lora-merge factors, or pick --robust norm-clip")
+        if self.merge == "rda" and self.lora_merge == "product":
+            raise YetoError("--lora-merge product merges the B.A products by their mean: use it with --merge mean")
+
+    def _check_timing(self) -> None:
+        """The grace, and what a late delta is worth."""
+        if self.grace_s < 0:
+            raise YetoError(f"--grace must be >= 0 seconds (0: close a round as soon as quorum is in), got "
+                            f"{self.grace_s:g}")
+        if not 0 <= self.max_base_lag <= MAX_BASE_LAG:
+            raise YetoError(f"--max-base-lag must be between 0 (only deltas of the open round's version) and "
+                            f"{MAX_BASE_LAG}, got {self.max_base_lag}")
+        if not 0 <= self.staleness_exponent <= 8:
+            raise YetoError(f"--staleness-exponent must be between 0 (no discount) and 8, got "
+                            f"{self.staleness_exponent}")
+        if not 0 < self.merge_alpha <= 1:
+            raise YetoError(f"--merge-alpha must be in (0, 1] (1: every round starts from the merged adapter), got "
+                            f"{self.merge_alpha}")
+
+    def check_resume(self, saved: dict[str, Any], version: int) -> None:
+        """Refuse a restart whose flags contradict the run in the checkpoint; an unset --merge (--step-normalize)
+        takes the run's own (a run started under other defaults resumes as it began)."""
+        if self.merge_by_default and saved.get("merge") in MERGE_RULES:
+            self.merge = saved["merge"]
+        if self.step_normalize_by_default and saved:  # (a run from before the switch: it had none)
+            self.step_normalize = saved.get("step_normalize") is True
+        for name in CONTRACT_FIELDS:
+            if name in saved and saved[name] != getattr(self, name):
+                flag = field_flag(name)
+                fix = (f"--{'' if saved[name] else 'no-'}{flag[2:]}" if isinstance(saved[name], bool)
+                       else f"{flag} {saved[name]}")  # (a switch has no value)
+                raise YetoError(f"{flag} {getattr(self, name)} conflicts with the checkpoint in {self.out} ({name} "
+                                f"{saved[name]}): resume with {fix}, or start a new run with another --out")
+        if self.outer_steps < version:
+            raise YetoError(f"--outer-steps {self.outer_steps} is below the checkpoint's version {version} in "
+                            f"{self.out}: pass --outer-steps {version} or more to resume")
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.learner_timeout / HEARTBEATS_PER_TIMEOUT
+
+    def policy(self) -> dict[str, Any]:
+        return {"inner_steps": self.inner_steps, "round_seconds": self.round_seconds, "outer_steps": self.outer_steps,
+                "sync_bits": self.sync_bits, "quorum": self.quorum, "heartbeat_s": self.heartbeat_s,
+                "max_base_lag": self.max_base_lag, "merge_alpha": self.merge_alpha}
+
+    @property
+    def grace_cap_s(self) -> float:
+        return min(self.grace_s, self.straggler_timeout)
+
+    def pinned(self) -> dict[str, Any]:
+        """The contract fields fixed by the syncer's flags rather than by the founding learner."""
+        pinned = {"base_model": self.model, "base_revision": self.model_revision}
+        return {k: v for k, v in pinned.items() if v is not None}
+
+
+def field_flag(name: str) -> str:
+    """The command-line flag of the config field `name` (`yeto launch` routes the syncer's flags by it)."""
+    return FLAGS.get(name, "--" + name.replace("_", "-"))

@@ -1,0 +1,176 @@
+"""A delta's intake: what a learner's delta must be to count in the open round, and how it joins the round's sum.
+
+A delta counts if it is for the open round, trained from its base or one at most --max-base-lag versions back (and that
+version as the run has it, not one rolled back), its claims (tokens, steps, loss) can be true, and no merge refused it
+before; a learner contributes one delta per round (a copy sent again after a lost ack is acked again). An accepted
+delta is recorded, saved, then acked, and added to the round's running sum with its weight (--merge-weight) and its
+scale (staleness discount, --step-normalize); its compute time updates the pace the grace predicts from.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from yeto.sync.core.actions import AcceptedDelta, SaveDelta
+from yeto.sync.core.state import Member, Refusal, SyncerState
+from yeto.sync.merge.rules import DeltaCounts, staleness_factor, weight_of
+from yeto.sync.wire.protocol import Code, Message, ProtocolError, decode_fragments, digest_bytes, truncate
+from yeto.sync.wire.quant import dequantize
+
+ROUND_TIME_EMA = 0.5  # weight of a member's newest round time in its running estimate
+MAX_TOKENS_PER_DELTA = 1 << 40  # beyond any real round: a larger claim is refused
+MAX_INNER_STEPS_PER_DELTA = 10**7
+MAX_LOSS = 1e4  # a reported mean loss above this is no loss of a language model
+MAX_REFUSED_REMEMBERED = 4096  # digests of deltas a merge refused
+
+
+class Deltas(SyncerState):
+    """The delta message, and what a delta counts for (shared by the merge and the recovery)."""
+
+    def _on_delta(self, peer: str, msg: Message, now: float) -> None:
+        """A learner's delta: acked again if it counted already, refused if it cannot count in the open round, else
+        accepted into the round's sum (on the tape, saved, then acked)."""
+        m = self._member(peer, msg, now)
+        h = msg.header
+        digest = digest_bytes(msg.frames)
+        if [h["round"], digest] in self.merged.get(m.learner, []):  # sent again after a lost ack: it counted
+            self._send(m.peer, "ack", {**_where(h), "digest": digest, "duplicate": True, "merged": True})
+            return
+        refusal = self._delta_refusal(m, h, digest)
+        if refusal is not None:
+            return self._refuse_delta(m, h, digest, refusal.code, refusal.reason, now)
+        mine = self.pending.get(m.learner)
+        if mine is not None:
+            if mine.ref() == [h["round"], h["base_version"], digest]:  # sent again after a lost ack
+                self._send(m.peer, "ack", {**_where(h), "digest": digest, "duplicate": True,
+                                           "merge_round": self.round.number})
+            else:
+                self._refuse_delta(m, h, digest, Code.DUPLICATE, f"learner {m.learner} already contributed to round "
+                                   f"{self.round.number} (delta {mine.digest})", now)
+            return
+        try:
+            flat = decode_fragments(self.run.layout, msg)  # sizes, bits and finiteness
+        except ProtocolError as e:
+            return self._refuse_delta(m, h, digest, Code.REFUSED, str(e), now)
+        self._accept(m, msg, digest, flat, now)
+        self._maybe_close(now)
+
+    def _delta_refusal(self, m: Member, h: dict[str, Any], digest: str) -> Optional[Refusal]:
+        """Why a delta cannot count in the open round, or None: stale (no round open, or its base more than
+        --max-base-lag back), trained from a version since rolled back, claims that cannot be true, or a copy of one
+        a merge refused."""
+        r = self.round
+        lag = r.base_version - h["base_version"] if r is not None else -1
+        if r is None or h["round"] != h["base_version"] + 1 or not 0 <= lag <= self.cfg.max_base_lag:
+            state = f"round {r.number} is open on version {r.base_version}" if r else f"no round is open (version " \
+                                                                                     f"{self.version})"
+            return Refusal(Code.STALE, f"stale delta for round {h['round']} on version {h['base_version']}: {state} "
+                           f"(--max-base-lag {self.cfg.max_base_lag})")
+        if lag and h.get("base_digest") != self.digests.get(h["base_version"]):
+            return Refusal(Code.REFUSED, f"delta trained from version {h['base_version']} as it was before the syncer "
+                           "rolled it back (or one it no longer knows): train from the current version")
+        problem = _claims_problem(h, m.tokens_per_step, 0 if self.cfg.round_seconds else self.cfg.inner_steps)
+        if problem:
+            return Refusal(Code.REFUSED, problem)
+        if digest in self.refused_digests:  # a copy of a delta a merge already refused (stale copies come back)
+            return Refusal(Code.REFUSED, "this delta was refused by a merge")
+        return None
+
+    def _accept(self, m: Member, msg: Message, digest: str, flat: np.ndarray, now: float) -> None:
+        """The delta joins the open round: recorded, saved, added to the running sum, then acked; its compute time
+        (when plausible) updates its member's pace, which the grace predicts the next push from."""
+        h, r = msg.header, self.round
+        d = AcceptedDelta(m.learner, m.session, r.number, h["base_version"], h["tokens"], h["loss_tokens"],
+                          h["inner_steps"], float(h["loss"]), digest, list(h["fragments"]), tuple(msg.frames),
+                          carried_steps=h.get("carried_steps", 0))
+        self._measure(d, flat)
+        compute_s = h.get("compute_s")
+        compute_s = float(compute_s) if isinstance(compute_s, (int, float)) and math.isfinite(compute_s) and \
+            0 <= compute_s <= self.cfg.quorum_timeout else None
+        self._record("delta", **self._delta_fields(d), bytes=msg.nbytes, norm=d.norm, compute_s=compute_s)
+        self.out.append(SaveDelta(d))
+        self.pending[m.learner] = d
+        self.sum.add(m.learner, flat, self._weight(d), self._scale(d))  # the decoded copy is dropped
+        self._send(m.peer, "ack", {**_where(h), "digest": digest, "duplicate": False, "merge_round": r.number})
+        if compute_s is not None:
+            m.round_s = compute_s if m.round_s is None else (ROUND_TIME_EMA * compute_s +
+                                                             (1 - ROUND_TIME_EMA) * m.round_s)
+            step_s = compute_s / max(1, d.inner_steps)
+            m.step_s = step_s if m.step_s is None else ROUND_TIME_EMA * step_s + (1 - ROUND_TIME_EMA) * m.step_s
+        m.since = now
+
+    def _refuse_delta(self, m: Member, h: dict[str, Any], digest: str, code: Code, reason: str, now: float) -> None:
+        """Not accepted: the error names the delta (round, base version, digest), so a learner that has pushed
+        that round again since knows it is not about its newer delta."""
+        if not self._may_reply(m.peer, now):
+            return
+        reason = truncate(reason)
+        self._record("reject", learner=m.learner, round=h["round"], base_version=h["base_version"], digest=digest,
+                     code=str(code), reason=reason)
+        self._send(m.peer, "error", {"code": str(code), "reason": reason, "round": h["round"],
+                                     "base_version": h["base_version"], "digest": digest, "version": self.version})
+
+    def _remember_refused(self, digest: str) -> None:
+        self.refused_digests[digest] = None
+        while len(self.refused_digests) > MAX_REFUSED_REMEMBERED:
+            del self.refused_digests[next(iter(self.refused_digests))]
+
+    # ------------------------------------------------------------------ what a delta counts for
+
+    def _weight(self, d: AcceptedDelta) -> float:
+        """The delta's unnormalised merge weight (--merge-weight)."""
+        return weight_of(self._counts(d), self.cfg.merge_weight)
+
+    def _scale(self, d: AcceptedDelta) -> float:
+        """What a delta is scaled by before the rule: its staleness discount (--staleness-exponent; 1 when fresh)
+        and, with --step-normalize, 1/its inner steps (the merge multiplies the result by the round's length)."""
+        s = staleness_factor(d.lag, self.cfg.staleness_exponent)
+        return s / max(1, d.inner_steps) if self.cfg.step_normalize else s
+
+    @staticmethod
+    def _counts(d: AcceptedDelta) -> DeltaCounts:
+        return DeltaCounts(d.loss_tokens, d.tokens, d.inner_steps)
+
+    @staticmethod
+    def _delta_fields(d: AcceptedDelta) -> dict[str, Any]:
+        return {"learner": d.learner, "round": d.round, "base_version": d.base_version, "digest": d.digest,
+                "tokens": d.tokens, "loss_tokens": d.loss_tokens, "inner_steps": d.inner_steps, "loss": d.loss,
+                "bits": sorted({x["bits"] for x in d.descs}), "lag": d.lag, "round_steps": d.round_steps}
+
+    def _decode(self, d: AcceptedDelta) -> np.ndarray:
+        return decode_fragments(self.run.layout, Message("delta", {"fragments": d.descs}, list(d.frames)))
+
+    def _decode_fragment(self, d: AcceptedDelta, k: int) -> np.ndarray:
+        return dequantize(d.frames[k], self.run.layout.fragments[k].numel, d.descs[k]["bits"])
+
+    @staticmethod
+    def _measure(d: AcceptedDelta, flat: np.ndarray) -> None:
+        d.peak = float(np.abs(flat).max()) if flat.size else 0.0
+        d.norm = float(np.linalg.norm(flat.astype(np.float64)))
+
+
+def _claims_problem(h: dict[str, Any], tokens_per_step: int, round_steps: int) -> Optional[str]:
+    """Why a delta's reported training cannot be true, or None: its step count must fit the round (`round_steps`,
+    0 for time windows), its tokens what those steps can consume (`tokens_per_step`, declared at join)."""
+    tokens, loss_tokens, steps, loss = h["tokens"], h["loss_tokens"], h["inner_steps"], h["loss"]
+    if not 0 < loss_tokens <= tokens <= MAX_TOKENS_PER_DELTA:
+        return f"delta with impossible token counts (tokens {tokens}, loss-bearing tokens {loss_tokens})"
+    if not 0 < steps <= (round_steps or MAX_INNER_STEPS_PER_DELTA):
+        return f"delta claims {steps} inner steps; the round allows {round_steps or MAX_INNER_STEPS_PER_DELTA}"
+    carried = h.get("carried_steps", 0)
+    if type(carried) is not int or not 0 <= carried <= steps:
+        return f"delta claims {carried!r} steps carried in; it must be a count of its {steps} inner steps"
+    if tokens_per_step and tokens > steps * tokens_per_step:
+        return (f"delta claims {tokens} tokens in {steps} steps; this learner declared at most {tokens_per_step} "
+                "tokens per step (batch x accumulation x sequence length)")
+    if not (math.isfinite(loss) and 0 <= loss <= MAX_LOSS):
+        return f"delta with impossible loss {loss}"
+    return None
+
+
+def _where(h: dict[str, Any]) -> dict[str, Any]:
+    """What names the delta a message answers: the round it trained and its base version."""
+    return {"round": h["round"], "base_version": h["base_version"]}

@@ -1,0 +1,249 @@
+"""The merge transaction: a round's pending deltas combined, the outer step taken, the next version committed.
+
+`_close_round` merges on copies (`_merge`: the rule's average, `_average`, then the outer Nesterov step and the
+broadcast's quantization); a delta that makes the merge fail is refused (on the tape, to its learner: the one that
+moves the merge most, `_contributions`) and the merge is retried without it; the run's state changes only in
+`_commit`, once a merge completed. Each delta counts for its bounded claim (`_terms`: no claim buys more than the
+round's median weight allows) and its staleness scale. Durability order: the merge is recorded, the checkpoint saved,
+then the new version broadcast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from yeto.sync.core.actions import Checkpoint, DropDeltas, SaveCheckpoint
+from yeto.sync.core.deltas import Deltas
+from yeto.sync.core.rounds import OpenRound, RoundPhase
+from yeto.sync.core.state import Broadcast
+from yeto.sync.merge.aggregate import (RoundSum, clip_factors, clip_reference, clipped_merge, effective_weight,
+                                       trimmed_mean)
+from yeto.sync.merge.outer import nesterov_step
+from yeto.sync.merge.rules import MergeTerms, merge_terms, product_merge
+from yeto.sync.wire.protocol import Code, array_digest, encode_fragments_ef, truncate
+from yeto.sync.wire.quant import ErrorFeedback, QuantError
+
+MERGED_HISTORY = 16  # per learner id, its latest merged deltas: one back from a long absence learns which counted
+
+
+class MergeError(Exception):
+    """A merge that cannot be made with these deltas (its result is not finite, or a delta does not fit the rule)."""
+
+
+@dataclass
+class Average:
+    """The rule's combined delta, and what the rule did: the deltas it clipped (by factor) and what it reports."""
+
+    delta: np.ndarray
+    clip: dict[int, float] = field(default_factory=dict)
+    rule: dict[str, Any] = field(default_factory=dict)  # extra fields of the tape's merge record
+
+
+@dataclass
+class Merged:
+    """A merge computed on copies: the run's next state, and what the tape records of it (per delta, in the order
+    the deltas were summed)."""
+
+    global_: np.ndarray  # the new global adapter, as learners will hold it (the update quantized for the broadcast)
+    momentum: np.ndarray
+    residual: np.ndarray  # the broadcast's error feedback after this update
+    sent: np.ndarray  # the update as broadcast
+    descs: list[dict[str, Any]]
+    frames: tuple[bytes, ...]
+    weights: np.ndarray  # what each delta counted for
+    counted: list[float]  # each delta's bounded claim
+    merged_norms: list[float]  # each delta's norm as merged (scaled, clipped)
+    clip_ref: Optional[float]  # norm-clip: the reference norm the clip is relative to
+    clip: dict[int, float]
+    rule: dict[str, Any]
+
+
+class Merging(Deltas):
+    """Closing a round: the merge transaction and its commit."""
+
+    def _close_round(self, now: float, stragglers: list[int]) -> None:
+        """Merge the round as a transaction; a delta that breaks the merge is refused and the merge retried."""
+        r = self.round
+        assert r is not None and self.run is not None
+        r.advance(RoundPhase.MERGING)
+        while len(self.pending) >= self._quorum():
+            ids = self._order()
+            try:
+                merged = self._merge(ids)
+            except MergeError as e:
+                contribution = self._contributions(ids)  # (the delta that moves the merge most, not the largest)
+                culprit = max(ids, key=lambda i: (contribution[i], i))
+                self._refuse_merged(culprit, f"round {r.number} could not be merged with this delta: {e}")
+                continue
+            self._commit(r, ids, merged, stragglers, now)
+            return
+        r.quorum_at = r.fresh_at = None  # refusals took the round back below quorum: it stays open
+        r.advance(RoundPhase.OPEN)
+
+    def _merge(self, ids: list[int]) -> Merged:
+        """The merge of these pending deltas and the outer step, computed on copies (the run is untouched until
+        `_commit`); MergeError where the result is not finite or the deltas do not fit the rule."""
+        run, cfg = self.run, self.cfg
+        terms = self._terms(ids)
+        scales = dict(zip(ids, terms.scales))
+        most = np.float32(terms.length)
+        norms = [self.pending[i].norm * scales[i] * terms.length for i in ids]  # (the deltas as they are merged)
+        ref = clip_reference(norms, list(self.norm_history))
+        try:
+            with np.errstate(all="ignore"):
+                weights = np.asarray(terms.counted, dtype=np.float64) / sum(terms.counted)
+                avg = self._average(ids, terms, weights, norms, ref)
+                new_global, momentum = nesterov_step(run.global_, avg.delta, run.momentum, cfg.outer_lr,
+                                                     cfg.outer_momentum)
+                if not (np.isfinite(new_global).all() and np.isfinite(momentum).all()):
+                    raise MergeError("the outer step overflows")
+                ef = ErrorFeedback(run.layout.numel)
+                ef.residual = self.ef.residual
+                descs, frames, sent = encode_fragments_ef(run.layout, new_global - run.global_, cfg.sync_bits, ef)
+                committed = run.global_ + sent
+                if not np.isfinite(committed).all():
+                    raise MergeError("the new global adapter is not finite")
+        except (QuantError, ValueError, FloatingPointError, OverflowError) as e:
+            raise MergeError(str(e)) from e
+        return Merged(global_=committed, momentum=momentum, residual=ef.residual, sent=sent, descs=descs,
+                      frames=tuple(frames), weights=weights * np.asarray([scales[i] * float(most) for i in ids]),
+                      counted=list(terms.counted), merged_norms=[n * avg.clip.get(i, 1.0) for i, n in zip(ids, norms)],
+                      clip_ref=ref if cfg.robust == "norm-clip" else None, clip=avg.clip, rule=avg.rule)
+
+    def _average(self, ids: list[int], terms: MergeTerms, weights: np.ndarray, norms: list[float],
+                 ref: float) -> Average:
+        """The deltas combined by the run's rule (--robust, --merge, --lora-merge), at the round's length."""
+        run, cfg = self.run, self.cfg
+        scales = dict(zip(ids, terms.scales))
+        most = np.float32(terms.length)
+        if cfg.robust == "trimmed-mean":  # fragment by fragment: n fragments in memory, not n adapters
+            return Average(trimmed_mean(lambda k: np.stack([self._decode_fragment(self.pending[i], k) * np.float32(
+                scales[i] * most) for i in ids]), terms.counted, run.layout))
+        clip: dict[int, float] = {}
+        if cfg.robust == "norm-clip":
+            factors = clip_factors(norms, ref, cfg.robust_k)
+            clip = {i: c for i, c in zip(ids, factors) if c < 1.0}
+        if cfg.lora_merge == "factors":  # the running sums: one or two vectors in memory, not n
+            unnormalised = {i: effective_weight(w, scales[i]) for i, w in zip(ids, terms.counted)}
+            avg, fallbacks = clipped_merge(self._bounded_sum(ids, terms), clip, unnormalised,
+                                           lambda i: self._decode(self.pending[i]))
+            return Average(avg * most, clip, {} if fallbacks is None else {"rda_fallbacks": fallbacks})
+        # every delta at once (LoRA adapters are small: n of them fit where one base does not)
+        deltas = [self._decode(self.pending[i]) * np.float32(clip.get(i, 1.0) * scales[i] * most) for i in ids]
+        pm = product_merge([run.global_ + d for d in deltas], weights, run.layout)
+        return Average(pm.merged - run.global_, clip, {"residual": pm.residual, "residual_mean": pm.residual_mean})
+
+    def _terms(self, ids: list[int]) -> MergeTerms:
+        """The bounded weights and scales of merging these pending deltas (`yeto.sync.merge.rules.merge_terms`)."""
+        ds = [self.pending[i] for i in ids]
+        return merge_terms([self._counts(d) for d in ds], self.cfg.merge_weight, [d.lag for d in ds],
+                           self.cfg.staleness_exponent, bool(self.cfg.step_normalize), [d.round_steps for d in ds])
+
+    def _bounded_sum(self, ids: list[int], terms: MergeTerms) -> RoundSum:
+        """The round's running sum, or, where a claim was capped or a scale bounded, the sum rebuilt with what each
+        delta counts for (the running sum adds each delta as it arrives, before the round's median is known)."""
+        arrived = [(self._weight(self.pending[i]), self._scale(self.pending[i])) for i in ids]
+        if all(a == (w, sc) for a, w, sc in zip(arrived, terms.counted, terms.scales)):
+            return self.sum.copy()
+        s = RoundSum.for_rule(self.run.layout, self.cfg.merge)
+        for i, w, sc in zip(ids, terms.counted, terms.scales):
+            s.add(i, self._decode(self.pending[i]), w, sc)
+        return s
+
+    def _order(self) -> list[int]:
+        """The pending deltas' learners in the order they were added to the running sum."""
+        return [i for i in self.sum.order if i in self.pending] if self.sum is not None else sorted(self.pending)
+
+    def _contributions(self, ids: list[int]) -> dict[int, float]:
+        """How far each delta could move the merge: its bounded weight x scale x largest value."""
+        t = self._terms(ids)
+        total = sum(t.counted) or 1.0
+        return {i: w / total * sc * t.length * self.pending[i].peak for i, w, sc in zip(ids, t.counted, t.scales)}
+
+    def _refuse_merged(self, lid: int, reason: str) -> None:
+        """A delta that broke the merge leaves the round (on the tape, to its learner, remembered: never accepted
+        again); the running sum is rebuilt without it."""
+        d = self.pending.pop(lid)
+        order = self._order()
+        # rebuilt without it, in the order the others arrived
+        self.sum = RoundSum.for_rule(self.run.layout, self.cfg.merge)
+        for i in order:
+            self.sum.add(i, self._decode(self.pending[i]), self._weight(self.pending[i]), self._scale(self.pending[i]))
+        reason = truncate(reason)
+        self._record("refuse_delta", learner=lid, round=d.round, digest=d.digest, reason=reason)
+        self.out.append(DropDeltas(round=d.round, learner=lid))
+        m = self.members.get(lid)
+        if m is not None and m.active:
+            self._send(m.peer, "error", {"code": str(Code.REFUSED), "reason": reason, "round": d.base_version + 1,
+                                         "base_version": d.base_version, "digest": d.digest, "version": self.version})
+        self._remember_refused(d.digest)
+        self._log("warning", f"refused learner {lid}'s delta: {reason}")
+
+    def _commit(self, r: OpenRound, ids: list[int], merged: Merged, stragglers: list[int], now: float) -> None:
+        """The merge becomes the run's next version: on the tape, checkpointed, then broadcast (in that order)."""
+        r.advance(RoundPhase.COMMITTED)
+        run = self.run
+        version = run.version + 1
+        digest = array_digest(merged.global_)
+        summed, ids = ids, sorted(ids)  # the tape lists responders sorted, and the order they were summed in
+
+        def by_learner(values: Any) -> list[float]:
+            return [float(x) for _, x in sorted(zip(summed, values))]
+
+        weights = by_learner(merged.weights)
+        deltas = [self.pending[i].digest for i in ids]
+        lags = [self.pending[i].lag for i in ids]
+        self._record("merge", round=r.number, version=version, responders=ids, weights=weights,
+                     loss_tokens=[self.pending[i].loss_tokens for i in ids], deltas=deltas, digest=digest,
+                     stragglers=stragglers, update_norm=float(np.linalg.norm(merged.sent)), summed=summed,
+                     robust=self.cfg.robust, clip={str(i): c for i, c in merged.clip.items()},
+                     merge=self.cfg.merge, merge_weight=self.cfg.merge_weight, lora_merge=self.cfg.lora_merge,
+                     step_normalize=self.cfg.step_normalize, lags=lags, clip_ref=merged.clip_ref,
+                     counted=by_learner(merged.counted), merged_norms=by_learner(merged.merged_norms),
+                     grace_s=round(now - r.fresh_at, 6) if r.fresh_at is not None else None, **merged.rule)
+        if merged.clip:
+            self._log("warning", f"round {r.number}: robust merge clipped learner(s) "
+                                 f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged.clip.items())}")
+        self.norm_history.extend(merged.merged_norms)
+        self._note_merged(ids, now)
+        self.run = Checkpoint(version, run.layout, run.adapter_config, run.provenance, merged.global_,
+                              merged.momentum, merged.residual, digest, asdict(self.cfg), sorted(self.seen),
+                              dict(self.merged), contract=run.contract)
+        self.ef.residual = merged.residual
+        self.digests[version] = digest
+        for v in [v for v in self.digests if v < version - self.cfg.max_base_lag]:
+            del self.digests[v]
+        self.out.append(SaveCheckpoint(self._checkpoint()))
+        self._record("checkpoint", version=version, digest=digest)
+        self.out.append(DropDeltas(through_round=r.number))
+        self.pending = {}
+        self.sum = RoundSum.for_rule(run.layout, self.cfg.merge)
+        self.round = None
+        header = {"version": version, "round": r.number, "digest": digest, "responders": ids, "weights": weights,
+                  "deltas": deltas, "lags": lags, "fragments": merged.descs}
+        self._broadcast(Broadcast(version, header, merged.frames), r.number)
+        self._log("info", f"round {r.number} merged {ids} weights {[round(w, 3) for w in weights]}; version {version}")
+        self._maybe_open(now)
+
+    def _note_merged(self, ids: list[int], now: float) -> None:
+        """Each learner's merged deltas (its latest MERGED_HISTORY), and the fresh ones' members train from now."""
+        for i in ids:
+            d = self.pending[i]
+            history = self.merged.setdefault(i, [])
+            history.append(d.ref()[::2])  # [the round it trained, digest]: as its learner names it
+            del history[:-MERGED_HISTORY]
+            m = self.members.get(i)
+            if m is not None and d.lag == 0:
+                m.since = now  # it waited for this merge: it trains from the broadcast on
+
+    def _broadcast(self, b: Broadcast, round_number: int) -> None:
+        """The new version to every live member (and kept, for one that asks again)."""
+        self.last_broadcast = b
+        to = []
+        for m in self._live():
+            self._send(m.peer, "broadcast", b.header, b.frames)
+            to.append(m.learner)
+        self._record("broadcast", round=round_number, version=b.version, to=to, bits=self.cfg.sync_bits)

@@ -1,0 +1,126 @@
+"""Recovery: a syncer process starts from what survived on disk, the tape reconciled with the checkpoint and deltas.
+
+The tape is folded with `TapeFold` (the audit's fold, so the recovery and the audit agree on what a tape means). A
+restart resumes at the checkpoint: merges recorded after it (their checkpoint was not durable) are rolled back on the
+tape, the saved deltas of the open round are restored (a delta whose tape line was lost is recorded now), and the
+accepted deltas that were not saved are discarded on the tape (their learners send them again). With no checkpoint at
+all the run starts from scratch: whatever the tape accepted before is void.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Optional
+
+from yeto.sync.core.actions import AcceptedDelta, Checkpoint, DropDeltas, Durable
+from yeto.sync.core.deltas import Deltas
+from yeto.sync.core.fold import TapeFold
+from yeto.sync.merge.aggregate import RoundSum
+from yeto.sync.wire.protocol import ProtocolError, truncate
+from yeto.sync.wire.quant import ErrorFeedback
+
+Saved = dict[tuple[int, int], AcceptedDelta]  # (round, learner) -> a delta saved on disk
+
+
+class Recovery(Deltas):
+    """What a process start does (`SyncerCore.start`)."""
+
+    def _recover(self, now: float, durable: Durable) -> bool:
+        """Resume from what survived, reconciling the tape with the disk; False when nothing durable was found (the
+        run starts from scratch)."""
+        ck = durable.checkpoint
+        if ck is not None:  # (first: the start record shows the config the run goes on with)
+            self.cfg.check_resume(ck.config, ck.version)
+        self._record("start", config=asdict(self.cfg), incarnation=self.incarnation)
+        self.out.extend(durable.notes)
+        fold = self._fold(durable.tape)
+        rolled_back = list(range(fold.version, (ck.version if ck else -1), -1))
+        for v in rolled_back:
+            self._record("rollback", version=v, reason="its checkpoint was not durable when the syncer stopped")
+            fold.rollback(v)
+        if ck is None:
+            self._start_from_scratch(fold, durable)
+            return False
+        self._resume_state(ck, fold)
+        saved = {(d.round, d.learner): d for d in durable.deltas}
+        self._discard_unsaved(ck, fold, saved)
+        restored = self._restore_saved(ck, fold, saved)
+        self.out.append(DropDeltas(through_round=ck.version))
+        for (rnd, lid), d in saved.items():
+            if rnd == ck.version + 1 and lid not in self.pending:
+                self.out.append(DropDeltas(round=rnd, learner=lid))
+        self.started = ck.version > 0 or bool(self.pending)
+        self.absent_until = now + self.cfg.learner_timeout
+        self._record("resume", version=ck.version, digest=ck.digest, restored=restored, rolled_back=rolled_back)
+        self._log("info", f"resumed at version {ck.version} ({len(restored)} delta(s) of round {ck.version + 1} "
+                          "restored)")
+        return True
+
+    def _fold(self, tape: list[dict[str, Any]]) -> TapeFold:
+        """The tape folded; the deltas merges refused are remembered (never accepted again)."""
+        fold = TapeFold()
+        for e in tape:
+            fold.feed(e)
+            if e.get("event") == "refuse_delta" and isinstance(e.get("digest"), str):
+                self._remember_refused(e["digest"])
+        return fold
+
+    def _start_from_scratch(self, fold: TapeFold, durable: Durable) -> None:
+        """Nothing durable: a fresh run (anything the tape accepted before is void)."""
+        for (rnd, lid), ev in sorted(fold.outstanding.items()):
+            self._record("discard", learner=lid, round=rnd, digest=ev["digest"], reason="the run restarted from "
+                         "scratch: no checkpoint was durable")
+        if durable.deltas:
+            self.out.append(DropDeltas(through_round=max(d.round for d in durable.deltas)))
+
+    def _resume_state(self, ck: Checkpoint, fold: TapeFold) -> None:
+        """The run as the checkpoint holds it, and whom it waits for: the checkpoint's members, and those who joined
+        since (on the tape)."""
+        self.run = ck
+        self.ef = ErrorFeedback(ck.layout.numel)
+        self.ef.residual = ck.residual
+        self.seen = set(ck.members) | fold.joined
+        self.merged = {int(k): v for k, v in ck.merged.items()}
+        self.retired = {int(k): list(v) for k, v in ck.retired.items()}
+        self.owners = dict(ck.owners)
+        self.sum = RoundSum.for_rule(ck.layout, self.cfg.merge)
+        self.digests = {v: d for v, d in fold.digests.items() if ck.version - self.cfg.max_base_lag <= v < ck.version}
+        self.digests[ck.version] = ck.digest
+
+    def _discard_unsaved(self, ck: Checkpoint, fold: TapeFold, saved: Saved) -> None:
+        """Deltas the tape accepted that the disk does not hold (or not for the open round) are void, on the tape."""
+        for (rnd, lid), ev in sorted(fold.outstanding.items()):
+            d = saved.get((rnd, lid))
+            if rnd != ck.version + 1 or d is None or d.digest != ev["digest"]:
+                self._record("discard", learner=lid, round=rnd, digest=ev["digest"],
+                             reason="not saved when the syncer stopped; its learner sends it again")
+
+    def _restore_saved(self, ck: Checkpoint, fold: TapeFold, saved: Saved) -> list[int]:
+        """The saved deltas of the open round back in its sum, in learner order; returns whose were restored."""
+        restored = []
+        for (rnd, lid), d in sorted(saved.items()):
+            ev = fold.outstanding.get((rnd, lid))
+            if not self._restorable(ck, fold, d, ev):
+                continue
+            try:
+                flat = self._decode(d)
+            except ProtocolError as e:  # a file that does not fit this run: its learner sends the delta again
+                if ev is not None:
+                    self._record("discard", learner=lid, round=rnd, digest=d.digest, reason=truncate(str(e)))
+                continue
+            self._measure(d, flat)
+            if ev is None:  # saved, but its tape line was lost: account for it now
+                self._record("delta", **self._delta_fields(d), norm=d.norm, recovered=True)
+            self.pending[lid] = d
+            self.sum.add(lid, flat, self._weight(d), self._scale(d))
+            restored.append(lid)
+        return restored
+
+    def _restorable(self, ck: Checkpoint, fold: TapeFold, d: AcceptedDelta, ev: Optional[dict[str, Any]]) -> bool:
+        """A saved delta counts again if it is the open round's, its base within --max-base-lag, and it is the delta
+        the tape accepted (or one the tape lost the line of, not one it merged or refused)."""
+        if d.round != ck.version + 1 or not 0 <= ck.version - d.base_version <= self.cfg.max_base_lag:
+            return False
+        if ev is None:
+            return not fold.resolved(d.round, d.learner, d.digest)
+        return ev["digest"] == d.digest
