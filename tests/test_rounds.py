@@ -176,6 +176,7 @@ def test_the_simulator_catches_a_round_committed_without_merging(monkeypatch):
     monkeypatch.setattr(score.SyncerCore, "_commit", commit_skipping_the_merge)
     out = _first_failure()
     assert out is not None and "cannot go from GRACE to COMMITTED" in out.error, out
+    assert out.error.startswith("the syncer recorded an internal error"), out  # halted and recorded, not a crash
 
 
 def test_the_simulator_checks_the_transition_table(monkeypatch):

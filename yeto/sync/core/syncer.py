@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from yeto.sync.core.actions import Action, Durable, SaveCheckpoint
+from yeto.sync.core.actions import Action, Durable, Exit, SaveCheckpoint
 from yeto.sync.core.admission import Admission
 from yeto.sync.core.config import SyncerConfig
 from yeto.sync.core.merging import Merging
@@ -55,6 +55,7 @@ QUORUM_WAIT_LOG_S = 15.0  # how often a round short of quorum says whom it waits
 PROGRESS_LOG_S = 60.0  # how often a slow round says whom it waits for
 MERGE_TIME_EMA = 0.5  # weight of the newest merge's time in the running estimate the grace leaves room for
 FINISH_LINGER_TIMEOUTS = 10  # after the finish, serve stragglers at most this many --learner-timeouts
+INTERNAL_ERROR_EXIT = 70  # sysexits' EX_SOFTWARE: the core reached a state it does not have (resumable)
 FINISH_GRACE_TIMEOUTS = 3  # ... and wait for a learner gone silent (asleep?) until it is silent this many
 STOP_LINGER_S = 10.0  # after a signal, wait at most this long for learners to say goodbye
 
@@ -74,8 +75,8 @@ class SyncerCore(Recovery, Admission, Merging):
 
     def receive(self, peer: str, parts: list[bytes], now: float, principal: Optional[str] = None) -> list[Action]:
         """One message from a learner connection; nothing a peer sends can raise out of here (a `RoundPhaseError`, the
-        core's own bug, does). `principal`: who the connection authenticated as (the ZAP User-Id: "join" or
-        "learner:<id>"); None without security."""
+        core's own state gone wrong, halts the syncer: see `_halt`). `principal`: who the connection authenticated as
+        (the ZAP User-Id: "join" or "learner:<id>"); None without security."""
         self.out = []
         try:
             if principal is not None and principal in self.revoked:
@@ -83,8 +84,8 @@ class SyncerCore(Recovery, Admission, Merging):
             msg = decode(parts, self.max_message_bytes)
             self.principal = principal
             getattr(self, f"_on_{msg.type}", self._on_unexpected)(peer, msg, now)
-        except RoundPhaseError:  # the core's own state is wrong: stop (a restart resumes from the tape), never go on
-            raise
+        except RoundPhaseError as e:  # the core's own state is wrong: never go on from it
+            self._halt("receive", e)
         except ProtocolError as e:
             self._reject(peer, str(e), e.code, now)
         except Exception as e:  # a bug must not take the fleet down: record it, answer, go on
@@ -95,8 +96,8 @@ class SyncerCore(Recovery, Admission, Merging):
         self.out = []
         try:
             self._tick(now)
-        except RoundPhaseError:
-            raise
+        except RoundPhaseError as e:
+            self._halt("tick", e)
         except Exception as e:  # a bug must not take the fleet down: record it (once per kind), go on
             key = f"{type(e).__name__}: {e}"
             if key not in self.internal_errors:
@@ -104,6 +105,15 @@ class SyncerCore(Recovery, Admission, Merging):
                 self._record("internal_error", where="tick", error=truncate(key))
                 self._log("error", f"internal error on the timer path (the run goes on): {key}")
         return self._flush()
+
+    def _halt(self, where: str, error: RoundPhaseError) -> None:
+        """Stop at once on a state the design does not have: recorded, nothing checkpointed or sent, exit
+        INTERNAL_ERROR_EXIT; the same command resumes from the tape's last durable state, and learners reconnect."""
+        self.out = []
+        self._record("internal_error", where=where, error=truncate(str(error)), fatal=True)
+        self._log("error", f"{error}; stopping (restart the syncer with the same --out: it resumes from its tape)")
+        self.exit_code = INTERNAL_ERROR_EXIT
+        self.out.append(Exit(INTERNAL_ERROR_EXIT))
 
     def _tick(self, now: float) -> None:
         gap = now - self.last_tick

@@ -87,6 +87,9 @@ class Oracle:
 
     def check_end(self) -> None:
         tape = self.w.syncer.disk.tape
+        internal = [e for e in tape if e["event"] == "internal_error"]
+        if internal:  # the core caught a bug of its own (and went on, or halted): a finding either way
+            raise Violation(f"the syncer recorded an internal error: {internal[0].get('error')}")
         # (the audit's bound checks are the influence invariant: no learner's claim bought more than the round's low
         # median weight, no merged delta was above k x the clip's reference)
         report = audit(tape)
