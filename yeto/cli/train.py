@@ -13,8 +13,8 @@ from yeto.island.config import TrainConfig
 from yeto.test_hooks import HIDDEN_TRAIN_FLAGS
 
 D = TrainConfig()
-# `yeto train --help` shows these after the everyday flags (their defaults need no touching)
 OLD_SPELLINGS = (OldSpelling("--num-learners", "num_learners"),)  # renamed flags, still accepted
+# `yeto train --help` shows these after the everyday flags (their defaults need no touching)
 TRAIN_ADVANCED = ("model_revision", "data_revision", "data_split", "data_config", "warmup_steps", "trust_remote_code",
                   "grad_accum", "lora_freeze_a", "micro_batch_size", "min_lr_ratio", "weight_decay", "max_grad_norm",
                   "lora_dropout", "lora_targets", "loss_function", "eval_fraction", "dtype", "gradient_checkpointing",
