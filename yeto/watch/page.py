@@ -100,8 +100,8 @@ function render(s) {
     cell(tr, f.utilization == null ? null : fmt(100 * f.utilization, 0) + "%");
   }
   const c = s.curves, loss = [];
-  for (const [lid, pts] of Object.entries(c.islands)) loss.push({name: "island " + lid + " inner", mode: "lines+markers",
-    x: pts.map(p => p[0]), y: pts.map(p => p[1])});
+  for (const [lid, pts] of Object.entries(c.islands)) loss.push({name: "island " + lid + " inner",
+    mode: "lines+markers", x: pts.map(p => p[0]), y: pts.map(p => p[1])});
   loss.push({name: "merged", mode: "lines+markers", line: {width: 3, color: "#222"},
     x: c.merged.map(p => p[0]), y: c.merged.map(p => p[1])});
   for (const [lid, pts] of Object.entries(c.eval)) if (pts.length) loss.push({name: "island " + lid + " eval",

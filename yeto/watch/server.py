@@ -93,7 +93,8 @@ class LocalRun:
         for lid, d in sorted(self._island_dirs().items()):
             follower = self.islands.setdefault(d, JsonlFollower(d / "metrics.jsonl"))
             follower.read()
-            islands[lid] = IslandFiles(lid, _read_json(d / "run.json"), follower.records, _read_json(d / "summary.json"))
+            islands[lid] = IslandFiles(lid, _read_json(d / "run.json"), follower.records,
+                                       _read_json(d / "summary.json"))
         return self.tape.records, islands, self.info
 
 
