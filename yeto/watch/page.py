@@ -76,10 +76,12 @@ const PHASES = [["inner_steps", "#4c78a8"], ["push", "#f58518"], ["waiting", "#b
                 ["broadcast", "#72b7b2"]];
 const LAYOUT = {margin: {l: 60, r: 10, t: 30, b: 80}, legend: {orientation: "h", y: -0.3}};
 const CONFIG = {displayModeBar: false, responsive: true};
+const ROUND_AXIS = {title: {text: "round"}, dtick: 1};
 function cell(tr, text, cls) { const td = tr.insertCell(); td.textContent = text == null ? "-" : text;
   if (cls) td.className = cls; return td; }
 function fmt(x, d) { return x == null ? "-" : Number(x).toFixed(d); }
 function text(id, value) { document.getElementById(id).textContent = value; }
+let drawn = null;
 function render(s) {
   const r = s.run;
   text("name", (r.name || "") + (r.dir ? " (" + r.dir + ")" : ""));
@@ -88,6 +90,8 @@ function render(s) {
   text("state", r.finished ? "finished: " + r.finished : (r.events ? "running" : "no tape yet"));
   text("cost", r.cost == null ? "" : "cost $" + fmt(r.cost, 2) + " ($" + fmt(r.cost_per_hour, 2) + "/h)");
   text("updated", "as of " + new Date(r.now * 1000).toLocaleTimeString());
+  if (r.stamp != null && r.stamp === drawn) return;  // nothing grew: the charts and tables stand
+  drawn = r.stamp;
   const alerts = document.getElementById("alerts"); alerts.replaceChildren();
   for (const a of s.alerts || []) { const li = document.createElement("li");
     li.textContent = "island " + a.learner + ": " + a.what + " (" + a.cause + ")"; alerts.appendChild(li); }
@@ -107,20 +111,20 @@ function render(s) {
     x: c.merged.map(p => p[0]), y: c.merged.map(p => p[1])});
   for (const [lid, pts] of Object.entries(c.eval)) if (pts.length) loss.push({name: "island " + lid + " eval",
     mode: "markers", marker: {symbol: "diamond", size: 9}, x: pts.map(p => p[0]), y: pts.map(p => p[1])});
-  Plotly.react("loss-chart", loss, {...LAYOUT, title: {text: "loss per round"}, xaxis: {title: {text: "round"}}}, CONFIG);
+  Plotly.react("loss-chart", loss, {...LAYOUT, title: {text: "loss per round"}, xaxis: ROUND_AXIS}, CONFIG);
   const rows = s.timeline.map(t => "r" + t.round + " island " + t.learner);
   Plotly.react("timeline-chart", PHASES.map(([k, color]) => ({type: "bar", orientation: "h", name: k.replace("_", " "),
     marker: {color}, y: rows, x: s.timeline.map(t => t[k])})),
     {...LAYOUT, barmode: "stack", title: {text: "where each round's time goes (s)"},
      yaxis: {autorange: "reversed", automargin: true}}, CONFIG);
   Plotly.react("bytes-chart", [{type: "bar", name: "delta bytes in", x: s.bytes.map(b => b[0]),
-    y: s.bytes.map(b => b[1])}], {...LAYOUT, title: {text: "bytes per round"}, xaxis: {title: {text: "round"}}}, CONFIG);
+    y: s.bytes.map(b => b[1])}], {...LAYOUT, title: {text: "bytes per round"}, xaxis: ROUND_AXIS}, CONFIG);
   const stale = s.events.filter(e => e.event === "stale" || e.event === "clip");
   Plotly.react("staleness-chart", ["stale", "clip"].map(k => ({mode: "markers", name: k === "stale" ? "stale (lag)" :
     "clipped (factor)", x: stale.filter(e => e.event === k).map(e => e.round),
     y: stale.filter(e => e.event === k).map(e => k === "stale" ? e.lag : e.factor),
     text: stale.filter(e => e.event === k).map(e => "island " + e.learner)})),
-    {...LAYOUT, title: {text: "staleness and clip events"}, xaxis: {title: {text: "round"}}}, CONFIG);
+    {...LAYOUT, title: {text: "staleness and clip events"}, xaxis: ROUND_AXIS}, CONFIG);
   const ev = document.querySelector("#events tbody"); ev.replaceChildren();
   for (const e of s.events.slice().reverse()) {
     const tr = ev.insertRow(); cell(tr, new Date(e.time * 1000).toLocaleTimeString(), "l"); cell(tr, e.event, "l");

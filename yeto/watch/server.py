@@ -87,6 +87,10 @@ class LocalRun:
                 found[int(lid)] = d
         return found
 
+    def stamp(self) -> str:
+        """Changes whenever a file the snapshot comes from grew (the page redraws its charts only then)."""
+        return ",".join(str(f.offset) for f in (self.tape, *self.islands.values()))
+
     def read(self) -> tuple[list[dict[str, Any]], dict[int, IslandFiles], dict[str, Any]]:
         self.tape.read()
         islands = {}
@@ -106,6 +110,9 @@ class CloudRun:
         self.events: list[dict[str, Any]] = []
         self.info: dict[str, Any] = {"name": record.name, "dir": record.out, "kind": "cloud"}
         self._tape_at = self._cost_at = 0.0
+
+    def stamp(self) -> str:
+        return f"{len(self.events)},{self.info.get('cost')}"
 
     def read(self) -> tuple[list[dict[str, Any]], dict[int, IslandFiles], dict[str, Any]]:
         from yeto.launch.manage import _head_tape, cloud_costs
@@ -159,6 +166,8 @@ class Dashboard:
             events, islands, info = self.source.read()
             snap = snapshot(events, islands, self.clock(), info)
             snap["alerts"] = alerts(snap, events)
+            states = ",".join(row["state"] for row in snap["fleet"])  # a state can change with time alone (late)
+            snap["run"]["stamp"] = f"{self.source.stamp()}|{states}|{len(snap['alerts'])}"
             return snap
 
 
