@@ -76,12 +76,13 @@ const PHASES = [["inner_steps", "#4c78a8"], ["push", "#f58518"], ["waiting", "#b
                 ["broadcast", "#72b7b2"]];
 const LAYOUT = {margin: {l: 60, r: 10, t: 30, b: 80}, legend: {orientation: "h", y: -0.3}};
 const CONFIG = {displayModeBar: false, responsive: true};
-const ROUND_AXIS = {title: {text: "round"}, dtick: 1};
+const ROUND_AXIS = {title: {text: "round"}};
 function cell(tr, text, cls) { const td = tr.insertCell(); td.textContent = text == null ? "-" : text;
   if (cls) td.className = cls; return td; }
 function fmt(x, d) { return x == null ? "-" : Number(x).toFixed(d); }
 function text(id, value) { document.getElementById(id).textContent = value; }
 let drawn = null;
+function c_rounds(s) { return s.curves.rounds.length ? s.curves.rounds[s.curves.rounds.length - 1] : 0; }
 function render(s) {
   const r = s.run;
   text("name", (r.name || "") + (r.dir ? " (" + r.dir + ")" : ""));
@@ -104,6 +105,7 @@ function render(s) {
     cell(tr, f.lag); cell(tr, fmt(f.tokens_per_s, 0));
     cell(tr, f.utilization == null ? null : fmt(100 * f.utilization, 0) + "%");
   }
+  ROUND_AXIS.dtick = c_rounds(s) <= 20 ? 1 : null;  // integer ticks while they fit
   const c = s.curves, loss = [];
   for (const [lid, pts] of Object.entries(c.islands)) loss.push({name: "island " + lid + " inner",
     mode: "lines+markers", x: pts.map(p => p[0]), y: pts.map(p => p[1])});
