@@ -106,9 +106,27 @@ class Watched:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def update_lag(lines: int) -> None:
+    """Also the CPU the dashboard's server and its Chromium page use meanwhile (a core's share)."""
+    import psutil
+
     w = Watched()
     lags = []
+    browser = [p.pid for p in psutil.Process(w.driver.service.process.pid).children(recursive=True)]
+    t0, server0, browser0 = time.perf_counter(), cpu_seconds([w.board.pid]), cpu_seconds(browser)
     try:
         rng = random.Random(0)
         for _ in range(lines):
@@ -117,10 +135,14 @@ def update_lag(lines: int) -> None:
                 continue
             t = time.perf_counter()
             lags.append(w.wait_shown(w.written, 10) - t)
+        wall = time.perf_counter() - t0
+        server, page = cpu_seconds([w.board.pid]) - server0, cpu_seconds(browser) - browser0
     finally:
         w.close()
     print(f"(a) update lag over {len(lags)} appended tape lines: median {statistics.median(lags) * 1000:.0f} ms, "
           f"max {max(lags) * 1000:.0f} ms (the page polls every 500 ms)")
+    print(f"    CPU meanwhile ({wall:.0f} s, a line every 0.5 s on average): the dashboard server "
+          f"{100 * server / wall:.1f}% of a core, Chromium (every process of it) {100 * page / wall:.1f}%")
 
 
 def merge_round(layout, msgs, tokens, state) -> float:
