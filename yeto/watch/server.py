@@ -25,6 +25,7 @@ from yeto.watch.snapshot import IslandFiles, snapshot
 
 CLOUD_POLL_S = 10.0  # a cloud head's tape is copied over ssh at most this often
 COST_POLL_S = 60.0  # SkyPilot's cost report is asked at most this often
+MAX_PORT = 65535
 HOST = "127.0.0.1"  # loopback only: the page shows a run's internals to whoever can reach it
 
 
@@ -179,6 +180,8 @@ def export(source, out: str | Path) -> Path:
 
 def serve(source, port: int = 0, ready: Optional[Callable[[str], None]] = None) -> None:
     """Serve the page on loopback until interrupted; `ready(url)` once it listens."""
+    if not 0 <= port <= MAX_PORT:
+        raise YetoError(f"--port {port} is not a port (0 to {MAX_PORT}; 0 picks a free one)")
     board = Dashboard(source)
     page = live_page().encode()
     script = plotly_js().encode()
