@@ -195,3 +195,57 @@ def test_the_export_is_one_file_with_the_snapshot_and_plotly_inside(tmp_path):
     assert "src=\"http" not in html and "<link" not in html and "/snapshot.json\"" in html  # poll() is unused
     assert "render({" in html and '"rounds_merged":5' in html and "Plotly" in html
     assert time.time() - t < 60
+
+
+def test_a_cloud_run_is_read_as_yeto_status_reads_it_with_its_cost(monkeypatch):
+    """The head's tape (over ssh in a real run) and SkyPilot's cost report stand in by fakes: no cloud here."""
+    import yeto.launch.cloud
+    import yeto.launch.manage
+    from yeto.launch.registry import RunRecord
+    from yeto.watch.server import CloudRun, Dashboard
+
+    events = read_tape(RUN / "syncer")
+    copies = []
+    monkeypatch.setattr(yeto.launch.manage, "_head_tape", lambda run: copies.append(run.name) or (events, ""))
+
+    class FakeSky:
+        def cost_report(self):
+            return "request"
+
+        def get(self, request):
+            assert request == "request"
+            return [{"name": "pirate-head", "launched_at": 1000.0, "total_cost": 1.5},
+                    {"name": "pirate-l0", "launched_at": 1000.0, "total_cost": 0.5},
+                    {"name": "someone-else", "launched_at": 1000.0, "total_cost": 99.0},
+                    {"name": "pirate-l0", "launched_at": 10.0, "total_cost": 7.0}]  # an older run's cluster
+
+    monkeypatch.setattr(yeto.launch.cloud, "SkyPilotClient", lambda: type("C", (), {"sky": FakeSky()})())
+    record = RunRecord("pirate", "cloud", "/nowhere", created=1000.0, head_cluster="pirate-head",
+                       learner_clusters={"0": "pirate-l0"})
+    clock = lambda: 1000.0 + 2 * 3600  # noqa: E731
+    board = Dashboard(CloudRun(record, clock), clock)
+    snap = board.snapshot()
+    assert (snap["run"]["kind"], snap["run"]["cost"], snap["run"]["cost_per_hour"]) == ("cloud", 2.0, 1.0)
+    assert [r["learner"] for r in snap["fleet"]] == [0, 1] and snap["run"]["rounds_merged"] == 5
+    board.snapshot()
+    assert copies == ["pirate"]  # the head's tape is copied at most every CLOUD_POLL_S, not on every poll
+
+
+def test_the_snapshot_is_folded_again_when_the_tape_grows_or_time_passes(tmp_path):
+    from yeto.watch.server import REFOLD_S, Dashboard
+
+    events = read_tape(RUN / "syncer")
+    (tmp_path / "syncer").mkdir()
+    tape = tmp_path / "syncer" / "tape.jsonl"
+    tape.write_text("".join(json.dumps(e) + "\n" for e in events[:20]))
+    now = [events[19]["time"]]
+    board = Dashboard(open_run(str(tmp_path)), clock=lambda: now[0])
+    first = board.snapshot()
+    now[0] += 1
+    again = board.snapshot()
+    assert again is first and again["run"]["now"] == now[0]  # nothing grew: the same fold, its clock moved
+    now[0] += REFOLD_S
+    assert board.snapshot() is not first
+    with open(tape, "a") as f:
+        f.write(json.dumps(events[20]) + "\n")
+    assert board.snapshot()["run"]["events"] == 21

@@ -25,6 +25,7 @@ from yeto.watch.snapshot import IslandFiles, snapshot
 
 CLOUD_POLL_S = 10.0  # a cloud head's tape is copied over ssh at most this often
 COST_POLL_S = 60.0  # SkyPilot's cost report is asked at most this often
+REFOLD_S = 5.0  # an unchanged run is folded again this often (for states that change with time alone)
 MAX_PORT = 65535
 HOST = "127.0.0.1"  # loopback only: the page shows a run's internals to whoever can reach it
 
@@ -106,8 +107,9 @@ class LocalRun:
 class CloudRun:
     """A launched cloud run: the head's tape over ssh and SkyPilot's costs, as `yeto status` reads them."""
 
-    def __init__(self, record):
+    def __init__(self, record, clock: Callable[[], float] = time.time):
         self.record = record
+        self.clock = clock
         self.events: list[dict[str, Any]] = []
         self.info: dict[str, Any] = {"name": record.name, "dir": record.out, "kind": "cloud"}
         self._tape_at = self._cost_at = 0.0
@@ -118,7 +120,7 @@ class CloudRun:
     def read(self) -> tuple[list[dict[str, Any]], dict[int, IslandFiles], dict[str, Any]]:
         from yeto.launch.manage import _head_tape, cloud_costs
 
-        now = time.time()
+        now = self.clock()
         if now - self._tape_at >= CLOUD_POLL_S:
             self._tape_at = now
             events, why = _head_tape(self.record)
@@ -155,20 +157,29 @@ def open_run(target: str):
 
 
 class Dashboard:
-    """The run's latest snapshot, rebuilt when asked (at most one rebuild at a time)."""
+    """The run's latest snapshot. Folded again only when a file grew, or REFOLD_S after the last fold (a state can
+    change with time alone: late); between, the last one is served with its clock moved on, so a long tape costs
+    a fold per change, not one per poll of every open page."""
 
     def __init__(self, source, clock: Callable[[], float] = time.time):
         self.source = source
         self.clock = clock
         self._lock = threading.Lock()
+        self._last: Optional[dict[str, Any]] = None
+        self._folded = (None, 0.0)  # (the source's stamp, when)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             events, islands, info = self.source.read()
-            snap = snapshot(events, islands, self.clock(), info)
+            now, grown = self.clock(), self.source.stamp()
+            if self._last is not None and self._folded[0] == grown and now - self._folded[1] < REFOLD_S:
+                self._last["run"]["now"] = now
+                return self._last
+            snap = snapshot(events, islands, now, info)
             snap["alerts"] = alerts(snap, events)
             states = ",".join(row["state"] for row in snap["fleet"])  # a state can change with time alone (late)
-            snap["run"]["stamp"] = f"{self.source.stamp()}|{states}|{len(snap['alerts'])}"
+            snap["run"]["stamp"] = f"{grown}|{states}|{len(snap['alerts'])}"
+            self._last, self._folded = snap, (grown, now)
             return snap
 
 
