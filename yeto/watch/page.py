@@ -57,7 +57,7 @@ th { background: #f4f4f4; } td.l, th.l { text-align: left; }
 <div id="summary"><span>version <b id="version">-</b> / <span id="outer">?</span></span>
 <span>rounds merged <b id="rounds">0</b></span><span>open round <b id="open">-</b></span>
 <span>state <b id="state">-</b></span><span id="cost"></span><span>tape events <b id="seq">0</b></span>
-<span id="updated"></span></div>
+<span id="updated"></span> <span id="note" class="late"></span></div>
 <ul id="alerts"></ul>
 <h2>Fleet</h2>
 <table id="fleet"><thead><tr><th>island</th><th class="l">backend</th><th class="l">device</th><th class="l">state</th>
@@ -90,7 +90,7 @@ function render(s) {
   text("open", r.open_round == null ? "-" : r.open_round); text("seq", r.events);
   text("state", r.finished ? "finished: " + r.finished : (r.events ? "running" : "no tape yet"));
   text("cost", r.cost == null ? "" : "cost $" + fmt(r.cost, 2) + " ($" + fmt(r.cost_per_hour, 2) + "/h)");
-  text("updated", "as of " + new Date(r.now * 1000).toLocaleTimeString());
+  text("updated", "as of " + new Date(r.now * 1000).toLocaleTimeString()); text("note", r.note || "");
   if (r.stamp != null && r.stamp === drawn) return;  // nothing grew: the charts and tables stand
   drawn = r.stamp;
   const alerts = document.getElementById("alerts"); alerts.replaceChildren();

@@ -113,30 +113,42 @@ class CloudRun:
         self.events: list[dict[str, Any]] = []
         self.info: dict[str, Any] = {"name": record.name, "dir": record.out, "kind": "cloud"}
         self._tape_at = self._cost_at = 0.0
+        self._fetching = threading.Lock()
 
     def stamp(self) -> str:
         return f"{len(self.events)},{self.info.get('cost')}"
 
     def read(self) -> tuple[list[dict[str, Any]], dict[int, IslandFiles], dict[str, Any]]:
+        """What was last fetched; a fetch that is due runs on its own thread (ssh may take SSH_TIMEOUT_S), except
+        the first, which the page waits for."""
+        now = self.clock()
+        due = now - self._tape_at >= CLOUD_POLL_S or now - self._cost_at >= COST_POLL_S
+        if due and not self._fetching.locked():
+            if self._tape_at == 0.0:
+                self._fetch(now)
+            else:
+                threading.Thread(target=self._fetch, args=(now,), daemon=True).start()
+        return self.events, {}, self.info
+
+    def _fetch(self, now: float) -> None:
         from yeto.launch.manage import _head_tape, cloud_costs
 
-        now = self.clock()
-        if now - self._tape_at >= CLOUD_POLL_S:
-            self._tape_at = now
-            events, why = _head_tape(self.record)
-            self.events = events or self.events
-            self.info["note"] = why
-        if now - self._cost_at >= COST_POLL_S:
-            self._cost_at = now
-            try:
-                from yeto.launch.cloud import SkyPilotClient
+        with self._fetching:
+            if now - self._tape_at >= CLOUD_POLL_S:
+                self._tape_at = now
+                events, why = _head_tape(self.record)
+                self.events = events or self.events
+                self.info["note"] = why
+            if now - self._cost_at >= COST_POLL_S:
+                self._cost_at = now
+                try:
+                    from yeto.launch.cloud import SkyPilotClient
 
-                cost = sum(cloud_costs(self.record, SkyPilotClient()).values())
-                hours = max((now - self.record.created) / 3600, 1e-9)
-                self.info.update(cost=round(cost, 4), cost_per_hour=round(cost / hours, 4))
-            except Exception as e:  # SkyPilot's errors are many; the page says the cost is unknown
-                self.info["note"] = f"SkyPilot unreachable ({one_line(e)})"
-        return self.events, {}, self.info
+                    cost = sum(cloud_costs(self.record, SkyPilotClient()).values())
+                    hours = max((now - self.record.created) / 3600, 1e-9)
+                    self.info.update(cost=round(cost, 4), cost_per_hour=round(cost / hours, 4))
+                except Exception as e:  # SkyPilot's errors are many; the page says the cost is unknown
+                    self.info["note"] = f"SkyPilot unreachable ({one_line(e)})"
 
 
 def open_run(target: str):
