@@ -5,7 +5,6 @@ tests/test_dashboard_browser.py."""
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -187,14 +186,12 @@ def test_a_bad_target_or_port_is_one_error_line(tmp_path):
 def test_the_export_is_one_file_with_the_snapshot_and_plotly_inside(tmp_path):
     pytest.importorskip("plotly", reason="the watch extra (plotly) is not installed")
     out = tmp_path / "run.html"
-    t = time.time()
     r = subprocess.run([sys.executable, "-m", "yeto", "dashboard", str(RUN), "--export", str(out)], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     html = out.read_text()
     assert "src=\"http" not in html and "<link" not in html and "/snapshot.json\"" in html  # poll() is unused
     assert "render({" in html and '"rounds_merged":5' in html and "Plotly" in html
-    assert time.time() - t < 60
 
 
 def test_a_cloud_run_is_read_as_yeto_status_reads_it_with_its_cost(monkeypatch):
