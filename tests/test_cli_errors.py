@@ -39,6 +39,8 @@ USAGE = {  # name: argv; each must be a usage error
     "keys list unknown flag": YETO + ["keys", "list", "--out", "x", "--bogus"],
     "tape missing argument": YETO + ["tape"],
     "tape unknown flag": YETO + ["tape", "x", "--bogus"],
+    "dashboard missing argument": YETO + ["dashboard"],
+    "dashboard bad port": YETO + ["dashboard", "x", "--port", "p"],
     "generate missing prompt": YETO + ["generate", "--adapter", "x"],
     "generate bad int": YETO + ["generate", "--adapter", "x", "--prompt", "p", "--max-new-tokens", "q"],
     "models unknown flag": YETO + ["models", "--bogus"],

@@ -1,4 +1,4 @@
-"""The `yeto` command: train, syncer, launch, keys, tape, generate, export, models."""
+"""The `yeto` command: train, syncer, launch, keys, tape, dashboard, generate, export, models."""
 
 from __future__ import annotations
 
@@ -109,6 +109,29 @@ def tape(
     summarize(run_dir)
     if plot or png:
         typer.echo(f"plot: {plot_tape(run_dir, png)}")
+
+
+@app.command()
+def dashboard(
+    run: Annotated[str, typer.Argument(help="A run directory (yeto launch --out, or a syncer's --out), or a launched "
+                                            "run's name (yeto status lists them).")],
+    port: Annotated[int, typer.Option(help="Loopback port for the page (0: a free one, printed).")] = 0,
+    export: Annotated[Optional[str], typer.Option("--export", help="Write the page as one self-contained HTML file "
+                                                                   "(opens with no network) and exit.")] = None,
+) -> None:
+    """Watch a run in a browser, live or finished, local or cloud: the fleet, loss curves, where each round's time
+    goes, bytes, staleness and clips, alerts (and for cloud runs the cost). It only reads the run's files."""
+    from yeto.watch.server import export as export_html
+    from yeto.watch.server import open_run, serve
+
+    source = open_run(run)
+    if export:
+        typer.echo(f"dashboard written: {export_html(source, export)}")
+        return
+    try:
+        serve(source, port, ready=lambda url: typer.echo(f"dashboard: {url}  (Ctrl-C stops it)"))
+    except KeyboardInterrupt:
+        pass
 
 
 @app.command()

@@ -143,20 +143,16 @@ def _cloud_status(run: RunRecord, console) -> None:
 
     from yeto.launch.cloud import SkyPilotClient
 
-    names = [run.head_cluster or "", *run.learner_clusters.values()]
+    names = cluster_names(run)
     try:
         client = SkyPilotClient()
         views = client.clusters(names)
-        report = client.sky.get(client.sky.cost_report())
+        costs = cloud_costs(run, client)
     except YetoError:
         raise
     except Exception as e:  # the API server's errors are many; any means the same here
         console.print(f"[yellow]SkyPilot unreachable ({one_line(e)}); showing the run's tape only[/yellow]")
         return
-    costs: dict[str, float] = {}  # one report entry per launch of a cluster (relaunches too), this run's only
-    for c in report:
-        if c.get("name") in names and (c.get("launched_at") or 0) >= run.created - CLOCK_SLACK_S:
-            costs[c["name"]] = costs.get(c["name"], 0.0) + float(c.get("total_cost") or 0.0)
     table = Table(title="clusters")
     for col in ("cluster", "status", "learner job", "cost so far ($)"):
         table.add_column(col)
@@ -166,6 +162,21 @@ def _cloud_status(run: RunRecord, console) -> None:
                       f"{costs[name]:.2f}" if name in costs else "-")
     console.print(table)
     console.print(f"cost so far: ${sum(costs.values()):.2f}")
+
+
+def cluster_names(run: RunRecord) -> list[str]:
+    return [run.head_cluster or "", *run.learner_clusters.values()]
+
+
+def cloud_costs(run: RunRecord, client) -> dict[str, float]:
+    """Each of the run's clusters' cost so far ($), from SkyPilot's cost report: one entry per launch of a cluster
+    (relaunches too), this run's only. `client`: a `yeto.launch.cloud.SkyPilotClient`."""
+    names = cluster_names(run)
+    costs: dict[str, float] = {}
+    for c in client.sky.get(client.sky.cost_report()):
+        if c.get("name") in names and (c.get("launched_at") or 0) >= run.created - CLOCK_SLACK_S:
+            costs[c["name"]] = costs.get(c["name"], 0.0) + float(c.get("total_cost") or 0.0)
+    return costs
 
 
 def logs(run: RunRecord, learner: Optional[int], follow: bool, out=None) -> None:

@@ -1,0 +1,246 @@
+"""`yeto dashboard`'s shell: it finds a run (a directory, or a launched run's name), follows its files and serves
+the page on loopback.
+
+It only reads: the tape and the islands' files as they grow (each poll reads the bytes appended since the last,
+never a lock or a socket of the syncer's), or, for a cloud run, what `yeto status` reads (the head's tape over
+ssh, SkyPilot's cost report), at most every CLOUD_POLL_S. The server is the standard library's
+ThreadingHTTPServer: three GET routes and no framework needed for them (the page polls; nothing streams).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from yeto import YetoError, one_line
+from yeto.sync.shell.tape import TAPE_FILE
+from yeto.watch.alerts import alerts
+from yeto.watch.page import export_page, live_page, plotly_js
+from yeto.watch.snapshot import IslandFiles, snapshot
+
+CLOUD_POLL_S = 10.0  # a cloud head's tape is copied over ssh at most this often
+COST_POLL_S = 60.0  # SkyPilot's cost report is asked at most this often
+REFOLD_S = 5.0  # an unchanged run is folded again this often (for states that change with time alone)
+MAX_PORT = 65535
+HOST = "127.0.0.1"  # loopback only: the page shows a run's internals to whoever can reach it
+
+
+class JsonlFollower:
+    """The complete lines appended to a JSONL file since the last `read`; a torn last line waits for its end."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.records: list[dict[str, Any]] = []
+
+    def read(self) -> bool:
+        """Fold in what was appended; True when something was."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return False
+        if size < self.offset:  # rewritten (a repaired torn tail): start over
+            self.offset, self.records = 0, []
+        if size == self.offset:
+            return False
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].splitlines():
+            if line.strip():
+                try:
+                    self.records.append(json.loads(line))
+                except ValueError:
+                    continue  # `yeto tape --audit` names damage; the dashboard shows what it can read
+        self.offset += end
+        return end > 0
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+class LocalRun:
+    """A run directory on this machine: RUN/syncer/tape.jsonl and RUN/island-I/ (or a syncer's --out alone)."""
+
+    def __init__(self, root: Path, name: str = ""):
+        self.root = root
+        syncer = root / "syncer" if (root / "syncer").is_dir() else root
+        self.tape = JsonlFollower(syncer / TAPE_FILE)
+        self.islands: dict[Path, JsonlFollower] = {}
+        self.info = {"name": name or root.name, "dir": str(root), "kind": "local"}
+
+    def _island_dirs(self) -> dict[int, Path]:
+        """island-I directories beside the syncer's (`yeto launch` lays a run out so)."""
+        base = self.root.parent if not (self.root / "syncer").is_dir() and self.root.name == "syncer" else self.root
+        found = {}
+        for d in base.glob("island-*"):
+            lid = d.name.removeprefix("island-").split("-")[0]
+            if d.is_dir() and lid.isdigit():
+                found[int(lid)] = d
+        return found
+
+    def stamp(self) -> str:
+        """Changes whenever a file the snapshot comes from grew (the page redraws its charts only then)."""
+        return ",".join(str(f.offset) for f in (self.tape, *self.islands.values()))
+
+    def read(self) -> tuple[list[dict[str, Any]], dict[int, IslandFiles], dict[str, Any]]:
+        self.tape.read()
+        islands = {}
+        for lid, d in sorted(self._island_dirs().items()):
+            follower = self.islands.setdefault(d, JsonlFollower(d / "metrics.jsonl"))
+            follower.read()
+            islands[lid] = IslandFiles(lid, _read_json(d / "run.json"), follower.records,
+                                       _read_json(d / "summary.json"))
+        return self.tape.records, islands, self.info
+
+
+class CloudRun:
+    """A launched cloud run: the head's tape over ssh and SkyPilot's costs, as `yeto status` reads them."""
+
+    def __init__(self, record, clock: Callable[[], float] = time.time):
+        self.record = record
+        self.clock = clock
+        self.events: list[dict[str, Any]] = []
+        self.info: dict[str, Any] = {"name": record.name, "dir": record.out, "kind": "cloud"}
+        self._tape_at = self._cost_at = 0.0
+        self._fetching = threading.Lock()
+
+    def stamp(self) -> str:
+        return f"{len(self.events)},{self.info.get('cost')}"
+
+    def read(self) -> tuple[list[dict[str, Any]], dict[int, IslandFiles], dict[str, Any]]:
+        """What was last fetched; a fetch that is due runs on its own thread (ssh may take SSH_TIMEOUT_S), except
+        the first, which the page waits for."""
+        now = self.clock()
+        due = now - self._tape_at >= CLOUD_POLL_S or now - self._cost_at >= COST_POLL_S
+        if due and not self._fetching.locked():
+            if self._tape_at == 0.0:
+                self._fetch(now)
+            else:
+                threading.Thread(target=self._fetch, args=(now,), daemon=True).start()
+        return self.events, {}, self.info
+
+    def _fetch(self, now: float) -> None:
+        from yeto.launch.manage import _head_tape, cloud_costs
+
+        with self._fetching:
+            if now - self._tape_at >= CLOUD_POLL_S:
+                self._tape_at = now
+                events, why = _head_tape(self.record)
+                self.events = events or self.events
+                self.info["note"] = why
+            if now - self._cost_at >= COST_POLL_S:
+                self._cost_at = now
+                try:
+                    from yeto.launch.cloud import SkyPilotClient
+
+                    cost = sum(cloud_costs(self.record, SkyPilotClient()).values())
+                    hours = max((now - self.record.created) / 3600, 1e-9)
+                    self.info.update(cost=round(cost, 4), cost_per_hour=round(cost / hours, 4))
+                except Exception as e:  # SkyPilot's errors are many; the page says the cost is unknown
+                    self.info["note"] = f"SkyPilot unreachable ({one_line(e)})"
+
+
+def open_run(target: str):
+    """A directory holding a run (or a syncer's --out), else a run launched under that name."""
+    path = Path(target).expanduser()
+    if path.is_dir():
+        if not ((path / "syncer").is_dir() or (path / TAPE_FILE).exists() or any(path.glob("island-*"))):
+            raise YetoError(f"{path} holds no run: give a `yeto launch --out` directory (with syncer/ inside), a "
+                            "syncer's --out directory, or a launched run's name (yeto status lists them)")
+        return LocalRun(path)
+    from yeto.launch.registry import load_run
+
+    try:
+        record = load_run(target)
+    except YetoError as e:
+        raise YetoError(f"{target} is neither a run directory nor a launched run's name ({e})") from e
+    return LocalRun(Path(record.out), record.name) if record.kind == "local" else CloudRun(record)
+
+
+class Dashboard:
+    """The run's latest snapshot. Folded again only when a file grew, or REFOLD_S after the last fold (a state can
+    change with time alone: late); between, the last one is served with its clock moved on, so a long tape costs
+    a fold per change, not one per poll of every open page."""
+
+    def __init__(self, source, clock: Callable[[], float] = time.time):
+        self.source = source
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._last: Optional[dict[str, Any]] = None
+        self._folded = (None, 0.0)  # (the source's stamp, when)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            events, islands, info = self.source.read()
+            now, grown = self.clock(), self.source.stamp()
+            if self._last is not None and self._folded[0] == grown and now - self._folded[1] < REFOLD_S:
+                self._last["run"]["now"] = now
+                return self._last
+            snap = snapshot(events, islands, now, info)
+            snap["alerts"] = alerts(snap, events)
+            states = ",".join(row["state"] for row in snap["fleet"])  # a state can change with time alone (late)
+            snap["run"]["stamp"] = f"{grown}|{states}|{len(snap['alerts'])}"
+            self._last, self._folded = snap, (grown, now)
+            return snap
+
+
+def export(source, out: str | Path) -> Path:
+    out = Path(out)
+    out.write_text(export_page(Dashboard(source).snapshot()))
+    return out
+
+
+def serve(source, port: int = 0, ready: Optional[Callable[[str], None]] = None) -> None:
+    """Serve the page on loopback until interrupted; `ready(url)` once it listens."""
+    if not 0 <= port <= MAX_PORT:
+        raise YetoError(f"--port {port} is not a port (0 to {MAX_PORT}; 0 picks a free one)")
+    board = Dashboard(source)
+    page = live_page().encode()
+    script = plotly_js().encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
+            route = self.path.split("?")[0]
+            if route == "/":
+                self._send(page, "text/html; charset=utf-8")
+            elif route == "/plotly.min.js":
+                self._send(script, "text/javascript; charset=utf-8", cache=True)
+            elif route == "/snapshot.json":
+                self._send(json.dumps(board.snapshot()).encode(), "application/json")
+            else:
+                self.send_error(HTTPStatus.NOT_FOUND)
+
+        def _send(self, body: bytes, kind: str, cache: bool = False) -> None:
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "max-age=3600" if cache else "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # a request every half second per open page: not worth a line each
+
+    try:
+        server = ThreadingHTTPServer((HOST, port), Handler)
+    except OSError as e:
+        raise YetoError(f"cannot listen on {HOST}:{port} ({e.strerror}): pick another --port, or leave it out for a "
+                        "free one") from e
+    server.daemon_threads = True
+    if ready is not None:
+        ready(f"http://{HOST}:{server.server_address[1]}/")
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
