@@ -34,7 +34,7 @@ def test_the_snapshot_of_a_finished_run_says_what_its_tape_and_islands_say():
     for row in snap["fleet"]:
         mine = [d for d in deltas if d["learner"] == row["learner"]]
         assert (row["backend"], row["device"], row["state"], row["version"], row["merges"]) == (
-            "torch", "cpu", "gone", 5, 5)
+            "torch", "cpu", "done", 5, 5)  # left at the end of a finished run
         assert row["last_delta_round"] == 5 and row["lag"] == 0
         assert row["tokens_per_s"] == round(mine[-1]["tokens"] / mine[-1]["compute_s"], 1)
         assert 0.9 < row["utilization"] <= 1.0  # the demo's islands computed ~98% of their wall time

@@ -71,7 +71,7 @@ def _low_utilization(fleet: list[dict[str, Any]], timeline: list[dict[str, Any]]
     out = []
     for row in fleet:
         u = row.get("utilization")
-        if u is None or u >= min_utilization or row.get("state") in ("gone", "given up", "not joined"):
+        if u is None or u >= min_utilization or row.get("state") in ("gone", "done", "given up", "not joined"):
             continue
         mine = [t for t in timeline if t["learner"] == row["learner"]]
         spent = {k: sum(t[k] for t in mine) for k in ("inner_steps", "push", "waiting", "merge", "broadcast")}

@@ -48,6 +48,7 @@ h1 { font-size: 20px; margin: 0 0 .3em; } h2 { font-size: 16px; margin: 1.2em 0 
 table { border-collapse: collapse; } td, th { padding: 2px 10px; border-bottom: 1px solid #ddd; text-align: right; }
 th { background: #f4f4f4; } td.l, th.l { text-align: left; }
 .alive { color: #187a18; } .late { color: #b86e00; font-weight: bold; } .gone, .given-up { color: #b00; }
+.done { color: #555; }
 #summary span { margin-right: 1.5em; } .charts { display: grid; grid-template-columns: 1fr 1fr; gap: 8px; }
 .chart { height: 320px; } #alerts li { color: #b00; } #events { max-height: 220px; overflow-y: auto; }
 </style>

@@ -3,7 +3,7 @@
 `snapshot(events, islands, now)` reads the syncer's tape (its events, in order) and what each island wrote
 (`IslandFiles`: its run.json, metrics.jsonl events and summary.json, where this machine has them) into:
 
-- `fleet`: one row per island: backend, device, state (alive, late, gone, given up), the version it was last sent,
+- `fleet`: one row per island: backend, device, state (alive, late, gone, done, given up), the version it was last sent,
   its last delta (round, seconds ago), that delta's lag, tokens/s over its inner steps, utilization (compute over
   wall time since it joined);
 - `curves`: each island's mean inner loss per round (from its deltas), the merged loss per round (the merge
@@ -78,11 +78,13 @@ def _timeline(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _state(lid: int, row, open_round: Optional[dict[str, Any]], sent: set[int], typical: Optional[float],
-           now: float) -> str:
+           now: float, finished: bool) -> str:
     if row.given_up:
         return "given up"
     if not row.alive:
-        return "gone" if row.backend != "?" else "not joined"
+        if row.backend == "?":
+            return "not joined"
+        return "done" if finished else "gone"
     if open_round is not None and typical and lid not in sent and lid in open_round.get("members", [lid]):
         if now - open_round["time"] > LATE_FACTOR * typical:
             return "late"
@@ -135,7 +137,7 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
             utilization = min(1.0, compute[lid] / wall)
         fleet.append({
             "learner": lid, "backend": row.backend if row.backend != "?" else files.run.get("backend", "?"),
-            "device": cfg.get("device", "?"), "state": _state(lid, row, open_round, sent, typical, now),
+            "device": cfg.get("device", "?"), "state": _state(lid, row, open_round, sent, typical, now, view.finished),
             "version": version_sent.get(lid), "merges": row.answered,
             "last_delta_round": d.get("round"), "last_delta_ago": round(now - d["time"], 1) if d else None,
             "lag": d.get("lag"),
