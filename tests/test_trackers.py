@@ -1,0 +1,201 @@
+"""--report-to: a real `yeto train` and a real `yeto launch` fleet report to each tracker, read back with the
+tracker's own reader (TensorBoard's EventAccumulator, wandb's offline run file, mlflow's client, trackio's store);
+a bad name is one line; a tracker that raises never stops the syncer."""
+
+import json
+import os
+import subprocess
+import sys
+import pytest
+
+from tests.conftest import DEMO_DATA, REPO
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", COLUMNS="200", WANDB_MODE="offline",
+           WANDB_SILENT="true")
+for key in ("WANDB_API_KEY", "MLFLOW_TRACKING_URI", "TRACKIO_DIR"):  # nothing leaves this machine
+    ENV.pop(key, None)
+STEPS = 4
+
+
+def train(model, out, report_to, *args):
+    return subprocess.run([sys.executable, "-m", "yeto", "train", "--model", str(model), "--data", str(DEMO_DATA),
+                           "--out", str(out), "--max-steps", str(STEPS), "--seq-len", "64", "--batch-size", "2",
+                           "--lora-r", "4", "--threads", "1", "--eval-every", "0", "--no-progress",
+                           "--report-to", report_to, *args],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def scalars(logdir):
+    """Every scalar series of a TensorBoard directory, by tag: [(step, value)], through TensorBoard's reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def steps_logged(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["event"] == "step"]
+
+
+def test_train_reports_to_tensorboard_wandb_mlflow_and_trackio(tiny_model, tmp_path):
+    pytest.importorskip("tensorboard", reason="the `track` extra is not installed")
+    out = tmp_path / "solo"
+    r = train(tiny_model("llama"), out, "tensorboard,wandb,mlflow,trackio")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "failed" not in r.stderr, r.stderr[-2000:]
+    expected = [(s["step"], s["loss"]) for s in steps_logged(out)]
+    assert len(expected) == STEPS
+
+    tb = scalars(out / "tb" / "solo")
+    assert [s for s, _ in tb["train/loss"]] == [s for s, _ in expected]
+    assert [v for _, v in tb["train/loss"]] == pytest.approx([v for _, v in expected], rel=1e-5)
+    for tag in ("train/lr", "train/grad_norm", "train/tok_s", "train/loss_tokens", "eval/eval_loss"):
+        assert tag in tb, sorted(tb)
+
+    from wandb.sdk.internal.datastore import DataStore
+    from wandb.proto import wandb_internal_pb2
+
+    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, list((out / "wandb").iterdir())
+    store = DataStore()
+    store.open_for_scan(str(runs[0]))
+    history, config = [], {}
+    while (data := store.scan_data()) is not None:
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        if rec.WhichOneof("record_type") == "history":
+            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+        elif rec.WhichOneof("record_type") == "config":
+            config.update({i.key: json.loads(i.value_json) for i in rec.config.update})
+    losses = [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h]
+    assert [s for s, _ in losses] == [s for s, _ in expected]
+    assert [v for _, v in losses] == pytest.approx([v for _, v in expected], rel=1e-5)
+    assert config["config"]["lr"] == pytest.approx(2e-4)
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("solo").experiment_id])
+    assert run.info.run_name == "solo" and run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in history) == pytest.approx(expected, rel=1e-5)
+    assert run.data.params["config.seq_len"] == "64"
+
+    from trackio.sqlite_storage import SQLiteStorage
+
+    os.environ["TRACKIO_DIR"] = str(out / "trackio")  # (read by trackio where it looks)
+    logs = [x for x in SQLiteStorage.get_logs(project="solo", run="solo") if "train/loss" in x]
+    assert [(x["step"], x["train/loss"]) for x in logs] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_fleet_reports_each_island_and_every_merge(tiny_model, tmp_path):
+    """`yeto launch --report-to tensorboard`: each island logs per step and per round, the syncer per merge, each in
+    its own directory under the run's."""
+    pytest.importorskip("tensorboard", reason="the `track` extra is not installed")
+    rounds, inner = 2, 3
+    run = tmp_path / "fleet"
+    r = subprocess.run([sys.executable, "-m", "yeto", "launch", "--gpu", "local:2", "--model", str(tiny_model("llama")),
+                        "--data", str(DEMO_DATA), "--seq-len", "64", "--batch-size", "2", "--lora-r", "4",
+                        "--out", str(run), "--outer-steps", str(rounds), "--inner-steps", str(inner),
+                        "--report-to", "tensorboard"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    merges = scalars(run / "syncer" / "tb" / "fleet-syncer")
+    assert [s for s, _ in merges["merge/update_norm"]] == list(range(1, rounds + 1))
+    for tag in ("merge/merge_s", "merge/round_s", "merge/responders", "merge/weight/0", "merge/weight/1",
+                "merge/lag/0", "merge/quorum_waits", "merge/rejoins"):
+        assert len(merges[tag]) == rounds, tag
+    assert all(v == 2 for _, v in merges["merge/responders"])
+    from yeto.sync.shell.tape import read_tape
+
+    tape = [e for e in read_tape(run / "syncer") if e["event"] == "merge"]
+    assert [v for _, v in merges["merge/update_norm"]] == pytest.approx([e["update_norm"] for e in tape], rel=1e-5)
+    for lid in (0, 1):
+        island = scalars(run / f"island-{lid}" / "tb" / f"fleet-island-{lid}")
+        assert len(island["train/loss"]) == rounds * inner
+        for tag in ("round/delta_norm", "round/delta_bytes", "round/stall_s", "round/utilization", "round/lag"):
+            assert len(island[tag]) == rounds, tag
+        assert all(v > 0 for _, v in island["round/delta_norm"])
+
+
+def test_an_unknown_tracker_is_one_line(tmp_path):
+    for cmd in (["train", "--out", str(tmp_path / "t")], ["syncer", "--out", str(tmp_path / "s"), "--insecure",
+                                                          "--host", "127.0.0.1"]):
+        r = subprocess.run([sys.executable, "-m", "yeto", *cmd, "--report-to", "tensorboard,neptune"], cwd=REPO,
+                           env=ENV, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "unknown tracker 'neptune'" in lines[0] and "mlflow" in lines[0], r.stderr
+
+
+def test_a_missing_library_names_the_extra(monkeypatch):
+    import importlib.util
+
+    from yeto import YetoError
+    from yeto.trackers import check_installed
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(YetoError, match=r"wandb not installed; pip install 'yeto\[track\]'"):
+        check_installed(["tensorboard", "wandb"])
+
+
+class Raising:
+    """A tracker whose library fails on every record (as a lost network or a full disk would)."""
+
+    def __init__(self, out, name, group):
+        self.calls = 0
+
+    def log_config(self, config):
+        pass
+
+    def log(self, step, metrics):
+        self.calls += 1
+        raise ConnectionError("tracker server unreachable")
+
+    def finish(self):
+        raise ConnectionError("tracker server unreachable")
+
+
+class Recording:
+    """A tracker that keeps what it is given."""
+
+    logged: list = []
+
+    def __init__(self, out, name, group):
+        pass
+
+    def log_config(self, config):
+        pass
+
+    def log(self, step, metrics):
+        Recording.logged.append((step, metrics))
+
+    def finish(self):
+        pass
+
+
+def test_a_tracker_that_raises_does_not_stop_the_syncer(tmp_path, start_syncer):
+    """A real syncer on loopback with a failing tracker beside a working one merges every round; the failure is one
+    warning, and the working tracker still gets every merge."""
+    from tests.peers import QuadraticIsland, island_thread
+    from yeto.trackers import Trackers
+
+    warnings = []
+    Recording.logged = []
+    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32)
+    trackers = Trackers(["raising", "recording"], tmp_path, "t-syncer", "t", {"x": 1}, warnings.append,
+                        adapters={"raising": Raising, "recording": Recording})
+    syncer.report_to(trackers)
+    results = {}
+    threads = [island_thread(QuadraticIsland(t, 100), port, lid, results) for lid, t in ((0, 1.0), (1, -2.0))]
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(r, dict) and r["complete"] for r in results.values()), results
+    assert syncer.version == 3
+    trackers.finish()
+    assert [s for s, _ in Recording.logged] == [1, 2, 3]
+    assert all(m["merge/responders"] == 2 and m["merge/update_norm"] > 0 for _, m in Recording.logged)
+    assert [w for w in warnings if "tracker raising failed" in w] == [
+        "tracker raising failed (ConnectionError: tracker server unreachable); going on without it"], warnings
