@@ -6,7 +6,7 @@ group, mlflow's experiment, trackio's project, one TensorBoard directory per pro
 config. `Trackers` fans each record out on a thread of its own, so a slow or failing tracker never holds up
 training or a merge: a tracker that raises is named in one log line and left out from then on; records beyond
 QUEUE_LIMIT waiting are dropped (and counted). Nothing leaves the machine unless the tracker is set up to send it:
-without WANDB_API_KEY wandb runs offline, mlflow writes `OUT/mlruns` unless MLFLOW_TRACKING_URI says otherwise,
+without WANDB_API_KEY wandb runs offline, mlflow writes `OUT/mlflow.db` unless MLFLOW_TRACKING_URI says otherwise,
 trackio writes `OUT/trackio` unless TRACKIO_DIR does.
 """
 
@@ -31,6 +31,7 @@ CREDENTIALS = {"wandb": ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ENTITY", "WAN
                "mlflow": ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
                           "MLFLOW_TRACKING_TOKEN"),
                "trackio": ("HF_TOKEN", "TRACKIO_SPACE_ID")}
+MLFLOW_DB = "mlflow.db"  # mlflow's local store under a process's --out
 PROJECT = "yeto"  # wandb's project unless WANDB_PROJECT says another
 QUEUE_LIMIT = 10_000  # records waiting for the trackers' thread; past this they are dropped, not waited for
 FINISH_TIMEOUT_S = 60.0  # at the end, how long the trackers get to flush before the process goes on without them
@@ -147,12 +148,12 @@ class WandbTracker:
 
 class MlflowTracker:
     """An mlflow run in the experiment named after the run (the tracking server MLFLOW_TRACKING_URI names, else the
-    file store OUT/mlruns)."""
+    SQLite store OUT/mlflow.db: mlflow's file store is frozen, its docs say a database instead)."""
 
     def __init__(self, out: Path, name: str, group: str):
         from mlflow import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (out / "mlruns").resolve().as_uri()
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(out / MLFLOW_DB).resolve()}"
         self.client = MlflowClient(tracking_uri=uri)
         found = self.client.get_experiment_by_name(group)
         experiment = found.experiment_id if found is not None else self.client.create_experiment(group)
