@@ -21,7 +21,7 @@ import numpy as np
 from yeto import YetoError
 from yeto.island.config import TrainConfig, check_config
 from yeto.island.metrics import MetricsLog
-from yeto.trackers import Trackers, open_trackers, run_group
+from yeto.trackers import Trackers, check_installed, open_trackers, parse_report_to, run_group
 
 if TYPE_CHECKING:
     from yeto.island.checkpoint import TrainState
@@ -41,6 +41,7 @@ def open_session(cfg: TrainConfig) -> Session:
     from rich.console import Console
 
     check_config(cfg)
+    check_installed(parse_report_to(cfg.report_to))
     console = Console(stderr=True)
     join_key = None
     if cfg.syncer:
