@@ -226,3 +226,46 @@ def test_a_tracker_that_raises_does_not_stop_the_syncer(tmp_path, start_syncer):
     assert all(m["merge/responders"] == 2 and m["merge/update_norm"] > 0 for _, m in Recording.logged)
     assert [w for w in warnings if "tracker raising failed" in w] == [
         "tracker raising failed (ConnectionError: tracker server unreachable); going on without it"], warnings
+
+
+def test_launch_passes_report_to_and_a_cloud_task_gets_the_key_only_as_a_secret(tmp_path):
+    """Every process gets --report-to and the run's name; WANDB_API_KEY from this machine's environment is a SkyPilot
+    secret of each cloud task (the head's too: it relaunches learners), never in a task's YAML or the dry run."""
+    import yaml
+
+    pytest.importorskip("sky", reason="the launch extra is not installed")
+    key = "wandb-secret-0123456789abcdef"
+    env = dict(ENV, YETO_RUNS=str(tmp_path / "runs"), WANDB_API_KEY=key)
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "yeto", "launch", "--gpu", "aws:1xA10G@us-west-2", "--model",
+                        "smollm2-135m", "--data", str(DEMO_DATA), "--out", str(out), "--name", "tracked", "--dry-run",
+                        "--report-to", "wandb"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert key not in r.stdout + r.stderr and key not in (out / "plan.json").read_text()
+    body = r.stdout.split("# --- tasks (SkyPilot YAML) ---\n", 1)[1].split("# --- end of tasks ---", 1)[0]
+    head, learner = yaml.safe_load_all(body)
+    assert "--report-to wandb --run-name tracked" in learner["run"] and ",track]" in learner["setup"]
+    assert head["secrets"]["WANDB_API_KEY"] == learner["secrets"]["WANDB_API_KEY"] == "<redacted>"
+
+    from yeto.launch.plan import FleetPlan
+    from yeto.launch.tasks import head_task, learner_task, syncer_argv
+
+    plan = FleetPlan.from_json((out / "plan.json").read_text())
+    assert syncer_argv(plan, "0.0.0.0", 1, out, "python3")[-4:] == ["--report-to", "wandb", "--run-name", "tracked"]
+    os.environ["WANDB_API_KEY"] = key
+    try:
+        tasks = [learner_task(plan, 0, "203.0.113.7:29400", "join"), head_task(plan, out / "plan.json", "keys")]
+    finally:
+        del os.environ["WANDB_API_KEY"]
+    for task in tasks:
+        config = task.to_yaml_config()
+        assert config["secrets"]["WANDB_API_KEY"] == key
+        assert key not in json.dumps({k: v for k, v in config.items() if k != "secrets"})
+
+
+def test_launch_refuses_an_unknown_tracker_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "yeto", "launch", "--out", str(tmp_path / "x"), "--dry-run",
+                        "--report-to", "comet"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: --report-to 'comet': unknown tracker 'comet'; use a comma-separated list of tensorboard, wandb, "
+        "trackio, mlflow, or none"], r.stderr
