@@ -68,6 +68,7 @@ bench: setup
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/soak.py
 	$(BIN)/python bench/island_scaling.py
+	$(BIN)/python bench/trackers.py
 
 demo-mixed:
 	$(MAKE) demo MLX_LEARNERS=1 RUN=$(RUN)-mixed
