@@ -25,7 +25,6 @@ from yeto import YetoError
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 NONE = "none"
 EXTRA = "track"  # the pip extra that installs every tracker's library
-MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 # what a cloud task needs from the launching machine to reach each tracker (SkyPilot secrets, never a task's YAML)
 CREDENTIALS = {"wandb": ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ENTITY", "WANDB_PROJECT"),
                "mlflow": ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
@@ -62,9 +61,9 @@ def check_installed(names: list[str]) -> None:
     """One line naming the pip extra for each tracker whose library is missing (before anything starts)."""
     import importlib.util
 
-    missing = [n for n in names if importlib.util.find_spec(MODULES[n]) is None]
+    missing = [n for n in names if importlib.util.find_spec(n) is None]  # (each tracker's module is its name)
     if missing:
-        raise YetoError(f"--report-to {','.join(missing)}: {', '.join(MODULES[n] for n in missing)} not installed; "
+        raise YetoError(f"--report-to {','.join(missing)}: {', '.join(missing)} not installed; "
                         f"pip install 'yeto[{EXTRA}]' (or the package itself), or drop it from --report-to")
 
 

@@ -146,6 +146,7 @@ def run_training(learner, cfg: TrainConfig, session: Session, show_progress: boo
             try:
                 adapter = learner.save(out / "adapter")
                 metrics.write(event="aborted", steps=learner.step_count, reason=repr(e)[:300])
+                metrics.close()  # (the trackers flush what they hold)
                 console.print(f"{tag}[yellow]stopped early[/yellow]; adapter (the last global it received): {adapter}")
             except Exception as save_error:  # never hide the first error behind a second one
                 console.print(f"{tag}[red]could not save the adapter[/red]: {save_error!r}")
