@@ -17,8 +17,8 @@ for key in ("WANDB_API_KEY", "MLFLOW_TRACKING_URI", "TRACKIO_DIR"):  # nothing l
 STEPS = 4
 
 
-def train(model, out, report_to, *args):
-    return subprocess.run([sys.executable, "-m", "yeto", "train", "--model", str(model), "--data", str(DEMO_DATA),
+def train(model, out, report_to, *args, backend=("yeto", "train")):
+    return subprocess.run([sys.executable, "-m", *backend, "--model", str(model), "--data", str(DEMO_DATA),
                            "--out", str(out), "--max-steps", str(STEPS), "--seq-len", "64", "--batch-size", "2",
                            "--lora-r", "4", "--threads", "1", "--eval-every", "0", "--no-progress",
                            "--report-to", report_to, *args],
@@ -115,6 +115,17 @@ def test_train_reports_to_tensorboard_wandb_mlflow_and_trackio(tiny_model, tmp_p
     SQLiteStorage = sqlite_storage.SQLiteStorage
     logs = [x for x in SQLiteStorage.get_logs(project="solo", run="solo") if "train/loss" in x]
     assert_series([(x["step"], x["train/loss"]) for x in logs], expected)
+
+
+def test_the_mlx_learner_reports_to_tensorboard(tiny_model, tmp_path):
+    pytest.importorskip("tensorboard", reason="the `track` extra is not installed")
+    pytest.importorskip("mlx.core", reason="the mlx extra is not installed")
+    out = tmp_path / "mlx"
+    r = train(tiny_model("llama"), out, "tensorboard", backend=("yeto.backends.mlx",))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    tb = scalars(out / "tb" / "mlx")
+    assert_series(tb["train/loss"], [(s["step"], s["loss"]) for s in steps_logged(out)])
+    assert len(tb["train/loss"]) == STEPS and len(tb["train/grad_norm"]) == STEPS
 
 
 def test_a_fleet_reports_each_island_and_every_merge(tiny_model, tmp_path):
