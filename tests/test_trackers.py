@@ -274,6 +274,20 @@ def test_launch_passes_report_to_and_a_cloud_task_gets_the_key_only_as_a_secret(
         assert key not in json.dumps({k: v for k, v in config.items() if k != "secrets"})
 
 
+def test_a_join_script_reports_and_installs_the_trackers():
+    from yeto.launch.join import join_script
+    from yeto.launch.plan import FleetPlan
+    from yeto.launch.spec import parse_gpu
+
+    plan = FleetPlan("wan", "/tmp/x", parse_gpu("aws:1xA10G"), external=1, report_to="tensorboard")
+    text = join_script(plan, 1, "203.0.113.7:29400")
+    assert 'EXTRAS="[mlx,track]"' in text and 'EXTRAS="[torch,track]"' in text
+    assert "--report-to tensorboard --run-name wan" in text
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    plain = join_script(FleetPlan("wan", "/tmp/x", parse_gpu("aws:1xA10G"), external=1), 1, "203.0.113.7:29400")
+    assert 'EXTRAS="[torch]"' in plain and "--report-to" not in plain
+
+
 def test_launch_refuses_an_unknown_tracker_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "yeto", "launch", "--out", str(tmp_path / "x"), "--dry-run",
                         "--report-to", "comet"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
