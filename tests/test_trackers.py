@@ -294,3 +294,55 @@ def test_launch_refuses_an_unknown_tracker_in_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: --report-to 'comet': unknown tracker 'comet'; use a comma-separated list of tensorboard, wandb, "
         "trackio, mlflow, or none"], r.stderr
+
+
+def test_report_to_is_read_as_a_list_of_known_trackers():
+    from yeto import YetoError
+    from yeto.trackers import parse_report_to
+
+    assert parse_report_to("none") == [] and parse_report_to("") == []
+    assert parse_report_to(" TensorBoard, wandb,tensorboard ") == ["tensorboard", "wandb"]
+    with pytest.raises(YetoError, match="none with other trackers"):
+        parse_report_to("none,wandb")
+
+
+def test_a_merge_record_counts_the_quorum_waits_and_rejoins_since_the_last_merge():
+    """The syncer's record per merge, from tape events as the shell appends them (a clock in hand)."""
+    from yeto.sync.shell.tracking import MergeTracking
+
+    class Fanout:
+        def __init__(self):
+            self.logged, self.configs = [], []
+
+        def log(self, step, metrics):
+            self.logged.append((step, metrics))
+
+        def log_config(self, config):
+            self.configs.append(config)
+
+    now = [100.0]
+    fan = Fanout()
+    tracking = MergeTracking(fan, clock=lambda: now[0])
+    tracking.on_event("contract", {"learner": 0, "lora_r": 4})
+    tracking.on_event("round_open", {"round": 1, "version": 0})
+    tracking.on_event("quorum_wait", {"round": 1})
+    tracking.on_event("quorum_wait", {"round": 1})
+    tracking.on_event("join", {"learner": 1, "rejoin": True})
+    tracking.on_event("join", {"learner": 2, "rejoin": False})
+    tracking.on_event("merge", {"round": 1, "version": 1, "responders": [0, 2], "weights": [0.25, 0.75],
+                                "lags": [0, 1], "clip": {"2": 0.5}, "update_norm": 0.3, "stragglers": [1]})
+    now[0] = 107.5
+    tracking.merged(0.2)
+    tracking.on_event("round_open", {"round": 2, "version": 1})
+    tracking.on_event("merge", {"round": 2, "version": 2, "responders": [0], "weights": [1.0], "lags": [0],
+                                "clip": {}, "update_norm": 0.1, "stragglers": []})
+    tracking.merged(0.1)
+    tracking.merged(0.1)  # a batch without a merge record: nothing
+    assert fan.configs == [{"contract": {"learner": 0, "lora_r": 4}}]
+    (s1, m1), (s2, m2) = fan.logged
+    assert (s1, s2) == (1, 2)
+    assert m1 == {"merge/responders": 2.0, "merge/stragglers": 1.0, "merge/update_norm": 0.3, "merge/merge_s": 0.2,
+                  "merge/round": 1.0, "merge/round_s": 7.5, "merge/quorum_waits": 2.0, "merge/rejoins": 1.0,
+                  "merge/clip/2": 0.5, "merge/weight/0": 0.25, "merge/weight/2": 0.75, "merge/lag/0": 0.0,
+                  "merge/lag/2": 1.0}
+    assert m2["merge/quorum_waits"] == 0 and m2["merge/rejoins"] == 0 and m2["merge/round_s"] == 0.0
