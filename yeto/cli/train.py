@@ -19,7 +19,7 @@ TRAIN_ADVANCED = ("model_revision", "data_revision", "data_split", "data_config"
                   "grad_accum", "lora_freeze_a", "micro_batch_size", "min_lr_ratio", "weight_decay", "max_grad_norm",
                   "lora_dropout", "lora_targets", "loss_function", "eval_fraction", "dtype", "gradient_checkpointing",
                   "full_logits", "overlap", "threads", "max_inner_steps", "syncer_timeout", "give_up_after", "shard",
-                  "base_quantization", "save_every")
+                  "base_quantization", "save_every", "run_name")
 
 
 def make_train_command(train_fn: Callable[[TrainConfig, bool], dict[str, Any]], doc: str) -> Callable[..., None]:
@@ -139,6 +139,12 @@ def _train_signature(
     fresh: Annotated[bool, typer.Option(help="Start over, replacing the training state saved in --out.")] = False,
     init_adapter: Annotated[Optional[str], typer.Option(help="Start from this peft adapter (its base and LoRA "
                                                              "shape the run's).")] = None,
+    report_to: Annotated[str, typer.Option(help="Experiment trackers, comma-separated: tensorboard (OUT/tb), wandb "
+                                                "(offline without WANDB_API_KEY), trackio, mlflow; or none.")
+                         ] = D.report_to,
+    run_name: Annotated[str, typer.Option(help="The run's name, grouping its islands' and syncer's tracker runs "
+                                               "(default: --out's directory name; with --syncer, its parent's).")
+                        ] = D.run_name,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
     """(the flags of `yeto train`; see make_train_command)"""

@@ -115,7 +115,8 @@ def learner_identity(out: str | Path) -> str:
         return secret
 
 
-def inner_step(island: Island, rnd: RoundStats, stats: IslandStats, step_delay: float = 0.0) -> None:
+def inner_step(island: Island, rnd: RoundStats, stats: IslandStats, step_delay: float = 0.0) -> dict[str, Any]:
+    """One inner step; returns the island's step record with its tokens/s (the compute's, the delay included)."""
     t = time.perf_counter()
     s = island.step()
     if step_delay:
@@ -123,6 +124,7 @@ def inner_step(island: Island, rnd: RoundStats, stats: IslandStats, step_delay: 
     dt = time.perf_counter() - t
     rnd.add(s, dt)
     stats.compute_s += dt
+    return {**s, "tok_s": s["tokens"] / dt if dt > 0 else 0.0}
 
 
 @dataclass
@@ -137,7 +139,8 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0, step_delay: float = 0.0,
                fragment_numel: int = DEFAULT_FRAGMENT_NUMEL, join_key: Optional[JoinKey] = None,
                identity: str = "", residual: Optional[np.ndarray] = None,
-               on_round_start: Optional[Callable[[np.ndarray], None]] = None) -> dict[str, Any]:
+               on_round_start: Optional[Callable[[np.ndarray], None]] = None,
+               on_step: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
     """Train `island` as one DiLoCo island of the run at `syncer` until the syncer says finish.
 
     `join_key`: the run's credentials (None only for an --insecure loopback syncer). `identity`: this learner's
@@ -145,6 +148,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     `residual`: the error-feedback residual a resumed learner saved; `on_round_start(residual)` is called once
     each round's adapter is loaded (the round boundary where a learner saves its training state), with the residual
     of the deltas known to count (a delta still in flight may be lost with the process: its error is not carried).
+    `on_step(record)`: every inner step's record (loss, lr, grad_norm, tokens, loss_tokens, tok_s), for trackers.
 
     On every way out (finish, refusal, giving up on the syncer, Ctrl-C) the island is left holding the
     last global adapter it received, so the caller saves that; a refusal or giving up then raises YetoError.
@@ -157,7 +161,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     if residual is not None and residual.shape == core.ef.residual.shape:
         core.ef.residual = residual.astype(np.float32)
     loop = IslandLoop(island, layout, core, SyncerLink(syncer, core, log_fn, join_key).start(), log_fn, overlap,
-                      max_inner_steps, step_delay, progress, on_round_start)
+                      max_inner_steps, step_delay, progress, on_round_start, on_step)
     return loop.run()
 
 
@@ -167,10 +171,11 @@ class IslandLoop:
     def __init__(self, island: Island, layout: Layout, core: LearnerCore, link: SyncerLink,
                  log_fn: Callable[[str], None], overlap: bool, max_inner_steps: int, step_delay: float,
                  progress: Callable[[dict[str, Any]], None] | None,
-                 on_round_start: Optional[Callable[[np.ndarray], None]]):
+                 on_round_start: Optional[Callable[[np.ndarray], None]],
+                 on_step: Optional[Callable[[dict[str, Any]], None]] = None):
         self.island, self.layout, self.core, self.link, self.log = island, layout, core, link, log_fn
         self.overlap, self.max_inner_steps, self.step_delay = overlap, max_inner_steps, step_delay
-        self.progress, self.on_round_start = progress, on_round_start
+        self.progress, self.on_round_start, self.on_step = progress, on_round_start, on_step
         self.stats = IslandStats()
         self.t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
         self.stall_s = 0.0
@@ -254,7 +259,9 @@ class IslandLoop:
         return rnd
 
     def _step(self, rnd: RoundStats) -> None:
-        inner_step(self.island, rnd, self.stats, self.step_delay)
+        s = inner_step(self.island, rnd, self.stats, self.step_delay)
+        if self.on_step is not None:
+            self.on_step(s)
 
     def _carry(self, task: Train, rnd: RoundStats) -> None:
         """Our previous delta, late, holds this round's place: train on until the next global comes (at most
@@ -272,8 +279,13 @@ class IslandLoop:
         self.stats.delta_bytes.append(self.link.push(local, rnd.counts()))
         self.stats.rounds += 1
         if self.progress:
+            wall = time.perf_counter() - self.t_start if self.t_start is not None else 0.0
             self.progress({"round": task.round, "steps": rnd.steps, "loss": rnd.loss, "tokens": rnd.tokens,
-                           "step": rnd.last_step, "lr": rnd.last_lr})
+                           "loss_tokens": rnd.loss_tokens, "step": rnd.last_step, "lr": rnd.last_lr,
+                           "delta_norm": float(np.linalg.norm(local - task.adapter)),
+                           "delta_bytes": self.stats.delta_bytes[-1], "stall_s": round(self.stall_s, 4),
+                           "utilization": self.stats.compute_s / wall if wall else 0.0,
+                           "lag": self.core.version - task.base_version})
         if self.overlap:  # train on while the merge is in flight; those steps go on top of the merged adapter
             nxt = RoundStats(task.round + 1)
             limit = self.max_inner_steps or (task.steps if task.steps else NO_STEP_LIMIT)

@@ -6,9 +6,10 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from yeto import __version__
+from yeto.trackers import Trackers, flat_metrics
 
 
 def island_record(learner) -> dict[str, Any]:
@@ -29,16 +30,33 @@ def island_record(learner) -> dict[str, Any]:
     }
 
 
-class MetricsLog:
-    """Append-only JSONL: one object per event, each with wall time."""
+# the events trackers get (`--report-to`), each under its prefix: train/loss, eval/eval_loss, round/delta_norm, ...
+TRACKED = {"step": "train", "eval": "eval", "round": "round"}
 
-    def __init__(self, path: str | Path):
+
+class MetricsLog:
+    """Append-only JSONL: one object per event, each with wall time; `trackers` (yeto.trackers) get the numbers
+    of its step, eval and round events too, at the island's step."""
+
+    def __init__(self, path: str | Path, trackers: Optional[Trackers] = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a", buffering=1)
+        self.trackers = trackers
 
     def write(self, **event: Any) -> None:
         self._f.write(json.dumps({"time": round(time.time(), 3), **event}) + "\n")
+        self.track(**event)
+
+    def track(self, **event: Any) -> None:
+        """To the trackers only (a fleet island's inner steps: metrics.jsonl keeps one line per round)."""
+        prefix = TRACKED.get(event.get("event", ""))
+        if self.trackers is None or prefix is None or event.get("step") is None:
+            return
+        fields = {k: v for k, v in event.items() if k not in ("event", "step")}
+        self.trackers.log(int(event["step"]), flat_metrics(prefix, fields))
 
     def close(self) -> None:
         self._f.close()
+        if self.trackers is not None:
+            self.trackers.finish()

@@ -21,6 +21,7 @@ import numpy as np
 from yeto import YetoError
 from yeto.island.config import TrainConfig, check_config
 from yeto.island.metrics import MetricsLog
+from yeto.trackers import Trackers, check_installed, open_trackers, parse_report_to, run_group
 
 if TYPE_CHECKING:
     from yeto.island.checkpoint import TrainState
@@ -40,6 +41,7 @@ def open_session(cfg: TrainConfig) -> Session:
     from rich.console import Console
 
     check_config(cfg)
+    check_installed(parse_report_to(cfg.report_to))
     console = Console(stderr=True)
     join_key = None
     if cfg.syncer:
@@ -127,8 +129,9 @@ def run_training(learner, cfg: TrainConfig, session: Session, show_progress: boo
     resumed = resume_state(learner, cfg, out, session.log)
     if resumed is None and cfg.init_adapter:
         start_from_adapter(learner, cfg.init_adapter, session.log)
-    metrics = MetricsLog(out / "metrics.jsonl")
-    (out / "run.json").write_text(json.dumps(learner.record(), indent=2))
+    record = learner.record()
+    metrics = MetricsLog(out / "metrics.jsonl", open_island_trackers(cfg, record, session.log))
+    (out / "run.json").write_text(json.dumps(record, indent=2))
     if resumed is not None:
         metrics.write(event="resumed", step=learner.step_count, tokens=learner.tokens_seen)
     eval0 = learner.evaluate()
@@ -143,6 +146,7 @@ def run_training(learner, cfg: TrainConfig, session: Session, show_progress: boo
             try:
                 adapter = learner.save(out / "adapter")
                 metrics.write(event="aborted", steps=learner.step_count, reason=repr(e)[:300])
+                metrics.close()  # (the trackers flush what they hold)
                 console.print(f"{tag}[yellow]stopped early[/yellow]; adapter (the last global it received): {adapter}")
             except Exception as save_error:  # never hide the first error behind a second one
                 console.print(f"{tag}[red]could not save the adapter[/red]: {save_error!r}")
@@ -168,6 +172,14 @@ def run_training(learner, cfg: TrainConfig, session: Session, show_progress: boo
           else "no eval split")
     console.print(f"{tag}[green]done[/green]: {done}, {ev}; adapter: {adapter}")
     return summary
+
+
+def open_island_trackers(cfg: TrainConfig, record: dict[str, Any], log: Callable[[str], None]) -> Optional[Trackers]:
+    """--report-to's trackers for this island: one run named `<run>-island-<id>` (standalone: `<run>`), grouped by
+    the run's name, its config the island's record (flags, model, data, loss)."""
+    group = run_group(cfg.run_name, cfg.out if not cfg.syncer else Path(cfg.out).resolve().parent)
+    name = f"{group}-island-{cfg.learner_id}" if cfg.syncer else group
+    return open_trackers(cfg.report_to, cfg.out, name, group, record, log)
 
 
 def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,
@@ -232,7 +244,7 @@ def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: s
         return run_island(learner, cfg.syncer, cfg.learner_id, overlap=cfg.overlap, progress=on_round,
                           max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
                           join_key=join_key, identity=learner_identity(cfg.out), residual=residual,
-                          on_round_start=save_state,
+                          on_round_start=save_state, on_step=lambda s: metrics.track(event="step", **s),
                           timeouts=LinkTimeouts(dead_after_s=cfg.syncer_timeout, give_up_s=cfg.give_up_after),
                           log_fn=lambda s: console.print(f"{tag}[dim]{escape(s)}[/dim]"))
     finally:

@@ -19,6 +19,7 @@ from typing import Optional
 import yeto
 from yeto.launch.plan import FleetPlan
 from yeto.launch.tasks import checkout_root, learner_argv, loss_file
+from yeto.trackers import EXTRA, parse_report_to
 from yeto.models import ALIASES
 from yeto.sync.shell.keys import Keyring, write_secret
 
@@ -45,6 +46,7 @@ def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
     cmd = learner_argv(plan, learner, syncer, "@DATA@", plan.model, "@BACKEND@", python="@PYTHON@", loss=loss)
     cmd += ["--out", f"runs/{plan.name}-island-{learner}"]
     placeholders = {"@PYTHON@": '"$PYTHON"', "@BACKEND@": '"$BACKEND"', "@DATA@": '"$DATA"'}
+    track = f",{EXTRA}" if parse_report_to(plan.report_to) else ""  # --report-to's libraries
     line = " ".join(placeholders.get(a) or _here(shlex.quote(a)) for a in cmd)
     return "\n".join([
         "#!/usr/bin/env bash",
@@ -55,8 +57,8 @@ def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
         f"DATA={shlex.quote(plan.data)}",
         'DATA="${YETO_DATA:-$DATA}"',
         'case "$(uname -s)-$(uname -m)" in',
-        '  Darwin-arm64) BACKEND="${YETO_BACKEND:-yeto.backends.mlx}"; EXTRAS="[mlx]" ;;',
-        '  *) BACKEND="${YETO_BACKEND:-yeto.backends.torch}"; EXTRAS="[torch]" ;;',
+        f'  Darwin-arm64) BACKEND="${{YETO_BACKEND:-yeto.backends.mlx}}"; EXTRAS="[mlx{track}]" ;;',
+        f'  *) BACKEND="${{YETO_BACKEND:-yeto.backends.torch}}"; EXTRAS="[torch{track}]" ;;',
         "esac",
         f'WHEEL="$(ls "$HERE"/yeto-{version}-*.whl 2>/dev/null | head -n1 || true)"  # the launching checkout\'s',
         'if ! "$PYTHON" -c "import yeto" 2>/dev/null; then',

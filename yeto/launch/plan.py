@@ -43,12 +43,18 @@ class FleetPlan:
     recover_timeout: float = 1800.0
     output: Optional[str] = None
     head_infra: Optional[str] = None
+    report_to: str = "none"  # every process's --report-to (yeto.trackers), its runs grouped by the run's name
     data_local: bool = False  # --data / --model are paths on the launching machine: shipped to the VMs
     model_local: bool = False
 
     @property
     def local(self) -> bool:
         return all(i.local for i in self.islands)
+
+    @property
+    def tracking_args(self) -> list[str]:
+        """--report-to and --run-name for every process of the run (none: no flags)."""
+        return ["--report-to", self.report_to, "--run-name", self.name] if self.report_to != "none" else []
 
     @property
     def num_learners(self) -> int:
@@ -84,6 +90,9 @@ class FleetPlan:
 
     def check(self) -> None:
         """Refuse a plan that cannot run, before anything is provisioned."""
+        from yeto.trackers import parse_report_to
+
+        parse_report_to(self.report_to)
         if not RUN_NAME.match(self.name):
             raise YetoError(f"--name {self.name!r}: a run name is a lower-case letter, then up to 34 lower-case "
                             "letters, digits or dashes (it names the run's clusters)")

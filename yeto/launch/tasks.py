@@ -144,7 +144,7 @@ def syncer_argv(plan: FleetPlan, host: str, port: int, out: Path, python: str) -
     revision (without one the founding learner's model is the run's)."""
     pins = ["--model", plan.model, "--model-revision", plan.model_revision] if plan.model_revision else []
     return [python, *SYNCER_ENTRY, "--host", host, "--port", str(port), "--learners", str(plan.num_learners),
-            "--out", str(out), *plan.syncer_args, *pins]
+            "--out", str(out), *plan.syncer_args, *pins, *plan.tracking_args]
 
 
 def learner_argv(plan: FleetPlan, learner: int, syncer: str, data: str, model: str,
@@ -158,7 +158,7 @@ def learner_argv(plan: FleetPlan, learner: int, syncer: str, data: str, model: s
     if plan.data_revision:
         cmd += ["--data-revision", plan.data_revision]
     args = list(plan.learner_args)
-    return cmd + (with_loss_file(args, loss) if loss else args)
+    return cmd + (with_loss_file(args, loss) if loss else args) + plan.tracking_args
 
 
 @dataclass(frozen=True)
@@ -190,8 +190,8 @@ def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "
     if island.gpus > 1:  # one torchrun group is one island (shell variables unquoted: each node expands its own)
         run = " ".join(torchrun_prefix(plan.cluster(learner))) + " " + run.removeprefix("python3 ")
     run += f'; code=$?; echo "{EXIT_MARKER}$code"; exit $code'  # (SkyPilot keeps a job's status, not its code)
-    task = sky.Task(name=plan.cluster(learner), setup=install_commands("torch", model=plan.model), run=run,
-                    envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: join_key},
+    task = sky.Task(name=plan.cluster(learner), setup=install_commands(with_track("torch", plan), model=plan.model),
+                    run=run, envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: join_key, **tracker_secrets(plan)},
                     workdir=str(root) if root else None, num_nodes=island.nodes,
                     file_mounts={**data.files, **model.files, **loss.files} or None)
     if data.storage:
@@ -208,7 +208,7 @@ def head_task(plan: FleetPlan, plan_file: Path, run_keys: str, api_endpoint: Opt
     infra = plan.head_infra or plan.islands[0].cloud
     root = checkout_root()
     envs = {"PYTHONUNBUFFERED": "1"}
-    secrets = {HEAD_KEYS_ENV: run_keys}
+    secrets = {HEAD_KEYS_ENV: run_keys, **tracker_secrets(plan)}  # (the head relaunches learners: it holds theirs)
     if api_endpoint:  # a secret too: an endpoint URL may carry credentials
         secrets[API_ENDPOINT_ENV] = api_endpoint
     if api_token:
@@ -218,7 +218,7 @@ def head_task(plan: FleetPlan, plan_file: Path, run_keys: str, api_endpoint: Opt
     # the head relaunches learners: it holds them
     shipped = {**data_mounts(plan).files, **model_mounts(plan).files, **loss_mounts(plan).files}
     run = f"python3 -m yeto.launch --plan {REMOTE_PLAN} --out {HEAD_RUN_DIR}"
-    setup = install_commands("launch")
+    setup = install_commands(with_track("launch", plan))
     driver = next((d for scheme, d in OUTPUT_DRIVERS.items() if (plan.output or "").startswith(scheme)), None)
     if driver:
         setup += f"\npython3 -m pip install -q {driver}"
@@ -227,6 +227,22 @@ def head_task(plan: FleetPlan, plan_file: Path, run_keys: str, api_endpoint: Opt
                     file_mounts={REMOTE_PLAN: str(plan_file), **shipped})
     task.set_resources(sky.Resources(infra=infra, use_spot=False, ports=plan.port, **HEAD_RESOURCES))
     return task
+
+
+def tracker_secrets(plan: FleetPlan) -> dict[str, str]:
+    """The credentials of --report-to's trackers found in this machine's environment (WANDB_API_KEY, ...), for a
+    task's `secrets=`: SkyPilot sets them in the VM's environment and redacts them from the task's YAML."""
+    from yeto.trackers import CREDENTIALS, parse_report_to
+
+    names = [v for n in parse_report_to(plan.report_to) for v in CREDENTIALS.get(n, ())]
+    return {v: os.environ[v] for v in names if os.environ.get(v)}
+
+
+def with_track(extras: str, plan: FleetPlan) -> str:
+    """`extras` plus the trackers' extra when the run reports to any."""
+    from yeto.trackers import EXTRA, parse_report_to
+
+    return f"{extras},{EXTRA}" if parse_report_to(plan.report_to) else extras
 
 
 def printable(task: "sky.Task") -> dict[str, Any]:

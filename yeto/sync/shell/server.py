@@ -38,7 +38,7 @@ import signal
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -54,6 +54,8 @@ from yeto.sync.shell.given_up import read_given_up
 from yeto.sync.wire.protocol import BULK_SUFFIX, MAX_HEADER_BYTES, encode, is_bulk, message_size
 from yeto.test_hooks import CHECKPOINT, crash_here
 from yeto.sync.shell.store import PENDING_DIR, STATE_FILE, DiskStore
+from yeto.sync.shell.tracking import MergeTracking
+from yeto.trackers import Trackers
 
 log = logging.getLogger("yeto.syncer")
 TICK_S = 0.05  # timer resolution of the core (poll timeout)
@@ -107,6 +109,12 @@ class Syncer:
         self.kill_code = 137
         self.signal_code: Optional[int] = None  # 128 + the last signal received, whenever it came
         self.disk_failure: Optional[str] = None  # why the run's state could not be written (then the syncer stops)
+        self.tracking: Optional[MergeTracking] = None  # --report-to's trackers (`report_to`)
+
+    def report_to(self, trackers: Trackers) -> None:
+        """Log every merge to `trackers` (yeto.trackers), with the run's config; they never hold up a merge."""
+        self.tracking = MergeTracking(trackers)
+        trackers.log_config({"syncer": asdict(self.cfg)})
 
     # views for tests and logs
     @property
@@ -179,6 +187,8 @@ class Syncer:
             ctx.term()
             for s, h in old.items():
                 signal.signal(s, h)
+            if self.tracking is not None:
+                self.tracking.finish()
         return self.exit_code
 
     def _serve_loop(self, sock: zmq.Socket) -> None:
@@ -240,6 +250,8 @@ class Syncer:
 
     def _append(self, event: str, fields: dict) -> None:
         self._durable(self.store.tape.path, lambda: self.store.append(event, fields))
+        if self.tracking is not None:
+            self.tracking.on_event(event, fields)
 
     def _durable(self, path: Path, write: Callable[[], object]) -> bool:
         """Write the run's state; on any failure (a full disk raises OSError from a file, SafetensorError from
@@ -303,7 +315,10 @@ class Syncer:
         actions = event(t)
         self._execute(actions)
         if any(isinstance(a, Record) and a.event == "merge" for a in actions):
-            self.core.observe_merge(time.monotonic() - t)
+            seconds = time.monotonic() - t
+            self.core.observe_merge(seconds)
+            if self.tracking is not None:
+                self.tracking.merged(seconds)
 
     def _execute(self, actions: list[Action]) -> None:
         """The core's actions in order. Once the run's state could not be written, the rest of that batch is
