@@ -34,33 +34,17 @@ def scalars(logdir):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-LOG_BLOCK, LOG_HEADER = 32768, 7  # LevelDB's log format: 32 KiB blocks, 7-byte record headers
-FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
-
-
 def wandb_records(path):
-    """The records of a wandb offline run file, as wandb's own protobuf `Record`s.
-
-    wandb 0.31 reads these files in its Go core only (no Python reader is left), so the framing, LevelDB's log format
-    (a 7-byte file header, then records of checksum u32, length u16, type u8 in 32 KiB blocks), is undone here and
-    each payload is parsed by wandb's protobuf."""
-    import struct
-
+    """The records of a wandb offline run file, read by wandb's own DataStore and parsed by its protobuf."""
     from wandb.proto.wandb_internal_pb2 import Record
+    from wandb.sdk.internal.datastore import DataStore
 
-    data, pos, parts = path.read_bytes(), LOG_HEADER, b""
-    assert data[:4] == b":W&B", data[:8]
-    while pos + LOG_HEADER <= len(data):
-        if LOG_BLOCK - pos % LOG_BLOCK < LOG_HEADER:  # a block's tail too short for a header is padding
-            pos += LOG_BLOCK - pos % LOG_BLOCK
-            continue
-        _, length, kind = struct.unpack_from("<IHB", data, pos)
-        payload, pos = data[pos + LOG_HEADER:pos + LOG_HEADER + length], pos + LOG_HEADER + length
-        parts = payload if kind in (FULL, FIRST) else parts + payload
-        if kind in (FULL, LAST):
-            rec = Record()
-            rec.ParseFromString(parts)
-            yield rec
+    store = DataStore()
+    store.open_for_scan(str(path))
+    while (data := store.scan_data()) is not None:
+        rec = Record()
+        rec.ParseFromString(data)
+        yield rec
 
 
 def assert_series(got, expected):
