@@ -1,4 +1,4 @@
-"""The `yeto` command: train, syncer, launch, keys, tape, generate, export, models."""
+"""The `yeto` command: train, syncer, launch, shape, keys, tape, generate, export, models."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 
 def _register() -> None:
     from yeto.cli.launch import down_command, launch_command, logs_command, status_command
+    from yeto.cli.shape import shape_command
     from yeto.cli.syncer import syncer_command
 
     if missing_torch() is None:
@@ -29,6 +30,7 @@ def _register() -> None:
     app.command("status")(status_command)
     app.command("logs")(logs_command)
     app.command("down")(down_command)
+    app.command("shape")(shape_command)
 
 
 def _train_without_torch() -> None:
