@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from yeto import YetoError
-from yeto.launch.shape import DEFAULT_SEQ_LEN, DEFAULT_TOKENS, Order, ShapePlan, ShapeRequest
+from yeto.launch.shape import DEFAULT_SEQ_LEN, DEFAULT_TOKENS, Order, Rejected, ShapePlan, ShapeRequest
 
 BASES = {"none": "bf16", "nf4": "nf4"}  # --base-quantization (yeto train's spelling) -> the sizing's base precision
 TOP = 12  # options the table shows (--json has them all)
@@ -85,11 +85,14 @@ def show(plan: ShapePlan) -> None:
     if len(plan.fleets) > TOP:
         console.print(f"... and {len(plan.fleets) - TOP} more (--json lists every one)")
     for reason in Rejection:
-        hits = [x for x in plan.rejected if x.reason is reason]
-        if hits:
-            shown = "; ".join(f"{x.shape.count}x{x.shape.gpu} ({x.detail})" for x in hits[:4])
-            more = f"; and {len(hits) - 4} more" if len(hits) > 4 else ""
-            console.print(f"rejected, {reason.value}: {shown}{more}", highlight=False)
+        by_gpu: dict[str, list[Rejected]] = {}
+        for x in plan.rejected:
+            if x.reason is reason:
+                by_gpu.setdefault(x.shape.gpu, []).append(x)
+        if by_gpu:  # per GPU, the counts, and the largest count's numbers (the nearest miss)
+            shown = "; ".join(f"{'/'.join(str(x.shape.count) for x in xs)}x{name} ({xs[-1].shape.count}x: "
+                              f"{xs[-1].detail})" for name, xs in by_gpu.items())
+            console.print(f"rejected, {reason.value}: {shown}", highlight=False)
     for line in [plan.prices, *plan.notes]:
         if line:
             console.print(f"[yellow]{line}[/yellow]")

@@ -34,6 +34,8 @@ MAX_INNER_STEPS = 2000  # past this the islands drift apart between merges (DiLo
 MIN_DILOCO_ISLANDS = 2  # merging needs two islands; what the fleet is without a budget
 MAX_FLEET_ISLANDS = 8  # DiLoCo's published runs use up to 8 replicas; past that each merge averages smaller steps
 SPOT_QUORUM_SLACK_FROM = 3  # spot fleets this large merge without their slowest island (one preemption)
+MAX_DEVICE_BATCH_TOKENS = 32_768  # a device's batch stops growing here: more is memory, not speed, and a big inner
+#                                  batch trains less per token
 GIB = 1024 ** 3
 
 
@@ -41,7 +43,7 @@ class Rejection(Enum):
     DOES_NOT_FIT = "does not fit"  # not even one block of --seq-len fits in a device's memory
     OVER_BUDGET = "over budget"  # one island costs more per hour than the budget
     NO_PRICE = "no price"  # no cloud asked sells this GPU at this count (or spot) in the catalogs read
-    NF4_NEEDS_CUDA = "nf4 needs CUDA"  # bitsandbytes' NF4 runs on NVIDIA devices only
+    NF4_UNSUPPORTED = "nf4 unsupported"  # bitsandbytes' NF4 base: NVIDIA devices, one per island (yeto.sizing)
     NOT_A_CLOUD_GPU = "not a cloud GPU"  # Apple machines join a fleet as --external-learners
 
 
@@ -146,9 +148,10 @@ def candidates(request: ShapeRequest) -> list[IslandShape]:
 
 def size(model: ModelSize, shape: IslandShape) -> Optional[Option]:
     """The shape at its largest micro batch, with its speed; None where not even one block fits."""
-    micro = largest_micro_batch(model, shape)
-    if micro < 1:
+    largest = largest_micro_batch(model, shape)
+    if largest < 1:
         return None
+    micro = min(largest, max(1, MAX_DEVICE_BATCH_TOKENS // shape.seq_len))
     shape = replace(shape, micro_batch=micro)
     return Option(shape, tokens_per_second(model, shape), memory(model, shape).total / GIB)
 
@@ -229,12 +232,20 @@ def propose(request: ShapeRequest, option: Option, default_cloud: str) -> Fleet:
                                                                                  learner))
 
 
-def _rejection(model: ModelSize, shape: IslandShape) -> Rejected:
+def unsupported(shape: IslandShape) -> Optional[Rejected]:
+    """A shape yeto does not run, whatever the memory."""
     device = GPUS[shape.gpu]
     if device.apple:
         return Rejected(shape, Rejection.NOT_A_CLOUD_GPU, "Apple machines join as --external-learners")
     if shape.base == "nf4" and not device.cuda:
-        return Rejected(shape, Rejection.NF4_NEEDS_CUDA, f"{shape.gpu} is not an NVIDIA device")
+        return Rejected(shape, Rejection.NF4_UNSUPPORTED, f"{shape.gpu} is not an NVIDIA device")
+    if shape.base == "nf4" and shape.count > 1:
+        return Rejected(shape, Rejection.NF4_UNSUPPORTED, "an NF4 base trains on one device per island")
+    return None
+
+
+def _rejection(model: ModelSize, shape: IslandShape) -> Rejected:
+    device = GPUS[shape.gpu]
     need = memory(model, replace(shape, micro_batch=1)).total / GIB
     return Rejected(shape, Rejection.DOES_NOT_FIT, f"needs {need:.1f} GiB per device of {device.memory_gib:g}")
 
@@ -244,11 +255,11 @@ def plan_shapes(model: ModelSize, request: ShapeRequest, prices: PriceBook) -> S
     best: dict[tuple[str, int], Option] = {}  # per GPU x count: the faster strategy
     rejected: dict[tuple[str, int], Rejected] = {}
     for shape in candidates(request):
-        device = GPUS[shape.gpu]
-        option = None if device.apple or (shape.base == "nf4" and not device.cuda) else size(model, shape)
         key = (shape.gpu, shape.count)
+        refused = unsupported(shape)
+        option = None if refused else size(model, shape)
         if option is None:
-            rejected[key] = _rejection(model, shape)  # the last strategy tried (fsdp) needs the least
+            rejected[key] = refused or _rejection(model, shape)  # the last strategy tried (fsdp) needs the least
         elif key not in best or option.tokens_per_s > best[key].tokens_per_s:
             best[key] = option
     for key in best:
