@@ -140,10 +140,12 @@ class ShapePlan:
 
 
 def candidates(request: ShapeRequest) -> list[IslandShape]:
-    """Every island shape to try: GPU x count x strategy (one device: ddp only), at the request's precision."""
+    """Every island shape to try: GPU x count x strategy (one device: ddp only; Apple: one machine), at the request's
+    precision."""
     gpus = request.gpus or tuple(name for name, g in GPUS.items() if not g.apple)
     return [IslandShape(gpu, count, strategy, request.base, request.seq_len)
-            for gpu in gpus for count in COUNTS for strategy in STRATEGIES if count > 1 or strategy == "ddp"]
+            for gpu in gpus for count in ((1,) if GPUS[gpu].apple else COUNTS)
+            for strategy in STRATEGIES if count > 1 or strategy == "ddp"]
 
 
 def size(model: ModelSize, shape: IslandShape) -> Optional[Option]:
@@ -282,9 +284,11 @@ def plan_shapes(model: ModelSize, request: ShapeRequest, prices: PriceBook) -> S
     default_cloud = request.clouds[0] if request.clouds else "aws"
     fleets = [propose(request, o, default_cloud) for o in options]
 
-    def rank(f: Fleet) -> tuple[float, float]:
+    def rank(f: Fleet) -> tuple[bool, float, float]:
+        """A fleet that can merge (2+ islands) first; then cost per token and time, or time and cost."""
         cost = f.option.usd_per_mtok if f.option.usd_per_mtok is not None else math.inf
-        return (cost, f.hours) if request.order is Order.COST and priced else (f.hours, cost)
+        solo = f.islands < MIN_DILOCO_ISLANDS
+        return (solo, cost, f.hours) if request.order is Order.COST and priced else (solo, f.hours, cost)
 
     fleets.sort(key=rank)
     notes = [] if priced else [f"unpriced: the launch lines name {default_cloud} (--clouds names yours)"]
