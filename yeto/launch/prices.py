@@ -89,7 +89,7 @@ def book_from_rows(rows: Iterable[Any], unavailable: Optional[str] = None) -> Pr
                       spot)
             for key, table in (((o.cloud, o.gpu, o.count, spot), book.offers),
                                ((o.cloud, o.gpu, o.count, spot, o.region), book.by_region)):
-                if key not in table or hourly < table[key].hourly:
+                if key not in table or (hourly, o.region) < (table[key].hourly, table[key].region):  # ties: by name
                     table[key] = o
     return book
 
