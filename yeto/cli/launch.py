@@ -72,11 +72,11 @@ def choose_fleet(model: str, budget: float, spot: bool, learner_extra: list[str]
     learner_args = [a for i in range(0, len(sized), 2) if flag_value(learner_extra, sized[i]) is None
                     for a in sized[i:i + 2]]
     console.print(f"--budget ${budget:g}/h: --gpu {gpu} ({best.islands} x {shape.count}x{shape.gpu} {shape.strategy} "
-                  f"on {best.cloud} at ${best.option.hourly:.2f}/h each, ${best.option.usd_per_mtok:.3f} per million "
+                  f"on {best.cloud} at ${best.option.hourly:.2f}/h each, ${best.option.usd_per_mtok:.3g} per million "
                   f"tokens: the cheapest per token of {len(plan.fleets)} shapes that fit; `yeto shape --model "
-                  f"{model} --budget {budget:g}` lists them)", highlight=False, markup=False)
+                  f"{model} --budget {budget:g}` lists them)", highlight=False, markup=False, soft_wrap=True)
     for why in best.why:
-        console.print(f"  {why}", highlight=False, markup=False)
+        console.print(f"  {why}", highlight=False, markup=False, soft_wrap=True)
     return ChosenFleet(gpu, best.inner_steps, best.quorum, learner_args)
 
 

@@ -54,8 +54,8 @@ def make_plan(model: str, budget: Optional[float] = None, tokens: int = DEFAULT_
     return plan_shapes(size, request, load_prices(cloud_names or None))
 
 
-def money(value: Optional[float], unit: str = "") -> str:
-    return "-" if value is None else f"${value:,.2f}{unit}"
+def money(value: Optional[float]) -> str:
+    return "-" if value is None else f"${value:,.2f}" if value >= 0.1 else f"${value:.2g}"
 
 
 def duration(hours: float) -> str:
@@ -92,10 +92,10 @@ def show(plan: ShapePlan) -> None:
         if by_gpu:  # per GPU, the counts, and the largest count's numbers (the nearest miss)
             shown = "; ".join(f"{'/'.join(str(x.shape.count) for x in xs)}x{name} ({xs[-1].shape.count}x: "
                               f"{xs[-1].detail})" for name, xs in by_gpu.items())
-            console.print(f"rejected, {reason.value}: {shown}", highlight=False)
+            console.print(f"rejected, {reason.value}: {shown}", highlight=False, soft_wrap=True)
     for line in [plan.prices, *plan.notes]:
         if line:
-            console.print(f"[yellow]{line}[/yellow]")
+            console.print(line, style="yellow", markup=False, highlight=False, soft_wrap=True)
     best = plan.best
     if best is None:
         console.print("[red]no island shape fits: try --base-quantization nf4, a shorter --seq-len, or bigger "
@@ -103,9 +103,9 @@ def show(plan: ShapePlan) -> None:
         return
     console.print(f"\nproposed fleet: {best.islands} x {best.option.shape.count}x{best.option.shape.gpu} on "
                   f"{best.cloud}, {duration(best.hours)} to {best.tokens:,} tokens"
-                  + (f", {money(best.cost)}" if best.cost is not None else ""), highlight=False)
+                  + (f", {money(best.cost)}" if best.cost is not None else ""), highlight=False, soft_wrap=True)
     for why in best.why:
-        console.print(f"  {why}", highlight=False)
+        console.print(f"  {why}", highlight=False, soft_wrap=True)
     console.print(best.launch, markup=False, highlight=False, soft_wrap=True)
 
 
