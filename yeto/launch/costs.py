@@ -70,7 +70,7 @@ def run_hours(plan: FleetPlan) -> Optional[float]:
         outer = int(flag_value(plan.syncer_args, "--outer-steps") or 0)
         quorum = int(flag_value(plan.syncer_args, "--quorum") or len(plan.islands))
         size = model_size(plan.model)
-    except (ValueError, YetoError):
+    except (ValueError, KeyError, TypeError, YetoError):  # a bad number, or a config the model cannot size
         return None
     shard = flag_value(args, "--shard") or "ddp"
     base = "nf4" if flag_value(args, "--base-quantization") == NF4 else "bf16"
