@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import DEMO_DATA, REPO
 from yeto.launch.prices import PriceBook, book_from_rows
 from yeto.launch.shape import (MAX_INNER_STEPS, MIN_INNER_STEPS, TARGET_ROUND_S, Order, Rejection, ShapeRequest,
-                               plan_shapes, tokens_per_step)
+                               candidates, plan_shapes, tokens_per_step)
 from yeto.launch.spec import parse_gpu
 from yeto.sizing import model_size
 
@@ -181,6 +181,24 @@ def test_without_prices_every_fit_is_listed_by_time_and_said():
     assert not [r for r in plan.rejected if r.reason is Rejection.NO_PRICE]
     hours = [f.hours for f in plan.fleets]
     assert hours == sorted(hours)
+
+
+def test_every_catalog_alias_gets_a_plan_or_one_line_saying_why():
+    from yeto import YetoError
+    from yeto.catalog import CATALOG
+
+    unsized = []
+    for alias in CATALOG:
+        try:
+            size = model_size(alias)
+        except YetoError as e:
+            assert alias in str(e) and "\n" not in str(e)
+            unsized.append(alias)
+            continue
+        plan = plan_shapes(size, ShapeRequest(alias), PRICES)
+        assert plan.fleets, alias  # every alias fits some priced island (the largest on 8 x H100 or A100-80GB)
+        assert len(plan.fleets) + len(plan.rejected) == len({(s.gpu, s.count) for s in candidates(plan.request)})
+    assert len(unsized) < len(CATALOG) / 10, unsized  # only aliases whose config is not known offline
 
 
 # ---------------------------------------------------------------------------------------------- the CLI

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from yeto import YetoError
+from yeto.cli.usage import with_help_panels
 from yeto.launch.shape import DEFAULT_SEQ_LEN, DEFAULT_TOKENS, Order, Rejected, ShapePlan, ShapeRequest
 
 BASES = {"none": "bf16", "nf4": "nf4"}  # --base-quantization (yeto train's spelling) -> the sizing's base precision
@@ -110,7 +111,7 @@ def show(plan: ShapePlan) -> None:
 
 
 def shape_command(
-    model: Annotated[str, typer.Option(help="Model alias, local model directory, or hub id in this machine's cache.")],
+    model: Annotated[str, typer.Option(help="Model alias or local model directory (its config.json is sized).")],
     budget: Annotated[Optional[float], typer.Option(help="The fleet's price limit, USD per hour.")] = None,
     tokens: Annotated[int, typer.Option(help="Tokens to train on (time and cost to reach them).")] = DEFAULT_TOKENS,
     gpus: Annotated[Optional[str], typer.Option(help="GPU types to try, comma-separated (default: every cloud "
@@ -131,3 +132,6 @@ def shape_command(
         typer.echo(json.dumps(plan.to_json(), indent=1))
         return
     show(plan)
+
+
+with_help_panels(shape_command, advanced=("seq_len", "by", "trust_remote_code"))
