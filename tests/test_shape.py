@@ -66,11 +66,17 @@ print(json.dumps(dict(
     h100x8_od=o(b.cheapest("H100", 8, False)), h100x8_aws=o(b.island("aws", "H100", 8, False)),
     lambda_spot=o(b.island("lambda", "H100", 1, True)), lambda_od=o(b.island("lambda", "H100", 1, False)),
     only_aws=o(b.cheapest("H100", 8, False, ["aws"])), gcp=o(b.cheapest("L4", 1, True, ["gcp"])))))
+import sky.catalog, time
+sky.catalog.list_accelerators = lambda **kw: time.sleep(60)  # SkyPilot stuck on a network it cannot reach
+t = time.monotonic()
+print(json.dumps([load_prices(["aws"], timeout_s=0.5).unavailable, time.monotonic() - t]))
 """
     env = dict(os.environ, SKY_RUNTIME_DIR=str(catalog), PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads(r.stdout.strip().splitlines()[-2])
+    stuck, waited = json.loads(r.stdout.strip().splitlines()[-1])
+    assert stuck == "prices unavailable: SkyPilot could not read aws (no answer in 0.5s)" and waited < 10
     assert got["unavailable"] is None
     assert got["a10g_spot"] == ["aws", "us-west-2", "g5.xlarge", 0.4123]  # us-west-2's spot beats us-east-1's
     assert got["a10g_east"] == ["aws", "us-east-1", "g5.xlarge", 0.4396]  # a named region: that region's price
