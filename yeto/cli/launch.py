@@ -59,7 +59,10 @@ def choose_fleet(model: str, budget: float, spot: bool, learner_extra: list[str]
     from yeto.launch.costs import flag_value
     from yeto.island.config import TrainConfig
 
-    seq_len = int(flag_value(learner_extra, "--seq-len") or TrainConfig().seq_len)
+    given = flag_value(learner_extra, "--seq-len")
+    if given is not None and not given.isdigit():
+        raise YetoError(f"--seq-len {given!r}: give the tokens per block, a whole number (a learner flag)")
+    seq_len = int(given) if given is not None else TrainConfig().seq_len
     quantization = flag_value(learner_extra, "--base-quantization") or "none"
     plan = make_plan(model, budget, spot=spot, seq_len=seq_len, base_quantization=quantization)
     best = plan.best
@@ -137,11 +140,11 @@ def launch_command(
     if budget is not None and gpu is None:
         fleet = choose_fleet(model, budget, spot, learner_extra, console)
         gpu = fleet.launch_gpu
-        inner_steps = inner_steps or fleet.inner_steps
+        inner_steps = fleet.inner_steps if inner_steps is None else inner_steps
         quorum = quorum or fleet.quorum
         learner_extra += fleet.learner_args
-    gpu = gpu or DEFAULT_GPU
-    inner_steps = inner_steps or DEFAULT_INNER_STEPS
+    gpu = DEFAULT_GPU if gpu is None else gpu
+    inner_steps = DEFAULT_INNER_STEPS if inner_steps is None else inner_steps
     islands = parse_gpu(gpu)
     local = all(i.local for i in islands)
     plan = FleetPlan(name or _default_name(out), out, islands, external_learners, mlx_learners, model, model_revision,
@@ -164,7 +167,7 @@ def launch_command(
 
         unknown = check_budget(plan, load_prices(sorted({i.cloud for i in islands})), budget)
         if unknown:
-            console.print(f"[yellow]{unknown}[/yellow]")
+            console.print(unknown, style="yellow", markup=False, highlight=False, soft_wrap=True)
     if not dry_run and live_run(plan.name) is not None:
         raise YetoError(f"a run named {plan.name!r} is recorded as running ({runs_dir()}/{plan.name}.json): "
                         f"`yeto down {plan.name}` first, or pick another --name")
