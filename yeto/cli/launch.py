@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -16,6 +17,8 @@ from yeto.launch.plan import SYNCER_PORT, FleetPlan, pin_revision, split_extra_a
 from yeto.launch.registry import live_run, runs_dir
 from yeto.launch.spec import GRAMMAR, parse_gpu
 
+DEFAULT_GPU = "local:2"
+DEFAULT_INNER_STEPS = 10
 GIVE_UP_MARGIN_S = 300.0  # polls, teardown and the syncer's rescan between a give-up and the lowered quorum
 
 
@@ -39,6 +42,47 @@ def quorum_timeout_args(syncer_extra: list[str], recover_timeout: float) -> list
     return []
 
 
+@dataclass(frozen=True)
+class ChosenFleet:
+    """What `--budget` without `--gpu` takes from `yeto shape`'s first option."""
+
+    launch_gpu: str
+    inner_steps: int
+    quorum: int
+    learner_args: list[str]  # the batch size (and sharding) the island was sized with, where not passed
+
+
+def choose_fleet(model: str, budget: float, spot: bool, learner_extra: list[str], console) -> ChosenFleet:
+    """The fleet `yeto shape` ranks first (cost per token) within the budget, for the learners' --seq-len and
+    --base-quantization; printed with why."""
+    from yeto.cli.shape import make_plan
+    from yeto.launch.costs import flag_value
+    from yeto.island.config import TrainConfig
+
+    given = flag_value(learner_extra, "--seq-len")
+    if given is not None and not given.isdigit():
+        raise YetoError(f"--seq-len {given!r}: give the tokens per block, a whole number (a learner flag)")
+    seq_len = int(given) if given is not None else TrainConfig().seq_len
+    quantization = flag_value(learner_extra, "--base-quantization") or "none"
+    plan = make_plan(model, budget, spot=spot, seq_len=seq_len, base_quantization=quantization)
+    best = plan.best
+    if best is None or best.cost is None:
+        why = plan.prices if best is not None else "no island shape fits within it"
+        raise YetoError(f"--budget {budget:g}: {why}; `yeto shape --model {model} --budget {budget:g}` shows the "
+                        "shapes, then name --gpu yourself")
+    shape, gpu = best.option.shape, best.gpu
+    sized = list(best.learner_args)  # flag, value pairs; the user's own flags stay
+    learner_args = [a for i in range(0, len(sized), 2) if flag_value(learner_extra, sized[i]) is None
+                    for a in sized[i:i + 2]]
+    console.print(f"--budget ${budget:g}/h: --gpu {gpu} ({best.islands} x {shape.count}x{shape.gpu} {shape.strategy} "
+                  f"on {best.cloud} at ${best.option.hourly:.2f}/h each, ${best.option.usd_per_mtok:.3g} per million "
+                  f"tokens: the cheapest per token of {len(plan.fleets)} shapes that fit; `yeto shape --model "
+                  f"{model} --budget {budget:g}` lists them)", highlight=False, markup=False, soft_wrap=True)
+    for why in best.why:
+        console.print(f"  {why}", highlight=False, markup=False, soft_wrap=True)
+    return ChosenFleet(gpu, best.inner_steps, best.quorum, learner_args)
+
+
 def _default_name(out: str) -> str:
     name = re.sub(r"[^a-z0-9-]+", "-", Path(out).resolve().name.lower()).strip("-")
     return (name if name[:1].isalpha() else f"run-{name}")[:35].rstrip("-") or "run"
@@ -46,7 +90,11 @@ def _default_name(out: str) -> str:
 
 def launch_command(
     ctx: typer.Context,
-    gpu: Annotated[str, typer.Option(help=f"One learner island per entry: {GRAMMAR}.")] = "local:2",
+    gpu: Annotated[Optional[str], typer.Option(help=f"One learner island per entry: {GRAMMAR} (default: {DEFAULT_GPU}; "
+                                                   "with --budget, the fleet `yeto shape` ranks first).")] = None,
+    budget: Annotated[Optional[float], typer.Option(help="USD per hour for the cloud islands: without --gpu, launch "
+                                                         "the cheapest fleet per token within it; with --gpu, refuse "
+                                                         "a fleet that costs more.")] = None,
     external_learners: Annotated[int, typer.Option(help="Reserved slots for machines you own (a Mac, a box): each "
                                                         "gets a join script in OUT/join/.")] = 0,
     mlx_learners: Annotated[int, typer.Option(help="With local:N, how many of the N islands run the MLX backend.")
@@ -65,7 +113,9 @@ def launch_command(
     public_host: Annotated[str, typer.Option(help="Local runs with --external-learners: the address other machines "
                                                   "reach this one at.")] = "127.0.0.1",
     outer_steps: Annotated[int, typer.Option(help="Merges to run.")] = 3,
-    inner_steps: Annotated[int, typer.Option(help="Inner steps per learner per round.")] = 10,
+    inner_steps: Annotated[Optional[int], typer.Option(help=f"Inner steps per learner per round (default: "
+                                                            f"{DEFAULT_INNER_STEPS}; with --budget and no --gpu, "
+                                                            "sized to a round of minutes).")] = None,
     quorum: Annotated[int, typer.Option(help="Responders needed to merge a round (default: all learners).")] = 0,
     overlap: Annotated[bool, typer.Option(help="Learners keep training while a merge is in flight.")] = False,
     spot: Annotated[bool, typer.Option("--spot/--on-demand", help="Cloud learners on spot capacity (the head is "
@@ -87,8 +137,19 @@ def launch_command(
     --help`) goes to the syncer; any other flag (--seq-len 128 --lr 1e-3) to every learner (`yeto train --help`)."""
     from rich.console import Console
 
-    islands = parse_gpu(gpu)
     syncer_extra, learner_extra = split_extra_args(list(ctx.args))
+    console = Console()
+    if budget is not None and not budget > 0:
+        raise YetoError(f"--budget {budget:g}: give the fleet's price limit in USD per hour, above 0")
+    if budget is not None and gpu is None:
+        fleet = choose_fleet(model, budget, spot, learner_extra, console)
+        gpu = fleet.launch_gpu
+        inner_steps = fleet.inner_steps if inner_steps is None else inner_steps
+        quorum = quorum or fleet.quorum
+        learner_extra += fleet.learner_args
+    gpu = DEFAULT_GPU if gpu is None else gpu
+    inner_steps = DEFAULT_INNER_STEPS if inner_steps is None else inner_steps
+    islands = parse_gpu(gpu)
     local = all(i.local for i in islands)
     plan = FleetPlan(name or _default_name(out), out, islands, external_learners, mlx_learners, model, model_revision,
                      data, data_revision, port=port if local else (port or SYNCER_PORT), spot=spot,
@@ -102,10 +163,19 @@ def launch_command(
     check_passed_flags(plan)  # before anything is provisioned: a flag a learner would refuse is one line here
     if not local:
         plan.syncer_args += quorum_timeout_args(syncer_extra, recover_timeout)
+    if budget is not None:
+        if local:
+            raise YetoError("--budget prices cloud islands and local:N costs nothing: leave --budget out, or name "
+                            "cloud islands in --gpu (or leave --gpu out)")
+        from yeto.launch.costs import check_budget
+        from yeto.launch.prices import load_prices
+
+        unknown = check_budget(plan, load_prices(sorted({i.cloud for i in islands})), budget)
+        if unknown:
+            console.print(unknown, style="yellow", markup=False, highlight=False, soft_wrap=True)
     if not dry_run and live_run(plan.name) is not None:
         raise YetoError(f"a run named {plan.name!r} is recorded as running ({runs_dir()}/{plan.name}.json): "
                         f"`yeto down {plan.name}` first, or pick another --name")
-    console = Console()
     plan.model_revision = pin_revision(model, model_revision, "model")
     plan.data_revision = pin_revision(data, data_revision, "dataset")
     if local:

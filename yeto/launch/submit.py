@@ -74,6 +74,14 @@ def render_tasks(plan: FleetPlan, keys: Keyring, plan_file: Path, syncer: str, e
     return yaml.safe_dump_all(docs, sort_keys=False)
 
 
+def dry_run_prices(plan: FleetPlan) -> list[str]:
+    """Each island's hourly price and the run's estimated cost (or "price unknown"), from SkyPilot's catalog."""
+    from yeto.launch.costs import price_lines, run_hours
+    from yeto.launch.prices import load_prices
+
+    return price_lines(plan, load_prices(sorted({i.cloud for i in plan.islands})), run_hours(plan))
+
+
 def launch_cloud(plan: FleetPlan, dry_run: bool, console) -> int:
     keys, plan_file = prepare(plan)
     out = Path(plan.out)
@@ -82,6 +90,7 @@ def launch_cloud(plan: FleetPlan, dry_run: bool, console) -> int:
         print(f"# run {plan.name}: head {plan.head_cluster}, {len(plan.islands)} cloud island(s), {plan.external} "
               f"reserved slot(s); syncer flags {' '.join(plan.syncer_args)}\n{TASKS_BEGIN}")
         print(render_tasks(plan, keys, plan_file, syncer, None) + TASKS_END)
+        print("\n".join(dry_run_prices(plan)))
         for lid in plan.external_ids:  # shown, not written: the head's address is known only once it is up
             print(f"# --- join/{lid}.sh (written at launch, with the head's address, beside its key join/{lid}.key)")
             print(join_script(plan, lid, syncer), end="")
