@@ -118,6 +118,16 @@ def test_a_cpu_device_has_no_context_or_slack():
         100e9 / flops_per_token(SMOL, IslandShape("CPU", base="fp32", seq_len=256)), rel=1e-6)
 
 
+def test_every_gpu_has_its_allocators_slack_and_bool_dropout_masks():
+    """A GPU (ROCm's too) keeps a dropout's mask as bools and pays the caching allocator's slack; the CPU neither."""
+    shape = IslandShape("MI300X", base="fp32", seq_len=256)
+    on_gpu, on_cpu = memory(SMOL, shape), memory(SMOL, shape, cpu(10.0, 64.0))
+    assert on_gpu.slack > 0 and on_cpu.slack == 0
+    assert on_cpu.activations > on_gpu.activations  # the masks: 4 bytes a value on the CPU, 1 on a GPU
+    no_dropout = replace(shape, lora_dropout=0.0)
+    assert memory(SMOL, no_dropout).activations == memory(SMOL, no_dropout, cpu(10.0, 64.0)).activations
+
+
 def test_bad_shapes_are_one_line_errors():
     with pytest.raises(YetoError, match="unknown GPU"):
         memory(SMOL, IslandShape("V100"))
