@@ -260,3 +260,14 @@ def test_activations_are_what_autograd_saves(tiny_model, kind, checkpointing):
     final_norm = 4 * size.hidden
     predicted = batch * seq * ((size.layers * size.hidden * 4 if checkpointing else sum(per_layer)) + final_norm)
     assert predicted == pytest.approx(sum(kept.values()), rel=0.15)
+
+
+def test_sizing_a_catalog_alias_imports_no_torch():
+    """`yeto models` and `yeto shape` size the catalog on an install without torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from yeto.sizing import model_size, min_shape; min_shape(model_size('llama3.1-70b')); "
+            "print('torch' in sys.modules or 'transformers' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
