@@ -172,7 +172,18 @@ def yeto_learner(case: Case, config: dict[str, Any], s: Settings, log: Callable[
         return RandomBlocksLearner(cfg, log=log)
 
 
-def plain_step(case: Case, config: dict[str, Any], s: Settings) -> Callable[[], int]:
+def parameter_bytes(model) -> dict[str, int]:
+    """The bytes of a model's frozen weights and of its trainable adapter, as allocated (tied tensors once)."""
+    frozen = trainable = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            trainable += p.numel() * p.element_size()
+        else:
+            frozen += p.numel() * p.element_size()
+    return {"weights_bytes": frozen, "adapter_bytes": trainable}
+
+
+def plain_step(case: Case, config: dict[str, Any], s: Settings) -> tuple[Callable[[], int], Any]:
     """The loop a person writes: peft's LoRA on every linear, the model's own loss over full logits, AdamW."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -199,7 +210,7 @@ def plain_step(case: Case, config: dict[str, Any], s: Settings) -> Callable[[], 
         optimizer.zero_grad(set_to_none=True)
         return ids.numel()
 
-    return step
+    return step, model
 
 
 # ----------------------------------------------------------------------------- one case
@@ -255,11 +266,12 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         if case.loop == "plain":
-            step = plain_step(case, config, s)
+            step, model = plain_step(case, config, s)
         else:
             learner = yeto_learner(case, config, s, lines.append)
             result["micro_batch_used"] = learner.micro_batch
-            step = lambda: learner.step()["tokens"]  # noqa: E731
+            step, model = (lambda: learner.step()["tokens"]), learner.model
+        result.update(parameter_bytes(model))
         result["setup_s"] = time.perf_counter() - t0
         if case.micro_batch != "auto":
             result.update(timed(step, s))
@@ -331,15 +343,17 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ratios the check is for, from the cases that ran."""
+def summarize(rows: list[dict[str, Any]], stated_mfu: float) -> dict[str, Any]:
+    """The ratios the check is for, from the cases that ran (`stated_mfu`: the one sizing's speed model uses for this
+    GPU; the measured one is it times measured over predicted tokens/s)."""
     by = {r["name"]: r for r in rows if r.get("status") == "ok"}
 
     def get(name: str, key: str) -> Optional[float]:
         return by.get(name, {}).get(key)
 
     out: dict[str, Any] = {"yeto_over_plain_tok_s": {}, "checkpointing": {}, "memory_measured_over_predicted": {},
-                           "tok_s_measured_over_predicted": {}, "micro_batch_auto": {}}
+                           "tok_s_measured_over_predicted": {}, "mfu_measured": {}, "weights_allocated_over_predicted":
+                           {}, "adapter_allocated_over_predicted": {}, "micro_batch_auto": {}}
     for tag in ("1b", "8b"):
         out["yeto_over_plain_tok_s"][tag] = ratio(get(f"{tag} yeto", "tok_s"), get(f"{tag} plain", "tok_s"))
         out["checkpointing"][tag] = {
@@ -352,7 +366,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for name, r in by.items():
         if "predicted_gib" in r:
             out["memory_measured_over_predicted"][name] = ratio(r.get("peak_gib"), r["predicted_gib"])
-            out["tok_s_measured_over_predicted"][name] = ratio(r.get("tok_s"), r["predicted_tok_s"])
+            speed = ratio(r.get("tok_s"), r["predicted_tok_s"])
+            out["tok_s_measured_over_predicted"][name] = speed
+            out["mfu_measured"][name] = speed * stated_mfu if speed is not None else None
+            predicted = r["predicted_memory"]  # the terms a CPU run checks too: what the model and adapter allocate
+            out["weights_allocated_over_predicted"][name] = ratio(r.get("weights_bytes"), predicted["base"])
+            out["adapter_allocated_over_predicted"][name] = ratio(r.get("adapter_bytes"), predicted["lora"])
     return out
 
 
@@ -461,7 +480,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               + (f", {row['tok_s']:.0f} tok/s" if "tok_s" in row else "")
               + (f", micro-batch {row['micro_batch_used']}" if case.micro_batch == "auto" and "micro_batch_used" in row
                  else ""), flush=True)
-    summary = summarize(rows)
+    from yeto.gpus import GPUS
+
+    summary = summarize(rows, GPUS[s.gpu].mfu)
     print_report(rows, summary, s)
     report = {"settings": asdict(s), "environment": environment(s), "cases": rows, "summary": summary,
               "seconds": time.perf_counter() - t0}
