@@ -1,0 +1,162 @@
+"""yeto.sizing: the memory and speed model's terms add up and move the right way, a few absolute anchors, and the LoRA
+parameter count it derives from a config equals what the learner's own target rules pick on the real module tree.
+(Predicted against measured: bench/sizing.py.)"""
+
+from dataclasses import replace
+
+import pytest
+
+from yeto import YetoError
+from yeto.catalog import CATALOG
+from yeto.gpus import GPUS, cpu
+from yeto.sizing import (IslandShape, memory, fits, largest_micro_batch, min_shape, model_size,
+                         tokens_per_second, flops_per_token, NF4_BYTES)
+
+SMOL = model_size("smollm2-135m")
+LLAMA8 = model_size("llama3.1-8b")
+LLAMA70 = model_size("llama3.1-70b")
+QWEN_MOE = model_size("qwen3-30b-a3b")
+
+
+def test_the_terms_add_up():
+    m = memory(LLAMA8, IslandShape("H100"))
+    assert m.total == m.base + m.lora + m.grads + m.optimizer + m.activations + m.context + m.slack
+    assert min(m.base, m.lora, m.grads, m.optimizer, m.activations, m.context, m.slack) > 0
+    assert m.optimizer == 2 * m.grads == 2 * m.lora  # fp32 adapter and gradient, AdamW's two fp32 moments
+
+
+def test_absolute_anchors():
+    assert memory(LLAMA8, IslandShape("H100")).base == pytest.approx(16.06e9, rel=0.01)  # 8.03B values x 2 bytes
+    assert LLAMA8.lora_params("all-linear", 16) == 41_943_040  # peft's count for Llama-3-8B, r=16, all linears
+    assert LLAMA8.lora_params("attention", 16) == 13_631_488
+    assert not fits(LLAMA70, IslandShape("H100"))  # 141 GB of bf16 weights
+    assert fits(LLAMA70, IslandShape("H100", base="nf4"))  # ~37 GB in nf4
+    assert memory(LLAMA70, IslandShape("H100", base="nf4")).base < 45e9
+    assert fits(LLAMA8, IslandShape("A100-80GB"))
+
+
+def test_monotonic_in_micro_batch_and_seq_len():
+    shape = IslandShape("H100")
+    by_batch = [memory(LLAMA8, replace(shape, micro_batch=n)).activations for n in (1, 2, 4, 8)]
+    by_seq = [memory(LLAMA8, replace(shape, seq_len=n)).activations for n in (256, 1024, 4096)]
+    assert by_batch == sorted(by_batch) and len(set(by_batch)) == 4
+    assert by_seq == sorted(by_seq) and len(set(by_seq)) == 3
+    assert memory(LLAMA8, replace(shape, micro_batch=4)).base == memory(LLAMA8, shape).base
+
+
+def test_checkpointing_lowers_activations_and_costs_flops():
+    on, off = IslandShape("H100", checkpointing=True), IslandShape("H100", checkpointing=False)
+    assert memory(LLAMA8, on).activations < memory(LLAMA8, off).activations / 3
+    assert flops_per_token(LLAMA8, on) > flops_per_token(LLAMA8, off)
+    assert tokens_per_second(LLAMA8, on) < tokens_per_second(LLAMA8, off)
+
+
+def test_flops_count_is_stated_one():
+    """4N without checkpointing (the frozen base gets no weight gradient), 6N with less the head's recompute (the loss
+    calls the head outside the checkpointed blocks): N the matmul parameters."""
+    short = IslandShape("H100", seq_len=16, lora_rank=1, targets="attention", checkpointing=False)
+    n, head = LLAMA8.matmul_params, LLAMA8.hidden * LLAMA8.vocab
+    assert flops_per_token(LLAMA8, short) == pytest.approx(4 * n, rel=0.01)
+    assert flops_per_token(LLAMA8, replace(short, checkpointing=True)) == pytest.approx(6 * n - 2 * head, rel=0.01)
+    assert tokens_per_second(LLAMA8, short) == pytest.approx(989e12 * GPUS["H100"].mfu / (4 * n), rel=0.01)
+
+
+def test_nf4_lowers_the_base():
+    bf16, nf4 = memory(LLAMA8, IslandShape("H100")), memory(LLAMA8, IslandShape("H100", base="nf4"))
+    assert nf4.base < bf16.base / 2.5
+    linear = LLAMA8.linear_params  # the decoder's linears at NF4_BYTES, embeddings and head in bf16
+    assert nf4.base == pytest.approx(linear * NF4_BYTES + (LLAMA8.total - linear) * 2, rel=0.001)
+
+
+def test_fsdp_divides_the_blocks_and_ddp_replicates():
+    one = memory(LLAMA70, IslandShape("H100"))
+    ddp = memory(LLAMA70, IslandShape("H100", count=4, strategy="ddp"))
+    fsdp2, fsdp4 = (memory(LLAMA70, IslandShape("H100", count=n, strategy="fsdp")) for n in (2, 4))
+    assert ddp.base == one.base
+    assert fsdp4.base < fsdp2.base < one.base
+    outside = 2 * (LLAMA70.embedding + LLAMA70.head)
+    assert fsdp2.base - outside == pytest.approx((one.base - outside) / 2, rel=0.05)
+    assert fsdp4.lora == one.lora and fsdp4.activations == one.activations  # the adapter stays whole on each rank
+    assert fits(LLAMA70, IslandShape("H100", count=4, strategy="fsdp"))
+
+
+def test_largest_micro_batch_is_the_boundary_of_fits():
+    shape = IslandShape("L4", seq_len=2048, checkpointing=False)
+    n = largest_micro_batch(SMOL, shape)
+    assert n >= 1
+    assert fits(SMOL, replace(shape, micro_batch=n)) and not fits(SMOL, replace(shape, micro_batch=n + 1))
+    assert largest_micro_batch(SMOL, replace(shape, checkpointing=True)) > n
+    assert largest_micro_batch(LLAMA70, IslandShape("L4")) == 0
+
+
+def test_min_shape_picks_the_smallest_fitting_island():
+    s = min_shape(SMOL)
+    assert s is not None and (s.count, s.base) == (1, "bf16")
+    assert GPUS[s.gpu].memory_gib == min(g.memory_gib for g in GPUS.values() if not g.apple)
+    big = min_shape(LLAMA70)
+    assert fits(LLAMA70, big)
+    smaller = [name for name, g in GPUS.items() if not g.apple and g.memory_gib * 1 < GPUS[big.gpu].memory_gib]
+    assert all(not fits(LLAMA70, IslandShape(name, base="nf4")) for name in smaller)
+    huge = min_shape(model_size("qwen3-235b-a22b"))
+    assert huge is not None and huge.count > 1 and huge.strategy == "fsdp"
+    assert min_shape(LLAMA70, gpus=["T4"]) is None
+    assert min_shape(SMOL, gpus=["M2-Max-64GB"]).describe() == "1x M2-Max-64GB bf16"
+
+
+def test_moe_keeps_every_expert_resident_and_computes_with_the_active():
+    m = memory(QWEN_MOE, IslandShape("H200"))
+    assert m.base == pytest.approx(2 * QWEN_MOE.total, rel=0.001)
+    assert QWEN_MOE.matmul_params < QWEN_MOE.total / 5
+    assert QWEN_MOE.routed_experts == pytest.approx(128 * 48 * 3 * 2048 * 768, rel=0.001)
+
+
+def test_a_cpu_device_has_no_context_or_slack():
+    dev = cpu(gflops=100.0, memory_gib=8.0)
+    m = memory(SMOL, IslandShape("CPU", base="fp32", seq_len=256), dev)
+    assert m.context == 0 and m.slack == 0
+    assert tokens_per_second(SMOL, IslandShape("CPU", base="fp32", seq_len=256), dev) == pytest.approx(
+        100e9 / flops_per_token(SMOL, IslandShape("CPU", base="fp32", seq_len=256)), rel=1e-6)
+
+
+def test_bad_shapes_are_one_line_errors():
+    with pytest.raises(YetoError, match="unknown GPU"):
+        memory(SMOL, IslandShape("V100"))
+    with pytest.raises(YetoError, match="strategy"):
+        memory(SMOL, IslandShape("H100", strategy="zero3"))
+    with pytest.raises(YetoError, match="LoRA targets"):
+        memory(SMOL, IslandShape("H100", targets="everything"))
+    with pytest.raises(YetoError, match="not known offline"):
+        model_size("lfm25-1b")
+
+
+def one_per_architecture() -> list[str]:
+    seen, out = set(), []
+    for alias, e in CATALOG.items():
+        if e.config is not None and e.architecture not in seen:
+            seen.add(e.architecture)
+            out.append(alias)
+    return out
+
+
+@pytest.mark.parametrize("alias", one_per_architecture())
+def test_lora_count_matches_the_learners_target_rules(alias):
+    """The adapter size sizing derives from the config equals r * (in + out) summed over the linears
+    yeto.island.lora.select_targets picks on the model built on the meta device, for every rule."""
+    pytest.importorskip("torch")
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from yeto.catalog import hf_config
+    from yeto.island.lora import select_targets, torch_linears
+
+    cfg = hf_config(CATALOG[alias].config)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(cfg)
+    linears, exclude = torch_linears(model)
+    shapes = {n: (i, o) for n, i, o in linears}
+    size = model_size(alias)
+    for rule in ("attention", "all-linear", "auto"):
+        chosen = select_targets(linears, cfg.get_text_config(), rule, exclude)
+        assert size.lora_params(rule, 8) == sum(8 * sum(shapes[n]) for n in chosen), rule
+    decoder = [(n, i, o) for n, i, o in linears if n not in exclude and "vision" not in n and "projector" not in n]
+    assert size.linear_params == sum(i * o for _, i, o in decoder)

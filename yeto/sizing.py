@@ -1,0 +1,398 @@
+"""How much memory a LoRA island needs per device, the largest micro-batch that fits, and how fast it trains: pure
+arithmetic on a model's config and counted parameters (no torch), so `yeto models` and `yeto shape` size any model
+on any install. bench/sizing.py checks it against measured training steps (docs/benchmarks.md, "Sizing").
+
+Memory per device, bytes (b: the base's bytes per value, 4 for fp32, 2 for bf16; P_lora: the adapter's values):
+    base         b * total                    (nf4: the decoder's linears at NF4_BYTES, the rest bf16)
+                 fsdp: the blocks divided over `count`, the embeddings, head and norms whole, plus FSDP_GATHERED
+                 blocks gathered whole at a time
+    lora         4 * P_lora                   (peft keeps the adapter in fp32 over a bf16 base)
+    grads        4 * P_lora
+    optimizer    8 * P_lora                   (AdamW's two moments, fp32)
+    activations  tokens * (layers' saved tensors) + logits    (tokens = micro_batch * seq_len)
+                 checkpointing: each layer keeps only its input, and one layer's tensors are recomputed at a time
+                 logits: the LM head's rows x vocab, LOGIT_BYTES each (the head's output, the loss's fp32 copy and
+                 log-softmax, the gradient)
+    context      the device's runtime (CUDA context, cuBLAS workspaces): Gpu.context_gib
+    slack        SLACK * activations           (the caching allocator's fragmentation; 0 on the CPU)
+
+Speed: FLOPs per trained token, N = the active parameters in matmuls (the blocks' linears and the LM head; the
+embedding lookup is no matmul), A = attention's score and value matmuls (2 * context * heads * head_dim per layer,
+causal: half of the 4 * seq one would count), P_lora = the adapter:
+    forward                 2N + A + 2 P_lora
+    backward                2N + 2A + 4 P_lora  (the input gradients only: the frozen base gets no weight gradient,
+                                                 so LoRA's backward is 2N, not full fine-tuning's 4N)
+    checkpointing           + 2N + A + 2 P_lora (the blocks' forward again; not the head)
+    total                   4N + 3A + 6 P_lora, or 6N + 4A + 8 P_lora with checkpointing (the issue's "6N" is full
+                            fine-tuning's count; for LoRA it holds only with checkpointing)
+    tokens/s = count * peak * mfu / FLOPs-per-token (peak: the device's bf16, or fp32 for an fp32 base; nf4 at
+               NF4_SPEED of bf16 for dequantizing), FSDP: no faster than its all-gathers over the link allow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Optional
+
+from yeto import YetoError
+from yeto.gpus import GPUS, Gpu, gpu
+
+GiB = 1024**3
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits, an 8-bit absmax per 64 values, an fp32 scale per 256 absmaxes
+LORA_BYTES = 4  # adapter values (and their gradients) in fp32
+ADAM_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, fp32
+LOGIT_BYTES_FP32 = 12  # per logit, fp32 base: head output, log-softmax kept, its gradient
+LOGIT_BYTES_BF16 = 14  # bf16 base: head output (2), the loss's fp32 copy and log-softmax (8), gradient (4)
+NORM_BYTES = 4  # an RMSNorm keeps its input in fp32 per hidden value (HF norms compute in fp32)
+DROPOUT_MASK_BYTES = 1  # a bool mask per value per LoRA dropout
+SLACK = 0.10  # of the activations: the CUDA caching allocator's fragmentation
+FSDP_GATHERED = 2  # blocks whole at a time under FSDP: the one running and the one prefetched
+NF4_SPEED = 0.7  # QLoRA's matmuls run at this share of bf16's rate (each weight dequantized first)
+MAX_MICRO_BATCH = 4096
+MIN_SHAPE_COUNTS = (1, 2, 4, 8)  # GPUs per island min_shape tries (one machine)
+STRATEGIES = ("ddp", "fsdp")
+BASES = ("bf16", "fp32", "nf4")
+TARGETS = ("attention", "all-linear", "auto")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One kind of linear layer in the decoder: `count` of them, in_features -> out_features."""
+
+    kind: str  # "attention", "mlp" or "conv"
+    in_features: int
+    out_features: int
+    count: int
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What sizing needs of a model: counted parameters and the decoder's shapes."""
+
+    name: str
+    total: int  # every parameter, tied ones once
+    active: int  # those a token uses (MoE: top_k of the routed experts)
+    embedding: int  # the input embedding's values
+    head: int  # an untied LM head's values (0: tied to the embedding)
+    layers: int
+    hidden: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # the dense MLP's width (an MoE's: top_k * expert width, what a token passes through)
+    attention_layers: int  # layers with full causal attention
+    sliding_layers: int = 0  # layers attending within `sliding_window`
+    sliding_window: int = 0
+    routed_experts: int = 0  # all routed experts' values (fused 3-D tensors: no linears, never adapted or quantized)
+    linears: tuple[Linear, ...] = ()  # the decoder's linears (the LM head apart)
+    moe: bool = False
+
+    def targeted(self, targets: str) -> list[Linear]:
+        """The linears LoRA adapts under a --lora-targets rule (yeto.island.lora.select_targets, by kind)."""
+        if targets not in TARGETS:
+            raise YetoError(f"unknown LoRA targets {targets!r}: use one of {', '.join(TARGETS)}")
+        if targets == "attention" or (targets == "auto" and not self.moe):
+            return [lin for lin in self.linears if lin.kind == "attention"]
+        return list(self.linears)  # routed experts are fused tensors, routers no linears: neither is listed
+
+    def lora_params(self, targets: str, rank: int) -> int:
+        return sum(rank * (lin.in_features + lin.out_features) * lin.count for lin in self.targeted(targets))
+
+    @property
+    def linear_params(self) -> int:
+        return sum(lin.in_features * lin.out_features * lin.count for lin in self.linears)
+
+    @property
+    def matmul_params(self) -> int:
+        """Active values a token multiplies: the blocks' (active less embedding and untied head) plus the head's."""
+        return self.active - self.embedding - self.head + self.hidden * self.vocab
+
+
+@dataclass(frozen=True)
+class IslandShape:
+    gpu: str
+    count: int = 1
+    strategy: str = "ddp"  # "ddp" | "fsdp"
+    base: str = "bf16"  # "bf16" | "fp32" | "nf4"
+    seq_len: int = 2048
+    micro_batch: int = 1
+    checkpointing: bool = True
+    lora_rank: int = 16
+    targets: str = "all-linear"
+
+    def describe(self) -> str:
+        """As people write it: '1x L4 bf16', '2x H100 fsdp bf16', '1x A100-80GB nf4'."""
+        strategy = " fsdp" if self.strategy == "fsdp" else ""
+        return f"{self.count}x {self.gpu}{strategy} {self.base}"
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device."""
+
+    base: int
+    lora: int
+    grads: int
+    optimizer: int
+    activations: int
+    context: int
+    slack: int
+
+    @property
+    def total(self) -> int:
+        return self.base + self.lora + self.grads + self.optimizer + self.activations + self.context + self.slack
+
+
+# --- the model's shapes from its config -------------------------------------------------------------------------
+
+def _lfm2_ff(text: dict[str, Any]) -> int:
+    """LFM2's feed-forward width: block_ff_dim, shrunk to 2/3 and rounded up as its config says."""
+    ff = text.get("block_ff_dim") or text["intermediate_size"]
+    if text.get("block_auto_adjust_ff_dim"):
+        ff = int(2 * ff / 3)
+        if text.get("block_ffn_dim_multiplier") is not None:
+            ff = int(text["block_ffn_dim_multiplier"] * ff)
+        multiple = text.get("block_multiple_of", 256)
+        ff = multiple * ((ff + multiple - 1) // multiple)
+    return ff
+
+
+def _sparse_layer(text: dict[str, Any], i: int) -> bool:
+    """Whether decoder layer i's MLP is routed experts."""
+    if text["model_type"] == "lfm2_moe":
+        return i >= text.get("num_dense_layers", 0)
+    if i in (text.get("mlp_only_layers") or []):
+        return False
+    step = text.get("decoder_sparse_step", 1) or 1
+    return (i + 1) % step == 0
+
+
+def shapes(fields: dict[str, Any], total: int, active: int, name: str = "") -> ModelSize:
+    """A ModelSize from config.json's fields and the counted parameters (yeto.catalog.count_params)."""
+    text = dict(fields.get("text_config") or fields)
+    text.setdefault("model_type", fields["model_type"])
+    mt = text["model_type"]
+    h, n_layers, heads = text["hidden_size"], text["num_hidden_layers"], text["num_attention_heads"]
+    kv = text.get("num_key_value_heads") or heads
+    hd = text.get("head_dim") or h // heads
+    vocab = text["vocab_size"]
+    tie = fields.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    n_experts = next((text[k] for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+                      if isinstance(text.get(k), int) and text[k] > 1), 0)
+    top_k = text.get("num_experts_per_tok") or text.get("experts_per_token") or n_experts
+    types = text.get("layer_types") or ["full_attention"] * n_layers
+    window = text.get("sliding_window") or 0
+    count: dict[tuple[str, str, int, int], int] = {}
+
+    def add(kind: str, role: str, i: int, o: int) -> None:
+        count[(kind, role, i, o)] = count.get((kind, role, i, o), 0) + 1
+
+    inter = text.get("intermediate_size", 0)
+    widths = []  # the MLP width a token passes through, per layer
+    for i, kind in enumerate(types):
+        if kind == "conv":
+            add("conv", "in_proj", h, 3 * h)
+            add("conv", "out_proj", h, h)
+        elif mt == "phi3":
+            add("attention", "qkv_proj", h, (heads + 2 * kv) * hd)
+            add("attention", "o_proj", heads * hd, h)
+        else:
+            for role, o in (("q_proj", heads * hd), ("k_proj", kv * hd), ("v_proj", kv * hd)):
+                add("attention", role, h, o)
+            add("attention", "o_proj", heads * hd, h)
+        if n_experts and _sparse_layer(text, i):
+            widths.append(top_k * (text.get("moe_intermediate_size") or inter))
+            continue
+        ff = _lfm2_ff(text) if mt == "lfm2" else inter
+        widths.append(ff)
+        if mt == "phi3":
+            add("mlp", "gate_up_proj", h, 2 * ff)
+        else:
+            add("mlp", "gate_proj", h, ff)
+            add("mlp", "up_proj", h, ff)
+        add("mlp", "down_proj", ff, h)
+    routed = (total - active) * n_experts // (n_experts - top_k) if n_experts and n_experts > top_k else 0
+    linears = tuple(Linear(kind, i, o, c) for (kind, _, i, o), c in count.items())
+    return ModelSize(name=name, total=total, active=active, embedding=vocab * h, head=0 if tie else vocab * h,
+                     layers=n_layers, hidden=h, vocab=vocab, heads=heads, kv_heads=kv, head_dim=hd,
+                     intermediate=max(widths) if widths else inter,
+                     attention_layers=sum(t == "full_attention" for t in types),
+                     sliding_layers=sum(t == "sliding_attention" for t in types), sliding_window=window,
+                     routed_experts=routed, linears=linears, moe=n_experts > 0)
+
+
+def model_size(name: str, trust_remote_code: bool = False) -> ModelSize:
+    """Size a catalog alias (its kept config and counts: no torch) or a local model directory (counted with
+    yeto.catalog.size_local)."""
+    import json
+    from pathlib import Path
+
+    from yeto.catalog import CATALOG, size_local
+
+    if name in CATALOG:
+        e = CATALOG[name]
+        if e.config is None or e.total is None:
+            raise YetoError(f"{name}: its published config is not known offline; size a download with its directory")
+        return shapes(e.config, e.total, e.active or e.total, name)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise YetoError(f"{name}: not a catalog alias or a local model directory with a config.json "
+                        "(see yeto models)")
+    counted = size_local(path, trust_remote_code)
+    return shapes(json.loads((path / "config.json").read_text()), counted.total, counted.active, name)
+
+
+# --- memory ----------------------------------------------------------------------------------------------------
+
+def _check(shape: IslandShape, device: Optional[Gpu] = None) -> Gpu:
+    """The shape's device (`device` where given: the bench's measured CPU), after checking its fields."""
+    if shape.strategy not in STRATEGIES:
+        raise YetoError(f"unknown strategy {shape.strategy!r}: use ddp or fsdp")
+    if shape.base not in BASES:
+        raise YetoError(f"unknown base {shape.base!r}: use one of {', '.join(BASES)}")
+    if shape.count < 1 or shape.seq_len < 2 or shape.micro_batch < 1 or shape.lora_rank < 1:
+        raise YetoError(f"island shape out of range (count, micro-batch, rank at least 1, seq_len 2): {shape}")
+    return device or gpu(shape.gpu)
+
+
+def base_bytes(model: ModelSize, base: str) -> tuple[int, int]:
+    """(the blocks' bytes, the rest's: embeddings, head, final norm, vision tower) of the frozen base."""
+    outside = model.embedding + model.head
+    if base == "nf4":  # bitsandbytes quantizes the decoder's nn.Linear layers; the rest stays in bf16
+        quantized = model.linear_params
+        blocks = quantized * NF4_BYTES + (model.total - outside - quantized) * 2
+        return int(blocks), outside * 2
+    b = 4 if base == "fp32" else 2
+    return (model.total - outside) * b, outside * b
+
+
+def layer_activation_bytes(model: ModelSize, shape: IslandShape) -> list[int]:
+    """Per token, the bytes each decoder layer keeps for the backward (no checkpointing)."""
+    a = 4 if shape.base == "fp32" else 2
+    h, q, kv = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim
+    targeted = {(lin.kind, lin.in_features, lin.out_features) for lin in model.targeted(shape.targets)}
+    per_kind: dict[str, int] = {}
+    for lin in model.linears:  # each adapted linear: its LoRA dropout's output and mask, and lora_A's output
+        if (lin.kind, lin.in_features, lin.out_features) in targeted:
+            n_per_layer = lin.count / model.layers
+            per_kind[lin.kind] = per_kind.get(lin.kind, 0) + int(
+                n_per_layer * (lin.in_features * (a + DROPOUT_MASK_BYTES) + shape.lora_rank * a))
+    attention = a * (2 * q + 2 * kv) + per_kind.get("attention", 0)  # q, k, v (roped) and attention's output
+    mlp = a * 3 * model.intermediate + per_kind.get("mlp", 0)  # gate, its activation, up
+    norms = 2 * NORM_BYTES * h
+    attn_layers = model.attention_layers + model.sliding_layers
+    conv = a * 4 * h + per_kind.get("conv", 0)
+    return [norms + mlp + (attention if i < attn_layers else conv) for i in range(model.layers)]
+
+
+def activation_bytes(model: ModelSize, shape: IslandShape) -> int:
+    """Bytes of activations a micro-batch keeps at its peak (the backward's start)."""
+    a = 4 if shape.base == "fp32" else 2
+    tokens = shape.micro_batch * shape.seq_len
+    layers = layer_activation_bytes(model, shape)
+    kept = model.layers * model.hidden * a + max(layers) if shape.checkpointing else sum(layers)
+    logit_bytes = LOGIT_BYTES_FP32 if shape.base == "fp32" else LOGIT_BYTES_BF16
+    logits = shape.micro_batch * (shape.seq_len - 1) * model.vocab * logit_bytes
+    return int(tokens * kept + logits)
+
+
+def memory(model: ModelSize, shape: IslandShape, device: Optional[Gpu] = None) -> Memory:
+    """Bytes per device of an island of `shape` training `model`."""
+    device = _check(shape, device)
+    blocks, outside = base_bytes(model, shape.base)
+    if shape.strategy == "fsdp" and shape.count > 1:
+        base = outside + blocks // shape.count + FSDP_GATHERED * blocks // model.layers
+    else:
+        base = outside + blocks
+    p = model.lora_params(shape.targets, shape.lora_rank)
+    act = activation_bytes(model, shape)
+    slack = int(SLACK * act) if device.cuda or device.apple else 0
+    return Memory(base=int(base), lora=LORA_BYTES * p, grads=LORA_BYTES * p, optimizer=ADAM_BYTES * p,
+                  activations=act, context=int(device.context_gib * GiB), slack=slack)
+
+
+def fits(model: ModelSize, shape: IslandShape, device: Optional[Gpu] = None) -> bool:
+    device = _check(shape, device)
+    return memory(model, shape, device).total <= device.memory_gib * GiB
+
+
+def largest_micro_batch(model: ModelSize, shape: IslandShape, device: Optional[Gpu] = None) -> int:
+    """The largest micro-batch (up to MAX_MICRO_BATCH) whose island fits; 0: not even 1 fits."""
+    if not fits(model, replace(shape, micro_batch=1), device):
+        return 0
+    lo, hi = 1, MAX_MICRO_BATCH + 1  # fits(lo), not fits(hi) (or past the cap)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(model, replace(shape, micro_batch=mid), device) else (lo, mid)
+    return lo
+
+
+# --- speed -----------------------------------------------------------------------------------------------------
+
+def attention_flops(model: ModelSize, seq_len: int) -> float:
+    """Forward FLOPs per token of attention's QK^T and PV (causal: a token attends to half the context on average)."""
+    width = model.heads * model.head_dim
+    window = min(seq_len, model.sliding_window) if model.sliding_window else seq_len
+    full = 2 * seq_len * width * model.attention_layers
+    sliding = 4 * (window if window < seq_len else seq_len / 2) * width * model.sliding_layers
+    return full + sliding
+
+
+def flops_per_token(model: ModelSize, shape: IslandShape) -> float:
+    """Training FLOPs per token (the module docstring's count)."""
+    n = model.matmul_params
+    head = model.hidden * model.vocab
+    att = attention_flops(model, shape.seq_len)
+    lora = model.lora_params(shape.targets, shape.lora_rank)
+    total = 4 * n + 3 * att + 6 * lora
+    if shape.checkpointing:
+        total += 2 * (n - head) + att + 2 * lora
+    return float(total)
+
+
+def tokens_per_second(model: ModelSize, shape: IslandShape, device: Optional[Gpu] = None) -> float:
+    """Tokens per second of the whole island (all `count` devices)."""
+    device = _check(shape, device)
+    peak = device.fp32_tflops if shape.base == "fp32" and device.fp32_tflops else device.bf16_tflops
+    rate = peak * 1e12 * device.mfu * (NF4_SPEED if shape.base == "nf4" else 1.0)
+    per_device = rate / flops_per_token(model, shape)
+    if shape.strategy == "fsdp" and shape.count > 1:  # every micro-batch all-gathers the blocks per pass
+        blocks, _ = base_bytes(model, shape.base)
+        passes = 3 if shape.checkpointing else 2
+        gather_s = passes * blocks * (shape.count - 1) / shape.count / (device.link_gbs * 1e9)
+        compute_s = shape.micro_batch * shape.seq_len / per_device
+        per_device = shape.micro_batch * shape.seq_len / max(compute_s, gather_s)
+    return shape.count * per_device
+
+
+# --- the smallest island -----------------------------------------------------------------------------------------
+
+def candidates(gpus: Iterable[str], seq_len: int, **shape: Any) -> list[IslandShape]:
+    """Island shapes from smallest to largest total device memory; at equal memory bf16 before nf4, fewer devices
+    first. nf4 on one CUDA device only (bitsandbytes), Apple and FSDP islands of one machine each."""
+    out = []
+    for name in gpus:
+        g = gpu(name)
+        for count in (1,) if g.apple else MIN_SHAPE_COUNTS:
+            strategy = "fsdp" if count > 1 else "ddp"
+            for base in ("bf16", "nf4") if g.cuda and count == 1 else ("bf16",):
+                out.append(IslandShape(name, count, strategy, base, seq_len, **shape))
+    return sorted(out, key=lambda s: (s.count * gpu(s.gpu).memory_gib, s.base != "bf16", s.count))
+
+
+DEFAULT_GPUS = tuple(name for name, g in GPUS.items() if not g.apple)
+
+
+def min_shape(model: ModelSize, gpus: Iterable[str] = DEFAULT_GPUS, seq_len: int = 2048,
+              **shape: Any) -> Optional[IslandShape]:
+    """The island with the least total device memory that trains `model` at micro-batch 1 (None: none fits)."""
+    for s in candidates(gpus, seq_len, **shape):
+        if fits(model, s):
+            return s
+    return None
+
+
+def human_bytes(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / 2**20:.0f} MiB"
+
