@@ -379,7 +379,7 @@ def fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
 
-def print_report(rows: list[dict[str, Any]], summary: dict[str, Any], s: Settings) -> None:
+def print_report(rows: list[dict[str, Any]], summary: dict[str, Any], s: Settings, stated_mfu: float) -> None:
     print(f"\nseq len {s.seq_len}, {s.dtype}, LoRA r={LORA_RANK} on {LORA_TARGETS}, {s.steps} timed steps after "
           f"{s.warmup}; on {s.device}, sized as {s.gpu}" + (" (tiny configs)" if s.tiny else ""))
     head = (f"{'case':22} {'batch':>5} {'mb':>4} {'tok/s':>9} {'pred tok/s':>10} {'peak GiB':>8} {'pred GiB':>8} "
@@ -398,6 +398,15 @@ def print_report(rows: list[dict[str, Any]], summary: dict[str, Any], s: Setting
     for tag, v in summary["checkpointing"].items():
         print(f"{tag}: gradient checkpointing: tokens/s {fmt(v['tok_s_with_over_without'])}x, "
               f"peak memory {fmt(v['peak_with_over_without'])}x")
+    for term, key in (("weights", "weights_allocated_over_predicted"), ("adapter", "adapter_allocated_over_predicted")):
+        values = [v for v in summary[key].values() if v is not None]
+        if values:
+            print(f"{term} allocated / sizing's {'base' if term == 'weights' else 'lora'} term: "
+                  f"{min(values):.3f}x to {max(values):.3f}x over {len(values)} cases")
+    for tag in ("1b", "8b"):
+        mfu = summary["mfu_measured"].get(f"{tag} yeto")
+        if mfu is not None and s.device == "cuda":
+            print(f"{tag}: measured MFU {mfu:.1%} (sizing states {fmt(stated_mfu, '.0%')} for {s.gpu})")
     for tag, v in summary["micro_batch_auto"].items():
         print(f"{tag}: --micro-batch-size auto (batch {s.auto_batch}): probed {v['probed']}, "
               f"sizing predicts {v['predicted']}")
@@ -483,7 +492,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from yeto.gpus import GPUS
 
     summary = summarize(rows, GPUS[s.gpu].mfu)
-    print_report(rows, summary, s)
+    print_report(rows, summary, s, GPUS[s.gpu].mfu)
     report = {"settings": asdict(s), "environment": environment(s), "cases": rows, "summary": summary,
               "seconds": time.perf_counter() - t0}
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
