@@ -69,6 +69,7 @@ class Settings:
     tiny: bool
     gpu: str  # the yeto.gpus name sizing predicts for
     auto_batch: int  # the --batch-size the micro-batch probe searches under
+    device_info: dict[str, Any]  # the GPU's name, memory and CUDA version (empty on the CPU)
 
 
 def plan(s: Settings) -> list[Case]:
@@ -281,18 +282,18 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
     return result
 
 
-def _child(case: Case, s: Settings, results) -> None:
+def _child(fn: Callable[..., dict[str, Any]], args: tuple, results) -> None:
     try:
-        results.put(run_case(case, s))
+        results.put(fn(*args))
     except BaseException as e:  # the parent reports it and goes on with the next case
         results.put({"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
 
 
-def run_isolated(case: Case, s: Settings, timeout_s: float) -> dict[str, Any]:
-    """`run_case` in a fresh process: its peak memory is its own and an out-of-memory leaves nothing behind."""
+def in_child(fn: Callable[..., dict[str, Any]], args: tuple, timeout_s: float) -> dict[str, Any]:
+    """`fn(*args)` in a fresh process: its peak memory is its own and an out-of-memory leaves nothing behind."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(case, s, results))
+    proc = ctx.Process(target=_child, args=(fn, args, results))
     proc.start()
     try:
         result = results.get(timeout=timeout_s)
@@ -303,6 +304,24 @@ def run_isolated(case: Case, s: Settings, timeout_s: float) -> dict[str, Any]:
         proc.kill()
         proc.join()
     return result
+
+
+def read_gpu() -> dict[str, Any]:
+    import torch
+
+    return {"name": torch.cuda.get_device_name(), "memory_gib": torch.cuda.get_device_properties(0).total_memory / GIB,
+            "cuda": torch.version.cuda}
+
+
+def gpu_info(device: str) -> dict[str, Any]:
+    """The GPU's name and memory, read in a child process: this one then holds no CUDA context, which would count in
+    every case's measured context."""
+    if device != "cuda":
+        return {}
+    info = in_child(read_gpu, (), CASE_TIMEOUT_S)
+    if "name" not in info:
+        raise YetoError(f"could not read the GPU's name and memory ({info['status']}): check that torch sees it")
+    return info
 
 
 # ----------------------------------------------------------------------------- predictions and the report
@@ -412,25 +431,22 @@ def print_report(rows: list[dict[str, Any]], summary: dict[str, Any], s: Setting
               f"sizing predicts {v['predicted']}")
 
 
-def sized_as(device: str, named: Optional[str]) -> str:
-    """The yeto.gpus entry this GPU is sized as: --gpu, or the one whose name and memory match the device's."""
+def sized_as(gpu: dict[str, Any], named: Optional[str]) -> str:
+    """The yeto.gpus entry this GPU (`gpu_info`) is sized as: --gpu, or the one whose name and memory match it."""
     from yeto.gpus import GPUS
 
     if named:
         if named not in GPUS:
             raise YetoError(f"--gpu {named!r} is not in yeto.gpus: use one of {', '.join(GPUS)}")
         return named
-    if not device.startswith("cuda"):
+    if not gpu:
         return CPU_SIZED_AS
-    import torch
-
-    name = torch.cuda.get_device_name().lower().replace(" ", "")
-    gib = torch.cuda.get_device_properties(0).total_memory / GIB
+    name = gpu["name"].lower().replace(" ", "")
     matches = [g for g in GPUS.values() if not g.apple and g.name.split("-")[0].lower() in name]
     if not matches:
-        raise YetoError(f"this GPU ({torch.cuda.get_device_name()}) is not in yeto.gpus: pass --gpu with the nearest "
-                        f"of {', '.join(GPUS)}")
-    return min(matches, key=lambda g: abs(g.memory_gib - gib)).name
+        raise YetoError(f"this GPU ({gpu['name']}) is not in yeto.gpus: pass --gpu with the nearest of "
+                        f"{', '.join(GPUS)}")
+    return min(matches, key=lambda g: abs(g.memory_gib - gpu["memory_gib"])).name
 
 
 def settings(a: argparse.Namespace) -> Settings:
@@ -442,10 +458,11 @@ def settings(a: argparse.Namespace) -> Settings:
                         "--tiny")
     if device == "cpu" and not a.tiny:
         raise YetoError("on the CPU the check runs tiny configs only (an 8B in fp32 on a CPU takes hours): add --tiny")
+    gpu = gpu_info(device)
     return Settings(device=device, dtype="bfloat16" if device == "cuda" else "float32",
                     seq_len=a.seq_len or (32 if a.tiny else 2048), steps=a.steps or (2 if a.tiny else 6),
                     warmup=a.warmup if a.warmup is not None else (1 if a.tiny else 2), tiny=a.tiny,
-                    gpu=sized_as(device, a.gpu), auto_batch=a.auto_batch or (8 if a.tiny else 64))
+                    gpu=sized_as(gpu, a.gpu), auto_batch=a.auto_batch or (8 if a.tiny else 64), device_info=gpu)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -482,7 +499,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             row["status"] = f"skipped: past --budget-s {a.budget_s:.0f}"
         else:
             row.update(predict(case, s, out))
-            row.update(run_isolated(case, s, CASE_TIMEOUT_S) if isolate else run_case(case, s))
+            row.update(in_child(run_case, (case, s), CASE_TIMEOUT_S) if isolate else run_case(case, s))
         row["wall_s"] = time.perf_counter() - t0 - elapsed
         rows.append(row)
         print(f"[{time.perf_counter() - t0:6.1f}s] {case.name}: {row['status']}"
@@ -505,12 +522,8 @@ def environment(s: Settings) -> dict[str, Any]:
     import torch
     import transformers
 
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-           "python": sys.version.split()[0]}
-    if s.device == "cuda":
-        env.update(gpu=torch.cuda.get_device_name(), gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory
-                   / GIB, cuda=torch.version.cuda)
-    return env
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+            "python": sys.version.split()[0], **s.device_info}
 
 
 if __name__ == "__main__":

@@ -76,3 +76,21 @@ def test_a_full_check_on_the_cpu_is_refused_in_one_line(gpu_check, tmp_path, cap
     assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "--tiny" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name, gib, sized", [("NVIDIA H100 80GB HBM3", 79.2, "H100"), ("NVIDIA H200", 139.8, "H200"),
+                                              ("NVIDIA A100-SXM4-40GB", 39.4, "A100"),
+                                              ("NVIDIA A100-SXM4-80GB", 79.2, "A100-80GB"), ("Tesla T4", 14.6, "T4"),
+                                              ("NVIDIA GeForce RTX 4090", 23.6, "RTX4090")])
+def test_a_gpu_is_sized_as_its_row_of_the_gpu_table(gpu_check, name, gib, sized):
+    assert gpu_check.sized_as({"name": name, "memory_gib": gib}, None) == sized
+
+
+def test_a_gpu_the_table_lacks_is_named_with_the_fix(gpu_check):
+    from yeto import YetoError
+
+    with pytest.raises(YetoError, match="--gpu"):
+        gpu_check.sized_as({"name": "Some Accelerator X1", "memory_gib": 64.0}, None)
+    assert gpu_check.sized_as({"name": "Some Accelerator X1", "memory_gib": 64.0}, "H100") == "H100"
+    with pytest.raises(YetoError, match="not in yeto.gpus"):
+        gpu_check.sized_as({}, "H1000")
