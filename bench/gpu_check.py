@@ -479,7 +479,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--only", help="run only the cases whose name contains this (e.g. '8b')")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="each case in its own process (default: on a GPU)")
-    p.add_argument("--budget-s", type=float, default=450.0, help="start no case after this many seconds")
+    p.add_argument("--budget-s", type=float, default=400.0, help="start no case after this many seconds")
     a = p.parse_args(argv)
     try:
         s = settings(a)
