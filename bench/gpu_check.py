@@ -122,8 +122,8 @@ def random_blocks(config: dict[str, Any], n: int, seq_len: int, seed: int = 0):
 
 @contextmanager
 def random_init_loading(config: dict[str, Any], hub_id: str) -> Iterator[None]:
-    """While open, yeto's torch learner loads `config` with random weights instead of resolving a model on the hub:
-    the one thing it cannot do on a machine without a network (its own loading code is what `yeto train` runs)."""
+    """While open, yeto's torch learner builds `config` with random weights instead of resolving a model on the hub
+    (the one thing it cannot do on a machine without a network); everything else it does is what `yeto train` runs."""
     from yeto.backends.torch import learner
     from yeto.provenance import Artifact
 

@@ -79,6 +79,8 @@ class Entry:
 
 
 E = Entry
+# `revision`: the hub commit that public code pinning this hub id downloads (found by search, several projects agreeing
+# where there were several); None where none was found: the hub's main at resolve time
 CATALOG: dict[str, Entry] = {
     # SmolLM2 / SmolLM3 (Hugging Face)
     "smollm2-135m": E("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2", "apache-2.0", 8192,
