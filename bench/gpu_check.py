@@ -295,10 +295,16 @@ def in_child(fn: Callable[..., dict[str, Any]], args: tuple, timeout_s: float) -
     results = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn, args, results))
     proc.start()
-    try:
-        result = results.get(timeout=timeout_s)
-    except queue.Empty:
-        result = {"status": f"no result in {timeout_s:.0f} s (exit code {proc.exitcode})"}
+    deadline = time.monotonic() + timeout_s
+    result = None
+    while result is None and time.monotonic() < deadline:
+        try:
+            result = results.get(timeout=1.0)
+        except queue.Empty:
+            if not proc.is_alive() and results.empty():  # died without a word (killed for memory, a crash)
+                result = {"status": f"the case's process died (exit code {proc.exitcode})"}
+    if result is None:
+        result = {"status": f"no result in {timeout_s:.0f} s"}
     proc.join(timeout=30)
     if proc.is_alive():
         proc.kill()
