@@ -160,3 +160,50 @@ def test_lora_count_matches_the_learners_target_rules(alias):
         assert size.lora_params(rule, 8) == sum(8 * sum(shapes[n]) for n in chosen), rule
     decoder = [(n, i, o) for n, i, o in linears if n not in exclude and "vision" not in n and "projector" not in n]
     assert size.linear_params == sum(i * o for _, i, o in decoder)
+
+
+def test_a_local_model_is_sized_from_its_own_linears(tiny_model):
+    """A directory's adapter is counted from the linears of the model built on the meta device (here an MoE with
+    shared experts, which the config-only shapes do not know), equal to what the learner's rules pick."""
+    import json
+
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from yeto.catalog import hf_config
+    from yeto.island.lora import select_targets, torch_linears
+
+    path = tiny_model("qwen2_moe")
+    size = model_size(str(path))
+    cfg = hf_config(json.loads((path / "config.json").read_text()))
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(cfg)
+    linears, exclude = torch_linears(model)
+    shapes = {n: (i, o) for n, i, o in linears}
+    for rule in ("attention", "all-linear", "auto"):
+        chosen = select_targets(linears, cfg, rule, exclude)
+        assert size.lora_params(rule, 4) == sum(4 * sum(shapes[n]) for n in chosen), rule
+    assert size.moe and size.active < size.total
+
+
+def test_yeto_models_shows_each_alias_min_island(tiny_model):
+    import json
+
+    from typer.testing import CliRunner
+
+    from yeto.cli import app
+
+    r = CliRunner().invoke(app, ["models", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {row["alias"]: row for row in json.loads(r.output)}
+    assert rows["lfm25-1b"]["min_shape"] is None  # not sized offline
+    for alias in ("smollm2-135m", "llama3.1-70b", "qwen3-235b-a22b"):
+        s = rows[alias]["min_shape"]
+        shape = IslandShape(s["gpu"], s["count"], s["strategy"], s["base"], targets="auto")
+        assert fits(model_size(alias), shape) and s["label"] == shape.describe()
+        assert s["memory_gib"] <= GPUS[s["gpu"]].memory_gib and s["tokens_per_second"] > 0
+    assert rows["llama3.1-70b"]["min_shape"]["base"] == "nf4" and rows["qwen3-235b-a22b"]["min_shape"]["count"] > 1
+    table = CliRunner().invoke(app, ["models"])
+    assert "min island" in table.output and rows["smollm2-135m"]["min_shape"]["label"] in table.output
+    r = CliRunner().invoke(app, ["models", "--model", str(tiny_model("llama")), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)[0]["min_shape"]["count"] == 1

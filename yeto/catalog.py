@@ -354,24 +354,30 @@ def row(alias: str, e: Entry) -> dict[str, Any]:
                 trust_remote_code=e.trust_remote_code, counted_from="config" if e.config else None)
 
 
+def config_dir(name: str) -> tuple[Path, Optional[str]]:
+    """(the directory holding config.json, the hub id or None) of a local model directory or a hub id whose config.json
+    this machine's Hugging Face cache holds."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path, None
+    parts = name.split("/")
+    cached = None
+    if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json")
+    if not isinstance(cached, str):
+        raise YetoError(f"--model {name}: not an alias, a local model directory or a hub id in this machine's "
+                        "Hugging Face cache: fetch its config.json (`hf download ID config.json`) and retry")
+    return Path(cached).parent, name
+
+
 def sized_row(name: str, trust_remote_code: bool = False) -> dict[str, Any]:
     """`yeto models --model NAME`: an alias's row, or a local directory or a hub id whose config.json this machine's
     Hugging Face cache holds, counted from that config.json."""
     if name in CATALOG:
         return row(name, CATALOG[name])
-    path = Path(name).expanduser()
-    hub_id = None
-    if not path.is_dir():
-        parts = name.split("/")
-        cached = None
-        if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")):
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(name, "config.json")
-        if not isinstance(cached, str):
-            raise YetoError(f"--model {name}: not an alias, a local model directory or a hub id in this machine's "
-                            "Hugging Face cache: fetch its config.json (`hf download ID config.json`) and retry")
-        path, hub_id = Path(cached).parent, name
+    path, hub_id = config_dir(name)
     count = size_local(path, trust_remote_code)
     config = json.loads((path / "config.json").read_text())
     text = config.get("text_config") or config

@@ -59,7 +59,7 @@ TARGETS = ("attention", "all-linear", "auto")
 class Linear:
     """One kind of linear layer in the decoder: `count` of them, in_features -> out_features."""
 
-    kind: str  # "attention", "mlp" or "conv"
+    kind: str  # "attention", "mlp", "conv" or "expert" (a routed expert that is its own linear)
     in_features: int
     out_features: int
     count: int
@@ -94,7 +94,9 @@ class ModelSize:
             raise YetoError(f"unknown LoRA targets {targets!r}: use one of {', '.join(TARGETS)}")
         if targets == "attention" or (targets == "auto" and not self.moe):
             return [lin for lin in self.linears if lin.kind == "attention"]
-        return list(self.linears)  # routed experts are fused tensors, routers no linears: neither is listed
+        if targets == "auto":  # an MoE: not the routed experts (listed only where they are linears, one per expert)
+            return [lin for lin in self.linears if lin.kind != "expert"]
+        return list(self.linears)  # routers are never listed
 
     def lora_params(self, targets: str, rank: int) -> int:
         return sum(rank * (lin.in_features + lin.out_features) * lin.count for lin in self.targeted(targets))
@@ -223,24 +225,54 @@ def shapes(fields: dict[str, Any], total: int, active: int, name: str = "") -> M
 
 
 def model_size(name: str, trust_remote_code: bool = False) -> ModelSize:
-    """Size a catalog alias (its kept config and counts: no torch) or a local model directory (counted with
-    yeto.catalog.size_local)."""
+    """Size a catalog alias (its kept config and counts: no torch), or a local model directory or a hub id whose
+    config.json this machine's Hugging Face cache holds (counted with yeto.catalog.size_local; with torch, its linears
+    read from the model built on the meta device, so any architecture's adapter is counted exactly)."""
     import json
-    from pathlib import Path
 
-    from yeto.catalog import CATALOG, size_local
+    from yeto import missing_torch
+    from yeto.catalog import CATALOG, config_dir, size_local
 
     if name in CATALOG:
         e = CATALOG[name]
         if e.config is None or e.total is None:
             raise YetoError(f"{name}: its published config is not known offline; size a download with its directory")
         return shapes(e.config, e.total, e.active or e.total, name)
-    path = Path(name).expanduser()
-    if not (path / "config.json").is_file():
-        raise YetoError(f"{name}: not a catalog alias or a local model directory with a config.json "
-                        "(see yeto models)")
+    path, _ = config_dir(name)
     counted = size_local(path, trust_remote_code)
-    return shapes(json.loads((path / "config.json").read_text()), counted.total, counted.active, name)
+    fields = json.loads((path / "config.json").read_text())
+    size = shapes(fields, counted.total, counted.active, name)
+    if missing_torch() is None:
+        try:
+            size = replace(size, linears=meta_linears(fields, trust_remote_code))
+        except (ValueError, KeyError):  # transformers cannot build it here: the linears the config implies
+            pass
+    return size
+
+
+def meta_linears(fields: dict[str, Any], trust_remote_code: bool = False) -> tuple[Linear, ...]:
+    """The decoder's linears of the model built on the meta device, by kind: what yeto.island.lora's rules see."""
+    import re
+
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from yeto.catalog import hf_config
+    from yeto.island.lora import ATTENTION_REGEX, EXPERT_REGEX, NON_TEXT_REGEX, is_router, torch_linears
+
+    cfg = hf_config(fields)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+    linears, exclude = torch_linears(model)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    count: dict[tuple[str, int, int], int] = {}
+    for n, i, o in linears:
+        if n in exclude or n.endswith("lm_head") or re.fullmatch(NON_TEXT_REGEX, n) or is_router(n, o, text):
+            continue
+        kind = ("attention" if re.fullmatch(ATTENTION_REGEX, n) else "expert" if re.fullmatch(EXPERT_REGEX, n)
+                else "conv" if ".conv." in n else "mlp")
+        count[(kind, i, o)] = count.get((kind, i, o), 0) + 1
+    return tuple(Linear(kind, i, o, c) for (kind, i, o), c in count.items())
 
 
 # --- memory ----------------------------------------------------------------------------------------------------
@@ -391,6 +423,23 @@ def min_shape(model: ModelSize, gpus: Iterable[str] = DEFAULT_GPUS, seq_len: int
         if fits(model, s):
             return s
     return None
+
+
+MIN_SHAPE_TERMS = "seq len 2048, micro-batch 1, gradient checkpointing, LoRA r=16 on the learner's auto targets"
+
+
+def island_row(name: str, trust_remote_code: bool = False) -> Optional[dict[str, Any]]:
+    """`yeto models`' min island of a model (MIN_SHAPE_TERMS): its shape and per-device memory; None where the model
+    is not sized offline or nothing fits."""
+    try:
+        size = model_size(name, trust_remote_code)
+    except YetoError:
+        return None
+    s = min_shape(size, targets="auto")
+    if s is None:
+        return None
+    return dict(label=s.describe(), gpu=s.gpu, count=s.count, strategy=s.strategy, base=s.base,
+                memory_gib=round(memory(size, s).total / GiB, 1), tokens_per_second=round(tokens_per_second(size, s)))
 
 
 def human_bytes(n: float) -> str:

@@ -178,6 +178,7 @@ def models(
 
     from yeto.backends.mlx.compat import mlx_implements
     from yeto.catalog import CATALOG, human, row, sized_row
+    from yeto.sizing import MIN_SHAPE_TERMS, island_row
 
     if model is not None:
         rows = [sized_row(model, trust_remote_code)]
@@ -186,18 +187,22 @@ def models(
     mlx = {r["architecture"]: mlx_implements(r["architecture"]) for r in rows if r["architecture"] != "?"}
     for r in rows:
         r["mlx"] = mlx.get(r["architecture"])
+        r["min_shape"] = island_row(r["alias"] if model is None else model, trust_remote_code)
     if json_out:
         typer.echo(json.dumps(rows, indent=1))
         return
     table = Table(title=f"{len(rows)} models (parameters counted from each config.json on the meta device)")
-    for col in ("alias", "hub id", "class", "total", "active", "context", "license", "remote code", "MLX"):
+    for col in ("alias", "hub id", "class", "total", "active", "context", "license", "remote code", "MLX",
+                "min island"):
         table.add_column(col, justify="right" if col in ("total", "active", "context") else "left")
     marks = {True: "yes", False: "no (torch only)", None: "?"}
     for r in rows:
         table.add_row(r["alias"], r["hub_id"] or "-", r["architecture"], human(r["total_params"]),
                       human(r["active_params"]), str(r["context"] or "?"), r["license"] or "?",
-                      "yes" if r["trust_remote_code"] else "no", marks[r["mlx"]])
-    Console(width=200).print(table)
+                      "yes" if r["trust_remote_code"] else "no", marks[r["mlx"]],
+                      r["min_shape"]["label"] if r["min_shape"] else "?")
+    Console(width=220).print(table)
+    typer.echo(f"min island: the GPUs with the least memory in all that train it (yeto.sizing: {MIN_SHAPE_TERMS})")
     if model is None:
         typer.echo("?: the published config is not known offline; size a download with yeto models --model DIR")
 
