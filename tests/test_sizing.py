@@ -207,3 +207,46 @@ def test_yeto_models_shows_each_alias_min_island(tiny_model):
     assert "min island" in table.output and rows["smollm2-135m"]["min_shape"]["label"] in table.output
     r = CliRunner().invoke(app, ["models", "--model", str(tiny_model("llama")), "--json"])
     assert r.exit_code == 0 and json.loads(r.output)[0]["min_shape"]["count"] == 1
+
+
+@pytest.mark.parametrize("kind", ["llama", "lfm2"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activations_are_what_autograd_saves(tiny_model, kind, checkpointing):
+    """The layers' activation term equals the bytes autograd keeps in yeto's loss forward on a tiny model (every
+    tensor a saved-tensor hook sees, once per storage, the weights and the loss's vocab-wide tensors left out), within
+    15%. (Whole steps' peaks, with the logits and transients: bench/sizing.py.)"""
+    import torch
+    from peft import get_peft_model
+
+    from yeto.backends.torch.learner import masked_loss
+    from yeto.gpus import cpu
+    from yeto.island.lora import lora_config
+    from yeto.island.losses import load_loss_function
+    from yeto.models import load_model, resolve_model
+    from yeto.sizing import layer_activation_bytes
+
+    path = tiny_model(kind)
+    base = load_model(resolve_model(str(path)), "cpu", torch.float32, False, "none")
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.enable_input_require_grads()
+    model = get_peft_model(base, lora_config(base, "all-linear", 8, 16.0, 0.05))
+    model.train()
+    seq, batch = 128, 2
+    size = model_size(str(path))
+    kept = {p.untyped_storage().data_ptr(): 0 for p in model.parameters()}
+
+    def pack(t):
+        vocab_wide = t.dim() > 0 and t.shape[-1] == size.vocab
+        kept.setdefault(t.untyped_storage().data_ptr(), 0 if vocab_wide else t.untyped_storage().nbytes())
+        return t
+
+    ids = torch.randint(0, 1000, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        masked_loss(model, ids, torch.ones_like(ids, dtype=torch.float32), load_loss_function("cross_entropy"))
+    shape = IslandShape("CPU", base="fp32", seq_len=seq, micro_batch=batch, checkpointing=checkpointing, lora_rank=8)
+    per_layer = layer_activation_bytes(size, shape, cpu(10.0, 8.0))
+    # checkpointing keeps each layer's input in the forward; the recomputed layer lives in the backward only
+    final_norm = 4 * size.hidden
+    predicted = batch * seq * ((size.layers * size.hidden * 4 if checkpointing else sum(per_layer)) + final_norm)
+    assert predicted == pytest.approx(sum(kept.values()), rel=0.15)

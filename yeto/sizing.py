@@ -44,7 +44,7 @@ ADAM_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, fp32
 LOGIT_BYTES_FP32 = 12  # per logit, fp32 base: head output, log-softmax kept, its gradient
 LOGIT_BYTES_BF16 = 14  # bf16 base: head output (2), the loss's fp32 copy and log-softmax (8), gradient (4)
 NORM_BYTES = 4  # an RMSNorm keeps its input in fp32 per hidden value (HF norms compute in fp32)
-DROPOUT_MASK_BYTES = 1  # a bool mask per value per LoRA dropout
+CUDA_MASK_BYTES = 1  # a LoRA dropout's mask per value on CUDA (native_dropout's bool); elsewhere the input's dtype
 SLACK = 0.10  # of the activations: the CUDA caching allocator's fragmentation
 FSDP_GATHERED = 2  # blocks whole at a time under FSDP: the one running and the one prefetched
 NF4_SPEED = 0.7  # QLoRA's matmuls run at this share of bf16's rate (each weight dequantized first)
@@ -122,6 +122,7 @@ class IslandShape:
     checkpointing: bool = True
     lora_rank: int = 16
     targets: str = "all-linear"
+    lora_dropout: float = 0.05  # yeto train's default; 0: no dropout (peft's Identity), no mask kept
 
     def describe(self) -> str:
         """As people write it: '1x L4 bf16', '2x H100 fsdp bf16', '1x A100-80GB nf4'."""
@@ -299,31 +300,32 @@ def base_bytes(model: ModelSize, base: str) -> tuple[int, int]:
     return (model.total - outside) * b, outside * b
 
 
-def layer_activation_bytes(model: ModelSize, shape: IslandShape) -> list[int]:
-    """Per token, the bytes each decoder layer keeps for the backward (no checkpointing)."""
+def layer_activation_bytes(model: ModelSize, shape: IslandShape, device: Optional[Gpu] = None) -> list[int]:
+    """Per token, the bytes each decoder layer keeps for the backward (no checkpointing), as autograd saves them:
+    the norms' fp32 inputs; attention's q, k, v (after RoPE) and output; the MLP's gate, its activation and up; and
+    per adapted linear its input as the adapter's dtype (peft casts it to fp32) through dropout, the dropout's mask
+    (a bool on CUDA, the input's dtype on the CPU), and lora_A's output."""
     a = 4 if shape.base == "fp32" else 2
     h, q, kv = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim
-    targeted = {(lin.kind, lin.in_features, lin.out_features) for lin in model.targeted(shape.targets)}
-    per_kind: dict[str, int] = {}
-    for lin in model.linears:  # each adapted linear: its LoRA dropout's output and mask, and lora_A's output
-        if (lin.kind, lin.in_features, lin.out_features) in targeted:
-            n_per_layer = lin.count / model.layers
-            per_kind[lin.kind] = per_kind.get(lin.kind, 0) + int(
-                n_per_layer * (lin.in_features * (a + DROPOUT_MASK_BYTES) + shape.lora_rank * a))
-    attention = a * (2 * q + 2 * kv) + per_kind.get("attention", 0)  # q, k, v (roped) and attention's output
-    mlp = a * 3 * model.intermediate + per_kind.get("mlp", 0)  # gate, its activation, up
-    norms = 2 * NORM_BYTES * h
+    mask = 0 if shape.lora_dropout == 0 else CUDA_MASK_BYTES if device is None or device.cuda else LORA_BYTES
+    lora = {kind: 0 for kind in ("attention", "mlp", "conv", "expert")}  # all layers' adapted linears, by kind
+    for lin in model.targeted(shape.targets):
+        lora[lin.kind] += lin.count * (lin.in_features * (LORA_BYTES + mask) + shape.lora_rank * LORA_BYTES)
     attn_layers = model.attention_layers + model.sliding_layers
-    conv = a * 4 * h + per_kind.get("conv", 0)
-    return [norms + mlp + (attention if i < attn_layers else conv) for i in range(model.layers)]
+    attention = a * (2 * q + 2 * kv) + lora["attention"] / max(attn_layers, 1)
+    conv = a * 4 * h + lora["conv"] / max(model.layers - attn_layers, 1)
+    mlp = a * 3 * model.intermediate + (lora["mlp"] + lora["expert"]) / model.layers
+    norms = 2 * NORM_BYTES * h
+    return [int(norms + mlp + (attention if i < attn_layers else conv)) for i in range(model.layers)]
 
 
-def activation_bytes(model: ModelSize, shape: IslandShape) -> int:
+def activation_bytes(model: ModelSize, shape: IslandShape, device: Optional[Gpu] = None) -> int:
     """Bytes of activations a micro-batch keeps at its peak (the backward's start)."""
     a = 4 if shape.base == "fp32" else 2
     tokens = shape.micro_batch * shape.seq_len
-    layers = layer_activation_bytes(model, shape)
+    layers = layer_activation_bytes(model, shape, device)
     kept = model.layers * model.hidden * a + max(layers) if shape.checkpointing else sum(layers)
+    kept += NORM_BYTES * model.hidden  # the final norm's input (outside the checkpointed layers)
     logit_bytes = LOGIT_BYTES_FP32 if shape.base == "fp32" else LOGIT_BYTES_BF16
     logits = shape.micro_batch * (shape.seq_len - 1) * model.vocab * logit_bytes
     return int(tokens * kept + logits)
@@ -338,7 +340,7 @@ def memory(model: ModelSize, shape: IslandShape, device: Optional[Gpu] = None) -
     else:
         base = outside + blocks
     p = model.lora_params(shape.targets, shape.lora_rank)
-    act = activation_bytes(model, shape)
+    act = activation_bytes(model, shape, device)
     slack = int(SLACK * act) if device.cuda or device.apple else 0
     return Memory(base=int(base), lora=LORA_BYTES * p, grads=LORA_BYTES * p, optimizer=ADAM_BYTES * p,
                   activations=act, context=int(device.context_gib * GiB), slack=slack)
