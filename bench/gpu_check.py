@@ -39,6 +39,7 @@ from yeto.catalog import CATALOG, hf_config  # noqa: E402
 
 SMALL, MIDDLE, LARGE = "llama3.2-1b", "qwen3-4b", "llama3.1-8b"  # the 1B- and 8B-class configs, and one between
 LORA_RANK, LORA_ALPHA, LORA_TARGETS = 16, 32.0, "all-linear"
+LORA_DROPOUT = 0.0  # both loops alike (peft then keeps no dropout mask), and sizing told so
 GIB = 2**30
 # --tiny: each catalog config at test size (its structure kept: GQA, tied embeddings, head_dim where it has one)
 TINY_FIELDS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -166,7 +167,7 @@ def yeto_learner(case: Case, config: dict[str, Any], s: Settings, log: Callable[
 
     cfg = TrainConfig(model=case.alias, data="random tokens", out=tempfile.gettempdir(), seq_len=s.seq_len,
                       batch_size=case.batch, max_steps=s.steps + s.warmup, warmup_steps=0, lr=1e-4,
-                      lora_r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, lora_targets=LORA_TARGETS,
+                      lora_r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT, lora_targets=LORA_TARGETS,
                       device=s.device, dtype=s.dtype, gradient_checkpointing=case.checkpointing,
                       micro_batch_size=case.micro_batch)
     with random_init_loading(config, CATALOG[case.alias].hub_id):
@@ -191,7 +192,7 @@ def plain_step(case: Case, config: dict[str, Any], s: Settings) -> tuple[Callabl
 
     dtype = getattr(torch, s.dtype)
     model = get_peft_model(build_model(config, s.device, dtype),
-                           LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                           LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT,
                                       target_modules=LORA_TARGETS))
     if case.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -355,7 +356,7 @@ def predict(case: Case, s: Settings, out: Path) -> dict[str, Any]:
     micro = case.batch if case.micro_batch in ("all", "auto") else min(int(case.micro_batch), case.batch)
     shape = IslandShape(gpu=s.gpu, base="bf16" if s.dtype == "bfloat16" else "fp32", seq_len=s.seq_len,
                         micro_batch=micro, checkpointing=case.checkpointing, lora_rank=LORA_RANK,
-                        targets=LORA_TARGETS)
+                        targets=LORA_TARGETS, lora_dropout=LORA_DROPOUT)
     if case.micro_batch == "auto":
         return {"predicted_micro_batch": min(largest_micro_batch(size, shape), case.batch)}
     predicted = memory(size, shape)
