@@ -118,6 +118,16 @@ def test_a_cpu_device_has_no_context_or_slack():
         100e9 / flops_per_token(SMOL, IslandShape("CPU", base="fp32", seq_len=256)), rel=1e-6)
 
 
+def test_every_gpu_has_its_allocators_slack_and_bool_dropout_masks():
+    """A GPU (ROCm's too) keeps a dropout's mask as bools and pays the caching allocator's slack; the CPU neither."""
+    shape = IslandShape("MI300X", base="fp32", seq_len=256)
+    on_gpu, on_cpu = memory(SMOL, shape), memory(SMOL, shape, cpu(10.0, 64.0))
+    assert on_gpu.slack > 0 and on_cpu.slack == 0
+    assert on_cpu.activations > on_gpu.activations  # the masks: 4 bytes a value on the CPU, 1 on a GPU
+    no_dropout = replace(shape, lora_dropout=0.0)
+    assert memory(SMOL, no_dropout).activations == memory(SMOL, no_dropout, cpu(10.0, 64.0)).activations
+
+
 def test_bad_shapes_are_one_line_errors():
     with pytest.raises(YetoError, match="unknown GPU"):
         memory(SMOL, IslandShape("V100"))
@@ -250,3 +260,14 @@ def test_activations_are_what_autograd_saves(tiny_model, kind, checkpointing):
     final_norm = 4 * size.hidden
     predicted = batch * seq * ((size.layers * size.hidden * 4 if checkpointing else sum(per_layer)) + final_norm)
     assert predicted == pytest.approx(sum(kept.values()), rel=0.15)
+
+
+def test_sizing_a_catalog_alias_imports_no_torch():
+    """`yeto models` and `yeto shape` size the catalog on an install without torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from yeto.sizing import model_size, min_shape; min_shape(model_size('llama3.1-70b')); "
+            "print('torch' in sys.modules or 'transformers' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr

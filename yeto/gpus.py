@@ -35,8 +35,9 @@ class Gpu:
     mfu: float  # the stated model-FLOPs utilization the speed model uses for this device
     apple: bool = False  # MLX backend (unified memory, one device per machine)
     fp32_tflops: float = 0.0  # dense fp32 (non-tensor) peak: the speed of an fp32 base
-    cuda: bool = True  # bitsandbytes' nf4 runs here (NVIDIA)
+    cuda: bool = True  # NVIDIA: bitsandbytes' nf4 runs here
     context_gib: float = 0.5  # CUDA/HIP context, cuBLAS workspaces, kernels: resident before any tensor
+    host: bool = False  # this machine's CPU (yeto.gpus.cpu): no caching allocator, dropout masks in the input's dtype
 
     @property
     def link_gbs(self) -> float:
@@ -80,4 +81,5 @@ def gpu(name: str) -> Gpu:
 def cpu(gflops: float, memory_gib: float, mfu: float = 1.0) -> Gpu:
     """This machine's CPU as a device: `gflops` its measured matmul peak (bench/sizing.py measures it in the same run),
     no context (measured memory is taken above a baseline), no link."""
-    return Gpu("CPU", memory_gib, gflops / 1000, False, mfu, fp32_tflops=gflops / 1000, cuda=False, context_gib=0.0)
+    return Gpu("CPU", memory_gib, gflops / 1000, False, mfu, fp32_tflops=gflops / 1000, cuda=False, context_gib=0.0,
+               host=True)

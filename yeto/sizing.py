@@ -9,10 +9,14 @@ Memory per device, bytes (b: the base's bytes per value, 4 for fp32, 2 for bf16;
     lora         4 * P_lora                   (peft keeps the adapter in fp32 over a bf16 base)
     grads        4 * P_lora
     optimizer    8 * P_lora                   (AdamW's two moments, fp32)
-    activations  tokens * (layers' saved tensors) + logits    (tokens = micro_batch * seq_len)
-                 checkpointing: each layer keeps only its input, and one layer's tensors are recomputed at a time
-                 logits: the LM head's rows x vocab, LOGIT_BYTES each (the head's output, the loss's fp32 copy and
-                 log-softmax, the gradient)
+    activations  tokens * (the layers' saved tensors + the final norm's fp32 input) + logits
+                 (tokens = micro_batch * seq_len). Per layer and token, as autograd saves them: the two norms' fp32
+                 inputs (8h), q, k, v and attention's output (b each), the MLP's gate, activation and up (3b I);
+                 per adapted linear its input in fp32 through dropout (4 in: peft casts it to the adapter's dtype),
+                 the dropout's mask (1 byte per value on a GPU, 4 on the CPU), lora_A's output (4r)
+                 checkpointing: each layer keeps only its input (b h); one layer's tensors recomputed at a time
+                 logits: the LM head's rows x vocab, LOGIT_BYTES each (the loss's fp32 log-softmax and two
+                 fp32 gradients at the backward's start)
     context      the device's runtime (CUDA context, cuBLAS workspaces): Gpu.context_gib
     slack        SLACK * activations           (the caching allocator's fragmentation; 0 on the CPU)
 
@@ -41,10 +45,11 @@ GiB = 1024**3
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits, an 8-bit absmax per 64 values, an fp32 scale per 256 absmaxes
 LORA_BYTES = 4  # adapter values (and their gradients) in fp32
 ADAM_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, fp32
-LOGIT_BYTES_FP32 = 12  # per logit, fp32 base: head output, log-softmax kept, its gradient
-LOGIT_BYTES_BF16 = 14  # bf16 base: head output (2), the loss's fp32 copy and log-softmax (8), gradient (4)
+# per logit at the peak, the backward's start: the log-softmax the loss keeps (fp32), the NLL's gradient and the
+# log-softmax's (fp32 each); the forward's peak is lower (fp32: head output and log-softmax, 8; bf16: 2 + 4 + 4)
+LOGIT_BYTES = 12
 NORM_BYTES = 4  # an RMSNorm keeps its input in fp32 per hidden value (HF norms compute in fp32)
-CUDA_MASK_BYTES = 1  # a LoRA dropout's mask per value on CUDA (native_dropout's bool); elsewhere the input's dtype
+GPU_MASK_BYTES = 1  # a LoRA dropout's mask per value on a GPU (native_dropout's bool); on the CPU the input's dtype
 SLACK = 0.10  # of the activations: the CUDA caching allocator's fragmentation
 FSDP_GATHERED = 2  # blocks whole at a time under FSDP: the one running and the one prefetched
 NF4_SPEED = 0.7  # QLoRA's matmuls run at this share of bf16's rate (each weight dequantized first)
@@ -304,10 +309,10 @@ def layer_activation_bytes(model: ModelSize, shape: IslandShape, device: Optiona
     """Per token, the bytes each decoder layer keeps for the backward (no checkpointing), as autograd saves them:
     the norms' fp32 inputs; attention's q, k, v (after RoPE) and output; the MLP's gate, its activation and up; and
     per adapted linear its input as the adapter's dtype (peft casts it to fp32) through dropout, the dropout's mask
-    (a bool on CUDA, the input's dtype on the CPU), and lora_A's output."""
+    (a bool on a GPU, the input's dtype on the CPU), and lora_A's output."""
     a = 4 if shape.base == "fp32" else 2
     h, q, kv = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim
-    mask = 0 if shape.lora_dropout == 0 else CUDA_MASK_BYTES if device is None or device.cuda else LORA_BYTES
+    mask = 0 if shape.lora_dropout == 0 else LORA_BYTES if device is not None and device.host else GPU_MASK_BYTES
     lora = {kind: 0 for kind in ("attention", "mlp", "conv", "expert")}  # all layers' adapted linears, by kind
     for lin in model.targeted(shape.targets):
         lora[lin.kind] += lin.count * (lin.in_features * (LORA_BYTES + mask) + shape.lora_rank * LORA_BYTES)
@@ -326,8 +331,7 @@ def activation_bytes(model: ModelSize, shape: IslandShape, device: Optional[Gpu]
     layers = layer_activation_bytes(model, shape, device)
     kept = model.layers * model.hidden * a + max(layers) if shape.checkpointing else sum(layers)
     kept += NORM_BYTES * model.hidden  # the final norm's input (outside the checkpointed layers)
-    logit_bytes = LOGIT_BYTES_FP32 if shape.base == "fp32" else LOGIT_BYTES_BF16
-    logits = shape.micro_batch * (shape.seq_len - 1) * model.vocab * logit_bytes
+    logits = shape.micro_batch * (shape.seq_len - 1) * model.vocab * LOGIT_BYTES
     return int(tokens * kept + logits)
 
 
@@ -341,12 +345,13 @@ def memory(model: ModelSize, shape: IslandShape, device: Optional[Gpu] = None) -
         base = outside + blocks
     p = model.lora_params(shape.targets, shape.lora_rank)
     act = activation_bytes(model, shape, device)
-    slack = int(SLACK * act) if device.cuda or device.apple else 0
+    slack = 0 if device.host else int(SLACK * act)
     return Memory(base=int(base), lora=LORA_BYTES * p, grads=LORA_BYTES * p, optimizer=ADAM_BYTES * p,
                   activations=act, context=int(device.context_gib * GiB), slack=slack)
 
 
 def fits(model: ModelSize, shape: IslandShape, device: Optional[Gpu] = None) -> bool:
+    """Whether every device of the island holds its memory."""
     device = _check(shape, device)
     return memory(model, shape, device).total <= device.memory_gib * GiB
 
