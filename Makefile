@@ -20,7 +20,7 @@ REPORT_TO ?= none
 # make sim N=100000: that many seeded fault schedules through the coordination cores (CI runs a few hundred)
 N ?= 10000
 
-.PHONY: setup demo demo-single demo-mixed test sim bench clean
+.PHONY: setup demo demo-single demo-mixed test sim bench gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	@if [ "$$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 \
@@ -74,6 +74,16 @@ bench: setup
 	$(BIN)/python bench/soak.py
 	$(BIN)/python bench/island_scaling.py
 	$(BIN)/python bench/trackers.py
+
+# bench/gpu_check.sh on a GPU machine with no network: wheels that travel in build/wheels (ignored, carried with the
+# code) and run ahead of the machine's own copies, without their deps (torch, transformers and the rest stay the
+# machine's). The check needs nothing beyond torch, transformers, peft and accelerate; peft is carried at the version
+# the CPU mode (tests/test_gpu_check.py) runs with here. Add what a machine lacks: make gpu-wheels GPU_WHEELS="..."
+GPU_WHEELS ?= peft==0.21.2
+
+gpu-wheels:
+	rm -rf build/wheels
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d build/wheels $(GPU_WHEELS)
 
 demo-mixed:
 	$(MAKE) demo MLX_LEARNERS=1 RUN=$(RUN)-mixed

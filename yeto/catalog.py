@@ -79,6 +79,8 @@ class Entry:
 
 
 E = Entry
+# `revision`: the hub commit that public code pinning this hub id downloads (found by search, several projects agreeing
+# where there were several); None where none was found: the hub's main at resolve time
 CATALOG: dict[str, Entry] = {
     # SmolLM2 / SmolLM3 (Hugging Face)
     "smollm2-135m": E("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2", "apache-2.0", 8192,
@@ -91,7 +93,8 @@ CATALOG: dict[str, Entry] = {
                     arch("smollm3", 2048, 11008, 36, 16, 4, 128256, True, no_rope_layer_interval=4,
                          rope_theta=5000000.0), 3075098624),
     # LFM2 / LFM2.5 (Liquid AI): short-convolution blocks with a few attention layers
-    "lfm25-230m": E("LiquidAI/LFM2.5-230M", "LFM2.5", "lfm1.0", 128000, None, None),
+    "lfm25-230m": E("LiquidAI/LFM2.5-230M", "LFM2.5", "lfm1.0", 128000, None, None,
+                    revision="37b30cce3446f3f2e26a0d3f8c67c9167f5079d7"),
     "lfm25-350m": E("LiquidAI/LFM2.5-350M", "LFM2.5", "lfm1.0", 128000, None, None),
     "lfm25-1b": E("LiquidAI/LFM2.5-1.2B-Instruct", "LFM2.5", "lfm1.0", 128000, None, None),
     "lfm2-350m": E("LiquidAI/LFM2-350M", "LFM2", "lfm1.0", 128000,
@@ -113,20 +116,25 @@ CATALOG: dict[str, Entry] = {
     "llama3.2-3b": E("meta-llama/Llama-3.2-3B-Instruct", "Llama 3", "llama3.2", 131072,
                      arch("llama", 3072, 8192, 28, 24, 8, 128256, True, head_dim=128, **LLAMA3), 3212749824),
     "llama3.1-8b": E("meta-llama/Llama-3.1-8B-Instruct", "Llama 3", "llama3.1", 131072,
-                     arch("llama", 4096, 14336, 32, 32, 8, 128256, False, **LLAMA3), 8030261248),
+                     arch("llama", 4096, 14336, 32, 32, 8, 128256, False, **LLAMA3), 8030261248,
+                     revision="0e9e39f249a16976918f6564b8830bc894c89659"),
     "llama3.1-70b": E("meta-llama/Llama-3.1-70B-Instruct", "Llama 3", "llama3.1", 131072,
                       arch("llama", 8192, 28672, 80, 64, 8, 128256, False, **LLAMA3), 70553706496),
     "llama3.3-70b": E("meta-llama/Llama-3.3-70B-Instruct", "Llama 3", "llama3.3", 131072,
                       arch("llama", 8192, 28672, 80, 64, 8, 128256, False, **LLAMA3), 70553706496),
     # Qwen3 (Alibaba): dense and MoE
     "qwen3-0.6b": E("Qwen/Qwen3-0.6B", "Qwen3", "apache-2.0", 40960,
-                    arch("qwen3", 1024, 3072, 28, 16, 8, 151936, True, **QWEN3), 596049920),
+                    arch("qwen3", 1024, 3072, 28, 16, 8, 151936, True, **QWEN3), 596049920,
+                    revision="c1899de289a04d12100db370d81485cdf75e47ca"),
     "qwen3-1.7b": E("Qwen/Qwen3-1.7B", "Qwen3", "apache-2.0", 40960,
-                    arch("qwen3", 2048, 6144, 28, 16, 8, 151936, True, **QWEN3), 1720574976),
+                    arch("qwen3", 2048, 6144, 28, 16, 8, 151936, True, **QWEN3), 1720574976,
+                    revision="70d244cc86ccca08cf5af4e1e306ecf908b1ad5e"),
     "qwen3-4b": E("Qwen/Qwen3-4B", "Qwen3", "apache-2.0", 40960,
-                  arch("qwen3", 2560, 9728, 36, 32, 8, 151936, True, **QWEN3), 4022468096),
+                  arch("qwen3", 2560, 9728, 36, 32, 8, 151936, True, **QWEN3), 4022468096,
+                  revision="1cfa9a7208912126459214e8b04321603b3df60c"),
     "qwen3-8b": E("Qwen/Qwen3-8B", "Qwen3", "apache-2.0", 40960,
-                  arch("qwen3", 4096, 12288, 36, 32, 8, 151936, False, **QWEN3), 8190735360),
+                  arch("qwen3", 4096, 12288, 36, 32, 8, 151936, False, **QWEN3), 8190735360,
+                  revision="b968826d9c46dd6066d109eabc6255188de91218"),
     "qwen3-14b": E("Qwen/Qwen3-14B", "Qwen3", "apache-2.0", 40960,
                    arch("qwen3", 5120, 17408, 40, 40, 8, 151936, False, **QWEN3), 14768307200),
     "qwen3-32b": E("Qwen/Qwen3-32B", "Qwen3", "apache-2.0", 40960,
@@ -141,15 +149,19 @@ CATALOG: dict[str, Entry] = {
                               norm_topk_prob=True, **QWEN3), 235093634560, 22190763520),
     # Qwen2.5 (Alibaba)
     "qwen2.5-0.5b": E("Qwen/Qwen2.5-0.5B-Instruct", "Qwen2.5", "apache-2.0", 32768,
-                      arch("qwen2", 896, 4864, 24, 14, 2, 151936, True), 494032768),
+                      arch("qwen2", 896, 4864, 24, 14, 2, 151936, True), 494032768,
+                      revision="7ae557604adf67be50417f59c2c2f167def9a775"),
     "qwen2.5-1.5b": E("Qwen/Qwen2.5-1.5B-Instruct", "Qwen2.5", "apache-2.0", 32768,
-                      arch("qwen2", 1536, 8960, 28, 12, 2, 151936, True), 1543714304),
+                      arch("qwen2", 1536, 8960, 28, 12, 2, 151936, True), 1543714304,
+                      revision="989aa7980e4cf806f80c7fef2b1adb7bc71aa306"),
     "qwen2.5-3b": E("Qwen/Qwen2.5-3B-Instruct", "Qwen2.5", "qwen-research", 32768,
                     arch("qwen2", 2048, 11008, 36, 16, 2, 151936, True), 3085938688),
     "qwen2.5-7b": E("Qwen/Qwen2.5-7B-Instruct", "Qwen2.5", "apache-2.0", 32768,
-                    arch("qwen2", 3584, 18944, 28, 28, 4, 152064, False), 7615616512),
+                    arch("qwen2", 3584, 18944, 28, 28, 4, 152064, False), 7615616512,
+                    revision="a09a35458c702b33eeacc393d103063234e8bc28"),
     "qwen2.5-14b": E("Qwen/Qwen2.5-14B-Instruct", "Qwen2.5", "apache-2.0", 32768,
-                     arch("qwen2", 5120, 13824, 48, 40, 8, 152064, False), 14770033664),
+                     arch("qwen2", 5120, 13824, 48, 40, 8, 152064, False), 14770033664,
+                     revision="cf98f3b3bbb457ad9e2bb7baf9a0125b6b88caa8"),
     "qwen2.5-32b": E("Qwen/Qwen2.5-32B-Instruct", "Qwen2.5", "apache-2.0", 32768,
                      arch("qwen2", 5120, 27648, 64, 40, 8, 152064, False), 32763876352),
     "qwen2.5-72b": E("Qwen/Qwen2.5-72B-Instruct", "Qwen2.5", "qwen", 32768,
