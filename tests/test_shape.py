@@ -179,6 +179,29 @@ def test_the_fleet_launch_line_parses_and_its_round_takes_minutes():
         assert f.inner_steps in (MIN_INNER_STEPS, MAX_INNER_STEPS) or TARGET_ROUND_S / 2 < round_s < 2 * TARGET_ROUND_S
 
 
+def test_machines_you_own_join_in_time_windows_or_say_why_they_stay_out():
+    size = model_size("qwen3-8b")
+    request = ShapeRequest("qwen3-8b", gpus=("L4",), budget=1.0, own=("M3-Max-128GB", "T4"))
+    fleet = plan_shapes(size, request, PRICES).best
+    mac, t4 = fleet.own
+    assert mac.fits and mac.tokens_per_s > 0 and fleet.joining == [mac]
+    assert not t4.fits and "GiB" in t4.out  # 16 GB of bf16 weights on a 15 GiB card
+    argv = shlex.split(fleet.launch)
+    assert argv[argv.index("--external-learners") + 1] == "1" and "--inner-steps" not in argv
+    assert float(argv[argv.index("--round-seconds") + 1]) == TARGET_ROUND_S and fleet.inner_steps == 0
+    assert int(argv[argv.index("--quorum") + 1]) == fleet.quorum <= fleet.islands  # the Mac is not waited for
+    alone = plan_shapes(size, replace(request, own=()), PRICES).best
+    assert fleet.hours < alone.hours  # the Mac's tokens count
+    assert any(line.startswith("M3-Max-128GB joins") for line in fleet.why)
+    nf4 = plan_shapes(size, replace(request, base="nf4", own=("M3-Max-128GB",)), PRICES).best
+    assert not nf4.joining and "nf4" in nf4.own[0].out and "--external-learners" not in nf4.launch
+    big = plan_shapes(model_size("llama3.1-70b"), ShapeRequest("llama3.1-70b", gpus=("H100",), base="nf4",
+                                                               own=("M3-Ultra-512GB",)), PRICES).best
+    slow = plan_shapes(model_size("llama3.1-70b"), ShapeRequest("llama3.1-70b", gpus=("A100-80GB",),
+                                                                own=("M3-Ultra-512GB",)), PRICES).best
+    assert not big.joining and not slow.joining and "longer than a round" in slow.own[0].out
+
+
 def test_without_prices_every_fit_is_listed_by_time_and_said():
     size = model_size("smollm2-135m")
     plan = plan_shapes(size, ShapeRequest("smollm2-135m"), PriceBook(unavailable="prices unavailable: test"))
@@ -243,6 +266,7 @@ def test_yeto_shape_without_a_catalog_lists_the_fits_and_says_so(tmp_path):
     (["--model", "no-such-alias"], "no-such-alias"),
     (["--model", "smollm2-135m", "--gpus", "H1000"], "unknown GPU 'H1000'"),
     (["--model", "smollm2-135m", "--budget", "-3"], "--budget -3"),
+    (["--model", "smollm2-135m", "--own", "M9-Mac"], "unknown GPU 'M9-Mac'"),
 ])
 def test_bad_shape_input_is_one_line_and_exit_2(tmp_path, args, fragment):
     r = yeto("shape", *args, sky_dir=tmp_path)

@@ -19,8 +19,8 @@ def split_list(text: Optional[str]) -> tuple[str, ...]:
     return tuple(p.strip() for p in (text or "").split(",") if p.strip())
 
 
-def check_request(budget: Optional[float], tokens: int, seq_len: int, base_quantization: str, gpus: tuple[str, ...]
-                  ) -> None:
+def check_request(budget: Optional[float], tokens: int, seq_len: int, base_quantization: str, gpus: tuple[str, ...],
+                  own: tuple[str, ...] = ()) -> None:
     """One line for what no plan can come of (before SkyPilot or the model is read)."""
     from yeto.gpus import gpu
 
@@ -32,26 +32,26 @@ def check_request(budget: Optional[float], tokens: int, seq_len: int, base_quant
         raise YetoError(f"--seq-len {seq_len}: a block needs at least 2 tokens")
     if base_quantization not in BASES:
         raise YetoError(f"--base-quantization {base_quantization!r}: use one of {', '.join(BASES)}")
-    for name in gpus:
+    for name in gpus + own:
         gpu(name)
 
 
 def make_plan(model: str, budget: Optional[float] = None, tokens: int = DEFAULT_TOKENS, gpus: Optional[str] = None,
               clouds: Optional[str] = None, spot: bool = True, seq_len: int = DEFAULT_SEQ_LEN,
-              base_quantization: str = "none", order: Order = Order.COST, trust_remote_code: bool = False
-              ) -> ShapePlan:
+              base_quantization: str = "none", order: Order = Order.COST, trust_remote_code: bool = False,
+              own: Optional[str] = None) -> ShapePlan:
     """The ranked plan for these flags (shared by `yeto shape` and `yeto launch --budget`)."""
     from yeto.launch.prices import load_prices
     from yeto.launch.shape import plan_shapes
     from yeto.launch.spec import CLOUD_ALIASES
     from yeto.sizing import model_size
 
-    gpu_names = split_list(gpus)
-    check_request(budget, tokens, seq_len, base_quantization, gpu_names)
+    gpu_names, own_names = split_list(gpus), split_list(own)
+    check_request(budget, tokens, seq_len, base_quantization, gpu_names, own_names)
     cloud_names = tuple(CLOUD_ALIASES.get(c.lower(), c.lower()) for c in split_list(clouds))
     size = model_size(model, trust_remote_code)
     request = ShapeRequest(model, gpu_names, cloud_names, spot, seq_len, BASES[base_quantization], budget, tokens,
-                           order)
+                           order, own_names)
     return plan_shapes(size, request, load_prices(cloud_names or None))
 
 
@@ -121,13 +121,17 @@ def shape_command(
     spot: Annotated[bool, typer.Option("--spot/--on-demand", help="Spot or on-demand prices.")] = True,
     seq_len: Annotated[int, typer.Option(help="Tokens per block.")] = DEFAULT_SEQ_LEN,
     base_quantization: Annotated[str, typer.Option(help="none (bf16 base) or nf4 (QLoRA).")] = "none",
+    own: Annotated[Optional[str], typer.Option(help="Machines you own that join as --external-learners, comma-"
+                                                    "separated (e.g. M3-Ultra-512GB, RTX4090): sized at the fleet's "
+                                                    "batch, with their share of a round.")] = None,
     by: Annotated[Order, typer.Option(help="Rank by cost per million tokens or by time to --tokens.")] = Order.COST,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own code to run.")] = False,
 ) -> None:
     """Every island shape the model fits, ranked by price per token and time to --tokens, with why the others are
     rejected, the fleet it proposes and its `yeto launch` line. Prices come from SkyPilot's catalog."""
-    plan = make_plan(model, budget, tokens, gpus, clouds, spot, seq_len, base_quantization, by, trust_remote_code)
+    plan = make_plan(model, budget, tokens, gpus, clouds, spot, seq_len, base_quantization, by, trust_remote_code,
+                     own)
     if json_out:
         typer.echo(json.dumps(plan.to_json(), indent=1))
         return

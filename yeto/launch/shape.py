@@ -9,7 +9,10 @@ Every candidate island (a GPU type x GPUs per VM x strategy, on the base precisi
 where `islands` is what the budget buys (`fleet_islands`). A shape that is not ranked says why (`Rejection`).
 For each option the fleet is sized so that a round of `inner_steps` takes about `TARGET_ROUND_S`: long enough that
 the delta's transfer and the merge (seconds) are a small share of it, short enough that a preempted spot island
-loses minutes of work, not hours.
+loses minutes of work, not hours. Machines the user owns (`--own`: a Mac, a box) join as `--external-learners` at
+the fleet's `--batch-size` (the MLX learner takes the whole batch at once); with one among them the rounds become
+time windows of `TARGET_ROUND_S` (`--round-seconds`), so a slower machine adds the steps it managed, weighted by
+its tokens, instead of holding every round back.
 """
 
 from __future__ import annotations
@@ -65,6 +68,18 @@ class ShapeRequest:
     budget: Optional[float] = None  # USD per hour for the whole fleet (learner islands)
     tokens: int = DEFAULT_TOKENS
     order: Order = Order.COST
+    own: tuple[str, ...] = ()  # machines of yeto.gpus the user owns, joining as --external-learners
+
+
+@dataclass(frozen=True)
+class OwnMachine:
+    """A machine the user owns, sized at the fleet's batch: it joins the fleet if it fits."""
+
+    name: str
+    fits: bool
+    tokens_per_s: float  # 0 where it stays out
+    memory_gib: float  # per device at the fleet's batch
+    out: str = ""  # why it stays out of the fleet
 
 
 @dataclass(frozen=True)
@@ -100,7 +115,7 @@ class Fleet:
     cloud: str
     islands: int
     quorum: int
-    inner_steps: int
+    inner_steps: int  # 0: time-window rounds (--round-seconds), with a machine the user owns in the fleet
     outer_steps: int
     tokens: int
     hours: float  # to `tokens` (merges and transfers not counted)
@@ -109,6 +124,11 @@ class Fleet:
     gpu: str  # the --gpu value
     learner_args: tuple[str, ...]  # the learner flags the island was sized for
     launch: str
+    own: tuple[OwnMachine, ...] = ()
+
+    @property
+    def joining(self) -> list[OwnMachine]:
+        return [m for m in self.own if m.fits]
 
 
 @dataclass
@@ -211,27 +231,76 @@ def learner_args(shape: IslandShape) -> tuple[str, ...]:
     return tuple(args)
 
 
-def launch_line(request: ShapeRequest, gpu: str, quorum: int, inner: int, outer: int, learner: tuple[str, ...]
-                ) -> str:
+def launch_line(request: ShapeRequest, gpu: str, quorum: int, round_policy: list[str], outer: int,
+                learner: tuple[str, ...], external: int) -> str:
     """The `yeto launch` command for this fleet."""
-    return shlex.join(["yeto", "launch", "--gpu", gpu, "--model", request.model,
+    own = ["--external-learners", str(external)] if external else []
+    return shlex.join(["yeto", "launch", "--gpu", gpu, *own, "--model", request.model,
                        "--spot" if request.spot else "--on-demand", "--outer-steps", str(outer),
-                       "--inner-steps", str(inner), "--quorum", str(quorum), *learner])
+                       *round_policy, "--quorum", str(quorum), *learner])
 
 
-def propose(request: ShapeRequest, option: Option, default_cloud: str) -> Fleet:
+def size_own(model: ModelSize, request: ShapeRequest, batch: int) -> tuple[OwnMachine, ...]:
+    """Each owned machine at the fleet's per-device batch (one device: an Apple machine or one GPU of a box)."""
+    machines = []
+    for name in request.own:
+        device = GPUS[name]
+        shape = IslandShape(name, 1, "ddp", request.base, request.seq_len, micro_batch=batch)
+        need = memory(model, replace(shape, base="bf16") if request.base == "nf4" and not device.cuda else shape)
+        need_gib = need.total / GIB
+        if request.base == "nf4" and not device.cuda:
+            out = ("--base-quantization nf4 is the torch learner's (bitsandbytes, NVIDIA); a machine without one "
+                   "joins a fleet with a bf16 base")
+        elif need_gib > device.memory_gib:
+            out = f"it needs {need_gib:.1f} GiB at the fleet's batch, it has {device.memory_gib:g}"
+        elif (step_s := tokens_per_step(shape) / tokens_per_second(model, shape)) > TARGET_ROUND_S:
+            out = (f"one step at the fleet's batch takes it {step_s:,.0f} s, longer than a round "
+                   f"({TARGET_ROUND_S:g} s): it would never push in time")
+        else:
+            out = ""
+        machines.append(OwnMachine(name, not out, 0.0 if out else tokens_per_second(model, shape), need_gib, out))
+    return tuple(machines)
+
+
+def own_why(own: tuple[OwnMachine, ...], island_tps: float, islands: int) -> list[str]:
+    """One line per owned machine: in the fleet (its pace and share of a window's tokens) or not (why)."""
+    joining = sum(m.tokens_per_s for m in own)
+    total = islands * island_tps + joining
+    lines = []
+    for m in own:
+        if m.fits:
+            lines.append(f"{m.name} joins ({m.memory_gib:.1f} GiB): {m.tokens_per_s:,.0f} tok/s, "
+                         f"{island_tps / m.tokens_per_s:,.1f}x slower than an island, "
+                         f"{m.tokens_per_s / total:.1%} of a round's tokens")
+        else:
+            lines.append(f"{m.name} stays out: {m.out}")
+    return lines
+
+
+def propose(request: ShapeRequest, option: Option, default_cloud: str, model: ModelSize) -> Fleet:
     islands, why_islands = fleet_islands(option.hourly, request.budget)
     quorum, why_quorum = fleet_quorum(islands, request.spot)
-    inner, why_inner = inner_steps(option)
-    per_round = islands * inner * tokens_per_step(option.shape)
+    own = size_own(model, request, option.shape.micro_batch)
+    joining = [m for m in own if m.fits]
+    fleet_tps = islands * option.tokens_per_s + sum(m.tokens_per_s for m in joining)
+    if joining:  # time windows: each learner adds what it did in the window, weighted by its tokens
+        round_policy = ["--round-seconds", f"{TARGET_ROUND_S:g}"]
+        why_round = (f"rounds of {TARGET_ROUND_S:g} s (--round-seconds): a machine you own adds the steps it "
+                     "managed instead of holding the round back; the quorum counts the cloud islands only")
+        per_round = fleet_tps * TARGET_ROUND_S
+    else:
+        inner, why_round = inner_steps(option)
+        round_policy = ["--inner-steps", str(inner)]
+        per_round = islands * inner * tokens_per_step(option.shape)
     outer = max(1, math.ceil(request.tokens / per_round))
-    hours = request.tokens / (islands * option.tokens_per_s) / 3600
+    hours = request.tokens / fleet_tps / 3600
     cost = None if option.hourly is None else islands * option.hourly * hours
     cloud = option.offer.cloud if option.offer else default_cloud
     gpu, learner = gpu_arg(option.shape, cloud, islands), learner_args(option.shape)
-    return Fleet(option, cloud, islands, quorum, inner, outer, request.tokens, hours, cost,
-                 (why_islands, why_quorum, why_inner), gpu, learner, launch_line(request, gpu, quorum, inner, outer,
-                                                                                 learner))
+    inner_count = int(round_policy[1]) if round_policy[0] == "--inner-steps" else 0
+    return Fleet(option, cloud, islands, quorum, inner_count, outer, request.tokens, hours, cost,
+                 (why_islands, why_quorum, why_round, *own_why(own, option.tokens_per_s, islands)), gpu, learner,
+                 launch_line(request, gpu, quorum, round_policy, outer, learner, len(joining)), own)
 
 
 def unsupported(shape: IslandShape) -> Optional[Rejected]:
@@ -282,7 +351,7 @@ def plan_shapes(model: ModelSize, request: ShapeRequest, prices: PriceBook) -> S
         else:
             options.append(replace(option, offer=offer))
     default_cloud = request.clouds[0] if request.clouds else "aws"
-    fleets = [propose(request, o, default_cloud) for o in options]
+    fleets = [propose(request, o, default_cloud, model) for o in options]
 
     def rank(f: Fleet) -> tuple[bool, float, float]:
         """A fleet that can merge (2+ islands) first; then cost per token and time, or time and cost."""
