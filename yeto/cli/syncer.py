@@ -126,7 +126,7 @@ def syncer_command(
 
 
 with_help_panels(syncer_command, advanced=(
-    "outer_lr", "outer_momentum", "straggler_timeout", "quorum_timeout", "learner_timeout", "max_message_mb", "robust",
-    "robust_k", "merge", "merge_weight", "lora_merge", "grace_s", "max_base_lag", "staleness_exponent",
-    "step_normalize", "merge_alpha", "max_learners", "max_connections", "run_name"))
+    "broadcast_bits", "outer_lr", "outer_momentum", "straggler_timeout", "quorum_timeout", "learner_timeout",
+    "max_message_mb", "robust", "robust_k", "merge", "merge_weight", "lora_merge", "grace_s", "max_base_lag",
+    "staleness_exponent", "step_normalize", "merge_alpha", "max_learners", "max_connections", "run_name"))
 syncer_command = with_old_spellings(syncer_command, OLD_SPELLINGS)
