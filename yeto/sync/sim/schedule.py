@@ -110,7 +110,7 @@ class Schedule:
 
     def with_bits_drawn(self) -> "Schedule":
         """Now and then 2-bit deltas, and broadcasts at their own precision (a stream of their own: older seeds keep
-        their schedules)."""
+        their fleets and faults)."""
         rng = random.Random(self.seed * 31 + 41)
         if rng.random() < 0.2:
             self.sync_bits = 2
