@@ -11,6 +11,8 @@ slow island):
   longer run         data-parallel and the default fleets over --long-steps (12 rounds of H=16 instead of 3)
   heterogeneous      2 islands in time-window rounds, one 10x slower (--step-delay), quorum 1: the fast island's
                      utilization, and the merged model vs the fast island alone for the same wall-clock
+  wire bits          the default 2-island fleet with 2-bit deltas and/or 8-bit broadcasts (`--arms bits`), against
+                     the 4-bit default fleet: eval loss and bytes per round up (one island's delta) and down
 Training-loss curves (per round, against tokens seen by the whole fleet) go to a PNG.
 
     python bench/convergence.py [--steps 48] [--long-steps 192] [--seq-len 128] [--batch-size 4]
@@ -82,6 +84,10 @@ def arms(h_values: list[int], global_batch: int, long_steps: int) -> list[Arm]:
             Arm(f"2 islands H={h}, frozen A, plain", 2, h, MEAN + PLAIN, ["--lora-freeze-a"]),
             Arm(f"2 islands H={h}, mean, plain, merge-alpha 0.5", 2, h, MEAN + PLAIN + ["--merge-alpha", "0.5"]),
             Arm(f"2 islands H={h}, mean, lr sqrt(2)", 2, h, MEAN + scaled(2))]
+    default = f"2 islands H={h}, rda, plain (defaults)"  # deltas and broadcasts at 4 bits
+    for up, down in ((2, 4), (2, 8), (4, 8), (2, 2)):
+        out += [Arm(f"2 islands H={h}, defaults, wire bits {up} up / {down} down", 2, h,
+                    PLAIN + ["--sync-bits", str(up), "--broadcast-bits", str(down)], baseline=default)]
     for k in h_values:
         out += [Arm(f"4 islands H={k}, mean, plain", 4, k, MEAN + PLAIN),
                 Arm(f"4 islands H={k}, rda, plain (defaults)", 4, k, PLAIN)]
@@ -174,8 +180,12 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
         seen += sum(d["tokens"] for d in mine)
         curve.append((seen, sum(d["loss"] * d["loss_tokens"] for d in mine) / max(1, sum(d["loss_tokens"]
                                                                                        for d in mine))))
+    broadcasts = [e for e in tape if e["event"] == "broadcast" and "bytes" in e]
     return {"eval_loss": isl[0]["eval_loss_after"], "eval_before": isl[0]["eval_loss_before"],
             "wall_s": time.perf_counter() - t0, "curve": curve,
+            # one island's delta message per round, and the syncer's broadcast message per round (to each island)
+            "bytes_up": sum(d["bytes"] for d in deltas if "bytes" in d) / max(1, len(deltas)),
+            "bytes_down": sum(e["bytes"] for e in broadcasts) / max(1, len(broadcasts)),
             "utilization": [round(x.get("utilization", 0.0), 4) for x in isl],
             "stall_s": [round(x.get("stall_s", 0.0), 2) for x in isl],
             "carried": [x.get("carried_rounds", 0) for x in isl],  # rounds carried onto the next global
@@ -258,15 +268,19 @@ def main() -> None:
     for i, arm in enumerate(todo):
         print(f"[{i + 1}/{len(todo)}] {arm.name} ...", flush=True)
         results[arm.name] = r = run_arm(arm, a, tmp, env)
-        print(f"    eval loss {r['eval_loss']:.4f} ({r['wall_s']:.0f}s)"
+        wire = f", bytes/round up {r['bytes_up']:,.0f} down {r['bytes_down']:,.0f}" if r.get("bytes_up") else ""
+        print(f"    eval loss {r['eval_loss']:.4f} ({r['wall_s']:.0f}s){wire}"
               + (f", utilization {r['utilization']}, lags {r['lags']}" if r.get("utilization") else ""), flush=True)
     print(f"\nmodel {a.model}; {a.steps} steps x global batch {a.batch_size} x {a.seq_len} tokens per arm; "
           f"eval loss before training {next(iter(results.values()))['eval_before']:.4f}")
-    print(f"{'arm':<60} {'eval loss':>9} {'/ base':>7} {'wall s':>7}  utilization")
+    print(f"{'arm':<60} {'eval loss':>9} {'/ base':>7} {'wall s':>7} {'up B/round':>11} {'down B/round':>12}"
+          "  utilization")
     for arm in todo:
-        r, dp = results[arm.name], results[arm.baseline]["eval_loss"]
+        r, base = results[arm.name], results.get(arm.baseline)  # (a baseline not run: no ratio)
+        ratio = f"{r['eval_loss'] / base['eval_loss']:7.4f}" if base else f"{'-':>7}"
         util = ", ".join(f"{u:.1%}" for u in r.get("utilization", [])) or "-"
-        print(f"{arm.name:<60} {r['eval_loss']:9.4f} {r['eval_loss'] / dp:7.4f} {r['wall_s']:7.0f}  {util}")
+        up, down = (f"{r[k]:,.0f}" if r.get(k) else "-" for k in ("bytes_up", "bytes_down"))
+        print(f"{arm.name:<60} {r['eval_loss']:9.4f} {ratio} {r['wall_s']:7.0f} {up:>11} {down:>12}  {util}")
     alone = results.get("heterogeneous: fast island alone")
     for k in (k for k in results if k.startswith("heterogeneous: fast +") and alone):
         r = results[k]

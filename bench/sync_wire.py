@@ -1,7 +1,7 @@
 """Wire cost and merge speed of the sync path.
 
 (a) bytes on the wire per round per learner (delta up + broadcast down, whole
-    messages as encoded by yeto.sync.wire.protocol) at 4/8/16 bits vs 32 bits, for
+    messages as encoded by yeto.sync.wire.protocol) at 2/4/8/16 bits vs 32 bits, for
     SmolLM2-135M's adapter layout (LoRA r=16 on attention, built by peft).
 (b) the syncer's merge throughput for 16 learners' 4-bit deltas of a 1B-class
     adapter layout (Llama-3.2-1B shapes, LoRA r=16 on all linears): decode,
@@ -78,7 +78,7 @@ def wire_bytes() -> None:
     print(f"(a) SmolLM2-135M adapter: {len(layout.specs)} tensors, {layout.numel:,} values, "
           f"{len(layout.fragments)} fragment(s)")
     sizes = {}
-    for bits in (32, 16, 8, 4):
+    for bits in (32, 16, 8, 4, 2):
         up = message_bytes(delta_message(layout, delta, bits))
         descs, frames = encode_fragments(layout, delta, bits)
         down = message_bytes(encode("broadcast", {"version": 1, "round": 1, "digest": "0" * 16, "responders": [0, 1],
@@ -87,7 +87,7 @@ def wire_bytes() -> None:
         sizes[bits] = up + down
         print(f"    {bits:>2} bits: delta {up:>10,} B + broadcast {down:>10,} B = {up + down:>10,} B "
               "per round per learner")
-    for bits in (16, 8, 4):
+    for bits in (16, 8, 4, 2):
         print(f"    ratio {bits}-bit / 32-bit: {sizes[bits] / sizes[32]:.4f} (1/{sizes[32] / sizes[bits]:.2f})")
 
 

@@ -93,6 +93,8 @@ def _input_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "syncer grace negative": (YETO + ["syncer", "--grace", "-2", "--out", str(tmp / "s3")], "--grace must be >= 0 "
                                   "seconds (0: close a round as soon as quorum is in), got -2"),
         "syncer grace-ms converted": (YETO + ["syncer", "--grace-ms", "-1500", "--out", str(tmp / "s4")], "got -1.5"),
+        "syncer broadcast bits 3": (YETO + ["syncer", "--broadcast-bits", "3", "--out", str(tmp / "s6")],
+                                    "--broadcast-bits must be one of (2, 4, 8, 16, 32), got 3"),
         "syncer grace twice": (YETO + ["syncer", "--grace", "2", "--grace-ms", "100", "--out", str(tmp / "s5")],
                                "--grace-ms is the old spelling of --grace: give one of them"),
         "tape damaged line": (YETO + ["tape", str(tape_dir)], "tape.jsonl:2"),

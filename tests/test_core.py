@@ -20,6 +20,7 @@ from yeto.sync.core.learner_phases import TRANSITIONS, Held, IllegalTransition, 
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.wire.layout import build_layout
 from yeto.sync.wire.protocol import decode, encode
+from yeto.sync.wire.quant import encoded_size
 
 SHAPES = {"m.q.lora_A.default.weight": (2, 4), "m.q.lora_B.default.weight": (4, 2)}
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"]}
@@ -191,6 +192,37 @@ def test_lost_broadcast_round_announcement_and_finish_are_noticed_and_recovered(
     assert isinstance(done, Done) and done.complete and f.learners[1].phase is Phase.DONE
     assert f.learners[1].next_task(f.now) is done  # (done is final)
     assert np.array_equal(f.learners[1].global_, f.syncer.run.global_)
+
+
+@pytest.mark.parametrize("bits", [(2, 8), (4, None), (8, 2)])
+def test_deltas_travel_at_sync_bits_and_broadcasts_at_broadcast_bits(bits):
+    up, down = bits
+    f = Fleet(n=2, outer_steps=2, sync_bits=up, broadcast_bits=down)
+    sizes = []
+    orig = f.syncer.receive
+    f.syncer.receive = lambda peer, parts, now: (sizes.append((decode(parts).type, [len(p) for p in parts[1:]])),
+                                                 orig(peer, parts, now))[1]
+    for _ in range(2):
+        f.train(0)
+        f.train(1)
+    assert f.syncer.finished_at is not None and f.syncer.version == 2
+    assert {tuple(e["bits"]) for e in f.tape if e["event"] == "delta"} == {(up,)}
+    assert {e["bits"] for e in f.tape if e["event"] == "broadcast"} == {down or up}
+    b = f.syncer.last_broadcast
+    assert [d["bits"] for d in b.header["fragments"]] == [down or up] * len(f.layout.fragments)
+    assert [len(x) for x in b.frames] == [encoded_size(x.numel, down or up) for x in f.layout.fragments]
+    frames = [s for t, s in sizes if t == "delta"]
+    assert frames and all(s == [encoded_size(x.numel, up) for x in f.layout.fragments] for s in frames)
+    for c in f.learners.values():  # each learner holds the syncer's global bit for bit, and its policy says both
+        assert np.array_equal(c.global_, f.syncer.run.global_)
+        assert (c.policy["sync_bits"], c.policy["broadcast_bits"]) == (up, down or up)
+
+
+@pytest.mark.parametrize("flags", [{"sync_bits": 3}, {"broadcast_bits": 1}, {"sync_bits": 2, "broadcast_bits": 64}])
+def test_an_unknown_wire_precision_is_refused_naming_its_flag(flags):
+    flag = "--broadcast-bits" if "broadcast_bits" in flags else "--sync-bits"
+    with pytest.raises(YetoError, match=f"{flag} must be one of \\(2, 4, 8, 16, 32\\)"):
+        SyncerConfig(**flags).check()
 
 
 def test_a_refused_or_stale_delta_gives_its_error_feedback_residual_back():

@@ -78,8 +78,8 @@ def test_every_bad_spec_is_one_line_naming_the_entry_and_the_grammar(text, says)
 
 def test_extra_flags_go_to_the_syncer_or_the_learners():
     syncer, learner = split_extra_args(["--sync-bits", "8", "--lr", "1e-3", "--outer-lr=0.5", "--overlap",
-                                        "--round-seconds", "60", "--seq-len", "128"])
-    assert syncer == ["--sync-bits", "8", "--outer-lr=0.5", "--round-seconds", "60"]
+                                        "--round-seconds", "60", "--broadcast-bits", "2", "--seq-len", "128"])
+    assert syncer == ["--sync-bits", "8", "--outer-lr=0.5", "--round-seconds", "60", "--broadcast-bits", "2"]
     assert learner == ["--lr", "1e-3", "--overlap", "--seq-len", "128"]
     with pytest.raises(YetoError, match="--quorum needs a value"):
         split_extra_args(["--quorum"])

@@ -63,8 +63,9 @@ finite = arrays(np.float32, st.integers(1, 700), elements=st.floats(-1e3, 1e3, w
 
 
 @settings(max_examples=80, deadline=None)
-@given(x=finite, bits=st.sampled_from([4, 8]))
+@given(x=finite, bits=st.sampled_from([2, 4, 8]))
 @example(x=np.array([-1.00001], dtype=np.float32), bits=4)  # a minimum whose fp16 rounding crosses a binade
+@example(x=np.array([-1.00001], dtype=np.float32), bits=2)
 def test_quantization_error_is_at_most_half_a_step_per_block(x, bits):
     buf = quantize(x, bits)
     assert len(buf) == encoded_size(x.size, bits)
@@ -94,24 +95,43 @@ def test_four_bits_cost_less_than_a_seventh_of_fp32():
     assert encoded_size(n, 4) / (4 * n) < 1 / 7
 
 
+def test_two_bits_pack_four_codes_a_byte_lowest_bits_first():
+    x = np.tile(np.array([0.0, 1.0, 2.0, 3.0], np.float32), 64)  # one block and a second, partial one: lo 0, step 1
+    x[BLOCK], x[BLOCK + 3] = 3.0, 0.0  # the second block: 3, 1, 2, 0 (code 3 in its lowest two bits), padded with 0
+    buf = quantize(x[: BLOCK + 4], 2)
+    assert len(buf) == encoded_size(BLOCK + 4, 2) == 2 * 4 + 2 * BLOCK * 2 // 8
+    codes = np.frombuffer(buf, np.uint8)[8:]
+    assert (codes[: BLOCK // 4] == 0b11_10_01_00).all()
+    assert codes[BLOCK // 4] == 0b00_10_01_11
+    assert (codes[BLOCK // 4 + 1 :] == 0).all()
+    np.testing.assert_array_equal(dequantize(buf, BLOCK + 4, 2), x[: BLOCK + 4])
+    assert encoded_size(1_000_000, 2) / (4 * 1_000_000) < 1 / 14
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_input_is_rejected(bad):
     x = np.ones(300, dtype=np.float32)
     x[137] = bad
-    for bits in (4, 8, 16, 32):
+    for bits in (2, 4, 8, 16, 32):
         with pytest.raises(QuantError, match="index 137"):
             quantize(x, bits)
 
 
-def test_malformed_payloads_are_rejected():
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_malformed_payloads_are_rejected(bits):
     x = np.linspace(-1, 1, 300, dtype=np.float32)
-    buf = quantize(x, 4)
-    with pytest.raises(QuantError, match="must be"):
-        dequantize(buf[:-1], 300, 4)
-    corrupt = bytearray(buf)
-    corrupt[0:2] = np.float16(np.nan).tobytes()
-    with pytest.raises(QuantError, match="non-finite"):
-        dequantize(bytes(corrupt), 300, 4)
+    buf = quantize(x, bits)
+    for wrong in (buf[:-1], buf + b"\0", quantize(x, 2 if bits == 4 else 4)):
+        with pytest.raises(QuantError, match="must be"):
+            dequantize(wrong, 300, bits)
+    blocks = -(-300 // BLOCK)
+    for at, value in ((0, np.nan), (2 * blocks + 2, np.inf), (2 * blocks, -np.inf)):  # a minimum, then steps
+        corrupt = bytearray(buf)
+        corrupt[at : at + 2] = np.float16(value).tobytes()
+        with pytest.raises(QuantError, match="non-finite"):
+            dequantize(bytes(corrupt), 300, bits)
+    with pytest.raises(QuantError, match="unsupported"):
+        dequantize(buf, 300, 3)
 
 
 def test_error_feedback_keeps_the_running_sum_unbiased():
@@ -128,6 +148,29 @@ def test_error_feedback_keeps_the_running_sum_unbiased():
     np.testing.assert_allclose(sent_sum + ef.residual, true_sum, atol=1e-6)
     one_round_err = np.abs(dequantize(quantize(d, 4), 1000, 4) - d).max()
     assert np.abs(sent_sum - true_sum).max() <= one_round_err * 1.5
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), rounds=st.integers(2, 40), n=st.integers(1, 600), bias=st.floats(-1e-3, 1e-3),
+       split=st.floats(0.0, 1.0))
+def test_two_bit_error_feedback_makes_the_sent_sum_track_the_true_sum(seed, rounds, n, bias, split):
+    """At 2 bits one round's error is up to a sixth of a block's range; with error feedback the sum of what was sent
+    stays within one round's error of the true sum, however many rounds (without it the errors add up)."""
+    rng = np.random.default_rng(seed)
+    cut = int(n * split)
+    pieces = [(0, cut), (cut, n - cut)] if 0 < cut < n else [(0, n)]
+    ef = ErrorFeedback(n)
+    true_sum, sent_sum = np.zeros(n, np.float64), np.zeros(n, np.float64)
+    worst = 0.0  # the largest half step any round used: a bound on every round's residual
+    for _ in range(rounds):
+        d = (rng.standard_normal(n) * 1e-3 + bias).astype(np.float32)
+        target = d + ef.residual
+        payloads, sent = ef.encode(d, 2, pieces)
+        worst = max(worst, *(float(block_steps(p, k, 2).max()) / 2 for p, (_, k) in zip(payloads, pieces)))
+        np.testing.assert_allclose(sent + ef.residual, target, rtol=0, atol=1e-9)
+        true_sum += d
+        sent_sum += sent
+    assert np.abs(sent_sum - true_sum).max() <= worst * (1 + 1e-3) + 1e-6
 
 
 @settings(max_examples=50, deadline=None)
@@ -321,6 +364,11 @@ def test_the_kernels_give_the_same_bits_on_one_thread_and_on_many(monkeypatch):
     assert one[0] == many[0]
     for a, b in zip(one[1:], many[1:]):
         np.testing.assert_array_equal(a, b)
+    monkeypatch.setattr(spans, "WORKERS", 1)
+    two = quantize(x, 2), dequantize(quantize(x, 2), x.size, 2)
+    monkeypatch.setattr(spans, "WORKERS", 4)
+    assert two[0] == quantize(x, 2)
+    np.testing.assert_array_equal(two[1], dequantize(two[0], x.size, 2))
     bad = x.copy()
     bad[2_500_000] = np.nan  # in a later span than the first
     with pytest.raises(QuantError, match="index 2500000"):

@@ -20,6 +20,7 @@ from yeto.sync.wire.layout import build_layout, flatten
 from yeto.sync.merge.rules import DeltaCounts, capped_claims, merge_weights
 from yeto.sync.merge.outer import nesterov_step
 from yeto.sync.wire.protocol import PROTOCOL_VERSION, encode, encode_fragments
+from yeto.sync.wire.quant import quantize
 from yeto.sync.shell.server import Syncer, SyncerConfig
 from yeto.sync.shell.tape import read_tape
 
@@ -116,10 +117,16 @@ def test_malformed_messages_are_answered_and_change_nothing(start_syncer, tmp_pa
     ]:
         reply = s.ask(encode("delta", dict(header, fragments=frags), [payload]), bulk=True)
         assert reply.type == "error" and reply.header["code"] in ("refused", "stale", "malformed"), reply
+    # 2-bit payloads: a non-finite block scale, a byte short, a precision nobody speaks
+    two = quantize(np.linspace(-1, 1, layout.numel, dtype=np.float32), 2)
+    nan_scale = np.float16(np.nan).tobytes() + two[2:]
+    for bits, payload in ((2, nan_scale), (2, two[:-1]), (3, two)):
+        reply = s.ask(encode("delta", dict(base, fragments=[dict(frags[0], bits=bits)]), [payload]), bulk=True)
+        assert reply.type == "error" and reply.header["code"] in ("refused", "malformed"), reply
     np.testing.assert_array_equal(syncer.global_, before)
     assert syncer.version == 0 and not syncer.finished
     rejects = [e for e in read_tape(tmp_path / "syncer") if e["event"] == "reject"]
-    assert len(rejects) >= len(bad) + 6
+    assert len(rejects) >= len(bad) + 9
     assert any("non-finite" in e["reason"] for e in rejects)
     # and the run still works: a good delta is merged
     good = np.full(layout.numel, 0.01, np.float32)
@@ -299,6 +306,9 @@ def test_a_restart_with_a_conflicting_config_is_refused_naming_the_field(start_s
     with pytest.raises(YetoError, match=r"--sync-bits 4 conflicts with the checkpoint.*sync_bits 32.*--sync-bits 32"):
         Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), learners=1, quorum=1, outer_steps=2,
                             inner_steps=1, sync_bits=4))
+    with pytest.raises(YetoError, match=r"--broadcast-bits 8 conflicts with the checkpoint.*--broadcast-bits 32"):
+        Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), learners=1, quorum=1, outer_steps=2,
+                            inner_steps=1, sync_bits=32, broadcast_bits=8, merge="mean"))
     with pytest.raises(YetoError, match="--outer-steps 1 is below the checkpoint's version 2"):
         Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), learners=1, quorum=1, outer_steps=1,
                             inner_steps=1, sync_bits=32, merge="mean"))

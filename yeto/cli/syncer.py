@@ -38,8 +38,11 @@ def syncer_command(
     round_seconds: Annotated[float, typer.Option(help="Round policy: time windows of S seconds; each learner "
                                                       "contributes what it did (overrides --inner-steps).")
                              ] = _D.round_seconds,
-    sync_bits: Annotated[int, typer.Option(help="Wire precision of deltas and broadcasts: 4, 8, 16 or 32.")
-                         ] = _D.sync_bits,
+    sync_bits: Annotated[int, typer.Option(help="Wire precision of the learners' deltas: 2, 4, 8, 16 or 32 (below 32 "
+                                                "with error feedback; 2 bits: docs/benchmarks.md).")] = _D.sync_bits,
+    broadcast_bits: Annotated[Optional[int], typer.Option(
+        help="Wire precision of the syncer's broadcasts of the merged change (with its own error feedback): 2, 4, 8, "
+             "16 or 32. Default: --sync-bits.")] = None,
     out: Annotated[str, typer.Option(help="Directory for the tape, the checkpoint, saved deltas and the merged "
                                           "adapter; restarting with the same --out resumes the run.")] = _D.out,
     straggler_timeout: Annotated[float, typer.Option(help="Once quorum is reached, wait at most this long for the "
@@ -123,7 +126,7 @@ def syncer_command(
 
 
 with_help_panels(syncer_command, advanced=(
-    "outer_lr", "outer_momentum", "straggler_timeout", "quorum_timeout", "learner_timeout", "max_message_mb", "robust",
-    "robust_k", "merge", "merge_weight", "lora_merge", "grace_s", "max_base_lag", "staleness_exponent",
-    "step_normalize", "merge_alpha", "max_learners", "max_connections", "run_name"))
+    "broadcast_bits", "outer_lr", "outer_momentum", "straggler_timeout", "quorum_timeout", "learner_timeout",
+    "max_message_mb", "robust", "robust_k", "merge", "merge_weight", "lora_merge", "grace_s", "max_base_lag",
+    "staleness_exponent", "step_normalize", "merge_alpha", "max_learners", "max_connections", "run_name"))
 syncer_command = with_old_spellings(syncer_command, OLD_SPELLINGS)

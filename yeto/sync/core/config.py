@@ -25,9 +25,9 @@ DEFAULT_MERGE = "rda"
 HEARTBEATS_PER_TIMEOUT = 4  # learners ping this many times per --learner-timeout
 DEFAULT_MAX_LEARNERS = 1024
 # what a restart may not change: the run's math and its wire format depend on them
-CONTRACT_FIELDS = ("sync_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds", "robust", "robust_k",
-                   "merge", "merge_weight", "lora_merge", "max_base_lag", "staleness_exponent", "step_normalize",
-                   "merge_alpha", "model", "model_revision")
+CONTRACT_FIELDS = ("sync_bits", "broadcast_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds",
+                   "robust", "robust_k", "merge", "merge_weight", "lora_merge", "max_base_lag", "staleness_exponent",
+                   "step_normalize", "merge_alpha", "model", "model_revision")
 # fields whose flag is not the field's name in dashes (a duration is in seconds: its flag needs no unit)
 FLAGS = {"grace_s": "--grace"}
 OLD_FLAGS = {"--grace-ms": "grace_s"}  # older spellings the syncer still takes (hidden; the CLI converts them)
@@ -46,7 +46,8 @@ class SyncerConfig:
     outer_steps: int = 10
     inner_steps: int = 50
     round_seconds: float = 0.0
-    sync_bits: int = 4
+    sync_bits: int = 4  # the learners' deltas
+    broadcast_bits: Optional[int] = None  # the syncer's broadcasts (None: sync_bits)
     out: str = "runs/syncer"
     straggler_timeout: float = 120.0
     quorum_timeout: float = 1800.0
@@ -76,6 +77,8 @@ class SyncerConfig:
     step_normalize_by_default: bool = field(default=False, init=False)  # ... and so for --step-normalize
 
     def __post_init__(self) -> None:
+        if self.broadcast_bits is None:
+            self.broadcast_bits = self.sync_bits
         if self.step_normalize is None:  # docs/benchmarks.md, heterogeneous fleet: with a 10x slower island, mean +
             # step normalization 0.967x the fast island alone (two runs), rda 0.997-1.000x, mean 0.988-1.010x
             self.step_normalize = self.round_seconds > 0 and self.merge in (None, "mean")
@@ -101,6 +104,8 @@ class SyncerConfig:
         check_port(self.port, "--port")
         if self.sync_bits not in BITS:
             raise YetoError(f"--sync-bits must be one of {BITS}, got {self.sync_bits}")
+        if self.broadcast_bits not in BITS:
+            raise YetoError(f"--broadcast-bits must be one of {BITS}, got {self.broadcast_bits}")
         if self.learners < 1 or self.quorum < 1:
             raise YetoError("--learners and --quorum must be at least 1")
         if self.quorum > self.learners:
@@ -171,7 +176,8 @@ class SyncerConfig:
 
     def policy(self) -> dict[str, Any]:
         return {"inner_steps": self.inner_steps, "round_seconds": self.round_seconds, "outer_steps": self.outer_steps,
-                "sync_bits": self.sync_bits, "quorum": self.quorum, "heartbeat_s": self.heartbeat_s,
+                "sync_bits": self.sync_bits, "broadcast_bits": self.broadcast_bits, "quorum": self.quorum,
+                "heartbeat_s": self.heartbeat_s,
                 "max_base_lag": self.max_base_lag, "merge_alpha": self.merge_alpha}
 
     @property

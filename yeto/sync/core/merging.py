@@ -23,7 +23,7 @@ from yeto.sync.merge.aggregate import (RoundSum, clip_factors, clip_reference, c
                                        trimmed_mean)
 from yeto.sync.merge.outer import nesterov_step
 from yeto.sync.merge.rules import MergeTerms, merge_terms, product_merge
-from yeto.sync.wire.protocol import Code, array_digest, encode_fragments_ef, truncate
+from yeto.sync.wire.protocol import Code, array_digest, encode, encode_fragments_ef, message_bytes, truncate
 from yeto.sync.wire.quant import ErrorFeedback, QuantError
 
 MERGED_HISTORY = 16  # per learner id, its latest merged deltas: one back from a long absence learns which counted
@@ -102,7 +102,7 @@ class Merging(Deltas):
                     raise MergeError("the outer step overflows")
                 ef = ErrorFeedback(run.layout.numel)
                 ef.residual = self.ef.residual
-                descs, frames, sent = encode_fragments_ef(run.layout, new_global - run.global_, cfg.sync_bits, ef)
+                descs, frames, sent = encode_fragments_ef(run.layout, new_global - run.global_, cfg.broadcast_bits, ef)
                 committed = run.global_ + sent
                 if not np.isfinite(committed).all():
                     raise MergeError("the new global adapter is not finite")
@@ -246,4 +246,5 @@ class Merging(Deltas):
         for m in self._live():
             self._send(m.peer, "broadcast", b.header, b.frames)
             to.append(m.learner)
-        self._record("broadcast", round=round_number, version=b.version, to=to, bits=self.cfg.sync_bits)
+        self._record("broadcast", round=round_number, version=b.version, to=to, bits=self.cfg.broadcast_bits,
+                     bytes=message_bytes(encode("broadcast", b.header, b.frames)))

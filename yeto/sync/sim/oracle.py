@@ -166,7 +166,7 @@ class Oracle:
                 raise Violation(f"replay of merge {v}: {fallbacks} RDA fallbacks, the tape says "
                                 f"{e.get('rda_fallbacks')}")
             new, m = nesterov_step(g, avg, m, cfg.outer_lr, cfg.outer_momentum)
-            _, _, sent = encode_fragments_ef(self.w.layout, new - g, cfg.sync_bits, ef)
+            _, _, sent = encode_fragments_ef(self.w.layout, new - g, cfg.broadcast_bits, ef)
             g = g + sent
             if array_digest(g) != e["digest"]:
                 raise Violation(f"replay of merge {v} gives {array_digest(g)}, the tape says {e['digest']}")

@@ -66,6 +66,7 @@ class Schedule:
     staleness_exponent: float = 0.0
     grace_ms: float = 3000.0
     merge: str = "rda"
+    broadcast_bits: int = 0  # 0: sync_bits
     hostile: Optional["Hostile"] = None  # a join-key holder steering the merge with its claims and outliers
 
     @staticmethod
@@ -105,7 +106,16 @@ class Schedule:
             p_slow_step=rng.choice([0.0, 0.0, 0.02]), learner_kills=sorted(kills), syncer_kills=sorted(syncer_kills),
             cuts=sorted(cuts), pauses=sorted(pauses), stops=stops, poison=poison,
             max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)], give_ups=Schedule.draw_give_ups(seed, kills),
-            hostile=Schedule.draw_hostile(seed, n), **Schedule.draw_policy(seed))
+            hostile=Schedule.draw_hostile(seed, n), **Schedule.draw_policy(seed)).with_bits_drawn()
+
+    def with_bits_drawn(self) -> "Schedule":
+        """Now and then 2-bit deltas, and broadcasts at their own precision (a stream of their own: older seeds keep
+        their fleets and faults)."""
+        rng = random.Random(self.seed * 31 + 41)
+        if rng.random() < 0.2:
+            self.sync_bits = 2
+        self.broadcast_bits = rng.choice([0, 0, 2, 4, 8])
+        return self
 
     @staticmethod
     def draw_hostile(seed: int, n: int) -> Optional["Hostile"]:
@@ -135,6 +145,7 @@ class Schedule:
     def syncer_config(self) -> SyncerConfig:
         return SyncerConfig(learners=self.learners, quorum=self.quorum, outer_steps=self.outer_steps,
                             inner_steps=self.inner_steps, round_seconds=self.round_seconds, sync_bits=self.sync_bits,
+                            broadcast_bits=self.broadcast_bits or None,
                             straggler_timeout=3.0, quorum_timeout=1e6, learner_timeout=6.0, out="(simulated)",
                             outer_lr=SIM_OUTER_LR, outer_momentum=SIM_OUTER_MOMENTUM,
                             max_base_lag=self.max_base_lag, staleness_exponent=self.staleness_exponent,

@@ -26,7 +26,7 @@ import numpy as np
 from yeto.sync.wire.layout import Layout
 from yeto.sync.wire.quant import BITS, ErrorFeedback, QuantError, dequantize, encoded_size, quantize
 
-PROTOCOL_VERSION = 4  # raised whenever SCHEMA changes: a peer of another version is refused, never misread
+PROTOCOL_VERSION = 5  # raised whenever SCHEMA changes: a peer of another version is refused, never misread
 DEFAULT_MAX_MESSAGE_MB = 1024  # the syncer's default inbound limit (--max-message-mb)
 MAX_HEADER_BYTES = 4 << 20  # a JSON header (a hello's config and provenance) larger than this is refused
 HEADER_SLACK_BYTES = 64 << 10  # room for a delta's JSON header next to its payload when sizing a message
