@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import random
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -172,7 +173,8 @@ class Link:
         self._wait_unfrozen()  # a new connection during a cut or a stall hangs until it heals
         try:
             server = socket.create_connection(self.target)
-        except OSError:
+        except OSError:  # nothing listens there: the learner gets a reset, as a refused connection gives
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             client.close()
             return
         for s in (client, server):
