@@ -15,8 +15,9 @@ records the delta: encode + wire), seconds down (the syncer's broadcast -> the i
 decode), quorum -> received (the last delta the merge waited for arrives -> the island holds the merged adapter),
 and false drops (a live island dropped as silent, a quorum timeout, a reconnect, a learner that gave up: must be 0).
 
-    python bench/wan.py                              # the default matrix (about 15 minutes on 2 loaded cores)
-    python bench/wan.py --sizes 70b --profiles home  # the 70B class (3.3 GB adapters; long at 2 Mbit/s)
+    python bench/wan.py                              # 1B-class and SmolLM2: loopback, home, mix (about 8 minutes)
+    python bench/wan.py --full                       # docs/benchmarks.md's table (about 30 minutes on 2 loaded cores)
+    python bench/wan.py --sizes 70b --profiles loopback,home --no-real  # the 70B class (3.3 GB adapters)
 """
 
 from __future__ import annotations
@@ -292,13 +293,29 @@ def cases_from(a: argparse.Namespace) -> list[Case]:
     return out
 
 
+def full_matrix(a: argparse.Namespace) -> list[Case]:
+    """docs/benchmarks.md's table: every profile and the mix for the 1B class; loopback, home and home with
+    --overlap for the larger ones; SmolLM2 on --real-profiles."""
+    n = a.islands
+    matrix = [Case("1b", (p,) * n) for p in ("loopback", "datacenter", "region", "home", "poor")]
+    matrix.append(Case("1b", ("poor",) + ("region",) * n))
+    for size in (s for s in a.sizes if s != "1b"):
+        matrix += [Case(size, ("loopback",) * n), Case(size, ("home",) * n)]
+        if a.overlap:
+            matrix.append(Case(size, ("home",) * n, overlap=True))
+    if a.real:
+        matrix += [Case("smollm2", (p,) * n) for p in a.real_profiles]
+    return matrix
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=lambda s: s.split(","), default=["1b", "8b"],
                     help="synthetic size classes: " + ", ".join(SIZES))
     ap.add_argument("--profiles", type=lambda s: s.split(","), default=None,
                     help="loopback, " + ", ".join(p for p in PROFILES if p != "unshaped") + ", mix "
-                         "(default: every profile for 1b; loopback and home for the others)")
+                         "(for each of --sizes)")
+    ap.add_argument("--full", action="store_true", help="docs/benchmarks.md's whole matrix (about 30 minutes)")
     ap.add_argument("--islands", type=int, default=2, help="islands per fleet (mix: one more, on poor)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
@@ -307,18 +324,19 @@ def main() -> None:
     ap.add_argument("--real-profiles", type=lambda s: s.split(","), default=["loopback", "home", "poor"])
     ap.add_argument("--real-steps", type=int, default=4, help="inner steps of a SmolLM2 round")
     a = ap.parse_args()
-    if a.profiles is None:
-        matrix = [Case("1b", ps) for ps in (("loopback",) * a.islands, *((p,) * a.islands for p in
-                                                                        ("datacenter", "region", "home", "poor")),
-                                            ("poor",) + ("region",) * a.islands)] if "1b" in a.sizes else []
-        for size in (s for s in a.sizes if s != "1b"):
-            matrix += [Case(size, ("loopback",) * a.islands), Case(size, ("home",) * a.islands)]
-            if a.overlap:
-                matrix.append(Case(size, ("home",) * a.islands, overlap=True))
-        if a.real:
-            matrix += [Case("smollm2", (p,) * a.islands) for p in a.real_profiles]
-    else:
+    known = {"loopback", "mix", *PROFILES}
+    for bad in [s for s in a.sizes if s not in SIZES] + [p for p in (a.profiles or []) + a.real_profiles
+                                                         if p not in known]:
+        ap.error(f"no size class or profile {bad!r}: sizes {', '.join(SIZES)}; profiles {', '.join(sorted(known))}")
+    if a.profiles is not None:
         matrix = cases_from(a)
+    elif a.full:
+        matrix = full_matrix(a)
+    else:  # a few minutes: loopback against home and the mix, 1B-class and SmolLM2
+        n = a.islands
+        matrix = [Case("1b", ("loopback",) * n), Case("1b", ("home",) * n), Case("1b", ("poor",) + ("region",) * n)]
+        if a.real:
+            matrix += [Case("smollm2", ("loopback",) * n), Case("smollm2", ("home",) * n)]
     load = os.getloadavg()
     ceiling = proxy_ceiling()
     print(f"wan: {os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; proxy ceiling "

@@ -12,9 +12,9 @@ itself, as a dropped route does. The proxy is byte-transparent, so CURVE runs th
 
 Link profiles are a small table (`PROFILES`): datacenter, region, home, poor. Every connection direction is
 pumped by a reader and a writer thread (threads, not asyncio: each writer sleeps to its chunk's release time, so
-the timing does not depend on one event loop keeping up with all the links). The proxy is Python: its own ceiling
-(a few hundred MB/s on one free core, less on a loaded machine) is measured by bench/wan.py and caps the
-datacenter profile. Loopback only.
+the timing does not depend on one event loop keeping up with all the links). The proxy is Python, so it has a
+ceiling of its own (bench/wan.py measures it on each run; docs/benchmarks.md): a profile faster than that ceiling
+on a loaded machine is capped by the CPU, not by its bucket. Loopback only.
 
 Written by hand: no maintained Python library emulates a shaped, delayed, stalling TCP link in user space
 (toxiproxy is a Go server, tc/netem need the kernel module and root).
