@@ -219,9 +219,12 @@ def measure(case: Case, tape: list[dict[str, Any]], results: list[dict[str, Any]
             isl.update(up_s=mean(up), down_s=mean(down), quorum_to_received_s=mean(q2r))
         islands.append(isl)
     drops = silent + timeouts + sum(x["reconnects"] + (0 if x["complete"] and not x["error"] else 1) for x in islands)
-    return {"case": case.name, "rounds": len(merges), "round_s": mean([b - a for a, b in zip(ends, ends[1:])]),
-            "wall_s": wall, "islands": islands, "false_drops": drops, "dir": str(tmp),
-            "link_mb": [None if link is None else (link.bytes_up / 1e6, link.bytes_down / 1e6) for link in links]}
+    measured = {"case": case.name, "kind": case.kind, "rounds": len(merges),
+                "round_s": mean([b - a for a, b in zip(ends, ends[1:])]), "wall_s": wall, "islands": islands,
+                "false_drops": drops, "dir": str(tmp),
+                "link_mb": [None if link is None else (link.bytes_up / 1e6, link.bytes_down / 1e6) for link in links]}
+    (tmp / "measured.json").write_text(json.dumps(dict(measured, logs=[r.get("logs", []) for r in results]), indent=1))
+    return measured
 
 
 def mean(xs: list[float]) -> Optional[float]:
@@ -265,14 +268,17 @@ def per_island(c: dict[str, Any], key: str, spec: str = ".1f", scale: float = 1.
 
 
 def table(cases: list[dict[str, Any]]) -> str:
-    head = ("| fleet | rounds | round s | utilization % | stall s/round | at a 500 s round % | delta MB | "
-            "MB up/round | s up | MB down/round | s down | quorum -> received s | false drops |")
+    base = {c["kind"]: c["round_s"] for c in cases if c["case"].endswith(" loopback") and c["round_s"]}
+    head = ("| fleet | rounds | round s | / loopback's | utilization % | stall s/round | at a 500 s round % | "
+            "delta MB | MB up/round | s up | MB down/round | s down | quorum -> received s | false drops |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in cases:
         at_real = [100 * REAL_ROUND_S / (REAL_ROUND_S + x["stall_s"]) for x in c["islands"]]
         at_real_s = " / ".join(f"{v:.1f}" for v in at_real) if len({f"{v:.1f}" for v in at_real}) > 1 else \
             f"{at_real[0]:.1f}"
-        rows.append(f"| {c['case']} | {c['rounds']} | {fmt(c['round_s'])} | {per_island(c, 'utilization', '.1f', 100)}"
+        ratio = c["round_s"] / base[c["kind"]] if c["round_s"] and c["kind"] in base else None
+        rows.append(f"| {c['case']} | {c['rounds']} | {fmt(c['round_s'])} | {fmt(ratio, '.2f')} | "
+                    f"{per_island(c, 'utilization', '.1f', 100)}"
                     f" | {per_island(c, 'stall_s')} | {at_real_s} | {per_island(c, 'delta_mb', '.2f')} | "
                     f"{per_island(c, 'mb_up', '.2f')} | "
                     f"{per_island(c, 'up_s')} | {per_island(c, 'mb_down', '.2f')} | {per_island(c, 'down_s')} | "

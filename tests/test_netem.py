@@ -135,8 +135,8 @@ def test_jitter_varies_the_delay_but_keeps_the_order():
         link.close()
         sink.close()
     assert got == want
-    assert max(rtts) - min(rtts) > 0.005 and min(rtts) >= 0.0, rtts  # the delay varies ...
-    assert statistics.mean(rtts) < 0.04 + 0.03  # ... around the profile's RTT
+    assert max(rtts) - min(rtts) > 0.005, rtts  # the delay varies ...
+    assert 0.02 < statistics.mean(rtts) < 0.04 + 0.03, rtts  # ... around the profile's RTT
 
 
 def test_a_stall_freezes_the_link_and_it_resumes_losing_nothing():
