@@ -116,7 +116,7 @@ def test_an_upload_slower_than_the_dead_peer_timeout_is_not_a_dead_syncer(tiny_m
         procs[0] = learner(model, port, 0, 2, tmp_path / "l0")
         procs[1] = learner(model, proxy.port, 1, 2, tmp_path / "l1", "--syncer-timeout", 2.5)
         wait_for(s_out, "round_open", round=1)
-        proxy.throttle_up(rate)
+        proxy.throttle_up(rate, per_connection=True)  # the delta's connection is slow, the heartbeats' is not
         outs = finish(procs)
     finally:
         proxy.close()

@@ -2,13 +2,14 @@
 
 The machine's kernel has no netem, so the link is emulated in the proxy. Each direction of a `Link` is a
 bottleneck with a token bucket (a rate in bits per second, shared by all the link's connections, as one access
-line is) followed by a delay line: a chunk read at time t leaves the bottleneck at
-depart = max(t, previous depart) + bytes / rate and is written out at depart + RTT/2 + jitter, never before the
-chunk ahead of it (order is preserved). The bottleneck holds at most `QUEUE_S` of data (a router's buffer): past
-that the proxy stops reading, so the sender feels back-pressure as on a real line. A stall freezes the whole link
-(both directions, every connection) for `stall_s` at exponential intervals of mean `stall_every_s` drawn from a
-seeded RNG; `cut(seconds)` makes it a black hole for a while (nothing moves, new connections hang) that heals by
-itself, as a dropped route does. The proxy is byte-transparent, so CURVE runs through it unchanged.
+line is; a `per_connection` profile gives each its own) followed by a delay line: a chunk read at time t leaves
+the bottleneck at depart = max(t, previous depart) + bytes / rate and is written out at depart + RTT/2 + jitter,
+never before the chunk ahead of it (order is preserved). The bottleneck holds at most `QUEUE_S` of data (a
+router's buffer): past that the proxy stops reading, so the sender feels back-pressure as on a real line. A stall
+freezes the whole link (both directions, every connection) for `stall_s` at exponential intervals of mean
+`stall_every_s` drawn from a seeded RNG; `cut(seconds)` makes it a black hole for a while (nothing moves, new
+connections hang) that heals by itself, as a dropped route does. The proxy is byte-transparent, so CURVE runs
+through it unchanged.
 
 Link profiles are a small table (`PROFILES`): datacenter, region, home, poor. Every connection direction is
 pumped by a reader and a writer thread (threads, not asyncio: each writer sleeps to its chunk's release time, so
@@ -50,6 +51,7 @@ class Profile:
     jitter_s: float = 0.0  # each chunk's one-way delay varies by up to +- this much (order is kept)
     stall_s: float = 0.0  # each stall freezes the link this long ...
     stall_every_s: float = 0.0  # ... at exponential intervals of this mean (0: never)
+    per_connection: bool = False  # each connection gets the whole rate (not one line the connections share)
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
@@ -122,9 +124,11 @@ class Link:
             self.shape = shape
             self.next_stall = self._draw_stall(time.monotonic())
 
-    def throttle_up(self, bytes_per_s: Optional[float]) -> None:
-        """Limit the learner-to-syncer rate (None: unlimited), keeping the rest of the profile."""
-        self.reshape(replace(self.shape, up_bps=8 * bytes_per_s if bytes_per_s else 0.0))
+    def throttle_up(self, bytes_per_s: Optional[float], per_connection: bool = False) -> None:
+        """Limit the learner-to-syncer rate (None: unlimited), keeping the rest of the profile; `per_connection`:
+        each connection at that rate (a slow bulk upload that does not delay the heartbeats' connection)."""
+        self.reshape(replace(self.shape, up_bps=8 * bytes_per_s if bytes_per_s else 0.0,
+                             per_connection=per_connection))
 
     def cut(self, seconds: float) -> None:
         """A black hole for `seconds`: nothing moves, new connections hang; then it heals by itself."""
@@ -191,7 +195,8 @@ class _Pipe:
 
     def __init__(self, link: Link, src: socket.socket, dst: socket.socket, up: bool, seed: float):
         self.link, self.src, self.dst, self.up = link, src, dst, up
-        self.bottleneck = link.up if up else link.down
+        self.shared = link.up if up else link.down
+        self.own = _Bottleneck()  # (used under a per_connection profile)
         self.rng = random.Random(seed)
         self.queue: collections.deque[tuple[float, Optional[bytes]]] = collections.deque()
         self.ready = threading.Condition()
@@ -200,6 +205,10 @@ class _Pipe:
     def start(self) -> None:
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._write, daemon=True).start()
+
+    @property
+    def bottleneck(self) -> _Bottleneck:
+        return self.own if self.link.shape.per_connection else self.shared
 
     def _rate(self) -> float:
         s = self.link.shape
