@@ -200,3 +200,34 @@ def test_a_real_curve_syncer_round_through_a_home_link(tiny_model, tmp_path):
         link.close()
     assert_run_complete(s_out, outs, 2, [tmp_path / "l0", tmp_path / "l1"], quorum_of=[0, 1])
     assert link.bytes_up > 0 and link.bytes_down > 0  # learner 1's traffic went through the link
+
+
+@pytest.mark.parametrize("per_connection", [False, True])
+def test_connections_share_the_line_unless_per_connection(per_connection):
+    """Two bulk uploads at once: on one line each gets half the rate; per connection, each gets all of it."""
+    rate, size = 16 * MBIT, 1 << 20
+    sinks = [Sink(echo=False), Sink(echo=False)]
+    link = Link(sinks[0].port, Profile("test", up_bps=rate, per_connection=per_connection))
+    link.target = ("127.0.0.1", sinks[0].port)
+    try:
+        first = connect(link)
+        time.sleep(0.3)  # (the proxy connects to its target on its own thread)
+        link.target = ("127.0.0.1", sinks[1].port)  # the second connection goes to the second sink
+        second = connect(link)
+        senders = [threading.Thread(target=s.sendall, args=(bytes(size),)) for s in (first, second)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(30)
+        deadline = time.monotonic() + 30
+        while sum(s.received for s in sinks) < 2 * size and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first.close()
+        second.close()
+    finally:
+        link.close()
+        for s in sinks:
+            s.close()
+    took = max(s.last for s in sinks) - min(s.first for s in sinks)
+    alone = size * 8 / rate  # 0.52 s
+    assert took == pytest.approx(alone if per_connection else 2 * alone, rel=RATE_TOLERANCE + 0.1), took
