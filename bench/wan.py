@@ -154,6 +154,7 @@ def run_case(case: Case, rounds: int, real_steps: int) -> dict[str, Any]:
     links = [None if p == "loopback" else Link(port, PROFILES[p], seed=i) for i, p in enumerate(case.profiles)]
     addresses = [f"127.0.0.1:{port}" if link is None else link.address for link in links]
     t0 = time.perf_counter()
+    procs: list[Any] = []
     try:
         if case.kind == "smollm2":
             key = (out / "join.key").read_text().strip()
@@ -176,7 +177,10 @@ def run_case(case: Case, rounds: int, real_steps: int) -> dict[str, Any]:
             for p in procs:
                 p.join(60)
         syncer.wait(120)
-    finally:
+    finally:  # (a run that failed or hung leaves nothing behind)
+        for p in procs:
+            if (p.poll() is None) if isinstance(p, subprocess.Popen) else p.is_alive():
+                p.kill()
         for link in links:
             if link is not None:
                 link.close()

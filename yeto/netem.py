@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from yeto import YetoError
+
 MBIT = 1_000_000  # bits per second
 MAX_CHUNK = 65536  # bytes read at once
 MIN_CHUNK = 1024
@@ -65,8 +67,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
 
 
 def profile(name: str) -> Profile:
-    from yeto import YetoError
-
+    """The profile named `name`, or a YetoError that lists them."""
     if name not in PROFILES:
         raise YetoError(f"no link profile {name!r}: use one of {', '.join(PROFILES)}")
     return PROFILES[name]
