@@ -72,6 +72,7 @@ bench: setup
 	$(BIN)/python bench/mlx_throughput.py
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/soak.py
+	$(BIN)/python bench/wan.py
 	$(BIN)/python bench/island_scaling.py
 	$(BIN)/python bench/trackers.py
 
