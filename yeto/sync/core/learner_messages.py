@@ -157,8 +157,11 @@ class SyncerMessages:
         self.syncer_version = max(self.syncer_version, h["version"])
         self._set_open_round(h, now)
         p = self.pushed
-        if p is not None and not p.on_its_way and self._may_land(p, h["round"], h["version"]):
-            self._resend_pushed()  # the syncer announces a round only to those whose delta it lacks (yet)
+        taken = p is not None and p.acked and p.merge_round is not None and p.merge_round < h["round"]
+        if p is not None and not p.on_its_way and not taken and self._may_land(p, h["round"], h["version"]):
+            self._resend_pushed()  # the syncer announces a round only to those whose delta it lacks (yet; a delta
+            # acked into an earlier round was taken there: its broadcast settles it, a copy more would only be a
+            # duplicate, and over a slow link a long one)
         self._maybe_sync(now)
 
     def _on_broadcast(self, msg: Message, now: float) -> None:

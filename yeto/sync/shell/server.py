@@ -68,7 +68,6 @@ MAX_BACKLOG_PER_PEER = 256  # messages parked for one learner; beyond, its oldes
 MAX_BACKLOG_BYTES_PER_PEER = 512 << 20  # beyond this, the oldest messages parked for one learner are dropped
 SNDHWM = 64  # messages queued per learner connection before ZeroMQ says "full" (and we keep them ourselves)
 GLOBAL_TYPES = frozenset({"broadcast", "state"})  # they carry the global adapter: a newer one makes an older one moot
-REPEAT_HOLD_S = 60.0  # the same global asked for again this soon after it left is still on the wire: not sent twice
 RCVHWM = 16  # inbound messages queued per connection: with the message size limit, what one peer can make us hold
 LINGER_MS = 5000  # on exit, give queued messages (the finish) this long to leave
 DISK_FAILED_EXIT = 74  # sysexits' EX_IOERR: the run's state could not be written (resumable once fixed)
@@ -95,7 +94,6 @@ class InFlight:
     type: str
     version: int
     nbytes: int
-    left_at: Optional[float] = None  # when ZeroMQ released it (seen by the loop)
 
     @property
     def done(self) -> bool:
@@ -125,7 +123,7 @@ class Syncer:
         self._start_actions = self.core.start(time.monotonic(), durable)  # may refuse (config conflict)
         self.sock: zmq.Socket | None = None
         self.backlog: dict[bytes, deque[Parked]] = {}  # per destination, in order
-        self.inflight: dict[bytes, InFlight] = {}  # per bulk destination: the adapter ZeroMQ sends or last sent
+        self.inflight: dict[bytes, InFlight] = {}  # per bulk destination: the adapter ZeroMQ is still sending
         self.last_global: dict[bytes, int] = {}  # per bulk destination: the newest global sent or waiting
         self.stopping: tuple[str, int] | None = None
         self.signals = 0
@@ -395,9 +393,10 @@ class Syncer:
     def _busy(self, dest: bytes) -> bool:
         """ZeroMQ is still sending an adapter to this connection: the next one waits here (bounded, replaceable)."""
         f = self.inflight.get(dest)
-        if f is not None and f.done and f.left_at is None:
-            f.left_at = time.monotonic()
-        return f is not None and not f.done
+        if f is not None and f.done:
+            del self.inflight[dest]
+            return False
+        return f is not None
 
     def _hand_over(self, p: Parked) -> None:
         """Send now (NOBLOCK); an adapter-carrying message is tracked until ZeroMQ has written it out."""
@@ -416,13 +415,11 @@ class Syncer:
 
     def _keep_global(self, q: deque[Parked], p: Parked) -> bool:
         """At most one global waits per learner, and none that it cannot use. The same global again (asked for again
-        while on its way, or just after it left) is not sent twice; a newer one replaces the one waiting; a broadcast
+        while ZeroMQ still sends it) is not sent twice; a newer one replaces the one waiting; a broadcast
         whose base is not the last global sent to that connection goes too (the learner's catch-up asks, and gets a
         state of the latest global). False: `p` is not to be sent."""
-        f = self.inflight.get(p.dest)
-        now = time.monotonic()
-        if f is not None and (f.type, f.version) == (p.type, p.version) and (
-                not f.done or f.left_at is None or now - f.left_at < REPEAT_HOLD_S):
+        f = self.inflight.get(p.dest) if self._busy(p.dest) else None
+        if f is not None and (f.type, f.version) == (p.type, p.version):
             self._superseded(p, "the same global is on its way")
             return False
         if any((x.type, x.version) == (p.type, p.version) for x in q):
@@ -465,11 +462,8 @@ class Syncer:
                     self._dropped(p, "not connected" if e.errno == zmq.EHOSTUNREACH else "its connection is full")
             if not q:
                 del self.backlog[dest]
-        for dest, f in list(self.inflight.items()):
-            if f.done and f.left_at is None:
-                f.left_at = now
-            elif f.left_at is not None and now - f.left_at >= REPEAT_HOLD_S:
-                del self.inflight[dest]
+        for dest in list(self.inflight):
+            self._busy(dest)  # (forgets what has left)
 
     def _dropped(self, p: Parked, reason: str) -> None:
         self.store.append("send_dropped", {"peer": p.dest.decode(errors="replace")[:80], "type": p.type,
