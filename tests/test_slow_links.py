@@ -55,10 +55,15 @@ class SlowLink(Proxy):
                     continue
                 if not data:
                     break
-                dst.sendall(data)
-                self.carried[up] += len(data)
-                if rate:
-                    time.sleep(len(data) / rate)
+                while data and not self.closed:  # (dst is the other pump's src: its recv timeout applies here too)
+                    try:
+                        sent = dst.send(data)
+                    except socket.timeout:
+                        continue
+                    data = data[sent:]
+                    self.carried[up] += sent
+                    if rate:
+                        time.sleep(sent / rate)
         except OSError:
             pass
         finally:
