@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -36,7 +33,8 @@ sys.path.insert(0, str(REPO))
 from yeto import YetoError  # noqa: E402
 from yeto.launch.local import free_port  # noqa: E402
 from yeto.sync.shell.audit import audit_run  # noqa: E402
-from yeto.sync.shell.keys import Keyring, read_join_key  # noqa: E402
+from bench.synthetic import Crash, NumpyIsland, lora_names, start_syncer  # noqa: E402
+from yeto.sync.shell.keys import read_join_key  # noqa: E402
 from yeto.sync.shell.tape import read_tape  # noqa: E402
 
 WORKERS = 4
@@ -48,43 +46,8 @@ STEP_S = 0.01  # one inner step of a numpy island
 TENSOR = (16, 256)  # each adapter: lora_A and lora_B of two layers at this shape (16k values)
 
 
-class Crash(Exception):
-    pass
-
-
-class SmallIsland:
-    backend = "numpy"
-
-    def __init__(self, lid: int, crash_at: float):
-        rng = np.random.default_rng(lid)
-        self.names = [f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{ab}.default.weight"
-                      for i in range(2) for ab in "AB"]
-        self.state = {n: np.zeros(TENSOR, np.float32) for n in self.names}
-        self.target = rng.standard_normal(TENSOR).astype(np.float32)
-        self.crash_at = crash_at
-
-    def adapter_state(self):
-        return {k: v.copy() for k, v in self.state.items()}
-
-    def load_adapter_state(self, state):
-        self.state = {k: np.asarray(v, np.float32).copy() for k, v in state.items()}
-
-    def step(self):
-        if time.monotonic() >= self.crash_at:
-            raise Crash("a simulated crash")
-        time.sleep(STEP_S)
-        for k in self.state:
-            self.state[k] += 0.1 * (self.target - self.state[k])
-        return {"loss": 1.0, "tokens": 64, "loss_tokens": 32}
-
-    def adapter_config(self):
-        return {"peft_type": "LORA", "r": TENSOR[0], "lora_alpha": 32, "target_modules": ["q_proj"]}
-
-    def record(self):
-        return {"backend": "numpy", "config": {"batch_size": 1, "seq_len": 64}}
-
-    def set_total_steps(self, total):
-        pass
+def small_island(lid: int, crash_at: float) -> NumpyIsland:
+    return NumpyIsland(lid, {n: TENSOR for n in lora_names(2)}, STEP_S, r=TENSOR[0], crash_at=crash_at)
 
 
 def learner_life(port: int, key, lid: int, stop, counts: dict) -> None:
@@ -96,7 +59,7 @@ def learner_life(port: int, key, lid: int, stop, counts: dict) -> None:
     timeouts = LinkTimeouts(heartbeat_s=1.0, dead_after_s=10.0, backoff_base_s=0.1, backoff_max_s=2.0,
                             give_up_s=GIVE_UP_S)
     while not stop.is_set():
-        island = SmallIsland(lid, time.monotonic() + rng.expovariate(1 / MEAN_LIFETIME_S))
+        island = small_island(lid, time.monotonic() + rng.expovariate(1 / MEAN_LIFETIME_S))
         try:
             run_island(island, f"127.0.0.1:{port}", lid, log_fn=lambda s: None, timeouts=timeouts, join_key=key,
                        identity=identity)
@@ -141,14 +104,11 @@ def main() -> None:
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="yeto-soak-"))
     out = tmp / "syncer"
-    Keyring.ensure(out)  # the run's credentials first (as `yeto launch` does); learners read out/join.key
     port = free_port()
-    syncer = subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--host", "127.0.0.1", "--port", str(port),
-                               "--out", str(out), "--learners", str(a.learners), "--quorum", str(a.quorum),
-                               "--outer-steps", str(a.rounds), "--inner-steps", str(a.inner_steps),
-                               "--straggler-timeout", "1", "--learner-timeout", "10", "--sync-bits", "4"],
-                              cwd=REPO, stdout=open(tmp / "syncer.log", "w"), stderr=subprocess.STDOUT,
-                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    syncer = start_syncer(out, port, ["--learners", str(a.learners), "--quorum", str(a.quorum),
+                                      "--outer-steps", str(a.rounds), "--inner-steps", str(a.inner_steps),
+                                      "--straggler-timeout", "1", "--learner-timeout", "10", "--sync-bits", "4"],
+                          tmp / "syncer.log")
     q: mp.Queue = mp.Queue()
     stop = mp.Event()  # set once the syncer exited: crashed learners do not come back
     ids = list(range(a.learners))

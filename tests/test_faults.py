@@ -1,7 +1,7 @@
 """Real processes under real faults: a syncer and torch learner processes (tiny Llama) on loopback.
 
 A learner SIGKILLed mid-round and restarted, the syncer SIGKILLed between a merge
-and its checkpoint, a 10-second network cut (through a TCP proxy) that heals by
+and its checkpoint, a 10-second network cut (through yeto.netem's link emulator) that heals by
 itself, inner steps longer than --learner-timeout, and an upload slower than the
 learner's dead-peer timeout. Each run must finish every merge, pass the tape
 audit, and leave every learner holding the syncer's final adapter.
@@ -11,9 +11,9 @@ import signal
 
 from safetensors.numpy import load_file
 
-from tests.netproxy import Proxy
 from tests.test_fleet import ENV, finish, learner, syncer, wait_for
 from yeto.launch.local import free_port
+from yeto.netem import Link
 from yeto.sync.shell.audit import audit_run
 from yeto.sync.shell.tape import read_tape
 
@@ -78,7 +78,7 @@ def test_the_syncer_killed_between_a_merge_and_its_checkpoint_resumes_losing_not
 
 def test_a_ten_second_network_cut_heals_by_itself(tiny_model, tmp_path):
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
-    proxy = Proxy(port)
+    proxy = Link(port)
     try:
         procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 3,
                                   "--learner-timeout", 4)}
@@ -108,7 +108,7 @@ def test_an_inner_step_longer_than_the_learner_timeout_is_not_a_dead_learner(tin
 
 def test_an_upload_slower_than_the_dead_peer_timeout_is_not_a_dead_syncer(tiny_model, tmp_path):
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
-    proxy = Proxy(port)
+    proxy = Link(port)
     rate = 2000  # bytes/s learner -> syncer, once the run has started
     try:
         procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 2,
@@ -116,7 +116,7 @@ def test_an_upload_slower_than_the_dead_peer_timeout_is_not_a_dead_syncer(tiny_m
         procs[0] = learner(model, port, 0, 2, tmp_path / "l0")
         procs[1] = learner(model, proxy.port, 1, 2, tmp_path / "l1", "--syncer-timeout", 2.5)
         wait_for(s_out, "round_open", round=1)
-        proxy.throttle(rate)
+        proxy.throttle_up(rate)
         outs = finish(procs)
     finally:
         proxy.close()
