@@ -4,75 +4,24 @@ Scaled down from a 70B-class adapter (~400 MB up a 2 Mbit/s line, ~27 minutes): 
 ~4 Mbit/s, so one message takes ~8-10 s, longer than the --learner-timeout and the learners' dead-peer timeout.
 """
 
-import socket
 import threading
 import time
 
 import numpy as np
 
-from tests.netproxy import POLL_S, Proxy
 from tests.peers import QuadraticIsland, island_thread, wait_until
+from yeto.netem import Link, Profile
 from yeto.sync.shell.tape import read_tape
 from yeto.sync.wire.layout import build_layout, flatten
 
 ROWS = 500_000  # lora_B rows: 1M float32 values, ~4 MB per message at --sync-bits 32
 ADAPTER_BYTES = (2 * 4 + ROWS * 2) * 4
 RATE = 500_000  # bytes/s on the slow direction (4 Mbit/s): one adapter takes ~8 s
-SOCKET_BUFFER = 32 << 10  # the proxy's kernel buffers: small beside an adapter, as a few MB are beside 400 MB
 
 
-class SlowLink(Proxy):
-    """The test proxy with either direction shaped per connection, counting the bytes it carries; its kernel buffers
-    are kept small, so that what the syncer has written out is what went through the link (near enough)."""
-
-    def __init__(self, target_port: int, up: float | None = None, down: float | None = None):
-        super().__init__(target_port)
-        self.rate = {True: up, False: down}
-        self.carried = {True: 0, False: 0}
-
-    def _serve(self, client: socket.socket) -> None:
-        server = socket.socket()
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)  # (before connecting: the window)
-        try:
-            server.connect(self.target)
-        except OSError:
-            client.close()
-            return
-        self.socks += [client, server]
-        for src, dst, up in ((client, server, True), (server, client, False)):
-            threading.Thread(target=self._pump, args=(src, dst, up), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
-        rate = self.rate[up]
-        try:
-            for s, opt in ((src, socket.SO_RCVBUF), (dst, socket.SO_SNDBUF)):
-                s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-            src.settimeout(POLL_S)
-            while not self.closed:
-                try:
-                    data = src.recv(512 if rate else 65536)
-                except socket.timeout:
-                    continue
-                if not data:
-                    break
-                while data and not self.closed:  # (dst is the other pump's src: its recv timeout applies here too)
-                    try:
-                        sent = dst.send(data)
-                    except socket.timeout:
-                        continue
-                    data = data[sent:]
-                    self.carried[up] += sent
-                    if rate:
-                        time.sleep(sent / rate)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
+def slow_link(target_port: int, up: float = 0.0, down: float = 0.0) -> Link:
+    """A link shaped to `up`/`down` bytes/s (0: unlimited), no delay, no stalls."""
+    return Link(target_port, Profile("slow", down_bps=8 * down, up_bps=8 * up))
 
 
 def island():
@@ -82,7 +31,7 @@ def island():
 def test_an_upload_longer_than_the_learner_timeout_is_not_dropped_merges_and_goes_up_once(start_syncer):
     syncer, port = start_syncer(learners=2, quorum=1, outer_steps=9, inner_steps=2, sync_bits=32, learner_timeout=4,
                                 grace_s=0.3, straggler_timeout=0.5, max_base_lag=10)
-    link = SlowLink(port, up=RATE)
+    link = slow_link(port, up=RATE)
     results = {}
     try:
         island_thread(island(), port, 0, results, step_delay=1.0)  # rounds of ~2 s
@@ -90,9 +39,9 @@ def test_an_upload_longer_than_the_learner_timeout_is_not_dropped_merges_and_goe
         slow = island_thread(island(), link.port, 1, results, step_delay=2.5)  # trains 5 s, uploads ~8 s
         assert wait_until(lambda: any(e["event"] == "delta" and e["learner"] == 1 for e in read_tape(syncer.cfg.out)),
                           40), "the slow learner's delta never came"
-        up_at_ack = link.carried[True]
+        up_at_ack = link.bytes_up
         time.sleep(2.5)  # it trains its next round (5 s): nothing of size should go up meanwhile
-        resent = link.carried[True] - up_at_ack
+        resent = link.bytes_up - up_at_ack
         slow.join(60)
     finally:
         link.close()
@@ -109,7 +58,7 @@ def test_an_upload_longer_than_the_learner_timeout_is_not_dropped_merges_and_goe
 def test_a_slow_reader_delays_nobody_is_held_bounded_and_catches_up_from_the_latest_global(start_syncer):
     syncer, port = start_syncer(learners=2, quorum=1, outer_steps=8, inner_steps=2, sync_bits=32, learner_timeout=10,
                                 grace_s=0.3, straggler_timeout=0.5, max_base_lag=10)
-    link = SlowLink(port, down=RATE)
+    link = slow_link(port, down=RATE)
     results, islands = {}, {0: island(), 1: island()}
     peak = [0]
     sampling = True
@@ -141,6 +90,6 @@ def test_a_slow_reader_delays_nobody_is_held_bounded_and_catches_up_from_the_lat
     assert isinstance(results.get(1), dict), f"the slow reader did not finish within {slow_s:.0f}s: {results}"
     layout = build_layout(islands[1].state)
     assert np.array_equal(flatten(layout, islands[1].state), syncer.global_)
-    assert link.carried[False] < 4 * ADAPTER_BYTES, f"{link.carried[False]} bytes went down to the slow reader"
+    assert link.bytes_down < 4 * ADAPTER_BYTES, f"{link.bytes_down} bytes went down to the slow reader"
     # what the syncer held for it at any moment: one adapter on its way and one waiting
     assert 0 < peak[0] <= 2 * (ADAPTER_BYTES + (64 << 10)), peak[0]
