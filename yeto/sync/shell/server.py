@@ -416,7 +416,7 @@ class Syncer:
     def _keep_global(self, q: deque[Parked], p: Parked) -> bool:
         """At most one global waits per learner, and none that it cannot use. The same global again (asked for again
         while ZeroMQ still sends it) is not sent twice; a newer one replaces the one waiting; a broadcast
-        whose base is not the last global sent to that connection goes too (the learner's catch-up asks, and gets a
+        whose base was skipped on that connection (a replaced one) goes too (the learner's catch-up asks, and gets a
         state of the latest global). False: `p` is not to be sent."""
         f = self.inflight.get(p.dest) if self._busy(p.dest) else None
         if f is not None and (f.type, f.version) == (p.type, p.version):
@@ -429,10 +429,12 @@ class Syncer:
         for x in older:
             q.remove(x)
             self._superseded(x, f"version {p.version} came while it waited")
-        if older:
-            self.last_global[p.dest] = f.version if f is not None else -1
+        if older and f is not None:
+            self.last_global[p.dest] = f.version
+        elif older:
+            self.last_global.pop(p.dest, None)  # (not known what the learner holds)
         base = self.last_global.get(p.dest)
-        if p.type == "broadcast" and base is not None and base != p.version - 1:
+        if p.type == "broadcast" and base is not None and base < p.version - 1:  # (>=: a catch-up's answer again)
             self._superseded(p, "its base did not reach the learner (its catch-up gets a state of the latest global)")
             return False
         self.last_global[p.dest] = p.version
