@@ -9,10 +9,11 @@ import time
 
 import numpy as np
 
-from tests.peers import QuadraticIsland, island_thread, wait_until
+from tests.peers import QuadraticIsland, RawLearner, island_thread, wait_until
 from yeto.netem import Link, Profile
 from yeto.sync.shell.tape import read_tape
 from yeto.sync.wire.layout import build_layout, flatten
+from yeto.sync.wire.protocol import encode
 
 ROWS = 500_000  # lora_B rows: 1M float32 values, ~4 MB per message at --sync-bits 32
 ADAPTER_BYTES = (2 * 4 + ROWS * 2) * 4
@@ -93,3 +94,20 @@ def test_a_slow_reader_delays_nobody_is_held_bounded_and_catches_up_from_the_lat
     assert link.bytes_down < 4 * ADAPTER_BYTES, f"{link.bytes_down} bytes went down to the slow reader"
     # what the syncer held for it at any moment: one adapter on its way and one waiting
     assert 0 < peak[0] <= 2 * (ADAPTER_BYTES + (64 << 10)), peak[0]
+
+
+def test_a_catch_up_asking_again_for_a_broadcast_it_lost_gets_it_again(start_syncer):
+    """The syncer holds back a broadcast whose base it skipped on a connection, never one a catch-up asks for again
+    (its first copy may have been lost with a broken connection)."""
+    syncer, port = start_syncer(learners=1, quorum=1, outer_steps=2, inner_steps=1, sync_bits=32)
+    learner = RawLearner(port, 0)
+    try:
+        layout = learner.found(QuadraticIsland(0.0, 1).state)
+        assert learner.recv(want="round").header["round"] == 1
+        parts = learner.delta_parts(layout, 1, 0, np.full(layout.numel, 0.01, np.float32))
+        assert learner.ask(parts, bulk=True, want="ack").header["round"] == 1
+        assert learner.recv(want="broadcast").header["version"] == 1
+        again = learner.ask(encode("sync", learner.header(version=0, pushed=None)), want="broadcast")
+        assert again.header["version"] == 1
+    finally:
+        learner.close()
