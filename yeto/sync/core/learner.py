@@ -53,7 +53,8 @@ from yeto.sync.wire.protocol import (CLOCK_JUMP_S, Code, Message, ProtocolError,
 from yeto.sync.wire.quant import ErrorFeedback, QuantError
 
 HELLO_RETRY_HEARTBEATS = 2  # not welcomed after this many heartbeats: say hello again
-FINISH_CATCHUP_DEAD_AFTERS = 3  # after a finish, try this many dead-peer timeouts to fetch the final adapter
+FINISH_CATCHUP_DEAD_AFTERS = 3  # after a finish, try at least this many dead-peer timeouts to fetch the final adapter
+# (longer while the syncer still answers: over a slow link the final adapter alone may take many minutes)
 # a time window ends at the step boundary nearest its end: stop once the next step (at this window's mean pace)
 # would overrun the end by more than the time left. Islands' pushes then centre on the window's end instead of
 # trailing it by up to a step, so a fast island is not the last in, missing a round a slow one's push closed
@@ -84,6 +85,10 @@ class Pushed:
     merge_round: Optional[int] = None  # the round the syncer acked it into
     resend: bool = False  # a connection broke before the ack: send again when the syncer is heard from
     stale: bool = False  # refused as stale while its round was not open: send again once a pong says it is
+    # sent on the current connections and not answered yet: a round announcement does not send it again (on one
+    # connection the syncer gets it, or the connection breaks: `link_lost`); over a slow link a second copy would
+    # hold the uplink as long again
+    on_its_way: bool = False
 
 
 class LearnerCore(SyncerMessages):
@@ -216,8 +221,10 @@ class LearnerCore(SyncerMessages):
     def link_lost(self, now: float) -> list[LearnerAction]:
         """A connection broke under us (ZeroMQ reconnects by itself, but what was in flight is gone):
         a delta not yet acked goes again once the syncer is heard from."""
-        if self.pushed is not None and not self.pushed.acked:
-            self.pushed.resend = True
+        if self.pushed is not None:
+            self.pushed.on_its_way = False
+            if not self.pushed.acked:
+                self.pushed.resend = True
         self.resend_init = self.init_sent is not None and not self.joined
         self.next_sync_at = -math.inf  # a sync request may be lost too
         return []
@@ -259,6 +266,8 @@ class LearnerCore(SyncerMessages):
             self.attempt += 1
             self.connected = self.joined = False
             self.init_sent = None
+            if self.pushed is not None:
+                self.pushed.on_its_way = False  # (what the old connections held is gone with them)
             self._log("warning", f"syncer silent for {now - self.last_heard:.0f}s; reconnecting in {delay:.1f}s "
                                  f"(attempt {self.attempt})")
             self.out.append(Reconnect(delay))
@@ -308,8 +317,9 @@ class LearnerCore(SyncerMessages):
         return self._start_round(r, now)
 
     def _ending(self, now: float) -> Optional[Union[Done, Wait]]:
-        """Done when refused, given up, or finished and holding the final adapter (or past hope of fetching it);
-        Wait while a finished run's final adapter is on its way; None while the run goes on."""
+        """Done when refused, given up, or finished and holding the final adapter (or past hope of fetching it: the
+        syncer stopped answering, or --give-up-after passed); Wait while a finished run's final adapter is on its
+        way (a slow link may take minutes for it); None while the run goes on."""
         if self.refused:
             return Done(self.refused, error=True, code=self.refused_code)
         if self.gave_up:
@@ -318,7 +328,9 @@ class LearnerCore(SyncerMessages):
             return None
         if self.version >= self.finish["version"] and not self.need_state:
             return Done(self.finish["reason"], complete=bool(self.finish["complete"]))
-        if now - self.finish_at >= FINISH_CATCHUP_DEAD_AFTERS * self.t.dead_after_s:
+        waited = now - self.finish_at
+        answering = self.silent_since is not None and now - self.silent_since <= self.t.dead_after_s
+        if waited >= FINISH_CATCHUP_DEAD_AFTERS * self.t.dead_after_s and (not answering or waited >= self.t.give_up_s):
             return Done(f"{self.finish['reason']}; this learner could not fetch the final adapter (version "
                         f"{self.finish['version']}; it holds {self.version}): the syncer's adapter is the result")
         return Wait()
@@ -418,6 +430,7 @@ class LearnerCore(SyncerMessages):
         self.pushed = Pushed(t.round, t.base_version, digest_bytes(frames), header, tuple(frames), residual_before,
                              t.base_digest)
         self._send("delta", header, self.pushed.frames)
+        self.pushed.on_its_way = True
 
     # ------------------------------------------------------------------ helpers
 
@@ -450,6 +463,7 @@ class LearnerCore(SyncerMessages):
         if p is not None and p.frames:
             p.acked = False  # an ack from a syncer process that lost it says nothing about this copy (sim seed 5316)
             self._send("delta", p.header, p.frames)
+            p.on_its_way = True
 
     def _adopt(self, version: int, flat: np.ndarray, digest: str, merged: list[list]) -> None:
         """Hold a new global adapter; settle the pushed delta by whether it was among the merged ones

@@ -56,7 +56,7 @@ class SyncerMessages:
             return  # not about the delta we hold (e.g. an earlier push of this round)
         behind = h.get("version", -1) - p.base_version
         if code == Code.STALE and behind >= 0 and (not self.max_lag or behind <= self.max_lag):
-            p.acked, p.stale = False, True
+            p.acked, p.stale, p.on_its_way = False, True, False
             return
         if code == Code.DUPLICATE and h.get("version") == self.version:  # another delta of ours holds the round
             self.place_held = Place(self.version + 1, self.version)
@@ -157,8 +157,11 @@ class SyncerMessages:
         self.syncer_version = max(self.syncer_version, h["version"])
         self._set_open_round(h, now)
         p = self.pushed
-        if p is not None and self._may_land(p, h["round"], h["version"]):
-            self._resend_pushed()  # the syncer announces a round only to those whose delta it lacks
+        taken = p is not None and p.acked and p.merge_round is not None and p.merge_round < h["round"]
+        if p is not None and not p.on_its_way and not taken and self._may_land(p, h["round"], h["version"]):
+            self._resend_pushed()  # the syncer announces a round only to those whose delta it lacks (yet; a delta
+            # acked into an earlier round was taken there: its broadcast settles it, a copy more would only be a
+            # duplicate, and over a slow link a long one)
         self._maybe_sync(now)
 
     def _on_broadcast(self, msg: Message, now: float) -> None:
@@ -239,7 +242,7 @@ class SyncerMessages:
         h = msg.header
         p = self.pushed
         if p is not None and [p.round, p.base_version, p.digest] == [h["round"], h["base_version"], h["digest"]]:
-            p.acked = True
+            p.acked, p.on_its_way = True, False
             if h.get("merged"):  # sent again after its ack was lost, and merged meanwhile: it counted
                 self.pushed = None
             elif isinstance(h.get("merge_round"), int):
@@ -252,6 +255,7 @@ class SyncerMessages:
             self.init_sent = None  # a syncer that forgot us forgot any founding upload too: upload again if asked
             if self.pushed is not None:
                 self.pushed.resend = True  # and maybe our delta: the welcome or the round says
+                self.pushed.on_its_way = False  # (a copy that reaches a syncer that forgot us is not taken)
             if self.joined or now - self.hello_at >= self.heartbeat_s:
                 self.joined = False
                 self._hello(now)
