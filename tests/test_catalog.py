@@ -31,6 +31,8 @@ PUBLISHED = {
     "phi4": (14.7 * B, None),
     "mistral-7b": (7.25 * B, None),
     "lfm2-1.2b": (1.17 * B, None),
+    "lfm25-230m": (229_693_184, None),  # its exact count, as public code that loads it states
+    "lfm25-1b": (1.17 * B, None),
     "lfm2-8b-a1b": (8.3 * B, None),  # the card's "1.5B active" is too coarse for 2% (counted: 1.56B)
     "gpt-oss-20b": (20.91 * B, 3.61 * B),
     "gpt-oss-120b": (116.83 * B, 5.13 * B),
@@ -130,7 +132,7 @@ def test_yeto_models_lists_every_alias_and_sizes_a_directory(tiny_model):
     moe = rows["qwen3-30b-a3b"]
     assert (moe["architecture"], moe["total_params"], moe["active_params"]) == (
         "qwen3_moe", CATALOG["qwen3-30b-a3b"].total, CATALOG["qwen3-30b-a3b"].moe_active)
-    assert rows["qwen3-30b-a3b"]["mlx"] is True and rows["lfm25-230m"]["total_params"] is None
+    assert rows["qwen3-30b-a3b"]["mlx"] is True and rows["lfm25-350m"]["total_params"] is None
     table = CliRunner().invoke(app, ["models"])
     assert table.exit_code == 0 and "30.53B" in table.output and "3.35B" in table.output
     path = tiny_model("llama")

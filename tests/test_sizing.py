@@ -136,7 +136,7 @@ def test_bad_shapes_are_one_line_errors():
     with pytest.raises(YetoError, match="LoRA targets"):
         memory(SMOL, IslandShape("H100", targets="everything"))
     with pytest.raises(YetoError, match="not known offline"):
-        model_size("lfm25-1b")
+        model_size("lfm25-350m")
 
 
 def one_per_architecture() -> list[str]:
@@ -206,7 +206,7 @@ def test_yeto_models_shows_each_alias_min_island(tiny_model):
     r = CliRunner().invoke(app, ["models", "--json"])
     assert r.exit_code == 0, r.output
     rows = {row["alias"]: row for row in json.loads(r.output)}
-    assert rows["lfm25-1b"]["min_shape"] is None  # not sized offline
+    assert rows["lfm25-350m"]["min_shape"] is None  # not sized offline
     for alias in ("smollm2-135m", "llama3.1-70b", "qwen3-235b-a22b"):
         s = rows[alias]["min_shape"]
         shape = IslandShape(s["gpu"], s["count"], s["strategy"], s["base"], targets="auto")
