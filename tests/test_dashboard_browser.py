@@ -39,7 +39,9 @@ def chromium(offline: bool = False):
         o.add_argument(arg)
     if offline:  # every request but loopback goes to a dead proxy, and the network itself is emulated off
         o.add_argument("--proxy-server=127.0.0.1:9")
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=o)
+    # without `make test`'s LD_PRELOAD of OpenBLAS (for MLX): preloaded into Chromium it crashes the renderer
+    browser_env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER), env=browser_env), options=o)
     driver.set_page_load_timeout(60)
     if offline:
         driver.execute_cdp_cmd("Network.enable", {})
