@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -134,6 +135,23 @@ def test_sigterm_exits_143_whenever_it_comes(tmp_path, when):
             proc.kill()
 
 
+class HeldIsland(QuadraticIsland):
+    """Takes `steps_before` steps, then waits for `hold` before each next one: the run cannot finish before the disk
+    is full, however fast the merges go."""
+
+    def __init__(self, *args, steps_before: int, hold: threading.Event, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps_before, self.hold = steps_before, hold
+
+    def step(self):
+        if self.steps >= self.steps_before:
+            self.hold.wait(HOLD_S)
+        return super().step()
+
+
+HOLD_S = 60  # the longest a held island waits (the disk fills in well under a second)
+
+
 def test_a_full_tmpfs_stops_the_run_and_freeing_space_resumes_it(start_syncer, tmp_path):
     """The real thing where mounting is permitted (root): a small tmpfs filled to the last byte mid-run."""
     mnt = tmp_path / "small"
@@ -144,7 +162,8 @@ def test_a_full_tmpfs_stops_the_run_and_freeing_space_resumes_it(start_syncer, t
         out = mnt / "syncer"
         syncer, port = start_syncer(learners=1, quorum=1, outer_steps=6, inner_steps=1, sync_bits=32, out=out)
         results = {}
-        t = island_thread(QuadraticIsland(1.0, 10, lr=0.1), port, 0, results)
+        filled = threading.Event()
+        t = island_thread(HeldIsland(1.0, 10, lr=0.1, steps_before=2, hold=filled), port, 0, results)
         assert wait_until(lambda: syncer.version >= 2 or syncer.finished)
         fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
         try:
@@ -154,6 +173,7 @@ def test_a_full_tmpfs_stops_the_run_and_freeing_space_resumes_it(start_syncer, t
             pass
         finally:
             os.close(fd)
+            filled.set()
         assert wait_until(lambda: syncer.finished, 30)
         t.join(40)
         assert syncer.exit_code == DISK_FAILED_EXIT and str(out) in syncer.disk_failure, syncer.disk_failure
