@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from yeto import YetoError
-from yeto.catalog import CATALOG
+from yeto.catalog import CATALOG, Entry
 from yeto.gpus import GPUS, cpu
 from yeto.sizing import (IslandShape, memory, fits, largest_micro_batch, min_shape, model_size,
                          tokens_per_second, flops_per_token, NF4_BYTES)
@@ -128,15 +128,19 @@ def test_every_gpu_has_its_allocators_slack_and_bool_dropout_masks():
     assert memory(SMOL, no_dropout).activations == memory(SMOL, no_dropout, cpu(10.0, 64.0)).activations
 
 
-def test_bad_shapes_are_one_line_errors():
+UNSIZED = Entry("example/unpublished", "Example", "?", 4096, None, None)  # an alias whose config is not known offline
+
+
+def test_bad_shapes_are_one_line_errors(monkeypatch):
     with pytest.raises(YetoError, match="unknown GPU"):
         memory(SMOL, IslandShape("V100"))
     with pytest.raises(YetoError, match="strategy"):
         memory(SMOL, IslandShape("H100", strategy="zero3"))
     with pytest.raises(YetoError, match="LoRA targets"):
         memory(SMOL, IslandShape("H100", targets="everything"))
+    monkeypatch.setitem(CATALOG, "unsized", UNSIZED)
     with pytest.raises(YetoError, match="not known offline"):
-        model_size("lfm25-350m")
+        model_size("unsized")
 
 
 def one_per_architecture() -> list[str]:
@@ -196,17 +200,18 @@ def test_a_local_model_is_sized_from_its_own_linears(tiny_model):
     assert size.moe and size.active < size.total
 
 
-def test_yeto_models_shows_each_alias_min_island(tiny_model):
+def test_yeto_models_shows_each_alias_min_island(tiny_model, monkeypatch):
     import json
 
     from typer.testing import CliRunner
 
     from yeto.cli import app
 
+    monkeypatch.setitem(CATALOG, "unsized", UNSIZED)
     r = CliRunner().invoke(app, ["models", "--json"])
     assert r.exit_code == 0, r.output
     rows = {row["alias"]: row for row in json.loads(r.output)}
-    assert rows["lfm25-350m"]["min_shape"] is None  # not sized offline
+    assert rows["unsized"]["min_shape"] is None and rows["unsized"]["total_params"] is None  # not sized offline
     for alias in ("smollm2-135m", "llama3.1-70b", "qwen3-235b-a22b"):
         s = rows[alias]["min_shape"]
         shape = IslandShape(s["gpu"], s["count"], s["strategy"], s["base"], targets="auto")

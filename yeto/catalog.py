@@ -95,14 +95,17 @@ CATALOG: dict[str, Entry] = {
     # LFM2 / LFM2.5 (Liquid AI): short-convolution blocks with a few attention layers
     # LFM2.5-230M: the published shapes (hidden 1024, ff 2560 unadjusted, 16/8 heads, 14 blocks of which 6 attention)
     # count exactly its published 229,693,184; which 6 blocks attend is not published (the counts and the sizing do
-    # not depend on it; training reads the downloaded config.json). LFM2.5-1.2B: LFM2-1.2B's layout (its card: 16
-    # blocks, 10 convolution + 6 GQA, vocab 65536, 1.17B). LFM2.5-350M's published config is not known offline.
+    # not depend on it; training reads the downloaded config.json). LFM2.5-1.2B and -350M: LFM2-1.2B's and -350M's
+    # layouts (the 1.2B card: 16 blocks, 10 convolution + 6 GQA, vocab 65536, 1.17B; public code on the 350M
+    # addresses its attention blocks at LFM2-350M's indices 2, 5, 8, 10, 12, 14).
     "lfm25-230m": E("LiquidAI/LFM2.5-230M", "LFM2.5", "lfm1.0", 128000,
                     arch("lfm2", 1024, 2560, 14, 16, 8, 65536, True, block_ff_dim=2560,
                          layer_types=lfm2_layers(14, [2, 5, 7, 9, 11, 13]),
                          **{**LFM2, "block_auto_adjust_ff_dim": False}), 229693184,
                     revision="37b30cce3446f3f2e26a0d3f8c67c9167f5079d7"),
-    "lfm25-350m": E("LiquidAI/LFM2.5-350M", "LFM2.5", "lfm1.0", 128000, None, None),
+    "lfm25-350m": E("LiquidAI/LFM2.5-350M", "LFM2.5", "lfm1.0", 128000,
+                    arch("lfm2", 1024, 6656, 16, 16, 8, 65536, True, block_ff_dim=6656,
+                         layer_types=lfm2_layers(16, [2, 5, 8, 10, 12, 14]), **LFM2), 354483968),
     "lfm25-1b": E("LiquidAI/LFM2.5-1.2B-Instruct", "LFM2.5", "lfm1.0", 128000,
                   arch("lfm2", 2048, 12288, 16, 32, 8, 65536, True, block_ff_dim=12288,
                        layer_types=lfm2_layers(16, [2, 5, 8, 10, 12, 14]), **LFM2), 1170340608),

@@ -228,7 +228,7 @@ def models(
                       r["min_shape"]["label"] if r["min_shape"] else "?")
     Console(width=220).print(table)
     typer.echo(f"min island: the GPUs with the least memory in all that train it (yeto.sizing: {MIN_SHAPE_TERMS})")
-    if model is None:
+    if model is None and any(r["total_params"] is None for r in rows):
         typer.echo("?: the published config is not known offline; size a download with yeto models --model DIR")
 
 
