@@ -17,6 +17,9 @@ MLX_LEARNERS ?= 0
 # any of tensorboard, wandb, trackio, mlflow, comma-separated (docs/trackers.md)
 REPORT_TO ?= none
 
+# make test TEST_WORKERS=4: pytest-xdist workers (CI has 2 cores; most tests wait on real processes and sockets)
+TEST_WORKERS ?= 2
+
 # make sim N=100000: that many seeded fault schedules through the coordination cores (CI runs a few hundred)
 N ?= 10000
 
@@ -60,7 +63,7 @@ demo-single: setup
 
 test: setup
 	$(BIN)/ruff check yeto tests bench
-	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 sim: setup
 	$(BIN)/python -m yeto.sync.sim --seeds $(N) --workers $$(nproc 2>/dev/null || sysctl -n hw.ncpu)

@@ -54,7 +54,6 @@ from yeto.sync.wire.quant import ErrorFeedback, QuantError
 
 HELLO_RETRY_HEARTBEATS = 2  # not welcomed after this many heartbeats: say hello again
 FINISH_CATCHUP_DEAD_AFTERS = 3  # after a finish, try at least this many dead-peer timeouts to fetch the final adapter
-# (longer while the syncer still answers: over a slow link the final adapter alone may take many minutes)
 # a time window ends at the step boundary nearest its end: stop once the next step (at this window's mean pace)
 # would overrun the end by more than the time left. Islands' pushes then centre on the window's end instead of
 # trailing it by up to a step, so a fast island is not the last in, missing a round a slow one's push closed
@@ -85,9 +84,8 @@ class Pushed:
     merge_round: Optional[int] = None  # the round the syncer acked it into
     resend: bool = False  # a connection broke before the ack: send again when the syncer is heard from
     stale: bool = False  # refused as stale while its round was not open: send again once a pong says it is
-    # sent on the current connections and not answered yet: a round announcement does not send it again (on one
-    # connection the syncer gets it, or the connection breaks: `link_lost`); over a slow link a second copy would
-    # hold the uplink as long again
+    # sent on the current connections and not answered yet: a round announcement does not send it again (the syncer
+    # gets it, or the connection breaks: `link_lost`); over a slow link a second copy holds the uplink as long again
     on_its_way: bool = False
 
 
