@@ -245,20 +245,21 @@ def size_own(model: ModelSize, request: ShapeRequest, batch: int) -> tuple[OwnMa
     machines = []
     for name in request.own:
         device = GPUS[name]
-        shape = IslandShape(name, 1, "ddp", request.base, request.seq_len, micro_batch=batch)
-        need = memory(model, replace(shape, base="bf16") if request.base == "nf4" and not device.cuda else shape)
-        need_gib = need.total / GIB
-        if request.base == "nf4" and not device.cuda:
+        no_nf4 = request.base == "nf4" and not device.cuda  # (sized on the bf16 base it would have to train)
+        shape = IslandShape(name, 1, "ddp", "bf16" if no_nf4 else request.base, request.seq_len, micro_batch=batch)
+        need_gib = memory(model, shape).total / GIB
+        tps = tokens_per_second(model, shape)
+        if no_nf4:
             out = ("--base-quantization nf4 is the torch learner's (bitsandbytes, NVIDIA); a machine without one "
                    "joins a fleet with a bf16 base")
         elif need_gib > device.memory_gib:
             out = f"it needs {need_gib:.1f} GiB at the fleet's batch, it has {device.memory_gib:g}"
-        elif (step_s := tokens_per_step(shape) / tokens_per_second(model, shape)) > TARGET_ROUND_S:
+        elif (step_s := tokens_per_step(shape) / tps) > TARGET_ROUND_S:
             out = (f"one step at the fleet's batch takes it {step_s:,.0f} s, longer than a round "
                    f"({TARGET_ROUND_S:g} s): it would never push in time")
         else:
             out = ""
-        machines.append(OwnMachine(name, not out, 0.0 if out else tokens_per_second(model, shape), need_gib, out))
+        machines.append(OwnMachine(name, not out, 0.0 if out else tps, need_gib, out))
     return tuple(machines)
 
 
@@ -284,6 +285,7 @@ def propose(request: ShapeRequest, option: Option, default_cloud: str, model: Mo
     joining = [m for m in own if m.fits]
     fleet_tps = islands * option.tokens_per_s + sum(m.tokens_per_s for m in joining)
     if joining:  # time windows: each learner adds what it did in the window, weighted by its tokens
+        inner = 0
         round_policy = ["--round-seconds", f"{TARGET_ROUND_S:g}"]
         why_round = (f"rounds of {TARGET_ROUND_S:g} s (--round-seconds): a machine you own adds the steps it "
                      "managed instead of holding the round back; the quorum counts the cloud islands only")
@@ -297,8 +299,7 @@ def propose(request: ShapeRequest, option: Option, default_cloud: str, model: Mo
     cost = None if option.hourly is None else islands * option.hourly * hours
     cloud = option.offer.cloud if option.offer else default_cloud
     gpu, learner = gpu_arg(option.shape, cloud, islands), learner_args(option.shape)
-    inner_count = int(round_policy[1]) if round_policy[0] == "--inner-steps" else 0
-    return Fleet(option, cloud, islands, quorum, inner_count, outer, request.tokens, hours, cost,
+    return Fleet(option, cloud, islands, quorum, inner, outer, request.tokens, hours, cost,
                  (why_islands, why_quorum, why_round, *own_why(own, option.tokens_per_s, islands)), gpu, learner,
                  launch_line(request, gpu, quorum, round_policy, outer, learner, len(joining)), own)
 
