@@ -11,6 +11,8 @@ slow island):
   longer run         data-parallel and the default fleets over --long-steps (12 rounds of H=16 instead of 3)
   heterogeneous      2 islands in time-window rounds, one 10x slower (--step-delay), quorum 1: the fast island's
                      utilization, and the merged model vs the fast island alone for the same wall-clock
+  streamed parts     the default 2-island fleet over the longer run with --fragments P (rounds of H/P steps, each
+                     part synced every H), with and without --overlap, against the whole adapter every H steps
   wire bits          the default 2-island fleet with 2-bit deltas and/or 8-bit broadcasts (`--arms bits`), against
                      the 4-bit default fleet: eval loss and bytes per round up (one island's delta) and down
 Training-loss curves (per round, against tokens seen by the whole fleet) go to a PNG.
@@ -46,6 +48,7 @@ def scaled(n: int) -> list[str]:
     """Outer lr sqrt(n), no momentum: each island's (smaller-batch) delta carries ~1/sqrt(n) of the data-parallel
     step's signal once its noise averages out."""
     return ["--outer-lr", f"{n ** 0.5:.3g}", "--outer-momentum", "0.0"]
+STREAM_PARTS = (2, 4)  # --fragments of the streamed arms
 SLOWDOWN = 10  # the heterogeneous arm's slow island is this many times slower per step
 PROCESS_TIMEOUT_S = 3600
 
@@ -109,6 +112,22 @@ def arms(h_values: list[int], global_batch: int, long_steps: int) -> list[Arm]:
                     steps=long_steps),
                 Arm(f"4 islands H={h}, rda, plain (defaults), {long_steps} steps", 4, h, PLAIN, baseline=base,
                     steps=long_steps)]
+        out += streamed_arms(h, long_steps)
+    return out
+
+
+def streamed_arms(h: int, steps: int) -> list[Arm]:
+    """Streaming fragments against whole-adapter sync at equal tokens: each part still syncs every H steps, so P parts
+    take rounds of H/P steps (P times the rounds); with --overlap the islands train on while a merge is in flight."""
+    whole = f"2 islands H={h}, rda, plain (defaults), {steps} steps"
+    out = [Arm(f"2 islands H={h}, whole adapter, overlap, {steps} steps", 2, h, PLAIN, ["--overlap"], baseline=whole,
+               steps=steps)]
+    for parts in STREAM_PARTS:
+        arm = f"2 islands H={h} in {parts} streamed parts (rounds of {h // parts})"
+        out += [Arm(f"{arm}, {steps} steps", 2, h // parts, PLAIN + ["--fragments", str(parts)], baseline=whole,
+                    steps=steps),
+                Arm(f"{arm}, overlap, {steps} steps", 2, h // parts, PLAIN + ["--fragments", str(parts)],
+                    ["--overlap"], baseline=whole, steps=steps)]
     return out
 
 

@@ -103,12 +103,14 @@ class Case:
     kind: str
     profiles: tuple[str, ...]
     overlap: bool = False
+    fragments: int = 1  # streamed in this many parts: rounds of 1/P the steps, P times as many (equal steps)
 
     @property
     def name(self) -> str:
         names = sorted(set(self.profiles), key=self.profiles.index)
         where = names[0] if len(names) == 1 else "mix " + "+".join(names)
-        return f"{self.kind} {where}" + (" overlap" if self.overlap else "")
+        return f"{self.kind} {where}" + (" overlap" if self.overlap else "") + (
+            f" {self.fragments} parts" if self.fragments > 1 else "")
 
 
 def synthetic_island(case: Case, address: str, lid: int, key_path: str, out: mp.Queue) -> None:
@@ -149,8 +151,10 @@ def run_case(case: Case, rounds: int, real_steps: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="yeto-wan-"))
     out, port, n = tmp / "syncer", free_port(), len(case.profiles)
     steps = real_steps if case.kind == "smollm2" else SIZES[case.kind].inner_steps
+    steps, rounds = max(1, steps // case.fragments), rounds * case.fragments  # (each part still syncs every H steps)
     syncer = start_syncer(out, port, ["--learners", str(n), "--quorum", str(n), "--outer-steps", str(rounds),
-                                      "--inner-steps", str(steps), "--sync-bits", "4"], tmp / "syncer.log")
+                                      "--inner-steps", str(steps), "--sync-bits", "4",
+                                      "--fragments", str(case.fragments)], tmp / "syncer.log")
     links = [None if p == "loopback" else Link(port, PROFILES[p], seed=i) for i, p in enumerate(case.profiles)]
     addresses = [f"127.0.0.1:{port}" if link is None else link.address for link in links]
     t0 = time.perf_counter()
@@ -223,7 +227,7 @@ def measure(case: Case, tape: list[dict[str, Any]], results: list[dict[str, Any]
             isl.update(up_s=mean(up), down_s=mean(down), quorum_to_received_s=mean(q2r))
         islands.append(isl)
     drops = silent + timeouts + sum(x["reconnects"] + (0 if x["complete"] and not x["error"] else 1) for x in islands)
-    measured = {"case": case.name, "kind": case.kind, "rounds": len(merges),
+    measured = {"case": case.name, "kind": case.kind, "rounds": len(merges), "fragments": case.fragments,
                 "round_s": mean([b - a for a, b in zip(ends, ends[1:])]), "wall_s": wall, "islands": islands,
                 "false_drops": drops, "dir": str(tmp),
                 "link_mb": [None if link is None else (link.bytes_up / 1e6, link.bytes_down / 1e6) for link in links]}
@@ -277,10 +281,11 @@ def table(cases: list[dict[str, Any]]) -> str:
             "delta MB | MB up/round | s up | MB down/round | s down | quorum -> received s | false drops |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in cases:
-        at_real = [100 * REAL_ROUND_S / (REAL_ROUND_S + x["stall_s"]) for x in c["islands"]]
+        real_round_s = REAL_ROUND_S / c.get("fragments", 1)  # (a streamed round is 1/P of the steps)
+        at_real = [100 * real_round_s / (real_round_s + x["stall_s"]) for x in c["islands"]]
         at_real_s = " / ".join(f"{v:.1f}" for v in at_real) if len({f"{v:.1f}" for v in at_real}) > 1 else \
             f"{at_real[0]:.1f}"
-        ratio = c["round_s"] / base[c["kind"]] if c["round_s"] and c["kind"] in base else None
+        ratio = c["round_s"] * c.get("fragments", 1) / base[c["kind"]] if c["round_s"] and c["kind"] in base else None
         rows.append(f"| {c['case']} | {c['rounds']} | {fmt(c['round_s'])} | {fmt(ratio, '.2f')} | "
                     f"{per_island(c, 'utilization', '.1f', 100)}"
                     f" | {per_island(c, 'stall_s')} | {at_real_s} | {per_island(c, 'delta_mb', '.2f')} | "
@@ -298,6 +303,7 @@ def cases_from(a: argparse.Namespace) -> list[Case]:
             out.append(Case(size, profiles))
             if a.overlap and p != "loopback":
                 out.append(Case(size, profiles, overlap=True))
+            out += [Case(size, profiles, overlap=a.overlap, fragments=parts) for parts in a.fragments]
     if a.real:
         out += [Case("smollm2", (p,) * a.islands) for p in a.real_profiles]
     return out
@@ -313,6 +319,8 @@ def full_matrix(a: argparse.Namespace) -> list[Case]:
         matrix += [Case(size, ("loopback",) * n), Case(size, ("home",) * n)]
         if a.overlap:
             matrix.append(Case(size, ("home",) * n, overlap=True))
+        for parts in a.fragments:
+            matrix.append(Case(size, ("home",) * n, overlap=a.overlap, fragments=parts))
     if a.real:
         matrix += [Case("smollm2", (p,) * n) for p in a.real_profiles]
     return matrix
@@ -327,7 +335,9 @@ def main() -> None:
                          "(for each of --sizes)")
     ap.add_argument("--full", action="store_true", help="docs/benchmarks.md's whole matrix (about 30 minutes)")
     ap.add_argument("--islands", type=int, default=2, help="islands per fleet (mix: one more, on poor)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of H steps (streamed: P times as many)")
+    ap.add_argument("--fragments", type=lambda s: [int(x) for x in s.split(",") if x], default=[4],
+                    help="also run each shaped fleet streamed in these numbers of parts (--fragments; '' for none)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="also run each shaped fleet with --overlap")
     ap.add_argument("--real", action=argparse.BooleanOptionalAction, default=True, help="SmolLM2-135M fleets")

@@ -14,16 +14,21 @@ from yeto.sync import sim
 from yeto.sync.core import actions
 from yeto.sync.core import learner as lcore
 from yeto.sync.core import learner_phases as lphases
+from yeto.sync.core import merging
 from yeto.sync.core import syncer as score
+from yeto.sync.merge.outer import nesterov_step
 
 SEEDS = int(os.environ.get("YETO_SIM_SEEDS", "300"))
 PLANTED_SEEDS = 400  # each planted bug must be found within this many schedules
 
 
 def test_seeded_fault_schedules_keep_every_invariant():
-    bad = [o for o in (sim.run_seed(s) for s in range(SEEDS)) if not o.ok]
+    outcomes = [sim.run_seed(s) for s in range(SEEDS)]
+    bad = [o for o in outcomes if not o.ok]
     assert not bad, "\n".join(f"seed {o.seed}: {o.error}\n  reproduce: python -m yeto.sync.sim --seed {o.seed} --trace"
                               for o in bad[:5])
+    streamed = [o for o in outcomes if "streamed" in o.exercised]  # (--fragments: one part merged per round)
+    assert len(streamed) >= SEEDS // 10 and any("resume" in o.exercised and "reject" in o.exercised for o in streamed)
 
 
 # seeds beyond the CI range that once broke an invariant (each note says what was fixed); they stay fixed
@@ -127,6 +132,12 @@ def _weights_by_claim(orig):
     return terms
 
 
+def _every_part_stepped(orig):
+    def step_on(params, avg, momentum, lr, mu, pieces):  # a streamed round's outer step taken on the whole adapter
+        return nesterov_step(params, avg, momentum, lr, mu)
+    return step_on
+
+
 PLANTED = {
     "a delta against a newer adapter than it trained from": [(lcore.LearnerCore, "after_step",
                                                               _after_step_ignoring_new_versions),
@@ -137,6 +148,7 @@ PLANTED = {
     "a restart that forgets the saved deltas": [(score.SyncerCore, "start", _forget_saved_deltas)],
     "a learner that never catches up": [(lcore.LearnerCore, "_maybe_sync", lambda orig: lambda self, now: None)],
     "a claim that buys more than the round's median weight": [(score.SyncerCore, "_terms", _weights_by_claim)],
+    "a streamed round that steps the parts it did not merge": [(merging, "nesterov_step_on", _every_part_stepped)],
     "an error-feedback residual given back for a delta that counted": [
         (lcore.LearnerCore, "_settle_refused", _settle_every_refusal), (score.SyncerCore, "_on_delta", _no_merged_ack)],
 }

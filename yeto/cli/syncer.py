@@ -10,7 +10,7 @@ import typer
 
 from yeto.adapter import ADAPTER_WEIGHTS
 from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
-from yeto.sync.core.config import field_flag
+from yeto.sync.core.config import DEFAULT_MAX_BASE_LAG, field_flag
 from yeto.sync.core.syncer import SyncerConfig
 from yeto.sync.shell.server import Syncer
 from yeto.trackers import check_installed, open_trackers, parse_report_to, run_group
@@ -72,9 +72,13 @@ def syncer_command(
     grace_s: Annotated[float, typer.Option(field_flag("grace_s"), help="Once quorum is in, wait at most this many "
                                            "seconds (less the merge time) for islands predicted, from their step "
                                            "times, to push by then.")] = _D.grace_s,
-    max_base_lag: Annotated[int, typer.Option(help="Merge a delta trained from a global up to this many versions old "
-                                                   "(a slow island's work is not thrown away; 0: refuse them).")
-                            ] = _D.max_base_lag,
+    max_base_lag: Annotated[Optional[int], typer.Option(
+        help=f"Merge a delta trained from a global up to this many versions old (a slow island's work is not thrown "
+             f"away; 0: refuse them). Default {DEFAULT_MAX_BASE_LAG}; 0 with --fragments.")] = None,
+    fragments: Annotated[int, typer.Option(help="Stream the adapter in this many parts, one part merged and "
+                                                "broadcast per round (each part syncs every P rounds: 1/P of the "
+                                                "bytes per round). 1: the whole adapter every round.")
+                         ] = _D.fragments,
     staleness_exponent: Annotated[float, typer.Option(help="A delta lag versions old weighs (1 + lag)^-this "
                                                            "(0: no discount).")] = _D.staleness_exponent,
     step_normalize: Annotated[Optional[bool], typer.Option(
@@ -128,5 +132,5 @@ def syncer_command(
 with_help_panels(syncer_command, advanced=(
     "broadcast_bits", "outer_lr", "outer_momentum", "straggler_timeout", "quorum_timeout", "learner_timeout",
     "max_message_mb", "robust", "robust_k", "merge", "merge_weight", "lora_merge", "grace_s", "max_base_lag",
-    "staleness_exponent", "step_normalize", "merge_alpha", "max_learners", "max_connections", "run_name"))
+    "staleness_exponent", "step_normalize", "merge_alpha", "fragments", "max_learners", "max_connections", "run_name"))
 syncer_command = with_old_spellings(syncer_command, OLD_SPELLINGS)

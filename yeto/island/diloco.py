@@ -41,7 +41,7 @@ from yeto import YetoError
 from yeto.sync.shell.keys import JoinKey, write_secret
 from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict
-from yeto.sync.wire.layout import DEFAULT_FRAGMENT_NUMEL, Layout, build_layout, flatten, unflatten
+from yeto.sync.wire.layout import Layout, build_layout, flatten, fragment_pieces, unflatten
 
 
 IDENTITY_FILE = "identity"
@@ -137,7 +137,7 @@ class Carry:
 def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = False,
                progress: Callable[[dict[str, Any]], None] | None = None, log_fn: Callable[[str], None] = print,
                timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0, step_delay: float = 0.0,
-               fragment_numel: int = DEFAULT_FRAGMENT_NUMEL, join_key: Optional[JoinKey] = None,
+               fragment_numel: Optional[int] = None, join_key: Optional[JoinKey] = None,
                identity: str = "", residual: Optional[np.ndarray] = None,
                on_round_start: Optional[Callable[[np.ndarray], None]] = None,
                on_step: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
@@ -182,6 +182,8 @@ class IslandLoop:
         self.carry: Optional[Carry] = None
         self.carried_round: Optional[int] = None  # the round whose work `carry` holds after a CARRY (not an overlap)
         self.last_local: Optional[np.ndarray] = None  # the adapter this island last pushed (--merge-alpha blends it in)
+        self.held_global: Optional[np.ndarray] = None  # the global the island's adapter last took (a streamed run)
+        self.pushed_part: tuple[int, ...] = ()  # the fragments of its push since (a streamed run)
 
     def run(self) -> dict[str, Any]:
         done: Optional[Done] = None
@@ -238,25 +240,47 @@ class IslandLoop:
 
     def _start(self, task: Train) -> RoundStats:
         """Load the round's start: the carried steps on top of its global, else the global (blended with our last
-        push under --merge-alpha < 1); the delta is always taken against the global."""
+        push under --merge-alpha < 1); the delta is always taken against the global. A streamed run (--fragments)
+        keeps the island's adapter and takes only the parts that changed (`_streamed_start`)."""
+        part = self.core.part(task.round)
+        streamed = part is not None and len(part) < len(self.layout.fragments)
         if self.carry is None:
+            rnd = RoundStats(task.round)
             alpha = float(self.core.policy.get("merge_alpha", 1.0))
             start = task.adapter if self.last_local is None or alpha >= 1 else (
                 alpha * task.adapter + (1 - alpha) * self.last_local).astype(np.float32)
-            self.island.load_adapter_state(unflatten(self.layout, start))
-            return RoundStats(task.round)
-        rnd, since = self.carry.rnd, self.carry.since
-        if rnd.round != task.round:  # steps trained for another round's window: carried in (not overlap's,
-            rnd.carried = rnd.steps  # trained for this round, nor a carry a refusal sent back to its round)
-        elif self.carried_round == task.round:
-            self.stats.carried -= 1
-            self.log(f"round {task.round}: the late delta that held its place was refused; its {rnd.steps} "
-                     "steps go to it after all")
-        rnd.round, rnd.before, self.carried_round = task.round, rnd.steps, None
-        here = flatten(self.layout, self.island.adapter_state())
-        self.island.load_adapter_state(unflatten(self.layout, task.adapter + (here - since)))
-        self.carry = None
+        else:
+            rnd, since = self.carry.rnd, self.carry.since
+            if rnd.round != task.round:  # steps trained for another round's window: carried in (not overlap's,
+                rnd.carried = rnd.steps  # trained for this round, nor a carry a refusal sent back to its round)
+            elif self.carried_round == task.round:
+                self.stats.carried -= 1
+                self.log(f"round {task.round}: the late delta that held its place was refused; its {rnd.steps} "
+                         "steps go to it after all")
+            rnd.round, rnd.before, self.carried_round = task.round, rnd.steps, None
+            here = flatten(self.layout, self.island.adapter_state())
+            start = task.adapter + (here - since)
+            self.carry = None
+        if streamed and self.held_global is not None:
+            start = self._streamed_start(task.adapter)
+        self.held_global, self.pushed_part = task.adapter.copy(), ()
+        self.island.load_adapter_state(unflatten(self.layout, start))
         return rnd
+
+    def _streamed_start(self, new_global: np.ndarray) -> np.ndarray:
+        """Streaming DiLoCo's start: the island's adapter is never reset, since each part keeps training between its
+        syncs. A fragment the new global changed takes its new value with this island's steps since its own push of
+        it on top, and every other step kept: θ_f ← g_f + (θ_f − ref_f), ref_f the adapter at our push of f (those
+        steps are in g_f now) or, for a fragment we did not push, the global we held (no step of ours is in it)."""
+        here = flatten(self.layout, self.island.adapter_state())
+        start = here.copy()
+        for f in self.layout.fragments:
+            span = slice(f.start, f.start + f.numel)
+            if np.array_equal(new_global[span], self.held_global[span]):
+                continue
+            ref = self.last_local if f.index in self.pushed_part else self.held_global
+            start[span] = new_global[span] + (here[span] - ref[span])
+        return start
 
     def _step(self, rnd: RoundStats) -> None:
         s = inner_step(self.island, rnd, self.stats, self.step_delay)
@@ -276,13 +300,17 @@ class IslandLoop:
     def _push(self, task: Train, rnd: RoundStats) -> None:
         local = flatten(self.layout, self.island.adapter_state())
         self.last_local = local
+        part = self.core.part(task.round)
+        self.pushed_part = part or tuple(range(len(self.layout.fragments)))
         self.stats.delta_bytes.append(self.link.push(local, rnd.counts()))
         self.stats.rounds += 1
         if self.progress:
             wall = time.perf_counter() - self.t_start if self.t_start is not None else 0.0
             self.progress({"round": task.round, "steps": rnd.steps, "loss": rnd.loss, "tokens": rnd.tokens,
                            "loss_tokens": rnd.loss_tokens, "step": rnd.last_step, "lr": rnd.last_lr,
-                           "delta_norm": float(np.linalg.norm(local - task.adapter)),
+                           "delta_norm": float(np.linalg.norm(np.concatenate(
+                               [(local - task.adapter)[a : a + n] for a, n in fragment_pieces(self.layout,
+                                                                                               self.pushed_part)]))),
                            "delta_bytes": self.stats.delta_bytes[-1], "stall_s": round(self.stall_s, 4),
                            "utilization": self.stats.compute_s / wall if wall else 0.0,
                            "lag": self.core.version - task.base_version})

@@ -14,6 +14,7 @@ from yeto import YetoError
 from yeto.checks import check_port
 from yeto.sync.merge.aggregate import DEFAULT_CLIP_K, ROBUST_MODES
 from yeto.sync.merge.rules import LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS
+from yeto.sync.wire.layout import MAX_STREAM_PARTS
 from yeto.sync.wire.protocol import DEFAULT_MAX_MESSAGE_MB
 from yeto.sync.wire.quant import BITS
 
@@ -27,7 +28,7 @@ DEFAULT_MAX_LEARNERS = 1024
 # what a restart may not change: the run's math and its wire format depend on them
 CONTRACT_FIELDS = ("sync_bits", "broadcast_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds",
                    "robust", "robust_k", "merge", "merge_weight", "lora_merge", "max_base_lag", "staleness_exponent",
-                   "step_normalize", "merge_alpha", "model", "model_revision")
+                   "step_normalize", "merge_alpha", "model", "model_revision", "fragments")
 # fields whose flag is not the field's name in dashes (a duration is in seconds: its flag needs no unit)
 FLAGS = {"grace_s": "--grace"}
 OLD_FLAGS = {"--grace-ms": "grace_s"}  # older spellings the syncer still takes (hidden; the CLI converts them)
@@ -59,12 +60,15 @@ class SyncerConfig:
     merge_weight: str = "loss-tokens"  # loss-tokens | tokens | steps | equal
     lora_merge: str = "factors"  # factors | product
     grace_s: float = DEFAULT_GRACE_S
-    max_base_lag: int = DEFAULT_MAX_BASE_LAG
+    max_base_lag: Optional[int] = None  # None: DEFAULT_MAX_BASE_LAG, or 0 when streaming (--fragments > 1)
     staleness_exponent: float = DEFAULT_STALENESS_EXPONENT
     # scale each delta to the round's longest (FedNova-style): see yeto.sync.merge.rules (None: on in time-window rounds
     # under the mean, where islands of unequal speed take unequal steps)
     step_normalize: Optional[bool] = None
     merge_alpha: float = 1.0  # learners start a round from alpha x global + (1 - alpha) x their own last adapter
+    # stream the adapter in this many parts, one per round (yeto.sync.wire.layout.stream_part): each round merges,
+    # steps and broadcasts one part, so each part syncs every `fragments` rounds (1: the whole adapter every round)
+    fragments: int = 1
     model: Optional[str] = None  # pins the run's base model (else the founding learner's is the run's)
     model_revision: Optional[str] = None
     max_learners: int = DEFAULT_MAX_LEARNERS
@@ -77,6 +81,8 @@ class SyncerConfig:
     step_normalize_by_default: bool = field(default=False, init=False)  # ... and so for --step-normalize
 
     def __post_init__(self) -> None:
+        if self.max_base_lag is None:  # a streamed round merges one part: a delta of another round's part cannot count
+            self.max_base_lag = 0 if self.fragments > 1 else DEFAULT_MAX_BASE_LAG
         if self.broadcast_bits is None:
             self.broadcast_bits = self.sync_bits
         if self.step_normalize is None:  # docs/benchmarks.md, heterogeneous fleet: with a 10x slower island, mean +
@@ -136,6 +142,24 @@ class SyncerConfig:
                             "--lora-merge factors, or pick --robust norm-clip")
         if self.merge == "rda" and self.lora_merge == "product":
             raise YetoError("--lora-merge product merges the B.A products by their mean: use it with --merge mean")
+        self._check_streaming()
+
+    def _check_streaming(self) -> None:
+        """--fragments: a part is a run of tensors, each merged and stepped on its own, fresh deltas only."""
+        if not 1 <= self.fragments <= MAX_STREAM_PARTS:
+            raise YetoError(f"--fragments must be between 1 (the whole adapter every round) and {MAX_STREAM_PARTS}, "
+                            f"got {self.fragments}")
+        if self.fragments == 1:
+            return
+        if self.lora_merge == "product":
+            raise YetoError("--lora-merge product needs each layer's lora_A and lora_B in one merge: use --lora-merge "
+                            "factors with --fragments, or --fragments 1")
+        if self.max_base_lag:
+            raise YetoError(f"--fragments {self.fragments} merges only deltas of the open round's part (a late delta "
+                            "is another part's): drop --max-base-lag or pass --max-base-lag 0")
+        if self.merge_alpha < 1:
+            raise YetoError("--merge-alpha blends the whole adapter at each round's start, and a streamed round "
+                            "syncs one part: use --merge-alpha 1 with --fragments")
 
     def _check_timing(self) -> None:
         """The grace, and what a late delta is worth."""
@@ -178,7 +202,7 @@ class SyncerConfig:
         return {"inner_steps": self.inner_steps, "round_seconds": self.round_seconds, "outer_steps": self.outer_steps,
                 "sync_bits": self.sync_bits, "broadcast_bits": self.broadcast_bits, "quorum": self.quorum,
                 "heartbeat_s": self.heartbeat_s,
-                "max_base_lag": self.max_base_lag, "merge_alpha": self.merge_alpha}
+                "max_base_lag": self.max_base_lag, "merge_alpha": self.merge_alpha, "fragments": self.fragments}
 
     @property
     def grace_cap_s(self) -> float:

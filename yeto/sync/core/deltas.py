@@ -17,6 +17,7 @@ import numpy as np
 from yeto.sync.core.actions import AcceptedDelta, SaveDelta
 from yeto.sync.core.state import Member, Refusal, SyncerState
 from yeto.sync.merge.rules import DeltaCounts, staleness_factor, weight_of
+from yeto.sync.wire.layout import stream_part
 from yeto.sync.wire.protocol import Code, Message, ProtocolError, decode_fragments, digest_bytes, truncate
 from yeto.sync.wire.quant import dequantize
 
@@ -52,7 +53,7 @@ class Deltas(SyncerState):
                                    f"{self.round.number} (delta {mine.digest})", now)
             return
         try:
-            flat = decode_fragments(self.run.layout, msg)  # sizes, bits and finiteness
+            flat = decode_fragments(self.run.layout, msg, self._part(h["round"]))  # sizes, bits, finiteness, part
         except ProtocolError as e:
             return self._refuse_delta(m, h, digest, Code.REFUSED, str(e), now)
         self._accept(m, msg, digest, flat, now)
@@ -140,11 +141,21 @@ class Deltas(SyncerState):
                 "tokens": d.tokens, "loss_tokens": d.loss_tokens, "inner_steps": d.inner_steps, "loss": d.loss,
                 "bits": sorted({x["bits"] for x in d.descs}), "lag": d.lag, "round_steps": d.round_steps}
 
+    def _part(self, round_number: int) -> Optional[tuple[int, ...]]:
+        """The fragments a round merges when the run streams its adapter (--fragments); None: all of them."""
+        return stream_part(self.run.layout, self.cfg.fragments, round_number) if self.cfg.fragments > 1 else None
+
     def _decode(self, d: AcceptedDelta) -> np.ndarray:
-        return decode_fragments(self.run.layout, Message("delta", {"fragments": d.descs}, list(d.frames)))
+        return decode_fragments(self.run.layout, Message("delta", {"fragments": d.descs}, list(d.frames)),
+                                self._part(d.round))
 
     def _decode_fragment(self, d: AcceptedDelta, k: int) -> np.ndarray:
-        return dequantize(d.frames[k], self.run.layout.fragments[k].numel, d.descs[k]["bits"])
+        """Fragment k of the delta (zero where a streamed delta does not carry it)."""
+        numel = self.run.layout.fragments[k].numel
+        for desc, frame in zip(d.descs, d.frames):
+            if desc["index"] == k:
+                return dequantize(frame, numel, desc["bits"])
+        return np.zeros(numel, dtype=np.float32)
 
     @staticmethod
     def _measure(d: AcceptedDelta, flat: np.ndarray) -> None:

@@ -47,7 +47,7 @@ from yeto.sync.core.contract import learner_contract, tokens_per_step
 from yeto.sync.core.learner_loop import Done, RoundCounts, Task, Train, Verdict, Wait
 from yeto.sync.core.learner_messages import SyncerMessages
 from yeto.sync.core.learner_phases import DATA, Held, Phase, PhaseData, Place, Training, check_transition
-from yeto.sync.wire.layout import Layout
+from yeto.sync.wire.layout import Layout, stream_part
 from yeto.sync.wire.protocol import (CLOCK_JUMP_S, Code, Message, ProtocolError, digest_bytes, encode_fragments_ef,
                                      session_id)
 from yeto.sync.wire.quant import ErrorFeedback, QuantError
@@ -200,6 +200,12 @@ class LearnerCore(SyncerMessages):
     def _may_land(self, p: Pushed, rnd: int, version: int) -> bool:
         """Could our pushed delta be merged in the round `rnd` open on `version`?"""
         return rnd == version + 1 and 0 <= version - p.base_version <= self.max_lag
+
+    def part(self, round_number: int) -> Optional[tuple[int, ...]]:
+        """The fragments round `round_number` syncs when the run streams its adapter (policy `fragments` > 1: only
+        they go up and come back merged); None: the whole adapter."""
+        parts = int(self.policy.get("fragments", 1))
+        return stream_part(self.layout, parts, round_number) if parts > 1 else None
 
     @property
     def heartbeat_s(self) -> float:
@@ -418,7 +424,7 @@ class LearnerCore(SyncerMessages):
         residual_before = self.ef.residual
         try:
             descs, frames, _ = encode_fragments_ef(self.layout, h.local - t.base, int(self.policy["sync_bits"]),
-                                                   self.ef)
+                                                   self.ef, self.part(t.round))
         except QuantError as e:
             self.ef.residual = residual_before
             self._log("error", f"round {t.round}: the adapter cannot be sent ({e}); dropping the round's work")

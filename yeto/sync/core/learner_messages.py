@@ -169,7 +169,7 @@ class SyncerMessages:
         self.syncer_version = max(self.syncer_version, h["version"])
         if h["version"] != self.version + 1 or self.global_ is None or self.need_state:
             return  # a duplicate, or we are further behind: catch-up asks for what is missing
-        flat = self.global_ + decode_fragments(self.layout, msg)
+        flat = self.global_ + decode_fragments(self.layout, msg, self.part(h["round"]))
         digest = array_digest(flat)
         if digest != h["digest"]:
             self.need_state = True

@@ -21,8 +21,9 @@ from yeto.sync.core.rounds import OpenRound, RoundPhase
 from yeto.sync.core.state import Broadcast
 from yeto.sync.merge.aggregate import (RoundSum, clip_factors, clip_reference, clipped_merge, effective_weight,
                                        trimmed_mean)
-from yeto.sync.merge.outer import nesterov_step
+from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
 from yeto.sync.merge.rules import MergeTerms, merge_terms, product_merge
+from yeto.sync.wire.layout import fragment_pieces
 from yeto.sync.wire.protocol import Code, array_digest, encode, encode_fragments_ef, message_bytes, truncate
 from yeto.sync.wire.quant import ErrorFeedback, QuantError
 
@@ -96,13 +97,19 @@ class Merging(Deltas):
             with np.errstate(all="ignore"):
                 weights = np.asarray(terms.counted, dtype=np.float64) / sum(terms.counted)
                 avg = self._average(ids, terms, weights, norms, ref)
-                new_global, momentum = nesterov_step(run.global_, avg.delta, run.momentum, cfg.outer_lr,
-                                                     cfg.outer_momentum)
+                part = self._part(self.round.number)
+                if part is None:
+                    new_global, momentum = nesterov_step(run.global_, avg.delta, run.momentum, cfg.outer_lr,
+                                                         cfg.outer_momentum)
+                else:  # a streamed round: its part alone steps, and is broadcast
+                    new_global, momentum = nesterov_step_on(run.global_, avg.delta, run.momentum, cfg.outer_lr,
+                                                            cfg.outer_momentum, fragment_pieces(run.layout, part))
                 if not (np.isfinite(new_global).all() and np.isfinite(momentum).all()):
                     raise MergeError("the outer step overflows")
                 ef = ErrorFeedback(run.layout.numel)
                 ef.residual = self.ef.residual
-                descs, frames, sent = encode_fragments_ef(run.layout, new_global - run.global_, cfg.broadcast_bits, ef)
+                descs, frames, sent = encode_fragments_ef(run.layout, new_global - run.global_, cfg.broadcast_bits, ef,
+                                                          part)
                 committed = run.global_ + sent
                 if not np.isfinite(committed).all():
                     raise MergeError("the new global adapter is not finite")
@@ -203,7 +210,8 @@ class Merging(Deltas):
                      merge=self.cfg.merge, merge_weight=self.cfg.merge_weight, lora_merge=self.cfg.lora_merge,
                      step_normalize=self.cfg.step_normalize, lags=lags, clip_ref=merged.clip_ref,
                      counted=by_learner(merged.counted), merged_norms=by_learner(merged.merged_norms),
-                     grace_s=round(now - r.fresh_at, 6) if r.fresh_at is not None else None, **merged.rule)
+                     grace_s=round(now - r.fresh_at, 6) if r.fresh_at is not None else None, **merged.rule,
+                     **({"part": list(part)} if (part := self._part(r.number)) is not None else {}))
         if merged.clip:
             self._log("warning", f"round {r.number}: robust merge clipped learner(s) "
                                  f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged.clip.items())}")

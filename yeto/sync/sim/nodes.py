@@ -239,7 +239,7 @@ class SimLearner:
         self.booted_at = 0.0
         self.dead_for_good = False
         self.poison_next_step = False
-        self.pushes: list[tuple[tuple[int, int, str], np.ndarray]] = []  # this session's sent deltas (oracle)
+        self.pushes: list[tuple[tuple[int, int, str], np.ndarray, tuple[int, ...]]] = []  # sent deltas (oracle)
         self.raw: dict[tuple[int, int], np.ndarray] = {}  # (round, base version) -> the delta it finished with
         self.train_started = 0.0
         self.steps = 0
@@ -422,7 +422,7 @@ class SimLearner:
                 expect = ErrorFeedback(w.layout.numel)
                 expect.residual = residual
                 try:
-                    encode_fragments_ef(w.layout, x, bits, expect)
+                    encode_fragments_ef(w.layout, x, bits, expect, self.core.part(t.round))
                     raise Violation(f"learner {self.lid} dropped its delta for round {t.round}, which can be sent")
                 except QuantError:
                     pass

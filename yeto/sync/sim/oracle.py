@@ -13,7 +13,8 @@ from yeto.sync.core.actions import Checkpoint, Out
 from yeto.sync.core.learner import LearnerCore
 from yeto.sync.core.learner_phases import TRANSITIONS, Phase
 from yeto.sync.merge.rules import DeltaCounts, merge_terms
-from yeto.sync.merge.outer import nesterov_step
+from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
+from yeto.sync.wire.layout import fragment_pieces, stream_part
 from yeto.sync.wire.protocol import Code, Message, array_digest, decode_fragments, digest_bytes, encode_fragments_ef
 from yeto.sync.wire.quant import ErrorFeedback
 
@@ -144,8 +145,12 @@ class Oracle:
         ef = ErrorFeedback(self.w.layout.numel)
         for v in sorted(fold.merged):
             e = fold.merged[v]
+            part = stream_part(self.w.layout, cfg.fragments, e["round"]) if cfg.fragments > 1 else None
+            if (e.get("part") is None) != (part is None) or (part is not None and tuple(e["part"]) != part):
+                raise Violation(f"merge {v} of round {e['round']} is of fragments {e.get('part')}, the round's part "
+                                f"is {part}")
             deltas = {lid: decode_fragments(self.w.layout, Message("delta", {"fragments": self.payloads[d][0]},
-                                                                 self.payloads[d][1]))
+                                                                 self.payloads[d][1]), part)
                       for lid, d in zip(e["responders"], e["deltas"])}
             lags = e.get("lags") or [0] * len(e["responders"])
             normalize = bool(e.get("step_normalize"))
@@ -165,8 +170,12 @@ class Oracle:
             if fallbacks != e.get("rda_fallbacks"):
                 raise Violation(f"replay of merge {v}: {fallbacks} RDA fallbacks, the tape says "
                                 f"{e.get('rda_fallbacks')}")
-            new, m = nesterov_step(g, avg, m, cfg.outer_lr, cfg.outer_momentum)
-            _, _, sent = encode_fragments_ef(self.w.layout, new - g, cfg.broadcast_bits, ef)
+            if part is None:
+                new, m = nesterov_step(g, avg, m, cfg.outer_lr, cfg.outer_momentum)
+            else:
+                new, m = nesterov_step_on(g, avg, m, cfg.outer_lr, cfg.outer_momentum,
+                                          fragment_pieces(self.w.layout, part))
+            _, _, sent = encode_fragments_ef(self.w.layout, new - g, cfg.broadcast_bits, ef, part)
             g = g + sent
             if array_digest(g) != e["digest"]:
                 raise Violation(f"replay of merge {v} gives {array_digest(g)}, the tape says {e['digest']}")
@@ -177,7 +186,7 @@ class Oracle:
         minus the version it trained from, quantized with exactly the quantization error of this session's merged
         deltas (an oracle that knows, from the syncer's disk, which of them were merged)."""
         h, p, digest = a.header, node.core.pushed, digest_bytes(a.frames)
-        if any(key == (node.lid, h["base_version"], digest) for key, _ in node.pushes):
+        if any(key == (node.lid, h["base_version"], digest) for key, _, _ in node.pushes):
             return  # sent again
         if p is None or p.digest != digest:
             raise Violation(f"learner {node.lid} sent a delta for round {h['round']} that it does not hold as pushed")
@@ -186,20 +195,20 @@ class Oracle:
             raise Violation(f"learner {node.lid} sent a delta for round {h['round']} on version {h['base_version']} "
                             "that it never trained")
         r = np.zeros(self.w.layout.numel, np.float32)
-        pieces = [(f.start, f.numel) for f in self.w.layout.fragments]
-        for key, y in node.pushes:
+        for key, y, part in node.pushes:
             if key in self.merged:
                 ef = ErrorFeedback(self.w.layout.numel)
                 ef.residual = r
-                ef.encode(y, int(node.core.policy["sync_bits"]), pieces)
+                ef.encode(y, int(node.core.policy["sync_bits"]), fragment_pieces(self.w.layout, part))
                 r = ef.residual
         if not np.array_equal(r, p.residual_before):
             raise Violation(f"learner {node.lid}'s error-feedback residual does not follow what was merged "
                             f"(off by {float(np.abs(r - p.residual_before).max()):.3g})")
         expect = ErrorFeedback(self.w.layout.numel)
         expect.residual = p.residual_before
-        _, frames, _ = encode_fragments_ef(self.w.layout, x, int(node.core.policy["sync_bits"]), expect)
+        part = node.core.part(h["round"]) or tuple(range(len(self.w.layout.fragments)))
+        _, frames, _ = encode_fragments_ef(self.w.layout, x, int(node.core.policy["sync_bits"]), expect, part)
         if list(frames) != list(a.frames):
             raise Violation(f"learner {node.lid}'s delta for round {h['round']} is not its adapter minus the "
-                            f"version {h['base_version']} it trained from")
-        node.pushes.append(((node.lid, p.base_version, p.digest), x))
+                            f"version {h['base_version']} it trained from (its part {part})")
+        node.pushes.append(((node.lid, p.base_version, p.digest), x, part))

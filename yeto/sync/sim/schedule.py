@@ -21,6 +21,7 @@ ADAPTER_SHAPES = {"m.layers.0.q.lora_A.default.weight": (2, 8), "m.layers.0.q.lo
 FRAGMENT_NUMEL = 24  # small fragments, so payloads span several frames
 POISON = -6e4  # fits the learners' fp16 block minimums, but not once the outer step scaled it: the merge fails
 SIM_OUTER_LR, SIM_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's: the outer step scales the poison past fp16 (not the default)
+STREAMED_P = 0.25  # the share of schedules whose syncer streams the adapter in parts
 HOSTILE_P = 0.2  # the share of schedules (of 2 or more learners) with a hostile learner
 POISON_WEIGHT = 1000  # ... provided it weighs enough in the merge: the poisoned step claims this many more tokens
 ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"], "task_type": "CAUSAL_LM"}
@@ -67,6 +68,7 @@ class Schedule:
     grace_ms: float = 3000.0
     merge: str = "rda"
     broadcast_bits: int = 0  # 0: sync_bits
+    fragments: int = 1  # the syncer streams the adapter in this many parts (--fragments)
     hostile: Optional["Hostile"] = None  # a join-key holder steering the merge with its claims and outliers
 
     @staticmethod
@@ -106,7 +108,8 @@ class Schedule:
             p_slow_step=rng.choice([0.0, 0.0, 0.02]), learner_kills=sorted(kills), syncer_kills=sorted(syncer_kills),
             cuts=sorted(cuts), pauses=sorted(pauses), stops=stops, poison=poison,
             max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)], give_ups=Schedule.draw_give_ups(seed, kills),
-            hostile=Schedule.draw_hostile(seed, n), **Schedule.draw_policy(seed)).with_bits_drawn()
+            hostile=Schedule.draw_hostile(seed, n), **Schedule.draw_policy(seed)
+        ).with_bits_drawn().with_streaming_drawn()
 
     def with_bits_drawn(self) -> "Schedule":
         """Now and then 2-bit deltas, and broadcasts at their own precision (a stream of their own: older seeds keep
@@ -115,6 +118,13 @@ class Schedule:
         if rng.random() < 0.2:
             self.sync_bits = 2
         self.broadcast_bits = rng.choice([0, 0, 2, 4, 8])
+        return self
+
+    def with_streaming_drawn(self) -> "Schedule":
+        """Now and then a run streamed in parts (--fragments: fresh deltas only), from a stream of its own."""
+        rng = random.Random(self.seed * 31 + 53)
+        if rng.random() < STREAMED_P:
+            self.fragments, self.max_base_lag = rng.choice([2, 3, 4]), 0
         return self
 
     @staticmethod
@@ -149,7 +159,7 @@ class Schedule:
                             straggler_timeout=3.0, quorum_timeout=1e6, learner_timeout=6.0, out="(simulated)",
                             outer_lr=SIM_OUTER_LR, outer_momentum=SIM_OUTER_MOMENTUM,
                             max_base_lag=self.max_base_lag, staleness_exponent=self.staleness_exponent,
-                            grace_s=self.grace_ms / 1000, merge=self.merge)
+                            grace_s=self.grace_ms / 1000, merge=self.merge, fragments=self.fragments)
 
 
 # ---------------------------------------------------------------------------------------------- the world

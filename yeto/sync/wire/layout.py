@@ -15,7 +15,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-DEFAULT_FRAGMENT_NUMEL = 1 << 22  # 4M values: 16 MiB fp32, 2 MiB at 4 bits
+DEFAULT_FRAGMENT_NUMEL = 1 << 22  # 4M values: 16 MiB fp32, 2 MiB at 4 bits (the most a fragment holds)
+# a learner's layout packs its adapter into about this many fragments (fewer where a fragment would hold less than
+# MIN_FRAGMENT_NUMEL), so that a run may stream them in up to this many parts (`stream_part`)
+STREAM_GRANULES = 32
+MIN_FRAGMENT_NUMEL = 1 << 12
+MAX_STREAM_PARTS = STREAM_GRANULES
 WIRE_DTYPE = "float32"  # every backend exchanges fp32 views, whatever it trains in
 MAX_DIM = 1 << 31  # no adapter tensor dimension (nor fragment) is larger
 
@@ -78,15 +83,43 @@ def specs_of(named: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec(name, tuple(int(d) for d in named[name].shape)) for name in sorted(named))
 
 
-def build_layout(named: Mapping[str, Any], max_fragment_numel: int = DEFAULT_FRAGMENT_NUMEL) -> Layout:
-    """Sort by name, then fill fragments greedily up to `max_fragment_numel` values.
+def build_layout(named: Mapping[str, Any], max_fragment_numel: int | None = None) -> Layout:
+    """Sort by name, then fill fragments greedily up to `max_fragment_numel` values (default: `fragment_bound`).
 
     A single tensor larger than the bound gets a fragment of its own.
     """
     if not named:
         raise ValueError("an adapter layout needs at least one tensor")
     specs = specs_of(named)
-    return layout_from_specs(specs, max_fragment_numel)
+    return layout_from_specs(specs, max_fragment_numel or fragment_bound(sum(s.numel for s in specs)))
+
+
+def fragment_bound(numel: int) -> int:
+    """The fragment size a learner packs an adapter of `numel` values with: about STREAM_GRANULES fragments, each
+    between MIN_FRAGMENT_NUMEL and DEFAULT_FRAGMENT_NUMEL values (names and sizes alone decide it, so every learner
+    of a run packs alike)."""
+    return min(DEFAULT_FRAGMENT_NUMEL, max(MIN_FRAGMENT_NUMEL, -(-numel // STREAM_GRANULES)))
+
+
+def stream_part(layout: Layout, parts: int, round_number: int) -> tuple[int, ...]:
+    """The fragments round `round_number` syncs when a run streams its adapter in `parts` parts (1: all of them).
+
+    Part k holds the fragments whose first value lies in [k N / P, (k + 1) N / P) of the flat adapter (N values,
+    P = min(parts, fragments)): contiguous runs of canonical names of about equal size. Rounds take the parts in turn,
+    round r part (r - 1) mod P, so each part syncs every P rounds.
+    """
+    n = len(layout.fragments)
+    p = max(1, min(parts, n))
+    if p == 1:
+        return tuple(range(n))
+    k = (round_number - 1) % p
+    total = layout.numel
+    return tuple(f.index for f in layout.fragments if f.start * p // total == k)
+
+
+def fragment_pieces(layout: Layout, indices: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(start, numel) in the flat adapter of each listed fragment."""
+    return [(layout.fragments[i].start, layout.fragments[i].numel) for i in indices]
 
 
 def layout_from_specs(specs: tuple[TensorSpec, ...], max_fragment_numel: int = DEFAULT_FRAGMENT_NUMEL) -> Layout:

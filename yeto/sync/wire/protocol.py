@@ -23,10 +23,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from yeto.sync.wire.layout import Layout
+from yeto.sync.wire.layout import Layout, fragment_pieces
 from yeto.sync.wire.quant import BITS, ErrorFeedback, QuantError, dequantize, encoded_size, quantize
 
-PROTOCOL_VERSION = 5  # raised whenever SCHEMA changes: a peer of another version is refused, never misread
+PROTOCOL_VERSION = 6  # raised whenever SCHEMA changes: a peer of another version is refused, never misread
 DEFAULT_MAX_MESSAGE_MB = 1024  # the syncer's default inbound limit (--max-message-mb)
 MAX_HEADER_BYTES = 4 << 20  # a JSON header (a hello's config and provenance) larger than this is refused
 HEADER_SLACK_BYTES = 64 << 10  # room for a delta's JSON header next to its payload when sizing a message
@@ -203,8 +203,9 @@ def array_digest(flat: np.ndarray) -> str:
 # ----------------------------------------------------------------------------- tensor payloads
 
 
-def fragment_descs(layout: Layout, bits: int) -> list[dict[str, int]]:
-    return [{"index": f.index, "numel": f.numel, "bits": bits} for f in layout.fragments]
+def fragment_descs(layout: Layout, bits: int, indices: Sequence[int] | None = None) -> list[dict[str, int]]:
+    frags = layout.fragments if indices is None else [layout.fragments[i] for i in indices]
+    return [{"index": f.index, "numel": f.numel, "bits": bits} for f in frags]
 
 
 def encode_fragments(layout: Layout, flat: np.ndarray, bits: int) -> tuple[list[dict[str, int]], list[bytes]]:
@@ -212,11 +213,13 @@ def encode_fragments(layout: Layout, flat: np.ndarray, bits: int) -> tuple[list[
     return fragment_descs(layout, bits), [quantize(flat[f.start : f.start + f.numel], bits) for f in layout.fragments]
 
 
-def encode_fragments_ef(layout: Layout, flat: np.ndarray, bits: int,
-                        ef: ErrorFeedback) -> tuple[list[dict[str, int]], list[bytes], np.ndarray]:
-    """As `encode_fragments`, with error feedback; also returns what the receiver will decode."""
-    frames, sent = ef.encode(flat, bits, [(f.start, f.numel) for f in layout.fragments])
-    return fragment_descs(layout, bits), frames, sent
+def encode_fragments_ef(layout: Layout, flat: np.ndarray, bits: int, ef: ErrorFeedback,
+                        only: Sequence[int] | None = None) -> tuple[list[dict[str, int]], list[bytes], np.ndarray]:
+    """As `encode_fragments`, with error feedback; also returns what the receiver will decode. `only`: the
+    fragments to send (a streamed part); the others are neither sent nor touch the residual."""
+    indices = tuple(range(len(layout.fragments))) if only is None else tuple(only)
+    frames, sent = ef.encode(flat, bits, fragment_pieces(layout, indices))
+    return fragment_descs(layout, bits, indices), frames, sent
 
 
 def message_size(layout: Layout, bits: int) -> int:
@@ -224,14 +227,16 @@ def message_size(layout: Layout, bits: int) -> int:
     return sum(encoded_size(f.numel, bits) for f in layout.fragments) + HEADER_SLACK_BYTES
 
 
-def decode_fragments(layout: Layout, msg: Message) -> np.ndarray:
-    """The flat fp32 vector carried by a message, checked against the layout."""
+def decode_fragments(layout: Layout, msg: Message, part: Sequence[int] | None = None) -> np.ndarray:
+    """The flat fp32 vector carried by a message, checked against the layout. `part`: the fragments it must carry
+    (a streamed round's; default all of them); the others decode as zero."""
+    frags = layout.fragments if part is None else [layout.fragments[i] for i in part]
     descs = msg.header["fragments"]
-    if len(descs) != len(layout.fragments) or len(msg.frames) != len(layout.fragments):
-        raise ProtocolError(f"{msg.type}: expected {len(layout.fragments)} fragments, got {len(descs)} descriptors "
+    if len(descs) != len(frags) or len(msg.frames) != len(frags):
+        raise ProtocolError(f"{msg.type}: expected {len(frags)} fragments, got {len(descs)} descriptors "
                             f"and {len(msg.frames)} payload frames")
-    out = np.empty(layout.numel, dtype=np.float32)
-    for f, desc, frame in zip(layout.fragments, descs, msg.frames):
+    out = np.empty(layout.numel, dtype=np.float32) if part is None else np.zeros(layout.numel, dtype=np.float32)
+    for f, desc, frame in zip(frags, descs, msg.frames):
         if not isinstance(desc, dict) or desc.get("index") != f.index or desc.get("numel") != f.numel:
             raise ProtocolError(f"{msg.type}: fragment descriptor {truncate(repr(desc), 120)} does not match layout "
                                 f"fragment {f.index} ({f.numel} values)")

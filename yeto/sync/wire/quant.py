@@ -195,12 +195,22 @@ class ErrorFeedback:
 
     def encode(self, x: np.ndarray, bits: int,
                pieces: list[tuple[int, int]] | None = None) -> tuple[list[bytes], np.ndarray]:
-        """(one payload per (start, numel) piece, the vector the receiver will decode)."""
+        """(one payload per (start, numel) piece, the vector the receiver will decode: zero outside the pieces).
+
+        Values outside the pieces are not sent and leave their residual as it was (a streamed part's turn comes
+        later). The residual is a new array: a caller holding the old one keeps it."""
         target = np.add(x, self.residual, dtype=np.float32)
         pieces = pieces or [(0, target.size)]
         payloads = [quantize(target[a : a + n], bits) for a, n in pieces]
-        sent = np.empty_like(target)
+        covered = sum(n for _, n in pieces) == target.size
+        sent = np.empty_like(target) if covered else np.zeros_like(target)
         for p, (a, n) in zip(payloads, pieces):
             dequantize(p, n, bits, out=sent[a : a + n])
-        self.residual = np.subtract(target, sent, out=target)
+        if covered:
+            self.residual = np.subtract(target, sent, out=target)
+        else:
+            residual = self.residual.copy()
+            for a, n in pieces:
+                residual[a : a + n] = target[a : a + n] - sent[a : a + n]
+            self.residual = residual
         return payloads, sent

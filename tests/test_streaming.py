@@ -1,0 +1,156 @@
+"""Streaming fragments (--fragments P): each round merges, steps and broadcasts one part of the adapter.
+
+The pure pieces (which fragments a round syncs, the masked outer step, error feedback on a part) are checked on
+their own; then a real syncer on loopback with real islands streams a run whose every merge is replayed by hand,
+and a syncer killed mid-run resumes it. The simulator (tests/test_sim.py) runs streamed schedules under faults.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tests.peers import QuadraticIsland, island_thread, wait_until
+from yeto import YetoError
+from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
+from yeto.sync.merge.rules import DeltaCounts, merge_weights
+from yeto.sync.shell.audit import audit_run
+from yeto.sync.shell.server import SyncerConfig
+from yeto.sync.shell.tape import read_tape
+from yeto.sync.wire.layout import (MIN_FRAGMENT_NUMEL, STREAM_GRANULES, build_layout, flatten, fragment_pieces,
+                                   stream_part)
+from yeto.sync.wire.protocol import Message, ProtocolError, decode_fragments, encode_fragments_ef
+from yeto.sync.wire.quant import ErrorFeedback
+
+LR = 0.1  # the quadratic islands' step: slow enough that a lost step shows
+FRAGMENT_NUMEL = 8  # the quadratic island's two tensors of 8 values: two fragments, so two parts
+
+
+def test_a_learners_layout_has_enough_fragments_to_stream_and_the_parts_cover_it_once_per_cycle():
+    rng = np.random.default_rng(0)
+    named = {f"model.layers.{i}.{m}.lora_{ab}.weight": np.zeros(rng.integers(1, 64, size=2))
+             for i in range(40) for m in ("q", "v", "up") for ab in "AB"}
+    layout = build_layout(named)
+    assert len(layout.fragments) >= STREAM_GRANULES // 2
+    for parts in (1, 2, 3, 4, 8):
+        cycle = [stream_part(layout, parts, r) for r in range(1, parts + 1)]
+        assert sorted(i for p in cycle for i in p) == list(range(len(layout.fragments)))  # each fragment once
+        assert [stream_part(layout, parts, r + parts) for r in range(1, parts + 1)] == cycle  # then again
+        sizes = [sum(layout.fragments[i].numel for i in p) for p in cycle]
+        assert max(sizes) <= 1.5 * layout.numel / parts  # about equal parts
+    small = build_layout({"a": np.zeros(MIN_FRAGMENT_NUMEL // 2)})  # too small to split: one part, every round
+    assert stream_part(small, 4, 3) == (0,)
+
+
+def test_the_outer_step_on_a_part_is_the_step_inside_it_and_nothing_outside():
+    rng = np.random.default_rng(1)
+    params, avg, mom = (rng.standard_normal(20).astype(np.float32) for _ in range(3))
+    new, m = nesterov_step_on(params, avg, mom, 0.7, 0.9, [(3, 5), (12, 4)])
+    whole_new, whole_m = nesterov_step(params, avg, mom, 0.7, 0.9)
+    inside = np.zeros(20, bool)
+    inside[3:8] = inside[12:16] = True
+    np.testing.assert_array_equal(new[inside], whole_new[inside])
+    np.testing.assert_array_equal(m[inside], whole_m[inside])
+    np.testing.assert_array_equal(new[~inside], params[~inside])  # (a whole step would move them by lr mu m)
+    np.testing.assert_array_equal(m[~inside], mom[~inside])
+
+
+def test_a_part_goes_up_alone_its_residual_moves_and_the_rest_waits_its_turn():
+    layout = build_layout({"a": np.zeros(16), "b": np.zeros(16)}, FRAGMENT_NUMEL * 2)
+    x = np.random.default_rng(2).standard_normal(32).astype(np.float32)
+    ef = ErrorFeedback(32)
+    ef.residual = np.full(32, 0.01, np.float32)
+    before = ef.residual
+    descs, frames, sent = encode_fragments_ef(layout, x, 2, ef, only=(1,))
+    assert [d["index"] for d in descs] == [1] and len(frames) == 1
+    assert not sent[:16].any() and sent[16:].any()
+    np.testing.assert_array_equal(ef.residual[:16], before[:16])  # not sent: its residual as it was
+    np.testing.assert_allclose(ef.residual[16:], x[16:] + 0.01 - sent[16:], atol=1e-6)
+    assert before is not ef.residual and (before == 0.01).all()  # a caller holding the old residual keeps it
+    msg = Message("delta", {"fragments": descs}, frames)
+    np.testing.assert_array_equal(decode_fragments(layout, msg, (1,)), sent)
+    with pytest.raises(ProtocolError, match="expected 1 fragments"):
+        decode_fragments(layout, Message("delta", {"fragments": descs * 2}, frames * 2), (1,))
+    with pytest.raises(ProtocolError, match="does not match layout fragment 0"):
+        decode_fragments(layout, msg, (0,))  # another round's part
+
+
+@pytest.mark.parametrize("flags, error", [
+    ({"fragments": 0}, "--fragments must be between 1"),
+    ({"fragments": 4, "max_base_lag": 2}, "--max-base-lag 0"),
+    ({"fragments": 4, "merge": "mean", "lora_merge": "product"}, "--lora-merge factors"),
+    ({"fragments": 4, "merge_alpha": 0.5}, "--merge-alpha 1"),
+])
+def test_streaming_flags_that_cannot_go_together_are_one_line_each(flags, error):
+    with pytest.raises(YetoError, match=error):
+        SyncerConfig(**flags).check()
+    assert SyncerConfig(fragments=4).max_base_lag == 0 and SyncerConfig().max_base_lag > 0
+
+
+def _replay(targets: list[float], rounds: int, parts: int, steps: int, reset: bool = False) -> np.ndarray:
+    """Streaming DiLoCo by hand: the islands never reset (`reset`: they do, the bug); round r merges part
+    (r - 1) mod P of their deltas (the mean, outer lr 1) and each island takes that part of the new global."""
+    layout = build_layout(QuadraticIsland(0.0, 1).state, FRAGMENT_NUMEL)
+    g = np.zeros(layout.numel, np.float32)
+    thetas = [g.copy() for _ in targets]
+    w = merge_weights([DeltaCounts(steps * 100, 0, steps)] * len(targets))
+    for r in range(1, rounds + 1):
+        for th, tgt in zip(thetas, targets):
+            if reset:
+                th[:] = g
+            for _ in range(steps):
+                th -= np.float32(LR) * (th - np.float32(tgt))
+        for a, n in fragment_pieces(layout, stream_part(layout, parts, r)):
+            g[a:a + n] += sum(wi * (th[a:a + n] - g[a:a + n]) for wi, th in zip(w, thetas))
+            for th in thetas:
+                th[a:a + n] = g[a:a + n]
+    return g
+
+
+def test_a_streamed_run_merges_one_part_a_round_exactly_as_by_hand(start_syncer, tmp_path):
+    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=6, inner_steps=2, sync_bits=32, merge="mean",
+                                fragments=2)
+    islands = {0: QuadraticIsland(1.0, 100, lr=LR), 1: QuadraticIsland(-2.0, 100, lr=LR)}
+    results: dict = {}
+    threads = [island_thread(isl, port, lid, results, fragment_numel=FRAGMENT_NUMEL) for lid, isl in islands.items()]
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(r, dict) and r["complete"] for r in results.values()), results
+    expected = _replay([1.0, -2.0], 6, 2, 2)
+    np.testing.assert_allclose(syncer.global_, expected, rtol=1e-5, atol=1e-6)
+    # (islands that start each round from the global would end elsewhere: each part's steps between its syncs lost)
+    assert not np.allclose(expected, _replay([1.0, -2.0], 6, 2, 2, reset=True), atol=1e-3)
+
+    tape = read_tape(tmp_path / "syncer")
+    assert [e["part"] for e in tape if e["event"] == "merge"] == [[0], [1]] * 3
+    whole = [e["bytes"] for e in tape if e["event"] == "delta"]
+    assert len(whole) == 12 and max(whole) < 16 * 4 + 2048  # one 8-value fragment of fp32 and its header each
+    broadcasts = [e for e in tape if e["event"] == "broadcast"]
+    assert len(broadcasts) == 6 and all(e["bytes"] < 16 * 4 + 2048 for e in broadcasts)
+    assert audit_run(tmp_path / "syncer").ok
+    layout = build_layout(islands[0].state, FRAGMENT_NUMEL)
+    np.testing.assert_allclose(flatten(layout, islands[1].state), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_streamed_run_whose_syncer_is_killed_mid_run_resumes_and_finishes(start_syncer, tmp_path):
+    cfg = dict(learners=2, quorum=2, outer_steps=8, inner_steps=2, sync_bits=4, fragments=2)
+    syncer, port = start_syncer(**cfg)
+    islands = {0: QuadraticIsland(1.0, 100), 1: QuadraticIsland(-2.0, 100)}
+    results: dict = {}
+    threads = [island_thread(isl, port, lid, results, fragment_numel=FRAGMENT_NUMEL, step_delay=0.05)
+               for lid, isl in islands.items()]
+    assert wait_until(lambda: syncer.version >= 3, 30)
+    syncer.kill()  # gone mid-run, telling nobody; back from its checkpoint on the same port
+    time.sleep(0.5)
+    syncer2, _ = start_syncer(port=port, **cfg)
+    for t in threads:
+        t.join(90)
+    assert all(isinstance(r, dict) and r["complete"] for r in results.values()), results
+    assert wait_until(lambda: syncer2.finished) and syncer2.version == 8
+    tape = read_tape(tmp_path / "syncer")
+    merges = [e for e in tape if e["event"] == "merge"]
+    assert [e["version"] for e in merges] == list(range(1, 9))
+    assert [e["part"] for e in merges] == [[0], [1]] * 4  # (the part follows the round, across the restart)
+    assert any(e["event"] == "resume" for e in tape) and audit_run(tmp_path / "syncer").ok
