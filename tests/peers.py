@@ -135,10 +135,11 @@ class RawLearner:
                                            provenance=provenance, version=-1, digest="", identity=self.identity,
                                            contract=contract)), layout
 
-    def found(self, state):
-        """hello, then upload the initial adapter when asked; returns the layout."""
+    def found(self, state, timeout=3.0):
+        """hello, then upload the initial adapter when asked; returns the layout. `timeout`: for the syncer's first
+        answer (a syncer process just started may still be importing)."""
         parts, layout = self.hello_parts(state)
-        req = self.ask(parts)
+        req = self.ask(parts, timeout=timeout)
         assert req.type == "init_request", req
         descs, frames = encode_fragments(layout, flatten(layout, state), req.header["bits"])
         self.bulk.send_multipart(encode("init", self.header(fragments=descs), frames))

@@ -24,6 +24,7 @@ from yeto.sync.shell.store import DiskStore
 from yeto.sync.shell.tape import read_tape
 
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
+SYNCER_START_S = 60  # a syncer process started under load may take this long to import and bind
 
 
 def fleet(port, n=2, logs=None):
@@ -118,7 +119,7 @@ def test_sigterm_exits_143_whenever_it_comes(tmp_path, when):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         learner = RawLearner(port, 0)
-        layout = learner.found(QuadraticIsland(0.0, 1).state)
+        layout = learner.found(QuadraticIsland(0.0, 1).state, timeout=SYNCER_START_S)
         if when == "final linger":  # one merge finishes the run; the learner never says goodbye
             import numpy as np
 
