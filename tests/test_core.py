@@ -739,3 +739,25 @@ def test_a_learner_moves_through_its_phases_by_the_table_and_an_illegal_move_rai
     assert c.phase is Phase.WAITING and len(moves) == 3  # (nothing changed)
     with pytest.raises(AssertionError, match="training holds Training"):
         c._enter(Phase.TRAINING, "a round without its data")
+
+
+def test_a_control_drop_never_sends_a_delta_again_and_a_pong_repeats_the_lost_ack():
+    """Over a slow uplink a delta takes minutes; its connection is fine when only the control one drops (acks and
+    errors travel there). The learner sends no second copy (it would queue behind the first); the syncer's pongs
+    repeat its last answer about the delta, naming the copy it answered, so a lost ack is still learned."""
+    f = Fleet(n=2)
+    f.lost = lambda direction, lid, msg_type: direction == "down" and lid == 1 and msg_type == "ack"
+    f.train(1)  # in the syncer's hands (1 of 2): learner 1 never saw its ack
+    f.lost = lambda *a: False
+    c = f.learners[1]
+    assert c.pushed is not None and c.pushed.on_its_way and not c.pushed.acked
+    sent: list[str] = []
+    to_syncer = f.to_syncer
+    f.to_syncer = lambda lid, actions: (sent.extend(a.type for a in actions if isinstance(a, Out) and lid == 1),
+                                        to_syncer(lid, actions))
+    f.to_syncer(1, c.link_lost(f.now, bulk=False))
+    f.tick(times=4)  # pings and pongs on the control connection
+    assert "delta" not in sent and "ping" in sent
+    assert c.pushed.acked and not c.pushed.on_its_way and c.pushed.copies == 1  # learned from a pong
+    f.train(0)
+    assert f.syncer.version == 1 and c.pushed is None and audit(f.tape).ok

@@ -29,6 +29,8 @@ def test_seeded_fault_schedules_keep_every_invariant():
                               for o in bad[:5])
     streamed = [o for o in outcomes if "streamed" in o.exercised]  # (--fragments: one part merged per round)
     assert len(streamed) >= SEEDS // 10 and any("resume" in o.exercised and "reject" in o.exercised for o in streamed)
+    slow = [o for o in outcomes if "slow_link" in o.exercised]  # (a learner's adapters take longer than its timeout)
+    assert len(slow) >= SEEDS // 10 and any("resume" in o.exercised for o in slow)
 
 
 # seeds beyond the CI range that once broke an invariant (each note says what was fixed); they stay fixed
@@ -39,6 +41,10 @@ FOUND_SEEDS = {
     19555: "the same, with a zombie that finished the run for its replacement",
     54072: "a learner that lost the restarted syncer's welcome ignored its pongs and waited forever",
     5316: "a delta re-sent to a restarted syncer kept its old ack; a pong then made the learner drop it",
+    4: "behind a slow link, every control-connection drop sent the delta again: copies queued up the uplink",
+    62: "a finished syncer stopped serving a slow reader still fetching the final adapter",
+    4529: "no copy on its way and the round's announcement lost: the learner waited for an answer forever",
+    6386: "a finished run's slow reader gave up while its control connection flapped",
 }
 
 
@@ -149,6 +155,10 @@ PLANTED = {
     "a learner that never catches up": [(lcore.LearnerCore, "_maybe_sync", lambda orig: lambda self, now: None)],
     "a claim that buys more than the round's median weight": [(score.SyncerCore, "_terms", _weights_by_claim)],
     "a streamed round that steps the parts it did not merge": [(merging, "nesterov_step_on", _every_part_stepped)],
+    "a delta sent again on every control-connection drop (copies queue up a slow link)": [
+        (lcore.LearnerCore, "link_lost", lambda orig: lambda self, now, bulk=True: orig(self, now, True))],
+    "a finished syncer that stops serving a slow reader": [
+        (score.SyncerCore, "_fetching_final", lambda orig: lambda self, now: False)],
     "an error-feedback residual given back for a delta that counted": [
         (lcore.LearnerCore, "_settle_refused", _settle_every_refusal), (score.SyncerCore, "_on_delta", _no_merged_ack)],
 }

@@ -38,7 +38,7 @@ class Deltas(SyncerState):
         h = msg.header
         digest = digest_bytes(msg.frames)
         if [h["round"], digest] in self.merged.get(m.learner, []):  # sent again after a lost ack: it counted
-            self._send(m.peer, "ack", {**_where(h), "digest": digest, "duplicate": True, "merged": True})
+            self._answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": True, "merged": True})
             return
         refusal = self._delta_refusal(m, h, digest)
         if refusal is not None:
@@ -46,7 +46,7 @@ class Deltas(SyncerState):
         mine = self.pending.get(m.learner)
         if mine is not None:
             if mine.ref() == [h["round"], h["base_version"], digest]:  # sent again after a lost ack
-                self._send(m.peer, "ack", {**_where(h), "digest": digest, "duplicate": True,
+                self._answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": True,
                                            "merge_round": self.round.number})
             else:
                 self._refuse_delta(m, h, digest, Code.DUPLICATE, f"learner {m.learner} already contributed to round "
@@ -95,7 +95,7 @@ class Deltas(SyncerState):
         self.out.append(SaveDelta(d))
         self.pending[m.learner] = d
         self.sum.add(m.learner, flat, self._weight(d), self._scale(d))  # the decoded copy is dropped
-        self._send(m.peer, "ack", {**_where(h), "digest": digest, "duplicate": False, "merge_round": r.number})
+        self._answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": False, "merge_round": r.number})
         if compute_s is not None:
             m.round_s = compute_s if m.round_s is None else (ROUND_TIME_EMA * compute_s +
                                                              (1 - ROUND_TIME_EMA) * m.round_s)
@@ -111,8 +111,14 @@ class Deltas(SyncerState):
         reason = truncate(reason)
         self._record("reject", learner=m.learner, round=h["round"], base_version=h["base_version"], digest=digest,
                      code=str(code), reason=reason)
-        self._send(m.peer, "error", {"code": str(code), "reason": reason, "round": h["round"],
+        self._answer(m, h, "error", {"code": str(code), "reason": reason, "round": h["round"],
                                      "base_version": h["base_version"], "digest": digest, "version": self.version})
+
+    def _answer(self, m: Member, h: dict[str, Any], msg_type: str, header: dict[str, Any]) -> None:
+        """Ack or refuse a delta, and keep the answer (with the copy of the delta it answers) for the pongs."""
+        self._send(m.peer, msg_type, header)
+        copy = h.get("copy")
+        m.last_answer = {"type": msg_type, **header, "copy": copy if isinstance(copy, int) else 0}
 
     def _remember_refused(self, digest: str) -> None:
         self.refused_digests[digest] = None

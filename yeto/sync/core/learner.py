@@ -87,6 +87,7 @@ class Pushed:
     # sent on the current connections and not answered yet: a round announcement does not send it again (the syncer
     # gets it, or the connection breaks: `link_lost`); over a slow link a second copy holds the uplink as long again
     on_its_way: bool = False
+    copies: int = 0  # copies sent; the syncer's answers (and the pongs repeating them) name the copy they answer
 
 
 class LearnerCore(SyncerMessages):
@@ -222,14 +223,17 @@ class LearnerCore(SyncerMessages):
         self._hello(now)
         return self._flush()
 
-    def link_lost(self, now: float) -> list[LearnerAction]:
-        """A connection broke under us (ZeroMQ reconnects by itself, but what was in flight is gone):
-        a delta not yet acked goes again once the syncer is heard from."""
-        if self.pushed is not None:
+    def link_lost(self, now: float, bulk: bool = True) -> list[LearnerAction]:
+        """A connection broke under us (ZeroMQ reconnects by itself, but what was in flight on it is gone). The bulk
+        one: a delta not yet acked goes again once the syncer is heard from. The control one: only small messages
+        were lost (a sync request, an ack or error, which pongs stand in for); a delta still flowing up the bulk
+        connection is not sent again (over a slow link a second copy would queue behind the first)."""
+        if bulk and self.pushed is not None:
             self.pushed.on_its_way = False
             if not self.pushed.acked:
                 self.pushed.resend = True
-        self.resend_init = self.init_sent is not None and not self.joined
+        if bulk:
+            self.resend_init = self.init_sent is not None and not self.joined
         self.next_sync_at = -math.inf  # a sync request may be lost too
         return []
 
@@ -333,8 +337,10 @@ class LearnerCore(SyncerMessages):
         if self.version >= self.finish["version"] and not self.need_state:
             return Done(self.finish["reason"], complete=bool(self.finish["complete"]))
         waited = now - self.finish_at
-        answering = self.silent_since is not None and now - self.silent_since <= self.t.dead_after_s
-        if waited >= FINISH_CATCHUP_DEAD_AFTERS * self.t.dead_after_s and (not answering or waited >= self.t.give_up_s):
+        patience = FINISH_CATCHUP_DEAD_AFTERS * self.t.dead_after_s  # (a slow link's final adapter takes minutes, and
+        # its control connection may drop meanwhile: a syncer silent that long is gone, not busy)
+        answering = self.silent_since is not None and now - self.silent_since <= patience
+        if waited >= patience and (not answering or waited >= self.t.give_up_s):
             return Done(f"{self.finish['reason']}; this learner could not fetch the final adapter (version "
                         f"{self.finish['version']}; it holds {self.version}): the syncer's adapter is the result")
         return Wait()
@@ -433,8 +439,7 @@ class LearnerCore(SyncerMessages):
                   **h.counts.header(), "fragments": descs}
         self.pushed = Pushed(t.round, t.base_version, digest_bytes(frames), header, tuple(frames), residual_before,
                              t.base_digest)
-        self._send("delta", header, self.pushed.frames)
-        self.pushed.on_its_way = True
+        self._send_pushed()
 
     # ------------------------------------------------------------------ helpers
 
@@ -466,8 +471,14 @@ class LearnerCore(SyncerMessages):
         p = self.pushed
         if p is not None and p.frames:
             p.acked = False  # an ack from a syncer process that lost it says nothing about this copy (sim seed 5316)
-            self._send("delta", p.header, p.frames)
-            p.on_its_way = True
+            self._send_pushed()
+
+    def _send_pushed(self) -> None:
+        p = self.pushed
+        assert p is not None
+        p.copies += 1
+        self._send("delta", {**p.header, "copy": p.copies}, p.frames)
+        p.on_its_way = True
 
     def _adopt(self, version: int, flat: np.ndarray, digest: str, merged: list[list]) -> None:
         """Hold a new global adapter; settle the pushed delta by whether it was among the merged ones

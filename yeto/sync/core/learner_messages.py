@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from yeto.sync.core.learner_phases import Phase, Place
-from yeto.sync.wire.protocol import FINAL_CODES, Code, Message, array_digest, decode_fragments, encode_fragments
+from yeto.sync.wire.protocol import (FINAL_CODES, Code, Message, ProtocolError, array_digest, decode, decode_fragments,
+                                     encode, encode_fragments)
 from yeto.sync.wire.quant import dequantize
 
 
@@ -204,6 +205,7 @@ class SyncerMessages:
                 self._hello(now)
             return
         self.syncer_version = max(self.syncer_version, h["version"])
+        self._answer_repeated(h.get("answer"), now)
         p = self.pushed
         c = self.contributed
         if c is not None and h["round_open"] and [h["round"], h["version"]] == list(c) and not h["contributed"]:
@@ -223,6 +225,21 @@ class SyncerMessages:
                 self._pong_about_pushed(h)
         self._maybe_sync(now)
 
+    def _answer_repeated(self, answer: Any, now: float) -> None:
+        """A pong repeats the syncer's last answer about a delta of ours: taken as that ack or error if it answers the
+        latest copy of the delta we hold and that copy is still on its way to us as far as we know (its answer, on
+        the control connection, was lost). A delta still flowing up a slow link is so never sent twice."""
+        p = self.pushed
+        if p is None or not p.on_its_way or not isinstance(answer, dict) or answer.get("digest") != p.digest or \
+                answer.get("copy") != p.copies or answer.get("type") not in ("ack", "error"):
+            return
+        fields = {k: v for k, v in answer.items() if k not in ("type", "copy")}
+        try:
+            decode(encode(answer["type"], fields))  # (checked against the schema as the message itself would be)
+        except ProtocolError:
+            return
+        getattr(self, f"_on_{answer['type']}")(Message(answer["type"], fields), now)
+
     def _pong_about_pushed(self, h: dict[str, Any]) -> None:
         """A pong of the round our pushed delta may land in: what it says of that delta."""
         p = self.pushed
@@ -237,6 +254,9 @@ class SyncerMessages:
             # nothing from us any more: refused (the error saying so was lost). A pong sent after the ack is received
             # after it (one connection, in order), so it is not news from before the delta.
             self._drop_uncounted()
+        elif not p.acked and not p.on_its_way and not p.resend:  # no copy on its way and the syncer lacks it: the
+            # announcement that would have asked for it was lost with its connection
+            self._resend_pushed()
 
     def _on_ack(self, msg: Message, now: float) -> None:
         h = msg.header

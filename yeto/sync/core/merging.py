@@ -184,8 +184,10 @@ class Merging(Deltas):
         self.out.append(DropDeltas(round=d.round, learner=lid))
         m = self.members.get(lid)
         if m is not None and m.active:
-            self._send(m.peer, "error", {"code": str(Code.REFUSED), "reason": reason, "round": d.base_version + 1,
-                                         "base_version": d.base_version, "digest": d.digest, "version": self.version})
+            copy = {"copy": m.last_answer["copy"]} if m.last_answer and m.last_answer.get("digest") == d.digest else {}
+            self._answer(m, copy, "error", {"code": str(Code.REFUSED), "reason": reason, "round": d.base_version + 1,
+                                            "base_version": d.base_version, "digest": d.digest,
+                                            "version": self.version})
         self._remember_refused(d.digest)
         self._log("warning", f"refused learner {lid}'s delta: {reason}")
 

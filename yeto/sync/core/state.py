@@ -48,6 +48,10 @@ class Member:
     round_s: Optional[float] = None  # its observed compute time per round (running estimate)
     step_s: Optional[float] = None  # ... and per inner step (time windows: how far its push may trail the window)
     since: float = 0.0  # when it (last) started training: a round's open, or the ack of its delta
+    # the syncer's last answer about a delta of its (the ack or error sent, and which copy of the delta it answered):
+    # every pong repeats it, so an answer lost on the control connection is learned without sending the delta again
+    last_answer: Optional[dict[str, Any]] = None
+    held_version: int = -1  # the version its last ping or sync said it holds
 
 
 @dataclass

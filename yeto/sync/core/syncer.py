@@ -56,6 +56,9 @@ PROGRESS_LOG_S = 60.0  # how often a slow round says whom it waits for
 MERGE_TIME_EMA = 0.5  # weight of the newest merge's time in the running estimate the grace leaves room for
 FINISH_LINGER_TIMEOUTS = 10  # after the finish, serve stragglers at most this many --learner-timeouts
 INTERNAL_ERROR_EXIT = 70  # sysexits' EX_SOFTWARE: the core reached a state it does not have (resumable)
+# ... and longer, up to this many, while a learner that still answers has not got the final adapter (a slow reader:
+# a 70B-class adapter down a home line takes most of an hour)
+FINISH_MAX_LINGER_TIMEOUTS = 60
 FINISH_GRACE_TIMEOUTS = 3  # ... and wait for a learner gone silent (asleep?) until it is silent this many
 STOP_LINGER_S = 10.0  # after a signal, wait at most this long for learners to say goodbye
 
@@ -126,7 +129,9 @@ class SyncerCore(Recovery, Admission, Merging):
                 self._drop(m, f"silent for {self.cfg.learner_timeout:g}s", now)
         self._expire_silent_ids(now)
         if self.finished_at is not None:
-            if self._all_gone(now) or now >= self.linger_until:
+            lingered = now >= self.linger_until and not self._fetching_final(now)
+            if self._all_gone(now) or lingered or now >= self.finished_at + FINISH_MAX_LINGER_TIMEOUTS * \
+                    self.cfg.learner_timeout:
                 self._exit()
             return
         self._ask_founder()
@@ -187,6 +192,7 @@ class SyncerCore(Recovery, Admission, Merging):
 
     def _on_ping(self, peer: str, msg: Message, now: float) -> None:
         m = self._member(peer, msg, now)
+        m.held_version = msg.header["version"]
         pushed = msg.header["pushed"]
         mine = self.pending.get(m.learner)
         have = bool(pushed and mine is not None and mine.ref() == pushed[:3])
@@ -195,12 +201,13 @@ class SyncerCore(Recovery, Admission, Merging):
         self._send(m.peer, "pong", {"incarnation": self.incarnation, "version": self.version,
                                     "round": r.number if r else self.version, "round_open": r is not None,
                                     "have_delta": have, "contributed": r is not None and mine is not None,
-                                    "finished": self.finished_at is not None, **window})
+                                    "finished": self.finished_at is not None, "answer": m.last_answer, **window})
         if self.finish_header is not None:
             self._send(m.peer, "finish", self.finish_header_for_wire())  # it may have missed the first one
 
     def _on_sync(self, peer: str, msg: Message, now: float) -> None:
         m = self._member(peer, msg, now)
+        m.held_version = msg.header["version"]
         if not self.state_requests.allow(m.learner, now):  # each answer is a whole adapter: bounded per learner
             raise ProtocolError(f"more than {STATE_REQUESTS_PER_WINDOW} state requests in {RATE_WINDOW_S:g}s; "
                                 "retry later", Code.RATE_LIMITED)
@@ -352,6 +359,11 @@ class SyncerCore(Recovery, Admission, Merging):
                      outstanding=sorted(self.pending))
         if self._all_gone(now):
             self._exit()
+
+    def _fetching_final(self, now: float) -> bool:
+        """A live learner (heard within --learner-timeout) still says it holds an older version than the final one."""
+        return any(m.held_version < self.version and now - m.last_seen <= self.cfg.learner_timeout
+                   for m in self._active())
 
     def _all_gone(self, now: float) -> bool:
         """After the finish: has every learner had its chance to get it (and the final adapter)? Each one left, or

@@ -207,8 +207,8 @@ class SyncerLink:
                     if event["event"] == zmq.EVENT_CONNECTED:
                         self.connected_at[mon] = now
                     elif event["event"] == zmq.EVENT_DISCONNECTED:
-                        with self.lock:
-                            self._do(self.core.link_lost(now))
+                        with self.lock:  # (monitors in _connect's order: control, then bulk)
+                            self._do(self.core.link_lost(now, bulk=mon is self.monitors[-1]))
                     else:
                         self._handshake(event["event"], event["value"], now - self.connected_at.get(mon, now))
         for sock in (self.ctl, self.bulk):

@@ -43,8 +43,7 @@ import shutil
 import signal
 import threading
 import time
-from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -55,6 +54,7 @@ from yeto.checks import check_out_dir
 from yeto.sync.shell.gate import Gatekeeper, curve_server
 from yeto.sync.shell.keys import KEYS_RESCAN_S, Keyring, require_loopback
 from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta, Send
+from yeto.sync.core.delivery import GLOBAL_TYPES, Delivery, Outgoing, Undeliverable
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.shell.given_up import read_given_up
 from yeto.sync.wire.protocol import BULK_SUFFIX, MAX_HEADER_BYTES, encode, is_bulk, message_size
@@ -65,41 +65,10 @@ from yeto.trackers import Trackers
 
 log = logging.getLogger("yeto.syncer")
 TICK_S = 0.05  # timer resolution of the core (poll timeout)
-SEND_RETRY_S = 15.0  # a message that cannot be delivered is retried this long, then dropped (on the tape)
-MAX_BACKLOG_PER_PEER = 256  # messages parked for one learner; beyond, its oldest are dropped (it asks again)
-MAX_BACKLOG_BYTES_PER_PEER = 512 << 20  # beyond this, the oldest messages parked for one learner are dropped
 SNDHWM = 64  # messages queued per learner connection before ZeroMQ says "full" (and we keep them ourselves)
-GLOBAL_TYPES = frozenset({"broadcast", "state"})  # they carry the global adapter: a newer one makes an older one moot
 RCVHWM = 16  # inbound messages queued per connection: with the message size limit, what one peer can make us hold
 LINGER_MS = 5000  # on exit, give queued messages (the finish) this long to leave
 DISK_FAILED_EXIT = 74  # sysexits' EX_IOERR: the run's state could not be written (resumable once fixed)
-
-
-@dataclass
-class Parked:
-    dest: bytes
-    parts: list[bytes]
-    since: float
-    type: str
-    version: int = -1  # of the global a broadcast or state carries
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(p) for p in self.parts)
-
-
-@dataclass
-class InFlight:
-    """The adapter-carrying message handed to ZeroMQ for one learner's bulk connection, until ZeroMQ releases it."""
-
-    tracker: zmq.MessageTracker
-    type: str
-    version: int
-    nbytes: int
-
-    @property
-    def done(self) -> bool:
-        return self.tracker.done
 
 
 class Syncer:
@@ -124,9 +93,7 @@ class Syncer:
         self.core = SyncerCore(cfg, incarnation=secrets.token_hex(4), init=init)
         self._start_actions = self.core.start(time.monotonic(), durable)  # may refuse (config conflict)
         self.sock: zmq.Socket | None = None
-        self.backlog: dict[bytes, deque[Parked]] = {}  # per destination, in order
-        self.inflight: dict[bytes, InFlight] = {}  # per bulk destination: the adapter ZeroMQ is still sending
-        self.last_global: dict[bytes, int] = {}  # per bulk destination: the newest global sent or waiting
+        self.delivery = Delivery(self._hand_over, self._noted)  # the send rules (core.delivery), over ZeroMQ
         self.stopping: tuple[str, int] | None = None
         self.signals = 0
         self.killed = False
@@ -162,9 +129,7 @@ class Syncer:
     def queued_bytes(self, learner: int) -> int:
         """Bytes this syncer holds for a learner's connections: parked here, or handed to ZeroMQ and not sent."""
         prefix = f"learner-{learner}-".encode()
-        held = sum(p.nbytes for dest, q in list(self.backlog.items()) if dest.startswith(prefix) for p in list(q))
-        return held + sum(f.nbytes for dest, f in list(self.inflight.items()) if dest.startswith(prefix)
-                          and not f.done)
+        return self.delivery.held_bytes(lambda dest: dest.startswith(prefix))
 
     @property
     def finished(self) -> bool:
@@ -256,7 +221,7 @@ class Syncer:
                 if limit != self.max_message:  # the run is founded: its layout bounds every message
                     self.max_message = limit
                     sock.setsockopt(zmq.MAXMSGSIZE, limit)  # (for connections made from now on)
-            self._retry_backlog(now)
+            self.delivery.retry(now)
 
     def _message_limit(self) -> int:
         """--max-message-mb until the run's layout is known; then what its largest message can be (a delta, or a
@@ -363,7 +328,8 @@ class Syncer:
             if isinstance(a, Send):
                 dest = a.peer.encode() + (BULK_SUFFIX if is_bulk(a.type) else b"")
                 version = a.header.get("version", -1) if a.type in GLOBAL_TYPES else -1
-                self._send(Parked(dest, encode(a.type, a.header, a.frames), time.monotonic(), a.type, version))
+                parts = encode(a.type, a.header, a.frames)
+                self.delivery.send(Outgoing(dest, parts, time.monotonic(), a.type, version))
             elif isinstance(a, Record):
                 self._append(a.event, a.fields)
             elif isinstance(a, SaveCheckpoint):
@@ -390,100 +356,28 @@ class Syncer:
             self._append("adapter_write_failed", {"version": ck.version, "reason": f"{type(e).__name__}: "
                                                                               f"{str(e)[:300]}"})
 
-    def _send(self, p: Parked) -> bool:
-        if p.type in GLOBAL_TYPES and not self._keep_global(self.backlog.get(p.dest, deque()), p):
-            return False
-        if self.backlog.get(p.dest) or self._busy(p.dest):  # keep per-learner order: behind what waits
-            self._park(p)
-            return False
-        try:
-            self._hand_over(p)
-            return True
-        except zmq.ZMQError as e:  # EAGAIN: its pipe is full; EHOSTUNREACH: not connected (yet, or any more)
-            if e.errno not in (zmq.EAGAIN, zmq.EHOSTUNREACH):
-                raise
-            self._park(p)
-            return False
-
-    def _busy(self, dest: bytes) -> bool:
-        """ZeroMQ is still sending an adapter to this connection: the next one waits here (bounded, replaceable)."""
-        f = self.inflight.get(dest)
-        if f is not None and f.done:
-            del self.inflight[dest]
-            return False
-        return f is not None
-
-    def _hand_over(self, p: Parked) -> None:
+    def _hand_over(self, p: Outgoing) -> Optional[Callable[[], bool]]:
         """Send now (NOBLOCK); an adapter-carrying message is tracked until ZeroMQ has written it out."""
-        if not is_bulk(p.type):
-            self.sock.send_multipart([p.dest, *p.parts], flags=zmq.NOBLOCK, copy=False)
+        try:
+            if not is_bulk(p.type):
+                self.sock.send_multipart([p.dest, *p.parts], flags=zmq.NOBLOCK, copy=False)
+                return None
+            frames = [zmq.Frame(part, track=True) for part in p.parts]  # (not copied; released once written)
+            self.sock.send_multipart([p.dest, *frames], flags=zmq.NOBLOCK, copy=False)
+            tracker = zmq.MessageTracker(*frames)
+            return lambda: tracker.done
+        except zmq.ZMQError as e:  # EAGAIN: its pipe is full; EHOSTUNREACH: not connected (yet, or any more)
+            if e.errno == zmq.EHOSTUNREACH:
+                raise Undeliverable("not connected") from e
+            if e.errno == zmq.EAGAIN:
+                raise Undeliverable("its connection is full") from e
+            raise
+
+    def _noted(self, event: str, fields: dict) -> None:
+        """The send rules' news, on the tape (a dropped message is worth a warning: its learner catches up)."""
+        if event != "send_dropped":
+            self._append(event, fields)
             return
-        frames = [zmq.Frame(part, track=True) for part in p.parts]  # (not copied; released once written)
-        self.sock.send_multipart([p.dest, *frames], flags=zmq.NOBLOCK, copy=False)
-        self.inflight[p.dest] = InFlight(zmq.MessageTracker(*frames), p.type, p.version, p.nbytes)
-
-    def _park(self, p: Parked) -> None:
-        q = self.backlog.setdefault(p.dest, deque())
-        q.append(p)
-        while len(q) > MAX_BACKLOG_PER_PEER or (len(q) > 1 and sum(x.nbytes for x in q) > MAX_BACKLOG_BYTES_PER_PEER):
-            self._dropped(q.popleft(), "too much waiting for this learner")
-
-    def _keep_global(self, q: deque[Parked], p: Parked) -> bool:
-        """At most one global waits per learner, and none that it cannot use. The same global again (asked for again
-        while ZeroMQ still sends it) is not sent twice; a newer one replaces the one waiting; a broadcast
-        whose base was skipped on that connection (a replaced one) goes too (the learner's catch-up asks, and gets a
-        state of the latest global). False: `p` is not to be sent."""
-        f = self.inflight.get(p.dest) if self._busy(p.dest) else None
-        if f is not None and (f.type, f.version) == (p.type, p.version):
-            self._superseded(p, "the same global is on its way")
-            return False
-        if any((x.type, x.version) == (p.type, p.version) for x in q):
-            self._superseded(p, "the same global is waiting")
-            return False
-        older = [x for x in q if x.type in GLOBAL_TYPES]
-        for x in older:
-            q.remove(x)
-            self._superseded(x, f"version {p.version} came while it waited")
-        if older and f is not None:
-            self.last_global[p.dest] = f.version
-        elif older:
-            self.last_global.pop(p.dest, None)  # (not known what the learner holds)
-        base = self.last_global.get(p.dest)
-        if p.type == "broadcast" and base is not None and base < p.version - 1:  # (>=: a catch-up's answer again)
-            self._superseded(p, "its base did not reach the learner (its catch-up gets a state of the latest global)")
-            return False
-        self.last_global[p.dest] = p.version
-        return True
-
-    def _superseded(self, p: Parked, reason: str) -> None:
-        self._append("send_superseded", {"peer": p.dest.decode(errors="replace")[:80], "type": p.type,
-                                         "version": p.version, "reason": reason})
-
-    def _retry_backlog(self, now: float) -> None:
-        for dest in list(self.backlog):
-            q = self.backlog[dest]
-            while q:
-                p = q[0]
-                if self._busy(dest):  # waiting behind an adapter on its way is not a failure to deliver
-                    p.since = now
-                    break
-                try:
-                    self._hand_over(p)
-                    q.popleft()
-                except zmq.ZMQError as e:
-                    if e.errno not in (zmq.EAGAIN, zmq.EHOSTUNREACH):
-                        raise
-                    if now - p.since < SEND_RETRY_S:
-                        break
-                    q.popleft()
-                    self._dropped(p, "not connected" if e.errno == zmq.EHOSTUNREACH else "its connection is full")
-            if not q:
-                del self.backlog[dest]
-        for dest in list(self.inflight):
-            self._busy(dest)  # (forgets what has left)
-
-    def _dropped(self, p: Parked, reason: str) -> None:
-        self.store.append("send_dropped", {"peer": p.dest.decode(errors="replace")[:80], "type": p.type,
-                                           "reason": reason})
-        log.warning("dropped a %s to %s (%s); the learner catches up from versions", p.type,
-                    p.dest.decode(errors="replace"), reason)
+        self.store.append(event, fields)
+        log.warning("dropped a %s to %s (%s); the learner catches up from versions", fields["type"], fields["peer"],
+                    fields["reason"])

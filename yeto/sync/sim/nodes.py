@@ -16,8 +16,10 @@ import numpy as np
 from yeto.sync.core.actions import (DropDeltas, Durable, Exit, Log, Out, Reconnect, Record, SaveCheckpoint, SaveDelta,
                                     Send)
 from yeto.sync.core.learner import Done, LearnerCore, RoundCounts, Train, Verdict, Wait
+from yeto.sync.core.delivery import GLOBAL_TYPES, Delivery, Outgoing, Undeliverable
 from yeto.sync.core.syncer import SyncerCore
-from yeto.sync.wire.protocol import array_digest, decode, decode_fragments, digest_bytes, encode_fragments_ef
+from yeto.sync.wire.protocol import (array_digest, decode, decode_fragments, digest_bytes, encode, encode_fragments_ef,
+                                     is_bulk)
 from yeto.sync.wire.quant import ErrorFeedback, QuantError
 from yeto.sync.sim.oracle import Violation
 from yeto.sync.sim.schedule import (ADAPTER_CONFIG, DIE_DURING_WITHIN_S, LINK, POISON, POISON_WEIGHT, TICK_S,
@@ -31,6 +33,7 @@ class SimSyncer:
         self.w = world
         self.disk = world.disk
         self.core: Optional[SyncerCore] = None
+        self.delivery: Optional[Delivery] = None  # the send rules of this life (a restart starts empty)
         self.up = False
         self.exited = False
         self.exited_at = math.inf
@@ -56,6 +59,7 @@ class SimSyncer:
             cfg.outer_steps = self.outer_steps = max(self.outer_steps, cfg.outer_steps + w.rng.randint(0, 1))
         cfg.outer_steps = max(cfg.outer_steps, self.outer_steps)
         self.core = SyncerCore(cfg, incarnation=f"{w.rng.getrandbits(32):08x}")
+        self.delivery = Delivery(self._hand_over, lambda event, fields: self.disk.append(event, fields, w.now))
         notes = [Record("tape_repair", {"dropped_bytes": 17})] if self.disk.torn else []
         self.disk.torn = False
         durable = Durable(copy.deepcopy(self.disk.checkpoint), [copy.copy(d) for d in self.disk.deltas.values()],
@@ -76,8 +80,13 @@ class SimSyncer:
                   lambda: self.guarded(life, lambda: self.execute(self.core.give_up(self.disk.given_up, self.w.now))))
 
     def schedule_tick(self, life: int) -> None:
-        self.w.at(self.w.now + TICK_S, lambda: self.guarded(life, lambda: self.execute(self.core.tick(self.w.now)),
-                                                            then=lambda: self.schedule_tick(life)))
+        self.w.at(self.w.now + TICK_S, lambda: self.guarded(life, lambda: self._tick(), then=lambda: self.schedule_tick(
+            life)))
+
+    def _tick(self) -> None:
+        self.execute(self.core.tick(self.w.now))
+        if self.up and not self.exited:
+            self.delivery.retry(self.w.now)
 
     def guarded(self, life: int, fn: Callable[[], None], then: Optional[Callable[[], None]] = None) -> None:
         """Run fn unless this life is over; a frozen syncer runs it when it wakes up."""
@@ -139,12 +148,28 @@ class SimSyncer:
                 w.log(f"syncer {a.level}: {a.text}")
 
     def _send(self, a: Send) -> None:
+        """Through the syncer's own send rules (core.delivery): one adapter at a time per learner connection."""
         w = self.w
         w.log(f"syncer -> {a.peer}: {a.type} {_brief(a.header)}")
-        node = w.node_for(a.peer)
-        if node is not None:  # (to a process that is gone: ZeroMQ has no pipe for it)
-            w.post(node, False, a.type, a.header, a.frames,
-                   lambda parts, node=node, peer=a.peer: node.deliver(peer, parts))
+        version = a.header.get("version", -1) if a.type in GLOBAL_TYPES else -1
+        self.delivery.send(Outgoing((a.peer, "bulk" if is_bulk(a.type) else "control"),
+                                    encode(a.type, a.header, a.frames), w.now, a.type, version))
+
+    def _hand_over(self, p: Outgoing) -> Optional[Callable[[], bool]]:
+        """Onto the simulated link; an adapter is released once it arrived or its connection broke."""
+        w, (peer, channel) = self.w, p.dest
+        node = w.node_for(peer)
+        if node is None:  # (a process that is gone: ZeroMQ has no pipe for it)
+            raise Undeliverable("not connected")
+        arrived, epoch, life = [False], w.link_epoch(node, channel), self.life
+
+        def deliver() -> None:
+            arrived[0] = True
+            node.deliver(peer, p.parts)
+            w.at(w.now, lambda: self.guarded(life, lambda: self.delivery.retry(w.now)))  # (the next one may go)
+
+        w.transmit(node, channel, False, p.parts, deliver)
+        return lambda: arrived[0] or w.link_epoch(node, channel) != epoch or not node.alive
 
     def _record(self, a: Record) -> None:
         self.disk.append(a.event, a.fields, self.w.now)
@@ -308,8 +333,9 @@ class SimLearner:
             self.w.log(f"learner {self.lid} <- {msg.type} {_brief(msg.header)}")
             before = self.core.version
             self.execute(self.core.receive(msg, self.w.now))
-            if msg.type == "ack":
-                self.w.oracle.acked.add((self.lid, msg.header["base_version"], msg.header["digest"]))
+            answer = msg.header.get("answer") if msg.type == "pong" else msg.header if msg.type == "ack" else None
+            if isinstance(answer, dict) and answer.get("type", "ack") == "ack":  # (an ack, or a pong repeating one)
+                self.w.oracle.acked.add((self.lid, answer["base_version"], answer["digest"]))
             if self.core.version != before and self.core.version >= 0 and msg.type != "init_request":
                 self.w.oracle.check_held(self.lid, self.core.version, self.core.global_)
             self.wake()
@@ -317,9 +343,9 @@ class SimLearner:
         if self.alive and peer == self.peer:
             self.guarded(life, handle)
 
-    def on_link_lost(self) -> None:
+    def on_link_lost(self, channel: str) -> None:
         if self.alive:
-            self.guarded(self.life, lambda: self.execute(self.core.link_lost(self.w.now)))
+            self.guarded(self.life, lambda: self.execute(self.core.link_lost(self.w.now, bulk=channel == "bulk")))
 
     def execute(self, actions: list) -> None:
         w = self.w

@@ -103,6 +103,7 @@ class Oracle:
                             f"{final.version if final else None} of {core.cfg.outer_steps}")
         for lrn in self.w.processes():
             self.check_learner_ends(lrn, final)
+        self.check_slow_links_kept(tape)
         fold = TapeFold()
         for e in tape:
             fold.feed(e)
@@ -114,6 +115,20 @@ class Oracle:
         replayed = self.replay(tape)
         if not np.array_equal(replayed, final.global_):
             raise Violation("replaying the tape's merges does not give the final global adapter")
+
+    def check_slow_links_kept(self, tape: list[dict[str, Any]]) -> None:
+        """A learner whose only trouble is a slow bulk link (its bytes flowing, its control link fast) is never taken
+        for a silent one: no fault of its own (kill, cut, freeze), no lost message anywhere, no syncer freeze."""
+        s = self.w.s
+        if s.p_drop or any(node < 0 for _, node, _ in s.pauses):
+            return
+        troubled = {lid for _, lid, _, _ in s.learner_kills} | {lid for _, lid, _ in s.cuts} | {
+            node for _, node, _ in s.pauses} | {lid for _, lid in s.give_ups}
+        for e in tape:
+            if e["event"] == "leave" and e["learner"] in s.slow_links and e["learner"] not in troubled and \
+                    e["reason"].startswith("silent"):
+                raise Violation(f"learner {e['learner']}, behind a slow link ({s.slow_links[e['learner']]:g} B/s) and "
+                                f"otherwise sound, was dropped at version {e['version']}: {e['reason']}")
 
     def check_learner_ends(self, lrn: Any, final: Checkpoint) -> None:
         """How a learner process ended, each time it did: finished holding the final adapter bit for bit, and in error
@@ -130,7 +145,12 @@ class Oracle:
                        or lrn in self.w.zombies or done.code == Code.BUSY)
             if done.error and not excused:
                 raise Violation(f"learner {lrn.lid} ended in error at t={at:.1f}s: {done.reason}")
-            if not done.complete and not done.error and at > self.w.healed_at and lrn not in self.w.zombies:
+            # a stop lingers STOP_LINGER_S, not long enough for a slow link to carry the stop's adapter: the process
+            # relaunched after it fetches the final one
+            stopped_slow = lrn.lid in self.w.s.slow_links and any(a <= at for a, _ in self.w.stop_windows) and any(
+                later > at for _, _, _, later in lrn.results)
+            if not done.complete and not done.error and at > self.w.healed_at and lrn not in self.w.zombies and \
+                    not stopped_slow:
                 raise Violation(f"learner {lrn.lid} ended at t={at:.1f}s, with the network healthy since "
                                 f"t={self.w.healed_at:.1f}s, without the final adapter: {done.reason}")
 

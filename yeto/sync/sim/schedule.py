@@ -21,6 +21,10 @@ ADAPTER_SHAPES = {"m.layers.0.q.lora_A.default.weight": (2, 8), "m.layers.0.q.lo
 FRAGMENT_NUMEL = 24  # small fragments, so payloads span several frames
 POISON = -6e4  # fits the learners' fp16 block minimums, but not once the outer step scaled it: the merge fails
 SIM_OUTER_LR, SIM_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's: the outer step scales the poison past fp16 (not the default)
+SLOW_LINK_P = 0.2  # the share of schedules with learners behind a slow bulk link
+# a delta message of the simulator's adapter is ~1-2 kB (its JSON header, mostly): 10 to 90 s a message, against a
+# 6 s learner timeout (a 70B-class delta up a 2 Mbit/s line takes about an hour: the same, scaled)
+SLOW_LINK_BYTES_PER_S = (20.0, 50.0, 100.0)
 STREAMED_P = 0.25  # the share of schedules whose syncer streams the adapter in parts
 HOSTILE_P = 0.2  # the share of schedules (of 2 or more learners) with a hostile learner
 POISON_WEIGHT = 1000  # ... provided it weighs enough in the merge: the poisoned step claims this many more tokens
@@ -69,6 +73,9 @@ class Schedule:
     merge: str = "rda"
     broadcast_bits: int = 0  # 0: sync_bits
     fragments: int = 1  # the syncer streams the adapter in this many parts (--fragments)
+    # learner -> bytes per second of its bulk connection, both ways (a home uplink carrying a big adapter): each
+    # message that carries an adapter takes longer than the learner timeout, while its control connection is fast
+    slow_links: dict[int, float] = field(default_factory=dict)
     hostile: Optional["Hostile"] = None  # a join-key holder steering the merge with its claims and outliers
 
     @staticmethod
@@ -109,7 +116,7 @@ class Schedule:
             cuts=sorted(cuts), pauses=sorted(pauses), stops=stops, poison=poison,
             max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)], give_ups=Schedule.draw_give_ups(seed, kills),
             hostile=Schedule.draw_hostile(seed, n), **Schedule.draw_policy(seed)
-        ).with_bits_drawn().with_streaming_drawn()
+        ).with_bits_drawn().with_streaming_drawn().with_slow_links_drawn()
 
     def with_bits_drawn(self) -> "Schedule":
         """Now and then 2-bit deltas, and broadcasts at their own precision (a stream of their own: older seeds keep
@@ -125,6 +132,14 @@ class Schedule:
         rng = random.Random(self.seed * 31 + 53)
         if rng.random() < STREAMED_P:
             self.fragments, self.max_base_lag = rng.choice([2, 3, 4]), 0
+        return self
+
+    def with_slow_links_drawn(self) -> "Schedule":
+        """Now and then one or two learners behind a slow bulk link (a stream of its own)."""
+        rng = random.Random(self.seed * 31 + 59)
+        if rng.random() < SLOW_LINK_P:
+            for lid in rng.sample(range(self.learners), min(self.learners, rng.choice([1, 1, 2]))):
+                self.slow_links[lid] = rng.choice(SLOW_LINK_BYTES_PER_S)
         return self
 
     @staticmethod

@@ -38,6 +38,7 @@ class World:
         self.parked: list[tuple] = []  # (process, channel, epoch, deliver) sent while the syncer was down
         self.relaunches = 0  # fleet relaunches scheduled
         self.stopped = False  # a fleet stop happened: learners told to stop are relaunched
+        self.stop_windows: list[tuple[float, float]] = []  # (SIGTERM, relaunch) of each fleet stop
         self.disk = SimDisk()  # the syncer's
         self.syncer = SimSyncer(self)
         self.learners = [SimLearner(self, i) for i in range(sched.learners)]
@@ -69,7 +70,7 @@ class World:
         """The connection of one learner process breaks: what is in flight on it is lost."""
         self.epoch[(node.net_id, channel)] = self.link_epoch(node, channel) + 1
         if notify:
-            node.on_link_lost()
+            node.on_link_lost(channel)
 
     def post(self, node: SimLearner, to_syncer: bool, type_: str, header: dict[str, Any], frames: tuple[bytes, ...],
              deliver: Callable[[list[bytes]], None]) -> None:
@@ -96,9 +97,13 @@ class World:
         nbytes = sum(len(p) for p in parts)
         epoch = self.link_epoch(node, channel)
         copies = 2 if self.rng.random() < self.s.p_dup else 1
+        slow = self.s.slow_links.get(node.lid) if channel == "bulk" else None
         for _ in range(copies):
             key = (node.net_id, channel, "up" if to_syncer else "down")
-            t = max(self.now + self.rng.uniform(lo, hi) + nbytes / 2e6, self.last_delivery.get(key, 0.0))
+            if slow:  # one message at a time through the bottleneck: each waits for the one before it to finish
+                t = max(self.now, self.last_delivery.get(key, 0.0)) + nbytes / slow + self.rng.uniform(lo, hi)
+            else:
+                t = max(self.now + self.rng.uniform(lo, hi) + nbytes / 2e6, self.last_delivery.get(key, 0.0))
             self.last_delivery[key] = t
 
             def arrive(epoch=epoch) -> None:
@@ -172,11 +177,13 @@ class World:
         self.syncer.execute(self.syncer.core.stop(self.now, "SIGTERM", 143))
         self.relaunches += 1
         self.stopped = True
+        self.stop_windows.append((self.now, math.inf))
         self.at(self.now + down, self.relaunch)
 
     def relaunch(self) -> None:
         self.log("fleet: relaunch")
         self.relaunches -= 1
+        self.stop_windows[-1] = (self.stop_windows[-1][0], self.now)
         if self.syncer.up and not self.syncer.exited:
             self.syncer._die()
         self.syncer.exited, self.syncer.exited_at = False, math.inf
