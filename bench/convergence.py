@@ -135,7 +135,8 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
     """Run one arm to the end; returns its eval loss, per-island summaries and its loss curve."""
     out = tmp / arm.name.replace(" ", "_").replace(",", "").replace("/", "-").replace("=", "")
     common = ["--model", a.model, "--data", a.data, "--seq-len", str(a.seq_len), "--lr", str(a.lr),
-              "--warmup-steps", "3", "--eval-every", "0", "--lora-dropout", "0", "--no-progress", *arm.learner]
+              "--seed", str(a.seed), "--warmup-steps", "3", "--eval-every", "0", "--lora-dropout", "0", "--no-progress",
+              *arm.learner]
     learner = [sys.executable, "-m", "yeto.backends.torch"]
     t0 = time.perf_counter()
     budget = arm.steps or a.steps  # inner steps per island (data-parallel: its steps)
@@ -250,6 +251,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4, help="the fleet's global batch (islands split it)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0, help="the learners' --seed: held-out split, batch order, LoRA init")
     p.add_argument("--rounds", type=int, default=6, help="rounds of the heterogeneous arms")
     p.add_argument("--round-seconds", type=float, default=20.0, help="window of the heterogeneous arms")
     p.add_argument("--step-s", type=float, default=1.0, help="the fast island's step time here (sizes the slow delay)")

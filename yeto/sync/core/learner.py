@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
@@ -46,6 +46,7 @@ from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
 from yeto.sync.core.contract import learner_contract, tokens_per_step
 from yeto.sync.core.learner_loop import Done, RoundCounts, Task, Train, Verdict, Wait
 from yeto.sync.core.learner_messages import SyncerMessages
+from yeto.sync.core.pushed import Pushed
 from yeto.sync.core.learner_phases import DATA, Held, Phase, PhaseData, Place, Training, check_transition
 from yeto.sync.wire.layout import Layout, stream_part
 from yeto.sync.wire.protocol import (CLOCK_JUMP_S, Code, Message, ProtocolError, digest_bytes, encode_fragments_ef,
@@ -69,25 +70,6 @@ class LinkTimeouts:
     give_up_s: float = 1800.0  # silence after which the learner gives up (saving its adapter)
     backoff_base_s: float = 0.5  # reconnect backoff: uniform in [0, min(max, base * 2**attempt)]
     backoff_max_s: float = 30.0
-
-
-@dataclass
-class Pushed:
-    round: int
-    base_version: int
-    digest: str
-    header: dict[str, Any]
-    frames: tuple[bytes, ...]
-    residual_before: np.ndarray = field(repr=False)
-    base_digest: str = ""
-    acked: bool = False
-    merge_round: Optional[int] = None  # the round the syncer acked it into
-    resend: bool = False  # a connection broke before the ack: send again when the syncer is heard from
-    stale: bool = False  # refused as stale while its round was not open: send again once a pong says it is
-    # sent on the current connections and not answered yet: a round announcement does not send it again (the syncer
-    # gets it, or the connection breaks: `link_lost`); over a slow link a second copy holds the uplink as long again
-    on_its_way: bool = False
-    copies: int = 0  # copies sent; the syncer's answers (and the pongs repeating them) name the copy they answer
 
 
 class LearnerCore(SyncerMessages):
