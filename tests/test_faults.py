@@ -9,6 +9,8 @@ audit, and leave every learner holding the syncer's final adapter.
 
 import signal
 
+import pytest
+
 from safetensors.numpy import load_file
 
 from tests.test_fleet import ENV, finish, learner, syncer, wait_for
@@ -57,9 +59,10 @@ def test_a_learner_killed_mid_round_and_restarted_rejoins_and_its_delta_counts(t
     assert not any(e["event"] == "quorum_timeout" for e in events)
 
 
-def test_the_syncer_killed_between_a_merge_and_its_checkpoint_resumes_losing_nothing(tiny_model, tmp_path):
+@pytest.mark.parametrize("streamed", [(), ("--fragments", 2)], ids=["whole", "streamed"])
+def test_the_syncer_killed_between_a_merge_and_its_checkpoint_resumes_losing_nothing(tiny_model, tmp_path, streamed):
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
-    flags = ("--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 3, "--learner-timeout", 4)
+    flags = ("--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 3, "--learner-timeout", 4, *streamed)
     first = syncer(port, s_out, *flags, env=dict(ENV, YETO_CRASH_AT="checkpoint:2"))
     procs = {i: learner(model, port, i, 2, tmp_path / f"l{i}", "--syncer-timeout", 3) for i in (0, 1)}
     first_out, _ = first.communicate(timeout=240)
@@ -74,6 +77,8 @@ def test_the_syncer_killed_between_a_merge_and_its_checkpoint_resumes_losing_not
     merges_2 = [e for e in events if e["event"] == "merge" and e["version"] == 2]
     assert len(merges_2) == 2 and merges_2[0]["deltas"] == merges_2[1]["deltas"]
     assert merges_2[0]["digest"] == merges_2[1]["digest"]  # the redo is bit for bit the lost merge
+    parts = [e.get("part") for e in events if e["event"] == "merge"]
+    assert all(parts) == bool(streamed) and (not streamed or parts[1] == parts[2] != parts[0])  # (the redo: its part)
 
 
 def test_a_ten_second_network_cut_heals_by_itself(tiny_model, tmp_path):

@@ -19,7 +19,7 @@ DEFAULT_FRAGMENT_NUMEL = 1 << 22  # 4M values: 16 MiB fp32, 2 MiB at 4 bits (the
 # a learner's layout packs its adapter into about this many fragments (fewer where a fragment would hold less than
 # MIN_FRAGMENT_NUMEL), so that a run may stream them in up to this many parts (`stream_part`)
 STREAM_GRANULES = 32
-MIN_FRAGMENT_NUMEL = 1 << 12
+MIN_FRAGMENT_NUMEL = 1 << 8
 MAX_STREAM_PARTS = STREAM_GRANULES
 WIRE_DTYPE = "float32"  # every backend exchanges fp32 views, whatever it trains in
 MAX_DIM = 1 << 31  # no adapter tensor dimension (nor fragment) is larger
