@@ -127,6 +127,11 @@ def inner_step(island: Island, rnd: RoundStats, stats: IslandStats, step_delay: 
     return {**s, "tok_s": s["tokens"] / dt if dt > 0 else 0.0}
 
 
+def _norm_on(x: np.ndarray, pieces: list[tuple[int, int]]) -> float:
+    """The L2 norm of x's values in these (start, numel) pieces (what a streamed round sends)."""
+    return float(np.sqrt(sum(float(np.dot(x[a : a + n], x[a : a + n])) for a, n in pieces)))
+
+
 @dataclass
 class Carry:
     """Steps already trained that go on top of the next global: (θ ← g + (θ − since))."""
@@ -243,28 +248,31 @@ class IslandLoop:
         push under --merge-alpha < 1); the delta is always taken against the global. A streamed run (--fragments)
         keeps the island's adapter and takes only the parts that changed (`_streamed_start`)."""
         part = self.core.part(task.round)
-        streamed = part is not None and len(part) < len(self.layout.fragments)
-        if self.carry is None:
-            rnd = RoundStats(task.round)
+        rnd = self._round_stats(task)
+        if part is not None and len(part) < len(self.layout.fragments) and self.held_global is not None:
+            start = self._streamed_start(task.adapter)
+        elif self.carry is not None:
+            start = task.adapter + (flatten(self.layout, self.island.adapter_state()) - self.carry.since)
+        else:
             alpha = float(self.core.policy.get("merge_alpha", 1.0))
             start = task.adapter if self.last_local is None or alpha >= 1 else (
                 alpha * task.adapter + (1 - alpha) * self.last_local).astype(np.float32)
-        else:
-            rnd, since = self.carry.rnd, self.carry.since
-            if rnd.round != task.round:  # steps trained for another round's window: carried in (not overlap's,
-                rnd.carried = rnd.steps  # trained for this round, nor a carry a refusal sent back to its round)
-            elif self.carried_round == task.round:
-                self.stats.carried -= 1
-                self.log(f"round {task.round}: the late delta that held its place was refused; its {rnd.steps} "
-                         "steps go to it after all")
-            rnd.round, rnd.before, self.carried_round = task.round, rnd.steps, None
-            here = flatten(self.layout, self.island.adapter_state())
-            start = task.adapter + (here - since)
-            self.carry = None
-        if streamed and self.held_global is not None:
-            start = self._streamed_start(task.adapter)
-        self.held_global, self.pushed_part = task.adapter.copy(), ()
+        self.carry, self.held_global, self.pushed_part = None, task.adapter.copy(), ()
         self.island.load_adapter_state(unflatten(self.layout, start))
+        return rnd
+
+    def _round_stats(self, task: Train) -> RoundStats:
+        """The round's step counts: new, or those of steps carried into it."""
+        if self.carry is None:
+            return RoundStats(task.round)
+        rnd = self.carry.rnd
+        if rnd.round != task.round:  # steps trained for another round's window: carried in (not overlap's,
+            rnd.carried = rnd.steps  # trained for this round, nor a carry a refusal sent back to its round)
+        elif self.carried_round == task.round:
+            self.stats.carried -= 1
+            self.log(f"round {task.round}: the late delta that held its place was refused; its {rnd.steps} "
+                     "steps go to it after all")
+        rnd.round, rnd.before, self.carried_round = task.round, rnd.steps, None
         return rnd
 
     def _streamed_start(self, new_global: np.ndarray) -> np.ndarray:
@@ -308,9 +316,8 @@ class IslandLoop:
             wall = time.perf_counter() - self.t_start if self.t_start is not None else 0.0
             self.progress({"round": task.round, "steps": rnd.steps, "loss": rnd.loss, "tokens": rnd.tokens,
                            "loss_tokens": rnd.loss_tokens, "step": rnd.last_step, "lr": rnd.last_lr,
-                           "delta_norm": float(np.linalg.norm(np.concatenate(
-                               [(local - task.adapter)[a : a + n] for a, n in fragment_pieces(self.layout,
-                                                                                               self.pushed_part)]))),
+                           "delta_norm": _norm_on(local - task.adapter, fragment_pieces(self.layout,
+                                                                                         self.pushed_part)),
                            "delta_bytes": self.stats.delta_bytes[-1], "stall_s": round(self.stall_s, 4),
                            "utilization": self.stats.compute_s / wall if wall else 0.0,
                            "lag": self.core.version - task.base_version})
