@@ -15,7 +15,9 @@ records the delta: encode + wire), seconds down (the syncer's broadcast -> the i
 decode), quorum -> received (the last delta the merge waited for arrives -> the island holds the merged adapter),
 and false drops (a live island dropped as silent, a quorum timeout, a reconnect, a learner that gave up: must be 0).
 
-    python bench/wan.py                              # 1B-class and SmolLM2: loopback, home, mix (about 8 minutes)
+    python bench/wan.py                              # 1B-class and SmolLM2: loopback, home, mix, each also with
+                                                     # --overlap and streamed in 4 parts (about 15 minutes)
+    python bench/wan.py --sizes 8b --profiles loopback,home --no-real   # docs/benchmarks.md's streaming table
     python bench/wan.py --full                       # docs/benchmarks.md's table (about 30 minutes on 2 loaded cores)
     python bench/wan.py --sizes 70b --profiles loopback,home --no-real  # the 70B class (3.3 GB adapters)
 """
