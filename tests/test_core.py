@@ -194,6 +194,26 @@ def test_lost_broadcast_round_announcement_and_finish_are_noticed_and_recovered(
     assert np.array_equal(f.learners[1].global_, f.syncer.run.global_)
 
 
+@pytest.mark.parametrize("ending", ["finish", "stop"])
+def test_a_finish_serves_a_learner_fetching_the_final_adapter_and_a_stop_does_not(ending):
+    """A finished run lingers past its usual linger while a live learner still lacks the final version (a slow link's
+    reader); a stop (a signal, a full disk) ends at its own short linger whoever is still fetching."""
+    f = Fleet(n=2, outer_steps=1 if ending == "finish" else 2)
+    f.lost = lambda d, lid, t: lid == 1 and d == "down" and t in ("broadcast", "state")  # learner 1 never catches up
+    f.train(0)
+    f.train(1)
+    assert f.syncer.version == 1 and f.learners[1].version == 0
+    if ending == "stop":
+        f.apply(f.syncer.stop(f.now, "SIGTERM", 143))
+    assert f.syncer.finished_at is not None
+    linger = f.syncer.linger_until - f.now
+    f.tick(dt=1.0, times=int(linger) + 2)  # learner 1 pings throughout, behind the final version
+    assert f.learners[1].version == 0 and f.now - f.syncer.members[1].last_seen <= f.cfg.learner_timeout
+    assert (f.syncer.exit_code is None) == (ending == "finish"), (ending, f.syncer.exit_code)
+    if ending == "stop":
+        assert f.syncer.exit_code == 143
+
+
 @pytest.mark.parametrize("bits", [(2, 8), (4, None), (8, 2)])
 def test_deltas_travel_at_sync_bits_and_broadcasts_at_broadcast_bits(bits):
     up, down = bits

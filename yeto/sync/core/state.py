@@ -120,6 +120,8 @@ class SyncerState:
         self.absent_until = -math.inf  # after a restart: members known before it are expected until then
         self.finished_at: Optional[float] = None
         self.linger_until = math.inf
+        self.linger_for_fetchers = True  # a finish lingers on while a live learner fetches the final adapter; a stop
+        # (a signal) does not: a person asked it to end
         self.finish_header: Optional[dict[str, Any]] = None
         self.exit_code: Optional[int] = None
         self.internal_errors: set[str] = set()

@@ -129,7 +129,7 @@ class SyncerCore(Recovery, Admission, Merging):
                 self._drop(m, f"silent for {self.cfg.learner_timeout:g}s", now)
         self._expire_silent_ids(now)
         if self.finished_at is not None:
-            lingered = now >= self.linger_until and not self._fetching_final(now)
+            lingered = now >= self.linger_until and not (self.linger_for_fetchers and self._fetching_final(now))
             if self._all_gone(now) or lingered or now >= self.finished_at + FINISH_MAX_LINGER_TIMEOUTS * \
                     self.cfg.learner_timeout:
                 self._exit()
@@ -349,6 +349,7 @@ class SyncerCore(Recovery, Admission, Merging):
     def _finish(self, reason: str, now: float, code: int, complete: bool, linger_s: Optional[float] = None) -> None:
         self.finished_at = now
         self.linger_until = now + (FINISH_LINGER_TIMEOUTS * self.cfg.learner_timeout if linger_s is None else linger_s)
+        self.linger_for_fetchers = linger_s is None
         if self.round is not None:
             self.round.advance(RoundPhase.ABANDONED)
         self.round = None
