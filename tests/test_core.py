@@ -31,12 +31,12 @@ class Fleet:
     """A syncer core and learner cores with a hand-cranked network: `run()` delivers until quiet.
     `drop(pred)` loses the messages pred(direction, learner, type) selects; the tape and disk are kept."""
 
-    def __init__(self, n=2, **cfg):
+    def __init__(self, n=2, shapes=SHAPES, **cfg):
         cfg = {"learners": n, "quorum": n, "outer_steps": 3, "inner_steps": 2, "sync_bits": 32,
                "learner_timeout": 6.0, "straggler_timeout": 3.0, **cfg}
         self.cfg = SyncerConfig(**cfg)
         self.now = 0.0
-        self.layout = build_layout({k: np.zeros(v, np.float32) for k, v in SHAPES.items()})
+        self.layout = build_layout({k: np.zeros(v, np.float32) for k, v in shapes.items()})
         self.tape: list[dict] = []
         self.disk = {"checkpoint": None, "deltas": {}}
         self.checkpoints = {}  # every one written, by version (a syncer restarted from an older one rolls back)

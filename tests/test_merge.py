@@ -30,9 +30,10 @@ def test_rda_keeps_the_typical_length_along_the_mean_direction():
 
 
 def test_rda_falls_back_to_the_mean_per_tensor_when_directions_cancel():
-    layout = build_layout({"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)})
+    layout = build_layout({"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32), "c": np.zeros(2, np.float32)})
     slices = layout.tensor_slices()
-    d0, d1 = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    d0, d1 = np.zeros(6, np.float32), np.zeros(6, np.float32)  # (no delta moves c, as a streamed round leaves it:
+    # not a fallback)
     d0[slices["a"]], d1[slices["a"]] = [1.0, 0.0], [-2.0, 0.0]  # opposite: the unit directions cancel
     d0[slices["b"]], d1[slices["b"]] = [1.0, 1.0], [2.0, 2.0]  # the same direction: RDA is the mean length
     merged, fallbacks = rda([d0, d1], EQUAL2, layout)

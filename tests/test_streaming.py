@@ -11,16 +11,20 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.peers import QuadraticIsland, island_thread, wait_until
+from tests.test_core import Fleet
 from yeto import YetoError
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
 from yeto.sync.merge.rules import DeltaCounts, merge_weights
 from yeto.sync.shell.audit import audit_run
 from yeto.sync.shell.server import SyncerConfig
 from yeto.sync.shell.tape import read_tape
-from yeto.sync.wire.layout import (MIN_FRAGMENT_NUMEL, STREAM_GRANULES, build_layout, flatten, fragment_pieces,
-                                   stream_part)
+from yeto.sync.core.syncer import SyncerCore
+from yeto.sync.wire.layout import (MAX_STREAM_PARTS, MIN_FRAGMENT_NUMEL, STREAM_GRANULES, build_layout, flatten,
+                                   fragment_pieces, stream_part, stream_parts)
 from yeto.sync.wire.protocol import Message, ProtocolError, decode_fragments, encode_fragments_ef
 from yeto.sync.wire.quant import ErrorFeedback
 
@@ -42,6 +46,43 @@ def test_a_learners_layout_has_enough_fragments_to_stream_and_the_parts_cover_it
         assert max(sizes) <= 1.5 * layout.numel / parts  # about equal parts
     small = build_layout({"a": np.zeros(MIN_FRAGMENT_NUMEL // 2)})  # too small to split: one part, every round
     assert stream_part(small, 4, 3) == (0,)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([1, 7, 100, 300, 1000, 20000]), min_size=1, max_size=48),
+       st.integers(1, MAX_STREAM_PARTS))
+def test_the_parts_are_never_empty_and_cover_every_fragment_once_in_order(sizes, parts):
+    """A fragment larger than N / P (one big tensor) must not leave a part empty: a round of an empty part could
+    never be merged (its delta carries nothing), and the run would stall on it."""
+    layout = build_layout({f"t{i:03d}": np.zeros(n) for i, n in enumerate(sizes)})
+    cycle = stream_parts(layout, parts)
+    assert len(cycle) == min(parts, len(layout.fragments)) and all(cycle)
+    assert [i for p in cycle for i in p] == list(range(len(layout.fragments)))
+    assert [stream_part(layout, parts, r) for r in range(1, len(cycle) + 1)] == list(cycle)
+
+
+def test_a_big_tensor_gets_a_part_of_its_own_and_fewer_fragments_than_parts_are_said_at_founding(monkeypatch):
+    layout = build_layout({"a": np.zeros(10), "b": np.zeros(1000)})
+    assert stream_parts(layout, 2) == ((0,), (1,))  # (by first value alone, part 1 would be empty)
+    said = []
+    monkeypatch.setattr(SyncerCore, "_log", lambda self, level, text: said.append((level, text)))
+    Fleet(n=2, fragments=4)  # its adapter packs into one fragment
+    assert any(level == "warning" and "--fragments 4" in text and "streams in 1 part" in text for level, text in said)
+
+
+def test_a_parts_deltas_are_judged_by_the_norm_clip_against_that_parts_own_history():
+    """Parts differ in size and layers: a big part's deltas, against two small parts' norms, would all be clipped."""
+    shapes = {"a.lora_A.weight": (48, 48), "b.lora_A.weight": (48, 48), "c.lora_A.weight": (256, 256)}
+    f = Fleet(n=2, shapes=shapes, fragments=3, outer_steps=6)
+    assert stream_parts(f.layout, 3) == ((0,), (1,), (2,))
+    for _ in range(6):
+        f.train(0)
+        f.train(1)
+    merges = [e for e in f.tape if e["event"] == "merge"]
+    assert [e["part"] for e in merges] == [[0], [1], [2]] * 2
+    norms = [max(e["merged_norms"]) for e in merges]
+    assert norms[2] > 5 * norms[0]  # the big part's deltas, 5.3x the small ones', beyond the clip's k = 4
+    assert not [e["clip"] for e in merges if e["clip"]]
 
 
 def test_the_outer_step_on_a_part_is_the_step_inside_it_and_nothing_outside():

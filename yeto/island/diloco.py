@@ -309,7 +309,7 @@ class IslandLoop:
         local = flatten(self.layout, self.island.adapter_state())
         self.last_local = local
         part = self.core.part(task.round)
-        self.pushed_part = part or tuple(range(len(self.layout.fragments)))
+        self.pushed_part = tuple(range(len(self.layout.fragments))) if part is None else part
         self.stats.delta_bytes.append(self.link.push(local, rnd.counts()))
         self.stats.rounds += 1
         if self.progress:

@@ -22,7 +22,7 @@ from yeto.sync.core.actions import Checkpoint, SaveCheckpoint
 from yeto.sync.core.contract import contract_mismatch, contract_problem, init_adapter_problem, run_contract
 from yeto.sync.core.state import FRESH_IDS_PER_WINDOW, RATE_WINDOW_S, Founding, Member, Refusal, SyncerState
 from yeto.sync.merge.aggregate import RoundSum
-from yeto.sync.wire.layout import Layout, flatten, layout_from_json, layout_mismatch
+from yeto.sync.wire.layout import Layout, flatten, layout_from_json, layout_mismatch, stream_parts
 from yeto.sync.wire.protocol import (PROTOCOL_VERSION, Code, Message, ProtocolError, array_digest, decode_fragments,
                                      identity_proof, message_size, session_start, truncate)
 from yeto.sync.wire.quant import ErrorFeedback
@@ -291,6 +291,12 @@ class Admission(SyncerState):
         known = set(self.seen)
         self.seen.update(x.learner for x in self._active())  # (saved with checkpoint 0: a restart waits for them)
         self._record("init", learner=founder, digest=digest, **fields)
+        parts = len(stream_parts(f.layout, self.cfg.fragments))
+        if parts < self.cfg.fragments:
+            self._log("warning", f"--fragments {self.cfg.fragments}: this adapter has {len(f.layout.fragments)} "
+                                 f"fragment(s), so it streams in {parts} part(s), each synced every {parts} "
+                                 f"round(s), not every {self.cfg.fragments}: for as many steps between a part's syncs, "
+                                 f"use --fragments {parts} with rounds {self.cfg.fragments / parts:g}x as long")
         self.out.append(SaveCheckpoint(self._checkpoint()))
         self._record("checkpoint", version=0, digest=digest)
         for other in self._active():

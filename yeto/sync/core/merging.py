@@ -92,7 +92,7 @@ class Merging(Deltas):
         scales = dict(zip(ids, terms.scales))
         most = np.float32(terms.length)
         norms = [self.pending[i].norm * scales[i] * terms.length for i in ids]  # (the deltas as they are merged)
-        ref = clip_reference(norms, list(self.norm_history))
+        ref = clip_reference(norms, list(self._norm_history(self._part(self.round.number))))
         try:
             with np.errstate(all="ignore"):
                 weights = np.asarray(terms.counted, dtype=np.float64) / sum(terms.counted)
@@ -217,7 +217,7 @@ class Merging(Deltas):
         if merged.clip:
             self._log("warning", f"round {r.number}: robust merge clipped learner(s) "
                                  f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged.clip.items())}")
-        self.norm_history.extend(merged.merged_norms)
+        self._norm_history(self._part(r.number)).extend(merged.merged_norms)
         self._note_merged(ids, now)
         self.run = Checkpoint(version, run.layout, run.adapter_config, run.provenance, merged.global_,
                               merged.momentum, merged.residual, digest, asdict(self.cfg), sorted(self.seen),

@@ -107,7 +107,9 @@ class SyncerState:
         self.state_requests = RateLimit(STATE_REQUESTS_PER_WINDOW, RATE_WINDOW_S)
         self.fresh_ids = RateLimit(FRESH_IDS_PER_WINDOW, RATE_WINDOW_S)  # per principal (or connection, insecure)
         self.sum: Optional[RoundSum] = None  # the open round's running sum of accepted deltas
-        self.norm_history: deque[float] = deque(maxlen=NORM_HISTORY_ROUNDS * 4)
+        # recent merged deltas' norms, per part of the adapter (a streamed run's parts differ in size and layers; the
+        # whole adapter's key is None): the norm clip's reference
+        self.norm_history: dict[Optional[tuple[int, ...]], deque[float]] = {}
         self.merged: dict[int, list] = {}  # learner id -> its latest merged deltas, [[round, digest], ...]
         self.round: Optional[OpenRound] = None
         self.pending: dict[int, AcceptedDelta] = {}
@@ -181,6 +183,10 @@ class SyncerState:
         if skipped:
             self._record("replies_suppressed", peer=truncate(peer, 80), count=skipped)
         return ok
+
+    def _norm_history(self, part: Optional[tuple[int, ...]]) -> deque[float]:
+        """The recent merged norms of this part of the adapter (None: the whole of it)."""
+        return self.norm_history.setdefault(part, deque(maxlen=NORM_HISTORY_ROUNDS * 4))
 
     def _exit(self) -> None:
         if self.exit_code is None:

@@ -193,7 +193,8 @@ class Directions:
             v = self.units[k].astype(np.float64) / total_weight
             length = float(np.linalg.norm(v))
             if length < RDA_CANCEL:
-                fallbacks += 1
+                fallbacks += int(self.radial[j] > 0)  # (a tensor no delta moved, one a streamed round leaves, is no
+                # fallback: only deltas that cancel are)
             else:
                 out[k] = (radial[j] / total_weight / length) * v
         return out, fallbacks

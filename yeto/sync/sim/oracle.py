@@ -226,7 +226,8 @@ class Oracle:
                             f"(off by {float(np.abs(r - p.residual_before).max()):.3g})")
         expect = ErrorFeedback(self.w.layout.numel)
         expect.residual = p.residual_before
-        part = node.core.part(h["round"]) or tuple(range(len(self.w.layout.fragments)))
+        part = node.core.part(h["round"])
+        part = tuple(range(len(self.w.layout.fragments))) if part is None else part
         _, frames, _ = encode_fragments_ef(self.w.layout, x, int(node.core.policy["sync_bits"]), expect, part)
         if list(frames) != list(a.frames):
             raise Violation(f"learner {node.lid}'s delta for round {h['round']} is not its adapter minus the "

@@ -8,6 +8,7 @@ learner whose layout differs is refused with the first mismatching tensor named.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from dataclasses import dataclass
@@ -101,20 +102,30 @@ def fragment_bound(numel: int) -> int:
     return min(DEFAULT_FRAGMENT_NUMEL, max(MIN_FRAGMENT_NUMEL, -(-numel // STREAM_GRANULES)))
 
 
-def stream_part(layout: Layout, parts: int, round_number: int) -> tuple[int, ...]:
-    """The fragments round `round_number` syncs when a run streams its adapter in `parts` parts (1: all of them).
+def stream_parts(layout: Layout, parts: int) -> tuple[tuple[int, ...], ...]:
+    """The parts a run streaming its adapter in `parts` parts syncs in turn: P = min(parts, fragments) contiguous runs
+    of fragments (canonical names), never empty, of about N / P values each (N values in the adapter).
 
-    Part k holds the fragments whose first value lies in [k N / P, (k + 1) N / P) of the flat adapter (N values,
-    P = min(parts, fragments)): contiguous runs of canonical names of about equal size. Rounds take the parts in turn,
-    round r part (r - 1) mod P, so each part syncs every P rounds.
+    Part k holds the fragments whose first value lies in [k N / P, (k + 1) N / P) of the flat adapter, its start moved
+    where that would leave an earlier part empty or a later one without a fragment (a fragment larger than N / P
+    ends up alone in its part).
     """
     n = len(layout.fragments)
     p = max(1, min(parts, n))
-    if p == 1:
-        return tuple(range(n))
-    k = (round_number - 1) % p
-    total = layout.numel
-    return tuple(f.index for f in layout.fragments if f.start * p // total == k)
+    starts = [f.start for f in layout.fragments]
+    cuts = [0]
+    for k in range(1, p):
+        target = k * layout.numel / p
+        cuts.append(min(max(bisect.bisect_left(starts, target), cuts[-1] + 1), n - (p - k)))
+    cuts.append(n)
+    return tuple(tuple(range(a, b)) for a, b in zip(cuts, cuts[1:]))
+
+
+def stream_part(layout: Layout, parts: int, round_number: int) -> tuple[int, ...]:
+    """The fragments round `round_number` syncs (`stream_parts`; 1 part: all of them). Rounds take the parts in turn,
+    round r part (r - 1) mod P, so each part syncs every P rounds."""
+    cycle = stream_parts(layout, parts)
+    return cycle[(round_number - 1) % len(cycle)]
 
 
 def fragment_pieces(layout: Layout, indices: tuple[int, ...]) -> list[tuple[int, int]]:

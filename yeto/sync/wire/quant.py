@@ -200,7 +200,7 @@ class ErrorFeedback:
         Values outside the pieces are not sent and leave their residual as it was (a streamed part's turn comes
         later). The residual is a new array: a caller holding the old one keeps it."""
         target = np.add(x, self.residual, dtype=np.float32)
-        pieces = pieces or [(0, target.size)]
+        pieces = [(0, target.size)] if pieces is None else pieces
         payloads = [quantize(target[a : a + n], bits) for a, n in pieces]
         covered = sum(n for _, n in pieces) == target.size
         sent = np.empty_like(target) if covered else np.zeros_like(target)
