@@ -24,7 +24,7 @@ from yeto.sync.shell.server import SyncerConfig
 from yeto.sync.shell.tape import read_tape
 from yeto.sync.core.syncer import SyncerCore
 from yeto.sync.wire.layout import (MAX_STREAM_PARTS, MIN_FRAGMENT_NUMEL, STREAM_GRANULES, build_layout, flatten,
-                                   fragment_pieces, stream_part, stream_parts)
+                                   fragment_pieces, round_part, stream_part, stream_parts)
 from yeto.sync.wire.protocol import Message, ProtocolError, decode_fragments, encode_fragments_ef
 from yeto.sync.wire.quant import ErrorFeedback
 
@@ -79,7 +79,7 @@ def test_a_parts_deltas_are_judged_by_the_norm_clip_against_that_parts_own_histo
         f.train(0)
         f.train(1)
     merges = [e for e in f.tape if e["event"] == "merge"]
-    assert [e["part"] for e in merges] == [[0], [1], [2]] * 2
+    assert [e.get("part") for e in merges] == [[0], [1], [2], [0], [1], None]
     norms = [max(e["merged_norms"]) for e in merges]
     assert norms[2] > 5 * norms[0]  # the big part's deltas, 5.3x the small ones', beyond the clip's k = 4
     assert not [e["clip"] for e in merges if e["clip"]]
@@ -130,9 +130,11 @@ def test_streaming_flags_that_cannot_go_together_are_one_line_each(flags, error)
     assert SyncerConfig(fragments=4).max_base_lag == 0 and SyncerConfig().max_base_lag > 0
 
 
-def _replay(targets: list[float], rounds: int, parts: int, steps: int, reset: bool = False) -> np.ndarray:
+def _replay(targets: list[float], rounds: int, parts: int, steps: int, reset: bool = False,
+            whole_last: bool = True) -> np.ndarray:
     """Streaming DiLoCo by hand: the islands never reset (`reset`: they do, the bug); round r merges part
-    (r - 1) mod P of their deltas (the mean, outer lr 1) and each island takes that part of the new global."""
+    (r - 1) mod P of their deltas (the mean, outer lr 1) and each island takes that part of the new global; the last
+    round merges the whole adapter (`whole_last`: else its part, and the other parts' last steps are lost)."""
     layout = build_layout(QuadraticIsland(0.0, 1).state, FRAGMENT_NUMEL)
     g = np.zeros(layout.numel, np.float32)
     thetas = [g.copy() for _ in targets]
@@ -143,7 +145,8 @@ def _replay(targets: list[float], rounds: int, parts: int, steps: int, reset: bo
                 th[:] = g
             for _ in range(steps):
                 th -= np.float32(LR) * (th - np.float32(tgt))
-        for a, n in fragment_pieces(layout, stream_part(layout, parts, r)):
+        part = round_part(layout, parts, r, rounds if whole_last else rounds + 1)
+        for a, n in fragment_pieces(layout, tuple(range(len(layout.fragments))) if part is None else part):
             g[a:a + n] += sum(wi * (th[a:a + n] - g[a:a + n]) for wi, th in zip(w, thetas))
             for th in thetas:
                 th[a:a + n] = g[a:a + n]
@@ -163,9 +166,11 @@ def test_a_streamed_run_merges_one_part_a_round_exactly_as_by_hand(start_syncer,
     np.testing.assert_allclose(syncer.global_, expected, rtol=1e-5, atol=1e-6)
     # (islands that start each round from the global would end elsewhere: each part's steps between its syncs lost)
     assert not np.allclose(expected, _replay([1.0, -2.0], 6, 2, 2, reset=True), atol=1e-3)
+    # (a last round of one part would leave the other part's last round of steps out of the final adapter)
+    assert not np.allclose(expected, _replay([1.0, -2.0], 6, 2, 2, whole_last=False), atol=1e-3)
 
     tape = read_tape(tmp_path / "syncer")
-    assert [e["part"] for e in tape if e["event"] == "merge"] == [[0], [1]] * 3
+    assert [e.get("part") for e in tape if e["event"] == "merge"] == [[0], [1]] * 2 + [[0], None]  # (the last: all)
     whole = [e["bytes"] for e in tape if e["event"] == "delta"]
     assert len(whole) == 12 and max(whole) < 16 * 4 + 2048  # one 8-value fragment of fp32 and its header each
     broadcasts = [e for e in tape if e["event"] == "broadcast"]
@@ -193,5 +198,6 @@ def test_a_streamed_run_whose_syncer_is_killed_mid_run_resumes_and_finishes(star
     tape = read_tape(tmp_path / "syncer")
     merges = [e for e in tape if e["event"] == "merge"]
     assert [e["version"] for e in merges] == list(range(1, 9))
-    assert [e["part"] for e in merges] == [[0], [1]] * 4  # (the part follows the round, across the restart)
+    assert [e.get("part") for e in merges] == [[0], [1]] * 3 + [[0], None]  # (the part follows the round, across
+    # the restart)
     assert any(e["event"] == "resume" for e in tape) and audit_run(tmp_path / "syncer").ok

@@ -246,10 +246,10 @@ class IslandLoop:
     def _start(self, task: Train) -> RoundStats:
         """Load the round's start: the carried steps on top of its global, else the global (blended with our last
         push under --merge-alpha < 1); the delta is always taken against the global. A streamed run (--fragments)
-        keeps the island's adapter and takes only the parts that changed (`_streamed_start`)."""
-        part = self.core.part(task.round)
+        keeps the island's adapter and takes only the parts that changed (`_streamed_start`), every round (its last
+        round syncs the whole adapter: each part's steps since its last sync go up then)."""
         rnd = self._round_stats(task)
-        if part is not None and len(part) < len(self.layout.fragments) and self.held_global is not None:
+        if self.core.fragments > 1 and self.held_global is not None:
             start = self._streamed_start(task.adapter)
         elif self.carry is not None:
             start = task.adapter + (flatten(self.layout, self.island.adapter_state()) - self.carry.since)

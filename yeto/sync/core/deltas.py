@@ -17,7 +17,7 @@ import numpy as np
 from yeto.sync.core.actions import AcceptedDelta, SaveDelta
 from yeto.sync.core.state import Member, Refusal, SyncerState
 from yeto.sync.merge.rules import DeltaCounts, staleness_factor, weight_of
-from yeto.sync.wire.layout import stream_part
+from yeto.sync.wire.layout import round_part
 from yeto.sync.wire.protocol import Code, Message, ProtocolError, decode_fragments, digest_bytes, truncate
 from yeto.sync.wire.quant import dequantize
 
@@ -148,8 +148,9 @@ class Deltas(SyncerState):
                 "bits": sorted({x["bits"] for x in d.descs}), "lag": d.lag, "round_steps": d.round_steps}
 
     def _part(self, round_number: int) -> Optional[tuple[int, ...]]:
-        """The fragments a round merges when the run streams its adapter (--fragments); None: all of them."""
-        return stream_part(self.run.layout, self.cfg.fragments, round_number) if self.cfg.fragments > 1 else None
+        """The fragments a round merges when the run streams its adapter (--fragments); None: all of them (as in the
+        run's last round)."""
+        return round_part(self.run.layout, self.cfg.fragments, round_number, self.cfg.outer_steps)
 
     def _decode(self, d: AcceptedDelta) -> np.ndarray:
         return decode_fragments(self.run.layout, Message("delta", {"fragments": d.descs}, list(d.frames)),

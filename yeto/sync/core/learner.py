@@ -48,7 +48,7 @@ from yeto.sync.core.learner_loop import Done, RoundCounts, Task, Train, Verdict,
 from yeto.sync.core.learner_messages import SyncerMessages
 from yeto.sync.core.pushed import Pushed
 from yeto.sync.core.learner_phases import DATA, Held, Phase, PhaseData, Place, Training, check_transition
-from yeto.sync.wire.layout import Layout, stream_part
+from yeto.sync.wire.layout import Layout, round_part
 from yeto.sync.wire.protocol import (CLOCK_JUMP_S, Code, Message, ProtocolError, digest_bytes, encode_fragments_ef,
                                      session_id)
 from yeto.sync.wire.quant import ErrorFeedback, QuantError
@@ -186,9 +186,13 @@ class LearnerCore(SyncerMessages):
 
     def part(self, round_number: int) -> Optional[tuple[int, ...]]:
         """The fragments round `round_number` syncs when the run streams its adapter (policy `fragments` > 1: only
-        they go up and come back merged); None: the whole adapter."""
-        parts = int(self.policy.get("fragments", 1))
-        return stream_part(self.layout, parts, round_number) if parts > 1 else None
+        they go up and come back merged); None: the whole adapter (as in the run's last round)."""
+        return round_part(self.layout, self.fragments, round_number, int(self.policy.get("outer_steps", 0)))
+
+    @property
+    def fragments(self) -> int:
+        """The parts the run streams its adapter in (1: it syncs the whole adapter every round)."""
+        return int(self.policy.get("fragments", 1))
 
     @property
     def heartbeat_s(self) -> float:

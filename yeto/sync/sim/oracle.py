@@ -14,7 +14,7 @@ from yeto.sync.core.learner import LearnerCore
 from yeto.sync.core.learner_phases import TRANSITIONS, Phase
 from yeto.sync.merge.rules import DeltaCounts, merge_terms
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
-from yeto.sync.wire.layout import fragment_pieces, stream_part
+from yeto.sync.wire.layout import fragment_pieces, round_part
 from yeto.sync.wire.protocol import Code, Message, array_digest, decode_fragments, digest_bytes, encode_fragments_ef
 from yeto.sync.wire.quant import ErrorFeedback
 
@@ -163,9 +163,11 @@ class Oracle:
         g = self.init_payloads[fold.digests[0]].copy()
         m = np.zeros_like(g)
         ef = ErrorFeedback(self.w.layout.numel)
+        starts = [(s["seq"], int(s["config"]["outer_steps"])) for s in tape if s["event"] == "start"]
         for v in sorted(fold.merged):
             e = fold.merged[v]
-            part = stream_part(self.w.layout, cfg.fragments, e["round"]) if cfg.fragments > 1 else None
+            outer_steps = [n for seq, n in starts if seq < e["seq"]][-1]  # (a restart may have raised it)
+            part = round_part(self.w.layout, cfg.fragments, e["round"], outer_steps)
             if (e.get("part") is None) != (part is None) or (part is not None and tuple(e["part"]) != part):
                 raise Violation(f"merge {v} of round {e['round']} is of fragments {e.get('part')}, the round's part "
                                 f"is {part}")

@@ -12,7 +12,7 @@ import bisect
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -126,6 +126,15 @@ def stream_part(layout: Layout, parts: int, round_number: int) -> tuple[int, ...
     round r part (r - 1) mod P, so each part syncs every P rounds."""
     cycle = stream_parts(layout, parts)
     return cycle[(round_number - 1) % len(cycle)]
+
+
+def round_part(layout: Layout, parts: int, round_number: int, last_round: int) -> Optional[tuple[int, ...]]:
+    """The fragments round `round_number` syncs, None: the whole adapter. A run that streams (`parts` > 1) syncs its
+    parts in turn (`stream_part`), and its last round (`last_round`: --outer-steps) the whole adapter: each part then
+    brings every step since its own last sync, so no step of the run is left out of the final adapter."""
+    if parts <= 1 or round_number >= last_round:
+        return None
+    return stream_part(layout, parts, round_number)
 
 
 def fragment_pieces(layout: Layout, indices: tuple[int, ...]) -> list[tuple[int, int]]:
