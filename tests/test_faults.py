@@ -78,7 +78,8 @@ def test_the_syncer_killed_between_a_merge_and_its_checkpoint_resumes_losing_not
     assert len(merges_2) == 2 and merges_2[0]["deltas"] == merges_2[1]["deltas"]
     assert merges_2[0]["digest"] == merges_2[1]["digest"]  # the redo is bit for bit the lost merge
     parts = [e.get("part") for e in events if e["event"] == "merge"]
-    assert all(parts) == bool(streamed) and (not streamed or parts[1] == parts[2] != parts[0])  # (the redo: its part)
+    assert all(parts[:3]) == bool(streamed) and (not streamed or parts[1] == parts[2] != parts[0])  # (the redo: its
+    assert parts[3] is None  # part; the last round, whole)
 
 
 def test_a_ten_second_network_cut_heals_by_itself(tiny_model, tmp_path):
