@@ -185,13 +185,11 @@ class LearnerCore(SyncerMessages):
         return rnd == version + 1 and 0 <= version - p.base_version <= self.max_lag
 
     def part(self, round_number: int) -> Optional[tuple[int, ...]]:
-        """The fragments round `round_number` syncs when the run streams its adapter (policy `fragments` > 1: only
-        they go up and come back merged); None: the whole adapter (as in the run's last round)."""
+        """The fragments round `round_number` syncs (`round_part`), None: the whole adapter (unstreamed, last round)."""
         return round_part(self.layout, self.fragments, round_number, int(self.policy.get("outer_steps", 0)))
 
     @property
-    def fragments(self) -> int:
-        """The parts the run streams its adapter in (1: it syncs the whole adapter every round)."""
+    def fragments(self) -> int:  # the parts the run streams its adapter in (1: the whole adapter every round)
         return int(self.policy.get("fragments", 1))
 
     @property
