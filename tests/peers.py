@@ -74,6 +74,20 @@ def tape_with(out, event: str, timeout=10.0) -> list[dict]:
     return read_tape(out)
 
 
+class HeldIsland(QuadraticIsland):
+    """Takes `steps_before` steps, then waits for `hold` (at most `hold_s`) before each next one: the run cannot finish
+    before what the test does meanwhile (fill a disk, fuzz the port) is done, however fast the merges go."""
+
+    def __init__(self, *args, steps_before: int, hold: threading.Event, hold_s: float = 60.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps_before, self.hold, self.hold_s = steps_before, hold, hold_s
+
+    def step(self):
+        if self.steps >= self.steps_before:
+            self.hold.wait(self.hold_s)
+        return super().step()
+
+
 def island_thread(island, port, lid, results, log_fn=lambda s: None, **kw):
     def target():
         try:

@@ -17,7 +17,7 @@ import pytest
 from safetensors import SafetensorError
 
 from tests.conftest import REPO
-from tests.peers import QuadraticIsland, RawLearner, island_thread, tape_with, wait_until
+from tests.peers import HeldIsland, QuadraticIsland, RawLearner, island_thread, tape_with, wait_until
 from yeto.launch.local import free_port
 from yeto.sync.shell.server import DISK_FAILED_EXIT
 from yeto.sync.shell.store import DiskStore
@@ -134,23 +134,6 @@ def test_sigterm_exits_143_whenever_it_comes(tmp_path, when):
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-class HeldIsland(QuadraticIsland):
-    """Takes `steps_before` steps, then waits for `hold` before each next one: the run cannot finish before the disk
-    is full, however fast the merges go."""
-
-    def __init__(self, *args, steps_before: int, hold: threading.Event, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.steps_before, self.hold = steps_before, hold
-
-    def step(self):
-        if self.steps >= self.steps_before:
-            self.hold.wait(HOLD_S)
-        return super().step()
-
-
-HOLD_S = 60  # the longest a held island waits (the disk fills in well under a second)
 
 
 def test_a_full_tmpfs_stops_the_run_and_freeing_space_resumes_it(start_syncer, tmp_path):

@@ -20,8 +20,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.peers import (ADAPTER_CONFIG, FAST, SEND_TIMEOUT_MS, QuadraticIsland, RawLearner, island_thread, tape_with,
-                         wait_until)
+from tests.peers import (ADAPTER_CONFIG, FAST, SEND_TIMEOUT_MS, HeldIsland, QuadraticIsland, RawLearner, island_thread,
+                         tape_with, wait_until)
 from yeto import YetoError
 from yeto.island.diloco import run_island
 from yeto.launch.local import free_port
@@ -33,6 +33,8 @@ from yeto.sync.shell.server import Syncer, SyncerConfig
 from yeto.sync.shell.tape import read_tape
 
 FUZZ_CASES = int(os.environ.get("YETO_FUZZ_CASES", "1000"))
+HELD_STEPS = 4  # a held honest fleet's steps before it waits (2 rounds merge under the fuzz, the rest after it)
+HOLD_S = 300  # the longest it waits (the fuzz takes well under a minute)
 
 
 def secure(start_syncer, **kw):
@@ -41,9 +43,12 @@ def secure(start_syncer, **kw):
     return syncer, port, syncer.keys.join
 
 
-def honest_fleet(port, key, n=2, **kw):
+def honest_fleet(port, key, n=2, hold: threading.Event | None = None, **kw):
+    """`hold`: the islands take HELD_STEPS steps, then wait for it (the run outlasts what the test does meanwhile)."""
     results = {}
-    islands = {i: QuadraticIsland(1.0 - 2 * i, 100 + 50 * i) for i in range(n)}
+    islands = {i: QuadraticIsland(1.0 - 2 * i, 100 + 50 * i) if hold is None else
+               HeldIsland(1.0 - 2 * i, 100 + 50 * i, steps_before=HELD_STEPS, hold=hold, hold_s=HOLD_S)
+               for i in range(n)}
     threads = [island_thread(isl, port, i, results, join_key=key, **kw) for i, isl in islands.items()]
     return threads, results
 
@@ -523,7 +528,8 @@ def fuzz_message(draw, templates):
 def test_fuzzed_frames_authenticated_or_not_never_stop_honest_rounds(start_syncer, tmp_path):
     syncer, port, key = secure(start_syncer, learners=2, quorum=2, outer_steps=6, inner_steps=2,
                                straggler_timeout=2.0, sync_bits=32)
-    threads, results = honest_fleet(port, key, step_delay=0.1)
+    fuzzed = threading.Event()  # (the run must not finish, and its syncer exit, while the fuzz goes on)
+    threads, results = honest_fleet(port, key, step_delay=0.1, hold=fuzzed)
     assert wait_until(lambda: syncer.version >= 0, 15)
     fuzzer = RawLearner(port, 5, key=key, identity="fuzzer-identity-0001")
     state = QuadraticIsland(0.0, 1).state
@@ -549,6 +555,7 @@ def test_fuzzed_frames_authenticated_or_not_never_stop_honest_rounds(start_synce
         sent.append(authenticated)
 
     send()
+    fuzzed.set()
     join_all(threads, results, timeout=120)
     assert syncer.core.finish_header["complete"] and not syncer.core.internal_errors  # (it lingers for the fuzzer)
     tape = read_tape(tmp_path / "syncer")
