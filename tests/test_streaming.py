@@ -8,6 +8,7 @@ and a syncer killed mid-run resumes it. The simulator (tests/test_sim.py) runs s
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,9 +20,10 @@ from tests.test_core import Fleet
 from yeto import YetoError
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
 from yeto.sync.merge.rules import DeltaCounts, merge_weights
-from yeto.sync.shell.audit import audit_run
+from yeto.sync.shell.audit import audit, audit_run
 from yeto.sync.shell.server import SyncerConfig
 from yeto.sync.shell.tape import read_tape
+from yeto.sync.core.actions import Durable
 from yeto.sync.core.syncer import SyncerCore
 from yeto.sync.wire.layout import (MAX_STREAM_PARTS, MIN_FRAGMENT_NUMEL, STREAM_GRANULES, build_layout, flatten,
                                    fragment_pieces, round_part, stream_part, stream_parts)
@@ -83,6 +85,31 @@ def test_a_parts_deltas_are_judged_by_the_norm_clip_against_that_parts_own_histo
     norms = [max(e["merged_norms"]) for e in merges]
     assert norms[2] > 5 * norms[0]  # the big part's deltas, 5.3x the small ones', beyond the clip's k = 4
     assert not [e["clip"] for e in merges if e["clip"]]
+
+
+def test_a_restart_that_moves_the_last_round_refuses_its_saved_whole_deltas_on_the_tape():
+    """Round 2 of 2 syncs the whole adapter; the syncer restarts with --outer-steps 3, so round 2 now syncs part 1: the
+    saved whole delta cannot count (nor can its learner's copy), and is refused on the tape, not silently lost."""
+    f = Fleet(n=2, shapes={"a.lora_A.weight": (48, 48), "b.lora_A.weight": (48, 48)}, fragments=2, outer_steps=2)
+    f.train(0)
+    f.train(1)
+    f.train(0)  # round 2, the last: the whole adapter, accepted and saved
+    assert f.syncer.version == 1 and list(f.disk["deltas"]) == [(2, 0)]
+    f.cfg = replace(f.cfg, outer_steps=3)
+    f.syncer = f._boot_syncer(Durable(f.disk["checkpoint"], list(f.disk["deltas"].values()), list(f.tape)))
+    refused = [e for e in f.tape if e["event"] == "refuse_delta"]
+    assert [(e["learner"], e["round"]) for e in refused] == [(0, 2)] and "--outer-steps" in refused[0]["reason"]
+    assert not f.syncer.pending and audit(f.tape).ok
+    for lid, c in f.learners.items():
+        f.to_syncer(lid, c.connected_now(f.now))
+    f.run()
+    f.tick(dt=1.0, times=3)  # learner 0 sends its delta again, is told it was refused, and trains round 2 anew
+    for _ in range(2):
+        f.train(0)
+        f.train(1)
+    assert f.syncer.version == 3 and f.syncer.finished_at is not None
+    assert [e.get("part") for e in f.tape if e["event"] == "merge"] == [[0], [1], None]
+    assert audit(f.tape).ok
 
 
 def test_the_outer_step_on_a_part_is_the_step_inside_it_and_nothing_outside():

@@ -102,6 +102,13 @@ class Recovery(Deltas):
             ev = fold.outstanding.get((rnd, lid))
             if not self._restorable(ck, fold, d, ev):
                 continue
+            if ev is not None and not self._fits_its_part(d):  # the run's parts moved: sent again, it would not fit
+                reason = (f"round {rnd} no longer syncs the fragments this delta carries (the run restarted with "
+                          "another --outer-steps, and its last round, which syncs the whole adapter, moved)")
+                self._record("refuse_delta", learner=lid, round=rnd, digest=d.digest, reason=reason)
+                self.out.append(DropDeltas(round=rnd, learner=lid))
+                self._remember_refused(d.digest)
+                continue
             try:
                 flat = self._decode(d)
             except ProtocolError as e:  # a file that does not fit this run: its learner sends the delta again
@@ -115,6 +122,12 @@ class Recovery(Deltas):
             self.sum.add(lid, flat, self._weight(d), self._scale(d))
             restored.append(lid)
         return restored
+
+    def _fits_its_part(self, d: AcceptedDelta) -> bool:
+        """Does a saved delta carry the fragments its round syncs now?"""
+        part = self._part(d.round)
+        wanted = range(len(self.run.layout.fragments)) if part is None else part
+        return [x.get("index") for x in d.descs] == list(wanted)
 
     def _restorable(self, ck: Checkpoint, fold: TapeFold, d: AcceptedDelta, ev: Optional[dict[str, Any]]) -> bool:
         """A saved delta counts again if it is the open round's, its base within --max-base-lag, and it is the delta
