@@ -45,6 +45,7 @@ FOUND_SEEDS = {
     62: "a finished syncer stopped serving a slow reader still fetching the final adapter",
     4529: "no copy on its way and the round's announcement lost: the learner waited for an answer forever",
     6386: "a finished run's slow reader gave up while its control connection flapped",
+    1887: "a restart with more --outer-steps moved a streamed run's whole last round: its saved delta was lost",
 }
 
 
