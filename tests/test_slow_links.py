@@ -18,6 +18,7 @@ from yeto.sync.wire.protocol import encode
 ROWS = 500_000  # lora_B rows: 1M float32 values, ~4 MB per message at --sync-bits 32
 ADAPTER_BYTES = (2 * 4 + ROWS * 2) * 4
 RATE = 500_000  # bytes/s on the slow direction (4 Mbit/s): one adapter takes ~8 s
+SLOW_WAIT_S = 120  # the most a test waits for the slow learner (~20 s alone; CI's 2 busy cores slow its proxy's pumps)
 
 
 def slow_link(target_port: int, up: float = 0.0, down: float = 0.0) -> Link:
@@ -39,11 +40,11 @@ def test_an_upload_longer_than_the_learner_timeout_is_not_dropped_merges_and_goe
         wait_until(lambda: syncer.version == 0 and syncer.global_ is not None)
         slow = island_thread(island(), link.port, 1, results, step_delay=2.5)  # trains 5 s, uploads ~8 s
         assert wait_until(lambda: any(e["event"] == "delta" and e["learner"] == 1 for e in read_tape(syncer.cfg.out)),
-                          40), "the slow learner's delta never came"
+                          SLOW_WAIT_S), "the slow learner's delta never came"
         up_at_ack = link.bytes_up
         time.sleep(2.5)  # it trains its next round (5 s): nothing of size should go up meanwhile
         resent = link.bytes_up - up_at_ack
-        slow.join(60)
+        slow.join(SLOW_WAIT_S)
     finally:
         link.close()
     assert all(isinstance(r, dict) for r in results.values()), results
@@ -78,7 +79,7 @@ def test_a_slow_reader_delays_nobody_is_held_bounded_and_catches_up_from_the_lat
         slow = island_thread(islands[1], link.port, 1, results)
         fast.join(30)
         fast_s = time.monotonic() - t0
-        slow.join(45)
+        slow.join(SLOW_WAIT_S)
         slow_s = time.monotonic() - t0
         sampling = False
         sampler.join(5)
