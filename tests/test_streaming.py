@@ -26,7 +26,7 @@ from yeto.sync.shell.tape import read_tape
 from yeto.sync.core.actions import Durable
 from yeto.sync.core.syncer import SyncerCore
 from yeto.sync.wire.layout import (MAX_STREAM_PARTS, MIN_FRAGMENT_NUMEL, STREAM_GRANULES, build_layout, flatten,
-                                   fragment_pieces, round_part, stream_part, stream_parts)
+                                   fragment_pieces, round_part, stream_part, stream_parts, synced_fragments)
 from yeto.sync.wire.protocol import Message, ProtocolError, decode_fragments, encode_fragments_ef
 from yeto.sync.wire.quant import ErrorFeedback
 
@@ -173,7 +173,7 @@ def _replay(targets: list[float], rounds: int, parts: int, steps: int, reset: bo
             for _ in range(steps):
                 th -= np.float32(LR) * (th - np.float32(tgt))
         part = round_part(layout, parts, r, rounds if whole_last else rounds + 1)
-        for a, n in fragment_pieces(layout, tuple(range(len(layout.fragments))) if part is None else part):
+        for a, n in fragment_pieces(layout, synced_fragments(layout, part)):
             g[a:a + n] += sum(wi * (th[a:a + n] - g[a:a + n]) for wi, th in zip(w, thetas))
             for th in thetas:
                 th[a:a + n] = g[a:a + n]

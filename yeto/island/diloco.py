@@ -41,7 +41,7 @@ from yeto import YetoError
 from yeto.sync.shell.keys import JoinKey, write_secret
 from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict
-from yeto.sync.wire.layout import Layout, build_layout, flatten, fragment_pieces, unflatten
+from yeto.sync.wire.layout import Layout, build_layout, flatten, fragment_pieces, synced_fragments, unflatten
 
 
 IDENTITY_FILE = "identity"
@@ -309,7 +309,7 @@ class IslandLoop:
         local = flatten(self.layout, self.island.adapter_state())
         self.last_local = local
         part = self.core.part(task.round)
-        self.pushed_part = tuple(range(len(self.layout.fragments))) if part is None else part
+        self.pushed_part = synced_fragments(self.layout, part)
         self.stats.delta_bytes.append(self.link.push(local, rnd.counts()))
         self.stats.rounds += 1
         if self.progress:

@@ -16,6 +16,7 @@ from yeto.sync.core.actions import AcceptedDelta, Checkpoint, DropDeltas, Durabl
 from yeto.sync.core.deltas import Deltas
 from yeto.sync.core.fold import TapeFold
 from yeto.sync.merge.aggregate import RoundSum
+from yeto.sync.wire.layout import synced_fragments
 from yeto.sync.wire.protocol import ProtocolError, truncate
 from yeto.sync.wire.quant import ErrorFeedback
 
@@ -125,9 +126,7 @@ class Recovery(Deltas):
 
     def _fits_its_part(self, d: AcceptedDelta) -> bool:
         """Does a saved delta carry the fragments its round syncs now?"""
-        part = self._part(d.round)
-        wanted = range(len(self.run.layout.fragments)) if part is None else part
-        return [x.get("index") for x in d.descs] == list(wanted)
+        return [x.get("index") for x in d.descs] == list(synced_fragments(self.run.layout, self._part(d.round)))
 
     def _restorable(self, ck: Checkpoint, fold: TapeFold, d: AcceptedDelta, ev: Optional[dict[str, Any]]) -> bool:
         """A saved delta counts again if it is the open round's, its base within --max-base-lag, and it is the delta

@@ -14,7 +14,7 @@ from yeto.sync.core.learner import LearnerCore
 from yeto.sync.core.learner_phases import TRANSITIONS, Phase
 from yeto.sync.merge.rules import DeltaCounts, merge_terms
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
-from yeto.sync.wire.layout import fragment_pieces, round_part
+from yeto.sync.wire.layout import fragment_pieces, round_part, synced_fragments
 from yeto.sync.wire.protocol import Code, Message, array_digest, decode_fragments, digest_bytes, encode_fragments_ef
 from yeto.sync.wire.quant import ErrorFeedback
 
@@ -229,7 +229,7 @@ class Oracle:
         expect = ErrorFeedback(self.w.layout.numel)
         expect.residual = p.residual_before
         part = node.core.part(h["round"])
-        part = tuple(range(len(self.w.layout.fragments))) if part is None else part
+        part = synced_fragments(self.w.layout, part)
         _, frames, _ = encode_fragments_ef(self.w.layout, x, int(node.core.policy["sync_bits"]), expect, part)
         if list(frames) != list(a.frames):
             raise Violation(f"learner {node.lid}'s delta for round {h['round']} is not its adapter minus the "

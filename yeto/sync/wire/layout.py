@@ -137,6 +137,11 @@ def round_part(layout: Layout, parts: int, round_number: int, last_round: int) -
     return stream_part(layout, parts, round_number)
 
 
+def synced_fragments(layout: Layout, part: Optional[tuple[int, ...]]) -> tuple[int, ...]:
+    """The fragments a round with this part syncs (`round_part`'s None: every one)."""
+    return tuple(range(len(layout.fragments))) if part is None else part
+
+
 def fragment_pieces(layout: Layout, indices: tuple[int, ...]) -> list[tuple[int, int]]:
     """(start, numel) in the flat adapter of each listed fragment."""
     return [(layout.fragments[i].start, layout.fragments[i].numel) for i in indices]
