@@ -223,8 +223,11 @@ class _Pipe:
             while not link.closed:
                 link._wait_unfrozen()
                 bps = self._rate()
-                while bps and self.bottleneck.backlog_s(time.monotonic()) > QUEUE_S and not link.closed:
-                    time.sleep(min(POLL_S, self.bottleneck.backlog_s(time.monotonic()) - QUEUE_S))
+                while bps and not link.closed:
+                    ahead_s = self.bottleneck.backlog_s(time.monotonic()) - QUEUE_S  # (read once: the clock moves)
+                    if ahead_s <= 0:
+                        break
+                    time.sleep(min(POLL_S, ahead_s))
                 chunk = int(min(MAX_CHUNK, max(MIN_CHUNK, bps / 8 * CHUNK_S))) if bps else MAX_CHUNK
                 try:
                     data = self.src.recv(chunk)
