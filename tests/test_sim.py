@@ -12,7 +12,9 @@ import pytest
 
 from yeto.sync import sim
 from yeto.sync.core import actions
+from yeto.sync.core import deltas as sdeltas
 from yeto.sync.core import learner as lcore
+from yeto.sync.core import learner_pipeline as lpipeline
 from yeto.sync.core import learner_phases as lphases
 from yeto.sync.core import merging
 from yeto.sync.core import syncer as score
@@ -31,6 +33,8 @@ def test_seeded_fault_schedules_keep_every_invariant():
     assert len(streamed) >= SEEDS // 10 and any("resume" in o.exercised and "reject" in o.exercised for o in streamed)
     slow = [o for o in outcomes if "slow_link" in o.exercised]  # (a learner's adapters take longer than its timeout)
     assert len(slow) >= SEEDS // 10 and any("resume" in o.exercised for o in slow)
+    piped = [o for o in outcomes if "pipelined" in o.exercised]  # (--pipeline: a delta pushed ahead of its round)
+    assert len(piped) >= SEEDS // 20 and any("resume" in o.exercised for o in piped)
 
 
 # seeds beyond the CI range that once broke an invariant (each note says what was fixed); they stay fixed
@@ -46,6 +50,8 @@ FOUND_SEEDS = {
     4529: "no copy on its way and the round's announcement lost: the learner waited for an answer forever",
     6386: "a finished run's slow reader gave up while its control connection flapped",
     1887: "a restart with more --outer-steps moved a streamed run's whole last round: its saved delta was lost",
+    945: "a pipelined delta taken when its round opened closed that round inside the opening (nested rounds)",
+    492: "a learner whose open round's delta was lost waited on its pipelined ones, which waited on that round",
 }
 
 
@@ -139,6 +145,12 @@ def _weights_by_claim(orig):
     return terms
 
 
+def _whole_residual_given_back(orig):
+    def give_back(self, p):  # a refused delta gives back the whole residual, undoing the other deltas in flight
+        self.ef.residual = p.residual_before
+    return give_back
+
+
 def _every_part_stepped(orig):
     def step_on(params, avg, momentum, lr, mu, pieces):  # a streamed round's outer step taken on the whole adapter
         return nesterov_step(params, avg, momentum, lr, mu)
@@ -158,6 +170,10 @@ PLANTED = {
     "a streamed round that steps the parts it did not merge": [(merging, "nesterov_step_on", _every_part_stepped)],
     "a delta sent again on every control-connection drop (copies queue up a slow link)": [
         (lcore.LearnerCore, "link_lost", lambda orig: lambda self, now, bulk=True: orig(self, now, True))],
+    "a pipelined delta across a merge of its own part": [(lpipeline, "untouched_since", lambda orig: lambda *a: True),
+                                                         (sdeltas, "untouched_since", lambda orig: lambda *a: True)],
+    "a refused pipelined delta that gives back the whole residual": [
+        (lpipeline.PipelinedDeltas, "_give_back", _whole_residual_given_back)],
     "a finished syncer that stops serving a slow reader": [
         (score.SyncerCore, "_fetching_final", lambda orig: lambda self, now: False)],
     "an error-feedback residual given back for a delta that counted": [

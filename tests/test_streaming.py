@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from tests.peers import QuadraticIsland, island_thread, wait_until
 from tests.test_core import Fleet
+from yeto.sync.core.learner import Wait
 from yeto import YetoError
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
 from yeto.sync.merge.rules import DeltaCounts, merge_weights
@@ -27,7 +28,7 @@ from yeto.sync.core.actions import Durable
 from yeto.sync.core.syncer import SyncerCore
 from yeto.sync.wire.layout import (MAX_STREAM_PARTS, MIN_FRAGMENT_NUMEL, STREAM_GRANULES, build_layout, flatten,
                                    fragment_pieces, round_part, stream_part, stream_parts, synced_fragments)
-from yeto.sync.wire.protocol import Message, ProtocolError, decode_fragments, encode_fragments_ef
+from yeto.sync.wire.protocol import Message, ProtocolError, decode_fragments, encode, encode_fragments_ef
 from yeto.sync.wire.quant import ErrorFeedback
 
 LR = 0.1  # the quadratic islands' step: slow enough that a lost step shows
@@ -112,6 +113,95 @@ def test_a_restart_that_moves_the_last_round_refuses_its_saved_whole_deltas_on_t
     assert audit(f.tape).ok
 
 
+PIPELINE_SHAPES = {"a.lora_A.weight": (48, 48), "b.lora_A.weight": (48, 48)}  # two fragments: two parts
+
+
+def _mine(f: Fleet, lid: int) -> list[tuple[int, int]]:
+    """(round, merge version) of each of learner `lid`'s deltas a merge counted."""
+    deltas = {e["digest"]: e for e in f.tape if e["event"] == "delta"}
+    return [(deltas[d]["round"], e["version"]) for e in f.tape if e["event"] == "merge"
+            for i, d in zip(e["responders"], e["deltas"]) if i == lid]
+
+
+def test_a_pipelined_delta_waits_unacked_for_its_round_and_counts_there_as_a_fresh_one():
+    """--pipeline 2: learner 0 pushes round 1, then trains round 2 from version 0 at once (round 2's part is not
+    round 1's) and pushes it; the syncer keeps it until round 2 opens, then takes it as a fresh delta of version 1."""
+    f = Fleet(n=2, shapes=PIPELINE_SHAPES, fragments=2, pipeline=2, outer_steps=4)
+    f.train(0)  # round 1
+    task, _ = f.train(0)  # round 2, ahead of round 1's merge
+    assert (task.round, task.base_version) == (2, 0)
+    c = f.learners[0]
+    assert [p.round for p in c.in_flight()] == [1, 2] and not c.ahead[0].acked
+    assert isinstance(c.next_task(f.now), Wait)  # two in flight: the pipeline is full
+    assert f.syncer.ahead[0][2][1].header["trained_from"] == 0 and f.syncer.pending[0].round == 1
+    f.train(1)  # round 1's quorum: merged; round 2 opens and takes learner 0's pipelined delta
+    assert f.syncer.version == 1 and f.syncer.pending[0].round == 2 and f.syncer.pending[0].lag == 0
+    assert [p.round for p in c.in_flight()] == [2] and c.pushed.acked
+    accepted = [e for e in f.tape if e["event"] == "delta" and e["learner"] == 0]
+    assert [(e["round"], e["base_version"], e.get("trained_from")) for e in accepted] == [(1, 0, None), (2, 1, 0)]
+    f.train(1)  # round 2 merged: learner 0's delta counted in it
+    for _ in range(2):
+        f.train(0)
+        f.train(1)
+    assert f.syncer.version == 4 and f.syncer.finished_at is not None
+    assert _mine(f, 0) == [(1, 1), (2, 2), (3, 3), (4, 4)] and audit(f.tape).ok
+
+
+def test_a_pipelined_delta_whose_part_a_merge_changes_is_refused_and_gives_its_residual_back():
+    """Round 4 of 4 syncs the whole adapter, so it is never pushed ahead; a crafted delta that claims it was is
+    refused, and a learner whose pipelined delta is refused gets that part's residual back (its other part's stays)."""
+    f = Fleet(n=2, shapes=PIPELINE_SHAPES, fragments=2, pipeline=2, outer_steps=3, sync_bits=4)
+    f.train(0)
+    f.train(0)
+    c = f.learners[0]
+    head, ahead = c.pushed, c.ahead[0]
+    assert c._next_pipelined() is None  # (round 3, the last, moves the whole adapter: never ahead)
+    before = c.ef.residual.copy()
+    for refused, left in ((head, [ahead]), (ahead, [])):  # the oldest first: the pipelined one takes its place
+        c.receive(Message("error", {"code": "refused", "reason": "x", "round": refused.round, "version": 0,
+                                    "base_version": refused.base_version, "digest": refused.digest}), f.now)
+        assert c.in_flight() == left
+        mine = np.zeros(f.layout.numel, bool)
+        for a, n in fragment_pieces(f.layout, synced_fragments(f.layout, refused.part)):
+            mine[a:a + n] = True
+        np.testing.assert_array_equal(c.ef.residual[mine], refused.residual_before[mine])
+        np.testing.assert_array_equal(c.ef.residual[~mine], before[~mine])  # (the other part's is its own)
+        before = c.ef.residual.copy()
+        assert set(synced_fragments(f.layout, refused.part)) <= c.given_back  # (the loop keeps its steps)
+    # the syncer's side: a delta of the last round (the whole adapter) trained before round 2's merge
+    f.train(1)
+    f.train(1)
+    f.train(0)
+    assert f.syncer.version == 2
+    h = {"round": 3, "base_version": 2, "trained_from": 1, "trained_digest": f.syncer.digests[1]}
+    assert "changed its part" in f.syncer._pipelined_refusal(h).reason
+    assert f.syncer._pipelined_refusal({**h, "trained_from": 2, "trained_digest": f.syncer.digests[2]}) is None
+    assert "rolled it back" in f.syncer._pipelined_refusal({**h, "trained_digest": "0" * 16}).reason
+
+
+def test_a_pipeline_takes_no_round_the_syncer_would_refuse_and_the_syncer_keeps_only_well_formed_deltas():
+    """--pipeline 3 of 4 parts: with round 2's delta refused, rounds 1 and 3 in flight, round 4 from version 0 would be
+    3 versions back (the syncer takes 2): not trained. A kept delta must carry its round's part, checked on arrival."""
+    shapes = {f"{t}.lora_A.weight": (48, 48) for t in "abcd"}
+    f = Fleet(n=2, shapes=shapes, fragments=4, pipeline=3, outer_steps=8)
+    for rnd in (1, 2, 3):
+        task, _ = f.train(0)
+        assert (task.round, task.base_version) == (rnd, 0)
+    c = f.learners[0]
+    assert sorted(f.syncer.ahead[0]) == [2, 3] and c._next_pipelined() is None  # (full)
+    second = c.ahead[0]
+    c.receive(Message("error", {"code": "refused", "reason": "x", "round": 2, "base_version": 1, "version": 0,
+                                "digest": second.digest}), f.now)
+    assert [p.round for p in c.in_flight()] == [1, 3] and c._next_pipelined() is None
+    # a delta for round 3 carrying round 2's part: refused at once, the kept one stays
+    kept = f.syncer.ahead[0][3][1]
+    bad = {**second.header, "round": 3, "base_version": 2, "copy": 9}
+    f.queue.append(("up", 0, encode("delta", {**bad, "learner": 0, "session": c.session}, second.frames)))
+    f.run()
+    assert f.syncer.ahead[0][3][1] is kept
+    assert any(e["event"] == "reject" and e["round"] == 3 and e["digest"] == second.digest for e in f.tape)
+
+
 def test_the_outer_step_on_a_part_is_the_step_inside_it_and_nothing_outside():
     rng = np.random.default_rng(1)
     params, avg, mom = (rng.standard_normal(20).astype(np.float32) for _ in range(3))
@@ -150,6 +240,9 @@ def test_a_part_goes_up_alone_its_residual_moves_and_the_rest_waits_its_turn():
     ({"fragments": 4, "max_base_lag": 2}, "--max-base-lag 0"),
     ({"fragments": 4, "merge": "mean", "lora_merge": "product"}, "--lora-merge factors"),
     ({"fragments": 4, "merge_alpha": 0.5}, "--merge-alpha 1"),
+    ({"fragments": 2, "pipeline": 3}, "--pipeline must be between 1"),
+    ({"pipeline": 2}, r"--pipeline must be between 1 \(one delta in flight\) and --fragments \(1\)"),
+    ({"fragments": 2, "pipeline": 2, "round_seconds": 30.0}, "--inner-steps with --pipeline"),
 ])
 def test_streaming_flags_that_cannot_go_together_are_one_line_each(flags, error):
     with pytest.raises(YetoError, match=error):
@@ -205,6 +298,35 @@ def test_a_streamed_run_merges_one_part_a_round_exactly_as_by_hand(start_syncer,
     assert audit_run(tmp_path / "syncer").ok
     layout = build_layout(islands[0].state, FRAGMENT_NUMEL)
     np.testing.assert_allclose(flatten(layout, islands[1].state), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_pipelined_run_on_loopback_pushes_ahead_and_lands_where_streaming_does(start_syncer, tmp_path, overlap):
+    """--pipeline 2 with real islands: the fast one pushes each next round's part while the slow one still trains
+    (it would wait otherwise), every merge counts both islands, and the run ends where the unpipelined replay does:
+    an island takes a merged part a round later, but its steps are affine and the merge an equal-weight mean, so
+    the islands' late takes cancel in the part's next merge (a delta taken against the wrong base would not).
+    With --overlap the fast island also trains on while its pipeline is full, and before the last round: its steps
+    take the merged parts later still (near the replay, not on it)."""
+    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=6, inner_steps=2, sync_bits=32, merge="mean",
+                                fragments=2, pipeline=2)
+    islands = {0: QuadraticIsland(1.0, 100, lr=LR), 1: QuadraticIsland(-2.0, 100, lr=LR)}
+    results: dict = {}
+    threads = [island_thread(isl, port, lid, results, fragment_numel=FRAGMENT_NUMEL, step_delay=0.1 * lid,
+                             overlap=overlap) for lid, isl in islands.items()]
+    for t in threads:
+        t.join(90)
+    assert all(isinstance(r, dict) and r["complete"] for r in results.values()), results
+    tape = read_tape(tmp_path / "syncer")
+    merges = [e for e in tape if e["event"] == "merge"]
+    assert [sorted(e["responders"]) for e in merges] == [[0, 1]] * 6
+    ahead = [e for e in tape if e["event"] == "delta" and "trained_from" in e]
+    assert {e["learner"] for e in ahead} >= {0} and all(e["trained_from"] < e["base_version"] for e in ahead)
+    assert audit_run(tmp_path / "syncer").ok
+    expected = _replay([1.0, -2.0], 6, 2, 2)
+    np.testing.assert_allclose(syncer.global_, expected, rtol=1e-5, atol=1e-6 if not overlap else 0.15)
+    layout = build_layout(islands[0].state, FRAGMENT_NUMEL)
+    np.testing.assert_allclose(flatten(layout, islands[0].state), syncer.global_, rtol=1e-5, atol=1e-6)
 
 
 def test_a_streamed_run_whose_syncer_is_killed_mid_run_resumes_and_finishes(start_syncer, tmp_path):

@@ -79,6 +79,9 @@ def syncer_command(
                                                 "broadcast per round (each part syncs every P rounds: 1/P of the "
                                                 "bytes per round). 1: the whole adapter every round.")
                          ] = _D.fragments,
+    pipeline: Annotated[int, typer.Option(help="With --fragments: learners may push the next rounds' parts before "
+                                               "this round's merge comes, up to this many deltas in flight (their "
+                                               "upload overlaps training). 1: wait for each merge.")] = _D.pipeline,
     staleness_exponent: Annotated[float, typer.Option(help="A delta lag versions old weighs (1 + lag)^-this "
                                                            "(0: no discount).")] = _D.staleness_exponent,
     step_normalize: Annotated[Optional[bool], typer.Option(
@@ -132,5 +135,6 @@ def syncer_command(
 with_help_panels(syncer_command, advanced=(
     "broadcast_bits", "outer_lr", "outer_momentum", "straggler_timeout", "quorum_timeout", "learner_timeout",
     "max_message_mb", "robust", "robust_k", "merge", "merge_weight", "lora_merge", "grace_s", "max_base_lag",
-    "staleness_exponent", "step_normalize", "merge_alpha", "fragments", "max_learners", "max_connections", "run_name"))
+    "staleness_exponent", "step_normalize", "merge_alpha", "fragments", "pipeline", "max_learners", "max_connections",
+    "run_name"))
 syncer_command = with_old_spellings(syncer_command, OLD_SPELLINGS)

@@ -40,7 +40,7 @@ import numpy as np
 from yeto import YetoError
 from yeto.sync.shell.keys import JoinKey, write_secret
 from yeto.sync.shell.client import SyncerLink
-from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict
+from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict, Wait
 from yeto.sync.wire.layout import Layout, build_layout, flatten, fragment_pieces, synced_fragments, unflatten
 
 
@@ -188,7 +188,7 @@ class IslandLoop:
         self.carried_round: Optional[int] = None  # the round whose work `carry` holds after a CARRY (not an overlap)
         self.last_local: Optional[np.ndarray] = None  # the adapter this island last pushed (--merge-alpha blends it in)
         self.held_global: Optional[np.ndarray] = None  # the global the island's adapter last took (a streamed run)
-        self.pushed_part: tuple[int, ...] = ()  # the fragments of its push since (a streamed run)
+        self.pushed_at: dict[int, np.ndarray] = {}  # fragment -> the adapter at its latest push (a streamed run)
 
     def run(self) -> dict[str, Any]:
         done: Optional[Done] = None
@@ -213,11 +213,30 @@ class IslandLoop:
         return self._result(done)
 
     def _next_task(self) -> Train | Done:
-        t_wait = time.perf_counter()
-        task = self.link.next_task()
-        if self.t_start is not None:
-            self.stall_s += time.perf_counter() - t_wait
-        return task
+        """The core's next task. With --overlap, a pipeline with nothing to take yet (full, or the run's last round,
+        which waits for the merge before it) trains on instead of waiting: those steps are the next round's."""
+        while True:
+            t_wait = time.perf_counter()
+            ahead = self._next_round_ahead()
+            task = self.link.next_task(timeout_s=0.0 if ahead else None)
+            if self.t_start is not None:
+                self.stall_s += time.perf_counter() - t_wait
+            if not isinstance(task, Wait):
+                return task
+            if self.carry is None:  # (a streamed start keeps the island's adapter: `since` is not used)
+                self.carry = Carry(RoundStats(ahead), self.held_global)
+            self._step(self.carry.rnd)
+
+    def _next_round_ahead(self) -> int:
+        """A pipelined island with deltas in flight and room for more steps: the round its steps now go to (0: none,
+        wait for the core)."""
+        if not self.overlap or self.core.pipeline <= 1 or self.t_start is None or self.held_global is None:
+            return 0
+        limit = self.max_inner_steps or int(self.core.policy.get("inner_steps", 0))
+        latest = self.link.latest_round_in_flight()
+        if not latest or (self.carry is not None and self.carry.rnd.steps >= limit):
+            return 0
+        return latest + 1
 
     def _round(self, task: Train) -> None:
         if self.core.shard is not None and hasattr(self.island, "use_shard"):
@@ -250,6 +269,8 @@ class IslandLoop:
         round syncs the whole adapter: each part's steps since its last sync go up then)."""
         rnd = self._round_stats(task)
         if self.core.fragments > 1 and self.held_global is not None:
+            for f in self.link.take_given_back():  # (its steps before that push are in no global: keep them)
+                self.pushed_at.pop(f, None)
             start = self._streamed_start(task.adapter)
         elif self.carry is not None:
             start = task.adapter + (flatten(self.layout, self.island.adapter_state()) - self.carry.since)
@@ -257,7 +278,7 @@ class IslandLoop:
             alpha = float(self.core.policy.get("merge_alpha", 1.0))
             start = task.adapter if self.last_local is None or alpha >= 1 else (
                 alpha * task.adapter + (1 - alpha) * self.last_local).astype(np.float32)
-        self.carry, self.held_global, self.pushed_part = None, task.adapter.copy(), ()
+        self.carry, self.held_global = None, task.adapter.copy()
         self.island.load_adapter_state(unflatten(self.layout, start))
         return rnd
 
@@ -278,15 +299,16 @@ class IslandLoop:
     def _streamed_start(self, new_global: np.ndarray) -> np.ndarray:
         """Streaming DiLoCo's start: the island's adapter is never reset, since each part keeps training between its
         syncs. A fragment the new global changed takes its new value with this island's steps since its own push of
-        it on top, and every other step kept: θ_f ← g_f + (θ_f − ref_f), ref_f the adapter at our push of f (those
-        steps are in g_f now) or, for a fragment we did not push, the global we held (no step of ours is in it)."""
+        it on top, and every other step kept: θ_f ← g_f + (θ_f − ref_f), ref_f the adapter at our latest push of f
+        (those steps are in g_f now) or, for a fragment we did not push since, the global we held (no step of ours is
+        in it). A pipelined run has several pushes in flight: each fragment keeps its own until its global moves."""
         here = flatten(self.layout, self.island.adapter_state())
         start = here.copy()
         for f in self.layout.fragments:
             span = slice(f.start, f.start + f.numel)
             if np.array_equal(new_global[span], self.held_global[span]):
                 continue
-            ref = self.last_local if f.index in self.pushed_part else self.held_global
+            ref = self.pushed_at.pop(f.index, self.held_global)
             start[span] = new_global[span] + (here[span] - ref[span])
         return start
 
@@ -308,20 +330,21 @@ class IslandLoop:
     def _push(self, task: Train, rnd: RoundStats) -> None:
         local = flatten(self.layout, self.island.adapter_state())
         self.last_local = local
-        part = self.core.part(task.round)
-        self.pushed_part = synced_fragments(self.layout, part)
+        pushed_part = synced_fragments(self.layout, self.core.part(task.round))
+        if self.core.fragments > 1:
+            self.pushed_at.update((f, local) for f in pushed_part)
         self.stats.delta_bytes.append(self.link.push(local, rnd.counts()))
         self.stats.rounds += 1
         if self.progress:
             wall = time.perf_counter() - self.t_start if self.t_start is not None else 0.0
             self.progress({"round": task.round, "steps": rnd.steps, "loss": rnd.loss, "tokens": rnd.tokens,
                            "loss_tokens": rnd.loss_tokens, "step": rnd.last_step, "lr": rnd.last_lr,
-                           "delta_norm": _norm_on(local - task.adapter, fragment_pieces(self.layout,
-                                                                                         self.pushed_part)),
+                           "delta_norm": _norm_on(local - task.adapter, fragment_pieces(self.layout, pushed_part)),
                            "delta_bytes": self.stats.delta_bytes[-1], "stall_s": round(self.stall_s, 4),
                            "utilization": self.stats.compute_s / wall if wall else 0.0,
-                           "lag": self.core.version - task.base_version})
-        if self.overlap:  # train on while the merge is in flight; those steps go on top of the merged adapter
+                           "lag": max(0, self.core.version - max(task.base_version, task.round - 1))})
+        if self.overlap and self.core.pipeline <= 1:  # train on while the merge is in flight; those steps go on top
+            # of the merged adapter (a pipeline trains the next rounds' parts, then on while full: `_next_task`)
             nxt = RoundStats(task.round + 1)
             limit = self.max_inner_steps or (task.steps if task.steps else NO_STEP_LIMIT)
             while self.link.awaiting_merge() and nxt.steps < limit:

@@ -69,6 +69,9 @@ class SyncerConfig:
     # stream the adapter in this many parts, one per round (yeto.sync.wire.layout.stream_part): each round merges,
     # steps and broadcasts one part, so each part syncs every `fragments` rounds (1: the whole adapter every round)
     fragments: int = 1
+    # a streamed island may push the next rounds' parts before this round's merge comes: up to `pipeline` deltas in
+    # flight (each of a part the merges before its round leave alone), so slow links overlap with training
+    pipeline: int = 1
     model: Optional[str] = None  # pins the run's base model (else the founding learner's is the run's)
     model_revision: Optional[str] = None
     max_learners: int = DEFAULT_MAX_LEARNERS
@@ -149,8 +152,14 @@ class SyncerConfig:
         if not 1 <= self.fragments <= MAX_STREAM_PARTS:
             raise YetoError(f"--fragments must be between 1 (the whole adapter every round) and {MAX_STREAM_PARTS}, "
                             f"got {self.fragments}")
+        if not 1 <= self.pipeline <= self.fragments:
+            raise YetoError(f"--pipeline must be between 1 (one delta in flight) and --fragments ({self.fragments}): "
+                            f"a delta pushed ahead is of a part no merge before its round touches, got {self.pipeline}")
         if self.fragments == 1:
             return
+        if self.pipeline > 1 and self.round_seconds:
+            raise YetoError("--pipeline pushes the next rounds' parts after their inner steps, which time-window "
+                            "rounds (--round-seconds) do not fix: use --inner-steps with --pipeline, or --pipeline 1")
         if self.lora_merge == "product":
             raise YetoError("--lora-merge product needs each layer's lora_A and lora_B in one merge: use --lora-merge "
                             "factors with --fragments, or --fragments 1")
@@ -202,7 +211,13 @@ class SyncerConfig:
         return {"inner_steps": self.inner_steps, "round_seconds": self.round_seconds, "outer_steps": self.outer_steps,
                 "sync_bits": self.sync_bits, "broadcast_bits": self.broadcast_bits, "quorum": self.quorum,
                 "heartbeat_s": self.heartbeat_s,
-                "max_base_lag": self.max_base_lag, "merge_alpha": self.merge_alpha, "fragments": self.fragments}
+                "max_base_lag": self.max_base_lag, "merge_alpha": self.merge_alpha, "fragments": self.fragments,
+                "pipeline": self.pipeline}
+
+    @property
+    def versions_kept(self) -> int:
+        """How many versions back a delta may have trained from: --max-base-lag, or a pipelined delta's distance."""
+        return max(self.max_base_lag, self.pipeline - 1)
 
     @property
     def grace_cap_s(self) -> float:

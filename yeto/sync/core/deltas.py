@@ -5,6 +5,12 @@ version as the run has it, not one rolled back), its claims (tokens, steps, loss
 before; a learner contributes one delta per round (a copy sent again after a lost ack is acked again). An accepted
 delta is recorded, saved, then acked, and added to the round's running sum with its weight (--merge-weight) and its
 scale (staleness discount, --step-normalize); its compute time updates the pace the grace predicts from.
+
+A pipelined delta (--pipeline D > 1, streamed runs) is pushed before its round opens: it names the version its round
+opens on as its base and, as `trained_from`, the older version it trained from, whose values of its part no merge in
+between changed (`untouched_since`), so it is as fresh as any. Until its round opens it waits, unacked and in memory
+only (at most D - 1 a member: a restart loses them and their learners send them again), then it is taken as if it
+had just come.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import numpy as np
 from yeto.sync.core.actions import AcceptedDelta, SaveDelta
 from yeto.sync.core.state import Member, Refusal, SyncerState
 from yeto.sync.merge.rules import DeltaCounts, staleness_factor, weight_of
-from yeto.sync.wire.layout import round_part
-from yeto.sync.wire.protocol import Code, Message, ProtocolError, decode_fragments, digest_bytes, truncate
+from yeto.sync.wire.layout import round_part, untouched_since
+from yeto.sync.wire.protocol import (Code, Message, ProtocolError, check_fragments, decode_fragments, digest_bytes,
+                                     truncate)
 from yeto.sync.wire.quant import dequantize
 
 ROUND_TIME_EMA = 0.5  # weight of a member's newest round time in its running estimate
@@ -32,14 +39,19 @@ class Deltas(SyncerState):
     """The delta message, and what a delta counts for (shared by the merge and the recovery)."""
 
     def _on_delta(self, peer: str, msg: Message, now: float) -> None:
-        """A learner's delta: acked again if it counted already, refused if it cannot count in the open round, else
-        accepted into the round's sum (on the tape, saved, then acked)."""
-        m = self._member(peer, msg, now)
+        self._take_delta(self._member(peer, msg, now), msg, now)
+        self._maybe_close(now)
+
+    def _take_delta(self, m: Member, msg: Message, now: float) -> None:
+        """A learner's delta: acked again if it counted already, kept for its round if pipelined ahead of it, refused
+        if it cannot count in the open round, else accepted into the round's sum (on the tape, saved, then acked)."""
         h = msg.header
         digest = digest_bytes(msg.frames)
         if [h["round"], digest] in self.merged.get(m.learner, []):  # sent again after a lost ack: it counted
             self._answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": True, "merged": True})
             return
+        if self.round is not None and h["round"] > self.round.number and "trained_from" in h:
+            return self._keep_ahead(m, msg, digest, now)
         refusal = self._delta_refusal(m, h, digest)
         if refusal is not None:
             return self._refuse_delta(m, h, digest, refusal.code, refusal.reason, now)
@@ -57,7 +69,6 @@ class Deltas(SyncerState):
         except ProtocolError as e:
             return self._refuse_delta(m, h, digest, Code.REFUSED, str(e), now)
         self._accept(m, msg, digest, flat, now)
-        self._maybe_close(now)
 
     def _delta_refusal(self, m: Member, h: dict[str, Any], digest: str) -> Optional[Refusal]:
         """Why a delta cannot count in the open round, or None: stale (no round open, or its base more than
@@ -73,12 +84,71 @@ class Deltas(SyncerState):
         if lag and h.get("base_digest") != self.digests.get(h["base_version"]):
             return Refusal(Code.REFUSED, f"delta trained from version {h['base_version']} as it was before the syncer "
                            "rolled it back (or one it no longer knows): train from the current version")
+        if "trained_from" in h:
+            refusal = self._pipelined_refusal(h)
+            if refusal is not None:
+                return refusal
+        return self._claims_refusal(m, h, digest)
+
+    def _claims_refusal(self, m: Member, h: dict[str, Any], digest: str) -> Optional[Refusal]:
+        """Claims that cannot be true, or a copy of a delta a merge refused."""
         problem = _claims_problem(h, m.tokens_per_step, 0 if self.cfg.round_seconds else self.cfg.inner_steps)
         if problem:
             return Refusal(Code.REFUSED, problem)
         if digest in self.refused_digests:  # a copy of a delta a merge already refused (stale copies come back)
             return Refusal(Code.REFUSED, "this delta was refused by a merge")
         return None
+
+    def _pipelined_refusal(self, h: dict[str, Any]) -> Optional[Refusal]:
+        """Why a delta pushed ahead of its round cannot stand for one trained from its round's base, or None."""
+        b, rnd = h["trained_from"], h["round"]
+        if type(b) is not int or not 0 <= rnd - 1 - b < self.cfg.pipeline:
+            return Refusal(Code.REFUSED, f"pipelined delta for round {rnd} trained from version {b!r}: --pipeline "
+                           f"{self.cfg.pipeline} takes one trained at most {self.cfg.pipeline - 1} version(s) earlier")
+        if not isinstance(h.get("trained_digest"), str) or h["trained_digest"] != self.digests.get(b):
+            return Refusal(Code.REFUSED, f"pipelined delta trained from version {b} as it was before the syncer rolled "
+                           "it back (or one it no longer knows): train from the current version")
+        if not untouched_since(self.run.layout, self.cfg.fragments, rnd, b, self.cfg.outer_steps):
+            return Refusal(Code.REFUSED, f"pipelined delta for round {rnd} trained from version {b}: a merge since "
+                           "changed its part (the run's last round syncs the whole adapter)")
+        return None
+
+    def _keep_ahead(self, m: Member, msg: Message, digest: str, now: float) -> None:
+        """A pipelined delta for a round not open yet: kept (unacked) for its round, or refused now."""
+        h, r = msg.header, self.round
+        kept = self.ahead.setdefault(m.learner, {})
+        problem = None
+        if not h["round"] - r.number < self.cfg.pipeline or h["base_version"] != h["round"] - 1:
+            problem = Refusal(Code.STALE, f"delta for round {h['round']} on version {h['base_version']}: round "
+                              f"{r.number} is open, and --pipeline {self.cfg.pipeline} keeps deltas for the "
+                              f"{self.cfg.pipeline - 1} round(s) after it, each on the version it opens on")
+        elif h["round"] not in kept and len(kept) >= self.cfg.pipeline - 1:
+            problem = Refusal(Code.STALE, f"learner {m.learner} already has {len(kept)} pipelined delta(s) waiting "
+                              f"(--pipeline {self.cfg.pipeline})")
+        problem = problem or self._pipelined_refusal(h) or self._claims_refusal(m, h, digest)
+        if problem is None:
+            try:  # (its sizes and part now: a kept delta holds no more memory than its part's payload)
+                check_fragments(self.run.layout, msg, self._part(h["round"]))
+            except ProtocolError as e:
+                problem = Refusal(Code.REFUSED, str(e))
+        if problem is not None:
+            return self._refuse_delta(m, h, digest, problem.code, problem.reason, now)
+        kept[h["round"]] = (m.session, msg)
+
+    def _take_ahead(self, now: float) -> None:
+        """The open round's pipelined deltas, taken as if they came now (those of a member gone or of an earlier
+        session are dropped: its learner sends them again)."""
+        r = self.round
+        for lid in sorted(self.ahead):
+            kept = self.ahead[lid]
+            for rnd in [k for k in kept if k < r.number]:
+                del kept[rnd]
+            session_msg = kept.pop(r.number, None)
+            m = self.members.get(lid)
+            if session_msg is not None and m is not None and m.active and m.welcomed and m.session == session_msg[0]:
+                self._take_delta(m, session_msg[1], now)
+            if not kept:
+                del self.ahead[lid]
 
     def _accept(self, m: Member, msg: Message, digest: str, flat: np.ndarray, now: float) -> None:
         """The delta joins the open round: recorded, saved, added to the running sum, then acked; its compute time
@@ -91,7 +161,8 @@ class Deltas(SyncerState):
         compute_s = h.get("compute_s")
         compute_s = float(compute_s) if isinstance(compute_s, (int, float)) and math.isfinite(compute_s) and \
             0 <= compute_s <= self.cfg.quorum_timeout else None
-        self._record("delta", **self._delta_fields(d), bytes=msg.nbytes, norm=d.norm, compute_s=compute_s)
+        pipelined = {"trained_from": h["trained_from"]} if "trained_from" in h else {}
+        self._record("delta", **self._delta_fields(d), bytes=msg.nbytes, norm=d.norm, compute_s=compute_s, **pipelined)
         self.out.append(SaveDelta(d))
         self.pending[m.learner] = d
         self.sum.add(m.learner, flat, self._weight(d), self._scale(d))  # the decoded copy is dropped

@@ -22,8 +22,9 @@ Rules it keeps:
   is pushed as a stale one, as long as its base is at most the syncer's
   `max_base_lag` versions back and still the run's (a syncer rollback undoes
   it); otherwise the round is abandoned. At most one delta is in the syncer's
-  hands: a round done while the previous delta is unsettled is held (raw, not
-  yet quantized) until that one is merged or refused.
+  hands (a streamed run's --pipeline D: up to D, each of its own part; see
+  learner_pipeline): a round done while the previous delta is unsettled is held
+  (raw, not yet quantized) until that one is merged or refused.
 - Notice every lost message. Messages are lost only where a connection breaks,
   so: welcome, pong and round headers say where the syncer is, and a learner
   behind asks for the missing broadcast (or the whole state), with backoff; a
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
@@ -46,6 +46,9 @@ from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
 from yeto.sync.core.contract import learner_contract, tokens_per_step
 from yeto.sync.core.learner_loop import Done, RoundCounts, Task, Train, Verdict, Wait
 from yeto.sync.core.learner_messages import SyncerMessages
+from yeto.sync.core.learner_pipeline import PipelinedDeltas
+from yeto.sync.core.learner_timing import (FINISH_CATCHUP_DEAD_AFTERS, HELLO_RETRY_HEARTBEATS,  # noqa: F401
+                                           WINDOW_NEAREST_BOUNDARY, LinkTimeouts)
 from yeto.sync.core.pushed import Pushed
 from yeto.sync.core.learner_phases import DATA, Held, Phase, PhaseData, Place, Training, check_transition
 from yeto.sync.wire.layout import Layout, round_part
@@ -53,26 +56,7 @@ from yeto.sync.wire.protocol import (CLOCK_JUMP_S, Code, Message, ProtocolError,
                                      session_id)
 from yeto.sync.wire.quant import ErrorFeedback, QuantError
 
-HELLO_RETRY_HEARTBEATS = 2  # not welcomed after this many heartbeats: say hello again
-FINISH_CATCHUP_DEAD_AFTERS = 3  # after a finish, try at least this many dead-peer timeouts to fetch the final adapter
-# a time window ends at the step boundary nearest its end: stop once the next step (at this window's mean pace)
-# would overrun the end by more than the time left. Islands' pushes then centre on the window's end instead of
-# trailing it by up to a step, so a fast island is not the last in, missing a round a slow one's push closed
-WINDOW_NEAREST_BOUNDARY = 0.5
-
-
-@dataclass(frozen=True)
-class LinkTimeouts:
-    """How a learner judges the syncer's silence (seconds)."""
-
-    heartbeat_s: float = 5.0  # ping at least this often (the syncer's policy may ask for more often)
-    dead_after_s: float = 30.0  # silence after which the connection is presumed dead and remade
-    give_up_s: float = 1800.0  # silence after which the learner gives up (saving its adapter)
-    backoff_base_s: float = 0.5  # reconnect backoff: uniform in [0, min(max, base * 2**attempt)]
-    backoff_max_s: float = 30.0
-
-
-class LearnerCore(SyncerMessages):
+class LearnerCore(PipelinedDeltas, SyncerMessages):
     def __init__(self, learner_id: int, backend: str, layout: Layout, init_flat: np.ndarray,
                  adapter_config: dict[str, Any], provenance: dict[str, Any], rng: random.Random,
                  timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0, started_at_us: int = 0,
@@ -121,6 +105,8 @@ class LearnerCore(SyncerMessages):
         self._phase_data: PhaseData = None
         self.on_move: Optional[Callable[[Phase, Phase, str], None]] = None  # told every move (the simulator's oracle)
         self.pushed: Optional[Pushed] = None  # the delta in the syncer's hands, until it is merged or refused
+        self.ahead: list[Pushed] = []  # later rounds' deltas pushed before `pushed` settled (learner_pipeline)
+        self.given_back: set[int] = set()  # fragments whose latest push never counted (the loop's streamed start)
         self.lineage: dict[int, str] = {}  # recent versions held -> digest: a stale round's base must be the run's
         self.contributed: Optional[tuple[int, int]] = None  # (round, base) an earlier session of ours delivered
         self.place_held: Optional[Place] = None  # a round where the syncer holds a late delta of ours that is not
@@ -174,8 +160,10 @@ class LearnerCore(SyncerMessages):
     def max_lag(self) -> int:
         return int(self.policy.get("max_base_lag", 0))
 
-    def _base_ok(self, base_version: int, base_digest: str) -> bool:
-        """May a round trained from this base still be pushed?"""
+    def _base_ok(self, base_version: int, base_digest: str, rnd: int = 0) -> bool:
+        """May round `rnd`, trained from this base, still be pushed?"""
+        if rnd > base_version + 1:
+            return self._pipelined_ok(rnd, base_version, base_digest)
         if not self.max_lag:
             return base_version == self.version and not self.need_state
         return 0 <= self.version - base_version <= self.max_lag and self.lineage.get(base_version) == base_digest
@@ -212,10 +200,10 @@ class LearnerCore(SyncerMessages):
         one: a delta not yet acked goes again once the syncer is heard from. The control one: only small messages
         were lost (a sync request, an ack or error, which pongs stand in for); a delta still flowing up the bulk
         connection is not sent again (over a slow link a second copy would queue behind the first)."""
-        if bulk and self.pushed is not None:
-            self.pushed.on_its_way = False
-            if not self.pushed.acked:
-                self.pushed.resend = True
+        for p in self.in_flight() if bulk else []:
+            p.on_its_way = False
+            if not p.acked:
+                p.resend = True
         if bulk:
             self.resend_init = self.init_sent is not None and not self.joined
         self.next_sync_at = -math.inf  # a sync request may be lost too
@@ -300,9 +288,11 @@ class LearnerCore(SyncerMessages):
         c = self.carried
         if c is not None and not self.carrying:  # (the global after its base came while the round trained)
             self._enter(Phase.WAITING, f"carry of round {c.round} ends: version {self.version} is here")
-        if self.phase is not Phase.WAITING or not self.joined or self.need_state or self._delta_unsettled():
+        if self.phase is not Phase.WAITING or not self.joined or self.need_state:
             return Wait()  # (holding: a finished round waits for the previous delta to settle; carrying: the loop
             # keeps training, and that work goes on top of the next global)
+        if self._delta_unsettled() and not self._open_round_missed():
+            return self._start_pipelined(now) or Wait()  # (a pipeline with room trains the next round's part)
         r = self.open_round
         if r is None or r["version"] != self.version:
             return Wait()
@@ -365,7 +355,7 @@ class LearnerCore(SyncerMessages):
             if t is not None:
                 self._enter(Phase.WAITING, "stop: the run is over for this learner")
             return Verdict.STOP
-        if t is None or not self._base_ok(t.base_version, t.base_digest):
+        if t is None or not self._base_ok(t.base_version, t.base_digest, t.round):
             if t is not None:
                 self._enter(Phase.WAITING, f"abandon round {t.round}: its base version {t.base_version} is gone")
             return Verdict.ABANDON
@@ -393,37 +383,40 @@ class LearnerCore(SyncerMessages):
         t = self.training
         if t is None:
             return self._flush()
-        if not self._base_ok(t.base_version, t.base_digest):
+        if not self._base_ok(t.base_version, t.base_digest, t.round):
             self._enter(Phase.WAITING, f"push of round {t.round}: its base version {t.base_version} is gone")
             return self._flush()
+        self._pushing(t)
         self._enter(Phase.HOLDING, f"push of round {t.round}", Held(t, local, counts))
         self._release_held()
         return self._flush()
 
     def _release_held(self) -> None:
-        """Quantize and send the held round once no earlier delta is unsettled (its residual is then known)."""
+        """Quantize and send the held round once no earlier delta is unsettled (its residual is then known), or at once
+        if it is the next round of a pipeline with room (its part's residual is its own)."""
         h = self.held
-        if h is None or self.pushed is not None:
+        if h is None or not self._may_send_now(h.training):
             return
         t = h.training
         self._enter(Phase.WAITING, f"release of round {t.round}'s held work")
-        if not self._base_ok(t.base_version, t.base_digest):
+        if not self._base_ok(t.base_version, t.base_digest, t.round):
             self._log("warning", f"round {t.round}: its base version {t.base_version} is too old or was rolled back "
                                  "while it waited to be sent; dropping the round's work")
             return
-        residual_before = self.ef.residual
+        residual_before, part = self.ef.residual, self.part(t.round)
         try:
             descs, frames, _ = encode_fragments_ef(self.layout, h.local - t.base, int(self.policy["sync_bits"]),
-                                                   self.ef, self.part(t.round))
+                                                   self.ef, part)
         except QuantError as e:
             self.ef.residual = residual_before
             self._log("error", f"round {t.round}: the adapter cannot be sent ({e}); dropping the round's work")
             return
-        header = {"round": t.round, "base_version": t.base_version, "base_digest": t.base_digest,
-                  **h.counts.header(), "fragments": descs}
-        self.pushed = Pushed(t.round, t.base_version, digest_bytes(frames), header, tuple(frames), residual_before,
-                             t.base_digest)
-        self._send_pushed()
+        header = self._wire_base(t, {"round": t.round, "base_version": t.base_version, "base_digest": t.base_digest,
+                                     **h.counts.header(), "fragments": descs})
+        p = Pushed(t.round, header["base_version"], digest_bytes(frames), header, tuple(frames), residual_before,
+                   header["base_digest"], part=part)
+        self._enqueue(p)
+        self._send_delta(p)
 
     # ------------------------------------------------------------------ helpers
 
@@ -458,8 +451,10 @@ class LearnerCore(SyncerMessages):
             self._send_pushed()
 
     def _send_pushed(self) -> None:
-        p = self.pushed
-        assert p is not None
+        assert self.pushed is not None
+        self._send_delta(self.pushed)
+
+    def _send_delta(self, p: Pushed) -> None:
         p.copies += 1
         self._send("delta", {**p.header, "copy": p.copies}, p.frames)
         p.on_its_way = True
@@ -471,7 +466,7 @@ class LearnerCore(SyncerMessages):
         self.need_state = False
         if self.phase is Phase.JOINING:
             self._enter(Phase.WAITING, f"the run's version {version} adopted")
-        self.lineage = {v: d for v, d in self.lineage.items() if version - self.max_lag <= v < version}
+        self.lineage = {v: d for v, d in self.lineage.items() if version - self.versions_kept <= v < version}
         self.lineage[version] = digest
         self._settle_pushed(version, merged)
         if self.contributed is not None and self.contributed[1] != version:
@@ -487,14 +482,17 @@ class LearnerCore(SyncerMessages):
     def _settle_pushed(self, version: int, merged: list[list]) -> None:
         """A new global: our pushed delta counted if it is among the merged ones; if not, and it cannot land in a
         later round either, it never will, and its residual is ours again."""
-        p = self.pushed
-        if p is None or p.base_version == version:
-            return
-        counted = [p.round, p.digest] in merged
-        may_land = not counted and 0 < version - p.base_version <= self.max_lag and (
-            self.lineage.get(p.base_version) == p.base_digest) and not (
-            p.merge_round is not None and version >= p.merge_round)  # (acked into a round merged without it)
-        if not counted and not may_land:
-            self.ef.residual = p.residual_before  # it never counted: its quantization error is not ours to carry
-        if not may_land:
+        while True:  # (then the next delta in flight, which a state that jumps versions may settle too)
+            p = self.pushed
+            if p is None or p.base_version == version or (p.base_version > version and "trained_from" in p.header):
+                return  # (a pipelined one waits for the version its round opens on)
+            counted = [p.round, p.digest] in merged
+            may_land = not counted and 0 < version - p.base_version <= self.max_lag and (
+                self.lineage.get(p.base_version) == p.base_digest) and not (
+                p.merge_round is not None and version >= p.merge_round)  # (acked into a round merged without it)
+            if not counted and not may_land:
+                self._give_back(p)  # it never counted: its quantization error is not ours to carry
+            if may_land:
+                return
             self.pushed = None
+            self._promote()

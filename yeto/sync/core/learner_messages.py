@@ -54,7 +54,8 @@ class SyncerMessages:
             self.contributed = None  # an earlier session's delta was refused: this session trains the round itself
         p = self.pushed
         if p is None or [p.round, p.base_version] != where or h.get("digest", p.digest) != p.digest:
-            return  # not about the delta we hold (e.g. an earlier push of this round)
+            self._ahead_refused(h)
+            return  # not about the delta we hold (e.g. an earlier push of this round), or about a pipelined one
         behind = h.get("version", -1) - p.base_version
         if code == Code.STALE and behind >= 0 and (not self.max_lag or behind <= self.max_lag):
             p.acked, p.stale, p.on_its_way = False, True, False
@@ -69,8 +70,9 @@ class SyncerMessages:
         it and closed the round, and this error comes before that broadcast, which travels on the bulk connection.)"""
         p = self.pushed
         assert p is not None
-        self.ef.residual = p.residual_before
+        self._give_back(p)
         self.pushed = None
+        self._promote()
 
     def _free_place(self, rnd: int, version: int) -> None:
         """The syncer holds no delta of ours in round `rnd` (open on `version`) after all: the late one that held its
@@ -104,6 +106,8 @@ class SyncerMessages:
         index, count = h["shard"]
         self.shard = (int(index), int(count))
         self.syncer_version = h["version"]
+        for q in self.ahead:  # (a syncer that restarted lost them: each goes again when it is the oldest in flight)
+            q.resend, q.on_its_way = not q.acked, False
         if self.global_ is None or self.version != h["version"] or self.digest != h["digest"]:
             self.need_state = True
             self.next_sync_at = -math.inf
@@ -115,7 +119,10 @@ class SyncerMessages:
         r = self.open_round
         p = self.pushed
         pending = h.get("pending")
-        if r is not None and h["contributed"]:
+        kept = next((q for q in self.ahead if pending == [q.round, q.base_version, q.digest]), None)
+        if r is not None and h["contributed"] and kept is not None:  # (a pipelined delta of ours, taken at its round)
+            kept.acked, kept.resend, kept.merge_round = True, False, r["round"]
+        elif r is not None and h["contributed"]:
             if p is not None and (pending == [p.round, p.base_version, p.digest] if pending is not None else
                                   [p.round, p.base_version] == [r["round"], r["version"]]):
                 p.acked, p.merge_round = True, r["round"]
@@ -261,10 +268,15 @@ class SyncerMessages:
     def _on_ack(self, msg: Message, now: float) -> None:
         h = msg.header
         p = self.pushed
+        q = self._ahead_matching(h)
+        if q is not None:  # (a pipelined delta, acked once its round opened before the merge before it reached us)
+            q.acked, q.on_its_way = True, False
+            q.merge_round = h["merge_round"] if isinstance(h.get("merge_round"), int) else None
         if p is not None and [p.round, p.base_version, p.digest] == [h["round"], h["base_version"], h["digest"]]:
             p.acked, p.on_its_way = True, False
             if h.get("merged"):  # sent again after its ack was lost, and merged meanwhile: it counted
                 self.pushed = None
+                self._promote()
             elif isinstance(h.get("merge_round"), int):
                 p.merge_round = h["merge_round"]
 

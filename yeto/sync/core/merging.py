@@ -224,7 +224,7 @@ class Merging(Deltas):
                               dict(self.merged), contract=run.contract)
         self.ef.residual = merged.residual
         self.digests[version] = digest
-        for v in [v for v in self.digests if v < version - self.cfg.max_base_lag]:
+        for v in [v for v in self.digests if v < version - self.cfg.versions_kept]:
             del self.digests[v]
         self.out.append(SaveCheckpoint(self._checkpoint()))
         self._record("checkpoint", version=version, digest=digest)

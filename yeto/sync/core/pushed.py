@@ -30,3 +30,4 @@ class Pushed:
     # gets it, or the connection breaks: `link_lost`); over a slow link a second copy holds the uplink as long again
     on_its_way: bool = False
     copies: int = 0  # copies sent; the syncer's answers (and the pongs repeating them) name the copy they answer
+    part: Optional[tuple[int, ...]] = None  # the fragments it carries (None: all): the residual it gives back

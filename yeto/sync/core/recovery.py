@@ -85,7 +85,7 @@ class Recovery(Deltas):
         self.retired = {int(k): list(v) for k, v in ck.retired.items()}
         self.owners = dict(ck.owners)
         self.sum = RoundSum.for_rule(ck.layout, self.cfg.merge)
-        self.digests = {v: d for v, d in fold.digests.items() if ck.version - self.cfg.max_base_lag <= v < ck.version}
+        self.digests = {v: d for v, d in fold.digests.items() if ck.version - self.cfg.versions_kept <= v < ck.version}
         self.digests[ck.version] = ck.digest
 
     def _discard_unsaved(self, ck: Checkpoint, fold: TapeFold, saved: Saved) -> None:

@@ -113,6 +113,8 @@ class SyncerState:
         self.merged: dict[int, list] = {}  # learner id -> its latest merged deltas, [[round, digest], ...]
         self.round: Optional[OpenRound] = None
         self.pending: dict[int, AcceptedDelta] = {}
+        self.ahead: dict[int, dict[int, tuple[str, Message]]] = {}  # learner id -> round -> (session, its pipelined
+        # delta): pushed before its round opened (--pipeline), taken when it opens (memory only: at most D - 1 each)
         self.digests: dict[int, str] = {}  # recent committed versions -> global digest: a stale delta's base is checked
         self.merge_s = 0.0  # how long merges take (the shell measures it): the grace leaves room for it
         self.refused_digests: dict[str, None] = {}  # deltas a merge refused (oldest first): never accepted again
@@ -225,6 +227,7 @@ class SyncerState:
 
     def _drop(self, m: Member, reason: str, now: float) -> None:
         m.active = False
+        self.ahead.pop(m.learner, None)
         self._record("leave", learner=m.learner, reason=truncate(reason), version=self.version)
         self._log("info", f"learner {m.learner} left ({reason}); {len(self._active())} active")
 

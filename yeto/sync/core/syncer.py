@@ -255,6 +255,7 @@ class SyncerCore(Recovery, Admission, Merging):
         self._record("round_open", round=self.round.number, version=run.version, members=sorted(members),
                      restored=sorted(self.pending))
         self._log("info", f"round {self.round.number} open with learners {sorted(members)}")
+        self._take_ahead(now)
         self._maybe_close(now)
 
     def _gate_passed(self, now: float) -> bool:
@@ -353,6 +354,7 @@ class SyncerCore(Recovery, Admission, Merging):
         if self.round is not None:
             self.round.advance(RoundPhase.ABANDONED)
         self.round = None
+        self.ahead = {}
         self.finish_header = {"version": self.version, "reason": reason, "complete": complete, "code": code}
         for m in self._active():
             self._send(m.peer, "finish", self.finish_header_for_wire())

@@ -130,11 +130,23 @@ class SyncerLink:
             c = self.core
             return c.pushed is not None and c.pushed.base_version == c.version and c.finish is None and not c.refused
 
+    def latest_round_in_flight(self) -> int:
+        """The latest round of our deltas in flight (0: none), while the run goes on (for --pipeline)."""
+        with self.lock:
+            c = self.core
+            flying = c.in_flight()
+            return max(p.round for p in flying) if flying and c.finish is None and not c.refused else 0
+
     def counted_residual(self) -> np.ndarray:
         """The error-feedback residual of the deltas that count: a delta still unsettled gives its part back."""
         with self.lock:
-            p = self.core.pushed
-            return (self.core.ef.residual if p is None else p.residual_before).copy()
+            return self.core.counted_residual()
+
+    def take_given_back(self) -> set[int]:
+        """The fragments whose latest push never counted, since the last call (the streamed start's references)."""
+        with self.lock:
+            out, self.core.given_back = self.core.given_back, set()
+            return out
 
     def global_flat(self) -> Optional[np.ndarray]:
         with self.lock:

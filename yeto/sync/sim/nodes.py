@@ -438,7 +438,8 @@ class SimLearner:
             bits = int(self.core.policy["sync_bits"])
             w.oracle.check_base(self.lid, t.base_version, t.base)
             x = self.island.flat - t.base
-            self.raw[(t.round, t.base_version)] = x
+            self.raw[(t.round, t.round - 1 if t.round > t.base_version + 1 else t.base_version)] = x  # (as sent:
+            # a pipelined round names the version its round opens on)
             residual = self.core.ef.residual
             actions = self.core.push(self.island.flat.copy(), RoundCounts(
                 int(self.stats["tokens"]), int(self.stats["loss_tokens"]), self.steps, self.stats["loss"],

@@ -3,7 +3,7 @@ ack received, every delta merged), and the invariants it checks along the way an
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -159,11 +159,13 @@ class Oracle:
         for e in tape:
             fold.feed(e)
         cfg = self.w.s.syncer_config()
-        deltas_on_tape = {e["digest"]: e for e in tape if e["event"] == "delta"}
+        deltas_on_tape = {(e["digest"], e["round"]): e for e in tape if e["event"] == "delta"}  # (a run restarted
+        # from scratch may see a learner's same delta again, in another round)
         g = self.init_payloads[fold.digests[0]].copy()
         m = np.zeros_like(g)
         ef = ErrorFeedback(self.w.layout.numel)
         starts = [(s["seq"], int(s["config"]["outer_steps"])) for s in tape if s["event"] == "start"]
+        history = {0: g}  # version -> the global (a pipelined delta's part must be as its round's base has it)
         for v in sorted(fold.merged):
             e = fold.merged[v]
             outer_steps = [n for seq, n in starts if seq < e["seq"]][-1]  # (a restart may have raised it)
@@ -176,7 +178,8 @@ class Oracle:
                       for lid, d in zip(e["responders"], e["deltas"])}
             lags = e.get("lags") or [0] * len(e["responders"])
             normalize = bool(e.get("step_normalize"))
-            mine = [deltas_on_tape[d] for d in e["deltas"]]
+            mine = [deltas_on_tape[d, e["round"]] for d in e["deltas"]]
+            self._check_trained_from(mine, history, g, part)
             terms = merge_terms([DeltaCounts(d["loss_tokens"], d["tokens"], d["inner_steps"]) for d in mine],
                                 cfg.merge_weight, lags, cfg.staleness_exponent, normalize,
                                 [d["round_steps"] for d in mine])
@@ -198,19 +201,33 @@ class Oracle:
                 new, m = nesterov_step_on(g, avg, m, cfg.outer_lr, cfg.outer_momentum,
                                           fragment_pieces(self.w.layout, part))
             _, _, sent = encode_fragments_ef(self.w.layout, new - g, cfg.broadcast_bits, ef, part)
-            g = g + sent
+            g = history[v] = g + sent
             if array_digest(g) != e["digest"]:
                 raise Violation(f"replay of merge {v} gives {array_digest(g)}, the tape says {e['digest']}")
         return g
+
+    def _check_trained_from(self, merged: list[dict[str, Any]], history: dict[int, np.ndarray], base: np.ndarray,
+                            part: Optional[tuple[int, ...]]) -> None:
+        """A pipelined delta merged (trained from an older version than its round's base) trained from the same
+        values of its part as the round's base holds: no merge in between changed them."""
+        for d in merged:
+            b = d.get("trained_from")
+            if b is None:
+                continue
+            for start, n in fragment_pieces(self.w.layout, synced_fragments(self.w.layout, part)):
+                if not np.array_equal(history[b][start : start + n], base[start : start + n]):
+                    raise Violation(f"learner {d['learner']}'s pipelined delta for round {d['round']} trained from "
+                                    f"version {b}, whose part differs from version {d['base_version']}'s")
 
     def check_sent(self, node: Any, a: Out) -> None:
         """A delta leaving for the first time (at once, or held until the previous one settled): it is its adapter
         minus the version it trained from, quantized with exactly the quantization error of this session's merged
         deltas (an oracle that knows, from the syncer's disk, which of them were merged)."""
-        h, p, digest = a.header, node.core.pushed, digest_bytes(a.frames)
+        h, digest = a.header, digest_bytes(a.frames)
         if any(key == (node.lid, h["base_version"], digest) for key, _, _ in node.pushes):
             return  # sent again
-        if p is None or p.digest != digest:
+        p = next((q for q in node.core.in_flight() if q.digest == digest), None)
+        if p is None:
             raise Violation(f"learner {node.lid} sent a delta for round {h['round']} that it does not hold as pushed")
         x = node.raw.pop((h["round"], h["base_version"]), None)
         if x is None:
@@ -223,9 +240,13 @@ class Oracle:
                 ef.residual = r
                 ef.encode(y, int(node.core.policy["sync_bits"]), fragment_pieces(self.w.layout, part))
                 r = ef.residual
-        if not np.array_equal(r, p.residual_before):
+        own = np.ones(r.size, dtype=bool)  # (the parts of the other deltas in flight are theirs until they settle)
+        for q in [q for q in node.core.in_flight() if q is not p]:
+            for start, n in fragment_pieces(self.w.layout, synced_fragments(self.w.layout, q.part)):
+                own[start : start + n] = False
+        if not np.array_equal(r[own], p.residual_before[own]):
             raise Violation(f"learner {node.lid}'s error-feedback residual does not follow what was merged "
-                            f"(off by {float(np.abs(r - p.residual_before).max()):.3g})")
+                            f"(off by {float(np.abs(r - p.residual_before)[own].max()):.3g})")
         expect = ErrorFeedback(self.w.layout.numel)
         expect.residual = p.residual_before
         part = node.core.part(h["round"])

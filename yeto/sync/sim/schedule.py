@@ -26,6 +26,7 @@ SLOW_LINK_P = 0.2  # the share of schedules with learners behind a slow bulk lin
 # 6 s learner timeout (a 70B-class delta up a 2 Mbit/s line takes about an hour: the same, scaled)
 SLOW_LINK_BYTES_PER_S = (20.0, 50.0, 100.0)
 STREAMED_P = 0.25  # the share of schedules whose syncer streams the adapter in parts
+PIPELINED_P = 0.6  # ... and of those (fixed-step), whose learners push up to --pipeline parts ahead of the merges
 HOSTILE_P = 0.2  # the share of schedules (of 2 or more learners) with a hostile learner
 POISON_WEIGHT = 1000  # ... provided it weighs enough in the merge: the poisoned step claims this many more tokens
 ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"], "task_type": "CAUSAL_LM"}
@@ -73,6 +74,7 @@ class Schedule:
     merge: str = "rda"
     broadcast_bits: int = 0  # 0: sync_bits
     fragments: int = 1  # the syncer streams the adapter in this many parts (--fragments)
+    pipeline: int = 1  # deltas a streamed learner may have in flight (--pipeline)
     # learner -> bytes per second of its bulk connection, both ways (a home uplink carrying a big adapter): each
     # message that carries an adapter takes longer than the learner timeout, while its control connection is fast
     slow_links: dict[int, float] = field(default_factory=dict)
@@ -132,6 +134,9 @@ class Schedule:
         rng = random.Random(self.seed * 31 + 53)
         if rng.random() < STREAMED_P:
             self.fragments, self.max_base_lag = rng.choice([2, 3, 4]), 0
+            pipelined = random.Random(self.seed * 31 + 61)  # (a stream of its own: older seeds keep their schedules)
+            if not self.round_seconds and pipelined.random() < PIPELINED_P:
+                self.pipeline = pipelined.randint(2, self.fragments)
         return self
 
     def with_slow_links_drawn(self) -> "Schedule":
@@ -174,7 +179,8 @@ class Schedule:
                             straggler_timeout=3.0, quorum_timeout=1e6, learner_timeout=6.0, out="(simulated)",
                             outer_lr=SIM_OUTER_LR, outer_momentum=SIM_OUTER_MOMENTUM,
                             max_base_lag=self.max_base_lag, staleness_exponent=self.staleness_exponent,
-                            grace_s=self.grace_ms / 1000, merge=self.merge, fragments=self.fragments)
+                            grace_s=self.grace_ms / 1000, merge=self.merge, fragments=self.fragments,
+                            pipeline=self.pipeline)
 
 
 # ---------------------------------------------------------------------------------------------- the world

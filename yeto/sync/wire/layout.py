@@ -137,6 +137,16 @@ def round_part(layout: Layout, parts: int, round_number: int, last_round: int) -
     return stream_part(layout, parts, round_number)
 
 
+def untouched_since(layout: Layout, parts: int, round_number: int, base_version: int, last_round: int) -> bool:
+    """Does round `round_number`'s part hold the same values in every version from `base_version` to the one the round
+    opens on? Version v is round v's merge, so: do rounds base_version + 1 .. round_number - 1 sync only fragments
+    round `round_number` does not? Then a delta of that part trained from `base_version` is as fresh as one trained
+    from the round's own base (a pipelined push, `--pipeline`)."""
+    mine = set(synced_fragments(layout, round_part(layout, parts, round_number, last_round)))
+    return all(mine.isdisjoint(synced_fragments(layout, round_part(layout, parts, k, last_round)))
+               for k in range(base_version + 1, round_number))
+
+
 def synced_fragments(layout: Layout, part: Optional[tuple[int, ...]]) -> tuple[int, ...]:
     """The fragments a round with this part syncs (`round_part`'s None: every one)."""
     return tuple(range(len(layout.fragments))) if part is None else part

@@ -227,15 +227,14 @@ def message_size(layout: Layout, bits: int) -> int:
     return sum(encoded_size(f.numel, bits) for f in layout.fragments) + HEADER_SLACK_BYTES
 
 
-def decode_fragments(layout: Layout, msg: Message, part: Sequence[int] | None = None) -> np.ndarray:
-    """The flat fp32 vector carried by a message, checked against the layout. `part`: the fragments it must carry
-    (a streamed round's; default all of them); the others decode as zero."""
+def check_fragments(layout: Layout, msg: Message, part: Sequence[int] | None = None) -> list:
+    """The layout fragments a message's payload frames carry, each checked (index, size, bits, payload length)
+    without decoding it; `part` as for `decode_fragments`."""
     frags = layout.fragments if part is None else [layout.fragments[i] for i in part]
     descs = msg.header["fragments"]
     if len(descs) != len(frags) or len(msg.frames) != len(frags):
         raise ProtocolError(f"{msg.type}: expected {len(frags)} fragments, got {len(descs)} descriptors "
                             f"and {len(msg.frames)} payload frames")
-    out = np.empty(layout.numel, dtype=np.float32) if part is None else np.zeros(layout.numel, dtype=np.float32)
     for f, desc, frame in zip(frags, descs, msg.frames):
         if not isinstance(desc, dict) or desc.get("index") != f.index or desc.get("numel") != f.numel:
             raise ProtocolError(f"{msg.type}: fragment descriptor {truncate(repr(desc), 120)} does not match layout "
@@ -246,8 +245,17 @@ def decode_fragments(layout: Layout, msg: Message, part: Sequence[int] | None = 
         if len(frame) != encoded_size(f.numel, bits):
             raise ProtocolError(f"{msg.type}: fragment {f.index} payload is {len(frame)} bytes, "
                                 f"{bits}-bit encoding of {f.numel} values is {encoded_size(f.numel, bits)}")
+    return frags
+
+
+def decode_fragments(layout: Layout, msg: Message, part: Sequence[int] | None = None) -> np.ndarray:
+    """The flat fp32 vector carried by a message, checked against the layout. `part`: the fragments it must carry
+    (a streamed round's; default all of them); the others decode as zero."""
+    frags = check_fragments(layout, msg, part)
+    out = np.empty(layout.numel, dtype=np.float32) if part is None else np.zeros(layout.numel, dtype=np.float32)
+    for f, desc, frame in zip(frags, msg.header["fragments"], msg.frames):
         try:
-            dequantize(frame, f.numel, bits, out=out[f.start : f.start + f.numel])
+            dequantize(frame, f.numel, desc["bits"], out=out[f.start : f.start + f.numel])
         except QuantError as e:
             raise ProtocolError(f"{msg.type}: fragment {f.index}: {e}", Code.REFUSED) from e
     return out

@@ -1,0 +1,24 @@
+"""How a learner times its link and its rounds: how it judges the syncer's silence (`LinkTimeouts`), when it says
+hello again, how long a finished run's final adapter is waited for, and where a time window's last step falls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HELLO_RETRY_HEARTBEATS = 2  # not welcomed after this many heartbeats: say hello again
+FINISH_CATCHUP_DEAD_AFTERS = 3  # after a finish, try at least this many dead-peer timeouts to fetch the final adapter
+# a time window ends at the step boundary nearest its end: stop once the next step (at this window's mean pace)
+# would overrun the end by more than the time left. Islands' pushes then centre on the window's end instead of
+# trailing it by up to a step, so a fast island is not the last in, missing a round a slow one's push closed
+WINDOW_NEAREST_BOUNDARY = 0.5
+
+
+@dataclass(frozen=True)
+class LinkTimeouts:
+    """How a learner judges the syncer's silence (seconds)."""
+
+    heartbeat_s: float = 5.0  # ping at least this often (the syncer's policy may ask for more often)
+    dead_after_s: float = 30.0  # silence after which the connection is presumed dead and remade
+    give_up_s: float = 1800.0  # silence after which the learner gives up (saving its adapter)
+    backoff_base_s: float = 0.5  # reconnect backoff: uniform in [0, min(max, base * 2**attempt)]
+    backoff_max_s: float = 30.0
