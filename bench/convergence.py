@@ -12,7 +12,8 @@ slow island):
   heterogeneous      2 islands in time-window rounds, one 10x slower (--step-delay), quorum 1: the fast island's
                      utilization, and the merged model vs the fast island alone for the same wall-clock
   streamed parts     the default 2-island fleet over the longer run with --fragments P (rounds of H/P steps, each
-                     part synced every H), with and without --overlap, against the whole adapter every H steps
+                     part synced every H), with and without --overlap, and with --pipeline 2, against the whole
+                     adapter every H steps
   wire bits          the default 2-island fleet with 2-bit deltas and/or 8-bit broadcasts (`--arms bits`), against
                      the 4-bit default fleet: eval loss and bytes per round up (one island's delta) and down
 Training-loss curves (per round, against tokens seen by the whole fleet) go to a PNG.
@@ -127,7 +128,10 @@ def streamed_arms(h: int, steps: int) -> list[Arm]:
         out += [Arm(f"{arm}, {steps} steps", 2, h // parts, PLAIN + ["--fragments", str(parts)], baseline=whole,
                     steps=steps),
                 Arm(f"{arm}, overlap, {steps} steps", 2, h // parts, PLAIN + ["--fragments", str(parts)],
-                    ["--overlap"], baseline=whole, steps=steps)]
+                    ["--overlap"], baseline=whole, steps=steps),
+                Arm(f"{arm}, pipeline 2, {steps} steps", 2, h // parts, PLAIN + ["--fragments", str(parts),
+                                                                                 "--pipeline", "2"],
+                    baseline=whole, steps=steps)]
     return out
 
 
@@ -211,6 +215,7 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
             "carried": [x.get("carried_rounds", 0) for x in isl],  # rounds carried onto the next global
             "lags": [d.get("lag", 0) for d in deltas if d["learner"] == n - 1],  # the last (slow) island's
             "merges": sum(1 for e in tape if e["event"] == "merge"),
+            "pipelined": sum(1 for d in deltas if "trained_from" in d),  # (--pipeline: pushed before their round)
             "slow_deltas_merged": sum(1 for e in tape if e["event"] == "merge" for lid in e["responders"]
                                       if lid == n - 1)}
 

@@ -106,13 +106,15 @@ class Case:
     profiles: tuple[str, ...]
     overlap: bool = False
     fragments: int = 1  # streamed in this many parts: rounds of 1/P the steps, P times as many (equal steps)
+    pipeline: int = 1  # streamed: deltas an island may have in flight (--pipeline)
 
     @property
     def name(self) -> str:
         names = sorted(set(self.profiles), key=self.profiles.index)
         where = names[0] if len(names) == 1 else "mix " + "+".join(names)
         return f"{self.kind} {where}" + (" overlap" if self.overlap else "") + (
-            f" {self.fragments} parts" if self.fragments > 1 else "")
+            f" {self.fragments} parts" if self.fragments > 1 else "") + (
+            f" pipeline {self.pipeline}" if self.pipeline > 1 else "")
 
 
 def synthetic_island(case: Case, address: str, lid: int, key_path: str, out: mp.Queue) -> None:
@@ -156,7 +158,8 @@ def run_case(case: Case, rounds: int, real_steps: int) -> dict[str, Any]:
     steps, rounds = max(1, steps // case.fragments), rounds * case.fragments  # (each part still syncs every H steps)
     syncer = start_syncer(out, port, ["--learners", str(n), "--quorum", str(n), "--outer-steps", str(rounds),
                                       "--inner-steps", str(steps), "--sync-bits", "4",
-                                      "--fragments", str(case.fragments)], tmp / "syncer.log")
+                                      "--fragments", str(case.fragments), "--pipeline", str(case.pipeline)],
+                          tmp / "syncer.log")
     links = [None if p == "loopback" else Link(port, PROFILES[p], seed=i) for i, p in enumerate(case.profiles)]
     addresses = [f"127.0.0.1:{port}" if link is None else link.address for link in links]
     t0 = time.perf_counter()
@@ -306,6 +309,8 @@ def cases_from(a: argparse.Namespace) -> list[Case]:
             if a.overlap and p != "loopback":
                 out.append(Case(size, profiles, overlap=True))
             out += [Case(size, profiles, overlap=a.overlap, fragments=parts) for parts in a.fragments]
+            out += [Case(size, profiles, overlap=a.overlap, fragments=parts, pipeline=d) for parts in a.fragments
+                    for d in a.pipeline if 1 < d <= parts]
     if a.real:
         out += [Case("smollm2", (p,) * a.islands) for p in a.real_profiles]
     return out
@@ -323,6 +328,8 @@ def full_matrix(a: argparse.Namespace) -> list[Case]:
             matrix.append(Case(size, ("home",) * n, overlap=True))
         for parts in a.fragments:
             matrix.append(Case(size, ("home",) * n, overlap=a.overlap, fragments=parts))
+            matrix += [Case(size, ("home",) * n, overlap=a.overlap, fragments=parts, pipeline=d)
+                       for d in a.pipeline if 1 < d <= parts]
     if a.real:
         matrix += [Case("smollm2", (p,) * n) for p in a.real_profiles]
     return matrix
@@ -340,8 +347,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of H steps (streamed: P times as many)")
     ap.add_argument("--fragments", type=lambda s: [int(x) for x in s.split(",") if x], default=[4],
                     help="also run each shaped fleet streamed in these numbers of parts (--fragments; '' for none)")
+    ap.add_argument("--pipeline", type=lambda s: [int(x) for x in s.split(",") if x], default=[2],
+                    help="also run each streamed fleet with these --pipeline depths (at most its parts; '' for none)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="also run each shaped fleet with --overlap")
+    ap.add_argument("--cases", type=lambda s: [x.strip() for x in s.split(";") if x.strip()], default=[],
+                    help="run only the fleets whose names contain one of these (;-separated)")
     ap.add_argument("--real", action=argparse.BooleanOptionalAction, default=True, help="SmolLM2-135M fleets")
     ap.add_argument("--real-profiles", type=lambda s: s.split(","), default=["loopback", "home", "poor"])
     ap.add_argument("--real-steps", type=int, default=4, help="inner steps of a SmolLM2 round")
@@ -359,6 +370,8 @@ def main() -> None:
         matrix = [Case("1b", ("loopback",) * n), Case("1b", ("home",) * n), Case("1b", ("poor",) + ("region",) * n)]
         if a.real:
             matrix += [Case("smollm2", ("loopback",) * n), Case("smollm2", ("home",) * n)]
+    if a.cases:
+        matrix = [c for c in matrix if any(x in c.name for x in a.cases)]
     load = os.getloadavg()
     ceiling = proxy_ceiling()
     print(f"wan: {os.cpu_count()} cores, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; proxy ceiling "
