@@ -108,9 +108,8 @@ class PipelinedDeltas:
     def _give_back(self, p: Pushed) -> None:
         """A delta that never counts: its part of the error-feedback residual is as it was before it, and the
         training loop is told (`given_back`: the steps before that push are not in any global)."""
-        residual = self.ef.residual.copy()
-        for a, n in fragment_pieces(self.layout, synced_fragments(self.layout, p.part)):
-            residual[a : a + n] = p.residual_before[a : a + n]
+        residual = self.ef.residual.copy()  # (a new array: a caller holding the old one keeps it)
+        self._restore(p, residual)
         self.ef.residual = residual
         self.given_back.update(synced_fragments(self.layout, p.part))
 
@@ -122,9 +121,13 @@ class PipelinedDeltas:
         """The error-feedback residual of the deltas that count: each delta still in flight gives its part back."""
         residual = self.ef.residual.copy()
         for p in self.in_flight():
-            for a, n in fragment_pieces(self.layout, synced_fragments(self.layout, p.part)):
-                residual[a : a + n] = p.residual_before[a : a + n]
+            self._restore(p, residual)
         return residual
+
+    def _restore(self, p: Pushed, residual: np.ndarray) -> None:
+        """Set p's part of `residual` (in place) to what it was before p was quantized."""
+        for a, n in fragment_pieces(self.layout, synced_fragments(self.layout, p.part)):
+            residual[a : a + n] = p.residual_before[a : a + n]
 
     def _promote(self) -> None:
         """The oldest delta in flight settled: the next one is now the one the core's rules follow."""
