@@ -20,8 +20,10 @@ REPORT_TO ?= none
 # make test TEST_WORKERS=4: pytest-xdist workers (CI has 2 cores; most tests wait on real processes and sockets)
 TEST_WORKERS ?= 2
 
-# make sim N=100000: that many seeded fault schedules through the coordination cores (CI runs a few hundred)
+# make sim N=100000: that many seeded fault schedules through the coordination cores, from a fresh random first seed
+# (printed; make sim FIRST=123 runs a given range again). CI runs a few hundred pinned and a few hundred fresh ones.
 N ?= 10000
+FIRST ?=
 
 .PHONY: setup demo demo-single demo-mixed test sim bench gpu-wheels clean
 
@@ -66,7 +68,7 @@ test: setup
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 sim: setup
-	$(BIN)/python -m yeto.sync.sim --seeds $(N) --workers $$(nproc 2>/dev/null || sysctl -n hw.ncpu)
+	$(BIN)/python -m yeto.sync.sim --seeds $(N) $(if $(FIRST),--first $(FIRST)) --workers $$(nproc 2>/dev/null || sysctl -n hw.ncpu)
 
 bench: setup
 	$(BIN)/python bench/learner_throughput.py

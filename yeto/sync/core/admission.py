@@ -32,6 +32,7 @@ MAX_PROVENANCE_BYTES = 256 << 10
 MAX_SESSION_CHARS = 64
 MAX_BACKEND_CHARS = 32
 MAX_LEARNER_ID = (1 << 31) - 1
+MAX_LOST_UPLOADS = 64  # sessions whose founding uploads came and did not count, remembered to ask them again
 MAX_RETIRED_SESSIONS = 8  # per learner id: older sessions that get "superseded" instead of "say hello"
 
 
@@ -185,6 +186,9 @@ class Admission(SyncerState):
         lid = h["learner"]
         m = Member(lid, h["session"], peer, h["backend"], now, principal=self.principal,
                    tokens_per_step=h["contract"]["tokens_per_step"])
+        old = self.members.get(lid)
+        if old is not None and old.session == m.session:
+            self._keep_delta_news(old, m)
         self.members[lid] = m
         if self.owners.get(lid) != proof:
             self.owners[lid] = proof
@@ -199,6 +203,12 @@ class Admission(SyncerState):
             return
         self._record("join", learner=lid, backend=m.backend, session=m.session, rejoin=rejoin, waiting_for="init")
         self._ask_founder(again_from=lid)
+
+    @staticmethod
+    def _keep_delta_news(old: Member, new: Member) -> None:
+        """The same process says hello again (a late hello, or one sent again): what the pongs tell it about its
+        delta (the last answer, the last copy heard) stays, or a lost answer is never learned (sim seed 800680)."""
+        new.last_answer, new.heard = old.last_answer, old.heard
 
     def _welcome(self, m: Member, now: float, rejoin: bool, learner_version: int) -> None:
         """A member of a founded run is told its state: the version, the open round (and whether its delta is in),
@@ -255,24 +265,36 @@ class Admission(SyncerState):
         asked = self.members.get(f.asked) if f.asked is not None else None
         if asked is not None and asked.active:
             if again_from == f.asked:
-                self._send(asked.peer, "init_request", {"bits": self.cfg.sync_bits})
+                self._request_init(f, asked)
             return
         candidates = sorted(m.learner for m in self._active())
         if not candidates:
             f.asked = None
             return
         f.asked = candidates[0]
-        self._send(self.members[f.asked].peer, "init_request", {"bits": self.cfg.sync_bits})
+        self._request_init(f, self.members[f.asked])
         self._record("init_request", learner=f.asked, bits=self.cfg.sync_bits)
+
+    def _request_init(self, f: Founding, m: Member) -> None:
+        """Ask `m` for the initial adapter, saying how many uploads of its session came and could not count (`heard`:
+        the error saying so may have been lost, and a learner waits on an upload it thinks is still on its way)."""
+        heard = f.lost_uploads.get((m.learner, m.session), 0)
+        self._send(m.peer, "init_request", {"bits": self.cfg.sync_bits, **({"heard": heard} if heard else {})})
 
     def _on_init(self, peer: str, msg: Message, now: float) -> None:
         """The initial adapter, from the member asked for it (a repeat of the founding upload is ignored)."""
-        m = self._member(peer, msg, now)
         f = self.founding
-        if self.run is not None and self.founder == m.learner:
-            return  # a repeat of the upload that founded the run
-        if self.run is not None or f is None or f.asked != m.learner:
-            raise ProtocolError("an initial adapter nobody asked for", Code.WRONG_PHASE)
+        try:
+            m = self._member(peer, msg, now)
+            if self.run is not None and self.founder == m.learner:
+                return  # a repeat of the upload that founded the run
+            if self.run is not None or f is None or f.asked != m.learner:
+                raise ProtocolError("an initial adapter nobody asked for", Code.WRONG_PHASE)
+        except ProtocolError:
+            key = (msg.header["learner"], msg.header["session"])
+            if f is not None and (key in f.lost_uploads or len(f.lost_uploads) < MAX_LOST_UPLOADS):
+                f.lost_uploads[key] = f.lost_uploads.get(key, 0) + 1  # (sim seed 3141721)
+            raise
         flat = decode_fragments(f.layout, msg)
         self._found(m.learner, flat, now, bits=sorted({d["bits"] for d in msg.header["fragments"]}), bytes=msg.nbytes)
 

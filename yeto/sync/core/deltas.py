@@ -50,7 +50,8 @@ class Deltas(SyncerState):
         if [h["round"], digest] in self.merged.get(m.learner, []):  # sent again after a lost ack: it counted
             self._answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": True, "merged": True})
             return
-        if self.round is not None and h["round"] > self.round.number and "trained_from" in h:
+        m.heard = [digest, h["copy"] if isinstance(h.get("copy"), int) else 0]
+        if self._waits_for_its_round(h):
             return self._keep_ahead(m, msg, digest, now)
         refusal = self._delta_refusal(m, h, digest)
         if refusal is not None:
@@ -113,19 +114,35 @@ class Deltas(SyncerState):
                            "changed its part (the run's last round syncs the whole adapter)")
         return None
 
+    def _waits_for_its_round(self, h: dict[str, Any]) -> bool:
+        """A delta for a round not open yet that is kept for it rather than judged now: one pipelined ahead of the
+        open round, or, with no round open (a restarted syncer before it reopens its round, or a run waiting for
+        its quorum), one for the round that opens next, on the version it opens on. Refused as stale, the latter
+        was lost whenever the refusal was (sim seed 800680): its learner waited on a round that waited on it."""
+        if self.round is not None:
+            return h["round"] > self.round.number and "trained_from" in h
+        return self.run is not None and self.finished_at is None and h["round"] == self.version + 1 and \
+            h["base_version"] == self.version
+
     def _keep_ahead(self, m: Member, msg: Message, digest: str, now: float) -> None:
-        """A pipelined delta for a round not open yet: kept (unacked) for its round, or refused now."""
+        """A delta for a round not open yet (`_waits_for_its_round`): kept (unacked) for its round, or refused now."""
         h, r = msg.header, self.round
         kept = self.ahead.setdefault(m.learner, {})
         problem = None
-        if not h["round"] - r.number < self.cfg.pipeline or h["base_version"] != h["round"] - 1:
+        if r is None:  # (the round opening next, kept whole: at most one a learner beside the pipelined ones)
+            problem = None if h["round"] in kept or len(kept) < self.cfg.pipeline else Refusal(
+                Code.STALE, f"learner {m.learner} already has {len(kept)} delta(s) waiting for round "
+                f"{h['round']} to open (--pipeline {self.cfg.pipeline})")
+        elif not h["round"] - r.number < self.cfg.pipeline or h["base_version"] != h["round"] - 1:
             problem = Refusal(Code.STALE, f"delta for round {h['round']} on version {h['base_version']}: round "
                               f"{r.number} is open, and --pipeline {self.cfg.pipeline} keeps deltas for the "
                               f"{self.cfg.pipeline - 1} round(s) after it, each on the version it opens on")
         elif h["round"] not in kept and len(kept) >= self.cfg.pipeline - 1:
             problem = Refusal(Code.STALE, f"learner {m.learner} already has {len(kept)} pipelined delta(s) waiting "
                               f"(--pipeline {self.cfg.pipeline})")
-        problem = problem or self._pipelined_refusal(h) or self._claims_refusal(m, h, digest)
+        pipelined = "trained_from" in h
+        problem = problem or (self._pipelined_refusal(h) if pipelined else None) or \
+            self._claims_refusal(m, h, digest)
         if problem is None:
             try:  # (its sizes and part now: a kept delta holds no more memory than its part's payload)
                 check_fragments(self.run.layout, msg, self._part(h["round"]))

@@ -112,7 +112,7 @@ class LearnerCore(PipelinedDeltas, SyncerMessages):
         self.place_held: Optional[Place] = None  # a round where the syncer holds a late delta of ours that is not
         # `pushed` (an earlier process's, told by the welcome, or a push refused as a duplicate said so)
         self.init_sent: Optional[tuple[dict[str, Any], tuple[bytes, ...]]] = None  # our founding upload
-        self.resend_init = False
+        self.init_copies, self.resend_init = 0, False  # its copies sent (an init_request says how many came)
         self.finish: Optional[dict[str, Any]] = None
         self.finish_at = 0.0
         self.refused: Optional[str] = None
@@ -219,7 +219,7 @@ class LearnerCore(PipelinedDeltas, SyncerMessages):
             self._resend_pushed()
         if self.resend_init and self.init_sent is not None and not self.joined:
             self.resend_init = False
-            self._send("init", *self.init_sent)
+            self._send_init()
         try:
             getattr(self, f"_on_{msg.type}", self._on_other)(msg, now)
         except ProtocolError as e:  # a payload that does not fit our layout: ignore it, catch up from versions

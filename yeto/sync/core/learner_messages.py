@@ -143,13 +143,14 @@ class SyncerMessages:
     def _on_init_request(self, msg: Message, now: float) -> None:
         """Found the run: upload our initial adapter at the run's wire precision. Asked again (our hello was
         repeated while the upload is on its way), we do not start another one: a lost upload is sent again when a
-        broken connection is noticed (`link_lost`)."""
-        if self.joined or self.init_sent is not None:
+        broken connection is noticed (`link_lost`), and one refused when the request says every copy we sent came
+        (`heard`) without counting (the error that said so may have been lost: sim seed 3141721)."""
+        if self.joined or (self.init_sent is not None and msg.header.get("heard", 0) < self.init_copies):
             return
         bits = msg.header["bits"]
         descs, frames = encode_fragments(self.layout, self.init_flat, bits)
         self.init_sent = ({"fragments": descs}, tuple(frames))
-        self._send("init", *self.init_sent)
+        self._send_init()
         # what the syncer will decode: hold it too, so the welcome finds us current
         flat = np.concatenate([dequantize(fr, f.numel, bits) for fr, f in zip(frames, self.layout.fragments)])
         self.global_, self.version, self.digest = flat, 0, array_digest(flat)
@@ -157,6 +158,11 @@ class SyncerMessages:
             self._enter(Phase.WAITING, "founding the run")
         self.lineage = {0: self.digest}
         self._log("info", f"founding the run: sent the initial adapter at {bits} bits")
+
+    def _send_init(self) -> None:
+        assert self.init_sent is not None
+        self.init_copies += 1
+        self._send("init", *self.init_sent)
 
     def _on_round(self, msg: Message, now: float) -> None:
         h = msg.header
@@ -261,8 +267,10 @@ class SyncerMessages:
             # nothing from us any more: refused (the error saying so was lost). A pong sent after the ack is received
             # after it (one connection, in order), so it is not news from before the delta.
             self._drop_uncounted()
-        elif not p.acked and not p.on_its_way and not p.resend:  # no copy on its way and the syncer lacks it: the
-            # announcement that would have asked for it was lost with its connection
+        elif not p.acked and not p.resend and (not p.on_its_way or h.get("heard") == [p.digest, p.copies]):
+            # the syncer lacks it and no copy is on its way (the announcement that would have asked for it was lost
+            # with its connection), or the syncer heard our latest copy and holds nothing of ours with no answer
+            # saying why (the answer was lost: sim seed 800680): the pong is the syncer's word on what it holds
             self._resend_pushed()
 
     def _on_ack(self, msg: Message, now: float) -> None:

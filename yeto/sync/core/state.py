@@ -51,6 +51,9 @@ class Member:
     # the syncer's last answer about a delta of its (the ack or error sent, and which copy of the delta it answered):
     # every pong repeats it, so an answer lost on the control connection is learned without sending the delta again
     last_answer: Optional[dict[str, Any]] = None
+    # [digest, copy] of the last delta message taken from it: a pong that says so and holds no delta of its (with no
+    # answer that explains why) tells the learner its copy arrived and was lost here, so it sends it again
+    heard: Optional[list[Any]] = None
     held_version: int = -1  # the version its last ping or sync said it holds
 
 
@@ -63,6 +66,9 @@ class Founding:
     provenance: dict[str, Any]
     contract: dict[str, Any]
     asked: Optional[int] = None  # learner id asked for the adapter
+    # (learner, session) -> its uploads that came and could not count (from a member dropped meanwhile, or not the one
+    # asked any more): a request to that session says how many, or it takes its upload for still on its way and waits
+    lost_uploads: dict[tuple[int, str], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,8 @@ class SyncerCore(Recovery, Admission, Merging):
         self._send(m.peer, "pong", {"incarnation": self.incarnation, "version": self.version,
                                     "round": r.number if r else self.version, "round_open": r is not None,
                                     "have_delta": have, "contributed": r is not None and mine is not None,
-                                    "finished": self.finished_at is not None, "answer": m.last_answer, **window})
+                                    "finished": self.finished_at is not None, "answer": m.last_answer, "heard": m.heard,
+                                    **window})
         if self.finish_header is not None:
             self._send(m.peer, "finish", self.finish_header_for_wire())  # it may have missed the first one
 

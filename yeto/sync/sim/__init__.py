@@ -22,13 +22,15 @@ After every schedule, and along the way:
 - every learner that finished holds the syncer's final global adapter, bit for bit;
 - replaying the merges on the tape from the captured payloads gives that adapter.
 
-    python -m yeto.sync.sim --seeds 1000 [--first 0] [--workers 2]
+    python -m yeto.sync.sim --seeds 1000 [--workers 2]   # from a fresh random seed, printed
+    python -m yeto.sync.sim --seeds 1000 --first 0      # a given range
     python -m yeto.sync.sim --seed 17 --trace      # one schedule, every event
 """
 
 from yeto.sync.sim.oracle import Oracle, Violation
-from yeto.sync.sim.runner import EXERCISED, Outcome, main, run_seed
+from yeto.sync.sim.runner import EXERCISED, Outcome, fresh_first_seed, main, run_seed
 from yeto.sync.sim.schedule import Hostile, Schedule
 from yeto.sync.sim.world import World
 
-__all__ = ["EXERCISED", "Hostile", "Oracle", "Outcome", "Schedule", "Violation", "World", "main", "run_seed"]
+__all__ = ["EXERCISED", "Hostile", "Oracle", "Outcome", "Schedule", "Violation", "World", "fresh_first_seed", "main",
+           "run_seed"]

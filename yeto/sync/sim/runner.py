@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from collections import Counter
@@ -28,6 +29,8 @@ class Outcome:
     exercised: frozenset[str] = frozenset()  # the fault paths this schedule took (see EXERCISED)
     moves: frozenset[tuple[str, str]] = frozenset()  # the learner phase moves it took (from, to)
 
+
+FRESH_SEEDS_FROM, FRESH_SEEDS_TO = 10**5, 10**9  # where a fresh sweep's first seed is drawn from
 
 # tape events that mark a recovery path, counted per schedule so a sweep shows what it really exercised
 EXERCISED = ("resume", "rollback", "discard", "recovered", "refuse_delta", "supersede", "tape_repair", "quorum_wait",
@@ -58,6 +61,12 @@ def run_seed(seed: int, trace: Optional[Callable[[str], None]] = None) -> Outcom
                    sum(1 for e in tape if e["event"] == "resume"), frozenset(paths), frozenset(w.oracle.moves_seen()))
 
 
+def fresh_first_seed() -> int:
+    """A first seed drawn from the OS's randomness, past the seeds 0..FRESH_SEEDS_FROM - 1 that CI and earlier sweeps
+    ran: a sweep from it checks schedules no change was tuned against."""
+    return random.SystemRandom().randrange(FRESH_SEEDS_FROM, FRESH_SEEDS_TO)
+
+
 def _run_range(args: tuple[int, int]) -> list[Outcome]:
     return [run_seed(s) for s in range(*args)]
 
@@ -65,7 +74,9 @@ def _run_range(args: tuple[int, int]) -> list[Outcome]:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description="Deterministic simulation of yeto's coordination under faults.")
     p.add_argument("--seeds", type=int, default=200, help="how many schedules to run")
-    p.add_argument("--first", type=int, default=0, help="the first seed")
+    p.add_argument("--first", type=int, default=None,
+                   help="the first seed (default: a fresh random one, printed, so a sweep sees schedules no earlier "
+                        "sweep checked)")
     p.add_argument("--seed", type=int, help="run this one seed")
     p.add_argument("--trace", action="store_true", help="with --seed: print every event")
     p.add_argument("--workers", type=int, default=1, help="processes to spread the seeds over")
@@ -75,6 +86,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(Schedule.draw(a.seed).__dict__, default=str))
         print("ok" if out.ok else f"VIOLATION seed {out.seed}: {out.error}")
         return 0 if out.ok else 1
+    if a.first is None:
+        a.first = fresh_first_seed()
+    sys.stderr.write(f"sim: seeds {a.first}..{a.first + a.seeds - 1} (again: --first {a.first} --seeds {a.seeds})\n")
     t0 = time.perf_counter()
     end = a.first + a.seeds
     ranges = [(s, min(s + PROGRESS_CHUNK, end)) for s in range(a.first, end, PROGRESS_CHUNK)]
@@ -85,11 +99,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         with Pool(a.workers) as pool:
             for res in pool.imap_unordered(_run_range, ranges):
                 outcomes.extend(res)
-                _progress(outcomes, a.seeds, t0)
+                _progress(outcomes, res, a.seeds, t0)
     else:
         for r in ranges:
-            outcomes.extend(_run_range(r))
-            _progress(outcomes, a.seeds, t0)
+            res = _run_range(r)
+            outcomes.extend(res)
+            _progress(outcomes, res, a.seeds, t0)
     bad = sorted((o for o in outcomes if not o.ok), key=lambda o: o.seed)
     merges = sum(o.merges for o in outcomes)
     restarts = sum(o.restarts for o in outcomes)
@@ -108,7 +123,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 1 if bad else 0
 
 
-def _progress(outcomes: list[Outcome], total: int, t0: float) -> None:
+def _progress(outcomes: list[Outcome], latest: list[Outcome], total: int, t0: float) -> None:
+    """A line per ~5% of the sweep, and each violation as soon as it is found (a long sweep's first finding need not
+    wait for its end)."""
+    for o in latest:
+        if not o.ok:
+            sys.stderr.write(f"\nsim: VIOLATION seed {o.seed}: {o.error.splitlines()[0] if o.error else ''}\n")
     done, bad = len(outcomes), sum(not o.ok for o in outcomes)
     line = f"sim: {done}/{total} schedules, {bad} violation(s), {time.perf_counter() - t0:.0f}s"
     if sys.stderr.isatty():
