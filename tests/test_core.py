@@ -31,7 +31,7 @@ class Fleet:
     """A syncer core and learner cores with a hand-cranked network: `run()` delivers until quiet.
     `drop(pred)` loses the messages pred(direction, learner, type) selects; the tape and disk are kept."""
 
-    def __init__(self, n=2, shapes=SHAPES, **cfg):
+    def __init__(self, n=2, shapes=SHAPES, found=True, **cfg):
         cfg = {"learners": n, "quorum": n, "outer_steps": 3, "inner_steps": 2, "sync_bits": 32,
                "learner_timeout": 6.0, "straggler_timeout": 3.0, **cfg}
         self.cfg = SyncerConfig(**cfg)
@@ -46,7 +46,8 @@ class Fleet:
         self.lost = lambda direction, lid, msg_type: False
         for i in self.learners:
             self.to_syncer(i, self.learners[i].connected_now(self.now))
-        self.run()
+        if found:  # (found=False: the hellos wait in the queue)
+            self.run()
 
     def _boot_syncer(self, durable):
         core = SyncerCore(self.cfg, incarnation=f"inc{len(self.tape)}")
@@ -80,8 +81,9 @@ class Fleet:
     def peer(self, lid):
         return f"learner-{lid}-{self.learners[lid].session}"
 
-    def run(self):
-        while self.queue:
+    def run(self, until=lambda direction, msg: False):
+        """Deliver until quiet, or until the next message is one `until` picks (it stays queued)."""
+        while self.queue and not until(self.queue[0][0], decode(self.queue[0][2])):
             direction, lid, parts = self.queue.pop(0)
             msg = decode(parts)
             who = lid if direction == "up" else int(lid.split("-")[1])
@@ -781,3 +783,70 @@ def test_a_control_drop_never_sends_a_delta_again_and_a_pong_repeats_the_lost_ac
     assert c.pushed.acked and not c.pushed.on_its_way and c.pushed.copies == 1  # learned from a pong
     f.train(0)
     assert f.syncer.version == 1 and c.pushed is None and audit(f.tape).ok
+
+
+def test_a_delta_that_reaches_a_restarted_syncer_before_its_round_reopens_is_kept_for_that_round():
+    """Sim seed 800680: a restarted syncer that has not reopened its round yet refused a delta for it as stale, the
+    refusal was lost, and the round then waited forever for a learner that held its push as answered. The delta
+    waits for the round (unacked), and counts when the round opens, as if it had just come."""
+    f = Fleet(n=2)
+    f.lost = lambda direction, lid, msg_type: direction == "down" and msg_type == "ack"
+    f.train(0)  # round 1: learner 0's delta is in the syncer's hands (its ack lost); the syncer dies before the merge
+    f.syncer = f._boot_syncer(Durable(f.checkpoints[0], [], list(f.tape)))  # (its delta was not saved)
+    f.lost = lambda direction, lid, msg_type: lid == 1  # learner 1 is not back yet: no quorum, no round
+    c = f.learners[0]
+    f.tick(times=12)  # learner 0 is told to say hello, is welcomed with no round open, and sends its delta again
+    assert f.syncer.round is None and f.syncer.version == 0 and c.pushed is not None and c.pushed.copies >= 2
+    assert not [e for e in f.tape if e["event"] == "reject" and "round" in e], "a delta for the round to open was refused"
+    f.lost = lambda *a: False
+    f.to_syncer(1, f.learners[1].connected_now(f.now))  # learner 1 reconnects: round 1 opens, takes learner 0's delta
+    f.tick(times=4)
+    assert f.syncer.round is not None and 0 in f.syncer.pending and c.pushed.acked
+    f.train(1)
+    merge = [e for e in f.tape if e["event"] == "merge"][-1]
+    assert f.syncer.version == 1 and merge["responders"] == [0, 1] and audit(f.tape).ok
+
+
+def test_a_refusal_lost_before_a_late_hello_of_the_same_process_is_still_learned_from_the_pongs():
+    """Sim seed 800680, the learner's side: the error refusing a delta is lost, and a late hello of the same process
+    makes the syncer a new member record. The pongs still repeat that answer and say the delta's latest copy came, so
+    the learner neither waits on it forever nor counts it."""
+    f = Fleet(n=2)
+    c = f.learners[1]
+    f.lost = lambda direction, lid, msg_type: direction == "down" and lid == 1 and msg_type in ("error", "welcome")
+    task = c.next_task(f.now)
+    assert isinstance(task, Train) and [c.after_step(n, f.now) for n in (1, 2)] == [Verdict.CONTINUE, Verdict.PUSH]
+    too_many = 1 << 41  # more tokens than any delta can carry: refused
+    f.to_syncer(1, c.push(task.adapter + 0.01, RoundCounts(too_many, too_many, 2, 1.0, 0.1)))
+    f.run()
+    assert [e["code"] for e in f.tape if e["event"] == "reject"] == ["refused"] and c.pushed.on_its_way
+    c.out = []
+    c._hello(f.now)  # a hello this process sent earlier, arriving late
+    f.to_syncer(1, c._flush())
+    f.run()
+    f.lost = lambda *a: False
+    f.tick(times=4)
+    assert c.pushed is None, "the learner still waits for an answer about a delta the syncer refused"
+    f.train(1)
+    f.train(0)
+    assert f.syncer.version == 1 and audit(f.tape).ok
+
+
+def test_a_founding_upload_that_came_too_late_to_count_is_asked_for_again():
+    """Sim seed 3141721: the learner asked for the initial adapter went silent (a laptop asleep) and was dropped;
+    its upload came after that and was refused, and the error was lost. It took its upload for still on its way and
+    ignored every request after. The request says how many of its uploads came (`heard`), so it uploads again."""
+    f = Fleet(n=2, found=False, learner_timeout=3.0)  # (the learner presumes the syncer dead after 5 s, LINK)
+    f.lost = lambda direction, lid, msg_type: lid == 1  # learner 1 never gets in: learner 0 must found the run
+    f.run(until=lambda direction, msg: msg.type == "init")
+    held, f.queue = f.queue, []  # learner 0's upload is held up on its way, and learner 0 is frozen ...
+    c = f.learners[0]
+    assert c.init_sent is not None and [decode(q[2]).type for q in held] == ["init"]
+    f.now += 4.0
+    f.apply(f.syncer.tick(f.now))  # ... long enough for the syncer to drop it, not for it to reconnect
+    assert not f.syncer.members[0].active and f.syncer.run is None
+    f.lost = lambda direction, lid, msg_type: lid == 1 or msg_type == "error"  # the refusal of the late upload is lost
+    f.queue = held
+    f.run()
+    f.tick(times=8)  # learner 0 says hello again and is asked again
+    assert f.syncer.run is not None and f.syncer.founder == 0 and c.init_copies == 2
