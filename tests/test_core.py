@@ -797,7 +797,8 @@ def test_a_delta_that_reaches_a_restarted_syncer_before_its_round_reopens_is_kep
     c = f.learners[0]
     f.tick(times=12)  # learner 0 is told to say hello, is welcomed with no round open, and sends its delta again
     assert f.syncer.round is None and f.syncer.version == 0 and c.pushed is not None and c.pushed.copies >= 2
-    assert not [e for e in f.tape if e["event"] == "reject" and "round" in e], "a delta for the round to open was refused"
+    rejects = [e for e in f.tape if e["event"] == "reject" and "round" in e]
+    assert not rejects, "a delta for the round about to open was refused"
     f.lost = lambda *a: False
     f.to_syncer(1, f.learners[1].connected_now(f.now))  # learner 1 reconnects: round 1 opens, takes learner 0's delta
     f.tick(times=4)
