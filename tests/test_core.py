@@ -31,7 +31,7 @@ class Fleet:
     """A syncer core and learner cores with a hand-cranked network: `run()` delivers until quiet.
     `drop(pred)` loses the messages pred(direction, learner, type) selects; the tape and disk are kept."""
 
-    def __init__(self, n=2, shapes=SHAPES, found=True, **cfg):
+    def __init__(self, n=2, shapes=SHAPES, found=True, principal=None, **cfg):
         cfg = {"learners": n, "quorum": n, "outer_steps": 3, "inner_steps": 2, "sync_bits": 32,
                "learner_timeout": 6.0, "straggler_timeout": 3.0, **cfg}
         self.cfg = SyncerConfig(**cfg)
@@ -44,6 +44,7 @@ class Fleet:
         self.learners = {i: self.new_learner(i) for i in range(n)}
         self.queue: list[tuple[str, int, list[bytes]]] = []
         self.lost = lambda direction, lid, msg_type: False
+        self.principal = principal  # the key every learner's connection proved: None (no keys: trusted), "join", ...
         for i in self.learners:
             self.to_syncer(i, self.learners[i].connected_now(self.now))
         if found:  # (found=False: the hellos wait in the queue)
@@ -90,7 +91,8 @@ class Fleet:
             if self.lost(direction, who, msg.type):
                 continue
             if direction == "up":
-                self.apply(self.syncer.receive(f"learner-{lid}-{msg.header['session']}", parts, self.now))
+                keyed = () if self.principal is None else (self.principal,)  # (tests wrap receive without it)
+                self.apply(self.syncer.receive(f"learner-{lid}-{msg.header['session']}", parts, self.now, *keyed))
             else:  # lid is the peer id: deliver to the learner process holding that session, if any
                 to = next((c for i, c in self.learners.items() if lid == f"learner-{i}-{c.session}"), None)
                 if to is not None:

@@ -152,21 +152,26 @@ def push(fleet, deltas, counts):
         fleet.run()
 
 
-def test_the_syncer_merges_by_the_configured_rule_and_weights_and_records_them():
-    """Weights follow --merge-weight, each count capped at the round's low median (a claim buys no more than the
-    median delta's weight; a short delta keeps its small one)."""
+@pytest.mark.parametrize("principal", [None, "join"])
+def test_the_syncer_merges_by_the_configured_rule_and_weights_and_records_them(principal):
+    """Weights follow --merge-weight: a trusted learner's counts as claimed (no keys on loopback, or its own key); on
+    the shared join key each count is capped at the round's low median (a claim buys no more than the median delta's
+    weight; a short delta keeps its small one)."""
     plain = {"outer_lr": 1.0, "outer_momentum": 0.0, "robust": "off"}
     rng = np.random.default_rng(3)
     counts = {0: (100, 90, 2), 1: (300, 10, 2), 2: (200, 50, 2)}
-    for merge, weight, expect_w in (("rda", "equal", [1 / 3] * 3),
-                                    ("mean", "tokens", [0.2, 0.4, 0.4]),  # 100, 300 -> 200, 200
-                                    ("mean", "loss-tokens", [50 / 110, 10 / 110, 50 / 110])):  # 90 -> 50, 10, 50
-        f = Fleet(n=3, merge=merge, merge_weight=weight, **plain)
+    expected = {None: [("rda", "equal", [1 / 3] * 3), ("mean", "tokens", [1 / 6, 1 / 2, 1 / 3]),
+                       ("mean", "loss-tokens", [90 / 150, 10 / 150, 50 / 150])],
+                "join": [("rda", "equal", [1 / 3] * 3), ("mean", "tokens", [0.2, 0.4, 0.4]),  # 100, 300 -> 200, 200
+                         ("mean", "loss-tokens", [50 / 110, 10 / 110, 50 / 110])]}  # 90 -> 50, 10, 50
+    for merge, weight, expect_w in expected[principal]:
+        f = Fleet(n=3, merge=merge, merge_weight=weight, principal=principal, **plain)
         g0 = f.syncer.run.global_.copy()
         deltas = {lid: rng.normal(size=f.layout.numel).astype(np.float32) for lid in (0, 1, 2)}
         push(f, deltas, counts)
         e = [e for e in f.tape if e["event"] == "merge"][0]
         assert (e["merge"], e["merge_weight"], e["lora_merge"]) == (merge, weight, "factors")
+        assert e["tiers"] == ["trusted" if principal is None else "bounded"] * 3
         np.testing.assert_allclose(e["weights"], expect_w)
         if merge == "rda":
             want, _ = rda([deltas[0], deltas[1], deltas[2]], np.array(expect_w), f.layout)
@@ -316,13 +321,14 @@ def test_merge_alpha_starts_each_round_from_the_blend_of_the_merged_and_the_own_
         assert not np.allclose(isl.loads[1], merged, atol=1e-3)
 
 
-def test_step_normalize_scales_each_delta_to_the_longest_island():
-    """Island 0 does 4 steps (+0.01 each, 200 loss tokens), island 1 one step (50; in a pair the larger claim counts
-    as the smaller): the mean is (0.04 + 0.01) / 2 = 0.025, shorter than the long island's move; normalized, each
-    delta is scaled to 4 steps first: (0.04 + 0.04) / 2 = 0.04."""
-    for normalize, expect in ((False, 0.025), (True, 0.04)):
+@pytest.mark.parametrize("principal,plain_mean", [(None, 0.034), ("join", 0.025)])
+def test_step_normalize_scales_each_delta_to_the_longest_island(principal, plain_mean):
+    """Island 0 does 4 steps (+0.01 each, 200 loss tokens), island 1 one step (50): trusted, the mean weighs them
+    0.8 / 0.2, 0.034; on the join key (in a pair the larger claim counts as the smaller) (0.04 + 0.01) / 2 = 0.025;
+    either is shorter than the long island's move. Normalized, each delta is scaled to 4 steps first: 0.04."""
+    for normalize, expect in ((False, plain_mean), (True, 0.04)):
         f = Fleet(n=2, quorum=2, inner_steps=4, outer_lr=1.0, outer_momentum=0.0, robust="off",
-                  step_normalize=normalize)
+                  step_normalize=normalize, principal=principal)
         f.learners[1].max_inner_steps = 1  # a weaker island: one step per round
         before = f.syncer.run.global_.copy()
         f.train(0)

@@ -251,13 +251,18 @@ def test_norm_clip_scales_only_the_outlier_even_in_a_pair():
     from yeto.sync.merge.aggregate import RoundSum, clip_factors, clip_reference, clipped_merge
 
     def factors(norms, history):
-        return clip_factors(norms, clip_reference(norms, history), 4.0)
+        return clip_factors(norms, clip_reference(norms, [(n, "bounded") for n in history]), 4.0)
 
     assert factors([1.0, 1.2, 100.0], []) == [1.0, 1.0, pytest.approx(4 * 1.2 / 100)]
     assert factors([1.0, 100.0], []) == [1.0, pytest.approx(4 * 1.0 / 100)]  # a pair: the low median
     assert factors([100.0, 1.0], []) == [pytest.approx(4 * 1.0 / 100), 1.0]  # (in either order)
     assert factors([1.0, 100.0], [100.0, 100.0, 1.0, 1.0])[1] == pytest.approx(4 * 1.0 / 100)  # its history
     assert factors([1.0, 3.0], [1.0, 1.1, 0.9]) == [1.0, 1.0]  # honest spread is left alone
+    assert factors([0.0, 1.0], [0.0, 0.0, 0.0]) == [1.0, 1.0]  # a zero delta is no step's norm: it clips nothing
+    assert factors([1e-9, 1.0], []) == [1.0, pytest.approx(4e-9)]  # (a tiny bounded one still sets a pair's ref ...)
+    trusted = clip_reference([1e-9, 1.0, 1.2], [(0.9, "trusted")], ["bounded", "trusted", "bounded"])
+    assert trusted == 0.9  # (... unless trusted norms are there: the reference is theirs alone)
+    assert clip_reference([3.0, 1.0], [], ["extra", "bounded"]) == 1.0  # an extra id's norm sets nothing
     d = {0: np.ones(8, np.float32), 1: np.full(8, 100.0, np.float32)}
     s = RoundSum(8)
     for i in (1, 0):

@@ -39,8 +39,8 @@ def test_two_islands_merge_exactly_as_computed_by_hand(start_syncer, tmp_path):
     layout = build_layout(islands[0].state)
     g = np.zeros(layout.numel, np.float32)
     m = np.zeros_like(g)
-    # loss-bearing tokens 2 steps x 300 and 2 x 100, each counted at most as the pair's smaller claim
-    w = merge_weights([DeltaCounts(200, 0, 2), DeltaCounts(200, 0, 2)])
+    # loss-bearing tokens 2 steps x 300 and 2 x 100, counted as claimed (no keys, loopback only: trusted)
+    w = merge_weights([DeltaCounts(600, 0, 2), DeltaCounts(200, 0, 2)])
     for _ in range(3):
         deltas = []
         for tgt in (1.0, -2.0):
@@ -56,7 +56,8 @@ def test_two_islands_merge_exactly_as_computed_by_hand(start_syncer, tmp_path):
     tape = read_tape(tmp_path / "syncer")
     merges = [e for e in tape if e["event"] == "merge"]
     assert [sorted(e["responders"]) for e in merges] == [[0, 1]] * 3  # (listed in the order they were summed)
-    assert all(dict(zip(e["responders"], e["weights"])) == pytest.approx({0: 0.5, 1: 0.5}) for e in merges)
+    assert all(dict(zip(e["responders"], e["weights"])) == pytest.approx({0: 0.75, 1: 0.25}) for e in merges)
+    assert all(e["tiers"] == ["trusted", "trusted"] for e in merges)
     assert wait_until(lambda: syncer.finished) and syncer.exit_code == 0
     assert audit(tape).ok, audit(tape).summary()
     assert (tmp_path / "syncer" / "adapter" / "adapter_model.safetensors").is_file()
@@ -363,8 +364,9 @@ def test_time_window_rounds_weight_a_slow_island_by_its_tokens_and_steps(start_s
         # what each counted for: its loss-token weight, times (step normalization, the time-window default) the
         # round's most steps / its own
         assert m["step_normalize"] and m["merge"] == "mean"
-        # (the fast island's claim counts for at most MAX_CLAIM_OVER_MEDIAN x the slow one's)
-        counted = capped_claims([f["loss_tokens"], s["loss_tokens"]])
+        # (as claimed: no keys on loopback, so both are trusted; a join-key pair's would be capped, test_security)
+        counted = capped_claims([f["loss_tokens"], s["loss_tokens"]], [f["tier"], s["tier"]])
+        assert counted == [f["loss_tokens"], s["loss_tokens"]]
         total, most = sum(counted), f["inner_steps"]
         assert [weights[0], weights[1]] == pytest.approx([counted[0] / total,
                                                           counted[1] / total * most / s["inner_steps"]])

@@ -122,6 +122,7 @@ class AcceptedDelta:
     peak: float = 0.0  # largest |value|: the first suspect when a merge fails
     norm: float = 0.0  # its L2 norm (robust merge); peak and norm are measured again after a restart
     carried_steps: int = 0  # of its inner steps, those trained in an earlier round's window and carried onto this one
+    tier: str = "bounded"  # its learner's tier when it came (yeto.sync.merge.rules.Tier): what its claims buy
 
     @property
     def round_steps(self) -> int:

@@ -22,9 +22,10 @@ from yeto.sync.core.actions import Checkpoint, SaveCheckpoint
 from yeto.sync.core.contract import contract_mismatch, contract_problem, init_adapter_problem, run_contract
 from yeto.sync.core.state import FRESH_IDS_PER_WINDOW, RATE_WINDOW_S, Founding, Member, Refusal, SyncerState
 from yeto.sync.merge.aggregate import RoundSum
+from yeto.sync.merge.rules import Tier
 from yeto.sync.wire.layout import Layout, flatten, layout_from_json, layout_mismatch, stream_parts
-from yeto.sync.wire.protocol import (PROTOCOL_VERSION, Code, Message, ProtocolError, array_digest, decode_fragments,
-                                     identity_proof, message_size, session_start, truncate)
+from yeto.sync.wire.protocol import (LEARNER_PRINCIPAL, PROTOCOL_VERSION, Code, Message, ProtocolError, array_digest,
+                                     decode_fragments, identity_proof, message_size, session_start, truncate)
 from yeto.sync.wire.quant import ErrorFeedback
 
 MAX_ADAPTER_CONFIG_BYTES = 64 << 10
@@ -109,10 +110,19 @@ class Admission(SyncerState):
                            f"{self.cfg.max_message_mb}: restart the syncer with a larger --max-message-mb", backend)
         return None
 
+    def _tier(self, lid: int) -> Tier:
+        """What this connection's key makes of learner `lid`'s claims: its own key (issued by the operator), or no key
+        at all (--insecure, loopback only), is trusted; the shared join key is bounded, an id beyond --learners
+        extra."""
+        p = self.principal
+        if p is None or p.startswith(LEARNER_PRINCIPAL):
+            return Tier.TRUSTED
+        return Tier.BOUNDED if lid < self.cfg.learners else Tier.EXTRA
+
     def _principal_problem(self, lid: int) -> Optional[str]:
         """Why this connection's key may not speak for learner `lid`, or None."""
         p = self.principal
-        if p is not None and p.startswith("learner:") and p != f"learner:{lid}":
+        if p is not None and p.startswith(LEARNER_PRINCIPAL) and p != f"{LEARNER_PRINCIPAL}{lid}":
             return f"this connection's key belongs to {p}; it cannot join as learner {lid}"
         if p == "join" and lid in self.bound_ids:
             return f"learner {lid} has its own key (yeto keys add): join with that key, not the shared join key"
@@ -185,7 +195,7 @@ class Admission(SyncerState):
         """Make the hello's sender the member for its id: welcomed into the run, or (not founded yet) the founding."""
         lid = h["learner"]
         m = Member(lid, h["session"], peer, h["backend"], now, principal=self.principal,
-                   tokens_per_step=h["contract"]["tokens_per_step"])
+                   tokens_per_step=h["contract"]["tokens_per_step"], tier=self._tier(lid))
         old = self.members.get(lid)
         if old is not None and old.session == m.session:
             self._keep_delta_news(old, m)
@@ -229,7 +239,7 @@ class Admission(SyncerState):
                                        "merged": self.merged.get(m.learner, []),
                                        "finished": self.finished_at is not None,
                                        "shard": self._shard(m.learner)})
-        self._record("join", learner=m.learner, backend=m.backend, session=m.session, rejoin=rejoin,
+        self._record("join", learner=m.learner, backend=m.backend, session=m.session, rejoin=rejoin, tier=str(m.tier),
                      learner_version=learner_version, version=self.run.version,
                      round=r.number if r is not None else None, contributed=contributed)
         self._log("info", f"learner {m.learner} {'re' if rejoin else ''}joined ({m.backend}) at version "

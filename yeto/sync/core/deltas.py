@@ -173,7 +173,7 @@ class Deltas(SyncerState):
         h, r = msg.header, self.round
         d = AcceptedDelta(m.learner, m.session, r.number, h["base_version"], h["tokens"], h["loss_tokens"],
                           h["inner_steps"], float(h["loss"]), digest, list(h["fragments"]), tuple(msg.frames),
-                          carried_steps=h.get("carried_steps", 0))
+                          carried_steps=h.get("carried_steps", 0), tier=str(m.tier))
         self._measure(d, flat)
         compute_s = h.get("compute_s")
         compute_s = float(compute_s) if isinstance(compute_s, (int, float)) and math.isfinite(compute_s) and \
@@ -233,7 +233,8 @@ class Deltas(SyncerState):
     def _delta_fields(d: AcceptedDelta) -> dict[str, Any]:
         return {"learner": d.learner, "round": d.round, "base_version": d.base_version, "digest": d.digest,
                 "tokens": d.tokens, "loss_tokens": d.loss_tokens, "inner_steps": d.inner_steps, "loss": d.loss,
-                "bits": sorted({x["bits"] for x in d.descs}), "lag": d.lag, "round_steps": d.round_steps}
+                "bits": sorted({x["bits"] for x in d.descs}), "lag": d.lag, "round_steps": d.round_steps,
+                "tier": d.tier}
 
     def _part(self, round_number: int) -> Optional[tuple[int, ...]]:
         """The fragments a round merges when the run streams its adapter (--fragments); None: all of them (as in the

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yeto.sync.core.quorum import quorum_after_give_ups
-from yeto.sync.merge.rules import MAX_CLAIM_OVER_MEDIAN, MERGE_WEIGHTS, DeltaCounts, capped_claims, weight_of
+from yeto.sync.merge.rules import (MAX_CLAIM_OVER_MEDIAN, MERGE_WEIGHTS, DeltaCounts, Tier, capped_claims,
+                                   weight_of)
 
 CLIP_SLACK = 1e-6  # float rounding allowed over the clip's bound
 
@@ -175,9 +176,14 @@ class TapeFold:
         counted, how = e.get("counted"), e.get("merge_weight", "loss-tokens")
         if counted is not None and how in MERGE_WEIGHTS:
             claims = [weight_of(DeltaCounts(d["loss_tokens"], d["tokens"], d["inner_steps"]), how) for d in used]
-            if len(counted) != len(claims) or counted != capped_claims(claims):
+            tiers = [d.get("tier", Tier.BOUNDED) for d in used]  # (as each delta came: a tape before tiers, bounded)
+            if e.get("tiers", tiers) != tiers:
+                self._fail(e, f"merge of round {e['round']} says its deltas' tiers are {e['tiers']}; they came as "
+                              f"{tiers}")
+            elif len(counted) != len(claims) or counted != capped_claims(claims, tiers):
                 self._fail(e, f"merge of round {e['round']} counts claims {counted}; the bound gives "
-                              f"{capped_claims(claims)} (at most {MAX_CLAIM_OVER_MEDIAN:g} x the low median)")
+                              f"{capped_claims(claims, tiers)} (a trusted claim as claimed, any other at most "
+                              f"{MAX_CLAIM_OVER_MEDIAN:g} x the low median)")
         ref, norms = e.get("clip_ref"), e.get("merged_norms")
         if self.robust_k and ref is not None and norms is not None:
             bound = self.robust_k * ref * (1 + CLIP_SLACK)

@@ -92,7 +92,8 @@ class Merging(Deltas):
         scales = dict(zip(ids, terms.scales))
         most = np.float32(terms.length)
         norms = [self.pending[i].norm * scales[i] * terms.length for i in ids]  # (the deltas as they are merged)
-        ref = clip_reference(norms, list(self._norm_history(self._part(self.round.number))))
+        tiers = [self.pending[i].tier for i in ids]
+        ref = clip_reference(norms, list(self._norm_history(self._part(self.round.number))), tiers)
         try:
             with np.errstate(all="ignore"):
                 weights = np.asarray(terms.counted, dtype=np.float64) / sum(terms.counted)
@@ -147,7 +148,8 @@ class Merging(Deltas):
         """The bounded weights and scales of merging these pending deltas (`yeto.sync.merge.rules.merge_terms`)."""
         ds = [self.pending[i] for i in ids]
         return merge_terms([self._counts(d) for d in ds], self.cfg.merge_weight, [d.lag for d in ds],
-                           self.cfg.staleness_exponent, bool(self.cfg.step_normalize), [d.round_steps for d in ds])
+                           self.cfg.staleness_exponent, bool(self.cfg.step_normalize), [d.round_steps for d in ds],
+                           [d.tier for d in ds])
 
     def _bounded_sum(self, ids: list[int], terms: MergeTerms) -> RoundSum:
         """The round's running sum, or, where a claim was capped or a scale bounded, the sum rebuilt with what each
@@ -212,12 +214,14 @@ class Merging(Deltas):
                      merge=self.cfg.merge, merge_weight=self.cfg.merge_weight, lora_merge=self.cfg.lora_merge,
                      step_normalize=self.cfg.step_normalize, lags=lags, clip_ref=merged.clip_ref,
                      counted=by_learner(merged.counted), merged_norms=by_learner(merged.merged_norms),
+                     tiers=[self.pending[i].tier for i in ids],
                      grace_s=round(now - r.fresh_at, 6) if r.fresh_at is not None else None, **merged.rule,
                      **({"part": list(part)} if (part := self._part(r.number)) is not None else {}))
         if merged.clip:
             self._log("warning", f"round {r.number}: robust merge clipped learner(s) "
                                  f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged.clip.items())}")
-        self._norm_history(self._part(r.number)).extend(merged.merged_norms)
+        self._norm_history(self._part(r.number)).extend(zip(by_learner(merged.merged_norms),
+                                                            (self.pending[i].tier for i in ids)))  # (as the tape says)
         self._note_merged(ids, now)
         self.run = Checkpoint(version, run.layout, run.adapter_config, run.provenance, merged.global_,
                               merged.momentum, merged.residual, digest, asdict(self.cfg), sorted(self.seen),

@@ -16,6 +16,7 @@ from yeto.sync.core.actions import AcceptedDelta, Checkpoint, DropDeltas, Durabl
 from yeto.sync.core.deltas import Deltas
 from yeto.sync.core.fold import TapeFold
 from yeto.sync.merge.aggregate import RoundSum
+from yeto.sync.merge.rules import Tier
 from yeto.sync.wire.layout import synced_fragments
 from yeto.sync.wire.protocol import ProtocolError, truncate
 from yeto.sync.wire.quant import ErrorFeedback
@@ -87,6 +88,12 @@ class Recovery(Deltas):
         self.sum = RoundSum.for_rule(ck.layout, self.cfg.merge)
         self.digests = {v: d for v, d in fold.digests.items() if ck.version - self.cfg.versions_kept <= v < ck.version}
         self.digests[ck.version] = ck.digest
+        self.norm_history = {}
+        for v in sorted(x for x in fold.merged if x <= ck.version):  # the clip's history, as the tape says it grew
+            e = fold.merged[v]
+            norms = e.get("merged_norms") or []
+            part = tuple(e["part"]) if e.get("part") is not None else None
+            self._norm_history(part).extend(zip(norms, e.get("tiers") or [Tier.BOUNDED] * len(norms)))
 
     def _discard_unsaved(self, ck: Checkpoint, fold: TapeFold, saved: Saved) -> None:
         """Deltas the tape accepted that the disk does not hold (or not for the open round) are void, on the tape."""

@@ -21,7 +21,8 @@ from yeto.sync.core.contract import InitAdapter
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.core.quorum import quorum_after_give_ups
 from yeto.sync.core.rounds import OpenRound
-from yeto.sync.merge.aggregate import NORM_HISTORY_ROUNDS, RoundSum
+from yeto.sync.merge.aggregate import NORM_HISTORY, RoundSum
+from yeto.sync.merge.rules import Tier
 from yeto.sync.wire.layout import Layout
 from yeto.sync.wire.protocol import Code, Message, ProtocolError, truncate
 from yeto.sync.wire.quant import ErrorFeedback
@@ -44,6 +45,7 @@ class Member:
     welcomed: bool = False
     left: bool = False  # said goodbye (not just went silent)
     principal: Optional[str] = None  # who its connection authenticated as (ZAP User-Id); None: --insecure
+    tier: str = Tier.BOUNDED  # how far its claims are believed (yeto.sync.merge.rules.Tier; set at join by its key)
     tokens_per_step: int = 0  # declared at join: bounds its token claims
     round_s: Optional[float] = None  # its observed compute time per round (running estimate)
     step_s: Optional[float] = None  # ... and per inner step (time windows: how far its push may trail the window)
@@ -115,7 +117,7 @@ class SyncerState:
         self.sum: Optional[RoundSum] = None  # the open round's running sum of accepted deltas
         # recent merged deltas' norms, per part of the adapter (a streamed run's parts differ in size and layers; the
         # whole adapter's key is None): the norm clip's reference
-        self.norm_history: dict[Optional[tuple[int, ...]], deque[float]] = {}
+        self.norm_history: dict[Optional[tuple[int, ...]], deque[tuple[float, str]]] = {}  # (norm, tier) merged
         self.merged: dict[int, list] = {}  # learner id -> its latest merged deltas, [[round, digest], ...]
         self.round: Optional[OpenRound] = None
         self.pending: dict[int, AcceptedDelta] = {}
@@ -192,9 +194,9 @@ class SyncerState:
             self._record("replies_suppressed", peer=truncate(peer, 80), count=skipped)
         return ok
 
-    def _norm_history(self, part: Optional[tuple[int, ...]]) -> deque[float]:
-        """The recent merged norms of this part of the adapter (None: the whole of it)."""
-        return self.norm_history.setdefault(part, deque(maxlen=NORM_HISTORY_ROUNDS * 4))
+    def _norm_history(self, part: Optional[tuple[int, ...]]) -> deque[tuple[float, str]]:
+        """The recent merged norms of this part of the adapter (None: the whole of it), with their deltas' tiers."""
+        return self.norm_history.setdefault(part, deque(maxlen=NORM_HISTORY))
 
     def _exit(self) -> None:
         if self.exit_code is None:

@@ -8,14 +8,19 @@ encoding (4 bits: 1/8 of fp32) for the durable copy and for the rare rebuild.
 
 Norm clipping (`--robust norm-clip`, the default): with n_i = |s_i d_i| (the
 delta as it is merged: staleness and step normalization applied) and
-ref = median_low(this round's norms and the norms merged in the last
-`NORM_HISTORY_ROUNDS` rounds, after their clips), a delta with n_i > k * ref is
-scaled by c_i = k * ref / n_i before it is weighted. The low median (of a pair,
-the smaller) is what makes it hold for any fleet size: a two-learner round's
-plain median is the mean of an honest and a hostile norm, which never clips.
-With at most half the norms hostile, ref is at most an honest norm, so one
-learner moves the global by at most its weight x k x ref per round. Applied as
-a correction on the running sum: sum <- sum - (1 - c_i) * t_i * d_i.
+ref = median_low(this round's norms and the last `NORM_HISTORY` merged norms,
+after their clips), a delta with n_i > k * ref is scaled by c_i = k * ref / n_i
+before it is weighted. The low median (of a pair, the smaller) is what makes it
+hold for any fleet size: a two-learner round's plain median is the mean of an
+honest and a hostile norm, which never clips. With at most half the norms
+hostile, ref is at most an honest norm, so one learner moves the global by at
+most its weight x k x ref per round. The reference is taken over the trusted
+learners' norms where there are any (yeto.sync.merge.rules.Tier: a join-key
+holder can then neither raise nor lower it), else over the bounded ones' (an
+extra id's only where there is nothing else), and never over a zero norm (a
+delta that moves nothing is no step's length: one would clip every other delta
+to nothing, and, kept in the history, go on doing so). Applied as a correction
+on the running sum: sum <- sum - (1 - c_i) * t_i * d_i.
 
 Trimmed mean (`--robust trimmed-mean`): per coordinate, drop the
 floor(`TRIM_FRACTION` * n) (at least one) largest and smallest values and take
@@ -33,18 +38,19 @@ tape's `responders`), so the merge replays bit for bit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from yeto.sync.wire.layout import Layout
-from yeto.sync.merge.rules import Directions, low_median
+from yeto.sync.merge.rules import Directions, Tier, low_median
 from yeto.sync.wire.spans import over_spans
 
 ROBUST_MODES = ("norm-clip", "trimmed-mean", "off")
 DEFAULT_CLIP_K = 4.0  # --robust-k: room for honest norms to differ; one learner moves the global by at most k x ref
-NORM_HISTORY_ROUNDS = 8  # past rounds in the reference: a round of two or three deltas is not judged on them alone
+NORM_HISTORY = 32  # past merged norms in the reference: a round of two or three deltas is not judged on them alone
 TRIM_FRACTION = 0.2  # dropped at each end per coordinate: a fifth of the deltas may be extreme and not count
 ACCUMULATE_CHUNK = 1 << 16  # values per step of the running sum (256 KiB: stays in cache)
 ACCUMULATE_SPAN = 1 << 19  # values at least per thread
@@ -119,9 +125,17 @@ class RoundSum:
         return self.total / np.float32(self.weight)
 
 
-def clip_reference(norms: Sequence[float], history: Sequence[float]) -> float:
-    """ref = median_low(norms + history): what a delta's norm is judged against."""
-    return low_median([*norms, *history]) if norms else 0.0
+def clip_reference(norms: Sequence[float], history: Sequence[tuple[float, str]],
+                   tiers: Optional[Sequence[str]] = None) -> float:
+    """ref = median_low of this round's norms and the history's ((norm, tier) pairs), over the most trusted tier
+    present, zero norms left out: what a delta's norm is judged against (0.0: nothing to judge by)."""
+    pool = [*zip(norms, tiers if tiers is not None else [Tier.BOUNDED] * len(norms)), *history]
+    pool = [(n, Tier(t)) for n, t in pool if n > 0 and math.isfinite(n)]
+    for admitted in ({Tier.TRUSTED}, {Tier.BOUNDED}, set(Tier)):
+        chosen = [n for n, t in pool if t in admitted]
+        if chosen:
+            return low_median(chosen)
+    return 0.0
 
 
 def clip_factors(norms: Sequence[float], ref: float, k: float) -> list[float]:

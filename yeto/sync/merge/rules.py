@@ -40,14 +40,17 @@ round (a tenth of the steps, so a tenth of the weight and a delta a tenth as lon
 instead. With equal steps it is the plain rule. The default in time-window rounds, with the mean (docs/benchmarks.md,
 heterogeneous fleet); not with rda, whose norm rule would take a short delta's scaled-up noise for length.
 
-Bounded claims (no learner's word buys it more than a fair share): the counts behind the weights and the step counts
-behind step normalization are the learners' own claims, so before the rule each claimed weight is cut to the round's
-low median (C = MAX_CLAIM_OVER_MEDIAN = 1: t_i' = min(t_i, median_low(t))). A delta weighs by its count but never
-more than the round's median delta: a short delta (a slow island's) keeps its small weight, a long claim (a fast
-island's, or a lie) counts as the median, so one learner among n weighs at most 1/n of a merge where the others'
-claims are alike (in a pair, the two weigh the same unless the smaller claims less). A round's length k_max comes
-from window steps each cut to MAX_STEP_SCALE times their low median, and no delta is scaled up by more than
-MAX_STEP_SCALE. The norm clip (yeto.sync.merge.aggregate) then judges each delta as it is merged.
+Trust tiers (`Tier`): the counts behind the weights and the step counts behind step normalization are the learners'
+own claims. A learner on a key the operator issued for it (a learner key: every island `yeto launch` starts has one;
+or a loopback --insecure run) is TRUSTED: its claims count as claimed, so a fast island weighs by its tokens and a
+10x slower one by its tenth. A learner on the shared join key is BOUNDED: its claimed weight is cut to the round's low
+median claim (C = MAX_CLAIM_OVER_MEDIAN = 1: t_i' = min(t_i, median_low(t))), so it weighs by its count but never
+more than the round's median delta (a short delta keeps its small weight, a long claim counts as the median: one
+learner among n weighs at most 1/n where the others' claims are alike). An id on the join key beyond --learners is
+EXTRA: bounded, its claims left out of the median that bounds the others, and all extra ids of a merge together
+weigh at most one median claim. A round's length k_max is the longest window steps claimed, a bounded or extra
+claim cut to MAX_STEP_SCALE times the low median of the claims, and no delta is scaled up by more than
+MAX_STEP_SCALE. The norm clip (yeto.sync.merge.aggregate) then judges every delta, trusted or not, as it is merged.
 
 Staleness (`--staleness-exponent a`): a delta accepted `lag` versions after its base is scaled by s = (1 + lag)^-a
 before any rule sees it (FedAsync's polynomial rule; a = 0: no discount). The weights stay normalised by the counts
@@ -58,7 +61,9 @@ Every function is pure: the same deltas in the same order give the same bits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Optional, Sequence
 
 import numpy as np
@@ -76,6 +81,14 @@ MAX_CLAIM_OVER_MEDIAN = 1.0  # no delta's weight claim counts for more than this
 MAX_STEP_SCALE = 16.0  # step normalization scales no delta up by more, nor takes a round longer than this x its median
 
 
+class Tier(StrEnum):
+    """How far a learner's claims are believed: fixed at its join by the key its connection proved."""
+
+    TRUSTED = "trusted"  # a learner key the operator issued (or --insecure on loopback): claims count as claimed
+    BOUNDED = "bounded"  # the shared join key, an id the run expects: claims cut to the round's low median
+    EXTRA = "extra"  # the shared join key, an id beyond --learners: bounded, and together worth one median claim
+
+
 @dataclass(frozen=True)
 class DeltaCounts:
     """What a delta says about the work behind it (the fields weights can follow)."""
@@ -91,18 +104,39 @@ def low_median(values: Sequence[float]) -> float:
     return float(ordered[(len(ordered) - 1) // 2]) if ordered else 0.0
 
 
-def round_length(window_steps: Sequence[int], inner_steps: Sequence[int]) -> int:
+def _tiers_of(tiers: Optional[Sequence[str]], n: int) -> list[Tier]:
+    """Each delta's tier (none given: every one bounded, as a tape from before the tiers reads)."""
+    return [Tier.BOUNDED] * n if tiers is None else [Tier(t) for t in tiers]
+
+
+def _judging(values: Sequence[float], tiers: Sequence[Tier]) -> list[float]:
+    """The values a median that bounds others is taken over: not an extra id's (unless there is nothing else)."""
+    return [v for v, t in zip(values, tiers) if t is not Tier.EXTRA] or list(values)
+
+
+def round_length(window_steps: Sequence[int], inner_steps: Sequence[int],
+                 tiers: Optional[Sequence[str]] = None) -> int:
     """k_max of step normalization: the most steps a delta took in the round's window (each delta's inner steps less
-    those carried in; in a round whose every delta was carried in whole, the most inner steps), each claim cut to
-    MAX_STEP_SCALE x the claims' low median."""
-    claims = [s for s in window_steps if s > 0] or [s for s in inner_steps if s > 0] or [1]
-    return max(1, int(min(max(claims), MAX_STEP_SCALE * low_median(claims))))
+    those carried in; in a round whose every delta was carried in whole, the most inner steps), a trusted claim as
+    claimed, any other cut to MAX_STEP_SCALE x the claims' low median."""
+    tier = _tiers_of(tiers, len(inner_steps))
+    claims = [(s, t) for s, t in zip(window_steps, tier) if s > 0] or \
+        [(s, t) for s, t in zip(inner_steps, tier) if s > 0] or [(1, Tier.BOUNDED)]
+    cap = MAX_STEP_SCALE * low_median(_judging([s for s, _ in claims], [t for _, t in claims]))
+    return max(1, int(max(s if t is Tier.TRUSTED else min(s, cap) for s, t in claims)))
 
 
-def capped_claims(claims: Sequence[float]) -> list[float]:
-    """t_i' = min(t_i, C median_low(t)): the weights a round's claims may buy (C = MAX_CLAIM_OVER_MEDIAN)."""
-    cap = MAX_CLAIM_OVER_MEDIAN * low_median(claims)
-    return [min(float(t), cap) for t in claims]
+def capped_claims(claims: Sequence[float], tiers: Optional[Sequence[str]] = None) -> list[float]:
+    """The weights a round's claims may buy: a trusted claim as claimed; any other t_i' = min(t_i, C median_low(t))
+    (C = MAX_CLAIM_OVER_MEDIAN, the median over the claims of trusted and bounded learners), and the extra ids'
+    together scaled down to one such cap at most."""
+    tier = _tiers_of(tiers, len(claims))
+    cap = MAX_CLAIM_OVER_MEDIAN * low_median(_judging(claims, tier))
+    counted = [float(t) if k is Tier.TRUSTED else min(float(t), cap) for t, k in zip(claims, tier)]
+    extra = math.fsum(c for c, k in zip(counted, tier) if k is Tier.EXTRA)  # (exact: the same in any order)
+    if extra > cap:
+        counted = [c * (cap / extra) if k is Tier.EXTRA else c for c, k in zip(counted, tier)]
+    return counted
 
 
 @dataclass(frozen=True)
@@ -116,10 +150,10 @@ class MergeTerms:
 
 
 def merge_terms(counts: Sequence[DeltaCounts], how: str, lags: Sequence[int], staleness_exponent: float,
-                normalize: bool, window_steps: Sequence[int]) -> MergeTerms:
+                normalize: bool, window_steps: Sequence[int], tiers: Optional[Sequence[str]] = None) -> MergeTerms:
     """The bounded weights and scales of one merge (the syncer's and every replay's: one expression, same bits)."""
-    counted = capped_claims([weight_of(c, how) for c in counts])
-    length = round_length(window_steps, [c.inner_steps for c in counts]) if normalize else 1
+    counted = capped_claims([weight_of(c, how) for c in counts], tiers)
+    length = round_length(window_steps, [c.inner_steps for c in counts], tiers) if normalize else 1
     scales = []
     for c, lag in zip(counts, lags):
         s = staleness_factor(lag, staleness_exponent)

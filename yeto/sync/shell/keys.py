@@ -29,6 +29,7 @@ import zmq
 from zmq.auth.certs import load_certificate
 
 from yeto import YetoError
+from yeto.sync.wire.protocol import JOIN_PRINCIPAL, LEARNER_PRINCIPAL
 
 JOIN_KEY_FILE = "join.key"
 KEYS_DIR = "keys"
@@ -36,8 +37,6 @@ SYNCER_SECRET_FILE = "syncer.key_secret"
 LEARNER_KEYS = "learners"
 REVOKED_KEYS = "revoked"
 JOIN_KEY_ENV = "YETO_JOIN_KEY"
-JOIN_PRINCIPAL = "join"  # the ZAP User-Id of a connection authenticated by the shared join key
-LEARNER_PRINCIPAL = "learner:"  # ... and of one authenticated by the key of one learner id: "learner:<id>"
 KEY_CHARS = 40  # a z85-encoded CURVE key
 KEYS_RESCAN_S = 2.0  # how often the syncer looks for added or revoked learner keys
 _LINE = re.compile(r'^\s*([a-z-]+)\s*=\s*"?([^"\s]*)"?\s*$')

@@ -28,6 +28,39 @@ from yeto.sync.sim.schedule import (ADAPTER_CONFIG, DIE_DURING_WITHIN_S, LINK, P
 # (each node holds the World of yeto.sync.sim.world as `w`, typed Any: that module imports this one)
 
 
+class Sleep:
+    """A frozen node's events, kept in the order they came until it wakes: a process asleep reads its sockets in
+    order when it wakes, and a second freeze while asleep only makes the sleep longer. (Each event rescheduled for
+    the wake on its own was reordered by a second freeze: those that came before it were put behind those that came
+    during it, so an ack overtook the pongs sent before it: sim seed 414694317.)"""
+
+    def __init__(self, world: Any):
+        self.w = world
+        self.until = 0.0
+        self.held: list[Callable[[], None]] = []
+
+    def freeze(self, dur: float) -> None:
+        self.until = max(self.until, self.w.now + dur)
+
+    def hold(self, fn: Callable[[], None]) -> bool:
+        """Keep fn for the wake if the node is asleep (or events held for this wake are still to run); False: run
+        it now."""
+        if self.w.now >= self.until and not self.held:
+            return False
+        self.held.append(fn)
+        if len(self.held) == 1:
+            self.w.at(self.until, self._wake)
+        return True
+
+    def _wake(self) -> None:
+        if self.w.now < self.until:  # frozen again meanwhile
+            self.w.at(self.until, self._wake)
+            return
+        held, self.held = self.held, []
+        for fn in held:
+            fn()
+
+
 class SimSyncer:
     def __init__(self, world: Any):
         self.w = world
@@ -41,7 +74,7 @@ class SimSyncer:
         self.outer_steps = 0  # restarts may raise --outer-steps, never lower it
         self.last_merge: Optional[dict[str, Any]] = None
         self.life = 0
-        self.paused_until = 0.0
+        self.sleep = Sleep(world)
         self.cut_short: Optional[type] = None  # a kill waits for the next event with this durable action
 
     def boot(self) -> None:
@@ -92,8 +125,7 @@ class SimSyncer:
         """Run fn unless this life is over; a frozen syncer runs it when it wakes up."""
         if life != self.life or not self.up or self.exited:
             return
-        if self.w.now < self.paused_until:
-            self.w.at(self.paused_until, lambda: self.guarded(life, fn, then))
+        if self.sleep.hold(lambda: self.guarded(life, fn, then)):
             return
         fn()
         if then is not None and life == self.life and self.up and not self.exited:
@@ -110,7 +142,7 @@ class SimSyncer:
                 flat = decode_fragments(w.layout, msg)
                 w.oracle.init_payloads[array_digest(flat)] = flat
         w.log(f"syncer <- {peer}: {msg_type}")
-        self.execute(self.core.receive(peer, parts, w.now))
+        self.execute(self.core.receive(peer, parts, w.now, w.s.principal(int(peer.split("-")[1]))))
 
     def execute(self, actions: list) -> None:
         w = self.w
@@ -225,7 +257,7 @@ class SimSyncer:
 
     def pause(self, dur: float) -> None:
         self.w.log(f"syncer: frozen for {dur:.1f}s")
-        self.paused_until = max(self.paused_until, self.w.now + dur)
+        self.sleep.freeze(dur)
 
 
 # ---------------------------------------------------------------------------------------------- a learner
@@ -259,7 +291,7 @@ class SimLearner:
         self.alive = False
         self.ended = False  # exited (or killed for good)
         self.life = 0
-        self.paused_until = 0.0
+        self.sleep = Sleep(world)
         self.stepping = False
         self.booted_at = 0.0
         self.dead_for_good = False
@@ -310,8 +342,7 @@ class SimLearner:
         of its phase; a frozen learner runs it when it wakes up."""
         if life != self.life or not self.alive:
             return
-        if self.w.now < self.paused_until:
-            self.w.at(self.paused_until, lambda: self.guarded(life, fn))
+        if self.sleep.hold(lambda: self.guarded(life, fn)):
             return
         fn()
         self.w.oracle.check_phases(self.lid, self.core)
@@ -476,7 +507,7 @@ class SimLearner:
 
     def pause(self, dur: float) -> None:
         self.w.log(f"learner {self.lid}: frozen for {dur:.1f}s")
-        self.paused_until = max(self.paused_until, self.w.now + dur)
+        self.sleep.freeze(dur)
 
 
 def _brief(header: dict[str, Any]) -> str:

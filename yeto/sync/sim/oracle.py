@@ -182,7 +182,7 @@ class Oracle:
             self._check_trained_from(mine, history, g, part)
             terms = merge_terms([DeltaCounts(d["loss_tokens"], d["tokens"], d["inner_steps"]) for d in mine],
                                 cfg.merge_weight, lags, cfg.staleness_exponent, normalize,
-                                [d["round_steps"] for d in mine])
+                                [d["round_steps"] for d in mine], [d.get("tier", "bounded") for d in mine])
             weight = dict(zip(e["responders"], terms.counted))
             scale = dict(zip(e["responders"], terms.scales))
             s = RoundSum.for_rule(self.w.layout, e["merge"])

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from yeto.sync.core.learner import LinkTimeouts
 from yeto.sync.core.syncer import SyncerConfig
+from yeto.sync.wire.protocol import JOIN_PRINCIPAL, LEARNER_PRINCIPAL
 
 TICK_S = 0.25  # how often each node's timers run (the real shells tick faster)
 START_S = 2.0  # learners boot in [0, this)
@@ -79,6 +80,8 @@ class Schedule:
     # message that carries an adapter takes longer than the learner timeout, while its control connection is fast
     slow_links: dict[int, float] = field(default_factory=dict)
     hostile: Optional["Hostile"] = None  # a join-key holder steering the merge with its claims and outliers
+    # per learner, the key its connections prove: "own" (a learner key: trusted) or "join" (the shared key: bounded)
+    keys: list[str] = field(default_factory=list)
 
     @staticmethod
     def draw(seed: int) -> "Schedule":
@@ -118,7 +121,7 @@ class Schedule:
             cuts=sorted(cuts), pauses=sorted(pauses), stops=stops, poison=poison,
             max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)], give_ups=Schedule.draw_give_ups(seed, kills),
             hostile=Schedule.draw_hostile(seed, n), **Schedule.draw_policy(seed)
-        ).with_bits_drawn().with_streaming_drawn().with_slow_links_drawn()
+        ).with_bits_drawn().with_streaming_drawn().with_slow_links_drawn().with_keys_drawn()
 
     def with_bits_drawn(self) -> "Schedule":
         """Now and then 2-bit deltas, and broadcasts at their own precision (a stream of their own: older seeds keep
@@ -146,6 +149,20 @@ class Schedule:
             for lid in rng.sample(range(self.learners), min(self.learners, rng.choice([1, 1, 2]))):
                 self.slow_links[lid] = rng.choice(SLOW_LINK_BYTES_PER_S)
         return self
+
+    def with_keys_drawn(self) -> "Schedule":
+        """Whose claims the syncer believes: a fleet on learner keys (what `yeto launch` sets up), on the shared join
+        key, or a mix; a hostile learner always holds the join key (a stream of its own)."""
+        rng = random.Random(self.seed * 31 + 67)
+        fleet = rng.choice(["own", "join", "mixed"])
+        self.keys = [rng.choice(["own", "join"]) if fleet == "mixed" else fleet for _ in range(self.learners)]
+        if self.hostile is not None:
+            self.keys[self.hostile.learner] = "join"
+        return self
+
+    def principal(self, lid: int) -> str:
+        """The ZAP User-Id learner `lid`'s connections authenticate as."""
+        return JOIN_PRINCIPAL if lid >= len(self.keys) or self.keys[lid] == "join" else f"{LEARNER_PRINCIPAL}{lid}"
 
     @staticmethod
     def draw_hostile(seed: int, n: int) -> Optional["Hostile"]:

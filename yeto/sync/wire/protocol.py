@@ -26,6 +26,8 @@ import numpy as np
 from yeto.sync.wire.layout import Layout, fragment_pieces
 from yeto.sync.wire.quant import BITS, ErrorFeedback, QuantError, dequantize, encoded_size, quantize
 
+JOIN_PRINCIPAL = "join"  # the ZAP User-Id of a connection authenticated by the shared join key
+LEARNER_PRINCIPAL = "learner:"  # ... and of one authenticated by the key of one learner id: "learner:<id>"
 PROTOCOL_VERSION = 6  # raised whenever SCHEMA changes: a peer of another version is refused, never misread
 DEFAULT_MAX_MESSAGE_MB = 1024  # the syncer's default inbound limit (--max-message-mb)
 MAX_HEADER_BYTES = 4 << 20  # a JSON header (a hello's config and provenance) larger than this is refused
