@@ -6,6 +6,7 @@ mistake this design exists to prevent, are found within a bounded number of seed
 """
 
 import dataclasses
+import heapq
 import os
 
 import pytest
@@ -63,6 +64,8 @@ FOUND_SEEDS = {
     492: "a learner whose open round's delta was lost waited on its pipelined ones, which waited on that round",
     3141721: "a founding upload refused (its learner dropped meanwhile) with the error lost: the learner took it for "
              "still on its way and ignored every request for it",
+    414694317: "(the simulator) a frozen learner frozen again read its connection out of order: a pong sent before "
+               "an ack came after it and dropped a merged delta's residual",
     800680: "a delta that reached a restarted syncer just before its round reopened was refused stale, the refusal "
             "lost, and a late hello wiped the answer the pongs repeat: the round waited on it forever",
 }
@@ -72,6 +75,22 @@ FOUND_SEEDS = {
 def test_a_schedule_that_once_failed_now_passes(seed):
     out = sim.run_seed(seed)
     assert out.ok, f"seed {seed} ({FOUND_SEEDS[seed]}): {out.error}"
+
+
+def test_a_node_frozen_twice_reads_what_came_in_the_order_it_came():
+    """A process asleep reads its sockets in order when it wakes; a second freeze only makes the sleep longer."""
+    w = sim.World(sim.Schedule.draw(11))
+    node, seen = w.learners[0], []
+    node.pause(5.0)
+    w.at(1.0, lambda: node.sleep.hold(lambda: seen.append("before")) or seen.append("early"))
+    w.at(2.0, lambda: node.pause(10.0))  # (until t=12)
+    w.at(6.0, lambda: node.sleep.hold(lambda: seen.append("during")) or seen.append("early"))
+    w.at(13.0, lambda: node.sleep.hold(lambda: seen.append("after")) or seen.append("awake"))
+    while w.queue and w.queue[0][0] <= 13.0:
+        t, _, fn = heapq.heappop(w.queue)
+        w.now = t
+        fn()
+    assert seen == ["before", "during", "awake"]
 
 
 def test_a_schedule_replays_exactly_from_its_seed():
