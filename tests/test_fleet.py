@@ -30,14 +30,16 @@ def syncer(port, out, *args, env=None):
                             stderr=subprocess.STDOUT, text=True)
 
 
-def learner(model, port, lid, n, out, *args):
-    """A torch learner process; `n` None: no --learners (the syncer says the shard)."""
+def learner(model, port, lid, n, out, *args, key=None):
+    """A torch learner process; `n` None: no --learners (the syncer says the shard); `key`: its own key's text (else
+    the join key)."""
     shards = ["--learners", str(n)] if n is not None else []
     return subprocess.Popen([sys.executable, "-m", "yeto.backends.torch", "--model", str(model),
                              "--data", str(DEMO_DATA),
                              "--syncer", f"127.0.0.1:{port}", "--learner-id", str(lid), *shards,
                              "--out", str(out), "--seq-len", "64", "--batch-size", "2", "--lora-r", "4",
-                             "--threads", "1", "--no-progress", *map(str, args)], cwd=REPO, env=ENV,
+                             "--threads", "1", "--no-progress", *map(str, args)], cwd=REPO,
+                            env=ENV if key is None else dict(ENV, **{JOIN_KEY_ENV: key}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -53,11 +55,11 @@ def wait_for(path, event, timeout=120, **fields):
 
 
 def loss_token_weights(merge, deltas):
-    """The weights a default merge records: loss-bearing tokens, each at most the round's low median, normalised, a
-    stale delta's times (1+lag)^-0.5."""
+    """The weights a default merge records: loss-bearing tokens (as claimed by a trusted learner, any other's at most
+    the round's low median), normalised, a stale delta's times (1+lag)^-0.5."""
     mine = [deltas[(merge["round"], lid)] for lid in merge["responders"]]
     assert merge["lags"] == [d["lag"] for d in mine]
-    toks = capped_claims([d["loss_tokens"] for d in mine])
+    toks = capped_claims([d["loss_tokens"] for d in mine], [d["tier"] for d in mine])
     return [t / sum(toks) * staleness_factor(d["lag"], DEFAULT_STALENESS_EXPONENT) for t, d in zip(toks, mine)]
 
 
@@ -71,12 +73,14 @@ def finish(procs, timeout=240):
 
 def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
+    own = {lid: Keyring.ensure(s_out).own_key(lid).text() for lid in (0, 1)}  # the operator's islands: trusted
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 4, "--inner-steps", 10,
                               "--sync-bits", 4)}
-    procs[0] = learner(model, port, 0, None, tmp_path / "l0", "--step-delay", 0.3)  # the syncer says the shards
-    procs[1] = learner(model, port, 1, None, tmp_path / "l1", "--max-inner-steps", 1)  # 10x fewer steps per round
+    procs[0] = learner(model, port, 0, None, tmp_path / "l0", "--step-delay", 0.3, key=own[0])  # (the syncer says
+    # the shards)
+    procs[1] = learner(model, port, 1, None, tmp_path / "l1", "--max-inner-steps", 1, key=own[1])  # 10x fewer steps
     wait_for(s_out, "round_open")
-    procs[2] = learner(model, port, 2, None, tmp_path / "l2")  # joins late
+    procs[2] = learner(model, port, 2, None, tmp_path / "l2")  # joins late, on the shared join key: an extra id
     procs["bad"] = learner(model, port, 3, 4, tmp_path / "bad", "--lora-r", "8")  # another adapter layout
     outs = finish(procs)
     assert outs["syncer"][0] == 0, outs["syncer"][1][-3000:]
@@ -96,10 +100,13 @@ def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
     r1 = {r: deltas[(1, r)] for r in (0, 1)}
     assert r1[0]["inner_steps"] == 10 and r1[1]["inner_steps"] == 1
     w = dict(zip(merges[0]["responders"], merges[0]["weights"]))
-    if len(w) == 3:
-        assert w[1] < 0.25  # a tenth of the steps, about a tenth of the weight
-    else:
-        assert w[0] == pytest.approx(w[1])  # in a pair, the longer claim counts as the shorter
+    assert w[1] < 0.25 and w[0] > 2 * w[1]  # trusted: a tenth of the steps, about a tenth of the weight
+    tiers = {e["learner"]: e["tier"] for e in events if e["event"] == "join"}
+    assert tiers == {0: "trusted", 1: "trusted", 2: "extra"}
+    for m in merges:  # the extra id counts for no more than the expected ids' low median claim
+        if 2 in m["responders"]:
+            counted = dict(zip(m["responders"], m["counted"]))
+            assert counted[2] <= min(counted[0], counted[1]) + 1e-9
     join2 = next(e for e in events if e["event"] == "join" and e["learner"] == 2)
     assert join2["round"] >= 1  # it joined a round already open: it trains that round from its base version
     rounds_with_2 = [m["round"] for m in merges if 2 in m["responders"]]
@@ -148,6 +155,11 @@ def test_launch_local_fleet_and_ctrl_c(tiny_model, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "merged adapter:" in r.stdout and (tmp_path / "ok" / "syncer" / "adapter" / "adapter_config.json").is_file()
     assert "[island-1]" in r.stdout and "[syncer]" in r.stdout
+    tape = read_tape(tmp_path / "ok" / "syncer")  # each island on a key of its own: trusted, weighs by its tokens
+    assert {e["tier"] for e in tape if e["event"] in ("join", "delta")} == {"trusted"}
+    assert all(e["tiers"] == ["trusted", "trusted"] for e in tape if e["event"] == "merge")
+    keys = sorted(p.name for p in (tmp_path / "ok" / "syncer" / "keys" / "learners").glob("*.key"))
+    assert keys == ["0.key", "1.key"]
 
     p = subprocess.Popen(base + ["--out", str(tmp_path / "int"), "--outer-steps", "1000", "--inner-steps", "2"],
                          cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

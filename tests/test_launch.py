@@ -487,14 +487,17 @@ def test_output_is_delivered_and_confirmed_or_refused_with_the_reason(tmp_path):
 
 
 def test_fleet_view_reads_learners_and_merges_from_a_tape():
-    events = [{"event": "start", "config": {"outer_steps": 5}}, {"event": "join", "learner": 0, "backend": "torch"},
-              {"event": "join", "learner": 1, "backend": "mlx"}, {"event": "delta", "learner": 0, "round": 1},
+    events = [{"event": "start", "config": {"outer_steps": 5}},
+              {"event": "join", "learner": 0, "backend": "torch", "tier": "trusted"},
+              {"event": "join", "learner": 1, "backend": "mlx", "tier": "bounded"},
+              {"event": "delta", "learner": 0, "round": 1},
               {"event": "merge", "round": 1, "version": 1, "responders": [0]}, {"event": "leave", "learner": 1},
               {"event": "given_up", "learner": 1, "quorum": 1, "reason": "learner exited 2 ...: No such option: --x"}]
     v = fleet_view(events)
     assert (v.version, v.outer_steps, v.learners[0].answered, v.learners[0].last_delta_round) == (1, 5, 1, 1)
     assert not v.learners[1].alive and v.learners[1].given_up and v.learners[1].backend == "mlx"
     assert v.learners[1].given_up_reason.endswith("No such option: --x") and not v.learners[0].given_up_reason
+    assert (v.learners[0].tier, v.learners[1].tier) == ("trusted", "bounded")  # (`yeto status` and the dashboard)
 
 
 # ---------------------------------------------------------------------------------------------- the CLI

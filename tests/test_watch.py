@@ -95,8 +95,8 @@ def _round(rnd, responders, stragglers=(), losses=None, compute=None):
 
 
 def _joins(*learners, sessions=1, every=10.0):
-    return [{"event": "join", "learner": lid, "backend": "torch", "session": f"s{lid}-{k}", "time": k * every}
-            for lid in learners for k in range(sessions)]
+    return [{"event": "join", "learner": lid, "backend": "torch", "session": f"s{lid}-{k}", "time": k * every,
+             "tier": "trusted" if lid == 0 else "bounded"} for lid in learners for k in range(sessions)]
 
 
 def _tape(*parts):
@@ -134,6 +134,8 @@ IDLE = _tape(_joins(0, 1), *[_round(r, [0, 1], compute={0: 2, 1: 2}) for r in ra
 ], ids=["late", "late-but-once-in", "late-slow", "crash-loop", "two-restarts", "loss-rising", "rising-once", "idle"])
 def test_alerts_name_the_island_and_the_cause(events, want):
     snap = snapshot(events, {}, now=events[-1]["time"] + 1)
+    assert {r["learner"]: r["tier"] for r in snap["fleet"]} == {  # (each row says whose claims the syncer believes)
+        lid: "trusted" if lid == 0 else "bounded" for lid in {e["learner"] for e in events if e["event"] == "join"}}
     got = alerts(snap, events)
     assert [(a["learner"], a["kind"]) for a in got] == [(lid, kind) for lid, kind, _ in want]
     for a, (_, _, cause) in zip(got, want):

@@ -46,12 +46,13 @@ def start_syncer(plan: FleetPlan, syncer_out: Path) -> subprocess.Popen:
     return subprocess.Popen(syncer_argv(plan, "0.0.0.0", plan.port, syncer_out, sys.executable))
 
 
-def keep_fleet(plan: FleetPlan, client: SkyClient, address: str, join_key: str, run_over: Callable[[], bool],
+def keep_fleet(plan: FleetPlan, client: SkyClient, address: str, keys: Keyring, run_over: Callable[[], bool],
                give_up_fn: Callable[[int, str], None], note: Callable[[str, dict], None], poll_s: float) -> None:
-    """The fleet controller over SkyPilot until the run is over and its learner clusters are down."""
+    """The fleet controller over SkyPilot until the run is over and its learner clusters are down; each learner
+    is launched with its own key (trusted)."""
     ctl = FleetController({lid: plan.cluster(lid) for lid in range(len(plan.islands))}, plan.recover_timeout)
-    watch_fleet(ctl, client, lambda lid: learner_task(plan, lid, address, join_key), plan.retry_until_up, run_over,
-                give_up_fn, note, poll_s=poll_s)
+    watch_fleet(ctl, client, lambda lid: learner_task(plan, lid, address, keys.own_key(lid).text()),
+                plan.retry_until_up, run_over, give_up_fn, note, poll_s=poll_s)
 
 
 def run_head(plan: FleetPlan, out: Path, client: Optional[SkyClient] = None, poll_s: float = POLL_S,
@@ -71,7 +72,7 @@ def run_head(plan: FleetPlan, out: Path, client: Optional[SkyClient] = None, pol
         except Exception as e:  # the syncer runs on, but nobody launches learners: say so, loudly
             note("controller_failed", {"error": f"cannot learn the head's address from SkyPilot: {one_line(e)}"})
         else:
-            keep_fleet(plan, client, address, keys.join.text(), lambda: syncer.poll() is not None,
+            keep_fleet(plan, client, address, keys, lambda: syncer.poll() is not None,
                        lambda lid, why: give_up(syncer_out, lid, why), note, poll_s)
     code = syncer.wait()
     note("syncer_exit", {"code": code})
@@ -107,8 +108,7 @@ def run_remote_controller(plan: FleetPlan, out: Path, client: SkyClient, syncer_
                f"mv {folder}/{learner}.tmp {folder}/{learner}")
         sky.get(sky.exec(sky.Task(run=run), cluster_name=plan.head_cluster))
 
-    keep_fleet(plan, client, syncer_address, Keyring.ensure(out / "syncer").join.text(), head_over, relay_give_up,
-               note, poll_s)
+    keep_fleet(plan, client, syncer_address, Keyring.ensure(out / "syncer"), head_over, relay_give_up, note, poll_s)
     if head_job[0] == "SUCCEEDED" and plan.output:  # the head exits 0 only with its output delivered and confirmed
         note("head_down", {"cluster": plan.head_cluster})
         client.down(plan.head_cluster)

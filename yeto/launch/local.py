@@ -89,7 +89,8 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
 
     syncer_out = out / "syncer"
     keys = Keyring.ensure(syncer_out)  # the run's credentials, before anyone starts (the syncer reuses them)
-    learner_env = {JOIN_KEY_ENV: keys.join.text()}  # the key travels in the environment, never on a command line
+    # each island on a key of its own (trusted: it weighs by its tokens), in the environment, never on a command line
+    own_keys = {i: keys.own_key(i).text() for i in range(n_local)}
     start("syncer", syncer_argv(plan, bind, port, syncer_out, sys.executable), "bold white")
     time.sleep(SYNCER_HEAD_START_S)
     for i in range(n_local):
@@ -99,7 +100,7 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
         # (an MLX island's BLAS takes OMP_NUM_THREADS from the environment; its --threads needs OpenBLAS preloaded)
         start(f"island-{i}{'-mlx' if mlx else ''}",
               [*cmd, *([] if mlx else ["--threads", str(threads)]), "--out", str(out / f"island-{i}"), "--no-progress"],
-              COLORS[i % len(COLORS)], learner_env)
+              COLORS[i % len(COLORS)], {JOIN_KEY_ENV: own_keys[i]})
     record.save()
     console.print(f"[bold]fleet {plan.name}[/bold]: syncer on {syncer_at}, {n_local} local islands x {threads} "
                   f"threads; run dir {out}")

@@ -30,6 +30,7 @@ CLOCK_SLACK_S = 60.0  # a cluster launched this long before the run's record was
 class LearnerRow:
     learner: int
     backend: str = "?"
+    tier: str = "?"  # how far the syncer believes its claims (trusted: its own key; bounded or extra: the join key)
     alive: bool = False
     answered: int = 0  # merges its delta went into
     last_delta_round: Optional[int] = None
@@ -59,7 +60,7 @@ def fleet_view(events: list[dict[str, Any]]) -> FleetView:
         if kind == "start":
             view.outer_steps = (e.get("config") or {}).get("outer_steps", view.outer_steps)
         elif kind == "join" and isinstance(lid, int):
-            row(lid).alive, row(lid).backend = True, e.get("backend") or "?"
+            row(lid).alive, row(lid).backend, row(lid).tier = True, e.get("backend") or "?", e.get("tier") or "?"
         elif kind == "leave" and isinstance(lid, int):
             row(lid).alive = False
         elif kind == "given_up" and isinstance(lid, int):
@@ -117,12 +118,13 @@ def status(run: RunRecord, console) -> None:
         return
     view = fleet_view(events)
     table = Table(title=f"learners (version {view.version}/{view.outer_steps or '?'})")
-    for col in ("learner", "slot", "backend", "state", "merges answered", "last delta (round)"):
+    for col in ("learner", "slot", "backend", "tier", "state", "merges answered", "last delta (round)"):
         table.add_column(col)
     for lid in sorted(set(view.learners) | set(run.external)):
         r = view.learners.get(lid, LearnerRow(lid))
         state = "given up" if r.given_up else "alive" if r.alive else "gone" if r.backend != "?" else "not joined"
-        table.add_row(str(lid), "external" if lid in run.external else run.kind, r.backend, state, str(r.answered),
+        table.add_row(str(lid), "external" if lid in run.external else run.kind, r.backend, r.tier, state,
+                      str(r.answered),
                       "-" if r.last_delta_round is None else str(r.last_delta_round))
     console.print(table)
     for r in sorted(view.learners.values(), key=lambda r: r.learner):

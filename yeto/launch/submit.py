@@ -58,10 +58,8 @@ def prepare(plan: FleetPlan) -> tuple[Keyring, Path]:
     out = Path(plan.out)
     check_out_stays_home(out)
     keys = Keyring.ensure(out / "syncer")
-    for lid in plan.external_ids:
-        if not (keys.keys_dir / "learners" / f"{lid}.key").exists():
-            keys.add_learner(lid)
-    keys.rescan()
+    for lid in [*range(len(plan.islands)), *plan.external_ids]:  # every learner on its own key: trusted, revocable
+        keys.own_key(lid)
     plan_file = out / PLAN_FILE
     plan_file.write_text(plan.to_json())
     return keys, plan_file
@@ -70,7 +68,7 @@ def prepare(plan: FleetPlan) -> tuple[Keyring, Path]:
 def render_tasks(plan: FleetPlan, keys: Keyring, plan_file: Path, syncer: str, endpoint: str | None) -> str:
     """Every task of the run as SkyPilot YAML (secrets redacted), in launch order."""
     docs = [printable(head_task(plan, plan_file, keys.bundle(), endpoint))]
-    docs += [printable(learner_task(plan, lid, syncer, keys.join.text())) for lid in range(len(plan.islands))]
+    docs += [printable(learner_task(plan, lid, syncer, keys.own_key(lid).text())) for lid in range(len(plan.islands))]
     return yaml.safe_dump_all(docs, sort_keys=False)
 
 

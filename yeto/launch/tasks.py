@@ -178,7 +178,7 @@ def learner_exit(log: str) -> LearnerExit:
     return LearnerExit(codes[-1] if codes else None, errors[-1] if errors else "")
 
 
-def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "sky.Task":
+def learner_task(plan: FleetPlan, learner: int, syncer: str, key: str) -> "sky.Task":
     """Island `learner` of the plan as a SkyPilot task; it keeps its --out on the VM, so its identity survives a
     restart of the job (a relaunch on a new VM is let back in once the old one is gone)."""
     sky = _sky()
@@ -191,7 +191,7 @@ def learner_task(plan: FleetPlan, learner: int, syncer: str, join_key: str) -> "
         run = " ".join(torchrun_prefix(plan.cluster(learner))) + " " + run.removeprefix("python3 ")
     run += f'; code=$?; echo "{EXIT_MARKER}$code"; exit $code'  # (SkyPilot keeps a job's status, not its code)
     task = sky.Task(name=plan.cluster(learner), setup=install_commands(with_track("torch", plan), model=plan.model),
-                    run=run, envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: join_key, **tracker_secrets(plan)},
+                    run=run, envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: key, **tracker_secrets(plan)},
                     workdir=str(root) if root else None, num_nodes=island.nodes,
                     file_mounts={**data.files, **model.files, **loss.files} or None)
     if data.storage:

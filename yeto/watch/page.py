@@ -61,7 +61,8 @@ th { background: #f4f4f4; } td.l, th.l { text-align: left; }
 <span id="updated"></span> <span id="note" class="late"></span></div>
 <ul id="alerts"></ul>
 <h2>Fleet</h2>
-<table id="fleet"><thead><tr><th>island</th><th class="l">backend</th><th class="l">device</th><th class="l">state</th>
+<table id="fleet"><thead><tr><th>island</th><th class="l">backend</th><th class="l">tier</th><th class="l">device</th>
+<th class="l">state</th>
 <th>version</th><th>merges</th><th>last delta (round)</th><th>ago (s)</th><th>lag</th><th>tokens/s</th>
 <th>utilization</th></tr></thead><tbody></tbody></table>
 <div class="charts">
@@ -100,7 +101,7 @@ function render(s) {
   const body = document.querySelector("#fleet tbody"); body.replaceChildren();
   for (const f of s.fleet) {
     const tr = body.insertRow(); tr.dataset.learner = f.learner; tr.className = "island";
-    cell(tr, f.learner); cell(tr, f.backend, "l"); cell(tr, f.device, "l");
+    cell(tr, f.learner); cell(tr, f.backend, "l"); cell(tr, f.tier, "l"); cell(tr, f.device, "l");
     cell(tr, f.state + (f.given_up_reason ? " (" + f.given_up_reason + ")" : ""), "l " + f.state.replace(" ", "-"));
     cell(tr, f.version); cell(tr, f.merges); cell(tr, f.last_delta_round); cell(tr, fmt(f.last_delta_ago, 0));
     cell(tr, f.lag); cell(tr, fmt(f.tokens_per_s, 0));

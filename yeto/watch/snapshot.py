@@ -3,9 +3,9 @@
 `snapshot(events, islands, now)` reads the syncer's tape (its events, in order) and what each island wrote
 (`IslandFiles`: its run.json, metrics.jsonl events and summary.json, where this machine has them) into:
 
-- `fleet`: one row per island: backend, device, state (alive, late, gone, done, given up), the version it was last sent,
-  its last delta (round, seconds ago), that delta's lag, tokens/s over its inner steps, utilization (compute over
-  wall time since it joined);
+- `fleet`: one row per island: backend, tier (trusted, bounded, extra), device, state (alive, late, gone, done,
+  given up), the version it was last sent, its last delta (round, seconds ago), that delta's lag, tokens/s over its
+  inner steps, utilization (compute over wall time since it joined);
 - `curves`: each island's mean inner loss per round (from its deltas), the merged loss per round (the merge
   weights over the responders' losses) and the islands' eval losses (their metrics, at round = step / inner steps);
 - `timeline`: per round and island, where the time went: inner steps, push, waiting, merge, broadcast (seconds
@@ -137,7 +137,8 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
             utilization = min(1.0, compute[lid] / wall)
         fleet.append({
             "learner": lid, "backend": row.backend if row.backend != "?" else files.run.get("backend", "?"),
-            "device": cfg.get("device", "?"), "state": _state(lid, row, open_round, sent, typical, now, view.finished),
+            "tier": row.tier, "device": cfg.get("device", "?"),
+            "state": _state(lid, row, open_round, sent, typical, now, view.finished),
             "version": version_sent.get(lid), "merges": row.answered,
             "last_delta_round": d.get("round"), "last_delta_ago": round(now - d["time"], 1) if d else None,
             "lag": d.get("lag"),

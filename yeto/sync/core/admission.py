@@ -211,7 +211,8 @@ class Admission(SyncerState):
         if self.init is not None:  # version 0 is the given adapter, exact (no upload, no quantization)
             self._found(lid, flatten(layout, self.init.tensors), now, source=self.init.source)
             return
-        self._record("join", learner=lid, backend=m.backend, session=m.session, rejoin=rejoin, waiting_for="init")
+        self._record("join", learner=lid, backend=m.backend, session=m.session, rejoin=rejoin, tier=str(m.tier),
+                     waiting_for="init")
         self._ask_founder(again_from=lid)
 
     @staticmethod

@@ -267,6 +267,15 @@ class Keyring:
         write_secret(path, JoinKey(self.syncer_public, public, secret, learner).text())
         return path
 
+    def own_key(self, learner: int) -> JoinKey:
+        """Learner `learner`'s own key, issued now if it has none: what `yeto launch` hands each learner it starts, so
+        its claims are trusted (yeto.sync.merge.rules.Tier) and it can be revoked alone."""
+        path = self.keys_dir / LEARNER_KEYS / f"{learner}.key"
+        if not path.exists():
+            self.add_learner(learner)
+            self.rescan()
+        return read_join_key(path)
+
     def revoke_learner(self, learner: int) -> Path:
         path = self.keys_dir / LEARNER_KEYS / f"{learner}.key"
         if not path.exists():
