@@ -10,7 +10,9 @@ slow island):
   1 island alone     one of the 4 islands with no one to merge with (its quarter of the data, its batch)
   longer run         data-parallel and the default fleets over --long-steps (12 rounds of H=16 instead of 3)
   heterogeneous      2 islands in time-window rounds, one 10x slower (--step-delay), quorum 1: the fast island's
-                     utilization, and the merged model vs the fast island alone for the same wall-clock
+                     utilization, and the merged model vs the fast island alone for the same wall-clock; with
+                     no keys (--insecure: trusted), each island on its own key (trusted) or both on the shared
+                     join key (bounded: claims capped at the round's low median)
   streamed parts     the default 2-island fleet over the longer run with --fragments P (rounds of H/P steps, each
                      part synced every H), with and without --overlap, and with --pipeline 2, against the whole
                      adapter every H steps
@@ -38,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from yeto.launch.local import free_port  # noqa: E402
+from yeto.sync.shell.keys import JOIN_KEY_ENV, Keyring  # noqa: E402
 
 PLAIN = ["--outer-lr", "1.0", "--outer-momentum", "0.0"]  # FedAvg: the merged adapter is the weighted mean
 DILOCO = ["--outer-lr", "0.7", "--outer-momentum", "0.9"]  # DiLoCo's pre-training defaults
@@ -70,6 +73,9 @@ class Arm:
     # machine carries the pair's load, so "the fast island alone" is compared at equal wall-clock and equal CPU
     shadow_slow_s: float = 0.0
     steps: int = 0  # inner steps per island (data-parallel: its steps); 0: --steps
+    # the islands' keys: "" none (--insecure on loopback: trusted), "own" a learner key each (trusted, what
+    # `yeto launch` sets up), "join" the shared join key (bounded: claims capped at the round's low median)
+    keys: str = ""
 
 
 def arms(h_values: list[int], global_batch: int, long_steps: int) -> list[Arm]:
@@ -163,24 +169,31 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
     batch = arm.batch or max(1, a.batch_size // n)
     rounds = budget // arm.inner_steps if not arm.round_seconds else a.rounds
 
-    def start_syncer(port: int, learners: int, where: Path) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--insecure", "--host", "127.0.0.1",
+    def start_syncer(port: int, learners: int, where: Path, keyed: bool = False) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "yeto", "syncer", *([] if keyed else ["--insecure"]),
+                                 "--host", "127.0.0.1",
                                  "--port", str(port), "--out", str(where), "--learners", str(learners),
                                  "--quorum", str(1 if arm.round_seconds else learners), "--outer-steps", str(rounds),
                                  "--inner-steps", str(arm.inner_steps), "--round-seconds", str(arm.round_seconds),
                                  "--sync-bits", "4", *arm.syncer], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
 
-    def start_island(port: int, i: int, delay_s: float, where: Path) -> subprocess.Popen:
+    def start_island(port: int, i: int, delay_s: float, where: Path, key: str = "") -> subprocess.Popen:
         delay = ["--step-delay", str(delay_s)] if delay_s else []
         return subprocess.Popen(learner + common + [
-            "--batch-size", str(batch), "--syncer", f"127.0.0.1:{port}", "--insecure", "--learner-id", str(i),
-            "--learners", str(arm.shards or n), "--threads", str(threads), "--out", str(where), *delay],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            "--batch-size", str(batch), "--syncer", f"127.0.0.1:{port}", *([] if key else ["--insecure"]),
+            "--learner-id", str(i), "--learners", str(arm.shards or n), "--threads", str(threads), "--out",
+            str(where), *delay], cwd=REPO, env=dict(env, **{JOIN_KEY_ENV: key}) if key else env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    syncer = start_syncer(port, n, out / "syncer")
+    keys = {i: "" for i in range(n)}
+    if arm.keys:  # the run's credentials before the syncer starts (as `yeto launch` makes them)
+        ring = Keyring.ensure(out / "syncer")
+        keys = {i: ring.own_key(i).text() if arm.keys == "own" else ring.join.text() for i in range(n)}
+    syncer = start_syncer(port, n, out / "syncer", keyed=bool(arm.keys))
     threads = max(1, (os.cpu_count() or 1) // (n + (1 if arm.shadow_slow_s else 0)))
-    procs = [start_island(port, i, arm.slow_delay_s if i == n - 1 else 0.0, out / f"island-{i}") for i in range(n)]
+    procs = [start_island(port, i, arm.slow_delay_s if i == n - 1 else 0.0, out / f"island-{i}", keys[i])
+             for i in range(n)]
     shadow = []
     if arm.shadow_slow_s:
         shadow_port = free_port()
@@ -277,6 +290,14 @@ def main() -> None:
                      shadow_slow_s=slow),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow (defaults: mean, step-normalized)", 2, syncer=PLAIN,
                      **pair),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, defaults, own keys (trusted)", 2, syncer=PLAIN,
+                     keys="own", **pair),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, defaults, shared join key (bounded)", 2,
+                     syncer=PLAIN, keys="join", **pair),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, rda, own keys (trusted)", 2,
+                     syncer=PLAIN + ["--merge", "rda"], keys="own", **pair),
+                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, rda, shared join key (bounded)", 2,
+                     syncer=PLAIN + ["--merge", "rda"], keys="join", **pair),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, rda", 2, syncer=PLAIN + ["--merge", "rda"], **pair),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, rda, step-normalized", 2,
                      syncer=PLAIN + ["--merge", "rda", "--step-normalize"], **pair),
