@@ -15,6 +15,7 @@ import pytest
 from tests.peers import QuadraticIsland, RawLearner, wait_until
 from yeto.sync.merge.aggregate import DEFAULT_CLIP_K
 from yeto.sync.shell.audit import audit
+from yeto.sync.shell.keys import Keyring
 from yeto.sync.merge.rules import MAX_STEP_SCALE
 from yeto.sync.shell.tape import read_tape
 
@@ -35,15 +36,17 @@ class Attack:
     tokens_per_step: int = 64
 
 
-def run(start_syncer, tmp_path, honest: int, attack: Attack | None, **syncer_kw) -> tuple[float, list[dict]]:
-    """ROUNDS merges of `honest` learners (and the attacker, last); the global's mean move and the tape."""
+def run(start_syncer, tmp_path, honest: int, attack: Attack | None, trusted: bool = False,
+        **syncer_kw) -> tuple[float, list[dict]]:
+    """ROUNDS merges of `honest` learners (and the attacker, last, on the join key); the global's mean move and the
+    tape. `trusted`: the honest learners on keys of their own (as `yeto launch` starts them), else the join key."""
     n = honest + (attack is not None)
+    out = tmp_path / f"syncer-{honest}-{attack}-{trusted}"
+    own = {i: Keyring.ensure(out).own_key(i) for i in range(honest)} if trusted else {}
     syncer, port = start_syncer(insecure=False, learners=n, quorum=n, outer_steps=ROUNDS, sync_bits=32,
-                                outer_lr=1.0, outer_momentum=0.0, out=tmp_path / f"syncer-{honest}-{attack}",
-                                **syncer_kw)
-    key = syncer.keys.join
+                                outer_lr=1.0, outer_momentum=0.0, out=out, **syncer_kw)
     state = QuadraticIsland(0.0, 1).state
-    peers = [RawLearner(port, i, key=key) for i in range(n)]
+    peers = [RawLearner(port, i, key=own.get(i, syncer.keys.join)) for i in range(n)]
     try:
         layout = peers[0].found(state)
         for i, p in enumerate(peers[1:], start=1):
@@ -106,6 +109,36 @@ def test_a_two_learner_fleet_clips_the_outlier(start_syncer, tmp_path):
     assert abs(alone - move) <= bound(1) * (1 + 1e-4)
     assert abs(move) < 0.2  # (unclipped: -5.0 after 10 rounds)
     print(f"pair outlier: honest alone {alone:+.4f}, with the attacker {move:+.4f} (bound {bound(1):.4f})")
+
+
+def test_a_zero_delta_never_freezes_a_pair_and_a_tiny_one_cannot_deflate_trusted_learners(start_syncer, tmp_path):
+    """A delta of norm 0 (a join-key holder's, or an honest island's whose delta happens to be exactly zero) set the
+    clip reference to 0: every other delta was clipped to nothing, and the zeros kept in the history kept it there
+    (+0.000 in 10 rounds, against +0.10 honest alone). A zero norm is no step's norm: the pair now moves as half its
+    deltas do. A tiny delta (1e-6 of the honest norm) from the join key beside a trusted learner cannot lower the
+    reference either: it is the trusted norms' alone."""
+    alone, _ = run(start_syncer, tmp_path, 1, None, inner_steps=2)
+    zero, merges = run(start_syncer, tmp_path, 1, Attack(0.0), inner_steps=2)
+    assert all(not m["clip"] and m["clip_ref"] > 0 for m in merges)
+    assert zero == pytest.approx(alone / 2, rel=1e-3)  # (rda: the honest delta's direction at half its weight)
+    tiny, merges = run(start_syncer, tmp_path, 1, Attack(1e-6), trusted=True, inner_steps=2)
+    assert all(m["tiers"] == ["trusted", "bounded"] and not m["clip"] for m in merges)
+    assert tiny >= 0.4 * alone
+    print(f"zero delta: honest alone {alone:+.4f}, with a zero delta {zero:+.4f}, with a tiny bounded one beside a "
+          f"trusted learner {tiny:+.4f}")
+
+
+def test_trusted_learners_weigh_by_their_tokens_and_the_join_key_stays_bounded(start_syncer, tmp_path):
+    """The operator's own islands (learner keys) are trusted, their claims counted as claimed (tests/test_fleet.py:
+    a 10x slower island weighs about a tenth); a join-key holder beside them claiming 2^40 tokens still counts as
+    the round's low median claim, and moves the global no further than the bound."""
+    move, merges = run(start_syncer, tmp_path, 2, Attack(-3.99, tokens=2**40, tokens_per_step=0), trusted=True,
+                       inner_steps=2)
+    for m in merges:
+        counted = dict(zip(m["responders"], m["counted"]))
+        assert m["tiers"] == ["trusted", "trusted", "bounded"] and counted[2] <= HONEST_TOKENS
+    assert abs(ROUNDS * HONEST_STEP - move) <= bound(2) * (1 + 1e-4)
+    print(f"weight claim beside trusted learners: {move:+.4f} (honest alone {ROUNDS * HONEST_STEP:+.4f})")
 
 
 def test_a_step_claim_scales_honest_deltas_by_a_bounded_factor(start_syncer, tmp_path):
