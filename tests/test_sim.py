@@ -47,6 +47,19 @@ def test_fresh_fault_schedules_keep_every_invariant():
         f"seed {o.seed}: {o.error}\n  reproduce: python -m yeto.sync.sim --seed {o.seed} --trace" for o in bad[:5])
 
 
+def test_a_sweep_starts_from_a_fresh_seed_and_says_which(capsys):
+    """`make sim` (python -m yeto.sync.sim --seeds N) draws its first seed anew each time and prints the range, so a
+    failure reproduces; --first runs a given range again."""
+    firsts = []
+    for _ in range(2):
+        assert sim.main(["--seeds", "2"]) == 0
+        err = capsys.readouterr().err
+        firsts.append(int(err.split("--first ")[1].split()[0]))
+    assert firsts[0] != firsts[1] and all(f >= sim.runner.FRESH_SEEDS_FROM for f in firsts)
+    assert sim.main(["--seeds", "2", "--first", str(firsts[0])]) == 0
+    assert f"seeds {firsts[0]}..{firsts[0] + 1}" in capsys.readouterr().out
+
+
 # seeds beyond the CI range that once broke an invariant (each note says what was fixed); they stay fixed
 FOUND_SEEDS = {
     1892: "a restart forgot learners who joined after checkpoint 0, and exited while one was knocking",
