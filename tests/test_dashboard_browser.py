@@ -76,9 +76,10 @@ def finished_run(tiny_model, tmp_path_factory):
         port = free_port()
         board = subprocess.Popen([sys.executable, "-m", "yeto", "dashboard", str(out), "--port", str(port)],
                                  cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert f"http://127.0.0.1:{port}/" in board.stdout.readline()
+        printed = board.stdout.readline()
+        assert f"http://127.0.0.1:{port}/?token=" in printed
         driver = chromium()
-        driver.get(f"http://127.0.0.1:{port}/")
+        driver.get(printed.split()[1])  # (the URL carries the page's token: without it the page is refused)
         wait = WebDriverWait(driver, WAIT_S, poll_frequency=0.2)
         wait.until(lambda d: count(d, "#fleet tbody tr.island") == 2)
         wait.until(lambda d: rounds_shown(d) >= 1)

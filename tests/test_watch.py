@@ -5,6 +5,7 @@ tests/test_dashboard_browser.py."""
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -165,6 +166,44 @@ def test_the_live_snapshot_follows_a_growing_tape(tmp_path):
     with open(tape, "a") as f:
         f.write("".join(json.dumps(e) + "\n" for e in events[20:]))
     assert (n, len(source.read()[0])) == (20, len(events))
+
+
+def test_the_live_page_needs_its_token_and_a_loopback_host():
+    """A run's internals are its operator's: the URL `yeto dashboard` prints carries a token (the first page load
+    turns it into a cookie for the page's own requests); without it, or under another Host (a DNS-rebinding page in
+    the operator's browser), the page and the snapshot are refused."""
+    import threading
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    from yeto.watch.server import serve
+
+    printed: list[str] = []
+    threading.Thread(target=serve, args=(open_run(str(RUN)),), kwargs={"ready": printed.append}, daemon=True).start()
+    deadline = time.time() + 30
+    while not printed and time.time() < deadline:
+        time.sleep(0.05)
+    url = printed[0]
+    base = f"{urlsplit(url).scheme}://{urlsplit(url).netloc}"
+
+    def get(path, headers=None):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(base + path, headers=headers or {}), timeout=10) as r:
+                return r.status, r.headers.get("Set-Cookie", ""), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, "", e.read()
+
+    token = url.split("token=")[1]
+    status, cookie, body = get(f"/?token={token}")
+    assert status == 200 and b"<html" in body.lower() and "HttpOnly" in cookie
+    status, _, body = get("/snapshot.json", {"Cookie": cookie.split(";")[0]})
+    assert status == 200 and json.loads(body)["run"]["rounds_merged"] == 5
+    assert get("/snapshot.json")[0] == 403 and get("/")[0] == 403  # no token, no cookie
+    assert get("/snapshot.json?token=wrong")[0] == 403
+    status, _, body = get(f"/snapshot.json?token={token}", {"Host": "evil.example"})
+    assert status == 403 and b"answers only to" in body
+    assert get(f"/snapshot.json?token={token}", {"Host": f"localhost:{urlsplit(url).port}"})[0] == 200
 
 
 def test_a_bad_target_or_port_is_one_error_line(tmp_path):

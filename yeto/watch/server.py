@@ -5,17 +5,25 @@ It only reads: the tape and the islands' files as they grow (each poll reads the
 never a lock or a socket of the syncer's), or, for a cloud run, what `yeto status` reads (the head's tape over
 ssh, SkyPilot's cost report), at most every CLOUD_POLL_S. The server is the standard library's
 ThreadingHTTPServer: three GET routes and no framework needed for them (the page polls; nothing streams).
+
+A run's internals are for its operator: every request must name this server by a loopback name in its Host header
+(a page from elsewhere whose name was made to resolve to 127.0.0.1, DNS rebinding, sends its own name) and carry the
+token printed in the URL (as Jupyter does), or the cookie the first page load with it sets (another local user, or
+a page in the operator's browser from another origin, has neither).
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 import time
 from http import HTTPStatus
+from http.cookies import SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Optional
+from urllib.parse import parse_qs
 
 from yeto import YetoError, one_line
 from yeto.sync.shell.tape import TAPE_FILE
@@ -28,6 +36,8 @@ COST_POLL_S = 60.0  # SkyPilot's cost report is asked at most this often
 REFOLD_S = 5.0  # an unchanged run is folded again this often (for states that change with time alone)
 MAX_PORT = 65535
 HOST = "127.0.0.1"  # loopback only: the page shows a run's internals to whoever can reach it
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")  # the Host headers a request may name this server by
+TOKEN_BYTES = 24
 
 
 class JsonlFollower:
@@ -201,19 +211,50 @@ def export(source, out: str | Path) -> Path:
     return out
 
 
+class PageGate:
+    """Who may read the page: a request naming this server by a loopback name, with the token or its cookie."""
+
+    def __init__(self) -> None:
+        self.token = secrets.token_urlsafe(TOKEN_BYTES)
+        self.port = 0
+        self.hosts: set[str] = set()
+        self.cookie = ""
+
+    def listening_on(self, port: int) -> None:
+        self.port = port
+        self.hosts = {f"{name}:{port}" for name in LOOPBACK_NAMES}
+        self.cookie = f"yeto_dashboard_{port}"  # (cookies are per host, not per port: one name per dashboard)
+
+    def refusal(self, host: str, token: str, cookie_header: str) -> str:
+        """Why this request may not read the page ("" if it may)."""
+        if host.lower() not in self.hosts:
+            return f"this dashboard answers only to {HOST}:{self.port} or localhost:{self.port} (Host {host!r})"
+        cookie = SimpleCookie(cookie_header).get(self.cookie)
+        if secrets.compare_digest(token, self.token) or (
+                cookie is not None and secrets.compare_digest(cookie.value, self.token)):
+            return ""
+        return "open the URL `yeto dashboard` printed: it carries this page's token"
+
+
 def serve(source, port: int = 0, ready: Optional[Callable[[str], None]] = None) -> None:
-    """Serve the page on loopback until interrupted; `ready(url)` once it listens."""
+    """Serve the page on loopback until interrupted; `ready(url)` once it listens (the URL carries the token)."""
     if not 0 <= port <= MAX_PORT:
         raise YetoError(f"--port {port} is not a port (0 to {MAX_PORT}; 0 picks a free one)")
     board = Dashboard(source)
     page = live_page().encode()
     script = plotly_js().encode()
+    gate = PageGate()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
-            route = self.path.split("?")[0]
+            route, _, query = self.path.partition("?")
+            given = parse_qs(query).get("token", [""])[0]
+            why = gate.refusal(self.headers.get("Host", ""), given, self.headers.get("Cookie", ""))
+            if why:
+                self._refuse(why)
+                return
             if route == "/":
-                self._send(page, "text/html; charset=utf-8")
+                self._send(page, "text/html; charset=utf-8", set_cookie=bool(given))
             elif route == "/plotly.min.js":
                 self._send(script, "text/javascript; charset=utf-8", cache=True)
             elif route == "/snapshot.json":
@@ -221,8 +262,18 @@ def serve(source, port: int = 0, ready: Optional[Callable[[str], None]] = None) 
             else:
                 self.send_error(HTTPStatus.NOT_FOUND)
 
-        def _send(self, body: bytes, kind: str, cache: bool = False) -> None:
+        def _refuse(self, why: str) -> None:
+            body = (why + "\n").encode()
+            self.send_response(HTTPStatus.FORBIDDEN)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _send(self, body: bytes, kind: str, cache: bool = False, set_cookie: bool = False) -> None:
             self.send_response(HTTPStatus.OK)
+            if set_cookie:  # (the page's own requests then need no token in their URLs)
+                self.send_header("Set-Cookie", f"{gate.cookie}={gate.token}; HttpOnly; SameSite=Strict; Path=/")
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "max-age=3600" if cache else "no-store")
@@ -238,8 +289,9 @@ def serve(source, port: int = 0, ready: Optional[Callable[[str], None]] = None) 
         raise YetoError(f"cannot listen on {HOST}:{port} ({e.strerror}): pick another --port, or leave it out for a "
                         "free one") from e
     server.daemon_threads = True
+    gate.listening_on(server.server_address[1])
     if ready is not None:
-        ready(f"http://{HOST}:{server.server_address[1]}/")
+        ready(f"http://{HOST}:{gate.port}/?token={gate.token}")
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
