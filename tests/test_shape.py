@@ -174,6 +174,7 @@ def test_the_fleet_launch_line_parses_and_its_round_takes_minutes():
         assert len(islands) == f.islands and {(i.cloud, i.count, i.gpu) for i in islands} == {
             (f.cloud, f.option.shape.count, f.option.shape.gpu)}
         assert "--on-demand" in argv and int(argv[argv.index("--quorum") + 1]) == f.islands  # on-demand: all
+        assert argv[argv.index("--budget") + 1] == "3"  # (launch checks the price against it again)
         round_s = f.inner_steps * tokens_per_step(f.option.shape) / f.option.tokens_per_s
         assert MIN_INNER_STEPS <= f.inner_steps <= MAX_INNER_STEPS
         assert f.inner_steps in (MIN_INNER_STEPS, MAX_INNER_STEPS) or TARGET_ROUND_S / 2 < round_s < 2 * TARGET_ROUND_S
@@ -251,6 +252,20 @@ def test_yeto_shape_without_a_catalog_lists_the_fits_and_says_so(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "prices unavailable: no SkyPilot catalog at" in r.stdout.replace("\n", "")
     assert "1xL4" in r.stdout and "yeto launch --gpu aws:" in r.stdout
+    assert "--budget" not in r.stdout.split("yeto launch")[-1]  # (an unpriced line carries no budget)
+    # a budget with nothing to price it by: the shapes, and no fleet (it proposed 2 x 8xB200 for SmolLM2-135M)
+    budget = yeto("shape", "--model", "smollm2-135m", "--budget", "5", sky_dir=tmp_path)
+    text = budget.stdout.replace("\n", "")
+    assert budget.returncode == 0 and "no fleet proposed: --budget $5/h needs prices" in text, budget.stdout
+    assert "yeto launch" not in text and "proposed fleet" not in text
+
+
+def test_a_launch_budget_that_cannot_be_priced_is_refused_in_one_line(tmp_path):
+    r = yeto("launch", "--gpu", "aws:1xL4", "--budget", "5", "--model", "smollm2-135m", "--data", DEMO_DATA,
+             "--out", tmp_path / "run", "--dry-run", sky_dir=tmp_path, env={"YETO_RUNS": str(tmp_path / "runs")})
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "--budget $5/h cannot be checked: no spot price for" in lines[0]
+    assert "leave --budget out" in lines[0], r.stderr
 
 
 @pytest.mark.parametrize("args,fragment", [

@@ -67,7 +67,7 @@ def choose_fleet(model: str, budget: float, spot: bool, learner_extra: list[str]
     plan = make_plan(model, budget, spot=spot, seq_len=seq_len, base_quantization=quantization)
     best = plan.best
     if best is None or best.cost is None:
-        why = plan.prices if best is not None else "no island shape fits within it"
+        why = plan.unproposed or (plan.prices if best is not None else "no island shape fits within it")
         raise YetoError(f"--budget {budget:g}: {why}; `yeto shape --model {model} --budget {budget:g}` shows the "
                         "shapes, then name --gpu yourself")
     shape, gpu = best.option.shape, best.gpu
@@ -170,9 +170,7 @@ def launch_command(
         from yeto.launch.costs import check_budget
         from yeto.launch.prices import load_prices
 
-        unknown = check_budget(plan, load_prices(sorted({i.cloud for i in islands})), budget)
-        if unknown:
-            console.print(unknown, style="yellow", markup=False, highlight=False, soft_wrap=True)
+        check_budget(plan, load_prices(sorted({i.cloud for i in islands})), budget)
     if not dry_run and live_run(plan.name) is not None:
         raise YetoError(f"a run named {plan.name!r} is recorded as running ({runs_dir()}/{plan.name}.json): "
                         f"`yeto down {plan.name}` first, or pick another --name")

@@ -98,6 +98,9 @@ def show(plan: ShapePlan) -> None:
         if line:
             console.print(line, style="yellow", markup=False, highlight=False, soft_wrap=True)
     best = plan.best
+    if plan.unproposed:
+        console.print(plan.unproposed, style="red", markup=False, highlight=False, soft_wrap=True)
+        return
     if best is None:
         console.print("[red]no island shape fits: try --base-quantization nf4, a shorter --seq-len, or bigger "
                       "--gpus[/red]")

@@ -110,14 +110,16 @@ def price_lines(plan: FleetPlan, book: PriceBook, hours: Optional[float]) -> lis
     return lines
 
 
-def check_budget(plan: FleetPlan, book: PriceBook, budget: float) -> Optional[str]:
-    """Refuse a fleet whose hourly price is over `budget`; a line to show where its price is unknown."""
+def check_budget(plan: FleetPlan, book: PriceBook, budget: float) -> None:
+    """Refuse a fleet whose hourly price is over `budget`, or cannot be known (a budget is a promise, not a hope)."""
     hourly = fleet_hourly(island_prices(plan, book))
     kind = "spot" if plan.spot else "on-demand"
     if hourly is None:
         unknown = [i.text for i, p in zip(plan.islands, island_prices(plan, book)) if p.offer is None]
-        return (f"price unknown for {', '.join(unknown)} ({kind}): --budget is not checked"
-                + (f" ({book.unavailable})" if book.unavailable else ""))
+        raise YetoError(f"--budget ${budget:g}/h cannot be checked: no {kind} price for {', '.join(unknown)}"
+                        + (f" ({book.unavailable})" if book.unavailable else "")
+                        + "; refresh SkyPilot's catalog (`sky check`), or leave --budget out to launch with no price "
+                          "limit")
     if hourly > budget:
         raise YetoError(f"the fleet costs ${hourly:.2f}/h ({kind}), over --budget ${budget:g}/h: name fewer or "
                         "cheaper --gpu islands, or leave --gpu out and launch picks a fleet within the budget")

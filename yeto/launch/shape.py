@@ -139,10 +139,12 @@ class ShapePlan:
     rejected: list[Rejected]
     prices: Optional[str] = None  # one line where prices are unavailable
     notes: list[str] = field(default_factory=list)
+    unproposed: str = ""  # why no fleet is proposed although shapes fit (a budget nothing can be priced against)
 
     @property
     def best(self) -> Optional[Fleet]:
-        return self.fleets[0] if self.fleets else None
+        """The fleet proposed: the first ranked, unless none may be (`unproposed`)."""
+        return self.fleets[0] if self.fleets and not self.unproposed else None
 
     def to_json(self) -> dict[str, Any]:
         def option(o: Option) -> dict[str, Any]:
@@ -232,11 +234,12 @@ def learner_args(shape: IslandShape) -> tuple[str, ...]:
 
 
 def launch_line(request: ShapeRequest, gpu: str, quorum: int, round_policy: list[str], outer: int,
-                learner: tuple[str, ...], external: int) -> str:
-    """The `yeto launch` command for this fleet."""
+                learner: tuple[str, ...], external: int, priced: bool) -> str:
+    """The `yeto launch` command for this fleet (with the budget it was sized by, which launch then checks)."""
     own = ["--external-learners", str(external)] if external else []
+    budget = ["--budget", f"{request.budget:g}"] if request.budget is not None and priced else []
     return shlex.join(["yeto", "launch", "--gpu", gpu, *own, "--model", request.model,
-                       "--spot" if request.spot else "--on-demand", "--outer-steps", str(outer),
+                       "--spot" if request.spot else "--on-demand", *budget, "--outer-steps", str(outer),
                        *round_policy, "--quorum", str(quorum), *learner])
 
 
@@ -301,7 +304,8 @@ def propose(request: ShapeRequest, option: Option, default_cloud: str, model: Mo
     gpu, learner = gpu_arg(option.shape, cloud, islands), learner_args(option.shape)
     return Fleet(option, cloud, islands, quorum, inner, outer, request.tokens, hours, cost,
                  (why_islands, why_quorum, why_round, *own_why(own, option.tokens_per_s, islands)), gpu, learner,
-                 launch_line(request, gpu, quorum, round_policy, outer, learner, len(joining)), own)
+                 launch_line(request, gpu, quorum, round_policy, outer, learner, len(joining),
+                             option.hourly is not None), own)
 
 
 def unsupported(shape: IslandShape) -> Optional[Rejected]:
@@ -362,6 +366,10 @@ def plan_shapes(model: ModelSize, request: ShapeRequest, prices: PriceBook) -> S
 
     fleets.sort(key=rank)
     notes = [] if priced else [f"unpriced: the launch lines name {default_cloud} (--clouds names yours)"]
+    unproposed = "" if priced or request.budget is None else (
+        f"no fleet proposed: --budget ${request.budget:g}/h needs prices to size a fleet by, and none could be read "
+        "(see above); refresh SkyPilot's catalog (`sky check`, then `sky show-gpus`), or leave --budget out to "
+        "see the shapes unpriced")
     return ShapePlan(request, [f.option for f in fleets], fleets,
                      sorted(rejected.values(), key=lambda r: (r.reason.name, r.shape.gpu, r.shape.count)),
-                     prices.unavailable, notes)
+                     prices.unavailable, notes, unproposed)
