@@ -25,6 +25,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -36,14 +37,15 @@ from yeto.checks import check_address
 from yeto.sync.shell.gate import HANDSHAKE_IVL_MS, ZAP_TEMPORARY, curve_client
 from yeto.sync.shell.keys import JOIN_KEY_ENV, JOIN_KEY_FILE, JoinKey
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
-from yeto.sync.core.learner import LearnerCore, RoundCounts, Task, Verdict, Wait
+from yeto.sync.core.learner import Done, LearnerCore, RoundCounts, Task, Verdict, Wait
 from yeto.sync.wire.protocol import BULK_SUFFIX, ProtocolError, decode, encode, is_bulk, message_bytes
 
 log = logging.getLogger("yeto.client")
 IO_TICK_S = 0.05  # the I/O thread's poll timeout: timer resolution, and the longest a queued send waits
 RECONNECT_IVL_MS = 200  # ZeroMQ's own reconnect interval after a TCP break (it reconnects by itself)
 CLOSE_LINGER_MS = 2000  # on close, give the goodbye this long to leave
-HANDSHAKE_FAILURES_TO_GIVE_UP = 5  # unexplained handshake failures in a row (no success between): a wrong syncer key
+HANDSHAKE_FAILURES_TO_GIVE_UP = 5  # without a join key, handshake failures in a row before saying one is needed
+CUT_HANDSHAKES_WARN_EVERY = 10  # cut handshakes (no answer saying why) are reported at 1, 10, 100, ... of them
 ZMTP_MECHANISM_MISMATCH = 0x11000002  # ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: one side secure, the other not
 # A syncer that cannot read our key (another syncer's key) drops the handshake at once; one that is full answers
 # ZAP 300, which CurveZMQ turns into a silent drop at the syncer's handshake timeout (libzmq 4.3 shows the client no
@@ -53,6 +55,12 @@ ZAP_TEMPORARY_STATUS = int(ZAP_TEMPORARY)  # the value of HANDSHAKE_FAILED_AUTH 
 MONITORED = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
              | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def _is_power_of(n: int, base: int) -> bool:
+    while n % base == 0:
+        n //= base
+    return n == 1
 
 
 def parse_address(address: str) -> str:
@@ -99,6 +107,8 @@ class SyncerLink:
         with self.changed:
             while True:
                 task = self.core.next_task(time.monotonic())
+                if isinstance(task, Done) and task.error and not self.core.refused:
+                    return replace(task, reason=task.reason + self._unreachable_note())
                 if not isinstance(task, Wait) or (deadline is not None and time.monotonic() >= deadline):
                     return task
                 if not self.thread.is_alive():
@@ -275,14 +285,28 @@ class SyncerLink:
             elif mismatch:
                 reason = (f"{where} runs without security (--insecure): start this learner with --insecure too, or "
                           "the syncer without it")
-            else:
-                reason = (f"no encrypted handshake with {where} after {self.handshake_failures} tries: the join key "
-                          "names another syncer key (a join.key from another run, or from before the syncer's keys "
-                          "were recreated?)")
+            else:  # cut with no answer: the network, a stranger's sockets from our address crowding the syncer's
+                # handshake cap (the shared-NAT case), or a key of another syncer. Nobody said which: retried, as
+                # long as --give-up-after allows, and said when the learner gives up (`next_task`)
+                n = self.handshake_failures
+                if _is_power_of(n, CUT_HANDSHAKES_WARN_EVERY):
+                    self.log_fn(f"warning: {where} cut {n} handshake(s) before they finished, none finished yet "
+                                "(the network, many connections from this address, or a join key made for another "
+                                "syncer): retrying until --give-up-after")
+                return
         with self.changed:
             self.core.link_refused(reason)
             self.stopping = True
             self.changed.notify_all()
+
+    def _unreachable_note(self) -> str:
+        """What the learner saw of a syncer it never reached, for its last line (no blame the syncer did not give)."""
+        if self.welcomed or not self.handshake_failures or self.join_key is None:
+            return ""
+        where = f"the syncer at {self.endpoint.removeprefix('tcp://')}"
+        return (f" ({where} cut {self.handshake_failures} handshake(s) before they finished and none finished: if it "
+                "is up and reachable, check that the join key is this run's (a join.key from another run names "
+                "another syncer key))")
 
     def _do(self, actions: list[LearnerAction]) -> None:
         """Carry out the core's actions (on the I/O thread, lock held)."""
