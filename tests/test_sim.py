@@ -79,6 +79,8 @@ FOUND_SEEDS = {
              "still on its way and ignored every request for it",
     414694317: "(the simulator) a frozen learner frozen again read its connection out of order: a pong sent before "
                "an ack came after it and dropped a merged delta's residual",
+    192934085: "a learner relaunched by a fleet stop joined the stopping syncer, took its finish, then joined the "
+               "relaunched one and still ended mid-run (its next relaunch found no syncer)",
     800680: "a delta that reached a restarted syncer just before its round reopened was refused stale, the refusal "
             "lost, and a late hello wiped the answer the pongs repeat: the round waited on it forever",
 }
@@ -255,6 +257,8 @@ PLANTED_ON_SEEDS = {
     "a delta refused before its round reopens, its answer lost with a late hello": (
         [(score.SyncerCore, "_waits_for_its_round", _old_keep_rule),
          (score.SyncerCore, "_keep_delta_news", lambda orig: staticmethod(lambda old, new: None))], [800680]),
+    "a stopped syncer's finish kept after a restarted one welcomed the learner into the run": (
+        [(lcore.LearnerCore, "_finish_superseded", lambda orig: lambda self, h: None)], [192934085]),
     "a founding upload refused with its error lost, never asked for again": (
         [(score.SyncerCore, "_request_init", _request_init_without_heard)], [3141721]),
 }

@@ -106,6 +106,7 @@ class SyncerMessages:
         index, count = h["shard"]
         self.shard = (int(index), int(count))
         self.syncer_version = h["version"]
+        self._finish_superseded(h)
         for q in self.ahead:  # (a syncer that restarted lost them: each goes again when it is the oldest in flight)
             q.resend, q.on_its_way = not q.acked, False
         if self.global_ is None or self.version != h["version"] or self.digest != h["digest"]:
@@ -316,9 +317,21 @@ class SyncerMessages:
         self.refused_code = msg.header["code"]
         self._log("error", self.refused)
 
+    def _finish_superseded(self, h: dict[str, Any]) -> None:
+        """A welcome from another syncer process whose run goes on: a finish we hold from an earlier one (a stop:
+        SIGTERM, a full disk) no longer stands, or the learner would end with the run still going (sim seed
+        192934085: it joined a stopping syncer, then the relaunched one, and exited mid-run)."""
+        f = self.finish
+        if f is None or h["finished"] or f.get("incarnation") == h["incarnation"]:
+            return
+        self.finish = None
+        if self.phase is Phase.FINISHING:
+            self._enter(Phase.JOINING if self.global_ is None else Phase.WAITING,
+                        f"the syncer's finish ({f['reason']}) was a stop: a restarted syncer goes on with the run")
+
     def _on_finish(self, msg: Message, now: float) -> None:
         if self.finish is None:
-            self.finish = dict(msg.header)
+            self.finish = {**msg.header, "incarnation": self.incarnation}  # (whose finish it is)
             self.finish_at = now
             self.syncer_version = max(self.syncer_version, msg.header["version"])
             self._maybe_sync(now)

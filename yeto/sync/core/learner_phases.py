@@ -6,6 +6,8 @@
                               │                               top of the next global, or back to its round
                               └──▶ WAITING                    abandoned (the round's base is gone), or stopped
     JOINING, WAITING, CARRYING ──▶ FINISHING ──▶ DONE         the syncer finished: fetch its final adapter first
+                                   FINISHING ──▶ JOINING, WAITING   ... unless it was a stop, and a restarted
+                                                                  syncer welcomes us into the run going on
     any phase but DONE ──▶ DONE                               refused, gave up, or finished
 
 Each phase owns the data only it needs (`Training`, `Held`, `Place`, `Done`), so a learner cannot train one round
@@ -43,7 +45,7 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.TRAINING: frozenset({Phase.HOLDING, Phase.CARRYING, Phase.WAITING, Phase.DONE}),
     Phase.HOLDING: frozenset({Phase.WAITING, Phase.DONE}),
     Phase.CARRYING: frozenset({Phase.WAITING, Phase.FINISHING, Phase.DONE}),
-    Phase.FINISHING: frozenset({Phase.DONE}),
+    Phase.FINISHING: frozenset({Phase.DONE, Phase.JOINING, Phase.WAITING}),
     Phase.DONE: frozenset(),
 }
 
