@@ -853,3 +853,24 @@ def test_a_founding_upload_that_came_too_late_to_count_is_asked_for_again():
     f.run()
     f.tick(times=8)  # learner 0 says hello again and is asked again
     assert f.syncer.run is not None and f.syncer.founder == 0 and c.init_copies == 2
+
+
+def test_a_finish_from_a_stopped_syncer_gives_way_to_a_restarted_one_that_goes_on():
+    """Sim seed 192934085: a fleet stop (SIGTERM) finishes every learner; a learner that then joins the relaunched
+    syncer, whose run goes on, must train on, not end the run for itself (its own relaunch found no syncer)."""
+    f = Fleet(n=2)
+    f.train(0)
+    f.train(1)  # version 1
+    f.apply(f.syncer.stop(f.now, "SIGTERM", 143))
+    f.run()
+    c = f.learners[1]
+    assert c.finish is not None and not c.finish["complete"]
+    f.syncer = f._boot_syncer(Durable(f.checkpoints[1], [], list(f.tape)))  # relaunched: the run goes on at v1
+    for lid in (0, 1):
+        f.to_syncer(lid, f.learners[lid].connected_now(f.now))
+    f.run()
+    f.tick(times=4)
+    assert c.finish is None and c.phase is not Phase.DONE
+    f.train(0)
+    task, verdict = f.train(1)
+    assert (task.round, verdict) == (2, Verdict.PUSH) and f.syncer.version == 2 and audit(f.tape).ok
