@@ -81,6 +81,8 @@ FOUND_SEEDS = {
                "an ack came after it and dropped a merged delta's residual",
     192934085: "a learner relaunched by a fleet stop joined the stopping syncer, took its finish, then joined the "
                "relaunched one and still ended mid-run (its next relaunch found no syncer)",
+    192937500: "a pipelined delta sent just before a reconnect was taken for still on its way: its round waited "
+               "on it forever",
     800680: "a delta that reached a restarted syncer just before its round reopened was refused stale, the refusal "
             "lost, and a late hello wiped the answer the pongs repeat: the round waited on it forever",
 }
@@ -252,6 +254,13 @@ def _request_init_without_heard(orig):
     return request
 
 
+def _only_the_pushed_copy_lost(orig):
+    def lost(self):  # (before: a reconnect forgot the copy of `pushed` only, not of the pipelined ones)
+        if self.pushed is not None:
+            self.pushed.on_its_way = False
+    return lost
+
+
 # bugs that only rare schedules reach: each must be found on the seeds that found it (the oracle sees the class)
 PLANTED_ON_SEEDS = {
     "a delta refused before its round reopens, its answer lost with a late hello": (
@@ -259,6 +268,8 @@ PLANTED_ON_SEEDS = {
          (score.SyncerCore, "_keep_delta_news", lambda orig: staticmethod(lambda old, new: None))], [800680]),
     "a stopped syncer's finish kept after a restarted one welcomed the learner into the run": (
         [(lcore.LearnerCore, "_finish_superseded", lambda orig: lambda self, h: None)], [192934085]),
+    "a pipelined delta's copy taken for still on its way after the connections were remade": (
+        [(lpipeline.PipelinedDeltas, "_copies_lost", _only_the_pushed_copy_lost)], [192937500]),
     "a founding upload refused with its error lost, never asked for again": (
         [(score.SyncerCore, "_request_init", _request_init_without_heard)], [3141721]),
 }

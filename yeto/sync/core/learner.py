@@ -246,8 +246,7 @@ class LearnerCore(PipelinedDeltas, SyncerMessages):
             self.attempt += 1
             self.connected = self.joined = False
             self.init_sent = None
-            if self.pushed is not None:
-                self.pushed.on_its_way = False  # (what the old connections held is gone with them)
+            self._copies_lost()
             self._log("warning", f"syncer silent for {now - self.last_heard:.0f}s; reconnecting in {delay:.1f}s "
                                  f"(attempt {self.attempt})")
             self.out.append(Reconnect(delay))

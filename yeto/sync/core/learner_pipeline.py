@@ -105,6 +105,12 @@ class PipelinedDeltas:
         return {**header, "base_version": t.round - 1, "base_digest": "", "trained_from": t.base_version,
                 "trained_digest": t.base_digest}
 
+    def _copies_lost(self) -> None:
+        """The connections are remade: no copy of any delta in flight is on its way any more, a pipelined one's
+        neither (sim seed 192937500: one pushed just before a reconnect was taken for still coming, for good)."""
+        for p in self.in_flight():
+            p.on_its_way = False
+
     def _give_back(self, p: Pushed) -> None:
         """A delta that never counts: its part of the error-feedback residual is as it was before it, and the
         training loop is told (`given_back`: the steps before that push are not in any global)."""
