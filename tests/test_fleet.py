@@ -73,14 +73,12 @@ def finish(procs, timeout=240):
 
 def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
-    own = {lid: Keyring.ensure(s_out).own_key(lid).text() for lid in (0, 1)}  # the operator's islands: trusted
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 4, "--inner-steps", 10,
                               "--sync-bits", 4)}
-    procs[0] = learner(model, port, 0, None, tmp_path / "l0", "--step-delay", 0.3, key=own[0])  # (the syncer says
-    # the shards)
-    procs[1] = learner(model, port, 1, None, tmp_path / "l1", "--max-inner-steps", 1, key=own[1])  # 10x fewer steps
+    procs[0] = learner(model, port, 0, None, tmp_path / "l0", "--step-delay", 0.3)  # the syncer says the shards
+    procs[1] = learner(model, port, 1, None, tmp_path / "l1", "--max-inner-steps", 1)  # 10x fewer steps per round
     wait_for(s_out, "round_open")
-    procs[2] = learner(model, port, 2, None, tmp_path / "l2")  # joins late, on the shared join key: an extra id
+    procs[2] = learner(model, port, 2, None, tmp_path / "l2")  # joins late: an id beyond --learners (extra)
     procs["bad"] = learner(model, port, 3, 4, tmp_path / "bad", "--lora-r", "8")  # another adapter layout
     outs = finish(procs)
     assert outs["syncer"][0] == 0, outs["syncer"][1][-3000:]
@@ -100,13 +98,14 @@ def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
     r1 = {r: deltas[(1, r)] for r in (0, 1)}
     assert r1[0]["inner_steps"] == 10 and r1[1]["inner_steps"] == 1
     w = dict(zip(merges[0]["responders"], merges[0]["weights"]))
-    assert w[1] < 0.25 and w[0] > 2 * w[1]  # trusted: a tenth of the steps, about a tenth of the weight
+    if len(w) == 2:  # on the join key (bounded), in a pair the longer claim counts as the shorter
+        assert w[0] == pytest.approx(w[1])  # (on keys of their own, trusted, they weigh by tokens: test_attacks)
     tiers = {e["learner"]: e["tier"] for e in events if e["event"] == "join"}
-    assert tiers == {0: "trusted", 1: "trusted", 2: "extra"}
+    assert tiers == {0: "bounded", 1: "bounded", 2: "extra"}
     for m in merges:  # the extra id counts for no more than the expected ids' low median claim
         if 2 in m["responders"]:
             counted = dict(zip(m["responders"], m["counted"]))
-            assert counted[2] <= min(counted[0], counted[1]) + 1e-9
+            assert counted[2] <= min(c for lid, c in counted.items() if lid != 2) + 1e-9
     join2 = next(e for e in events if e["event"] == "join" and e["learner"] == 2)
     assert join2["round"] >= 1  # it joined a round already open: it trains that round from its base version
     rounds_with_2 = [m["round"] for m in merges if 2 in m["responders"]]

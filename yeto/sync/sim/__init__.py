@@ -12,7 +12,7 @@ threads, no wall clock, no sockets, so a failing seed reproduces exactly.
 The syncer is `SyncerCore`, every learner is a `LearnerCore` driven by a
 simulated training loop over a fake island whose steps add known vectors.
 The package reads as: `schedule` (the seeded faults), `world` (clock, network,
-disk), `nodes` (the syncer and learners around the real cores), `oracle` (the
+disk), `nodes` (the syncer and learners around the real cores), `sleep` (a frozen node), `oracle` (the
 invariants), `runner` (one seed, or a sweep).
 After every schedule, and along the way:
 - the tape passes `yeto.sync.shell.audit.audit`;
