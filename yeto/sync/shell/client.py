@@ -260,7 +260,7 @@ class SyncerLink:
             self.handshake_failures = 0
             self.welcomed, self.busy_logged = True, False
             return
-        where = f"the syncer at {self.endpoint.removeprefix('tcp://')}"
+        where = self._where
         temporary = event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == ZAP_TEMPORARY_STATUS
         unexplained = event != zmq.EVENT_HANDSHAKE_FAILED_AUTH and not (
             event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == ZMTP_MECHANISM_MISMATCH)
@@ -299,11 +299,15 @@ class SyncerLink:
             self.stopping = True
             self.changed.notify_all()
 
+    @property
+    def _where(self) -> str:
+        return f"the syncer at {self.endpoint.removeprefix('tcp://')}"
+
     def _unreachable_note(self) -> str:
         """What the learner saw of a syncer it never reached, for its last line (no blame the syncer did not give)."""
         if self.welcomed or not self.handshake_failures or self.join_key is None:
             return ""
-        where = f"the syncer at {self.endpoint.removeprefix('tcp://')}"
+        where = self._where
         return (f" ({where} cut {self.handshake_failures} handshake(s) before they finished and none finished: if it "
                 "is up and reachable, check that the join key is this run's (a join.key from another run names "
                 "another syncer key))")
