@@ -178,6 +178,17 @@ def test_a_cut_blackholes_the_link_then_heals_by_itself():
     finally:
         link.close()
         sink.close()
+    sink = Sink(echo=True)
+    link = Link(sink.port)
+    try:
+        link.cut(600.0)  # a connection made during a long cut hangs until the cut is healed
+        threading.Timer(0.5, link.heal).start()
+        with connect(link) as s:
+            t = ping(s, b"after the heal")
+            assert 0.4 < t < 5.0, t
+    finally:
+        link.close()
+        sink.close()
 
 
 def test_a_profile_name_that_does_not_exist_says_which_do():

@@ -135,6 +135,10 @@ class Link:
         """A black hole for `seconds`: nothing moves, new connections hang; then it heals by itself."""
         self.cut_until = time.monotonic() + seconds
 
+    def heal(self) -> None:
+        """End a cut now: the connections hanging in it go through."""
+        self.cut_until = 0.0
+
     def close(self) -> None:
         self.closed = True
         for s in [self.listener, *self.socks]:
