@@ -835,6 +835,39 @@ def test_a_refusal_lost_before_a_late_hello_of_the_same_process_is_still_learned
     assert f.syncer.version == 1 and audit(f.tape).ok
 
 
+def test_a_delta_sent_by_a_learner_dropped_while_asleep_is_sent_again_once_it_is_back():
+    """Sim seed 903596133: a learner asleep past --learner-timeout is dropped; waking, it sends its delta before its
+    hello again reaches the syncer, the refusal (not joined) and the new welcome are lost, and the learner holds the
+    delta as on its way. The syncer heard that copy, so once the hello is in the pongs say so and the learner sends it
+    again."""
+    f = Fleet(n=2)
+    c = f.learners[1]
+    task = c.next_task(f.now)
+    assert isinstance(task, Train) and [c.after_step(n, f.now) for n in (1, 2)] == [Verdict.CONTINUE, Verdict.PUSH]
+    for _ in range(16):  # learner 1 asleep for 8 s: the syncer drops it
+        f.now += 0.5
+        f.apply(f.syncer.tick(f.now))
+        f.to_syncer(0, f.learners[0].tick(f.now))
+        f.run()
+    assert not f.syncer.members[1].active
+    c.last_heard = f.now  # (waking, it reads what came while it slept: it heard the syncer, so no reconnect)
+    f.lost = lambda direction, lid, msg_type: direction == "down" and lid == 1 and msg_type == "error"
+    f.to_syncer(1, c.push(task.adapter + 0.01, RoundCounts(200, 100, 2, 1.0, 0.1)))
+    f.run()
+    assert [e["code"] for e in f.tape if e["event"] == "reject"] == ["not_joined"] and c.pushed.on_its_way
+    f.lost = lambda direction, lid, msg_type: direction == "down" and lid == 1 and msg_type == "welcome"
+    c.out = []
+    c._hello(f.now)  # (the welcome it had before it slept was its last: this one is lost too)
+    f.to_syncer(1, c._flush())
+    f.run()
+    f.lost = lambda *a: False
+    f.tick(times=4)
+    assert 1 in f.syncer.pending and c.pushed.acked, "the round still waits on a delta the learner holds as sent"
+    f.train(0)
+    merge = [e for e in f.tape if e["event"] == "merge"][-1]
+    assert f.syncer.version == 1 and merge["responders"] == [0, 1] and audit(f.tape).ok
+
+
 def test_a_founding_upload_that_came_too_late_to_count_is_asked_for_again():
     """Sim seed 3141721: the learner asked for the initial adapter went silent (a laptop asleep) and was dropped;
     its upload came after that and was refused, and the error was lost. It took its upload for still on its way and

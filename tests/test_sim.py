@@ -83,6 +83,8 @@ FOUND_SEEDS = {
                "relaunched one and still ended mid-run (its next relaunch found no syncer)",
     192937500: "a pipelined delta sent just before a reconnect was taken for still on its way: its round waited "
                "on it forever",
+    903596133: "a learner asleep past --learner-timeout was dropped; waking, its delta came before its hello again "
+               "and was refused not joined, the refusal and the new welcome lost: the round waited on it forever",
     800680: "a delta that reached a restarted syncer just before its round reopened was refused stale, the refusal "
             "lost, and a late hello wiped the answer the pongs repeat: the round waited on it forever",
 }
@@ -270,6 +272,8 @@ PLANTED_ON_SEEDS = {
         [(lcore.LearnerCore, "_finish_superseded", lambda orig: lambda self, h: None)], [192934085]),
     "a pipelined delta's copy taken for still on its way after the connections were remade": (
         [(lpipeline.PipelinedDeltas, "_copies_lost", _only_the_pushed_copy_lost)], [192937500]),
+    "a delta refused from a learner dropped while asleep, the refusal lost, never asked for again": (
+        [(score.SyncerCore, "_heard_while_away", lambda orig: lambda self, msg: None)], [903596133]),
     "a founding upload refused with its error lost, never asked for again": (
         [(score.SyncerCore, "_request_init", _request_init_without_heard)], [3141721]),
 }

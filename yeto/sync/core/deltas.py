@@ -39,8 +39,23 @@ class Deltas(SyncerState):
     """The delta message, and what a delta counts for (shared by the merge and the recovery)."""
 
     def _on_delta(self, peer: str, msg: Message, now: float) -> None:
-        self._take_delta(self._member(peer, msg, now), msg, now)
+        try:
+            m = self._member(peer, msg, now)
+        except ProtocolError as e:
+            if e.code is Code.NOT_JOINED:
+                self._heard_while_away(msg)
+            raise
+        self._take_delta(m, msg, now)
         self._maybe_close(now)
+
+    def _heard_while_away(self, msg: Message) -> None:
+        """A delta from a member's process while it is away (gone silent, its hello again still to come): the copy is
+        heard, so once that hello comes the pongs say so and the learner sends it again, even if the refusal that
+        told it to was lost (sim seed 903596133)."""
+        h = msg.header
+        m = self.members.get(h["learner"])
+        if m is not None and m.session == h["session"] and m.principal == self.principal:
+            m.heard = [digest_bytes(msg.frames), h["copy"] if isinstance(h.get("copy"), int) else 0]
 
     def _take_delta(self, m: Member, msg: Message, now: float) -> None:
         """A learner's delta: acked again if it counted already, kept for its round if pipelined ahead of it, refused
