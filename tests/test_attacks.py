@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from tests.peers import QuadraticIsland, RawLearner, wait_until
+from tests.peers import QuadraticIsland, RawLearner, tape_with, wait_until
 from yeto.sync.merge.aggregate import DEFAULT_CLIP_K
 from yeto.sync.shell.audit import audit
 from yeto.sync.shell.keys import Keyring
@@ -194,6 +194,37 @@ def test_a_fresh_id_flood_leaves_room_for_a_real_learner_and_nothing_behind(star
     assert set(ck.members) <= {0, 1} and set(ck.owners) <= {0, 1}  # the checkpoint keeps nothing of the flood
     founder.close()
     honest.close()
+
+
+def test_extra_ids_never_close_a_round_by_themselves(start_syncer, tmp_path):
+    """The red team's 'extra ids close rounds': two ids beyond --learners on the join key pushed at each round's
+    open and merged alone in 58 of 59 rounds (--quorum 1 needs only one). Now only the expected ids' deltas make a
+    quorum: however fast the extras answer, each round waits for the honest learner and merges it (no grace helps:
+    --grace 0 closes a round the moment its quorum is in)."""
+    syncer, port = start_syncer(insecure=False, learners=1, quorum=1, outer_steps=3, inner_steps=2, sync_bits=32,
+                                grace_s=0.0, out=tmp_path / "syncer")
+    key, state = syncer.keys.join, QuadraticIsland(0.0, 1).state
+    honest = RawLearner(port, 0, key=key)
+    layout = honest.found(state)
+    extras = [RawLearner(port, lid, key=key) for lid in (1, 2)]
+    for p in extras:
+        p.ctl.send_multipart(p.hello_parts(state, tokens_per_step=64)[0])
+        assert p.recv(want="welcome")
+    try:
+        for r in (1, 2, 3):
+            for p in extras:  # against the honest direction, the moment the round opens
+                assert p.ask(p.delta_parts(layout, r, r - 1, np.full(layout.numel, -HONEST_STEP, np.float32),
+                                           steps=2), bulk=True, want="ack", timeout=MERGE_TIMEOUT_S)
+            assert not wait_until(lambda: syncer.version == r, 1.0)  # the extras' deltas alone close nothing
+            assert honest.ask(honest.delta_parts(layout, r, r - 1, np.full(layout.numel, HONEST_STEP, np.float32),
+                                                 steps=2), bulk=True, want="ack", timeout=MERGE_TIMEOUT_S)
+            assert wait_until(lambda: syncer.version == r, MERGE_TIMEOUT_S)
+        merges = [e for e in tape_with(syncer.cfg.out, "merge") if e["event"] == "merge"]
+        assert [sorted(m["responders"]) for m in merges] == [[0, 1, 2]] * 3
+        assert all(m["tiers"] == ["bounded", "extra", "extra"] for m in merges)
+    finally:
+        for p in [honest, *extras]:
+            p.close()
 
 
 def json_header(parts: list[bytes]) -> dict:

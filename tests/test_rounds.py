@@ -41,6 +41,7 @@ class Case:
     quorum_at: Optional[float] = None  # when quorum came (the grace counts from here when the quorum is fresh)
     ends_at: float = math.inf
     policy: dict = field(default_factory=dict)  # changes to POLICY
+    counting: Optional[int] = None  # responders that count toward quorum (None: all; extra ids do not)
 
 
 CASES = {
@@ -50,6 +51,8 @@ CASES = {
     "quorum not met past --quorum-timeout: give up": Case((1,), {2: Pace(0.0)}, Verdict.QUORUM_TIMEOUT,
                                                           opened_at=NOW - 1800.5),
     "quorum met and nobody else expected: close at once": Case((1, 2), {}, Verdict.CLOSE, until=NOW),
+    "an extra id's delta is no quorum, however fast: wait for the expected": Case(
+        (1, 9), {2: Pace(0.0, 8.0)}, Verdict.SHORT, fresh=1, counting=1),
     "quorum met, one not measured yet: the whole cap": Case((1, 2), {3: Pace(0.0)}, Verdict.GRACE, until=NOW + 2.0),
     "quorum met, one not measured yet, the cap is over: close without it": Case(
         (1, 2), {3: Pace(0.0)}, Verdict.CLOSE, until=NOW, quorum_at=NOW - 2.0),
@@ -111,7 +114,7 @@ def test_when_a_round_closes(name):
     fresh_quorum = fresh >= policy.quorum
     r = OpenRound(number=5, base_version=4, opened_at=c.opened_at, quorum_at=c.quorum_at,
                   fresh_at=c.quorum_at if fresh_quorum else None, ends_at=c.ends_at)
-    d = close_decision(r, RoundMembers(c.responders, fresh, c.waiting, c.absent), c.now, policy)
+    d = close_decision(r, RoundMembers(c.responders, fresh, c.waiting, c.absent, c.counting), c.now, policy)
     assert d.verdict is c.verdict, d
     assert d.until == pytest.approx(c.until) if math.isfinite(c.until) else d.until == c.until, d
     assert d.waiting_for == (tuple(c.waiting) + c.absent if c.waiting_for is None else c.waiting_for), d

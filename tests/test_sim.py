@@ -227,6 +227,8 @@ PLANTED = {
         (lpipeline.PipelinedDeltas, "_give_back", _whole_residual_given_back)],
     "a finished syncer that stops serving a slow reader": [
         (score.SyncerCore, "_fetching_final", lambda orig: lambda self, now: False)],
+    "a clip reference taken from the largest norm (an outlier judged by itself)": [
+        (merging, "clip_reference", lambda orig: lambda norms, history, tiers=None: max(norms))],
     "an error-feedback residual given back for a delta that counted": [
         (lcore.LearnerCore, "_settle_refused", _settle_every_refusal), (score.SyncerCore, "_on_delta", _no_merged_ack)],
 }

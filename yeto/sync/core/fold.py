@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yeto.sync.core.quorum import quorum_after_give_ups
+from yeto.sync.merge.aggregate import NORM_HISTORY, clip_factors, clip_reference
 from yeto.sync.merge.rules import (MAX_CLAIM_OVER_MEDIAN, MERGE_WEIGHTS, DeltaCounts, Tier, capped_claims,
-                                   weight_of)
+                                   counts_toward_quorum, merge_terms, weight_of)
 
 CLIP_SLACK = 1e-6  # float rounding allowed over the clip's bound
+RECOMPUTE_RTOL = 1e-9  # a recomputed number agrees with the record's to this (the same expression: the same bits)
 
 Key = tuple[int, int]  # (round, learner)
 
@@ -64,6 +66,8 @@ class TapeFold:
     outer_steps: int = 0
     max_base_lag: int = 0  # a delta may be accepted this many versions after its base
     robust_k: float = 0.0  # --robust-k under norm-clip (0: no clip bound to check)
+    staleness_exponent: float = 0.0
+    by_part: dict[Any, list[int]] = field(default_factory=dict)  # streamed part (None: whole) -> versions merged
     counts: dict[str, int] = field(default_factory=dict)
 
     def resolved(self, rnd: int, learner: int, digest: str) -> bool:
@@ -92,6 +96,7 @@ class TapeFold:
         self.outer_steps = int(cfg.get("outer_steps", self.outer_steps))
         self.max_base_lag = int(cfg.get("max_base_lag", 0))
         self.robust_k = float(cfg.get("robust_k", 0.0)) if cfg.get("robust") == "norm-clip" else 0.0
+        self.staleness_exponent = float(cfg.get("staleness_exponent", 0.0))
 
     def _on_given_up(self, e: dict[str, Any]) -> None:
         """The fleet controller gave a learner up: the quorum shrinks, by the rule, not by the record's word."""
@@ -150,8 +155,6 @@ class TapeFold:
         if v != self.version + 1 or rnd != v:
             self._fail(e, f"merge of round {rnd} into version {v} after version {self.version}: versions must be "
                           "consecutive, none merged twice")
-        if len(responders) < self.quorum:
-            self._fail(e, f"merge of round {rnd} with {len(responders)} responder(s), below the quorum {self.quorum}")
         if len(responders) != len(digests) or len(set(responders)) != len(responders):
             self._fail(e, f"merge of round {rnd} lists responders {responders} and {len(digests)} delta digests")
         used = []
@@ -163,11 +166,16 @@ class TapeFold:
                 continue
             used.append(self.outstanding.pop((rnd, lid)))
             self.settled.add((rnd, lid, dg))
+        counting = sum(1 for d in used if counts_toward_quorum(d.get("tier", Tier.BOUNDED)))
+        if len(used) == len(responders) and counting < self.quorum:
+            self._fail(e, f"merge of round {rnd} with {counting} responder(s) that count toward quorum (extra ids do "
+                          f"not), below the quorum {self.quorum}")
         if len(used) == len(responders):
             self._check_bounds(e, used)
         self.version = v
         self.digests[v] = e["digest"]
         self.merged[v] = e
+        self.by_part.setdefault(_part_of(e), []).append(v)
         self.merged_deltas[v] = used
 
     def _check_bounds(self, e: dict[str, Any], used: list[dict[str, Any]]) -> None:
@@ -191,6 +199,41 @@ class TapeFold:
             if over:
                 self._fail(e, f"merge of round {e['round']} merged learner(s) {over} above the clip bound "
                               f"{self.robust_k:g} x {ref:.4g}")
+            elif how in MERGE_WEIGHTS and all("norm" in d for d in used) and "lags" in e:
+                self._recompute_clip(e, used, how)
+
+    def _recompute_clip(self, e: dict[str, Any], used: list[dict[str, Any]], how: str) -> None:
+        """The clip and the weights recomputed from the deltas' norms and claims as received and the merged norms
+        before (the tape's own history, as a restarted syncer rebuilds it): a merge's word on its reference, its
+        scales and its weights is checked, not taken."""
+        tiers = [d.get("tier", Tier.BOUNDED) for d in used]
+        terms = merge_terms([DeltaCounts(d["loss_tokens"], d["tokens"], d["inner_steps"]) for d in used], how,
+                            e["lags"], self.staleness_exponent, bool(e.get("step_normalize")),
+                            [d.get("round_steps", 0) for d in used], tiers)
+        norms = [d["norm"] * s * terms.length for d, s in zip(used, terms.scales)]
+        ref = clip_reference(norms, self._norm_history(_part_of(e)), tiers)
+        merged = [n * c for n, c in zip(norms, clip_factors(norms, ref, self.robust_k))]
+        weights = [w / sum(terms.counted) * s * terms.length for w, s in zip(terms.counted, terms.scales)]
+        rnd = e["round"]
+        if not _agrees([e["clip_ref"]], [ref]):
+            self._fail(e, f"merge of round {rnd} states clip_ref {e['clip_ref']:.6g}; the tape's norms give {ref:.6g}")
+        elif not _agrees(e["merged_norms"], merged):
+            self._fail(e, f"merge of round {rnd} states merged norms {e['merged_norms']}; clipped at {ref:.6g} the "
+                          f"tape's norms give {merged}")
+        elif not _agrees(e.get("weights", weights), weights):
+            self._fail(e, f"merge of round {rnd} states weights {e['weights']}; the capped claims and step scales "
+                          f"give {weights}")
+
+    def _norm_history(self, part: Any) -> list[tuple[float, str]]:
+        """The last NORM_HISTORY merged norms of this part (with their tiers), newest merges walked first."""
+        history: list[tuple[float, str]] = []
+        for v in reversed(self.by_part.get(part, [])):
+            m = self.merged[v]
+            norms = m.get("merged_norms") or []
+            history[:0] = zip(norms, m.get("tiers") or [Tier.BOUNDED] * len(norms))
+            if len(history) >= NORM_HISTORY:
+                return history[-NORM_HISTORY:]
+        return history
 
     def _on_checkpoint(self, e: dict[str, Any]) -> None:
         if e["version"] != self.version or e.get("digest", self.digests.get(self.version)) != self.digests.get(
@@ -204,7 +247,9 @@ class TapeFold:
             self.version = -1
             self.digests.pop(0, None)
             return
-        self.merged.pop(v, None)
+        m = self.merged.pop(v, None)
+        if m is not None:
+            self.by_part[_part_of(m)].remove(v)
         self.digests.pop(v, None)
         for d in self.merged_deltas.pop(v, []):
             self.settled.discard((d["round"], d["learner"], d["digest"]))
@@ -238,3 +283,13 @@ class TapeFold:
         if self.outstanding:
             self._fail(e, f"finish marked complete with accepted deltas never merged: "
                           f"{sorted(self.outstanding)} (round, learner)")
+
+
+def _part_of(merge: dict[str, Any]) -> Any:
+    return tuple(merge["part"]) if merge.get("part") is not None else None
+
+
+def _agrees(stated: list[Any], computed: list[float]) -> bool:
+    return len(stated) == len(computed) and all(
+        isinstance(a, (int, float)) and abs(a - b) <= RECOMPUTE_RTOL * max(abs(a), abs(b), 1e-300)
+        for a, b in zip(stated, computed))

@@ -22,7 +22,7 @@ from yeto.sync.core.state import Broadcast
 from yeto.sync.merge.aggregate import (RoundSum, clip_factors, clip_reference, clipped_merge, effective_weight,
                                        trimmed_mean)
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
-from yeto.sync.merge.rules import MergeTerms, merge_terms, product_merge
+from yeto.sync.merge.rules import MergeTerms, counts_toward_quorum, merge_terms, product_merge
 from yeto.sync.wire.layout import fragment_pieces
 from yeto.sync.wire.protocol import Code, array_digest, encode, encode_fragments_ef, message_bytes, truncate
 from yeto.sync.wire.quant import ErrorFeedback, QuantError
@@ -70,7 +70,7 @@ class Merging(Deltas):
         r = self.round
         assert r is not None and self.run is not None
         r.advance(RoundPhase.MERGING)
-        while len(self.pending) >= self._quorum():
+        while sum(1 for d in self.pending.values() if counts_toward_quorum(d.tier)) >= self._quorum():
             ids = self._order()
             try:
                 merged = self._merge(ids)

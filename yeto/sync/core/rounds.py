@@ -88,13 +88,18 @@ class RoundMembers:
     """Who the round has and whom it expects."""
 
     responders: tuple[int, ...]  # learner ids whose delta is in
-    fresh: int  # how many of those deltas were trained from the round's base (not stale)
+    fresh: int  # how many of the counting deltas were trained from the round's base (not stale)
     waiting: dict[int, Pace] = field(default_factory=dict)  # live members still training, by learner id (sorted)
     absent: tuple[int, ...] = ()  # members known before a restart, not back yet (expected for a --learner-timeout)
+    counting: Optional[int] = None  # how many responders count toward quorum (None: all; an extra id never does)
 
     @property
     def expected(self) -> tuple[int, ...]:
         return tuple(self.waiting) + self.absent
+
+    @property
+    def quorum_count(self) -> int:
+        return len(self.responders) if self.counting is None else self.counting
 
 
 @dataclass(frozen=True)
@@ -126,12 +131,13 @@ class Decision:
 
 
 def close_decision(r: OpenRound, members: RoundMembers, now: float, policy: ClosePolicy) -> Decision:
-    """What round `r` does at `now`. With quorum in it closes once nobody else is expected, or once the grace is
-    over (`grace_until`), or a time-window round once its window plus WINDOW_GRACE_CAP_S passed. A round whose
-    quorum holds stale deltas is paced by the members still training: it waits up to --straggler-timeout after
+    """What round `r` does at `now`. Quorum counts the expected ids' deltas (an extra id on the shared key, however
+    fast, never closes a round or starts its grace). With quorum in it closes once nobody else is expected, or once
+    the grace is over (`grace_until`), or a time-window round once its window plus WINDOW_GRACE_CAP_S passed. A round
+    whose quorum holds stale deltas is paced by the members still training: it waits up to --straggler-timeout after
     quorum instead of the grace (and, in time windows, at least until they are predicted to push)."""
     expected = members.expected
-    if len(members.responders) < policy.quorum:
+    if members.quorum_count < policy.quorum:
         timed_out = now - r.opened_at > policy.quorum_timeout
         return Decision(Verdict.QUORUM_TIMEOUT if timed_out else Verdict.SHORT, expected,
                         quorum_at=r.quorum_at, fresh_at=r.fresh_at)

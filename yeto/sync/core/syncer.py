@@ -47,6 +47,7 @@ from yeto.sync.core.recovery import Recovery
 from yeto.sync.core.rounds import (ClosePolicy, OpenRound, Pace, RoundMembers, RoundPhase, RoundPhaseError, Verdict,
                                    close_decision)
 from yeto.sync.core.state import RATE_WINDOW_S, STATE_REQUESTS_PER_WINDOW
+from yeto.sync.merge.rules import counts_toward_quorum
 from yeto.sync.wire.protocol import CLOCK_JUMP_S, Code, Message, ProtocolError, decode, encode_fragments, truncate
 
 __all__ = ["SyncerConfig", "SyncerCore"]  # (the config is the core's: `SyncerCore(SyncerConfig(...), ...)`)
@@ -290,11 +291,9 @@ class SyncerCore(Recovery, Admission, Merging):
         if now < self.absent_until:
             here = {m.learner for m in live}
             absent = tuple(sorted(lid for lid in self.seen if lid not in here and lid not in self.pending))
-        return RoundMembers(tuple(sorted(self.pending)), self._fresh(), waiting, absent)
-
-    def _fresh(self) -> int:
-        """Pending deltas trained from the open round's base."""
-        return sum(1 for d in self.pending.values() if d.lag == 0)
+        counting = [d for d in self.pending.values() if counts_toward_quorum(d.tier)]
+        return RoundMembers(tuple(sorted(self.pending)), sum(1 for d in counting if d.lag == 0), waiting, absent,
+                            len(counting))
 
     def _close_policy(self) -> ClosePolicy:
         cfg = self.cfg

@@ -89,6 +89,12 @@ class Tier(StrEnum):
     EXTRA = "extra"  # the shared join key, an id beyond --learners: bounded, and together worth one median claim
 
 
+def counts_toward_quorum(tier: str) -> bool:
+    """An extra id merges but never makes a quorum: ids are free to a join-key holder, so a round it could close
+    by answering fast would be the holder's alone."""
+    return tier != Tier.EXTRA
+
+
 @dataclass(frozen=True)
 class DeltaCounts:
     """What a delta says about the work behind it (the fields weights can follow)."""
