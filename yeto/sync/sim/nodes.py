@@ -105,7 +105,7 @@ class SimSyncer:
         if msg_type in ("delta", "init"):
             msg = decode(parts)
             if msg_type == "delta":
-                w.oracle.payloads[digest_bytes(msg.frames)] = (msg.header["fragments"], msg.frames)
+                w.oracle.keep_payload(digest_bytes(msg.frames), msg.header["fragments"], msg.frames)
             else:
                 flat = decode_fragments(w.layout, msg)
                 w.oracle.init_payloads[array_digest(flat)] = flat
@@ -291,12 +291,15 @@ class SimLearner:
         self.booted_at = w.now
         self.stepping = False
         hostile = w.s.hostile if w.s.hostile is not None and w.s.hostile.learner == self.lid else None
+        if self.lid >= w.s.learners:  # an extra id
+            hostile = Hostile(self.lid, 1, w.s.extra_outlier)
         self.island = SimIsland(self.lid, w.layout.numel, w.s.seed, hostile)
         self.core = LearnerCore(self.lid, "sim", w.layout, self.island.flat.copy(), ADAPTER_CONFIG, {"sim": w.s.seed},
                                 random.Random(w.rng.getrandbits(64)), LINK, w.s.max_inner_steps[self.lid],
                                 started_at_us=int(w.now * 1e6), identity=f"sim-identity-{w.s.seed}-{self.lid}")
         w.oracle.watch_phases(self.lid, self.core)
         self.pushes = []
+        self.sent: set[tuple[int, int, str]] = set()  # (round, base version, digest) of every delta sent (oracle)
         self.raw = {}
         self.carry_base: Optional[np.ndarray] = None  # a carried round's base: its work goes on top of the next global
         self.carry_round = 0  # ... and that round (a refusal of our late delta may send the work back to it)

@@ -26,7 +26,8 @@ class Oracle:
     def __init__(self, world: Any):  # the World (yeto.sync.sim.world imports this module, not the other way round)
         self.w = world
         self.globals: dict[int, tuple[str, np.ndarray]] = {}  # durable version -> (digest, adapter)
-        self.payloads: dict[str, tuple[list, list[bytes]]] = {}  # delta digest -> (descs, frames)
+        # (delta digest, its fragments' indexes) -> (descs, frames): equal deltas of two parts (zeros) share a digest
+        self.payloads: dict[tuple[str, tuple[int, ...]], tuple[list, list[bytes]]] = {}
         self.init_payloads: dict[str, np.ndarray] = {}  # global digest -> initial adapter
         # deltas as (learner, base version, digest): two sessions of one learner may send equal bits on other bases
         self.acked: set[tuple[int, int, str]] = set()  # every ack a learner received
@@ -154,13 +155,25 @@ class Oracle:
                 raise Violation(f"learner {lrn.lid} ended at t={at:.1f}s, with the network healthy since "
                                 f"t={self.w.healed_at:.1f}s, without the final adapter: {done.reason}")
 
+    def keep_payload(self, digest: str, descs: list[dict[str, Any]], frames: list[bytes]) -> None:
+        self.payloads[digest, tuple(sorted(d["index"] for d in descs))] = (descs, frames)
+
+    def payload(self, digest: str, part: Optional[tuple[int, ...]]) -> tuple[list, list[bytes]]:
+        """A merged delta's payload: of the round's part, or (a round of the whole adapter) of every fragment."""
+        found = sorted(((len(idx), idx) for dg, idx in self.payloads if dg == digest and (
+            part is None or idx == tuple(sorted(part)))), reverse=True)
+        if not found:
+            raise Violation(f"a merge uses delta {digest} of fragments {part}, which no learner sent")
+        return self.payloads[digest, found[0][1]]
+
     def replay(self, tape: list[dict[str, Any]]) -> np.ndarray:
         fold = TapeFold()
         for e in tape:
             fold.feed(e)
         cfg = self.w.s.syncer_config()
-        deltas_on_tape = {(e["digest"], e["round"]): e for e in tape if e["event"] == "delta"}  # (a run restarted
-        # from scratch may see a learner's same delta again, in another round)
+        deltas_on_tape = {(e["digest"], e["round"], e["learner"]): e for e in tape if e["event"] == "delta"}  # (a run
+        # restarted from scratch may see a learner's same delta again, in another round; two learners' zero deltas
+        # share a digest)
         g = self.init_payloads[fold.digests[0]].copy()
         m = np.zeros_like(g)
         ef = ErrorFeedback(self.w.layout.numel)
@@ -173,12 +186,12 @@ class Oracle:
             if (e.get("part") is None) != (part is None) or (part is not None and tuple(e["part"]) != part):
                 raise Violation(f"merge {v} of round {e['round']} is of fragments {e.get('part')}, the round's part "
                                 f"is {part}")
-            deltas = {lid: decode_fragments(self.w.layout, Message("delta", {"fragments": self.payloads[d][0]},
-                                                                 self.payloads[d][1]), part)
-                      for lid, d in zip(e["responders"], e["deltas"])}
+            payloads = [self.payload(d, part) for d in e["deltas"]]
+            deltas = {lid: decode_fragments(self.w.layout, Message("delta", {"fragments": descs}, frames), part)
+                      for lid, (descs, frames) in zip(e["responders"], payloads)}
             lags = e.get("lags") or [0] * len(e["responders"])
             normalize = bool(e.get("step_normalize"))
-            mine = [deltas_on_tape[d, e["round"]] for d in e["deltas"]]
+            mine = [deltas_on_tape[d, e["round"], lid] for lid, d in zip(e["responders"], e["deltas"])]
             self._check_trained_from(mine, history, g, part)
             terms = merge_terms([DeltaCounts(d["loss_tokens"], d["tokens"], d["inner_steps"]) for d in mine],
                                 cfg.merge_weight, lags, cfg.staleness_exponent, normalize,
@@ -224,9 +237,10 @@ class Oracle:
         minus the version it trained from, quantized with exactly the quantization error of this session's merged
         deltas (an oracle that knows, from the syncer's disk, which of them were merged)."""
         h, digest = a.header, digest_bytes(a.frames)
-        if any(key == (node.lid, h["base_version"], digest) for key, _, _ in node.pushes):
+        if (h["round"], h["base_version"], digest) in node.sent:
             return  # sent again
-        p = next((q for q in node.core.in_flight() if q.digest == digest), None)
+        p = next((q for q in node.core.in_flight() if [q.round, q.base_version, q.digest] == [
+            h["round"], h["base_version"], digest]), None)
         if p is None:
             raise Violation(f"learner {node.lid} sent a delta for round {h['round']} that it does not hold as pushed")
         x = node.raw.pop((h["round"], h["base_version"]), None)
@@ -256,3 +270,4 @@ class Oracle:
             raise Violation(f"learner {node.lid}'s delta for round {h['round']} is not its adapter minus the "
                             f"version {h['base_version']} it trained from (its part {part})")
         node.pushes.append(((node.lid, p.base_version, p.digest), x, part))
+        node.sent.add((h["round"], h["base_version"], digest))

@@ -57,6 +57,9 @@ def run_seed(seed: int, trace: Optional[Callable[[str], None]] = None) -> Outcom
     paths |= {"streamed"} if any(e["event"] == "merge" and e.get("part") for e in tape) else set()
     paths |= {"slow_link"} if w.s.slow_links else set()
     paths |= {"pipelined"} if any(e["event"] == "delta" and "trained_from" in e for e in tape) else set()
+    paths |= {"extra_merged"} if any(e["event"] == "merge" and "extra" in (e.get("tiers") or ()) for e in tape) \
+        else set()
+    paths |= {"zero_delta"} if any(e["event"] == "delta" and e.get("norm") == 0 for e in tape) else set()
     return Outcome(seed, True, "", w.now, sum(1 for e in tape if e["event"] == "merge"),
                    sum(1 for e in tape if e["event"] == "resume"), frozenset(paths), frozenset(w.oracle.moves_seen()))
 
@@ -111,7 +114,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\n{len(outcomes)} schedules (seeds {a.first}..{a.first + a.seeds - 1}) in {time.perf_counter() - t0:.0f}s: "
           f"{len(bad)} violation(s); {merges} merges, {restarts} syncer restarts simulated")
     took = Counter(p for o in outcomes for p in o.exercised)
-    paths = (*EXERCISED, "zombie", "carry", "carry_back", "streamed", "slow_link", "pipelined")
+    paths = (*EXERCISED, "zombie", "carry", "carry_back", "streamed", "slow_link", "pipelined", "extra_merged",
+             "zero_delta")
     print("schedules that took each recovery path: " + ", ".join(f"{p} {took[p]}" for p in paths))
     moved = Counter(m for o in outcomes for m in o.moves)
     table = [(old.value, new.value) for old, news in TRANSITIONS.items() for new in sorted(news, key=lambda p: p.value)]

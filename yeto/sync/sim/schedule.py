@@ -29,6 +29,9 @@ SLOW_LINK_BYTES_PER_S = (20.0, 50.0, 100.0)
 STREAMED_P = 0.25  # the share of schedules whose syncer streams the adapter in parts
 PIPELINED_P = 0.6  # ... and of those (fixed-step), whose learners push up to --pipeline parts ahead of the merges
 HOSTILE_P = 0.2  # the share of schedules (of 2 or more learners) with a hostile learner
+EXTRA_IDS_P = 0.15  # the share of schedules with ids beyond --learners on the join key (extra: no quorum of theirs)
+EXTRA_STEP_S = (0.005, 0.03)  # an extra id answers faster than any honest island trains (which buys it nothing)
+EXTRA_OUTLIERS = (0.0, 1.0, 1000.0)  # its steps: nothing (zero deltas, deflating the clip), honest, outliers
 POISON_WEIGHT = 1000  # ... provided it weighs enough in the merge: the poisoned step claims this many more tokens
 ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"], "task_type": "CAUSAL_LM"}
 ZOMBIE_SLEEPS_LONGER_S = 20.0  # a zombie wakes up at most this long after its replacement started
@@ -82,6 +85,10 @@ class Schedule:
     hostile: Optional["Hostile"] = None  # a join-key holder steering the merge with its claims and outliers
     # per learner, the key its connections prove: "own" (a learner key: trusted) or "join" (the shared key: bounded)
     keys: list[str] = field(default_factory=list)
+    # ids beyond --learners (learners, learners + 1, ...) on the join key; their entries follow the fleet's in
+    # step_s, max_inner_steps and keys; `extra_outlier` scales their steps (0: every delta they send is zero)
+    extra_ids: int = 0
+    extra_outlier: float = 1.0
 
     @staticmethod
     def draw(seed: int) -> "Schedule":
@@ -121,7 +128,7 @@ class Schedule:
             cuts=sorted(cuts), pauses=sorted(pauses), stops=stops, poison=poison,
             max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)], give_ups=Schedule.draw_give_ups(seed, kills),
             hostile=Schedule.draw_hostile(seed, n), **Schedule.draw_policy(seed)
-        ).with_bits_drawn().with_streaming_drawn().with_slow_links_drawn().with_keys_drawn()
+        ).with_bits_drawn().with_streaming_drawn().with_slow_links_drawn().with_keys_drawn().with_extra_ids_drawn()
 
     def with_bits_drawn(self) -> "Schedule":
         """Now and then 2-bit deltas, and broadcasts at their own precision (a stream of their own: older seeds keep
@@ -158,6 +165,19 @@ class Schedule:
         self.keys = [rng.choice(["own", "join"]) if fleet == "mixed" else fleet for _ in range(self.learners)]
         if self.hostile is not None:
             self.keys[self.hostile.learner] = "join"
+        return self
+
+    def with_extra_ids_drawn(self) -> "Schedule":
+        """Now and then a join-key holder's extra ids: fast, pushing nothing, honest steps or outliers (a stream of
+        its own; they come after the fleet, so its faults and draws stay as they were)."""
+        rng = random.Random(self.seed * 31 + 71)
+        if rng.random() < EXTRA_IDS_P:
+            self.extra_ids = rng.choice([1, 1, 2])
+            self.extra_outlier = rng.choice(EXTRA_OUTLIERS)
+            for _ in range(self.extra_ids):
+                self.step_s.append(rng.uniform(*EXTRA_STEP_S))
+                self.max_inner_steps.append(rng.choice([0, 1]))
+                self.keys.append("join")
         return self
 
     def principal(self, lid: int) -> str:

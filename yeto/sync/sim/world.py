@@ -41,7 +41,7 @@ class World:
         self.stop_windows: list[tuple[float, float]] = []  # (SIGTERM, relaunch) of each fleet stop
         self.disk = SimDisk()  # the syncer's
         self.syncer = SimSyncer(self)
-        self.learners = [SimLearner(self, i) for i in range(sched.learners)]
+        self.learners = [SimLearner(self, i) for i in range(sched.learners + sched.extra_ids)]
         self.zombies: list[SimLearner] = []  # replaced learner processes that are still running
         self.carries = 0  # rounds whose work a learner carried onto the next global (Verdict.CARRY)
         self.carries_back = 0  # ... and carries sent back to their own round (the late delta holding it was refused)
