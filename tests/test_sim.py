@@ -20,6 +20,7 @@ from yeto.sync.core import learner_phases as lphases
 from yeto.sync.core import merging
 from yeto.sync.core import syncer as score
 from yeto.sync.merge.outer import nesterov_step
+from yeto.sync.merge.rules import low_median
 
 SEEDS = int(os.environ.get("YETO_SIM_SEEDS", "300"))
 FRESH_SEEDS = int(os.environ.get("YETO_SIM_FRESH_SEEDS", "200"))  # from a random first seed each run (YETO_SIM_FIRST)
@@ -88,6 +89,15 @@ FOUND_SEEDS = {
     800680: "a delta that reached a restarted syncer just before its round reopened was refused stale, the refusal "
             "lost, and a late hello wiped the answer the pongs repeat: the round waited on it forever",
 }
+
+
+PINNED_BEFORE_EXTRA_IDS = (4, 62, 492, 945, 1887, 1892, 2347, 4529, 5316, 6386, 16035, 19555, 54072, 800680, 3141721,
+                           192934085, 192937500, 414694317, 903596133)
+
+
+def test_the_seeds_pinned_before_extra_ids_keep_their_schedules():
+    """Extra ids came after these seeds were found: they draw none, so each still replays what it was found on."""
+    assert not [s for s in PINNED_BEFORE_EXTRA_IDS if sim.Schedule.draw(s).extra_ids]
 
 
 @pytest.mark.parametrize("seed", sorted(FOUND_SEEDS))
@@ -208,6 +218,12 @@ def _every_part_stepped(orig):
     return step_on
 
 
+def _zeros_kept(orig):
+    def reference(norms, history, tiers=None):  # the low median of every norm, zeros included (the red team's freeze)
+        return low_median([*norms, *(n for n, _ in history)])
+    return reference
+
+
 PLANTED = {
     "a delta against a newer adapter than it trained from": [(lcore.LearnerCore, "after_step",
                                                               _after_step_ignoring_new_versions),
@@ -227,6 +243,9 @@ PLANTED = {
         (lpipeline.PipelinedDeltas, "_give_back", _whole_residual_given_back)],
     "a finished syncer that stops serving a slow reader": [
         (score.SyncerCore, "_fetching_final", lambda orig: lambda self, now: False)],
+    "an extra id's delta counted toward quorum": [(merging, "counts_toward_quorum", lambda orig: lambda tier: True),
+                                                  (score, "counts_toward_quorum", lambda orig: lambda tier: True)],
+    "a clip reference over zero norms (a zero delta sets it to nothing)": [(merging, "clip_reference", _zeros_kept)],
     "a clip reference taken from the largest norm (an outlier judged by itself)": [
         (merging, "clip_reference", lambda orig: lambda norms, history, tiers=None: max(norms))],
     "an error-feedback residual given back for a delta that counted": [
