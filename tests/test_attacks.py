@@ -34,12 +34,14 @@ class Attack:
     tokens: int = HONEST_TOKENS
     steps: int = 2
     tokens_per_step: int = 64
+    steer: float = 0.0  # plus this share of its length across the honest direction (alternating signs per tensor)
 
 
 def run(start_syncer, tmp_path, honest: int, attack: Attack | None, trusted: bool = False,
-        **syncer_kw) -> tuple[float, list[dict]]:
-    """ROUNDS merges of `honest` learners (and the attacker, last, on the join key); the global's mean move and the
-    tape. `trusted`: the honest learners on keys of their own (as `yeto launch` starts them), else the join key."""
+        **syncer_kw) -> tuple[float, list[dict], float]:
+    """ROUNDS merges of `honest` learners (and the attacker, last, on the join key): the global's mean move, the
+    tape's merges, and how far (L2) the global ends from where the honest learners alone take it. `trusted`: the
+    honest learners on keys of their own (as `yeto launch` starts them), else the join key."""
     n = honest + (attack is not None)
     out = tmp_path / f"syncer-{honest}-{attack}-{trusted}"
     own = {i: Keyring.ensure(out).own_key(i) for i in range(honest)} if trusted else {}
@@ -59,17 +61,25 @@ def run(start_syncer, tmp_path, honest: int, attack: Attack | None, trusted: boo
                 hostile = attack is not None and i == honest
                 value = HONEST_STEP * (attack.against if hostile else 1.0)
                 tokens, steps = (attack.tokens, attack.steps) if hostile else (HONEST_TOKENS, 2)
-                parts = p.delta_parts(layout, r, r - 1, np.full(layout.numel, value, np.float32), tokens=tokens,
-                                      loss_tokens=tokens, steps=steps)
+                delta = np.full(layout.numel, value, np.float32)
+                if hostile and attack.steer:
+                    delta += (abs(value) * attack.steer * across(layout.numel)).astype(np.float32)
+                parts = p.delta_parts(layout, r, r - 1, delta, tokens=tokens, loss_tokens=tokens, steps=steps)
                 assert p.ask(parts, bulk=True, want="ack", timeout=MERGE_TIMEOUT_S).header["merge_round"] == r
             assert wait_until(lambda: syncer.version == r, MERGE_TIMEOUT_S), f"round {r} never merged"
         assert wait_until(lambda: sum(e["event"] == "merge" for e in read_tape(syncer.cfg.out)) == ROUNDS)
         tape = read_tape(syncer.cfg.out)
         assert audit(tape).ok, audit(tape).summary()  # (the audit checks each merge's bounds from the tape)
-        return float(np.mean(syncer.global_ - g0)), [e for e in tape if e["event"] == "merge"]
+        shift = float(np.linalg.norm(syncer.global_ - (g0 + ROUNDS * HONEST_STEP)))
+        return float(np.mean(syncer.global_ - g0)), [e for e in tape if e["event"] == "merge"], shift
     finally:
         for p in peers:
             p.close()
+
+
+def across(numel: int) -> np.ndarray:
+    """+1, -1, +1, ...: orthogonal to the honest direction (all +1) in every tensor of an even size."""
+    return np.where(np.arange(numel) % 2 == 0, 1.0, -1.0)
 
 
 def bound(honest: int) -> float:
@@ -90,9 +100,9 @@ def test_a_weight_claim_buys_no_more_than_the_median_weight(start_syncer, tmp_pa
     """The red team's 'weight by claim': no declared tokens per step, 2^40 tokens claimed per delta, a delta 3.99x the
     honest norm (under the clip) against the honest direction. It had weights [9e-11, 9e-11, 1.0] and moved the global
     -0.40 in 10 rounds; now it weighs as the median delta."""
-    alone, _ = run(start_syncer, tmp_path, 2, None, inner_steps=2)
+    alone, _, _ = run(start_syncer, tmp_path, 2, None, inner_steps=2)
     assert alone == pytest.approx(ROUNDS * HONEST_STEP, rel=1e-4)  # +0.10: the honest-only progress
-    move, merges = run(start_syncer, tmp_path, 2, Attack(-3.99, tokens=2**40, tokens_per_step=0), inner_steps=2)
+    move, merges, _ = run(start_syncer, tmp_path, 2, Attack(-3.99, tokens=2**40, tokens_per_step=0), inner_steps=2)
     assert_fair_weights(merges, attacker=2)
     assert all(max(m["weights"]) == pytest.approx(1 / 3) for m in merges)
     assert abs(alone - move) <= bound(2) * (1 + 1e-4)
@@ -102,8 +112,8 @@ def test_a_weight_claim_buys_no_more_than_the_median_weight(start_syncer, tmp_pa
 def test_a_two_learner_fleet_clips_the_outlier(start_syncer, tmp_path):
     """The red team's pair: one learner pushing 1000x the honest norm (it ended at |global| 17). The clip's low
     median is the honest norm: the outlier merges at k x it."""
-    alone, _ = run(start_syncer, tmp_path, 1, None, inner_steps=2)
-    move, merges = run(start_syncer, tmp_path, 1, Attack(-1000.0), inner_steps=2)
+    alone, _, _ = run(start_syncer, tmp_path, 1, None, inner_steps=2)
+    move, merges, _ = run(start_syncer, tmp_path, 1, Attack(-1000.0), inner_steps=2)
     assert all(m["clip"].get("1", 1.0) == pytest.approx(DEFAULT_CLIP_K / 1000, rel=1e-4) for m in merges)
     assert all(max(m["merged_norms"]) <= DEFAULT_CLIP_K * m["clip_ref"] * (1 + 1e-6) for m in merges)
     assert abs(alone - move) <= bound(1) * (1 + 1e-4)
@@ -117,11 +127,11 @@ def test_a_zero_delta_never_freezes_a_pair_and_a_tiny_one_cannot_deflate_trusted
     (+0.000 in 10 rounds, against +0.10 honest alone). A zero norm is no step's norm: the pair now moves as half its
     deltas do. A tiny delta (1e-6 of the honest norm) from the join key beside a trusted learner cannot lower the
     reference either: it is the trusted norms' alone."""
-    alone, _ = run(start_syncer, tmp_path, 1, None, inner_steps=2)
-    zero, merges = run(start_syncer, tmp_path, 1, Attack(0.0), inner_steps=2)
+    alone, _, _ = run(start_syncer, tmp_path, 1, None, inner_steps=2)
+    zero, merges, _ = run(start_syncer, tmp_path, 1, Attack(0.0), inner_steps=2)
     assert all(not m["clip"] and m["clip_ref"] > 0 for m in merges)
     assert zero == pytest.approx(alone / 2, rel=1e-3)  # (rda: the honest delta's direction at half its weight)
-    tiny, merges = run(start_syncer, tmp_path, 1, Attack(1e-6), trusted=True, inner_steps=2)
+    tiny, merges, _ = run(start_syncer, tmp_path, 1, Attack(1e-6), trusted=True, inner_steps=2)
     assert all(m["tiers"] == ["trusted", "bounded"] and not m["clip"] for m in merges)
     assert tiny >= 0.4 * alone
     print(f"zero delta: honest alone {alone:+.4f}, with a zero delta {zero:+.4f}, with a tiny bounded one beside a "
@@ -132,7 +142,7 @@ def test_trusted_learners_weigh_by_their_tokens_and_the_join_key_stays_bounded(s
     """The operator's own islands (learner keys) are trusted, their claims counted as claimed (tests/test_fleet.py:
     a 10x slower island weighs about a tenth); a join-key holder beside them claiming 2^40 tokens still counts as
     the round's low median claim, and moves the global no further than the bound."""
-    move, merges = run(start_syncer, tmp_path, 2, Attack(-3.99, tokens=2**40, tokens_per_step=0), trusted=True,
+    move, merges, _ = run(start_syncer, tmp_path, 2, Attack(-3.99, tokens=2**40, tokens_per_step=0), trusted=True,
                        inner_steps=2)
     for m in merges:
         counted = dict(zip(m["responders"], m["counted"]))
@@ -146,11 +156,31 @@ def test_a_step_claim_scales_honest_deltas_by_a_bounded_factor(start_syncer, tmp
     claiming 10^7 inner steps set the round's length and every honest delta was scaled by 10^6 (|global| 1e5 after
     10 rounds). Now a round is at most MAX_STEP_SCALE x its median claim long."""
     window = {"round_seconds": 0.2, "straggler_timeout": 5.0}
-    move, merges = run(start_syncer, tmp_path, 2, Attack(1.0, steps=10**7), **window)
+    move, merges, _ = run(start_syncer, tmp_path, 2, Attack(1.0, steps=10**7), **window)
     assert all(m["step_normalize"] for m in merges)
     assert 0 < move <= ROUNDS * MAX_STEP_SCALE * HONEST_STEP * (1 + 1e-4)  # at most 16x the honest progress
     print(f"step claim: with the attacker {move:+.4f} (honest alone +0.1000, bound "
           f"{ROUNDS * MAX_STEP_SCALE * HONEST_STEP:.4f})")
+
+
+def test_rda_with_a_clipped_outlier_steers_the_direction_within_its_own_bound(start_syncer, tmp_path):
+    """The red team's 'RDA exceeds the stated bound': the rule averages lengths and directions apart, so a clipped
+    outlier keeps its whole vote on direction. In a pair, a delta 1000x the honest norm pointing almost against
+    the honest one (a 5% share across it) cancels the honest direction and leaves the sideways remainder, carried
+    at the clipped lengths' mean. Per merge one learner among n moves the global at most h + ((n - 1) h + k ref) / n
+    from the honest update h under RDA (any direction, at the radial mean), against (h + k ref) / n under the mean."""
+    honest_norm = HONEST_STEP * np.sqrt(sum(v.size for v in QuadraticIsland(0.0, 1).state.values()))
+    attack = Attack(-1000.0, steer=0.05)
+    mean_move, _, mean_shift = run(start_syncer, tmp_path / "mean", 1, attack, inner_steps=2, merge="mean")
+    rda_move, merges, rda_shift = run(start_syncer, tmp_path / "rda", 1, attack, inner_steps=2, merge="rda")
+    assert all(m["merge"] == "rda" and m["clip"] for m in merges)  # the outlier was clipped, every round
+    mean_bound = ROUNDS * (1 + DEFAULT_CLIP_K) * honest_norm / 2
+    rda_bound = ROUNDS * (honest_norm + (1 + DEFAULT_CLIP_K) * honest_norm / 2)
+    assert mean_shift <= mean_bound * (1 + 1e-4)
+    assert mean_bound < rda_shift <= rda_bound * (1 + 1e-4)  # (the steering is real: the mean's bound is not RDA's)
+    print(f"rda, clipped outlier steering: shift {rda_shift / honest_norm:.1f} honest norms (bound "
+          f"{rda_bound / honest_norm:.1f}), along the honest direction {rda_move:+.4f}; the mean: shift "
+          f"{mean_shift / honest_norm:.1f} (bound {mean_bound / honest_norm:.1f}), {mean_move:+.4f}")
 
 
 def test_a_fresh_id_flood_leaves_room_for_a_real_learner_and_nothing_behind(start_syncer, tmp_path):
