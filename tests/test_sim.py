@@ -87,13 +87,15 @@ FOUND_SEEDS = {
     903596133: "a learner asleep past --learner-timeout was dropped; waking, its delta came before its hello again "
                "and was refused not joined, the refusal and the new welcome lost: the round waited on it forever",
     903606582: "the same, in a fleet of three",
+    506180938: "a learner dropped while asleep sent its pipelined delta to the syncer that forgot it; the refusal "
+               "(not joined) named no delta, and only the oldest was sent again: its round waited on the other",
     800680: "a delta that reached a restarted syncer just before its round reopened was refused stale, the refusal "
             "lost, and a late hello wiped the answer the pongs repeat: the round waited on it forever",
 }
 
 
 PINNED_BEFORE_EXTRA_IDS = (4, 62, 492, 945, 1887, 1892, 2347, 4529, 5316, 6386, 16035, 19555, 54072, 800680, 3141721,
-                           192934085, 192937500, 414694317, 903596133, 903606582)
+                           192934085, 192937500, 414694317, 903596133, 903606582, 506180938)
 
 
 def test_the_seeds_pinned_before_extra_ids_keep_their_schedules():
@@ -292,8 +294,8 @@ PLANTED_ON_SEEDS = {
          (score.SyncerCore, "_keep_delta_news", lambda orig: staticmethod(lambda old, new: None))], [800680]),
     "a stopped syncer's finish kept after a restarted one welcomed the learner into the run": (
         [(lcore.LearnerCore, "_finish_superseded", lambda orig: lambda self, h: None)], [192934085]),
-    "a pipelined delta's copy taken for still on its way after the connections were remade": (
-        [(lpipeline.PipelinedDeltas, "_copies_lost", _only_the_pushed_copy_lost)], [192937500]),
+    "a pipelined delta's copy taken for still on its way after the connections were remade or the syncer forgot us": (
+        [(lpipeline.PipelinedDeltas, "_copies_lost", _only_the_pushed_copy_lost)], [192937500, 506180938]),
     "a delta refused from a learner dropped while asleep, the refusal lost, never asked for again": (
         [(score.SyncerCore, "_heard_while_away", lambda orig: lambda self, msg: None)], [903596133, 903606582]),
     "a founding upload refused with its error lost, never asked for again": (

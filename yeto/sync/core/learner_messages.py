@@ -294,9 +294,10 @@ class SyncerMessages:
         code = h["code"]
         if code == Code.NOT_JOINED:
             self.init_sent = None  # a syncer that forgot us forgot any founding upload too: upload again if asked
+            self._copies_lost()  # a copy that reaches a syncer that forgot us is not taken, a pipelined one's neither
+            # (sim seed 506180938: the refusal named no delta, and a pipelined one it refused was waited on forever)
             if self.pushed is not None:
                 self.pushed.resend = True  # and maybe our delta: the welcome or the round says
-                self.pushed.on_its_way = False  # (a copy that reaches a syncer that forgot us is not taken)
             if self.joined or now - self.hello_at >= self.heartbeat_s:
                 self.joined = False
                 self._hello(now)
