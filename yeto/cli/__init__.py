@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Annotated, Optional
 
 import typer
@@ -130,6 +131,8 @@ def dashboard(
     if export:
         typer.echo(f"dashboard written: {export_html(source, export)}")
         return
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (started in a script's background it inherits SIGINT
+    # ignored, and Ctrl-C or a SIGINT would not stop it)
     try:
         serve(source, port, ready=lambda url: typer.echo(f"dashboard: {url}  (Ctrl-C stops it)"))
     except KeyboardInterrupt:

@@ -121,6 +121,8 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
 def _watch(procs: list[tuple[str, subprocess.Popen]], streams: list[threading.Thread], plan: FleetPlan,
            syncer_out: Path, console, grace_s: float) -> int:
     """Wait for the fleet; stop it on Ctrl-C (SIGINT, as `yeto down` sends) or when the syncer fails."""
+    if threading.current_thread() is threading.main_thread():  # a launch started in the background of a script
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # inherits SIGINT ignored: `yeto down` must stop it
     given_up: set[int] = set()
     try:
         while any(p.poll() is None for _, p in procs):
