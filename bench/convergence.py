@@ -12,7 +12,8 @@ slow island):
   heterogeneous      2 islands in time-window rounds, one 10x slower (--step-delay), quorum 1: the fast island's
                      utilization, and the merged model vs the fast island alone for the same wall-clock; with
                      no keys (--insecure: trusted), each island on its own key (trusted) or both on the shared
-                     join key (bounded: claims capped at the round's low median)
+                     join key (bounded: claims capped at the round's low median); and a torch island beside
+                     a 10x slower MLX one (a Mac beside a GPU; MLX's CPU backend on Linux)
   streamed parts     the default 2-island fleet over the longer run with --fragments P (rounds of H/P steps, each
                      part synced every H), with and without --overlap, and with --pipeline 2, against the whole
                      adapter every H steps
@@ -76,6 +77,7 @@ class Arm:
     # the islands' keys: "" none (--insecure on loopback: trusted), "own" a learner key each (trusted, what
     # `yeto launch` sets up), "join" the shared join key (bounded: claims capped at the round's low median)
     keys: str = ""
+    slow_backend: str = "torch"  # the slow island's backend: "mlx" (a Mac beside a GPU; MLX's CPU backend here)
 
 
 def arms(h_values: list[int], global_batch: int, long_steps: int) -> list[Arm]:
@@ -175,12 +177,14 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
                                  "--port", str(port), "--out", str(where), "--learners", str(learners),
                                  "--quorum", str(1 if arm.round_seconds else learners), "--outer-steps", str(rounds),
                                  "--inner-steps", str(arm.inner_steps), "--round-seconds", str(arm.round_seconds),
-                                 "--sync-bits", "4", *arm.syncer], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                 "--sync-bits", "4", *(["--no-learner-keys"] if arm.keys == "join" else []),
+                                 *arm.syncer], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
 
     def start_island(port: int, i: int, delay_s: float, where: Path, key: str = "") -> subprocess.Popen:
         delay = ["--step-delay", str(delay_s)] if delay_s else []
-        return subprocess.Popen(learner + common + [
+        mlx = i == n - 1 and arm.slow_backend == "mlx"
+        return subprocess.Popen(([sys.executable, "-m", "yeto.backends.mlx"] if mlx else learner) + common + [
             "--batch-size", str(batch), "--syncer", f"127.0.0.1:{port}", *([] if key else ["--insecure"]),
             "--learner-id", str(i), "--learners", str(arm.shards or n), "--threads", str(threads), "--out",
             str(where), *delay], cwd=REPO, env=dict(env, **{JOIN_KEY_ENV: key}) if key else env,
@@ -294,6 +298,8 @@ def main() -> None:
                      keys="own", **pair),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, defaults, shared join key (bounded)", 2,
                      syncer=PLAIN, keys="join", **pair),
+                 Arm(f"heterogeneous: fast torch + {SLOWDOWN}x slow MLX, defaults, own keys (trusted)", 2,
+                     syncer=PLAIN, keys="own", slow_backend="mlx", **pair),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, rda, own keys (trusted)", 2,
                      syncer=PLAIN + ["--merge", "rda"], keys="own", **pair),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, rda, shared join key (bounded)", 2,

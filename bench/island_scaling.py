@@ -72,7 +72,7 @@ def main() -> None:
     many = json.loads((tmp / "n" / "summary.json").read_text())
 
     port, s_out = free_port(), tmp / "syncer"
-    env[JOIN_KEY_ENV] = Keyring.ensure(s_out).join.text()
+    env[JOIN_KEY_ENV] = Keyring.ensure(s_out).own_key(0).text()  # (learner 0's own key, as `yeto launch` gives it)
     syncer = subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--host", "127.0.0.1", "--port", str(port),
                                "--learners", "1", "--quorum", "1", "--outer-steps", str(a.rounds), "--inner-steps",
                                str(max(1, a.steps // a.rounds)), "--out", str(s_out)], cwd=REPO, env=env,

@@ -53,7 +53,7 @@ def fleet(name: str, tmp: Path, a: argparse.Namespace, fault: str | None) -> dic
     port = free_port()
     syncer_args = ["syncer", "--host", "127.0.0.1", "--port", str(port), "--out", str(run / "syncer"),
                    "--learners", "2", "--quorum", "2", "--outer-steps", str(a.outer_steps),
-                   "--inner-steps", str(a.inner_steps), "--learner-timeout", "10"]
+                   "--inner-steps", str(a.inner_steps), "--learner-timeout", "10", "--no-learner-keys"]
     threads = max(1, (os.cpu_count() or 2) // 2)
 
     def learner(i: int) -> subprocess.Popen:

@@ -105,7 +105,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="yeto-soak-"))
     out = tmp / "syncer"
     port = free_port()
-    syncer = start_syncer(out, port, ["--learners", str(a.learners), "--quorum", str(a.quorum),
+    syncer = start_syncer(out, port, ["--no-learner-keys", "--learners", str(a.learners), "--quorum", str(a.quorum),
                                       "--outer-steps", str(a.rounds), "--inner-steps", str(a.inner_steps),
                                       "--straggler-timeout", "1", "--learner-timeout", "10", "--sync-bits", "4"],
                           tmp / "syncer.log")

@@ -156,7 +156,8 @@ def run_case(case: Case, rounds: int, real_steps: int) -> dict[str, Any]:
     out, port, n = tmp / "syncer", free_port(), len(case.profiles)
     steps = real_steps if case.kind == "smollm2" else SIZES[case.kind].inner_steps
     steps, rounds = max(1, steps // case.fragments), rounds * case.fragments  # (each part still syncs every H steps)
-    syncer = start_syncer(out, port, ["--learners", str(n), "--quorum", str(n), "--outer-steps", str(rounds),
+    syncer = start_syncer(out, port, ["--no-learner-keys",  # (one join key for every island: links, not trust)
+                                      "--learners", str(n), "--quorum", str(n), "--outer-steps", str(rounds),
                                       "--inner-steps", str(steps), "--sync-bits", "4",
                                       "--fragments", str(case.fragments), "--pipeline", str(case.pipeline)],
                           tmp / "syncer.log")

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from tests.peers import QuadraticIsland, RawLearner, tape_with, wait_until
+from tests.peers import QuadraticIsland, RawLearner, wait_until
 from yeto.sync.merge.aggregate import DEFAULT_CLIP_K
 from yeto.sync.shell.audit import audit
 from yeto.sync.shell.keys import Keyring
-from yeto.sync.merge.rules import MAX_STEP_SCALE
+from yeto.sync.merge.rules import MAX_UNTRUSTED_STEP_GAIN
 from yeto.sync.shell.tape import read_tape
 
 ROUNDS = 10
@@ -35,6 +35,8 @@ class Attack:
     steps: int = 2
     tokens_per_step: int = 64
     steer: float = 0.0  # plus this share of its length across the honest direction (alternating signs per tensor)
+    ids: int = 1  # learner ids it holds, all pushing the same
+    extra: bool = False  # its ids are beyond --learners (the run expects the honest learners only)
 
 
 def run(start_syncer, tmp_path, honest: int, attack: Attack | None, trusted: bool = False,
@@ -42,23 +44,24 @@ def run(start_syncer, tmp_path, honest: int, attack: Attack | None, trusted: boo
     """ROUNDS merges of `honest` learners (and the attacker, last, on the join key): the global's mean move, the
     tape's merges, and how far (L2) the global ends from where the honest learners alone take it. `trusted`: the
     honest learners on keys of their own (as `yeto launch` starts them), else the join key."""
-    n = honest + (attack is not None)
+    n = honest + (attack.ids if attack is not None else 0)
+    expected = honest if attack is not None and attack.extra else n
     out = tmp_path / f"syncer-{honest}-{attack}-{trusted}"
     own = {i: Keyring.ensure(out).own_key(i) for i in range(honest)} if trusted else {}
-    syncer, port = start_syncer(insecure=False, learners=n, quorum=n, outer_steps=ROUNDS, sync_bits=32,
+    syncer, port = start_syncer(insecure=False, learners=expected, quorum=expected, outer_steps=ROUNDS, sync_bits=32,
                                 outer_lr=1.0, outer_momentum=0.0, out=out, **syncer_kw)
     state = QuadraticIsland(0.0, 1).state
     peers = [RawLearner(port, i, key=own.get(i, syncer.keys.join)) for i in range(n)]
     try:
         layout = peers[0].found(state)
         for i, p in enumerate(peers[1:], start=1):
-            tps = attack.tokens_per_step if attack is not None and i == honest else 64
+            tps = attack.tokens_per_step if attack is not None and i >= honest else 64
             p.ctl.send_multipart(p.hello_parts(state, tokens_per_step=tps)[0])
             assert p.recv(want="welcome")
         g0 = syncer.global_.copy()
         for r in range(1, ROUNDS + 1):
             for i, p in enumerate(peers):
-                hostile = attack is not None and i == honest
+                hostile = attack is not None and i >= honest
                 value = HONEST_STEP * (attack.against if hostile else 1.0)
                 tokens, steps = (attack.tokens, attack.steps) if hostile else (HONEST_TOKENS, 2)
                 delta = np.full(layout.numel, value, np.float32)
@@ -138,6 +141,36 @@ def test_a_zero_delta_never_freezes_a_pair_and_a_tiny_one_cannot_deflate_trusted
           f"trusted learner {tiny:+.4f}")
 
 
+def test_zero_and_tiny_deltas_in_a_fleet_of_four_take_no_more_than_their_share(start_syncer, tmp_path):
+    """In a fleet of 4 on the join key, a zero delta or a tiny one (1e-6 of the honest norm) is one vote among four:
+    the clip reference is the honest norm (the low median of the nonzero norms), nothing is clipped, and the global
+    moves 3/4 of the honest progress, not 0."""
+    alone, honest, _ = run(start_syncer, tmp_path, 3, None, inner_steps=2)
+    for attack in (Attack(0.0), Attack(1e-6)):
+        move, merges, _ = run(start_syncer, tmp_path, 3, attack, inner_steps=2)
+        assert all(not m["clip"] and m["clip_ref"] == pytest.approx(honest[0]["clip_ref"]) for m in merges)
+        assert move == pytest.approx(0.75 * alone, rel=1e-3)
+        print(f"fleet of 4, a delta of {attack.against:g}x the honest one: {move:+.4f} (honest alone {alone:+.4f})")
+
+
+def test_one_holders_extra_ids_weigh_one_median_claim_together(start_syncer, tmp_path):
+    """The red team's 'the bound is per id': 3 ids of one join-key holder beside 2 honest learners owned every low
+    median (-5.66 under rda, -5.96 under the mean in 10 rounds, nothing clipped). Ids beyond --learners are extra:
+    left out of the medians, together one median claim's weight, so the holder moves the global as one learner of
+    three would: within (1 + k) h / 3 a round of the honest progress under the mean, h + (2 h + k h) / 3 under RDA."""
+    honest_norm = HONEST_STEP * np.sqrt(sum(v.size for v in QuadraticIsland(0.0, 1).state.values()))
+    attack = Attack(-1000.0, tokens=2**40, tokens_per_step=0, ids=3, extra=True)
+    mean_move, merges, mean_shift = run(start_syncer, tmp_path / "mean", 2, attack, inner_steps=2, merge="mean")
+    for m in merges:
+        assert m["tiers"] == ["bounded", "bounded", "extra", "extra", "extra"] and len(m["clip"]) == 3
+        assert sum(m["counted"][2:]) == pytest.approx(HONEST_TOKENS)  # the three together: one median claim
+    rda_move, _, rda_shift = run(start_syncer, tmp_path / "rda", 2, attack, inner_steps=2, merge="rda")
+    assert mean_shift <= ROUNDS * (1 + DEFAULT_CLIP_K) * honest_norm / 3 * (1 + 1e-4)
+    assert rda_shift <= ROUNDS * (honest_norm + (2 + DEFAULT_CLIP_K) * honest_norm / 3) * (1 + 1e-4)
+    print(f"3 extra ids of one holder, 1000x against: the mean {mean_move:+.4f} (shift {mean_shift / honest_norm:.1f} "
+          f"honest norms), rda {rda_move:+.4f} (shift {rda_shift / honest_norm:.1f}); honest alone +0.1000")
+
+
 def test_trusted_learners_weigh_by_their_tokens_and_the_join_key_stays_bounded(start_syncer, tmp_path):
     """The operator's own islands (learner keys) are trusted, their claims counted as claimed (tests/test_fleet.py:
     a 10x slower island weighs about a tenth); a join-key holder beside them claiming 2^40 tokens still counts as
@@ -154,13 +187,16 @@ def test_trusted_learners_weigh_by_their_tokens_and_the_join_key_stays_bounded(s
 def test_a_step_claim_scales_honest_deltas_by_a_bounded_factor(start_syncer, tmp_path):
     """The red team's 'step normalization by claim': in time-window rounds (step normalization on) one learner
     claiming 10^7 inner steps set the round's length and every honest delta was scaled by 10^6 (|global| 1e5 after
-    10 rounds). Now a round is at most MAX_STEP_SCALE x its median claim long."""
+    10 rounds); capped at 16x the median claim, it still drove honest progress 10.7x. Now a claim on the join key makes
+    the round at most MAX_UNTRUSTED_STEP_GAIN x the others' longest claim: the honest deltas go at most 2x as far."""
     window = {"round_seconds": 0.2, "straggler_timeout": 5.0}
+    alone, _, _ = run(start_syncer, tmp_path, 2, Attack(1.0), **window)  # (the third learner honest: +0.10)
     move, merges, _ = run(start_syncer, tmp_path, 2, Attack(1.0, steps=10**7), **window)
     assert all(m["step_normalize"] for m in merges)
-    assert 0 < move <= ROUNDS * MAX_STEP_SCALE * HONEST_STEP * (1 + 1e-4)  # at most 16x the honest progress
-    print(f"step claim: with the attacker {move:+.4f} (honest alone +0.1000, bound "
-          f"{ROUNDS * MAX_STEP_SCALE * HONEST_STEP:.4f})")
+    assert alone == pytest.approx(ROUNDS * HONEST_STEP, rel=1e-4)
+    assert alone < move <= MAX_UNTRUSTED_STEP_GAIN * alone * (1 + 1e-4)  # at most 2x the honest progress
+    print(f"step claim: with the attacker {move:+.4f} (honest alone {alone:+.4f}, bound "
+          f"{MAX_UNTRUSTED_STEP_GAIN * alone:+.4f})")
 
 
 def test_rda_with_a_clipped_outlier_steers_the_direction_within_its_own_bound(start_syncer, tmp_path):
@@ -249,7 +285,9 @@ def test_extra_ids_never_close_a_round_by_themselves(start_syncer, tmp_path):
             assert honest.ask(honest.delta_parts(layout, r, r - 1, np.full(layout.numel, HONEST_STEP, np.float32),
                                                  steps=2), bulk=True, want="ack", timeout=MERGE_TIMEOUT_S)
             assert wait_until(lambda: syncer.version == r, MERGE_TIMEOUT_S)
-        merges = [e for e in tape_with(syncer.cfg.out, "merge") if e["event"] == "merge"]
+        assert wait_until(lambda: sum(e["event"] == "merge" for e in read_tape(syncer.cfg.out)) == 3)  # (the shell
+        # writes a merge's record after the core's version moved)
+        merges = [e for e in read_tape(syncer.cfg.out) if e["event"] == "merge"]
         assert [sorted(m["responders"]) for m in merges] == [[0, 1, 2]] * 3
         assert all(m["tiers"] == ["bounded", "extra", "extra"] for m in merges)
     finally:

@@ -24,12 +24,13 @@ LATE_CUT_S = 180.0  # the longest a late learner may take to load its model on a
 
 def syncer(port, out, *args, env=None):
     """A syncer process with the run's credentials made first (as `yeto launch` does); the learners started after
-    it get its join key through the environment."""
+    it get its join key through the environment, and share it (--no-learner-keys: bounded, expected ids too; the
+    default, a key of its own per expected id, is tests/test_security.py's and `yeto launch`'s)."""
     ENV[JOIN_KEY_ENV] = Keyring.ensure(out).join.text()
     env = dict(env, **{JOIN_KEY_ENV: ENV[JOIN_KEY_ENV]}) if env is not None else ENV
     return subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--host", "127.0.0.1", "--port", str(port),
-                             "--out", str(out), *map(str, args)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                             "--out", str(out), "--no-learner-keys", *map(str, args)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def learner(model, port, lid, n, out, *args, key=None):

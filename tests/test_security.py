@@ -202,6 +202,34 @@ def test_per_learner_keys_bind_an_id_and_can_be_revoked(start_syncer, tmp_path):
     assert any(e["event"] == "auth_refused" and "revoked" in e["reason"] for e in read_tape(out))
 
 
+def test_expected_ids_get_keys_of_their_own_so_no_join_key_holder_takes_one(start_syncer, tmp_path):
+    """By default the run's first start issues a learner key per expected id: a holder of the join key asking for
+    learner 1 before learner 1 starts (issue 34: the real learner then got id_taken) is refused, naming the key to
+    use; learner 1 on its key is welcomed, trusted; the join key still admits ids beyond --learners, as extra. A
+    revoked key is not issued again."""
+    out = tmp_path / "syncer"
+    syncer, port, key = secure(start_syncer, learners=2, quorum=2, outer_steps=5, inner_steps=1, learner_keys=True,
+                               out=out)
+    mine = {lid: read_join_key(out / "keys" / "learners" / f"{lid}.key") for lid in (0, 1)}
+    assert all(k.learner == lid for lid, k in mine.items())
+    state = QuadraticIsland(0.0, 1).state
+    RawLearner(port, 0, key=mine[0]).found(state)
+    taker = RawLearner(port, 1, key=key)
+    r = taker.ask(taker.hello_parts(state)[0])
+    assert r.type == "refuse" and r.header["code"] == "identity" and "keys/learners/1.key" in r.header["reason"]
+    one = RawLearner(port, 1, key=mine[1])
+    assert one.ask(one.hello_parts(state)[0]).type == "welcome"
+    extra = RawLearner(port, 2, key=key)
+    assert extra.ask(extra.hello_parts(state)[0]).type == "welcome"
+    assert wait_until(lambda: {e["learner"]: e["tier"] for e in read_tape(out) if e["event"] == "join"} == {
+        0: "trusted", 1: "trusted", 2: "extra"}), [e for e in read_tape(out) if e["event"] == "join"]
+    ring = Keyring.ensure(out)
+    ring.revoke_learner(1)
+    assert ring.issue_expected(2) == [] and not (out / "keys" / "learners" / "1.key").exists()
+    for p in (taker, one, extra):
+        p.close()
+
+
 def test_the_contract_is_pinned_and_a_mismatch_names_the_field_and_both_values(start_syncer):
     syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=5, inner_steps=1,
                                model="smollm2-135m", model_revision="sha256:aaa")

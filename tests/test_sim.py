@@ -99,8 +99,10 @@ PINNED_BEFORE_EXTRA_IDS = (4, 62, 492, 945, 1887, 1892, 2347, 4529, 5316, 6386, 
 
 
 def test_the_seeds_pinned_before_extra_ids_keep_their_schedules():
-    """Extra ids came after these seeds were found: they draw none, so each still replays what it was found on."""
+    """Extra ids and step claims came after these seeds were found: they draw none, so each still replays what it
+    was found on."""
     assert not [s for s in PINNED_BEFORE_EXTRA_IDS if sim.Schedule.draw(s).extra_ids]
+    assert not [s for s in PINNED_BEFORE_EXTRA_IDS if (h := sim.Schedule.draw(s).hostile) and h.steps != 1]
 
 
 @pytest.mark.parametrize("seed", sorted(FOUND_SEEDS))
@@ -227,6 +229,15 @@ def _zeros_kept(orig):
     return reference
 
 
+def _step_claims_believed(orig):
+    def terms(counts, how, lags, exponent, normalize, window_steps, tiers=None):  # the syncer believes every step
+        # claim, a join-key holder's too (the red team's 10^6x; the weights stay capped)
+        real = orig(counts, how, lags, exponent, normalize, window_steps, tiers)
+        believed = orig(counts, how, lags, exponent, normalize, window_steps, ["trusted"] * len(counts))
+        return dataclasses.replace(real, scales=believed.scales, length=believed.length)
+    return terms
+
+
 PLANTED = {
     "a delta against a newer adapter than it trained from": [(lcore.LearnerCore, "after_step",
                                                               _after_step_ignoring_new_versions),
@@ -249,6 +260,8 @@ PLANTED = {
     "an extra id's delta counted toward quorum": [(merging, "counts_toward_quorum", lambda orig: lambda tier: True),
                                                   (score, "counts_toward_quorum", lambda orig: lambda tier: True)],
     "a clip reference over zero norms (a zero delta sets it to nothing)": [(merging, "clip_reference", _zeros_kept)],
+    "a join-key holder's step claim believed (the round as long as it says)": [
+        (merging, "merge_terms", _step_claims_believed)],
     "a clip reference taken from the largest norm (an outlier judged by itself)": [
         (merging, "clip_reference", lambda orig: lambda norms, history, tiers=None: max(norms))],
     "an error-feedback residual given back for a delta that counted": [

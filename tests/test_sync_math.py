@@ -382,18 +382,29 @@ def test_the_kernels_give_the_same_bits_on_one_thread_and_on_many(monkeypatch):
 
 def test_claims_buy_no_more_than_the_median_delta_and_step_claims_are_bounded():
     from yeto.sync.merge.rules import MAX_CLAIM_OVER_MEDIAN as C
-    from yeto.sync.merge.rules import MAX_STEP_SCALE, capped_claims, merge_terms, round_length
+    from yeto.sync.merge.rules import MAX_STEP_SCALE, MAX_UNTRUSTED_STEP_GAIN, capped_claims, merge_terms, round_length
 
     assert C == 1
     assert capped_claims([1000, 1000, 2 ** 40]) == [1000, 1000, 1000]  # 2^40 tokens count as the median
     assert capped_claims([1000, 2 ** 40]) == [1000, 1000]  # in a pair, as the smaller claim
     assert capped_claims([100, 1000, 1000]) == [100, 1000, 1000]  # a short delta keeps its small weight
     assert capped_claims([100, 1000, 5000]) == [100, 1000, 1000]
-    assert round_length([10, 10, 10 ** 7], [10, 10, 10 ** 7]) == 10 * MAX_STEP_SCALE  # a step claim cannot set it
-    assert round_length([10, 1], [10, 1]) == 10  # an honest fast island does
+    gain = MAX_UNTRUSTED_STEP_GAIN
+    assert round_length([10, 10, 10 ** 7], [10, 10, 10 ** 7]) == 10 * gain  # a step claim cannot set it
+    assert round_length([10, 10, 10 ** 7], [10, 10, 10 ** 7], ["trusted"] * 3) == 10 ** 7  # a trusted claim does
+    assert round_length([10, 1], [10, 1], ["trusted"] * 2) == 10  # so an honest fast island does
+    assert round_length([10, 1], [10, 1]) == gain  # on the join key it is one claim judged by the other
+    # extra ids never bound anyone, nor lengthen a round beyond gain x the rest
+    assert round_length([10, 10 ** 7, 10 ** 7], [10, 10 ** 7, 10 ** 7], ["bounded", "bounded", "extra"]) == 10 * gain
     counts = [DeltaCounts(1000, 2000, 10), DeltaCounts(1000, 2000, 1)]
-    t = merge_terms(counts, "loss-tokens", [0, 0], 0.5, True, [10, 1])
+    t = merge_terms(counts, "loss-tokens", [0, 0], 0.5, True, [10, 1], ["trusted"] * 2)
     assert t.length == 10 and t.scales == [1 / 10, 1 / 1]  # each delta an estimate of a 10-step move
+    joined = merge_terms(counts, "loss-tokens", [0, 0], 0.5, True, [10, 1])
+    moves = [s * joined.length for s in joined.scales]
+    assert moves == [1.0, gain]  # the fast island keeps its length (never scaled down), the slow one gain x
     liar = merge_terms([DeltaCounts(1000, 2000, 10)] * 2 + [DeltaCounts(1000, 2000, 1)], "loss-tokens", [0, 0, 0],
-                       0.5, True, [10 ** 6, 10 ** 6, 1])
+                       0.5, True, [10 ** 6, 10 ** 6, 1], ["trusted"] * 3)
     assert liar.length == 10 ** 6 and liar.scales[2] * liar.length == MAX_STEP_SCALE  # scaled up 16x, no more
+    holder = merge_terms([DeltaCounts(1000, 2000, 10)] * 2 + [DeltaCounts(1000, 2000, 10 ** 7)], "loss-tokens",
+                         [0, 0, 0], 0.5, True, [10, 10, 10 ** 7])
+    assert [s * holder.length for s in holder.scales] == [gain, gain, 1.0]  # honest deltas gain x, no further

@@ -107,6 +107,12 @@ def syncer_command(
                         ] = None,
     insecure: Annotated[bool, typer.Option(help="No encryption, no authentication: only with --host 127.0.0.1.")
                         ] = False,
+    learner_keys: Annotated[bool, typer.Option(help="On the run's first start, issue each expected learner id a key "
+                                                    "of its own (DIR/keys/learners/<id>.key: copy key i to learner i; "
+                                                    "trusted, weighs by its tokens); the join key then admits ids "
+                                                    "beyond --learners only. --no-learner-keys: every learner may "
+                                                    "share join.key (bounded, and any holder of it can take an "
+                                                    "expected id first).")] = _D.learner_keys,
     report_to: Annotated[str, typer.Option(help="Experiment trackers for every merge, comma-separated: tensorboard "
                                                 "(OUT/tb), wandb (offline without WANDB_API_KEY), trackio, mlflow; "
                                                 "or none.")] = "none",

@@ -125,7 +125,8 @@ class Admission(SyncerState):
         if p is not None and p.startswith(LEARNER_PRINCIPAL) and p != f"{LEARNER_PRINCIPAL}{lid}":
             return f"this connection's key belongs to {p}; it cannot join as learner {lid}"
         if p == "join" and lid in self.bound_ids:
-            return f"learner {lid} has its own key (yeto keys add): join with that key, not the shared join key"
+            return (f"learner {lid} has its own key (keys/learners/{lid}.key under the syncer's --out): join with "
+                    "that key, not the shared join key")
         return None
 
     def _check_id_free(self, lid: int, old: Optional[Member], proof: str, now: float) -> None:

@@ -79,6 +79,10 @@ class SyncerConfig:
     # the I/O shell's (security, connections); here so that one config describes the syncer
     insecure: bool = False
     join_key: Optional[str] = None
+    # on the run's first start, issue a learner key to each expected id (< learners) that has none: only its own key
+    # speaks for an expected id (trusted), the shared join key for the ids beyond (extra); off: the join key takes
+    # expected ids too (bounded, and first come: any holder of it can take one before its learner starts)
+    learner_keys: bool = True
     max_connections: int = 2 * DEFAULT_MAX_LEARNERS
     merge_by_default: bool = field(default=False, init=False)  # --merge unset: a resumed run keeps its own rule
     step_normalize_by_default: bool = field(default=False, init=False)  # ... and so for --step-normalize

@@ -48,9 +48,14 @@ median claim (C = MAX_CLAIM_OVER_MEDIAN = 1: t_i' = min(t_i, median_low(t))), so
 more than the round's median delta (a short delta keeps its small weight, a long claim counts as the median: one
 learner among n weighs at most 1/n where the others' claims are alike). An id on the join key beyond --learners is
 EXTRA: bounded, its claims left out of the median that bounds the others, and all extra ids of a merge together
-weigh at most one median claim. A round's length k_max is the longest window steps claimed, a bounded or extra
-claim cut to MAX_STEP_SCALE times the low median of the claims, and no delta is scaled up by more than
-MAX_STEP_SCALE. The norm clip (yeto.sync.merge.aggregate) then judges every delta, trusted or not, as it is merged.
+weigh at most one median claim. A round's length k_max is the longest window steps claimed, a trusted claim as
+claimed, any other cut to MAX_UNTRUSTED_STEP_GAIN (2) times the longest of the others' claims: the trusted ones and
+the bounded ones but the longest (one key holder's, whoever holds it), never an extra id's. So one join-key holder's
+step claim scales the honest deltas at most 2x further than they would go without it, whatever it claims. A real fast
+island on the join key beside a 10x slower one looks the same: its delta keeps its own length (no delta is scaled
+down to a round shorter than its claim) and the slow one's is scaled up 2x, not 10x: that is what the shared key
+gives up (docs/SECURITY.md). No delta is scaled up by more than MAX_STEP_SCALE. The norm clip
+(yeto.sync.merge.aggregate) then judges every delta, trusted or not, as it is merged.
 
 Staleness (`--staleness-exponent a`): a delta accepted `lag` versions after its base is scaled by s = (1 + lag)^-a
 before any rule sees it (FedAsync's polynomial rule; a = 0: no discount). The weights stay normalised by the counts
@@ -78,7 +83,8 @@ ALS_MAX_ITERATIONS = 50  # bounds a product merge's cost where ALS_TOLERANCE is 
 ALS_TOLERANCE = 1e-9  # stop once the residual improves by less than this (relative to |W|^2)
 RIDGE = 1e-12  # keeps the normal equations of a rank-deficient factor solvable
 MAX_CLAIM_OVER_MEDIAN = 1.0  # no delta's weight claim counts for more than this x the round's low median claim
-MAX_STEP_SCALE = 16.0  # step normalization scales no delta up by more, nor takes a round longer than this x its median
+MAX_STEP_SCALE = 16.0  # step normalization scales no delta up by more than this
+MAX_UNTRUSTED_STEP_GAIN = 2.0  # a claim not on a learner key makes a round at most this x the others' longest claim
 
 
 class Tier(StrEnum):
@@ -120,16 +126,30 @@ def _judging(values: Sequence[float], tiers: Sequence[Tier]) -> list[float]:
     return [v for v, t in zip(values, tiers) if t is not Tier.EXTRA] or list(values)
 
 
+def _step_claims(window_steps: Sequence[int], inner_steps: Sequence[int]) -> list[int]:
+    """Each delta's claim on the round's length: its steps in the round's window (its inner steps less those carried
+    in), or, in a round whose every delta was carried in whole, its inner steps."""
+    return list(window_steps) if any(s > 0 for s in window_steps) else list(inner_steps)
+
+
+def _step_cap(claims: Sequence[int], tiers: Sequence[Tier]) -> float:
+    """How long a claim not on a learner key may make the round: MAX_UNTRUSTED_STEP_GAIN x the longest of the other
+    claims that can bound it (the trusted ones, and the bounded ones but the longest: one key holder's claim is
+    never judged by itself; an extra id's never bounds anyone)."""
+    trusted = [s for s, t in zip(claims, tiers) if s > 0 and t is Tier.TRUSTED]
+    bounded = sorted(s for s, t in zip(claims, tiers) if s > 0 and t is Tier.BOUNDED)
+    others = trusted + bounded[:-1] or bounded or [s for s in claims if s > 0] or [1]
+    return MAX_UNTRUSTED_STEP_GAIN * max(others)
+
+
 def round_length(window_steps: Sequence[int], inner_steps: Sequence[int],
                  tiers: Optional[Sequence[str]] = None) -> int:
-    """k_max of step normalization: the most steps a delta took in the round's window (each delta's inner steps less
-    those carried in; in a round whose every delta was carried in whole, the most inner steps), a trusted claim as
-    claimed, any other cut to MAX_STEP_SCALE x the claims' low median."""
+    """k_max of step normalization: the longest claim on the round's length (`_step_claims`), a trusted claim as
+    claimed, any other cut to `_step_cap`."""
     tier = _tiers_of(tiers, len(inner_steps))
-    claims = [(s, t) for s, t in zip(window_steps, tier) if s > 0] or \
-        [(s, t) for s, t in zip(inner_steps, tier) if s > 0] or [(1, Tier.BOUNDED)]
-    cap = MAX_STEP_SCALE * low_median(_judging([s for s, _ in claims], [t for _, t in claims]))
-    return max(1, int(max(s if t is Tier.TRUSTED else min(s, cap) for s, t in claims)))
+    claims = _step_claims(window_steps, inner_steps)
+    cap = _step_cap(claims, tier)
+    return max(1, int(max((s if t is Tier.TRUSTED else min(s, cap) for s, t in zip(claims, tier)), default=1)))
 
 
 def capped_claims(claims: Sequence[float], tiers: Optional[Sequence[str]] = None) -> list[float]:
@@ -159,12 +179,15 @@ def merge_terms(counts: Sequence[DeltaCounts], how: str, lags: Sequence[int], st
                 normalize: bool, window_steps: Sequence[int], tiers: Optional[Sequence[str]] = None) -> MergeTerms:
     """The bounded weights and scales of one merge (the syncer's and every replay's: one expression, same bits)."""
     counted = capped_claims([weight_of(c, how) for c in counts], tiers)
-    length = round_length(window_steps, [c.inner_steps for c in counts], tiers) if normalize else 1
-    scales = []
-    for c, lag in zip(counts, lags):
-        s = staleness_factor(lag, staleness_exponent)
-        k = max(1, c.inner_steps)
-        scales.append(s if not normalize else s / k if length / k <= MAX_STEP_SCALE else s * MAX_STEP_SCALE / length)
+    stale = [staleness_factor(lag, staleness_exponent) for lag in lags]
+    if not normalize:
+        return MergeTerms(counted, stale, 1.0)
+    inner = [c.inner_steps for c in counts]
+    length = round_length(window_steps, inner, tiers)
+    claims = _step_claims(window_steps, inner)
+    # a delta is an estimate of a `length`-step move, scaled up by at most MAX_STEP_SCALE; one whose own claim is
+    # longer than the round (a capped claim) is taken at its own length, never scaled down to the round's
+    scales = [s * min(max(length, c) / max(1, k), MAX_STEP_SCALE) / length for s, c, k in zip(stale, claims, inner)]
     return MergeTerms(counted, scales, float(length))
 
 

@@ -276,6 +276,28 @@ class Keyring:
             self.rescan()
         return read_join_key(path)
 
+    def issue_expected(self, learners: int) -> list[int]:
+        """A learner key for every expected id (0 .. learners - 1) that has none and was never revoked (a revoked
+        one comes back only by `yeto keys add`): the shared join key can then take no expected id, so no holder of
+        it can take one before its learner starts. The ids issued."""
+        have = set(self.learners.values()) | self.revoked_ids
+        issued = [lid for lid in range(learners) if lid not in have]
+        for lid in issued:
+            self.add_learner(lid)
+        if issued:
+            self.rescan()
+        return issued
+
+    def who_joins_with_what(self, learners: int) -> str:
+        """One line for the syncer's log: which key file each learner id joins with."""
+        own = sorted(lid for lid in self.learners.values())
+        mine = self.keys_dir / LEARNER_KEYS
+        if not own:
+            return f"learners join with {self.out / JOIN_KEY_FILE}"
+        expected = "every expected id" if set(range(learners)) <= set(own) else f"learners {own}"
+        return (f"{expected} joins with its own key {mine}/<id>.key (copy key i to learner i: trusted), ids with "
+                f"no key of their own with {self.out / JOIN_KEY_FILE} (bounded)")
+
     def revoke_learner(self, learner: int) -> Path:
         path = self.keys_dir / LEARNER_KEYS / f"{learner}.key"
         if not path.exists():

@@ -85,6 +85,8 @@ class Syncer:
             self.keys = Keyring.ensure(cfg.out, cfg.join_key)
         self.store = DiskStore(cfg.out)
         durable = self.store.load()
+        if self.keys is not None and cfg.learner_keys and durable.checkpoint is None:  # (the run's first start)
+            self.keys.issue_expected(cfg.learners)
         init = None
         if cfg.init_adapter and durable.checkpoint is None:  # (a resumed run has its version 0 already)
             from yeto.adapter import load_init_adapter
@@ -165,7 +167,7 @@ class Syncer:
             raise YetoError(f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e}") from e
         log.info("syncer listening on %s:%d (incarnation %s; %s)", self.cfg.host, self.cfg.port,
                  self.core.incarnation, "INSECURE: no encryption, no authentication" if self.gate is None else
-                 f"CURVE; learners join with {Path(self.cfg.out) / 'join.key'}")
+                 f"CURVE; {self.keys.who_joins_with_what(self.cfg.learners)}")
         old = {}
         if threading.current_thread() is threading.main_thread():  # (kept until the last message has left)
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

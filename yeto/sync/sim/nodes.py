@@ -6,6 +6,7 @@ than it trained and steps further than an honest island)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import random
@@ -16,6 +17,7 @@ import numpy as np
 from yeto.sync.core.actions import (DropDeltas, Durable, Exit, Log, Out, Reconnect, Record, SaveCheckpoint, SaveDelta,
                                     Send)
 from yeto.sync.core.learner import Done, LearnerCore, RoundCounts, Train, Verdict, Wait
+from yeto.sync.core.deltas import MAX_INNER_STEPS_PER_DELTA
 from yeto.sync.core.delivery import GLOBAL_TYPES, Delivery, Outgoing, Undeliverable
 from yeto.sync.core.syncer import SyncerCore
 from yeto.sync.wire.protocol import (array_digest, decode, decode_fragments, digest_bytes, encode, encode_fragments_ef,
@@ -232,20 +234,27 @@ class SimSyncer:
 
 
 class SimIsland:
-    """A fake island: each step adds a known pseudo-random vector to the adapter."""
+    """A fake island: each step adds a known pseudo-random vector to the adapter (`hostile`: how it lies)."""
 
     def __init__(self, lid: int, numel: int, seed: int, hostile: Optional[Hostile] = None):
-        self.lid, self.seed = lid, seed
+        self.lid, self.seed, self.hostile = lid, seed, hostile or Hostile(lid, 1, 1.0)
         self.flat = np.random.default_rng([seed, lid, 99]).standard_normal(numel).astype(np.float32) * 0.1
         self.steps = 0
-        self.outlier, self.claims = (hostile.outlier, hostile.claims) if hostile is not None else (1.0, 1)
 
     def step(self) -> dict[str, Any]:
         self.steps += 1
         rng = np.random.default_rng([self.seed, self.lid, self.steps])
-        self.flat = self.flat + (rng.standard_normal(self.flat.size) * 0.01 * self.outlier).astype(np.float32)
-        return {"tokens": (40 + 2 * self.lid) * self.claims, "loss_tokens": (20 + self.lid) * self.claims,
-                "loss": 1.0 / self.steps}
+        self.flat = self.flat + (rng.standard_normal(self.flat.size) * 0.01 * self.hostile.outlier).astype(np.float32)
+        k = self.hostile.claims
+        return {"tokens": (40 + 2 * self.lid) * k, "loss_tokens": (20 + self.lid) * k, "loss": 1.0 / self.steps}
+
+    def claimed(self, a: Out) -> Out:
+        """A delta as this island sends it: a hostile one may claim more steps (within what a time-window round
+        takes)."""
+        k, h = self.hostile.steps, a.header
+        steps = min(h["inner_steps"] * k, MAX_INNER_STEPS_PER_DELTA)
+        return a if k == 1 else dataclasses.replace(a, header=dict(h, inner_steps=steps, carried_steps=min(
+            h.get("carried_steps", 0) * k, steps - 1)))
 
 
 class SimLearner:
@@ -356,6 +365,7 @@ class SimLearner:
                 w.log(f"learner {self.lid} -> {a.type} {_brief(a.header)}")
                 if a.type == "delta":
                     w.oracle.check_sent(self, a)
+                    a = self.island.claimed(a)
                 w.post(self, True, a.type, a.header, a.frames, lambda parts, peer=self.peer: (
                     w.syncer.guarded(w.syncer.life, lambda: w.syncer.receive(peer, parts))))
             elif isinstance(a, Reconnect):

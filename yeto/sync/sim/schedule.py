@@ -4,6 +4,7 @@ syncers, a poisoned step, a hostile learner), and the simulation's constants."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -34,6 +35,11 @@ EXTRA_IDS_P = 0.15  # the share of schedules with ids beyond --learners on the j
 EXTRA_IDS_STREAM = 187
 EXTRA_STEP_S = (0.005, 0.03)  # an extra id answers faster than any honest island trains (which buys it nothing)
 EXTRA_OUTLIERS = (0.0, 1.0, 1000.0)  # its steps: nothing (zero deltas, deflating the clip), honest, outliers
+# a hostile learner in time-window rounds claims this many times its steps (step normalization: a longer round),
+# now and then; from a stream under which every pinned seed keeps its schedule (tests/test_sim.py)
+STEP_CLAIMS_P = 0.7
+STEP_CLAIMS = (10, 1000, 10**6)
+STEP_CLAIMS_STREAM = 198
 POISON_WEIGHT = 1000  # ... provided it weighs enough in the merge: the poisoned step claims this many more tokens
 ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"], "task_type": "CAUSAL_LM"}
 ZOMBIE_SLEEPS_LONGER_S = 20.0  # a zombie wakes up at most this long after its replacement started
@@ -44,11 +50,13 @@ PROGRESS_CHUNK = 50  # schedules per work unit (and per progress line)
 
 @dataclass(frozen=True)
 class Hostile:
-    """A learner that claims `claims` x the tokens it trained and steps `outlier` x as far as an honest one."""
+    """A learner that claims `claims` x the tokens it trained and `steps` x the steps it took (its window steps
+    too), and steps `outlier` x as far as an honest one."""
 
     learner: int
     claims: int
     outlier: float
+    steps: int = 1
 
 
 @dataclass
@@ -130,7 +138,8 @@ class Schedule:
             cuts=sorted(cuts), pauses=sorted(pauses), stops=stops, poison=poison,
             max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)], give_ups=Schedule.draw_give_ups(seed, kills),
             hostile=Schedule.draw_hostile(seed, n), **Schedule.draw_policy(seed)
-        ).with_bits_drawn().with_streaming_drawn().with_slow_links_drawn().with_keys_drawn().with_extra_ids_drawn()
+        ).with_bits_drawn().with_streaming_drawn().with_slow_links_drawn().with_keys_drawn().with_extra_ids_drawn(
+        ).with_step_claims_drawn()
 
     def with_bits_drawn(self) -> "Schedule":
         """Now and then 2-bit deltas, and broadcasts at their own precision (a stream of their own: older seeds keep
@@ -180,6 +189,13 @@ class Schedule:
                 self.step_s.append(rng.uniform(*EXTRA_STEP_S))
                 self.max_inner_steps.append(rng.choice([0, 1]))
                 self.keys.append("join")
+        return self
+
+    def with_step_claims_drawn(self) -> "Schedule":
+        """Now and then a hostile learner in time-window rounds lies about its steps too (a stream of its own)."""
+        rng = random.Random(self.seed * 31 + STEP_CLAIMS_STREAM)
+        if self.hostile is not None and self.round_seconds and rng.random() < STEP_CLAIMS_P:
+            self.hostile = dataclasses.replace(self.hostile, steps=rng.choice(STEP_CLAIMS))
         return self
 
     def principal(self, lid: int) -> str:
