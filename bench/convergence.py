@@ -335,7 +335,7 @@ def main() -> None:
         up, down = (f"{r[k]:,.0f}" if r.get(k) else "-" for k in ("bytes_up", "bytes_down"))
         print(f"{arm.name:<60} {r['eval_loss']:9.4f} {ratio} {r['wall_s']:7.0f} {up:>11} {down:>12}  {util}")
     alone = results.get("heterogeneous: fast island alone")
-    for k in (k for k in results if k.startswith("heterogeneous: fast +") and alone):
+    for k in (k for k in results if k.startswith("heterogeneous: fast ") and results[k] is not alone and alone):
         r = results[k]
         print(f"{k}: fast island utilization {r['utilization'][0]:.1%}; slow island's deltas merged "
               f"{r['slow_deltas_merged']} (lags {r['lags']}); merged / fast alone eval loss "

@@ -50,7 +50,9 @@ def keys_init(out: OutOption) -> None:
     from yeto.sync.shell.keys import JOIN_KEY_FILE, Keyring
 
     Keyring.ensure(out)
-    typer.echo(f"join key: {out}/{JOIN_KEY_FILE} (mode 0600; give it to learners with --join-key or YETO_JOIN_KEY)")
+    typer.echo(f"join key: {out}/{JOIN_KEY_FILE} (mode 0600; give it to learners with --join-key or YETO_JOIN_KEY; "
+               "the syncer's first start issues each expected learner id a key of its own, keys/learners/<id>.key, "
+               "and the join key then admits the ids beyond --learners: see --no-learner-keys)")
 
 
 @keys_app.command("add")
