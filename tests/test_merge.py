@@ -321,12 +321,15 @@ def test_merge_alpha_starts_each_round_from_the_blend_of_the_merged_and_the_own_
         assert not np.allclose(isl.loads[1], merged, atol=1e-3)
 
 
-@pytest.mark.parametrize("principal,plain_mean", [(None, 0.034), ("join", 0.025)])
-def test_step_normalize_scales_each_delta_to_the_longest_island(principal, plain_mean):
+@pytest.mark.parametrize("principal,plain_mean,normalized", [(None, 0.034, 0.04), ("join", 0.025, 0.03)])
+def test_step_normalize_scales_each_delta_to_the_longest_island(principal, plain_mean, normalized):
     """Island 0 does 4 steps (+0.01 each, 200 loss tokens), island 1 one step (50): trusted, the mean weighs them
     0.8 / 0.2, 0.034; on the join key (in a pair the larger claim counts as the smaller) (0.04 + 0.01) / 2 = 0.025;
-    either is shorter than the long island's move. Normalized, each delta is scaled to 4 steps first: 0.04."""
-    for normalize, expect in ((False, plain_mean), (True, 0.04)):
+    either is shorter than the long island's move. Normalized, each trusted delta is scaled to 4 steps first: 0.04;
+    on the join key the 4-step claim counts at most 2x the other's (MAX_UNTRUSTED_STEP_GAIN: it cannot be told from a
+    liar's), so the round is 2 steps long, the long delta keeps its own length and the short one is scaled 2x:
+    (0.04 + 0.02) / 2 = 0.03."""
+    for normalize, expect in ((False, plain_mean), (True, normalized)):
         f = Fleet(n=2, quorum=2, inner_steps=4, outer_lr=1.0, outer_momentum=0.0, robust="off",
                   step_normalize=normalize, principal=principal)
         f.learners[1].max_inner_steps = 1  # a weaker island: one step per round
