@@ -294,9 +294,9 @@ class Keyring:
         mine = self.keys_dir / LEARNER_KEYS
         if not own:
             return f"learners join with {self.out / JOIN_KEY_FILE}"
-        expected = "every expected id" if set(range(learners)) <= set(own) else f"learners {own}"
-        return (f"{expected} joins with its own key {mine}/<id>.key (copy key i to learner i: trusted), ids with "
-                f"no key of their own with {self.out / JOIN_KEY_FILE} (bounded)")
+        who = "every expected id joins" if set(range(learners)) <= set(own) else f"learner ids {own} join"
+        return (f"{who} with its own key {mine}/<id>.key (copy key i to learner i: trusted), ids with no key of "
+                f"their own with {self.out / JOIN_KEY_FILE} (bounded)")
 
     def revoke_learner(self, learner: int) -> Path:
         path = self.keys_dir / LEARNER_KEYS / f"{learner}.key"
