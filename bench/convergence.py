@@ -19,10 +19,12 @@ slow island):
                      adapter every H steps
   wire bits          the default 2-island fleet with 2-bit deltas and/or 8-bit broadcasts (`--arms bits`), against
                      the 4-bit default fleet: eval loss and bytes per round up (one island's delta) and down
-Training-loss curves (per round, against tokens seen by the whole fleet) go to a PNG.
+Training-loss curves (per round, against tokens seen by the whole fleet) go to a PNG. `--seeds 0,1,2` runs every arm
+once per seed and tables each arm's ratio to its baseline per seed, with the mean: a single time-window run moves by
+a few percent with which steps fall in which window.
 
     python bench/convergence.py [--steps 48] [--long-steps 192] [--seq-len 128] [--batch-size 4]
-                                [--arms "a;b;..."] [--png FILE]
+                                [--arms "a;b;..."] [--seeds 0,1,2] [--png FILE]
 """
 
 from __future__ import annotations
@@ -274,6 +276,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4, help="the fleet's global batch (islands split it)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0, help="the learners' --seed: held-out split, batch order, LoRA init")
+    p.add_argument("--seeds", default="", help="run every arm once per seed (comma-separated, e.g. 0,1,2) and table "
+                                              "each arm's ratio to its baseline per seed and its mean")
     p.add_argument("--rounds", type=int, default=6, help="rounds of the heterogeneous arms")
     p.add_argument("--round-seconds", type=float, default=20.0, help="window of the heterogeneous arms")
     p.add_argument("--step-s", type=float, default=1.0, help="the fast island's step time here (sizes the slow delay)")
@@ -317,15 +321,34 @@ def main() -> None:
         keep = [k.strip() for k in a.arms.split(";")]
         wanted = [x for x in todo if any(k in x.name for k in keep)]
         todo = [x for x in todo if x in wanted or any(x.name == w.baseline for w in wanted)]
+    by_seed = {}
+    for seed in [int(x) for x in a.seeds.split(",")] if a.seeds else [a.seed]:
+        a.seed = seed
+        by_seed[seed] = results = run_arms(todo, a, tmp / f"seed-{seed}", env)
+        print_table(todo, results, a)
+    if len(by_seed) > 1:
+        print_seeds(todo, by_seed)
+    plot(results, Path(a.png))
+    print(f"plot: {a.png} (seed {a.seed})")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results if len(by_seed) == 1 else by_seed, indent=2))
+
+
+def run_arms(todo: list[Arm], a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict[str, dict]:
+    """Every arm once, with the learners' --seed a.seed."""
     results: dict[str, dict] = {}
     for i, arm in enumerate(todo):
-        print(f"[{i + 1}/{len(todo)}] {arm.name} ...", flush=True)
+        print(f"[{i + 1}/{len(todo)}] seed {a.seed}: {arm.name} ...", flush=True)
         results[arm.name] = r = run_arm(arm, a, tmp, env)
         wire = f", bytes/round up {r['bytes_up']:,.0f} down {r['bytes_down']:,.0f}" if r.get("bytes_up") else ""
         print(f"    eval loss {r['eval_loss']:.4f} ({r['wall_s']:.0f}s){wire}"
               + (f", utilization {r['utilization']}, lags {r['lags']}" if r.get("utilization") else ""), flush=True)
-    print(f"\nmodel {a.model}; {a.steps} steps x global batch {a.batch_size} x {a.seq_len} tokens per arm; "
-          f"eval loss before training {next(iter(results.values()))['eval_before']:.4f}")
+    return results
+
+
+def print_table(todo: list[Arm], results: dict[str, dict], a: argparse.Namespace) -> None:
+    print(f"\nseed {a.seed}; model {a.model}; {a.steps} steps x global batch {a.batch_size} x {a.seq_len} tokens per "
+          f"arm; eval loss before training {next(iter(results.values()))['eval_before']:.4f}")
     print(f"{'arm':<60} {'eval loss':>9} {'/ base':>7} {'wall s':>7} {'up B/round':>11} {'down B/round':>12}"
           "  utilization")
     for arm in todo:
@@ -340,10 +363,20 @@ def main() -> None:
         print(f"{k}: fast island utilization {r['utilization'][0]:.1%}; slow island's deltas merged "
               f"{r['slow_deltas_merged']} (lags {r['lags']}); merged / fast alone eval loss "
               f"{r['eval_loss'] / alone['eval_loss']:.4f}")
-    plot(results, Path(a.png))
-    print(f"plot: {a.png}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=2))
+
+
+def print_seeds(todo: list[Arm], by_seed: dict[int, dict[str, dict]]) -> None:
+    """Each arm's ratio to its baseline per seed, their mean and spread: one run of a time-window arm moves by a few
+    percent with which steps fall in which window, so rules are ranked on the mean of several seeds."""
+    seeds = sorted(by_seed)
+    print(f"\n{'arm / its baseline, per seed':<60} " + " ".join(f"{f'seed {s}':>8}" for s in seeds)
+          + f" {'mean':>8} {'min-max':>15}")
+    for arm in todo:
+        ratios = [by_seed[s][arm.name]["eval_loss"] / by_seed[s][arm.baseline]["eval_loss"] for s in seeds
+                  if arm.baseline in by_seed[s]]
+        if len(ratios) == len(seeds) and arm.name != arm.baseline:
+            print(f"{arm.name:<60} " + " ".join(f"{x:8.4f}" for x in ratios)
+                  + f" {sum(ratios) / len(ratios):8.4f} {min(ratios):7.4f}-{max(ratios):.4f}")
 
 
 if __name__ == "__main__":
