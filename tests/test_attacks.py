@@ -85,6 +85,11 @@ def across(numel: int) -> np.ndarray:
     return np.where(np.arange(numel) % 2 == 0, 1.0, -1.0)
 
 
+def honest_delta_norm() -> float:
+    """The L2 norm of one honest delta (HONEST_STEP on every value of the islands' adapter)."""
+    return HONEST_STEP * float(np.sqrt(sum(v.size for v in QuadraticIsland(0.0, 1).state.values())))
+
+
 def bound(honest: int) -> float:
     """How far one attacker among honest + 1 learners can pull the global from where the honest learners alone take
     it in ROUNDS merges (docs/SECURITY.md): per merge, its weight is at most 1/n of it, which it takes from the
@@ -158,7 +163,7 @@ def test_one_holders_extra_ids_weigh_one_median_claim_together(start_syncer, tmp
     median (-5.66 under rda, -5.96 under the mean in 10 rounds, nothing clipped). Ids beyond --learners are extra:
     left out of the medians, together one median claim's weight, so the holder moves the global as one learner of
     three would: within (1 + k) h / 3 a round of the honest progress under the mean, h + (2 h + k h) / 3 under RDA."""
-    honest_norm = HONEST_STEP * np.sqrt(sum(v.size for v in QuadraticIsland(0.0, 1).state.values()))
+    honest_norm = honest_delta_norm()
     attack = Attack(-1000.0, tokens=2**40, tokens_per_step=0, ids=3, extra=True)
     mean_move, merges, mean_shift = run(start_syncer, tmp_path / "mean", 2, attack, inner_steps=2, merge="mean")
     for m in merges:
@@ -205,7 +210,7 @@ def test_rda_with_a_clipped_outlier_steers_the_direction_within_its_own_bound(st
     the honest one (a 5% share across it) cancels the honest direction and leaves the sideways remainder, carried
     at the clipped lengths' mean. Per merge one learner among n moves the global at most h + ((n - 1) h + k ref) / n
     from the honest update h under RDA (any direction, at the radial mean), against (h + k ref) / n under the mean."""
-    honest_norm = HONEST_STEP * np.sqrt(sum(v.size for v in QuadraticIsland(0.0, 1).state.values()))
+    honest_norm = honest_delta_norm()
     attack = Attack(-1000.0, steer=0.05)
     mean_move, _, mean_shift = run(start_syncer, tmp_path / "mean", 1, attack, inner_steps=2, merge="mean")
     rda_move, merges, rda_shift = run(start_syncer, tmp_path / "rda", 1, attack, inner_steps=2, merge="rda")

@@ -146,10 +146,12 @@ def round_length(window_steps: Sequence[int], inner_steps: Sequence[int],
                  tiers: Optional[Sequence[str]] = None) -> int:
     """k_max of step normalization: the longest claim on the round's length (`_step_claims`), a trusted claim as
     claimed, any other cut to `_step_cap`."""
-    tier = _tiers_of(tiers, len(inner_steps))
-    claims = _step_claims(window_steps, inner_steps)
-    cap = _step_cap(claims, tier)
-    return max(1, int(max((s if t is Tier.TRUSTED else min(s, cap) for s, t in zip(claims, tier)), default=1)))
+    return _length_of(_step_claims(window_steps, inner_steps), _tiers_of(tiers, len(inner_steps)))
+
+
+def _length_of(claims: Sequence[int], tiers: Sequence[Tier]) -> int:
+    cap = _step_cap(claims, tiers)
+    return max(1, int(max((s if t is Tier.TRUSTED else min(s, cap) for s, t in zip(claims, tiers)), default=1)))
 
 
 def capped_claims(claims: Sequence[float], tiers: Optional[Sequence[str]] = None) -> list[float]:
@@ -183,8 +185,8 @@ def merge_terms(counts: Sequence[DeltaCounts], how: str, lags: Sequence[int], st
     if not normalize:
         return MergeTerms(counted, stale, 1.0)
     inner = [c.inner_steps for c in counts]
-    length = round_length(window_steps, inner, tiers)
     claims = _step_claims(window_steps, inner)
+    length = _length_of(claims, _tiers_of(tiers, len(inner)))
     # a delta is an estimate of a `length`-step move, scaled up by at most MAX_STEP_SCALE; one whose own claim is
     # longer than the round (a capped claim) is taken at its own length, never scaled down to the round's
     scales = [s * min(max(length, c) / max(1, k), MAX_STEP_SCALE) / length for s, c, k in zip(stale, claims, inner)]

@@ -290,7 +290,7 @@ class Keyring:
 
     def who_joins_with_what(self, learners: int) -> str:
         """One line for the syncer's log: which key file each learner id joins with."""
-        own = sorted(lid for lid in self.learners.values())
+        own = sorted(self.learners.values())
         mine = self.keys_dir / LEARNER_KEYS
         if not own:
             return f"learners join with {self.out / JOIN_KEY_FILE}"
