@@ -93,7 +93,7 @@ class SyncerConfig:
         if self.broadcast_bits is None:
             self.broadcast_bits = self.sync_bits
         if self.step_normalize is None:  # docs/benchmarks.md, heterogeneous fleet: with a 10x slower island, mean +
-            # step normalization 0.967x the fast island alone (two runs), rda 0.997-1.000x, mean 0.988-1.010x
+            # step normalization 0.987x the fast island alone (ten runs); in one run, 0.969x against the mean's 1.025x
             self.step_normalize = self.round_seconds > 0 and self.merge in (None, "mean")
             self.step_normalize_by_default = True
         if self.merge is None:  # bench/convergence.py: rda 0.98x the data-parallel loss, mean 1.02x (2 islands)
