@@ -77,3 +77,27 @@ def test_a_long_module_says_why_it_is_one():
         if lines > LONG_MODULE_LINES and "Why one module:" not in (ast.get_docstring(ast.parse(text)) or ""):
             long[str(path.relative_to(REPO))] = lines
     assert not long, f"split these, or say at their top why each is one module ('Why one module: ...'): {long}"
+
+
+class _Names:
+    """Stands in for a core: each attribute is its own name, so a handler table reads as type -> method name."""
+
+    def __getattr__(self, name: str) -> str:
+        return name
+
+
+def test_every_message_and_tape_event_goes_to_the_handler_its_table_names():
+    """The syncer, the learner and the tape fold dispatch through one table each (no handler looked up by a built
+    name): every message type of its direction has an entry, and no `_on_` method is left outside the table."""
+    from yeto.sync.core.fold import TapeFold
+    from yeto.sync.core.learner import LearnerCore
+    from yeto.sync.core.syncer import SyncerCore
+    from yeto.sync.wire.protocol import LEARNER_TYPES, SYNCER_TYPES
+
+    for cls, types, fallback in [(SyncerCore, LEARNER_TYPES, {"_on_unexpected"}),
+                                 (LearnerCore, SYNCER_TYPES, {"_on_other"}), (TapeFold, None, set())]:
+        table = cls._handlers(_Names())
+        assert types is None or set(table) == types, cls
+        assert all(callable(getattr(cls, name)) for name in table.values()), cls
+        assert {n for n in dir(cls) if n.startswith("_on_")} == set(table.values()) | fallback, cls
+        assert table == {kind: f"_on_{kind}" for kind in table}, cls

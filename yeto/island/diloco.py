@@ -40,7 +40,7 @@ import numpy as np
 from yeto import YetoError
 from yeto.sync.shell.keys import JoinKey, write_secret
 from yeto.sync.shell.client import SyncerLink
-from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict, Wait
+from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
 from yeto.sync.wire.layout import Layout, build_layout, flatten, fragment_pieces, synced_fragments, unflatten
 
 
@@ -98,7 +98,7 @@ class RoundStats:
 class IslandStats:
     rounds: int = 0
     abandoned: int = 0
-    carried: int = 0  # rounds whose work went on top of the next global instead of to the syncer (Verdict.CARRY)
+    carried: int = 0  # rounds whose work went on top of the next global instead of to the syncer (StepVerdict.CARRY)
     compute_s: float = 0.0
     delta_bytes: list[int] = field(default_factory=list)
 
@@ -249,17 +249,17 @@ class IslandLoop:
         rnd = self._start(task)
         if self.on_round_start is not None:
             self.on_round_start(self.link.counted_residual())
-        verdict = self.link.after_step(rnd.steps, rnd.window_steps) if rnd.steps else Verdict.CONTINUE
-        while verdict is Verdict.CONTINUE:
+        verdict = self.link.after_step(rnd.steps, rnd.window_steps) if rnd.steps else StepVerdict.CONTINUE
+        while verdict is StepVerdict.CONTINUE:
             self._step(rnd)
             verdict = self.link.after_step(rnd.steps, rnd.window_steps)
-        if verdict is Verdict.CARRY:
+        if verdict is StepVerdict.CARRY:
             self._carry(task, rnd)
-        elif verdict is Verdict.ABANDON:
+        elif verdict is StepVerdict.ABANDON:
             self.stats.abandoned += 1
             self.last_local = None
             self.log(f"round {task.round} closed without us after {rnd.steps} steps: starting from the new global")
-        elif verdict is not Verdict.STOP:  # (STOP: next_task says why)
+        elif verdict is not StepVerdict.STOP:  # (STOP: next_task says why)
             self._push(task, rnd)
 
     def _start(self, task: Train) -> RoundStats:

@@ -23,7 +23,7 @@ tape with the disk, so the audit and the recovery agree on what a tape means.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from yeto.sync.core.quorum import quorum_after_give_ups
 from yeto.sync.merge.aggregate import NORM_HISTORY, clip_factors, clip_reference
@@ -84,9 +84,16 @@ class TapeFold:
         if e.get("seq") != self.next_seq:
             self._fail(e, f"expected seq {self.next_seq}, found {e.get('seq')} (a tape line is missing or repeated)")
         self.next_seq = (e.get("seq") if isinstance(e.get("seq"), int) else self.next_seq) + 1
-        handler = getattr(self, f"_on_{kind}", None)
-        if handler is not None:
+        handler = self._handlers().get(kind)
+        if handler is not None:  # (the other events commit to nothing the fold keeps: logs, waits, errors)
             handler(e)
+
+    def _handlers(self) -> dict[str, Callable[[dict[str, Any]], None]]:
+        """Each tape event the fold reads, and the handler it goes to."""
+        return {"start": self._on_start, "given_up": self._on_given_up, "join": self._on_join, "init": self._on_init,
+                "delta": self._on_delta, "refuse_delta": self._on_refuse_delta, "discard": self._on_discard,
+                "merge": self._on_merge, "checkpoint": self._on_checkpoint, "rollback": self._on_rollback,
+                "resume": self._on_resume, "finish": self._on_finish}
 
     def _on_start(self, e: dict[str, Any]) -> None:
         cfg = e.get("config") or {}

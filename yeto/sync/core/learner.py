@@ -44,7 +44,7 @@ import numpy as np
 
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
 from yeto.sync.core.contract import learner_contract, tokens_per_step
-from yeto.sync.core.learner_loop import Done, RoundCounts, Task, Train, Verdict, Wait
+from yeto.sync.core.learner_loop import Done, RoundCounts, Task, Train, StepVerdict, Wait
 from yeto.sync.core.learner_messages import SyncerMessages
 from yeto.sync.core.learner_pipeline import PipelinedDeltas
 from yeto.sync.core.learner_timing import (FINISH_CATCHUP_DEAD_AFTERS, HELLO_RETRY_HEARTBEATS,  # noqa: F401
@@ -221,7 +221,7 @@ class LearnerCore(PipelinedDeltas, SyncerMessages):
             self.resend_init = False
             self._send_init()
         try:
-            getattr(self, f"_on_{msg.type}", self._on_other)(msg, now)
+            self._handlers().get(msg.type, self._on_other)(msg, now)
         except ProtocolError as e:  # a payload that does not fit our layout: ignore it, catch up from versions
             self._log("warning", f"ignoring a {msg.type} from the syncer: {e}")
         except (KeyError, TypeError, ValueError, IndexError) as e:  # a header we cannot use: same
@@ -345,7 +345,7 @@ class LearnerCore(PipelinedDeltas, SyncerMessages):
         self._enter(Phase.TRAINING, f"round {r['round']} open on version {self.version}", t)
         return Train(t.round, t.base_version, t.base, steps, seconds)
 
-    def after_step(self, steps_done: int, now: float, window_steps: Optional[int] = None) -> Verdict:
+    def after_step(self, steps_done: int, now: float, window_steps: Optional[int] = None) -> StepVerdict:
         """Whether the round's training goes on. `steps_done` counts toward a round of inner steps; `window_steps`
         (default: the same) are the steps taken since this round's training started, which pace a time window
         (steps carried over from before it count toward the delta, not toward the window's pace)."""
@@ -353,11 +353,11 @@ class LearnerCore(PipelinedDeltas, SyncerMessages):
         if self.refused or self.gave_up or self.finish is not None:
             if t is not None:
                 self._enter(Phase.WAITING, "stop: the run is over for this learner")
-            return Verdict.STOP
+            return StepVerdict.STOP
         if t is None or not self._base_ok(t.base_version, t.base_digest, t.round):
             if t is not None:
                 self._enter(Phase.WAITING, f"abandon round {t.round}: its base version {t.base_version} is gone")
-            return Verdict.ABANDON
+            return StepVerdict.ABANDON
         elapsed = now - t.started_at
         paced = steps_done if window_steps is None else window_steps
         if (t.steps and steps_done >= t.steps) or (
@@ -365,9 +365,9 @@ class LearnerCore(PipelinedDeltas, SyncerMessages):
             if t.windowed and t.place_taken:  # carried onto the next global, the work's next push lands fresh
                 self._enter(Phase.CARRYING, f"carry round {t.round}: a late delta of ours holds its place",
                             Place(t.round, t.base_version, t.base_digest))
-                return Verdict.CARRY
-            return Verdict.PUSH
-        return Verdict.CONTINUE
+                return StepVerdict.CARRY
+            return StepVerdict.PUSH
+        return StepVerdict.CONTINUE
 
     @property
     def carrying(self) -> bool:

@@ -1,5 +1,5 @@
 """What a learner core and its training loop say to each other: the task to do next (`Wait`, `Train`, `Done`), the
-verdict after each inner step (`Verdict`), and what a finished round's training took (`RoundCounts`)."""
+verdict after each inner step (`StepVerdict`), and what a finished round's training took (`RoundCounts`)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class Done:
 Task = Union[Wait, Train, Done]
 
 
-class Verdict(Enum):
+class StepVerdict(Enum):
     CONTINUE = "continue"
     PUSH = "push"  # the round's work is done: push it
     ABANDON = "abandon"  # the round closed without us (or our adapter is unusable): drop the work
@@ -54,7 +54,7 @@ class RoundCounts:
     steps: int
     loss: float
     compute_s: float
-    # of `steps`, those trained in an earlier round's window and carried onto this one (Verdict.CARRY): step
+    # of `steps`, those trained in an earlier round's window and carried onto this one (StepVerdict.CARRY): step
     # normalization leaves them out of the round's length
     carried_steps: int = 0
 

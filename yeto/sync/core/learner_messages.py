@@ -1,7 +1,8 @@
 """What the syncer's messages mean to a learner: `SyncerMessages`, the message handlers of `LearnerCore`.
 
-Each `_on_<type>` takes one message from the syncer and updates what the learner knows: the run (welcome, state,
-broadcast, finish), the open round (round, pong), and where its own delta stands (ack, error, pong, welcome). They
+Each `_on_<type>` (the table `_handlers` names them; `LearnerCore.receive` dispatches through it) takes one
+message from the syncer and updates what the learner knows: the run (welcome, state, broadcast, finish), the open
+round (round, pong), and where its own delta stands (ack, error, pong, welcome). They
 notice lost messages by what the syncer says it holds (see `yeto.sync.core.learner`'s rules) and ask, with
 backoff, for what a learner behind is missing (`_maybe_sync`), and settle a delta that will never count by giving
 its error-feedback residual back. The state they read and change is
@@ -11,7 +12,7 @@ its error-feedback residual back. The state they read and change is
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -92,6 +93,12 @@ class SyncerMessages:
             self.open_round = _with_window_end(r, now)
 
     # ------------------------------------------------------------------ messages
+
+    def _handlers(self) -> dict[str, Callable[[Message, float], None]]:
+        """Each message the syncer sends (protocol.SYNCER_TYPES) and the handler it goes to."""
+        return {"welcome": self._on_welcome, "refuse": self._on_refuse, "init_request": self._on_init_request,
+                "round": self._on_round, "ack": self._on_ack, "error": self._on_error, "pong": self._on_pong,
+                "broadcast": self._on_broadcast, "state": self._on_state, "finish": self._on_finish}
 
     def _on_other(self, msg: Message, now: float) -> None:
         self._log("warning", f"ignoring an unexpected {msg.type} from the syncer")
@@ -252,7 +259,7 @@ class SyncerMessages:
             decode(encode(answer["type"], fields))  # (checked against the schema as the message itself would be)
         except ProtocolError:
             return
-        getattr(self, f"_on_{answer['type']}")(Message(answer["type"], fields), now)
+        self._handlers()[answer["type"]](Message(answer["type"], fields), now)
 
     def _pong_about_pushed(self, h: dict[str, Any]) -> None:
         """A pong of the round our pushed delta may land in: what it says of that delta."""

@@ -37,7 +37,7 @@ The round protocol, in the terms used below:
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from yeto.sync.core.actions import Action, Durable, Exit, SaveCheckpoint
 from yeto.sync.core.admission import Admission
@@ -87,7 +87,7 @@ class SyncerCore(Recovery, Admission, Merging):
                 raise ProtocolError(f"the key of {principal} was revoked", Code.REVOKED)
             msg = decode(parts, self.max_message_bytes)
             self.principal = principal
-            getattr(self, f"_on_{msg.type}", self._on_unexpected)(peer, msg, now)
+            self._handlers().get(msg.type, self._on_unexpected)(peer, msg, now)
         except RoundPhaseError as e:  # the core's own state is wrong: never go on from it
             self._halt("receive", e)
         except ProtocolError as e:
@@ -95,6 +95,12 @@ class SyncerCore(Recovery, Admission, Merging):
         except Exception as e:  # a bug must not take the fleet down: record it, answer, go on
             self._reject(peer, f"syncer could not process the message: {e!r}", Code.INTERNAL, now)
         return self._flush()
+
+    def _handlers(self) -> dict[str, Callable[[str, Message, float], None]]:
+        """Each message a learner sends (protocol.LEARNER_TYPES) and the handler it goes to."""
+        return {"hello": self._on_hello, "init": self._on_init,  # Admission: who joins, who founds the run
+                "delta": self._on_delta,  # Deltas: a round's contribution
+                "ping": self._on_ping, "sync": self._on_sync, "leave": self._on_leave}  # here: membership
 
     def tick(self, now: float) -> list[Action]:
         self.out = []

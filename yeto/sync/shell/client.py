@@ -37,7 +37,7 @@ from yeto.checks import check_address
 from yeto.sync.shell.gate import HANDSHAKE_IVL_MS, ZAP_TEMPORARY, curve_client
 from yeto.sync.shell.keys import JOIN_KEY_ENV, JOIN_KEY_FILE, JoinKey
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
-from yeto.sync.core.learner import Done, LearnerCore, RoundCounts, Task, Verdict, Wait
+from yeto.sync.core.learner import Done, LearnerCore, RoundCounts, Task, StepVerdict, Wait
 from yeto.sync.wire.protocol import BULK_SUFFIX, ProtocolError, decode, encode, is_bulk, message_bytes
 
 log = logging.getLogger("yeto.client")
@@ -115,12 +115,12 @@ class SyncerLink:
                     raise YetoError("the link to the syncer stopped unexpectedly")
                 self.changed.wait(IO_TICK_S)
 
-    def after_step(self, steps_done: int, window_steps: Optional[int] = None) -> Verdict:
+    def after_step(self, steps_done: int, window_steps: Optional[int] = None) -> StepVerdict:
         with self.lock:
             return self.core.after_step(steps_done, time.monotonic(), window_steps)
 
     def carrying(self) -> bool:
-        """A round's work is carried onto the next global, which has not come yet (Verdict.CARRY)."""
+        """A round's work is carried onto the next global, which has not come yet (StepVerdict.CARRY)."""
         with self.lock:
             if not self.thread.is_alive():
                 raise YetoError("the link to the syncer stopped unexpectedly")

@@ -16,7 +16,7 @@ import numpy as np
 
 from yeto.sync.core.actions import (DropDeltas, Durable, Exit, Log, Out, Reconnect, Record, SaveCheckpoint, SaveDelta,
                                     Send)
-from yeto.sync.core.learner import Done, LearnerCore, RoundCounts, Train, Verdict, Wait
+from yeto.sync.core.learner import Done, LearnerCore, RoundCounts, Train, StepVerdict, Wait
 from yeto.sync.core.deltas import MAX_INNER_STEPS_PER_DELTA
 from yeto.sync.core.delivery import GLOBAL_TYPES, Delivery, Outgoing, Undeliverable
 from yeto.sync.core.syncer import SyncerCore
@@ -436,16 +436,16 @@ class SimLearner:
         self.stats["loss"] = s["loss"]
         t = self.core.training
         verdict = self.core.after_step(self.steps, w.now, self.steps - self.carried_steps)
-        if verdict is Verdict.CONTINUE:
+        if verdict is StepVerdict.CONTINUE:
             self.start_step()
             return
         self.stepping = False
-        if verdict is Verdict.CARRY:
+        if verdict is StepVerdict.CARRY:
             assert t is not None
             self.carry_base, self.carry_round = t.base.copy(), t.round
             w.carries += 1
             w.log(f"learner {self.lid}: carrying round {t.round}'s {self.steps} steps onto the next global")
-        if verdict is Verdict.PUSH:
+        if verdict is StepVerdict.PUSH:
             t = self.core.training
             bits = int(self.core.policy["sync_bits"])
             w.oracle.check_base(self.lid, t.base_version, t.base)
@@ -466,7 +466,7 @@ class SimLearner:
                 except QuantError:
                     pass
             self.execute(actions)
-        elif verdict is Verdict.ABANDON:
+        elif verdict is StepVerdict.ABANDON:
             w.log(f"learner {self.lid}: abandoned the round after {self.steps} steps")
         self.wake()
 

@@ -43,7 +43,7 @@ class World:
         self.syncer = SimSyncer(self)
         self.learners = [SimLearner(self, i) for i in range(sched.learners + sched.extra_ids)]
         self.zombies: list[SimLearner] = []  # replaced learner processes that are still running
-        self.carries = 0  # rounds whose work a learner carried onto the next global (Verdict.CARRY)
+        self.carries = 0  # rounds whose work a learner carried onto the next global (StepVerdict.CARRY)
         self.carries_back = 0  # ... and carries sent back to their own round (the late delta holding it was refused)
         # when the last fault is over (downtimes, cuts and freezes included), with room to reconnect
         ends = [at + (down or 0.0) + (ZOMBIE_SLEEPS_LONGER_S if zombie else 0.0)

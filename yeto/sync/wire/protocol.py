@@ -67,6 +67,7 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "finish": {"version": int, "reason": str, "complete": bool},
 }
 LEARNER_TYPES = frozenset({"hello", "init", "delta", "ping", "sync", "leave"})
+SYNCER_TYPES = frozenset(SCHEMA) - LEARNER_TYPES
 BULK_TYPES = frozenset({"init", "delta", "state", "broadcast"})  # the messages that carry an adapter
 BULK_SUFFIX = b"/bulk"  # a learner's bulk connection has its control connection's routing id plus this
 
