@@ -44,6 +44,12 @@ class Tracker(Protocol):
     def finish(self) -> None: ...
 
 
+def report_to_help(what: str, more: str = "") -> str:
+    """`--report-to`'s help, written once for every command that takes it: `what` the tracker runs are of."""
+    return (f"Experiment trackers for {what}, comma-separated: {', '.join(TRACKERS)}, or {NONE} (tensorboard writes "
+            f"OUT/tb; wandb runs offline without WANDB_API_KEY).{more}")
+
+
 def parse_report_to(spec: str) -> list[str]:
     """`--report-to`'s trackers, in order, without repeats ([] for `none`); an unknown name is one line naming the
     known ones."""

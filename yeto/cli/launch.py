@@ -15,6 +15,7 @@ from yeto import YetoError
 from yeto.cli.launch_flags import check_passed_flags
 from yeto.launch.plan import SYNCER_PORT, FleetPlan, pin_revision, split_extra_args
 from yeto.launch.registry import live_run, runs_dir
+from yeto.trackers import report_to_help
 from yeto.launch.spec import GRAMMAR, parse_gpu
 
 DEFAULT_GPU = "local:2"
@@ -128,10 +129,9 @@ def launch_command(
     head: Annotated[Optional[str], typer.Option(help="Infra of the head VM (default: the first island's cloud).")
                     ] = None,
     dry_run: Annotated[bool, typer.Option(help="Print what would run (cloud: the SkyPilot tasks) and stop.")] = False,
-    report_to: Annotated[str, typer.Option(help="Experiment trackers for the syncer and every learner, "
-                                                "comma-separated: tensorboard, wandb, trackio, mlflow, or none; cloud "
-                                                "tasks get their credentials (WANDB_API_KEY, ...) as SkyPilot secrets.")
-                         ] = "none",
+    report_to: Annotated[str, typer.Option(help=report_to_help(
+        "the syncer and every learner", " Cloud tasks get their credentials (WANDB_API_KEY, ...) as SkyPilot "
+                                        "secrets."))] = "none",
 ) -> None:
     """Run a DiLoCo fleet. Any syncer flag (--sync-bits 8, --outer-lr 0.5, --round-seconds 60, see `yeto syncer
     --help`) goes to the syncer; any other flag (--seq-len 128 --lr 1e-3) to every learner (`yeto train --help`)."""

@@ -13,7 +13,7 @@ from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
 from yeto.sync.core.config import DEFAULT_MAX_BASE_LAG, field_flag
 from yeto.sync.core.syncer import SyncerConfig
 from yeto.sync.shell.server import Syncer
-from yeto.trackers import check_installed, open_trackers, parse_report_to, run_group
+from yeto.trackers import check_installed, open_trackers, parse_report_to, report_to_help, run_group
 
 _D = SyncerConfig()
 # renamed flags, still accepted (hidden); `yeto launch` routes them to the syncer by core.config.OLD_FLAGS
@@ -113,9 +113,7 @@ def syncer_command(
                                                     "beyond --learners only. --no-learner-keys: every learner may "
                                                     "share join.key (bounded, and any holder of it can take an "
                                                     "expected id first).")] = _D.learner_keys,
-    report_to: Annotated[str, typer.Option(help="Experiment trackers for every merge, comma-separated: tensorboard "
-                                                "(OUT/tb), wandb (offline without WANDB_API_KEY), trackio, mlflow; "
-                                                "or none.")] = "none",
+    report_to: Annotated[str, typer.Option(help=report_to_help("every merge"))] = "none",
     run_name: Annotated[str, typer.Option(help="The run's name, grouping the syncer's and the islands' tracker runs "
                                                "(default: the name of --out's parent directory).")] = "",
 ) -> None:

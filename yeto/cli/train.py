@@ -11,6 +11,7 @@ import typer
 from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
 from yeto.island.config import TrainConfig
 from yeto.test_hooks import HIDDEN_TRAIN_FLAGS
+from yeto.trackers import report_to_help
 
 D = TrainConfig()
 OLD_SPELLINGS = (OldSpelling("--num-learners", "num_learners"),)  # renamed flags, still accepted
@@ -139,9 +140,7 @@ def _train_signature(
     fresh: Annotated[bool, typer.Option(help="Start over, replacing the training state saved in --out.")] = False,
     init_adapter: Annotated[Optional[str], typer.Option(help="Start from this peft adapter (its base and LoRA "
                                                              "shape the run's).")] = None,
-    report_to: Annotated[str, typer.Option(help="Experiment trackers, comma-separated: tensorboard (OUT/tb), wandb "
-                                                "(offline without WANDB_API_KEY), trackio, mlflow; or none.")
-                         ] = D.report_to,
+    report_to: Annotated[str, typer.Option(help=report_to_help("the island's training"))] = D.report_to,
     run_name: Annotated[str, typer.Option(help="The run's name, grouping its islands' and syncer's tracker runs "
                                                "(default: --out's directory name; with --syncer, its parent's).")
                         ] = D.run_name,
