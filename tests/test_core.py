@@ -15,7 +15,7 @@ from yeto import YetoError
 from yeto.sync.shell.audit import audit
 from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
-from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, Verdict, Wait
+from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
 from yeto.sync.core.learner_phases import TRANSITIONS, Held, IllegalTransition, Phase, Training
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.wire.layout import build_layout
@@ -117,9 +117,9 @@ class Fleet:
             local += delta
             n += 1
             verdict = c.after_step(n, self.now)
-            if verdict is not Verdict.CONTINUE or (steps is not None and n >= steps):
+            if verdict is not StepVerdict.CONTINUE or (steps is not None and n >= steps):
                 break
-        if verdict is Verdict.PUSH:
+        if verdict is StepVerdict.PUSH:
             self.to_syncer(lid, c.push(local, RoundCounts(100 * n, 50 * n, n, 1.0, 0.1)))
             self.run()
         return task, verdict
@@ -141,7 +141,7 @@ def test_a_learner_restarted_mid_round_is_admitted_to_the_open_round_and_counts(
     f.tick()  # its welcome said version 1 and it held none: it asked for the state, got it
     global_1 = f.syncer.run.global_.copy()
     task, verdict = f.train(1)
-    assert (task.round, task.base_version) == (2, 1) and verdict is Verdict.PUSH
+    assert (task.round, task.base_version) == (2, 1) and verdict is StepVerdict.PUSH
     np.testing.assert_array_equal(task.adapter, global_1)
     merge2 = [e for e in f.tape if e["event"] == "merge" and e["version"] == 2][0]
     assert merge2["responders"] == [0, 1]
@@ -168,7 +168,7 @@ def test_a_member_gone_stops_blocking_and_one_that_returns_is_counted_again():
 
 def test_a_late_joiner_trains_from_the_welcome_and_never_subtracts_a_newer_adapter():
     f, late, task = _late_learner_mid_round(max_base_lag=0)  # stale deltas refused: the round is abandoned
-    assert late.after_step(1, f.now) is Verdict.ABANDON  # it drops the round instead of pushing local - v2
+    assert late.after_step(1, f.now) is StepVerdict.ABANDON  # it drops the round instead of pushing local - v2
     task = late.next_task(f.now)
     assert isinstance(task, Train) and task.base_version == 2
 
@@ -394,7 +394,7 @@ def test_a_time_window_is_the_rounds_so_a_member_that_starts_late_pushes_with_th
     assert f.syncer.version == 0  # 9 s: the window is still open
     f.tick(dt=1.0)
     c1 = f.learners[1]
-    assert c1.after_step(5, f.now - 1.0) is Verdict.CONTINUE and c1.after_step(6, f.now) is Verdict.PUSH
+    assert c1.after_step(5, f.now - 1.0) is StepVerdict.CONTINUE and c1.after_step(6, f.now) is StepVerdict.PUSH
     f.to_syncer(1, c1.push(late.adapter + 0.02, RoundCounts(100, 50, 6, 1.0, 6.0)))
     f.run()
     merge = [e for e in f.tape if e["event"] == "merge"]
@@ -409,12 +409,12 @@ def _late_delta_holds_round_2(late_delta=0.02, **cfg):
     c0, c1 = f.learners[0], f.learners[1]
     first0, first1 = c0.next_task(f.now), c1.next_task(f.now)
     f.tick(dt=1.0, times=10)
-    assert c0.after_step(10, f.now) is Verdict.PUSH
+    assert c0.after_step(10, f.now) is StepVerdict.PUSH
     f.to_syncer(0, c0.push(first0.adapter + 0.01, RoundCounts(100, 50, 10, 1.0, 10.0)))
     f.run()
     f.tick(dt=0.5, times=4)  # learner 1's single step runs past the grace: round 1 closes without it
     assert f.syncer.version == 1 and c1.version == 1
-    assert c1.after_step(1, f.now) is Verdict.PUSH
+    assert c1.after_step(1, f.now) is StepVerdict.PUSH
     f.to_syncer(1, c1.push(first1.adapter + late_delta, RoundCounts(100, 50, 1, 1.0, 12.0)))  # a version late:
     # taken into round 2
     f.run()
@@ -427,32 +427,32 @@ def _late_delta_holds_round_2(late_delta=0.02, **cfg):
 def test_a_learner_whose_late_delta_holds_the_round_carries_its_work_onto_the_next_global(closes_first):
     """The lock-in: a delta that missed its round is merged, a version late, in the next one, whose place it then
     holds (one delta per learner per round), so the learner's next round could only go late too, and so on for the
-    rest of the run. Instead the learner carries that round's work onto the next global (Verdict.CARRY) and its
+    rest of the run. Instead the learner carries that round's work onto the next global (StepVerdict.CARRY) and its
     following push lands fresh; also when the round closed before its window's last step ended (the syncer does
     not wait for a learner whose place is held)."""
     f, second0, second1 = _late_delta_holds_round_2()
     c0, c1 = f.learners[0], f.learners[1]
     f.tick(dt=0.5, times=int(second1.seconds / 0.5) + 1)
     if not closes_first:
-        assert c1.after_step(8, f.now) is Verdict.CARRY and c1.carrying  # its late delta holds round 2's place
+        assert c1.after_step(8, f.now) is StepVerdict.CARRY and c1.carrying  # its late delta holds round 2's place
         assert isinstance(c1.next_task(f.now), Wait)
         with pytest.raises(YetoError, match="link to the syncer stopped"):  # (the loop trains while carrying: a dead
             SyncerLink("127.0.0.1:9", c1).carrying()  # I/O thread must end it, as it ends a wait for a task)
-    assert c0.after_step(16, f.now) is Verdict.PUSH
+    assert c0.after_step(16, f.now) is StepVerdict.PUSH
     f.to_syncer(0, c0.push(second0.adapter + 0.01, RoundCounts(100, 50, 16, 1.0, 10.0)))
     f.run()
     if closes_first:
-        assert c1.version == 2 and c1.after_step(9, f.now + 0.5) is Verdict.CARRY
+        assert c1.version == 2 and c1.after_step(9, f.now + 0.5) is StepVerdict.CARRY
     merge2 = [e for e in f.tape if e["event"] == "merge"][-1]
     assert merge2["round"] == 2 and merge2["responders"] == [0, 1] and merge2["lags"] == [0, 1]
     assert not c1.carrying
     third0, third1 = c0.next_task(f.now), c1.next_task(f.now)
     assert (third1.round, third1.base_version) == (3, 2)  # the loop puts the carried work on top of this global
     f.tick(dt=0.5, times=int(third1.seconds / 0.5) + 1)
-    assert c1.after_step(24, f.now, window_steps=8) is Verdict.PUSH  # (carried steps do not pace the window)
+    assert c1.after_step(24, f.now, window_steps=8) is StepVerdict.PUSH  # (carried steps do not pace the window)
     f.to_syncer(1, c1.push(third1.adapter + 0.03, RoundCounts(200, 100, 24, 1.0, 20.0)))
     f.run()
-    assert c0.after_step(16, f.now) is Verdict.PUSH
+    assert c0.after_step(16, f.now) is StepVerdict.PUSH
     f.to_syncer(0, c0.push(third0.adapter + 0.01, RoundCounts(100, 50, 16, 1.0, 10.0)))
     f.run()
     merge3 = [e for e in f.tape if e["event"] == "merge"][-1]
@@ -468,8 +468,8 @@ def test_a_carry_ends_with_the_next_global_even_when_a_syncer_rollback_brings_it
     c0, c1 = f.learners[0], f.learners[1]
     checkpoint_1 = f.disk["checkpoint"]
     f.tick(dt=0.5, times=int(second1.seconds / 0.5) + 1)
-    assert c1.after_step(8, f.now) is Verdict.CARRY
-    assert c0.after_step(16, f.now) is Verdict.PUSH
+    assert c1.after_step(8, f.now) is StepVerdict.CARRY
+    assert c0.after_step(16, f.now) is StepVerdict.PUSH
     f.to_syncer(0, c0.push(second0.adapter + 0.01, RoundCounts(100, 50, 16, 1.0, 10.0)))
     f.run()
     assert c1.version == 2 and not c1.carrying
@@ -489,17 +489,17 @@ def test_a_carry_ends_when_a_rollback_makes_its_base_version_another_adapter():
     f, second0, second1 = _late_delta_holds_round_2(straggler_timeout=2.0)
     c0, c1 = f.learners[0], f.learners[1]
     f.tick(dt=0.5, times=math.ceil(second1.seconds / 0.5))
-    assert c1.after_step(8, f.now) is Verdict.CARRY and c1.carrying
+    assert c1.after_step(8, f.now) is StepVerdict.CARRY and c1.carrying
     carried_from = c1.digest
     f.lost = lambda direction, lid, msg_type: lid == 1  # learner 1 is cut off meanwhile
     f.syncer = f._boot_syncer(Durable(f.checkpoints[0], [], list(f.tape)))
     f.tick(dt=0.5, times=12)  # learner 0 notices the new syncer, joins it and takes version 0
     assert f.syncer.version == 0 and c0.version == 0
-    assert c0.after_step(1, f.now) is Verdict.ABANDON  # its round 2 is gone with the rollback
+    assert c0.after_step(1, f.now) is StepVerdict.ABANDON  # its round 2 is gone with the rollback
     task = c0.next_task(f.now)
     assert isinstance(task, Train) and (task.round, task.base_version) == (1, 0)
     f.tick(dt=0.5, times=math.ceil(task.seconds / 0.5))
-    assert c0.after_step(10, f.now) is Verdict.PUSH
+    assert c0.after_step(10, f.now) is StepVerdict.PUSH
     f.to_syncer(0, c0.push(task.adapter + 0.05, RoundCounts(100, 50, 10, 1.0, 10.0)))
     f.run()
     for _ in range(40):  # the round waits out its grace for learner 1, then closes without it
@@ -534,15 +534,15 @@ def test_a_learner_restarted_while_its_late_delta_holds_the_round_carries_instea
     assert isinstance(task, Train) and (task.round, task.base_version) == (2, 1)
     f.tick(dt=0.5, times=int(task.seconds / 0.5) + 1)
     if told_by == "duplicate":
-        assert c1.after_step(8, f.now) is Verdict.PUSH
+        assert c1.after_step(8, f.now) is StepVerdict.PUSH
         f.to_syncer(1, c1.push(task.adapter + 0.02, RoundCounts(800, 400, 8, 1.0, 10.0)))
         f.run()
         assert [e["code"] for e in f.tape if e["event"] == "reject"] == ["duplicate"]
         again = c1.next_task(f.now)
         assert isinstance(again, Train) and (again.round, again.base_version) == (2, 1)
-    assert c1.after_step(8, f.now) is Verdict.CARRY and c1.carrying
+    assert c1.after_step(8, f.now) is StepVerdict.CARRY and c1.carrying
     c0 = f.learners[0]
-    assert c0.after_step(16, f.now) is Verdict.PUSH
+    assert c0.after_step(16, f.now) is StepVerdict.PUSH
     f.to_syncer(0, c0.push(second0.adapter + 0.01, RoundCounts(100, 50, 16, 1.0, 10.0)))
     f.run()
     merge2 = [e for e in f.tape if e["event"] == "merge"][-1]
@@ -572,7 +572,7 @@ def test_a_carry_whose_late_delta_is_refused_goes_back_to_its_round(told_by):
     if told_by == "welcome":
         f.lost = lambda direction, lid, msg_type: lid == 1 and msg_type == "pong"
     f.tick(dt=0.5, times=math.ceil(second1.seconds / 0.5))  # the window's end
-    assert c1.after_step(8, f.now) is Verdict.CARRY and c1.carrying
+    assert c1.after_step(8, f.now) is StepVerdict.CARRY and c1.carrying
     assert c1.phase is Phase.CARRYING and c1.carried.matches(2, 1) and c1.training is None
     f.tick(dt=0.5, times=6)  # round 2's window and grace are over: its merge refuses the late delta
     assert [e["learner"] for e in f.tape if e["event"] == "refuse_delta"] == [1] and f.syncer.version == 1
@@ -584,7 +584,7 @@ def test_a_carry_whose_late_delta_is_refused_goes_back_to_its_round(told_by):
     assert not c1.carrying and c1.phase is Phase.WAITING and c1.carried is None  # the place is free again
     again = c1.next_task(f.now)
     assert isinstance(again, Train) and (again.round, again.base_version) == (2, 1)
-    assert c1.after_step(9, f.now + 0.5, window_steps=1) is Verdict.PUSH
+    assert c1.after_step(9, f.now + 0.5, window_steps=1) is StepVerdict.PUSH
     f.to_syncer(1, c1.push(again.adapter + 0.02, RoundCounts(900, 450, 9, 1.0, 10.0)))
     f.run()
     f.tick(dt=0.5, times=4)
@@ -600,7 +600,7 @@ def test_a_refusal_by_a_merge_that_went_on_without_the_delta_does_not_send_a_car
     f, second0, second1 = _late_delta_holds_round_2(late_delta=3e38, outer_lr=2.0, straggler_timeout=2.0)
     c0, c1 = f.learners[0], f.learners[1]
     f.tick(dt=0.5, times=math.ceil(second1.seconds / 0.5))
-    assert c1.after_step(8, f.now) is Verdict.CARRY and c0.after_step(16, f.now) is Verdict.PUSH
+    assert c1.after_step(8, f.now) is StepVerdict.CARRY and c0.after_step(16, f.now) is StepVerdict.PUSH
     f.lost = lambda direction, lid, msg_type: lid == 1 and msg_type in ("broadcast", "round")
     f.to_syncer(0, c0.push(second0.adapter + 0.01, RoundCounts(100, 50, 16, 1.0, 10.0)))
     f.run()
@@ -638,7 +638,7 @@ def test_in_fixed_step_rounds_a_learner_whose_earlier_late_delta_holds_the_round
     if told_by == "duplicate":
         c1.place_held = None
         task, verdict = f.train(1)
-        assert (task.round, verdict) == (2, Verdict.PUSH)
+        assert (task.round, verdict) == (2, StepVerdict.PUSH)
         assert [e["code"] for e in f.tape if e["event"] == "reject"] == ["duplicate"]
     assert isinstance(c1.next_task(f.now), Wait)
     f.train(0)
@@ -658,7 +658,7 @@ def test_stale_deltas_making_the_quorum_do_not_close_a_time_window_round_before_
     f.tick(dt=0.5, times=int(second0.seconds / 0.5) - 1)
     assert f.syncer.version == 1  # well past quorum + --straggler-timeout, before the window's end
     f.tick(dt=0.5, times=1)
-    assert c0.after_step(16, f.now) is Verdict.PUSH
+    assert c0.after_step(16, f.now) is StepVerdict.PUSH
     f.to_syncer(0, c0.push(second0.adapter + 0.01, RoundCounts(100, 50, 16, 1.0, 10.0)))
     f.run()
     merge2 = [e for e in f.tape if e["event"] == "merge"][-1]
@@ -698,17 +698,17 @@ def test_a_time_window_ends_at_the_step_boundary_nearest_its_end():
     task = c.next_task(f.now)
     assert isinstance(task, Train) and task.seconds == 10.0
     t0 = f.now
-    assert c.after_step(7, t0 + 7 * 1.2) is Verdict.CONTINUE  # 8.4 s: the next step ends at 9.6, nearer the end
-    assert c.after_step(8, t0 + 8 * 1.2) is Verdict.PUSH  # 9.6 s: the next would end 0.8 s past it
-    assert c.after_step(1, t0 + 4.0) is Verdict.CONTINUE  # a slow pace: 4 s, then 8 s is nearer
-    assert c.after_step(1, t0 + 7.0) is Verdict.PUSH  # 7 s: a second step would end 4 s past the end
-    assert c.after_step(1, t0 + 11.0) is Verdict.PUSH  # past the end: at once
+    assert c.after_step(7, t0 + 7 * 1.2) is StepVerdict.CONTINUE  # 8.4 s: the next step ends at 9.6, nearer the end
+    assert c.after_step(8, t0 + 8 * 1.2) is StepVerdict.PUSH  # 9.6 s: the next would end 0.8 s past it
+    assert c.after_step(1, t0 + 4.0) is StepVerdict.CONTINUE  # a slow pace: 4 s, then 8 s is nearer
+    assert c.after_step(1, t0 + 7.0) is StepVerdict.PUSH  # 7 s: a second step would end 4 s past the end
+    assert c.after_step(1, t0 + 11.0) is StepVerdict.PUSH  # past the end: at once
 
 
 def test_a_stale_delta_is_merged_in_the_round_where_it_arrives_with_its_lag_on_the_tape():
     f, late, task = _late_learner_mid_round(max_base_lag=1, staleness_exponent=1.0)
-    assert late.after_step(1, f.now) is Verdict.CONTINUE  # the global moved on: the round goes on
-    assert late.after_step(2, f.now) is Verdict.PUSH
+    assert late.after_step(1, f.now) is StepVerdict.CONTINUE  # the global moved on: the round goes on
+    assert late.after_step(2, f.now) is StepVerdict.PUSH
     local = task.adapter + 0.5
     f.to_syncer(2, late.push(local, RoundCounts(100, 50, 2, 1.0, 0.1)))
     f.run()
@@ -728,18 +728,18 @@ def test_a_stale_delta_is_merged_in_the_round_where_it_arrives_with_its_lag_on_t
 
 def test_a_round_whose_base_falls_more_than_max_base_lag_behind_is_abandoned():
     f, late, task = _late_learner_mid_round(max_base_lag=1)
-    assert late.after_step(1, f.now) is Verdict.CONTINUE  # 1 version behind: still worth pushing
+    assert late.after_step(1, f.now) is StepVerdict.CONTINUE  # 1 version behind: still worth pushing
     f.train(0)  # round 3 as well: version 3, the late learner's base is 2 versions back
     f.train(1)
     f.tick(dt=1.0, times=4)
     assert f.syncer.version == 3
-    assert late.after_step(1, f.now) is Verdict.ABANDON  # beyond --max-base-lag: it drops the round
+    assert late.after_step(1, f.now) is StepVerdict.ABANDON  # beyond --max-base-lag: it drops the round
 
 
 def test_a_stale_round_is_abandoned_when_its_base_was_rolled_back():
     f, late, task = _late_learner_mid_round(max_base_lag=4)
     late.lineage[1] = "another"  # as if a syncer restart redefined version 1 under it
-    assert late.after_step(1, f.now) is Verdict.ABANDON
+    assert late.after_step(1, f.now) is StepVerdict.ABANDON
 
 
 def test_a_learner_moves_through_its_phases_by_the_table_and_an_illegal_move_raises_naming_it():
@@ -753,7 +753,7 @@ def test_a_learner_moves_through_its_phases_by_the_table_and_an_illegal_move_rai
     assert c.phase is Phase.WAITING  # (the fixture's learner founded the run)
     task = c.next_task(f.now)
     assert c.phase is Phase.TRAINING and c.training is not None and c.carried is None and c.held is None
-    assert c.after_step(task.steps, f.now) is Verdict.PUSH
+    assert c.after_step(task.steps, f.now) is StepVerdict.PUSH
     f.to_syncer(0, c.push(task.adapter + 0.01, RoundCounts(100, 50, task.steps, 1.0, 0.1)))
     assert moves == [(Phase.WAITING, Phase.TRAINING), (Phase.TRAINING, Phase.HOLDING), (Phase.HOLDING, Phase.WAITING)]
     assert c.training is None and c.held is None
@@ -818,7 +818,8 @@ def test_a_refusal_lost_before_a_late_hello_of_the_same_process_is_still_learned
     c = f.learners[1]
     f.lost = lambda direction, lid, msg_type: direction == "down" and lid == 1 and msg_type in ("error", "welcome")
     task = c.next_task(f.now)
-    assert isinstance(task, Train) and [c.after_step(n, f.now) for n in (1, 2)] == [Verdict.CONTINUE, Verdict.PUSH]
+    assert isinstance(task, Train)
+    assert [c.after_step(n, f.now) for n in (1, 2)] == [StepVerdict.CONTINUE, StepVerdict.PUSH]
     too_many = 1 << 41  # more tokens than any delta can carry: refused
     f.to_syncer(1, c.push(task.adapter + 0.01, RoundCounts(too_many, too_many, 2, 1.0, 0.1)))
     f.run()
@@ -843,7 +844,8 @@ def test_a_delta_sent_by_a_learner_dropped_while_asleep_is_sent_again_once_it_is
     f = Fleet(n=2)
     c = f.learners[1]
     task = c.next_task(f.now)
-    assert isinstance(task, Train) and [c.after_step(n, f.now) for n in (1, 2)] == [Verdict.CONTINUE, Verdict.PUSH]
+    assert isinstance(task, Train)
+    assert [c.after_step(n, f.now) for n in (1, 2)] == [StepVerdict.CONTINUE, StepVerdict.PUSH]
     for _ in range(16):  # learner 1 asleep for 8 s: the syncer drops it
         f.now += 0.5
         f.apply(f.syncer.tick(f.now))
@@ -906,4 +908,4 @@ def test_a_finish_from_a_stopped_syncer_gives_way_to_a_restarted_one_that_goes_o
     assert c.finish is None and c.phase is not Phase.DONE
     f.train(0)
     task, verdict = f.train(1)
-    assert (task.round, verdict) == (2, Verdict.PUSH) and f.syncer.version == 2 and audit(f.tape).ok
+    assert (task.round, verdict) == (2, StepVerdict.PUSH) and f.syncer.version == 2 and audit(f.tape).ok

@@ -8,7 +8,7 @@ from tests.conftest import DEMO_DATA
 from tests.test_core import Fleet
 from yeto import YetoError
 from yeto.sync.core.contract import contract_mismatch
-from yeto.sync.core.learner import RoundCounts, Train, Verdict
+from yeto.sync.core.learner import RoundCounts, Train, StepVerdict
 from yeto.sync.core.syncer import SyncerConfig
 from yeto.sync.wire.layout import build_layout, flatten, unflatten
 from yeto.sync.merge.rules import lora_pairs, product_merge, rda, refactor
@@ -146,7 +146,7 @@ def push(fleet, deltas, counts):
         c = fleet.learners[lid]
         task = c.next_task(fleet.now)
         assert isinstance(task, Train), task
-        assert c.after_step(fleet.cfg.inner_steps, fleet.now) is Verdict.PUSH
+        assert c.after_step(fleet.cfg.inner_steps, fleet.now) is StepVerdict.PUSH
         tokens, loss_tokens, steps = counts[lid]
         fleet.to_syncer(lid, c.push(task.adapter + d, RoundCounts(tokens, loss_tokens, steps, 1.0, 0.1)))
         fleet.run()

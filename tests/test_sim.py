@@ -141,7 +141,7 @@ def _after_step_ignoring_new_versions(orig):
     def after_step(self, steps, now):  # keep training through a broadcast (the bug the issue reports) ...
         t = self.training
         if t is not None and t.base_version != self.version and self.finish is None and not self.need_state:
-            return lcore.Verdict.PUSH if t.steps and steps >= t.steps else lcore.Verdict.CONTINUE
+            return lcore.StepVerdict.PUSH if t.steps and steps >= t.steps else lcore.StepVerdict.CONTINUE
         return orig(self, steps, now)
     return after_step
 
@@ -366,7 +366,7 @@ def test_the_simulator_catches_a_phase_changed_around_the_one_method_that_checks
         if t is not None and not self._base_ok(t.base_version, t.base_digest) and self.finish is None and not (
                 self.refused or self.gave_up):
             self._phase, self._phase_data = lphases.Phase.WAITING, None
-            return lcore.Verdict.ABANDON
+            return lcore.StepVerdict.ABANDON
         return orig(self, steps_done, now, window_steps)
 
     monkeypatch.setattr(lcore.LearnerCore, "after_step", after_step)

@@ -32,13 +32,15 @@ class Oracle:
         # deltas as (learner, base version, digest): two sessions of one learner may send equal bits on other bases
         self.acked: set[tuple[int, int, str]] = set()  # every ack a learner received
         self.merged: set[tuple[int, int, str]] = set()  # the deltas in durable merges
-        # each learner core's phase sequence: (moves as (from, to, event), how many of them were checked)
-        self.moves: dict[int, tuple[list[tuple[Phase, Phase, str]], list[int]]] = {}
+        # each learner core's phase sequence: (the core, moves as (from, to, event), how many of them were checked);
+        # the core is held so that its id is never a later core's (a relaunched learner's), whose moves would replace
+        # its own, by where memory happened to be free
+        self.moves: dict[int, tuple[LearnerCore, list[tuple[Phase, Phase, str]], list[int]]] = {}
 
     def watch_phases(self, lid: int, core: LearnerCore) -> None:
         """Record every move of a learner core's phase (its phase sequence), to check it after each event."""
         moves: list[tuple[Phase, Phase, str]] = []
-        self.moves[id(core)] = (moves, [0])
+        self.moves[id(core)] = (core, moves, [0])
 
         def on_move(old: Phase, new: Phase, event: str) -> None:
             moves.append((old, new, event))
@@ -50,7 +52,7 @@ class Oracle:
         """Each move since the last check is in the phase table and starts where the one before it ended, and the
         core is in the phase its last move entered (a phase changed around `LearnerCore._enter` is caught here even
         where the core's own check was skipped)."""
-        moves, checked = self.moves[id(core)]
+        _, moves, checked = self.moves[id(core)]
         at = moves[checked[0] - 1][1] if checked[0] else Phase.JOINING
         for old, new, event in moves[checked[0]:]:
             if old is not at:
@@ -67,7 +69,7 @@ class Oracle:
 
     def moves_seen(self) -> set[tuple[str, str]]:
         """The phase moves (from, to) any learner of this schedule made."""
-        return {(old.value, new.value) for moves, _ in self.moves.values() for old, new, _ in moves}
+        return {(old.value, new.value) for _, moves, _ in self.moves.values() for old, new, _ in moves}
 
     def note_durable(self, ck: Checkpoint) -> None:
         had = self.globals.get(ck.version)
