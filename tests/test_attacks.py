@@ -259,8 +259,8 @@ def test_a_fresh_id_flood_leaves_room_for_a_real_learner_and_nothing_behind(star
     assert wait_until(lambda: syncer.version == 1, MERGE_TIMEOUT_S)
     for f in flood:
         f.close()
-    assert wait_until(lambda: not [i for i in syncer.core.seen if i >= 100], 10.0), sorted(syncer.core.seen)
-    assert not [i for i in syncer.core.owners if i >= 100]
+    assert wait_until(lambda: not [i for i in syncer.core.state.seen if i >= 100], 10.0), sorted(syncer.core.state.seen)
+    assert not [i for i in syncer.core.state.owners if i >= 100]
     ck = syncer.core._checkpoint()
     assert set(ck.members) <= {0, 1} and set(ck.owners) <= {0, 1}  # the checkpoint keeps nothing of the flood
     founder.close()

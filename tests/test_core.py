@@ -156,11 +156,11 @@ def test_a_member_gone_stops_blocking_and_one_that_returns_is_counted_again():
     silent = f.learners.pop(1)
     f.tick(dt=1.0, times=4)  # learner 1 is dropped after --learner-timeout ...
     assert any(e["event"] == "leave" and e["learner"] == 1 for e in f.tape)
-    expected = f.syncer._round_members(f.now)
+    expected = f.syncer.round_members(f.now)
     assert list(expected.waiting) == [2] and expected.absent == ()  # ... and no longer expected; 2 still is
     f.learners[1] = silent  # it comes back: pings get "not joined", it says hello again, is counted again
     f.tick(dt=1.0, times=8)
-    assert sorted(f.syncer._round_members(f.now).waiting) == [1, 2]
+    assert sorted(f.syncer.round_members(f.now).waiting) == [1, 2]
     f.train(1)
     f.train(2)
     assert [e["responders"] for e in f.tape if e["event"] == "merge"][-1] == [0, 1, 2]
@@ -189,7 +189,7 @@ def test_lost_broadcast_round_announcement_and_finish_are_noticed_and_recovered(
     f.train(0)
     f.lost = lambda d, lid, t: lid == 1 and t in ("finish", "broadcast")
     f.train(1)
-    assert f.syncer.finished_at is not None and f.learners[1].finish is None
+    assert f.syncer.state.finished_at is not None and f.learners[1].finish is None
     f.lost = lambda d, lid, t: False
     f.tick(dt=1.0, times=4)  # the next ping gets the finish again, then the final adapter
     done = f.learners[1].next_task(f.now)
@@ -209,10 +209,10 @@ def test_a_finish_serves_a_learner_fetching_the_final_adapter_and_a_stop_does_no
     assert f.syncer.version == 1 and f.learners[1].version == 0
     if ending == "stop":
         f.apply(f.syncer.stop(f.now, "SIGTERM", 143))
-    assert f.syncer.finished_at is not None
-    linger = f.syncer.linger_until - f.now
+    assert f.syncer.state.finished_at is not None
+    linger = f.syncer.state.linger_until - f.now
     f.tick(dt=1.0, times=int(linger) + 2)  # learner 1 pings throughout, behind the final version
-    assert f.learners[1].version == 0 and f.now - f.syncer.members[1].last_seen <= f.cfg.learner_timeout
+    assert f.learners[1].version == 0 and f.now - f.syncer.state.members[1].last_seen <= f.cfg.learner_timeout
     assert (f.syncer.exit_code is None) == (ending == "finish"), (ending, f.syncer.exit_code)
     if ending == "stop":
         assert f.syncer.exit_code == 143
@@ -229,10 +229,10 @@ def test_deltas_travel_at_sync_bits_and_broadcasts_at_broadcast_bits(bits):
     for _ in range(2):
         f.train(0)
         f.train(1)
-    assert f.syncer.finished_at is not None and f.syncer.version == 2
+    assert f.syncer.state.finished_at is not None and f.syncer.version == 2
     assert {tuple(e["bits"]) for e in f.tape if e["event"] == "delta"} == {(up,)}
     assert {e["bits"] for e in f.tape if e["event"] == "broadcast"} == {down or up}
-    b = f.syncer.last_broadcast
+    b = f.syncer.state.last_broadcast
     assert [d["bits"] for d in b.header["fragments"]] == [down or up] * len(f.layout.fragments)
     assert [len(x) for x in b.frames] == [encoded_size(x.numel, down or up) for x in f.layout.fragments]
     frames = [s for t, s in sizes if t == "delta"]
@@ -295,7 +295,7 @@ def test_restart_reconciliation_from_a_crafted_disk():
     assert events["rollback"]["version"] == 2
     assert events["discard"]["learner"] == 2 and events["discard"]["round"] == 2
     assert events["resume"]["version"] == 1 and events["resume"]["restored"] == [0, 1]
-    assert sorted(f.syncer.pending) == [0, 1] and f.syncer.round.number == 2
+    assert sorted(f.syncer.state.pending) == [0, 1] and f.syncer.state.round.number == 2
     report = audit(f.tape)
     assert report.ok, report.summary()
     assert report.version == 1
@@ -312,7 +312,7 @@ def test_another_identity_cannot_take_a_live_learners_id_but_gets_it_once_the_ho
     f.learners[1] = impostor
     f.to_syncer(1, impostor.connected_now(f.now))
     f.run()
-    assert f.syncer.members[1].session == holder.session  # still the holder's
+    assert f.syncer.state.members[1].session == holder.session  # still the holder's
     assert any(e["event"] == "reject" and e["code"] == "id_taken" for e in f.tape)
     assert not impostor.refused and isinstance(impostor.next_task(f.now), Wait)  # not final: it retries
     f.learners[1] = holder
@@ -323,7 +323,7 @@ def test_another_identity_cannot_take_a_live_learners_id_but_gets_it_once_the_ho
     f.run()
     f.learners[1] = impostor
     f.tick(dt=LINK.heartbeat_s, times=4)  # its hello retries find the id free
-    assert f.syncer.members[1].session == impostor.session and f.syncer.members[1].active
+    assert f.syncer.state.members[1].session == impostor.session and f.syncer.state.members[1].active
     assert audit(f.tape).ok, audit(f.tape).summary()
 
 
@@ -353,7 +353,7 @@ def test_a_learner_given_up_by_the_fleet_controller_lowers_the_quorum_and_the_ru
     lying = [dict(e, quorum=1) if e["event"] == "given_up" else e for e in f.tape]  # the rule gives 2, not 1
     assert "the rule gives 2" in audit(lying).summary()
     f.apply(f.syncer.give_up({7: "not one of the run's learners"}, f.now))
-    assert f.syncer._quorum() == 2 and len([e for e in f.tape if e["event"] == "given_up"]) == 1
+    assert f.syncer.state.quorum() == 2 and len([e for e in f.tape if e["event"] == "given_up"]) == 1
 
 
 def _late_learner_mid_round(max_base_lag, **cfg):
@@ -798,13 +798,13 @@ def test_a_delta_that_reaches_a_restarted_syncer_before_its_round_reopens_is_kep
     f.lost = lambda direction, lid, msg_type: lid == 1  # learner 1 is not back yet: no quorum, no round
     c = f.learners[0]
     f.tick(times=12)  # learner 0 is told to say hello, is welcomed with no round open, and sends its delta again
-    assert f.syncer.round is None and f.syncer.version == 0 and c.pushed is not None and c.pushed.copies >= 2
+    assert f.syncer.state.round is None and f.syncer.version == 0 and c.pushed is not None and c.pushed.copies >= 2
     rejects = [e for e in f.tape if e["event"] == "reject" and "round" in e]
     assert not rejects, "a delta for the round about to open was refused"
     f.lost = lambda *a: False
     f.to_syncer(1, f.learners[1].connected_now(f.now))  # learner 1 reconnects: round 1 opens, takes learner 0's delta
     f.tick(times=4)
-    assert f.syncer.round is not None and 0 in f.syncer.pending and c.pushed.acked
+    assert f.syncer.state.round is not None and 0 in f.syncer.state.pending and c.pushed.acked
     f.train(1)
     merge = [e for e in f.tape if e["event"] == "merge"][-1]
     assert f.syncer.version == 1 and merge["responders"] == [0, 1] and audit(f.tape).ok
@@ -851,7 +851,7 @@ def test_a_delta_sent_by_a_learner_dropped_while_asleep_is_sent_again_once_it_is
         f.apply(f.syncer.tick(f.now))
         f.to_syncer(0, f.learners[0].tick(f.now))
         f.run()
-    assert not f.syncer.members[1].active
+    assert not f.syncer.state.members[1].active
     c.last_heard = f.now  # (waking, it reads what came while it slept: it heard the syncer, so no reconnect)
     f.lost = lambda direction, lid, msg_type: direction == "down" and lid == 1 and msg_type == "error"
     f.to_syncer(1, c.push(task.adapter + 0.01, RoundCounts(200, 100, 2, 1.0, 0.1)))
@@ -864,7 +864,7 @@ def test_a_delta_sent_by_a_learner_dropped_while_asleep_is_sent_again_once_it_is
     f.run()
     f.lost = lambda *a: False
     f.tick(times=4)
-    assert 1 in f.syncer.pending and c.pushed.acked, "the round still waits on a delta the learner holds as sent"
+    assert 1 in f.syncer.state.pending and c.pushed.acked, "the round still waits on a delta the learner holds as sent"
     f.train(0)
     merge = [e for e in f.tape if e["event"] == "merge"][-1]
     assert f.syncer.version == 1 and merge["responders"] == [0, 1] and audit(f.tape).ok
@@ -882,12 +882,12 @@ def test_a_founding_upload_that_came_too_late_to_count_is_asked_for_again():
     assert c.init_sent is not None and [decode(q[2]).type for q in held] == ["init"]
     f.now += 4.0
     f.apply(f.syncer.tick(f.now))  # ... long enough for the syncer to drop it, not for it to reconnect
-    assert not f.syncer.members[0].active and f.syncer.run is None
+    assert not f.syncer.state.members[0].active and f.syncer.run is None
     f.lost = lambda direction, lid, msg_type: lid == 1 or msg_type == "error"  # the refusal of the late upload is lost
     f.queue = held
     f.run()
     f.tick(times=8)  # learner 0 says hello again and is asked again
-    assert f.syncer.run is not None and f.syncer.founder == 0 and c.init_copies == 2
+    assert f.syncer.run is not None and f.syncer.state.founder == 0 and c.init_copies == 2
 
 
 def test_a_finish_from_a_stopped_syncer_gives_way_to_a_restarted_one_that_goes_on():

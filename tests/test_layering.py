@@ -94,8 +94,20 @@ def test_every_message_and_tape_event_goes_to_the_handler_its_table_names():
     from yeto.sync.core.syncer import SyncerCore
     from yeto.sync.wire.protocol import LEARNER_TYPES, SYNCER_TYPES
 
-    for cls, types, fallback in [(SyncerCore, LEARNER_TYPES, {"_on_unexpected"}),
-                                 (LearnerCore, SYNCER_TYPES, {"_on_other"}), (TapeFold, None, set())]:
+    from yeto.sync.core.config import SyncerConfig
+
+    core = SyncerCore(SyncerConfig(learners=1), "inc")
+    table = core._handlers()
+    assert set(table) == LEARNER_TYPES
+    owners = {id(core), *(id(getattr(core, c)) for c in ("admission", "deltas", "merging", "driver", "recovery"))}
+    assert all(id(h.__self__) in owners for h in table.values()), "a syncer handler outside the core's concerns"
+    handlers = {(type(h.__self__).__name__, h.__name__) for h in table.values()}
+    for owner in [core, core.admission, core.deltas, core.merging, core.driver, core.recovery]:
+        for name in [n for n in dir(type(owner)) if n.startswith(("_on_", "on_")) and n != "_on_unexpected"]:
+            kind = name.removeprefix("_").removeprefix("on_")  # a concern's handler: the table's, or the core's
+            # entry for its type calls it (then the round may open or close)
+            assert (type(owner).__name__, name) in handlers or table[kind].__self__ is core, (owner, name)
+    for cls, types, fallback in [(LearnerCore, SYNCER_TYPES, {"_on_other"}), (TapeFold, None, set())]:
         table = cls._handlers(_Names())
         assert types is None or set(table) == types, cls
         assert all(callable(getattr(cls, name)) for name in table.values()), cls

@@ -16,7 +16,7 @@ import pytest
 
 from yeto.sync import sim
 from yeto.sync.core import rounds
-from yeto.sync.core import syncer as score
+from yeto.sync.core.merging import Merging
 from yeto.sync.core.rounds import (GRACE_SLACK, GRACE_SLACK_S, ClosePolicy, OpenRound, Pace, RoundMembers, RoundPhase,
                                    RoundPhaseError, Verdict, close_decision)
 
@@ -170,13 +170,13 @@ def _first_failure() -> Optional[sim.Outcome]:
 
 def test_the_simulator_catches_a_round_committed_without_merging(monkeypatch):
     """A call site that skips the merge transaction's phase (GRACE -> COMMITTED) stops the run in the simulator."""
-    commit = score.SyncerCore._commit
+    commit = Merging._commit
 
     def commit_skipping_the_merge(self, r, *a):
         r.phase = RoundPhase.GRACE  # as if the round were committed straight from its grace
         return commit(self, r, *a)
 
-    monkeypatch.setattr(score.SyncerCore, "_commit", commit_skipping_the_merge)
+    monkeypatch.setattr(Merging, "_commit", commit_skipping_the_merge)
     out = _first_failure()
     assert out is not None and "cannot go from GRACE to COMMITTED" in out.error, out
     assert out.error.startswith("the syncer recorded an internal error"), out  # halted and recorded, not a crash

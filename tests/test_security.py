@@ -143,7 +143,7 @@ def test_a_learner_with_a_wrong_or_missing_key_exits_with_what_is_missing(start_
         run_island(QuadraticIsland(0.0, 1), f"127.0.0.1:{port}", 0, log_fn=seen.append, join_key=other_syncer,
                    timeouts=LinkTimeouts(heartbeat_s=0.5, dead_after_s=2.0, give_up_s=4.0))
     assert sum("cut" in s and "retrying until --give-up-after" in s for s in seen) >= 1
-    assert syncer.core.founding is None and syncer.core.run is None
+    assert syncer.core.state.founding is None and syncer.core.run is None
 
 
 def test_replay_from_another_connection_and_identity_takeover_are_refused(start_syncer, tmp_path):
@@ -159,12 +159,12 @@ def test_replay_from_another_connection_and_identity_takeover_are_refused(start_
     thief = RawLearner(port, 0, key=key, ident=b"learner-0-s1-other")
     err = thief.ask(delta, bulk=True)
     assert err.type == "error" and err.header["code"] == "identity"
-    assert 0 not in syncer.core.pending
+    assert 0 not in syncer.core.state.pending
     # another identity claiming learner 0's id while it is live: refused and recorded; learner 0 keeps it
     taker = RawLearner(port, 0, session="s2", key=key, identity="someone-else-entirely")
     err = taker.ask(taker.hello_parts(state)[0])
     assert err.type == "error" and err.header["code"] == "id_taken"
-    assert syncer.core.members[0].session == "s1"
+    assert syncer.core.state.members[0].session == "s1"
     assert a.ask(delta, bulk=True).type == "ack"  # the real learner 0 is undisturbed
     tape = tape_with(tmp_path / "syncer", "delta")
     assert any(e["event"] == "reject" and e["code"] == "id_taken" for e in tape)
@@ -247,7 +247,7 @@ def test_the_contract_is_pinned_and_a_mismatch_names_the_field_and_both_values(s
     other_alpha = RawLearner(port, 2, key=key)
     r = other_alpha.ask(other_alpha.hello_parts(state, {**ADAPTER_CONFIG, "lora_alpha": 16}, prov)[0])
     assert r.type == "refuse" and "lora_alpha (--lora-alpha) is 16 on this learner, 4 in the run" in r.header["reason"]
-    assert syncer.core.founding.provenance["run"]["lora_alpha"] == 4  # the run's provenance: its contract
+    assert syncer.core.state.founding.provenance["run"]["lora_alpha"] == 4  # the run's provenance: its contract
 
 
 @pytest.mark.parametrize("field, changed, reason", [
@@ -591,7 +591,8 @@ def test_fuzzed_frames_authenticated_or_not_never_stop_honest_rounds(start_synce
     send()
     fuzzed.set()
     join_all(threads, results, timeout=120)
-    assert syncer.core.finish_header["complete"] and not syncer.core.internal_errors  # (it lingers for the fuzzer)
+    core = syncer.core
+    assert core.state.finish_header["complete"] and not core.internal_errors  # (it lingers for the fuzzer)
     tape = read_tape(tmp_path / "syncer")
     assert sum(e["event"] == "merge" for e in tape) == 6
     assert not any(e["event"] == "internal_error" or e.get("code") == "internal" for e in tape)

@@ -13,11 +13,14 @@ import pytest
 
 from yeto.sync import sim
 from yeto.sync.core import actions
+from yeto.sync.core import admission as sadmission
 from yeto.sync.core import deltas as sdeltas
+from yeto.sync.core import driver as sdriver
 from yeto.sync.core import learner as lcore
 from yeto.sync.core import learner_pipeline as lpipeline
 from yeto.sync.core import learner_phases as lphases
 from yeto.sync.core import merging
+from yeto.sync.core import state as sstate
 from yeto.sync.core import syncer as score
 from yeto.sync.merge.outer import nesterov_step
 from yeto.sync.merge.rules import low_median
@@ -157,29 +160,31 @@ def _push_against_newest(orig):
 
 def _broadcast_before_checkpoint(orig):
     def commit(self, *a):
-        n = len(self.out)
+        out = self.outbox.actions
+        n = len(out)
         orig(self, *a)
-        new = self.out[n:]
-        self.out[n:] = [x for x in new if not isinstance(x, actions.SaveCheckpoint)] + \
+        new = out[n:]
+        out[n:] = [x for x in new if not isinstance(x, actions.SaveCheckpoint)] + \
             [x for x in new if isinstance(x, actions.SaveCheckpoint)]
     return commit
 
 
 def _no_duplicate_check(orig):
     def on_delta(self, peer, msg, now):
-        self.pending.pop(msg.header["learner"], None)
+        self.state.pending.pop(msg.header["learner"], None)
         return orig(self, peer, msg, now)
     return on_delta
 
 
 def _quorum_minus_one(orig):
     def maybe_close(self, now):
-        q = self.cfg.quorum
-        self.cfg.quorum = max(1, q - 1)
+        cfg = self.state.cfg
+        q = cfg.quorum
+        cfg.quorum = max(1, q - 1)
         try:
             orig(self, now)
         finally:
-            self.cfg.quorum = q
+            cfg.quorum = q
     return maybe_close
 
 
@@ -200,14 +205,15 @@ def _settle_every_refusal(orig):
 
 def _no_merged_ack(orig):
     def on_delta(self, peer, msg, now):
-        self.merged.clear()  # a delta sent again after a lost ack is called stale, not acked
+        self.state.merged.clear()  # a delta sent again after a lost ack is called stale, not acked
         return orig(self, peer, msg, now)
     return on_delta
 
 
 def _weights_by_claim(orig):
     def terms(self, ids):  # every claim buys its full weight (the red team's "weight by claim")
-        return dataclasses.replace(orig(self, ids), counted=[self._weight(self.pending[i]) for i in ids])
+        return dataclasses.replace(orig(self, ids), counted=[self.deltas.weight(self.state.pending[i])
+                                                                   for i in ids])
     return terms
 
 
@@ -242,12 +248,12 @@ PLANTED = {
     "a delta against a newer adapter than it trained from": [(lcore.LearnerCore, "after_step",
                                                               _after_step_ignoring_new_versions),
                                                              (lcore.LearnerCore, "push", _push_against_newest)],
-    "broadcast before the checkpoint is durable": [(score.SyncerCore, "_commit", _broadcast_before_checkpoint)],
-    "a learner's second delta in a round accepted": [(score.SyncerCore, "_on_delta", _no_duplicate_check)],
-    "merging one responder short of quorum": [(score.SyncerCore, "_maybe_close", _quorum_minus_one)],
+    "broadcast before the checkpoint is durable": [(merging.Merging, "_commit", _broadcast_before_checkpoint)],
+    "a learner's second delta in a round accepted": [(sdeltas.Deltas, "on_delta", _no_duplicate_check)],
+    "merging one responder short of quorum": [(sdriver.RoundDriver, "maybe_close", _quorum_minus_one)],
     "a restart that forgets the saved deltas": [(score.SyncerCore, "start", _forget_saved_deltas)],
     "a learner that never catches up": [(lcore.LearnerCore, "_maybe_sync", lambda orig: lambda self, now: None)],
-    "a claim that buys more than the round's median weight": [(score.SyncerCore, "_terms", _weights_by_claim)],
+    "a claim that buys more than the round's median weight": [(merging.Merging, "_terms", _weights_by_claim)],
     "a streamed round that steps the parts it did not merge": [(merging, "nesterov_step_on", _every_part_stepped)],
     "a delta sent again on every control-connection drop (copies queue up a slow link)": [
         (lcore.LearnerCore, "link_lost", lambda orig: lambda self, now, bulk=True: orig(self, now, True))],
@@ -256,16 +262,15 @@ PLANTED = {
     "a refused pipelined delta that gives back the whole residual": [
         (lpipeline.PipelinedDeltas, "_give_back", _whole_residual_given_back)],
     "a finished syncer that stops serving a slow reader": [
-        (score.SyncerCore, "_fetching_final", lambda orig: lambda self, now: False)],
-    "an extra id's delta counted toward quorum": [(merging, "counts_toward_quorum", lambda orig: lambda tier: True),
-                                                  (score, "counts_toward_quorum", lambda orig: lambda tier: True)],
+        (sdriver.RoundDriver, "_fetching_final", lambda orig: lambda self, now: False)],
+    "an extra id's delta counted toward quorum": [(sstate, "counts_toward_quorum", lambda orig: lambda tier: True)],
     "a clip reference over zero norms (a zero delta sets it to nothing)": [(merging, "clip_reference", _zeros_kept)],
     "a join-key holder's step claim believed (the round as long as it says)": [
         (merging, "merge_terms", _step_claims_believed)],
     "a clip reference taken from the largest norm (an outlier judged by itself)": [
         (merging, "clip_reference", lambda orig: lambda norms, history, tiers=None: max(norms))],
     "an error-feedback residual given back for a delta that counted": [
-        (lcore.LearnerCore, "_settle_refused", _settle_every_refusal), (score.SyncerCore, "_on_delta", _no_merged_ack)],
+        (lcore.LearnerCore, "_settle_refused", _settle_every_refusal), (sdeltas.Deltas, "on_delta", _no_merged_ack)],
 }
 
 
@@ -283,13 +288,14 @@ def test_the_simulator_finds_a_planted_bug(bug, monkeypatch):
 def _old_keep_rule(orig):
     def waits(self, h):  # only a pipelined delta waits for its round; one for the round a restarted syncer is about to
         # reopen is refused stale
-        return self.round is not None and h["round"] > self.round.number and "trained_from" in h
+        r = self.state.round
+        return r is not None and h["round"] > r.number and "trained_from" in h
     return waits
 
 
 def _request_init_without_heard(orig):
     def request(self, f, m):  # the request does not say the learner's upload came and did not count
-        self._send(m.peer, "init_request", {"bits": self.cfg.sync_bits})
+        self.outbox.send(m.peer, "init_request", {"bits": self.state.cfg.sync_bits})
     return request
 
 
@@ -303,16 +309,16 @@ def _only_the_pushed_copy_lost(orig):
 # bugs that only rare schedules reach: each must be found on the seeds that found it (the oracle sees the class)
 PLANTED_ON_SEEDS = {
     "a delta refused before its round reopens, its answer lost with a late hello": (
-        [(score.SyncerCore, "_waits_for_its_round", _old_keep_rule),
-         (score.SyncerCore, "_keep_delta_news", lambda orig: staticmethod(lambda old, new: None))], [800680]),
+        [(sdeltas.Deltas, "_waits_for_its_round", _old_keep_rule),
+         (sadmission.Admission, "_keep_delta_news", lambda orig: staticmethod(lambda old, new: None))], [800680]),
     "a stopped syncer's finish kept after a restarted one welcomed the learner into the run": (
         [(lcore.LearnerCore, "_finish_superseded", lambda orig: lambda self, h: None)], [192934085]),
     "a pipelined delta's copy taken for still on its way after the connections were remade or the syncer forgot us": (
         [(lpipeline.PipelinedDeltas, "_copies_lost", _only_the_pushed_copy_lost)], [192937500, 506180938]),
     "a delta refused from a learner dropped while asleep, the refusal lost, never asked for again": (
-        [(score.SyncerCore, "_heard_while_away", lambda orig: lambda self, msg: None)], [903596133, 903606582]),
+        [(sdeltas.Deltas, "_heard_while_away", lambda orig: lambda self, msg: None)], [903596133, 903606582]),
     "a founding upload refused with its error lost, never asked for again": (
-        [(score.SyncerCore, "_request_init", _request_init_without_heard)], [3141721]),
+        [(sadmission.Admission, "_request_init", _request_init_without_heard)], [3141721]),
 }
 
 

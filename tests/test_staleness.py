@@ -75,8 +75,9 @@ def test_overlap_steps_are_the_rounds_own_not_carried_in(start_syncer, tmp_path)
 
 def _grace(core: SyncerCore, r: OpenRound, waiting: list[int]) -> float:
     """When round `r` (quorum in at r.quorum_at) stops waiting for these members of `core`, by the core's policy."""
-    paces = {lid: Pace(core.members[lid].since, core.members[lid].round_s, core.members[lid].step_s) for lid in waiting}
-    return grace_until(r, r.quorum_at, RoundMembers((), 0, paces), core._close_policy())
+    members = core.state.members
+    paces = {lid: Pace(members[lid].since, members[lid].round_s, members[lid].step_s) for lid in waiting}
+    return grace_until(r, r.quorum_at, RoundMembers((), 0, paces), core.driver._close_policy())
 
 
 def test_the_grace_waits_for_an_island_predicted_within_the_cap_and_not_for_one_beyond():
@@ -84,21 +85,21 @@ def test_the_grace_waits_for_an_island_predicted_within_the_cap_and_not_for_one_
     among the members predicted within the cap, never longer than the cap, and not at all for one predicted later."""
     core = SyncerCore(SyncerConfig(learners=3, quorum=1, grace_s=2.0, straggler_timeout=100.0), "inc")
     r = OpenRound(number=5, base_version=4, opened_at=-100.0, quorum_at=10.0)  # 5% of 110 s: the 2 s cap binds
-    core.members = {lid: Member(lid, "s", f"p{lid}", "test", last_seen=10.0) for lid in (1, 2)}
-    core.members[1].round_s, core.members[1].since = 8.0, 2.0  # predicted at 2 + 1.02 x 8 + 0.25: within the cap
-    core.members[2].round_s, core.members[2].since = 60.0, 0.0  # predicted at 72.25: beyond the cap (12.0)
+    members = core.state.members = {lid: Member(lid, "s", f"p{lid}", "test", last_seen=10.0) for lid in (1, 2)}
+    members[1].round_s, members[1].since = 8.0, 2.0  # predicted at 2 + 1.02 x 8 + 0.25: within the cap
+    members[2].round_s, members[2].since = 60.0, 0.0  # predicted at 72.25: beyond the cap (12.0)
     assert np.isclose(_grace(core, r, [1, 2]), 2.0 + GRACE_SLACK * 8.0 + GRACE_SLACK_S)
     assert _grace(core, r, [2]) == 10.0  # only a far one: close at once
-    core.members[1].round_s = 9.9  # due at 11.9, within the cap; padded (12.35) past it: waited for, up to the cap
+    members[1].round_s = 9.9  # due at 11.9, within the cap; padded (12.35) past it: waited for, up to the cap
     assert _grace(core, r, [1, 2]) == 12.0
-    core.members[1].round_s = None  # not measured yet: the whole cap
+    members[1].round_s = None  # not measured yet: the whole cap
     assert _grace(core, r, [1, 2]) == 12.0
     core.observe_merge(1.0)  # merges take ~0.5 s (running estimate): the cap leaves room for them
-    assert _grace(core, r, [1]) == 12.0 - core.merge_s
-    core.members[1].round_s, core.members[1].since = 1.0, 0.0  # overdue: its pace changed; the cap, not zero
-    assert _grace(core, r, [1]) == 12.0 - core.merge_s
+    assert _grace(core, r, [1]) == 12.0 - core.state.merge_s
+    members[1].round_s, members[1].since = 1.0, 0.0  # overdue: its pace changed; the cap, not zero
+    assert _grace(core, r, [1]) == 12.0 - core.state.merge_s
     short = OpenRound(number=5, base_version=4, opened_at=0.0, quorum_at=10.0)  # a 10 s round: 0.5 s of grace
-    core.members[1].round_s, core.members[1].since = 8.0, 2.0  # predicted at 10.41, beyond 10 + 0.5 share
+    members[1].round_s, members[1].since = 8.0, 2.0  # predicted at 10.41, beyond 10 + 0.5 share
     assert _grace(core, short, [1]) == 10.0  # - 0.5 merge: not waited for
 
 
@@ -110,16 +111,16 @@ def test_a_time_window_round_waits_for_its_window_and_predicts_each_member_at_it
     core = SyncerCore(SyncerConfig(learners=2, quorum=1, grace_s=5.0, round_seconds=20.0,
                                    straggler_timeout=100.0), "inc")
     r = OpenRound(number=1, base_version=0, opened_at=0.0, quorum_at=12.0, ends_at=20.0)  # cap: 5% of 20 s = 1 s
-    core.members = {1: Member(1, "s", "p1", "test", last_seen=12.0)}
+    members = core.state.members = {1: Member(1, "s", "p1", "test", last_seen=12.0)}
     assert _grace(core, r, [1]) == 21.0  # its pace unknown: the window's end, then up to the cap
-    core.members[1].step_s = 1.0  # 1 s steps: at most half a step past the end (+ slack)
+    members[1].step_s = 1.0  # 1 s steps: at most half a step past the end (+ slack)
     assert np.isclose(_grace(core, r, [1]), 20.0 + WINDOW_NEAREST_BOUNDARY * 1.0 + GRACE_SLACK_S)
-    core.members[1].step_s = 10.0  # 10 s steps: its push may trail the end by 5 s; waited for up to the cap
+    members[1].step_s = 10.0  # 10 s steps: its push may trail the end by 5 s; waited for up to the cap
     assert _grace(core, r, [1]) == 21.0
-    core.members[1].since = 15.0  # it started at 15 s (its stale delta was just acked): one step ends at 25 s
+    members[1].since = 15.0  # it started at 15 s (its stale delta was just acked): one step ends at 25 s
     assert _grace(core, r, [1]) == 20.0  # beyond the cap: the round closes at the window's end
     assert _grace(core, r, []) == 12.0  # everyone in: no waiting for the window
     late = OpenRound(number=1, base_version=0, opened_at=0.0, quorum_at=22.0, ends_at=20.0)
-    core.members[1].step_s, core.members[1].since = 1.0, 0.0  # due by 20.75, quorum came at 22: overdue (its pace
+    members[1].step_s, members[1].since = 1.0, 0.0  # due by 20.75, quorum came at 22: overdue (its pace
     assert _grace(core, late, [1]) == 27.0  # changed?): --grace, as in any round
 

@@ -25,7 +25,7 @@ from yeto.sync.shell.audit import audit, audit_run
 from yeto.sync.shell.server import SyncerConfig
 from yeto.sync.shell.tape import read_tape
 from yeto.sync.core.actions import Durable
-from yeto.sync.core.syncer import SyncerCore
+from yeto.sync.core.state import Outbox
 from yeto.sync.wire.layout import (MAX_STREAM_PARTS, MIN_FRAGMENT_NUMEL, STREAM_GRANULES, build_layout, flatten,
                                    fragment_pieces, round_part, stream_part, stream_parts, synced_fragments)
 from yeto.sync.wire.protocol import Message, ProtocolError, decode_fragments, encode, encode_fragments_ef
@@ -68,7 +68,7 @@ def test_a_big_tensor_gets_a_part_of_its_own_and_fewer_fragments_than_parts_are_
     layout = build_layout({"a": np.zeros(10), "b": np.zeros(1000)})
     assert stream_parts(layout, 2) == ((0,), (1,))  # (by first value alone, part 1 would be empty)
     said = []
-    monkeypatch.setattr(SyncerCore, "_log", lambda self, level, text: said.append((level, text)))
+    monkeypatch.setattr(Outbox, "log", lambda self, level, text: said.append((level, text)))
     Fleet(n=2, fragments=4)  # its adapter packs into one fragment
     assert any(level == "warning" and "--fragments 4" in text and "streams in 1 part" in text for level, text in said)
 
@@ -100,7 +100,7 @@ def test_a_restart_that_moves_the_last_round_refuses_its_saved_whole_deltas_on_t
     f.syncer = f._boot_syncer(Durable(f.disk["checkpoint"], list(f.disk["deltas"].values()), list(f.tape)))
     refused = [e for e in f.tape if e["event"] == "refuse_delta"]
     assert [(e["learner"], e["round"]) for e in refused] == [(0, 2)] and "--outer-steps" in refused[0]["reason"]
-    assert not f.syncer.pending and audit(f.tape).ok
+    assert not f.syncer.state.pending and audit(f.tape).ok
     for lid, c in f.learners.items():
         f.to_syncer(lid, c.connected_now(f.now))
     f.run()
@@ -108,7 +108,7 @@ def test_a_restart_that_moves_the_last_round_refuses_its_saved_whole_deltas_on_t
     for _ in range(2):
         f.train(0)
         f.train(1)
-    assert f.syncer.version == 3 and f.syncer.finished_at is not None
+    assert f.syncer.version == 3 and f.syncer.state.finished_at is not None
     assert [e.get("part") for e in f.tape if e["event"] == "merge"] == [[0], [1], None]
     assert audit(f.tape).ok
 
@@ -133,9 +133,9 @@ def test_a_pipelined_delta_waits_unacked_for_its_round_and_counts_there_as_a_fre
     c = f.learners[0]
     assert [p.round for p in c.in_flight()] == [1, 2] and not c.ahead[0].acked
     assert isinstance(c.next_task(f.now), Wait)  # two in flight: the pipeline is full
-    assert f.syncer.ahead[0][2][1].header["trained_from"] == 0 and f.syncer.pending[0].round == 1
+    assert f.syncer.state.ahead[0][2][1].header["trained_from"] == 0 and f.syncer.state.pending[0].round == 1
     f.train(1)  # round 1's quorum: merged; round 2 opens and takes learner 0's pipelined delta
-    assert f.syncer.version == 1 and f.syncer.pending[0].round == 2 and f.syncer.pending[0].lag == 0
+    assert f.syncer.version == 1 and f.syncer.state.pending[0].round == 2 and f.syncer.state.pending[0].lag == 0
     assert [p.round for p in c.in_flight()] == [2] and c.pushed.acked
     accepted = [e for e in f.tape if e["event"] == "delta" and e["learner"] == 0]
     assert [(e["round"], e["base_version"], e.get("trained_from")) for e in accepted] == [(1, 0, None), (2, 1, 0)]
@@ -143,7 +143,7 @@ def test_a_pipelined_delta_waits_unacked_for_its_round_and_counts_there_as_a_fre
     for _ in range(2):
         f.train(0)
         f.train(1)
-    assert f.syncer.version == 4 and f.syncer.finished_at is not None
+    assert f.syncer.version == 4 and f.syncer.state.finished_at is not None
     assert _mine(f, 0) == [(1, 1), (2, 2), (3, 3), (4, 4)] and audit(f.tape).ok
 
 
@@ -173,10 +173,11 @@ def test_a_pipelined_delta_whose_part_a_merge_changes_is_refused_and_gives_its_r
     f.train(1)
     f.train(0)
     assert f.syncer.version == 2
-    h = {"round": 3, "base_version": 2, "trained_from": 1, "trained_digest": f.syncer.digests[1]}
-    assert "changed its part" in f.syncer._pipelined_refusal(h).reason
-    assert f.syncer._pipelined_refusal({**h, "trained_from": 2, "trained_digest": f.syncer.digests[2]}) is None
-    assert "rolled it back" in f.syncer._pipelined_refusal({**h, "trained_digest": "0" * 16}).reason
+    h = {"round": 3, "base_version": 2, "trained_from": 1, "trained_digest": f.syncer.state.digests[1]}
+    assert "changed its part" in f.syncer.deltas.pipelined_refusal(h).reason
+    assert f.syncer.deltas.pipelined_refusal({**h, "trained_from": 2,
+                                              "trained_digest": f.syncer.state.digests[2]}) is None
+    assert "rolled it back" in f.syncer.deltas.pipelined_refusal({**h, "trained_digest": "0" * 16}).reason
 
 
 def test_a_pipeline_takes_no_round_the_syncer_would_refuse_and_the_syncer_keeps_only_well_formed_deltas():
@@ -188,17 +189,17 @@ def test_a_pipeline_takes_no_round_the_syncer_would_refuse_and_the_syncer_keeps_
         task, _ = f.train(0)
         assert (task.round, task.base_version) == (rnd, 0)
     c = f.learners[0]
-    assert sorted(f.syncer.ahead[0]) == [2, 3] and c._next_pipelined() is None  # (full)
+    assert sorted(f.syncer.state.ahead[0]) == [2, 3] and c._next_pipelined() is None  # (full)
     second = c.ahead[0]
     c.receive(Message("error", {"code": "refused", "reason": "x", "round": 2, "base_version": 1, "version": 0,
                                 "digest": second.digest}), f.now)
     assert [p.round for p in c.in_flight()] == [1, 3] and c._next_pipelined() is None
     # a delta for round 3 carrying round 2's part: refused at once, the kept one stays
-    kept = f.syncer.ahead[0][3][1]
+    kept = f.syncer.state.ahead[0][3][1]
     bad = {**second.header, "round": 3, "base_version": 2, "copy": 9}
     f.queue.append(("up", 0, encode("delta", {**bad, "learner": 0, "session": c.session}, second.frames)))
     f.run()
-    assert f.syncer.ahead[0][3][1] is kept
+    assert f.syncer.state.ahead[0][3][1] is kept
     assert any(e["event"] == "reject" and e["round"] == 3 and e["digest"] == second.digest for e in f.tape)
 
 

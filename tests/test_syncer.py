@@ -90,7 +90,7 @@ def test_malformed_messages_are_answered_and_change_nothing(start_syncer, tmp_pa
                    {"provenance": ["not", "a", "dict"]}):
         reply = s.ask(encode("hello", {**{k: v for k, v in cfg.items() if k not in ("v", "type")}, **broken}))
         assert reply.type == "refuse" and reply.header["code"] == "bad_config"
-    assert syncer.core.run is None and syncer.core.founding is None  # a bad hello did not define the run
+    assert syncer.core.run is None and syncer.core.state.founding is None  # a bad hello did not define the run
     req = s.ask(parts)
     assert req.type == "init_request"
     descs, frames = encode_fragments(layout, flatten(layout, state), 32)
@@ -201,7 +201,7 @@ def test_layout_mismatch_is_refused_naming_the_tensor(start_syncer):
     assert reply.type == "refuse" and reply.header["code"] == "layout_mismatch"
     reason = reply.header["reason"]
     assert NAMES[1] in reason and "[4, 2]" in reason and "[4, 3]" in reason
-    assert 1 not in syncer.core.members
+    assert 1 not in syncer.core.state.members
 
 
 def test_a_learner_whose_deltas_exceed_max_message_mb_is_refused_with_the_fix(start_syncer):

@@ -14,13 +14,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from yeto.sync.core.actions import Checkpoint, SaveCheckpoint
 from yeto.sync.core.contract import contract_mismatch, contract_problem, init_adapter_problem, run_contract
-from yeto.sync.core.state import FRESH_IDS_PER_WINDOW, RATE_WINDOW_S, Founding, Member, Refusal, SyncerState
+from yeto.sync.core.limits import RateLimit
+from yeto.sync.core.rounds import round_header
+from yeto.sync.core.state import FRESH_IDS_PER_WINDOW, RATE_WINDOW_S, Founding, Member, Outbox, Refusal, SyncerState
 from yeto.sync.merge.aggregate import RoundSum
 from yeto.sync.merge.rules import Tier
 from yeto.sync.wire.layout import Layout, flatten, layout_from_json, layout_mismatch, stream_parts
@@ -37,37 +39,45 @@ MAX_LOST_UPLOADS = 64  # sessions whose founding uploads came and did not count,
 MAX_RETIRED_SESSIONS = 8  # per learner id: older sessions that get "superseded" instead of "say hello"
 
 
-class Admission(SyncerState):
+class Admission:
     """Hello, identity and sessions, founding, welcome."""
 
-    def _on_hello(self, peer: str, msg: Message, now: float) -> None:
+    def __init__(self, state: SyncerState, outbox: Outbox, open_round: Callable[[float], None]):
+        """`open_round(now)`: the round driver's, called when a member joins a founded run or the run is founded."""
+        self.state = state
+        self.outbox = outbox
+        self.open_round = open_round
+        self.fresh_ids = RateLimit(FRESH_IDS_PER_WINDOW, RATE_WINDOW_S)  # per principal (or connection, insecure)
+
+    def on_hello(self, peer: str, msg: Message, now: float) -> None:
         """A learner asks to join: its hello is checked, then what it claims (its id, its identity, its session),
         then it becomes a member; before the run is founded it is asked for (or waits for) the initial adapter."""
+        s = self.state
         h = msg.header
-        if self.run is None and self.finished_at is not None:
-            self._send(peer, "finish", self.finish_header_for_wire())
+        if s.run is None and s.finished_at is not None:
+            self.outbox.send(peer, "finish", s.finish_header_for_wire())
             return
         layout = self._checked_hello(h)
         refusal = self._hello_refusal(h, layout)
         if refusal is not None:
-            self._refuse(peer, h["learner"], refusal.code, refusal.reason, now, **refusal.fields)
+            self.outbox.refuse(peer, h["learner"], refusal.code, refusal.reason, now, **refusal.fields)
             return
-        old = self.members.get(h["learner"])
+        old = s.members.get(h["learner"])
         proof = identity_proof(h["identity"])
         self._check_id_free(h["learner"], old, proof, now)
         if old is None:
             self._make_room(peer, h["learner"], now)
         elif old.session != h["session"] and not self._take_over(old, h["session"]):
-            self._send(peer, "finish", self.finish_header_for_wire())  # the run is over anyway: it may stop
+            self.outbox.send(peer, "finish", s.finish_header_for_wire())  # the run is over anyway: it may stop
             return
-        self._join(peer, h, layout, proof, rejoin=old is not None or h["learner"] in self.seen, now=now)
+        self._join(peer, h, layout, proof, rejoin=old is not None or h["learner"] in s.seen, now=now)
 
     def _checked_hello(self, h: dict[str, Any]) -> Layout:
         """The hello's own fields, checked (a malformed one is an error, not a refusal); returns its layout."""
         lid, session = h["learner"], h["session"]
         if not 0 <= lid <= MAX_LEARNER_ID:
             raise ProtocolError(f"learner id must be between 0 and {MAX_LEARNER_ID}")
-        if session in self.retired.get(lid, ()):
+        if session in self.state.retired.get(lid, ()):
             raise ProtocolError(f"learner {lid}'s session {truncate(session, 20)} was taken over by a newer one",
                                 Code.SUPERSEDED)
         if not 0 < len(session) <= MAX_SESSION_CHARS or len(h["backend"]) > MAX_BACKEND_CHARS:
@@ -81,50 +91,53 @@ class Admission(SyncerState):
     def _hello_refusal(self, h: dict[str, Any], layout: Layout) -> Optional[Refusal]:
         """Why this learner cannot join the run, or None: its config, its key, its adapter's layout, its contract,
         the syncer's --init-adapter, or the size its deltas would be (checked in that order)."""
+        s = self.state
         lid, backend = h["learner"], {"backend": h["backend"]}
         problem = _config_problem(h["adapter_config"], h.get("provenance", {})) or contract_problem(h["contract"])
         if problem:
             return Refusal(Code.BAD_CONFIG, problem, backend)
         bound = self._principal_problem(lid)
         if bound:
-            return Refusal(Code.IDENTITY, bound, {"principal": self.principal})
-        run_layout = self.run.layout if self.run else self.founding.layout if self.founding else None
+            return Refusal(Code.IDENTITY, bound, {"principal": s.principal})
+        run_layout = s.run.layout if s.run else s.founding.layout if s.founding else None
         problem = layout_mismatch(run_layout, layout) if run_layout is not None else None
         if problem:
             return Refusal(Code.LAYOUT, f"adapter layout differs from the run's: {problem}", backend)
-        contract = self.run.contract if self.run else self.founding.contract if self.founding else self.cfg.pinned()
+        contract = s.run.contract if s.run else s.founding.contract if s.founding else s.cfg.pinned()
         problem = contract_mismatch(contract, h["contract"])
         if problem:
             return Refusal(Code.CONTRACT, f"this learner does not match the run's contract: {problem}; start it with "
                            "the run's settings", backend)
-        problem = init_adapter_problem(self.init, layout, h["adapter_config"], h["contract"]) \
-            if self.run is None and self.init is not None else None
+        problem = init_adapter_problem(s.init, layout, h["adapter_config"], h["contract"]) \
+            if s.run is None and s.init is not None else None
         if problem:
-            return Refusal(Code.CONTRACT, f"the syncer's --init-adapter {self.init.source} cannot start this run: "
+            return Refusal(Code.CONTRACT, f"the syncer's --init-adapter {s.init.source} cannot start this run: "
                            f"{problem}; start the learners with its settings, or the syncer with another adapter",
                            backend)
-        need = message_size(layout, self.cfg.sync_bits)
-        if need > self.max_message_bytes:
-            return Refusal(Code.TOO_LARGE, f"this adapter's deltas ({layout.numel:,} values at {self.cfg.sync_bits} "
+        need = message_size(layout, s.cfg.sync_bits)
+        if need > s.max_message_bytes:
+            return Refusal(Code.TOO_LARGE, f"this adapter's deltas ({layout.numel:,} values at {s.cfg.sync_bits} "
                            f"bits) need messages of {need / 2**20:.0f} MiB, above --max-message-mb "
-                           f"{self.cfg.max_message_mb}: restart the syncer with a larger --max-message-mb", backend)
+                           f"{s.cfg.max_message_mb}: restart the syncer with a larger --max-message-mb", backend)
         return None
 
     def _tier(self, lid: int) -> Tier:
         """What this connection's key makes of learner `lid`'s claims: its own key (issued by the operator), or no key
         at all (--insecure, loopback only), is trusted; the shared join key is bounded, an id beyond --learners
         extra."""
-        p = self.principal
+        s = self.state
+        p = s.principal
         if p is None or p.startswith(LEARNER_PRINCIPAL):
             return Tier.TRUSTED
-        return Tier.BOUNDED if lid < self.cfg.learners else Tier.EXTRA
+        return Tier.BOUNDED if lid < s.cfg.learners else Tier.EXTRA
 
     def _principal_problem(self, lid: int) -> Optional[str]:
         """Why this connection's key may not speak for learner `lid`, or None."""
-        p = self.principal
+        s = self.state
+        p = s.principal
         if p is not None and p.startswith(LEARNER_PRINCIPAL) and p != f"{LEARNER_PRINCIPAL}{lid}":
             return f"this connection's key belongs to {p}; it cannot join as learner {lid}"
-        if p == "join" and lid in self.bound_ids:
+        if p == "join" and lid in s.bound_ids:
             return (f"learner {lid} has its own key (keys/learners/{lid}.key under the syncer's --out): join with "
                     "that key, not the shared join key")
         return None
@@ -132,89 +145,95 @@ class Admission(SyncerState):
     def _check_id_free(self, lid: int, old: Optional[Member], proof: str, now: float) -> None:
         """Another identity claims a held id: refused while its holder is live (or expected back after a restart); a
         relaunched learner on a new machine gets the id once the old holder is gone."""
-        owner = self.owners.get(lid)
-        held = (old is not None and old.active) or (old is None and lid in self.seen and now < self.absent_until)
+        s = self.state
+        owner = s.owners.get(lid)
+        held = (old is not None and old.active) or (old is None and lid in s.seen and now < s.absent_until)
         if owner is not None and owner != proof and held:
             raise ProtocolError(f"learner id {lid} is held by a live learner with another identity; retrying until it "
                                 "goes silent (two learners with the same --learner-id?)", Code.ID_TAKEN)
 
     def _make_room(self, peer: str, lid: int, now: float) -> None:
         """A learner id with no member record: admitted if new to the run within its limits, and with room for it."""
-        if lid not in self.seen:
+        s = self.state
+        if lid not in s.seen:
             self._admit_fresh(peer, lid, now)
-        if len(self.members) >= self.cfg.max_learners and not self._evict_member():
-            raise ProtocolError(f"the run holds --max-learners {self.cfg.max_learners} live learners; retrying",
+        if len(s.members) >= s.cfg.max_learners and not self._evict_member():
+            raise ProtocolError(f"the run holds --max-learners {s.cfg.max_learners} live learners; retrying",
                                 Code.BUSY)
 
     def _admit_fresh(self, peer: str, lid: int, now: float) -> None:
         """A learner id new to the run: one connection speaks for one id, and ids beyond --learners (the ones the run
         does not expect) come at most FRESH_IDS_PER_WINDOW per key holder per window and never fill the share of
         --max-learners kept for the expected ones, so a flood of fresh ids leaves room for a real learner."""
-        if any(m.peer == peer and m.active for m in self.members.values()):
+        s = self.state
+        if any(m.peer == peer and m.active for m in s.members.values()):
             raise ProtocolError("this connection already speaks for another learner id: one connection per learner",
                                 Code.IDENTITY)
-        if lid < self.cfg.learners:
+        if lid < s.cfg.learners:
             return
-        if not self.fresh_ids.allow(self.principal or peer, now):
+        if not self.fresh_ids.allow(s.principal or peer, now):
             raise ProtocolError(f"more than {FRESH_IDS_PER_WINDOW} new learner ids beyond --learners from this key in "
                                 f"{RATE_WINDOW_S:g}s; retrying", Code.BUSY)
-        unexpected = sum(1 for m in self.members.values() if m.active and m.learner >= self.cfg.learners)
-        if unexpected >= self.cfg.max_learners - self.cfg.learners:
-            raise ProtocolError(f"the run holds {unexpected} live learners beyond --learners {self.cfg.learners} "
-                                f"(the rest of --max-learners {self.cfg.max_learners} is kept for those); retrying",
+        unexpected = sum(1 for m in s.members.values() if m.active and m.learner >= s.cfg.learners)
+        if unexpected >= s.cfg.max_learners - s.cfg.learners:
+            raise ProtocolError(f"the run holds {unexpected} live learners beyond --learners {s.cfg.learners} "
+                                f"(the rest of --max-learners {s.cfg.max_learners} is kept for those); retrying",
                                 Code.BUSY)
 
     def _evict_member(self) -> bool:
         """Make room for a new learner id by forgetting the longest-gone member; False if every member is live."""
-        gone = [m for m in self.members.values() if not m.active]
+        s = self.state
+        gone = [m for m in s.members.values() if not m.active]
         if not gone:
             return False
-        del self.members[min(gone, key=lambda m: m.last_seen).learner]
+        del s.members[min(gone, key=lambda m: m.last_seen).learner]
         return True
 
     def _take_over(self, old: Member, session: str) -> bool:
         """A new session for a member's id takes it over (the old one is told, and retired unless it is older);
         a hello from an older process than a live member's never does: False once the run is over (it may just
         stop), else it is asked to retry."""
+        s = self.state
         lid = old.learner
         if old.active and session_start(session) < session_start(old.session):  # (delayed, or one that woke up)
-            if self.finish_header is not None:
+            if s.finish_header is not None:
                 return False
             raise ProtocolError(f"learner id {lid} is held by a live session that started later; retrying until it "
                                 "goes silent (another process with this --learner-id is running?)", Code.BUSY)
         if session_start(session) >= session_start(old.session):  # an older one (it was silent) is not retired:
-            retired = self.retired.setdefault(lid, [])  # it takes the id back when it returns
+            retired = s.retired.setdefault(lid, [])  # it takes the id back when it returns
             retired.append(old.session)
             del retired[:-MAX_RETIRED_SESSIONS]
         if old.active:
-            self._send(old.peer, "refuse", {"code": str(Code.SUPERSEDED),
-                                            "reason": f"learner id {lid} was taken over by a new session"})
-        self._record("supersede", learner=lid, old_session=old.session, session=session)
+            self.outbox.send(old.peer, "refuse", {"code": str(Code.SUPERSEDED),
+                                                  "reason": f"learner id {lid} was taken over by a new session"})
+        self.outbox.record("supersede", learner=lid, old_session=old.session, session=session)
         return True
 
     def _join(self, peer: str, h: dict[str, Any], layout: Layout, proof: str, rejoin: bool, now: float) -> None:
         """Make the hello's sender the member for its id: welcomed into the run, or (not founded yet) the founding."""
+        s = self.state
         lid = h["learner"]
-        m = Member(lid, h["session"], peer, h["backend"], now, principal=self.principal,
+        m = Member(lid, h["session"], peer, h["backend"], now, principal=s.principal,
                    tokens_per_step=h["contract"]["tokens_per_step"], tier=self._tier(lid))
-        old = self.members.get(lid)
+        old = s.members.get(lid)
         if old is not None and old.session == m.session:
             self._keep_delta_news(old, m)
-        self.members[lid] = m
-        if self.owners.get(lid) != proof:
-            self.owners[lid] = proof
-        if self.run is not None:
+        s.members[lid] = m
+        if s.owners.get(lid) != proof:
+            s.owners[lid] = proof
+        if s.run is not None:
             self._welcome(m, now, rejoin=rejoin, learner_version=h["version"])
-            self._maybe_open(now)
+            self.open_round(now)
             return
-        if self.founding is None:
+        if s.founding is None:
             self._begin_founding(lid, h, layout)
-        if self.init is not None:  # version 0 is the given adapter, exact (no upload, no quantization)
-            self._found(lid, flatten(layout, self.init.tensors), now, source=self.init.source)
+        if s.init is not None:  # version 0 is the given adapter, exact (no upload, no quantization)
+            self._found(lid, flatten(layout, s.init.tensors), now, source=s.init.source)
             return
-        self._record("join", learner=lid, backend=m.backend, session=m.session, rejoin=rejoin, tier=str(m.tier),
-                     waiting_for="init")
-        self._ask_founder(again_from=lid)
+        self.outbox.record("join", learner=lid, backend=m.backend, session=m.session, rejoin=rejoin, tier=str(m.tier),
+                           waiting_for="init")
+        self.ask_founder(again_from=lid)
 
     @staticmethod
     def _keep_delta_news(old: Member, new: Member) -> None:
@@ -225,82 +244,88 @@ class Admission(SyncerState):
     def _welcome(self, m: Member, now: float, rejoin: bool, learner_version: int) -> None:
         """A member of a founded run is told its state: the version, the open round (and whether its delta is in),
         its merged deltas, its data shard, and the finish if the run is over."""
-        assert self.run is not None
+        s = self.state
+        assert s.run is not None
         m.welcomed = True
         m.since = now
-        self.seen.add(m.learner)
-        self.knocking.pop(m.learner, None)  # it got back in: from here on its member record says when it is done
-        r = self.round
-        mine = self.pending.get(m.learner)
+        s.seen.add(m.learner)
+        s.knocking.pop(m.learner, None)  # it got back in: from here on its member record says when it is done
+        r = s.round
+        mine = s.pending.get(m.learner)
         contributed = r is not None and mine is not None
-        open_round = None if r is None else self._round_header(r, now)
-        self._send(m.peer, "welcome", {"incarnation": self.incarnation, "version": self.run.version,
-                                       "digest": self.run.digest, "policy": self.cfg.policy(),
-                                       "open_round": open_round, "contributed": contributed,
-                                       "pending": mine.ref() if contributed else None,
-                                       "merged": self.merged.get(m.learner, []),
-                                       "finished": self.finished_at is not None,
-                                       "shard": self._shard(m.learner)})
-        self._record("join", learner=m.learner, backend=m.backend, session=m.session, rejoin=rejoin, tier=str(m.tier),
-                     learner_version=learner_version, version=self.run.version,
-                     round=r.number if r is not None else None, contributed=contributed)
-        self._log("info", f"learner {m.learner} {'re' if rejoin else ''}joined ({m.backend}) at version "
-                          f"{self.run.version}; {len(self._live())} live")
-        if self.finish_header is not None:
-            self._send(m.peer, "finish", self.finish_header_for_wire())
+        open_round = None if r is None else round_header(s.cfg, r, now)
+        self.outbox.send(m.peer, "welcome", {"incarnation": s.incarnation, "version": s.run.version,
+                                             "digest": s.run.digest, "policy": s.cfg.policy(),
+                                             "open_round": open_round, "contributed": contributed,
+                                             "pending": mine.ref() if contributed else None,
+                                             "merged": s.merged.get(m.learner, []),
+                                             "finished": s.finished_at is not None,
+                                             "shard": self._shard(m.learner)})
+        self.outbox.record("join", learner=m.learner, backend=m.backend, session=m.session, rejoin=rejoin,
+                           tier=str(m.tier), learner_version=learner_version, version=s.run.version,
+                           round=r.number if r is not None else None, contributed=contributed)
+        self.outbox.log("info", f"learner {m.learner} {'re' if rejoin else ''}joined ({m.backend}) at version "
+                                f"{s.run.version}; {len(s.live())} live")
+        if s.finish_header is not None:
+            self.outbox.send(m.peer, "finish", s.finish_header_for_wire())
 
     def _shard(self, lid: int) -> list[int]:
         """[index, count]: the data shard learner `lid` trains on. The count is the run's (the founding learner's
         --num-learners, else --learners); a learner beyond it shares the shard of `lid` mod count."""
-        assert self.run is not None
-        count = int(self.run.contract.get("num_learners") or self.cfg.learners)
+        s = self.state
+        assert s.run is not None
+        count = int(s.run.contract.get("num_learners") or s.cfg.learners)
         return [lid % count, count]
 
     # ------------------------------------------------------------------ founding
 
     def _begin_founding(self, lid: int, h: dict[str, Any], layout: Layout) -> None:
         """The first learner's hello defines the run: its layout and contract (with what the syncer pins)."""
-        contract = run_contract(h["contract"], self.cfg.pinned())
-        contract["num_learners"] = contract.get("num_learners") or self.cfg.learners  # (the shard count)
-        self.founding = Founding(layout, h["adapter_config"], _run_provenance(h.get("provenance") or {}, contract),
-                                 contract)
-        self._record("layout", learner=lid, fingerprint=layout.fingerprint, tensors=len(layout.specs),
-                     numel=layout.numel, fragments=len(layout.fragments))
-        self._record("contract", learner=lid, **contract, sync_bits=self.cfg.sync_bits, protocol=PROTOCOL_VERSION)
+        s = self.state
+        contract = run_contract(h["contract"], s.cfg.pinned())
+        contract["num_learners"] = contract.get("num_learners") or s.cfg.learners  # (the shard count)
+        s.founding = Founding(layout, h["adapter_config"], _run_provenance(h.get("provenance") or {}, contract),
+                              contract)
+        self.outbox.record("layout", learner=lid, fingerprint=layout.fingerprint, tensors=len(layout.specs),
+                           numel=layout.numel, fragments=len(layout.fragments))
+        self.outbox.record("contract", learner=lid, **contract, sync_bits=s.cfg.sync_bits, protocol=PROTOCOL_VERSION)
 
-    def _ask_founder(self, again_from: Optional[int] = None) -> None:
+    def ask_founder(self, again_from: Optional[int] = None) -> None:
         """Ask one live member for the initial adapter: another one if the one asked is gone, the same one
         again when it says hello or pings again (the request, or its upload, was lost)."""
-        f = self.founding
-        if f is None or self.run is not None:
+        s = self.state
+        f = s.founding
+        if f is None or s.run is not None:
             return
-        asked = self.members.get(f.asked) if f.asked is not None else None
+        asked = s.members.get(f.asked) if f.asked is not None else None
         if asked is not None and asked.active:
             if again_from == f.asked:
                 self._request_init(f, asked)
             return
-        candidates = sorted(m.learner for m in self._active())
+        candidates = sorted(m.learner for m in s.active())
         if not candidates:
             f.asked = None
             return
         f.asked = candidates[0]
-        self._request_init(f, self.members[f.asked])
-        self._record("init_request", learner=f.asked, bits=self.cfg.sync_bits)
+        self._request_init(f, s.members[f.asked])
+        self.outbox.record("init_request", learner=f.asked, bits=s.cfg.sync_bits)
 
     def _request_init(self, f: Founding, m: Member) -> None:
         """Ask `m` for the initial adapter, saying how many uploads of its session came and could not count (`heard`:
         the error saying so may have been lost, and a learner waits on an upload it thinks is still on its way)."""
         heard = f.lost_uploads.get((m.learner, m.session), 0)
-        self._send(m.peer, "init_request", {"bits": self.cfg.sync_bits, **({"heard": heard} if heard else {})})
+        self.outbox.send(m.peer, "init_request",
+                         {"bits": self.state.cfg.sync_bits, **({"heard": heard} if heard else {})})
 
-    def _on_init(self, peer: str, msg: Message, now: float) -> None:
+    def on_init(self, peer: str, msg: Message, now: float) -> None:
         """The initial adapter, from the member asked for it (a repeat of the founding upload is ignored)."""
-        f = self.founding
+        s = self.state
+        f = s.founding
         try:
-            m = self._member(peer, msg, now)
-            if self.run is not None and self.founder == m.learner:
+            m = s.member(peer, msg, now)
+            if s.run is not None and s.founder == m.learner:
                 return  # a repeat of the upload that founded the run
-            if self.run is not None or f is None or f.asked != m.learner:
+            if s.run is not None or f is None or f.asked != m.learner:
                 raise ProtocolError("an initial adapter nobody asked for", Code.WRONG_PHASE)
         except ProtocolError:
             key = (msg.header["learner"], msg.header["session"])
@@ -312,42 +337,45 @@ class Admission(SyncerState):
 
     def _found(self, founder: int, flat: np.ndarray, now: float, **fields: Any) -> None:
         """Commit version 0 (`flat`: the founding learner's upload, or --init-adapter) and welcome everyone."""
-        f = self.founding
+        s = self.state
+        f = s.founding
         assert f is not None
-        self.founder = founder
+        s.founder = founder
         digest = array_digest(flat)
-        self.ef = ErrorFeedback(f.layout.numel)
-        self.run = Checkpoint(0, f.layout, f.adapter_config, f.provenance, flat, np.zeros_like(flat),
-                              self.ef.residual, digest, asdict(self.cfg), [], {}, {}, f.contract)
-        self.sum = RoundSum.for_rule(f.layout, self.cfg.merge)
-        self.digests = {0: digest}
-        self.founding = None
-        known = set(self.seen)
-        self.seen.update(x.learner for x in self._active())  # (saved with checkpoint 0: a restart waits for them)
-        self._record("init", learner=founder, digest=digest, **fields)
-        parts = len(stream_parts(f.layout, self.cfg.fragments))
-        if parts < self.cfg.fragments:
-            self._log("warning", f"--fragments {self.cfg.fragments}: this adapter has {len(f.layout.fragments)} "
-                                 f"fragment(s), so it streams in {parts} part(s), each synced every {parts} "
-                                 f"round(s), not every {self.cfg.fragments}: for as many steps between a part's syncs, "
-                                 f"use --fragments {parts} with rounds {self.cfg.fragments / parts:g}x as long")
-        self.out.append(SaveCheckpoint(self._checkpoint()))
-        self._record("checkpoint", version=0, digest=digest)
-        for other in self._active():
+        s.ef = ErrorFeedback(f.layout.numel)
+        s.run = Checkpoint(0, f.layout, f.adapter_config, f.provenance, flat, np.zeros_like(flat),
+                           s.ef.residual, digest, asdict(s.cfg), [], {}, {}, f.contract)
+        s.sum = RoundSum.for_rule(f.layout, s.cfg.merge)
+        s.digests = {0: digest}
+        s.founding = None
+        known = set(s.seen)
+        s.seen.update(x.learner for x in s.active())  # (saved with checkpoint 0: a restart waits for them)
+        self.outbox.record("init", learner=founder, digest=digest, **fields)
+        parts = len(stream_parts(f.layout, s.cfg.fragments))
+        if parts < s.cfg.fragments:
+            self.outbox.log("warning", f"--fragments {s.cfg.fragments}: this adapter has {len(f.layout.fragments)} "
+                                       f"fragment(s), so it streams in {parts} part(s), each synced every {parts} "
+                                       f"round(s), not every {s.cfg.fragments}: for as many steps between a part's "
+                                       f"syncs, use --fragments {parts} with rounds {s.cfg.fragments / parts:g}x as "
+                                       "long")
+        self.outbox.add(SaveCheckpoint(s.checkpoint()))
+        self.outbox.record("checkpoint", version=0, digest=digest)
+        for other in s.active():
             self._welcome(other, now, rejoin=other.learner in known, learner_version=-1)
-        self._maybe_open(now)
+        self.open_round(now)
 
     # ------------------------------------------------------------------ forgetting
 
-    def _expire_silent_ids(self, now: float) -> None:
+    def expire_silent_ids(self, now: float) -> None:
         """Ids beyond --learners that joined, never delivered a delta and are gone are forgotten (from `seen`,
         `owners` and so the checkpoint): a flood of fresh ids leaves nothing behind."""
-        for lid in [x for x in self.seen if x >= self.cfg.learners and x not in self.merged and x not in self.pending]:
-            m = self.members.get(lid)
-            if m is None or (not m.active and now - m.last_seen > self.cfg.learner_timeout):
-                self.seen.discard(lid)
-                self.owners.pop(lid, None)
-                self.members.pop(lid, None)
+        s = self.state
+        for lid in [x for x in s.seen if x >= s.cfg.learners and x not in s.merged and x not in s.pending]:
+            m = s.members.get(lid)
+            if m is None or (not m.active and now - m.last_seen > s.cfg.learner_timeout):
+                s.seen.discard(lid)
+                s.owners.pop(lid, None)
+                s.members.pop(lid, None)
 
 
 def _config_problem(adapter_config: Any, provenance: Any) -> Optional[str]:

@@ -21,9 +21,9 @@ from typing import Any, Optional
 import numpy as np
 
 from yeto.sync.core.actions import AcceptedDelta, SaveDelta
-from yeto.sync.core.state import Member, Refusal, SyncerState
+from yeto.sync.core.state import Member, Outbox, Refusal, SyncerState
 from yeto.sync.merge.rules import DeltaCounts, staleness_factor, weight_of
-from yeto.sync.wire.layout import round_part, untouched_since
+from yeto.sync.wire.layout import untouched_since
 from yeto.sync.wire.protocol import (Code, Message, ProtocolError, check_fragments, decode_fragments, digest_bytes,
                                      truncate)
 from yeto.sync.wire.quant import dequantize
@@ -35,35 +35,41 @@ MAX_LOSS = 1e4  # a reported mean loss above this is no loss of a language model
 MAX_REFUSED_REMEMBERED = 4096  # digests of deltas a merge refused
 
 
-class Deltas(SyncerState):
+class Deltas:
     """The delta message, and what a delta counts for (shared by the merge and the recovery)."""
 
-    def _on_delta(self, peer: str, msg: Message, now: float) -> None:
+    def __init__(self, state: SyncerState, outbox: Outbox):
+        self.state = state
+        self.outbox = outbox
+
+    def on_delta(self, peer: str, msg: Message, now: float) -> None:
+        """A learner's delta (the core then sees whether the round may close)."""
         try:
-            m = self._member(peer, msg, now)
+            m = self.state.member(peer, msg, now)
         except ProtocolError as e:
             if e.code is Code.NOT_JOINED:
                 self._heard_while_away(msg)
             raise
         self._take_delta(m, msg, now)
-        self._maybe_close(now)
 
     def _heard_while_away(self, msg: Message) -> None:
         """A delta from a member's process while it is away (gone silent, its hello again still to come): the copy is
         heard, so once that hello comes the pongs say so and the learner sends it again, even if the refusal that
         told it to was lost (sim seed 903596133)."""
+        s = self.state
         h = msg.header
-        m = self.members.get(h["learner"])
-        if m is not None and m.session == h["session"] and m.principal == self.principal:
+        m = s.members.get(h["learner"])
+        if m is not None and m.session == h["session"] and m.principal == s.principal:
             m.heard = [digest_bytes(msg.frames), h["copy"] if isinstance(h.get("copy"), int) else 0]
 
     def _take_delta(self, m: Member, msg: Message, now: float) -> None:
         """A learner's delta: acked again if it counted already, kept for its round if pipelined ahead of it, refused
         if it cannot count in the open round, else accepted into the round's sum (on the tape, saved, then acked)."""
+        s = self.state
         h = msg.header
         digest = digest_bytes(msg.frames)
-        if [h["round"], digest] in self.merged.get(m.learner, []):  # sent again after a lost ack: it counted
-            self._answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": True, "merged": True})
+        if [h["round"], digest] in s.merged.get(m.learner, []):  # sent again after a lost ack: it counted
+            self.answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": True, "merged": True})
             return
         m.heard = [digest, h["copy"] if isinstance(h.get("copy"), int) else 0]
         if self._waits_for_its_round(h):
@@ -71,17 +77,17 @@ class Deltas(SyncerState):
         refusal = self._delta_refusal(m, h, digest)
         if refusal is not None:
             return self._refuse_delta(m, h, digest, refusal.code, refusal.reason, now)
-        mine = self.pending.get(m.learner)
+        mine = s.pending.get(m.learner)
         if mine is not None:
             if mine.ref() == [h["round"], h["base_version"], digest]:  # sent again after a lost ack
-                self._answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": True,
-                                           "merge_round": self.round.number})
+                self.answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": True,
+                                          "merge_round": s.round.number})
             else:
                 self._refuse_delta(m, h, digest, Code.DUPLICATE, f"learner {m.learner} already contributed to round "
-                                   f"{self.round.number} (delta {mine.digest})", now)
+                                                                 f"{s.round.number} (delta {mine.digest})", now)
             return
         try:
-            flat = decode_fragments(self.run.layout, msg, self._part(h["round"]))  # sizes, bits, finiteness, part
+            flat = decode_fragments(s.run.layout, msg, s.part(h["round"]))  # sizes, bits, finiteness, part
         except ProtocolError as e:
             return self._refuse_delta(m, h, digest, Code.REFUSED, str(e), now)
         self._accept(m, msg, digest, flat, now)
@@ -90,41 +96,44 @@ class Deltas(SyncerState):
         """Why a delta cannot count in the open round, or None: stale (no round open, or its base more than
         --max-base-lag back), trained from a version since rolled back, claims that cannot be true, or a copy of one
         a merge refused."""
-        r = self.round
+        s = self.state
+        r = s.round
         lag = r.base_version - h["base_version"] if r is not None else -1
-        if r is None or h["round"] != h["base_version"] + 1 or not 0 <= lag <= self.cfg.max_base_lag:
+        if r is None or h["round"] != h["base_version"] + 1 or not 0 <= lag <= s.cfg.max_base_lag:
             state = f"round {r.number} is open on version {r.base_version}" if r else f"no round is open (version " \
-                                                                                     f"{self.version})"
+                                                                                     f"{s.version})"
             return Refusal(Code.STALE, f"stale delta for round {h['round']} on version {h['base_version']}: {state} "
-                           f"(--max-base-lag {self.cfg.max_base_lag})")
-        if lag and h.get("base_digest") != self.digests.get(h["base_version"]):
+                                       f"(--max-base-lag {s.cfg.max_base_lag})")
+        if lag and h.get("base_digest") != s.digests.get(h["base_version"]):
             return Refusal(Code.REFUSED, f"delta trained from version {h['base_version']} as it was before the syncer "
                            "rolled it back (or one it no longer knows): train from the current version")
         if "trained_from" in h:
-            refusal = self._pipelined_refusal(h)
+            refusal = self.pipelined_refusal(h)
             if refusal is not None:
                 return refusal
         return self._claims_refusal(m, h, digest)
 
     def _claims_refusal(self, m: Member, h: dict[str, Any], digest: str) -> Optional[Refusal]:
         """Claims that cannot be true, or a copy of a delta a merge refused."""
-        problem = _claims_problem(h, m.tokens_per_step, 0 if self.cfg.round_seconds else self.cfg.inner_steps)
+        s = self.state
+        problem = _claims_problem(h, m.tokens_per_step, 0 if s.cfg.round_seconds else s.cfg.inner_steps)
         if problem:
             return Refusal(Code.REFUSED, problem)
-        if digest in self.refused_digests:  # a copy of a delta a merge already refused (stale copies come back)
+        if digest in s.refused_digests:  # a copy of a delta a merge already refused (stale copies come back)
             return Refusal(Code.REFUSED, "this delta was refused by a merge")
         return None
 
-    def _pipelined_refusal(self, h: dict[str, Any]) -> Optional[Refusal]:
+    def pipelined_refusal(self, h: dict[str, Any]) -> Optional[Refusal]:
         """Why a delta pushed ahead of its round cannot stand for one trained from its round's base, or None."""
+        s = self.state
         b, rnd = h["trained_from"], h["round"]
-        if type(b) is not int or not 0 <= rnd - 1 - b < self.cfg.pipeline:
+        if type(b) is not int or not 0 <= rnd - 1 - b < s.cfg.pipeline:
             return Refusal(Code.REFUSED, f"pipelined delta for round {rnd} trained from version {b!r}: --pipeline "
-                           f"{self.cfg.pipeline} takes one trained at most {self.cfg.pipeline - 1} version(s) earlier")
-        if not isinstance(h.get("trained_digest"), str) or h["trained_digest"] != self.digests.get(b):
+                           f"{s.cfg.pipeline} takes one trained at most {s.cfg.pipeline - 1} version(s) earlier")
+        if not isinstance(h.get("trained_digest"), str) or h["trained_digest"] != s.digests.get(b):
             return Refusal(Code.REFUSED, f"pipelined delta trained from version {b} as it was before the syncer rolled "
                            "it back (or one it no longer knows): train from the current version")
-        if not untouched_since(self.run.layout, self.cfg.fragments, rnd, b, self.cfg.outer_steps):
+        if not untouched_since(s.run.layout, s.cfg.fragments, rnd, b, s.cfg.outer_steps):
             return Refusal(Code.REFUSED, f"pipelined delta for round {rnd} trained from version {b}: a merge since "
                            "changed its part (the run's last round syncs the whole adapter)")
         return None
@@ -134,71 +143,76 @@ class Deltas(SyncerState):
         open round, or, with no round open (a restarted syncer before it reopens its round, or a run waiting for
         its quorum), one for the round that opens next, on the version it opens on. Refused as stale, the latter
         was lost whenever the refusal was (sim seed 800680): its learner waited on a round that waited on it."""
-        if self.round is not None:
-            return h["round"] > self.round.number and "trained_from" in h
-        return self.run is not None and self.finished_at is None and h["round"] == self.version + 1 and \
-            h["base_version"] == self.version
+        s = self.state
+        if s.round is not None:
+            return h["round"] > s.round.number and "trained_from" in h
+        return s.run is not None and s.finished_at is None and h["round"] == s.version + 1 and \
+            h["base_version"] == s.version
 
     def _keep_ahead(self, m: Member, msg: Message, digest: str, now: float) -> None:
         """A delta for a round not open yet (`_waits_for_its_round`): kept (unacked) for its round, or refused now."""
-        h, r = msg.header, self.round
-        kept = self.ahead.setdefault(m.learner, {})
+        s = self.state
+        h, r = msg.header, s.round
+        kept = s.ahead.setdefault(m.learner, {})
         problem = None
         if r is None:  # (the round opening next, kept whole: at most one a learner beside the pipelined ones)
-            problem = None if h["round"] in kept or len(kept) < self.cfg.pipeline else Refusal(
+            problem = None if h["round"] in kept or len(kept) < s.cfg.pipeline else Refusal(
                 Code.STALE, f"learner {m.learner} already has {len(kept)} delta(s) waiting for round "
-                f"{h['round']} to open (--pipeline {self.cfg.pipeline})")
-        elif not h["round"] - r.number < self.cfg.pipeline or h["base_version"] != h["round"] - 1:
+                            f"{h['round']} to open (--pipeline {s.cfg.pipeline})")
+        elif not h["round"] - r.number < s.cfg.pipeline or h["base_version"] != h["round"] - 1:
             problem = Refusal(Code.STALE, f"delta for round {h['round']} on version {h['base_version']}: round "
-                              f"{r.number} is open, and --pipeline {self.cfg.pipeline} keeps deltas for the "
-                              f"{self.cfg.pipeline - 1} round(s) after it, each on the version it opens on")
-        elif h["round"] not in kept and len(kept) >= self.cfg.pipeline - 1:
+                                          f"{r.number} is open, and --pipeline {s.cfg.pipeline} keeps deltas for the "
+                                          f"{s.cfg.pipeline - 1} round(s) after it, each on the version it opens on")
+        elif h["round"] not in kept and len(kept) >= s.cfg.pipeline - 1:
             problem = Refusal(Code.STALE, f"learner {m.learner} already has {len(kept)} pipelined delta(s) waiting "
-                              f"(--pipeline {self.cfg.pipeline})")
+                                          f"(--pipeline {s.cfg.pipeline})")
         pipelined = "trained_from" in h
-        problem = problem or (self._pipelined_refusal(h) if pipelined else None) or \
+        problem = problem or (self.pipelined_refusal(h) if pipelined else None) or \
             self._claims_refusal(m, h, digest)
         if problem is None:
             try:  # (its sizes and part now: a kept delta holds no more memory than its part's payload)
-                check_fragments(self.run.layout, msg, self._part(h["round"]))
+                check_fragments(s.run.layout, msg, s.part(h["round"]))
             except ProtocolError as e:
                 problem = Refusal(Code.REFUSED, str(e))
         if problem is not None:
             return self._refuse_delta(m, h, digest, problem.code, problem.reason, now)
         kept[h["round"]] = (m.session, msg)
 
-    def _take_ahead(self, now: float) -> None:
+    def take_ahead(self, now: float) -> None:
         """The open round's pipelined deltas, taken as if they came now (those of a member gone or of an earlier
         session are dropped: its learner sends them again)."""
-        r = self.round
-        for lid in sorted(self.ahead):
-            kept = self.ahead[lid]
+        s = self.state
+        r = s.round
+        for lid in sorted(s.ahead):
+            kept = s.ahead[lid]
             for rnd in [k for k in kept if k < r.number]:
                 del kept[rnd]
             session_msg = kept.pop(r.number, None)
-            m = self.members.get(lid)
+            m = s.members.get(lid)
             if session_msg is not None and m is not None and m.active and m.welcomed and m.session == session_msg[0]:
                 self._take_delta(m, session_msg[1], now)
             if not kept:
-                del self.ahead[lid]
+                del s.ahead[lid]
 
     def _accept(self, m: Member, msg: Message, digest: str, flat: np.ndarray, now: float) -> None:
         """The delta joins the open round: recorded, saved, added to the running sum, then acked; its compute time
         (when plausible) updates its member's pace, which the grace predicts the next push from."""
-        h, r = msg.header, self.round
+        s = self.state
+        h, r = msg.header, s.round
         d = AcceptedDelta(m.learner, m.session, r.number, h["base_version"], h["tokens"], h["loss_tokens"],
                           h["inner_steps"], float(h["loss"]), digest, list(h["fragments"]), tuple(msg.frames),
                           carried_steps=h.get("carried_steps", 0), tier=str(m.tier))
-        self._measure(d, flat)
+        self.measure(d, flat)
         compute_s = h.get("compute_s")
         compute_s = float(compute_s) if isinstance(compute_s, (int, float)) and math.isfinite(compute_s) and \
-            0 <= compute_s <= self.cfg.quorum_timeout else None
+            0 <= compute_s <= s.cfg.quorum_timeout else None
         pipelined = {"trained_from": h["trained_from"]} if "trained_from" in h else {}
-        self._record("delta", **self._delta_fields(d), bytes=msg.nbytes, norm=d.norm, compute_s=compute_s, **pipelined)
-        self.out.append(SaveDelta(d))
-        self.pending[m.learner] = d
-        self.sum.add(m.learner, flat, self._weight(d), self._scale(d))  # the decoded copy is dropped
-        self._answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": False, "merge_round": r.number})
+        self.outbox.record("delta", **self.delta_fields(d), bytes=msg.nbytes, norm=d.norm, compute_s=compute_s,
+                           **pipelined)
+        self.outbox.add(SaveDelta(d))
+        s.pending[m.learner] = d
+        s.sum.add(m.learner, flat, self.weight(d), self.scale(d))  # the decoded copy is dropped
+        self.answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": False, "merge_round": r.number})
         if compute_s is not None:
             m.round_s = compute_s if m.round_s is None else (ROUND_TIME_EMA * compute_s +
                                                              (1 - ROUND_TIME_EMA) * m.round_s)
@@ -209,67 +223,64 @@ class Deltas(SyncerState):
     def _refuse_delta(self, m: Member, h: dict[str, Any], digest: str, code: Code, reason: str, now: float) -> None:
         """Not accepted: the error names the delta (round, base version, digest), so a learner that has pushed
         that round again since knows it is not about its newer delta."""
-        if not self._may_reply(m.peer, now):
+        if not self.outbox.may_reply(m.peer, now):
             return
         reason = truncate(reason)
-        self._record("reject", learner=m.learner, round=h["round"], base_version=h["base_version"], digest=digest,
-                     code=str(code), reason=reason)
-        self._answer(m, h, "error", {"code": str(code), "reason": reason, "round": h["round"],
-                                     "base_version": h["base_version"], "digest": digest, "version": self.version})
+        self.outbox.record("reject", learner=m.learner, round=h["round"], base_version=h["base_version"], digest=digest,
+                           code=str(code), reason=reason)
+        self.answer(m, h, "error", {"code": str(code), "reason": reason, "round": h["round"],
+                                    "base_version": h["base_version"], "digest": digest, "version": self.state.version})
 
-    def _answer(self, m: Member, h: dict[str, Any], msg_type: str, header: dict[str, Any]) -> None:
+    def answer(self, m: Member, h: dict[str, Any], msg_type: str, header: dict[str, Any]) -> None:
         """Ack or refuse a delta, and keep the answer (with the copy of the delta it answers) for the pongs."""
-        self._send(m.peer, msg_type, header)
+        self.outbox.send(m.peer, msg_type, header)
         copy = h.get("copy")
         m.last_answer = {"type": msg_type, **header, "copy": copy if isinstance(copy, int) else 0}
 
-    def _remember_refused(self, digest: str) -> None:
-        self.refused_digests[digest] = None
-        while len(self.refused_digests) > MAX_REFUSED_REMEMBERED:
-            del self.refused_digests[next(iter(self.refused_digests))]
+    def remember_refused(self, digest: str) -> None:
+        s = self.state
+        s.refused_digests[digest] = None
+        while len(s.refused_digests) > MAX_REFUSED_REMEMBERED:
+            del s.refused_digests[next(iter(s.refused_digests))]
 
     # ------------------------------------------------------------------ what a delta counts for
 
-    def _weight(self, d: AcceptedDelta) -> float:
+    def weight(self, d: AcceptedDelta) -> float:
         """The delta's unnormalised merge weight (--merge-weight)."""
-        return weight_of(self._counts(d), self.cfg.merge_weight)
+        return weight_of(self.counts(d), self.state.cfg.merge_weight)
 
-    def _scale(self, d: AcceptedDelta) -> float:
+    def scale(self, d: AcceptedDelta) -> float:
         """What a delta is scaled by before the rule: its staleness discount (--staleness-exponent; 1 when fresh)
         and, with --step-normalize, 1/its inner steps (the merge multiplies the result by the round's length)."""
-        s = staleness_factor(d.lag, self.cfg.staleness_exponent)
-        return s / max(1, d.inner_steps) if self.cfg.step_normalize else s
+        s = staleness_factor(d.lag, self.state.cfg.staleness_exponent)
+        return s / max(1, d.inner_steps) if self.state.cfg.step_normalize else s
 
     @staticmethod
-    def _counts(d: AcceptedDelta) -> DeltaCounts:
+    def counts(d: AcceptedDelta) -> DeltaCounts:
         return DeltaCounts(d.loss_tokens, d.tokens, d.inner_steps)
 
     @staticmethod
-    def _delta_fields(d: AcceptedDelta) -> dict[str, Any]:
+    def delta_fields(d: AcceptedDelta) -> dict[str, Any]:
         return {"learner": d.learner, "round": d.round, "base_version": d.base_version, "digest": d.digest,
                 "tokens": d.tokens, "loss_tokens": d.loss_tokens, "inner_steps": d.inner_steps, "loss": d.loss,
                 "bits": sorted({x["bits"] for x in d.descs}), "lag": d.lag, "round_steps": d.round_steps,
                 "tier": d.tier}
 
-    def _part(self, round_number: int) -> Optional[tuple[int, ...]]:
-        """The fragments a round merges when the run streams its adapter (--fragments); None: all of them (as in the
-        run's last round)."""
-        return round_part(self.run.layout, self.cfg.fragments, round_number, self.cfg.outer_steps)
+    def decode(self, d: AcceptedDelta) -> np.ndarray:
+        s = self.state
+        return decode_fragments(s.run.layout, Message("delta", {"fragments": d.descs}, list(d.frames)),
+                                s.part(d.round))
 
-    def _decode(self, d: AcceptedDelta) -> np.ndarray:
-        return decode_fragments(self.run.layout, Message("delta", {"fragments": d.descs}, list(d.frames)),
-                                self._part(d.round))
-
-    def _decode_fragment(self, d: AcceptedDelta, k: int) -> np.ndarray:
+    def decode_fragment(self, d: AcceptedDelta, k: int) -> np.ndarray:
         """Fragment k of the delta (zero where a streamed delta does not carry it)."""
-        numel = self.run.layout.fragments[k].numel
+        numel = self.state.run.layout.fragments[k].numel
         for desc, frame in zip(d.descs, d.frames):
             if desc["index"] == k:
                 return dequantize(frame, numel, desc["bits"])
         return np.zeros(numel, dtype=np.float32)
 
     @staticmethod
-    def _measure(d: AcceptedDelta, flat: np.ndarray) -> None:
+    def measure(d: AcceptedDelta, flat: np.ndarray) -> None:
         d.peak = float(np.abs(flat).max()) if flat.size else 0.0
         d.norm = float(np.linalg.norm(flat.astype(np.float64)))
 

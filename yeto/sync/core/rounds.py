@@ -16,9 +16,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from yeto.sync.core.learner_timing import WINDOW_NEAREST_BOUNDARY
+
+if TYPE_CHECKING:
+    from yeto.sync.core.config import SyncerConfig
 
 WINDOW_GRACE_CAP_S = 30.0  # a time-window round waits at most this long past its window (or --straggler-timeout)
 GRACE_ROUND_SHARE = 0.05  # the grace is at most this share of the time the round took to reach quorum (>= 95% busy)
@@ -100,6 +103,18 @@ class RoundMembers:
     @property
     def quorum_count(self) -> int:
         return len(self.responders) if self.counting is None else self.counting
+
+
+def round_header(cfg: SyncerConfig, r: OpenRound, now: float) -> dict[str, Any]:
+    """What a learner trains the open round by. A time-window round's window is the round's, not the learner's:
+    `seconds_left` (relative, so no clocks need agree) ends every member's window together, however late it
+    started (a learner whose stale delta was just acked trains what is left), so deltas land fresh together
+    instead of each island's window drifting with its own start."""
+    header = {"round": r.number, "version": r.base_version, "inner_steps": cfg.inner_steps,
+              "round_seconds": cfg.round_seconds}
+    if cfg.round_seconds:
+        header["seconds_left"] = round(max(0.0, r.ends_at - now), 3)
+    return header
 
 
 @dataclass(frozen=True)

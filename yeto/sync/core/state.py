@@ -1,11 +1,12 @@
-"""What the syncer's core holds, and the helpers every concern of it shares.
+"""What the syncer's core holds, and the outbox its concerns put actions in.
 
-`SyncerState` holds the run (the committed checkpoint), the members, the open round and what it has received; its
-helpers put actions out (`_record` on the tape, `_send` to a peer, `_log`), answer refusals within a rate limit, and
-look members up. The concerns build on it, each in its own module: `admission` (hello, identity, founding), `deltas`
-(a delta's intake), `merging` (the merge transaction), `recovery` (a start from what survived on disk); `syncer`'s
-`SyncerCore` combines them and drives the round. The four round hooks at the end are `SyncerCore`'s: a concern calls
-them when what it did may open, close or end a round.
+`SyncerState` is the run's state, one record the core owns and lends to each concern: the run (the committed
+checkpoint), the members, the open round and what it has received, and the reads every concern shares (who is live,
+the quorum, the member a message comes from). It holds no behaviour beyond those reads. `Outbox` collects the actions
+a call puts out (`record` on the tape, `send` to a peer, `log`) and answers refusals within a rate limit. The concerns
+each get the state, the outbox and the few collaborators they call: `admission` (hello, identity, founding), `intake`
+(a delta's intake), `merging` (the merge transaction), `recovery` (a start from what survived on disk), `driver` (the
+open round: opening, closing, the finish); `syncer`'s `SyncerCore` owns them all and dispatches events to them.
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from yeto.sync.core.actions import AcceptedDelta, Action, Checkpoint, Exit, Log, Record, Send
+from yeto.sync.core.actions import AcceptedDelta, Action, Checkpoint, Log, Record, Send
 from yeto.sync.core.config import SyncerConfig
 from yeto.sync.core.contract import InitAdapter
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.core.quorum import quorum_after_give_ups
 from yeto.sync.core.rounds import OpenRound
 from yeto.sync.merge.aggregate import NORM_HISTORY, RoundSum
-from yeto.sync.merge.rules import Tier
-from yeto.sync.wire.layout import Layout
+from yeto.sync.merge.rules import Tier, counts_toward_quorum
+from yeto.sync.wire.layout import Layout, round_part
 from yeto.sync.wire.protocol import Code, Message, ProtocolError, truncate
 from yeto.sync.wire.quant import ErrorFeedback
 
@@ -90,7 +91,7 @@ class Broadcast:
 
 
 class SyncerState:
-    """The core's state and shared helpers (events come in through `yeto.sync.core.syncer.SyncerCore`)."""
+    """The run's state: what the concerns read and change (events come in through `SyncerCore`)."""
 
     def __init__(self, cfg: SyncerConfig, incarnation: str, init: Optional[InitAdapter] = None):
         """`init`: the adapter a new run starts from (--init-adapter), instead of the founding learner's."""
@@ -111,9 +112,6 @@ class SyncerState:
         self.bound_ids: set[int] = set()  # learner ids only their own key may speak for (yeto keys add)
         self.revoked: set[str] = set()  # principals whose keys were revoked
         self.given_up: dict[int, str] = {}  # learner id -> why the fleet controller stopped bringing it back
-        self.replies = RateLimit(REPLIES_PER_WINDOW, RATE_WINDOW_S)
-        self.state_requests = RateLimit(STATE_REQUESTS_PER_WINDOW, RATE_WINDOW_S)
-        self.fresh_ids = RateLimit(FRESH_IDS_PER_WINDOW, RATE_WINDOW_S)  # per principal (or connection, insecure)
         self.sum: Optional[RoundSum] = None  # the open round's running sum of accepted deltas
         # recent merged deltas' norms, per part of the adapter (a streamed run's parts differ in size and layers; the
         # whole adapter's key is None): the norm clip's reference
@@ -136,10 +134,7 @@ class SyncerState:
         # (a signal) does not: a person asked it to end
         self.finish_header: Optional[dict[str, Any]] = None
         self.exit_code: Optional[int] = None
-        self.internal_errors: set[str] = set()
-        self.last_tick = math.inf  # (no jump before the first tick)
         self.principal: Optional[str] = None  # of the message being handled
-        self.out: list[Action] = []
 
     @property
     def version(self) -> int:
@@ -149,70 +144,24 @@ class SyncerState:
     def done(self) -> bool:
         return self.exit_code is not None
 
-    def _given_up_count(self) -> int:
+    def given_up_count(self) -> int:
         return sum(1 for lid in self.given_up if 0 <= lid < self.cfg.learners)
 
-    def _quorum(self) -> int:
-        return quorum_after_give_ups(self.cfg.quorum, self.cfg.learners, self._given_up_count())
+    def quorum(self) -> int:
+        return quorum_after_give_ups(self.cfg.quorum, self.cfg.learners, self.given_up_count())
 
-    # ------------------------------------------------------------------ actions out
+    def counting(self) -> list[AcceptedDelta]:
+        """The pending deltas that count toward the quorum (their tier's: `counts_toward_quorum`)."""
+        return [d for d in self.pending.values() if counts_toward_quorum(d.tier)]
 
-    def _flush(self) -> list[Action]:
-        out, self.out = self.out, []
-        return out
-
-    def _record(self, event: str, **fields: Any) -> None:
-        self.out.append(Record(event, fields))
-
-    def _log(self, level: str, text: str) -> None:
-        self.out.append(Log(level, text))
-
-    def _send(self, peer: str, msg_type: str, header: dict[str, Any], frames: tuple[bytes, ...] = ()) -> None:
-        self.out.append(Send(peer, msg_type, header, frames))
-
-    def _reject(self, peer: str, reason: str, code: Code, now: float) -> None:
-        if not self._may_reply(peer, now):
-            return
-        reason = truncate(reason)
-        self._record("reject", peer=truncate(peer, 80), code=str(code), reason=reason)
-        self._send(peer, "error", {"code": str(code), "reason": reason})
-
-    def _refuse(self, peer: str, lid: int, code: Code, reason: str, now: float, **fields: Any) -> None:
-        if not self._may_reply(peer, now):
-            return
-        reason = truncate(reason)
-        self._record("refuse", learner=lid, code=str(code), reason=reason, **fields)
-        self._send(peer, "refuse", {"code": str(code), "reason": reason})
-        self._log("warning", f"refused learner {lid}: {reason}")
-
-    def _may_reply(self, peer: str, now: float) -> bool:
-        """One peer's refusals cost at most REPLIES_PER_WINDOW tape lines and answers per window; the excess is
-        counted on the tape once the next window opens."""
-        ok = self.replies.allow(peer, now)
-        skipped = self.replies.expired_refusals.pop(peer, 0)
-        if skipped:
-            self._record("replies_suppressed", peer=truncate(peer, 80), count=skipped)
-        return ok
-
-    def _norm_history(self, part: Optional[tuple[int, ...]]) -> deque[tuple[float, str]]:
-        """The recent merged norms of this part of the adapter (None: the whole of it), with their deltas' tiers."""
-        return self.norm_history.setdefault(part, deque(maxlen=NORM_HISTORY))
-
-    def _exit(self) -> None:
-        if self.exit_code is None:
-            self.exit_code = int(self.finish_header.get("code", 0)) if self.finish_header else 0
-            self.out.append(Exit(self.exit_code))
-
-    # ------------------------------------------------------------------ members
-
-    def _active(self) -> list[Member]:
+    def active(self) -> list[Member]:
         return [m for m in self.members.values() if m.active]
 
-    def _live(self) -> list[Member]:
+    def live(self) -> list[Member]:
         """Members that can train: active and welcomed."""
         return [m for m in self.members.values() if m.active and m.welcomed]
 
-    def _member(self, peer: str, msg: Message, now: float) -> Member:
+    def member(self, peer: str, msg: Message, now: float) -> Member:
         """The member a message comes from: its session current, on the connection that said hello (else an error
         that tells the learner what to do: say hello, or stop, its session taken over)."""
         lid, session = msg.header["learner"], msg.header["session"]
@@ -233,13 +182,16 @@ class SyncerState:
         m.last_seen = now
         return m
 
-    def _drop(self, m: Member, reason: str, now: float) -> None:
-        m.active = False
-        self.ahead.pop(m.learner, None)
-        self._record("leave", learner=m.learner, reason=truncate(reason), version=self.version)
-        self._log("info", f"learner {m.learner} left ({reason}); {len(self._active())} active")
+    def part(self, round_number: int) -> Optional[tuple[int, ...]]:
+        """The fragments a round merges when the run streams its adapter (--fragments); None: all of them (as in the
+        run's last round)."""
+        return round_part(self.run.layout, self.cfg.fragments, round_number, self.cfg.outer_steps)
 
-    def _checkpoint(self) -> Checkpoint:
+    def norm_history_of(self, part: Optional[tuple[int, ...]]) -> deque[tuple[float, str]]:
+        """The recent merged norms of this part of the adapter (None: the whole of it), with their deltas' tiers."""
+        return self.norm_history.setdefault(part, deque(maxlen=NORM_HISTORY))
+
+    def checkpoint(self) -> Checkpoint:
         assert self.run is not None and self.ef is not None
         r = self.run
         return Checkpoint(r.version, r.layout, r.adapter_config, r.provenance, r.global_, r.momentum, self.ef.residual,
@@ -251,20 +203,54 @@ class SyncerState:
         assert self.finish_header is not None
         return {k: v for k, v in self.finish_header.items() if k != "code"}
 
-    # ------------------------------------------------------------------ the round's driver (SyncerCore's)
 
-    def _maybe_open(self, now: float) -> None:
-        """Open the next round if the run can (founded, not finished, its gate passed)."""
-        raise NotImplementedError
+class Outbox:
+    """The actions one event puts out, in order; refusals and errors answered within a rate limit per peer."""
 
-    def _maybe_close(self, now: float) -> None:
-        """Close the open round if its `close_decision` says so."""
-        raise NotImplementedError
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.replies = RateLimit(REPLIES_PER_WINDOW, RATE_WINDOW_S)
 
-    def _round_header(self, r: OpenRound, now: float) -> dict[str, Any]:
-        """What a learner trains the open round by."""
-        raise NotImplementedError
+    def flush(self) -> list[Action]:
+        out, self.actions = self.actions, []
+        return out
 
-    def _finish(self, reason: str, now: float, code: int, complete: bool, linger_s: Optional[float] = None) -> None:
-        """End the run: every learner is told, and the syncer exits once they had their chance to hear it."""
-        raise NotImplementedError
+    def add(self, action: Action) -> None:
+        self.actions.append(action)
+
+    def extend(self, actions: list[Action]) -> None:
+        self.actions.extend(actions)
+
+    def record(self, event: str, **fields: Any) -> None:
+        self.actions.append(Record(event, fields))
+
+    def log(self, level: str, text: str) -> None:
+        self.actions.append(Log(level, text))
+
+    def send(self, peer: str, msg_type: str, header: dict[str, Any], frames: tuple[bytes, ...] = ()) -> None:
+        self.actions.append(Send(peer, msg_type, header, frames))
+
+    def reject(self, peer: str, reason: str, code: Code, now: float) -> None:
+        """An error answer to a message that is not a learner's (malformed, unauthenticated, or a core bug)."""
+        if not self.may_reply(peer, now):
+            return
+        reason = truncate(reason)
+        self.record("reject", peer=truncate(peer, 80), code=str(code), reason=reason)
+        self.send(peer, "error", {"code": str(code), "reason": reason})
+
+    def refuse(self, peer: str, lid: int, code: Code, reason: str, now: float, **fields: Any) -> None:
+        if not self.may_reply(peer, now):
+            return
+        reason = truncate(reason)
+        self.record("refuse", learner=lid, code=str(code), reason=reason, **fields)
+        self.send(peer, "refuse", {"code": str(code), "reason": reason})
+        self.log("warning", f"refused learner {lid}: {reason}")
+
+    def may_reply(self, peer: str, now: float) -> bool:
+        """One peer's refusals cost at most REPLIES_PER_WINDOW tape lines and answers per window; the excess is
+        counted on the tape once the next window opens."""
+        ok = self.replies.allow(peer, now)
+        skipped = self.replies.expired_refusals.pop(peer, 0)
+        if skipped:
+            self.record("replies_suppressed", peer=truncate(peer, 80), count=skipped)
+        return ok
