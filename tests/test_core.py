@@ -16,7 +16,7 @@ from yeto.sync.shell.audit import audit
 from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
-from yeto.sync.core.learner_phases import TRANSITIONS, Held, IllegalTransition, Phase, Training
+from yeto.sync.core.learner.phases import TRANSITIONS, Held, IllegalTransition, Phase, Training
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.wire.layout import build_layout
 from yeto.sync.wire.protocol import decode, encode

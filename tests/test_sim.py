@@ -14,9 +14,9 @@ import pytest
 from yeto.sync import sim
 from yeto.sync.core import actions
 from yeto.sync.core import deltas as sdeltas
-from yeto.sync.core import learner as lcore
-from yeto.sync.core import learner_pipeline as lpipeline
-from yeto.sync.core import learner_phases as lphases
+from yeto.sync.core.learner import core as lcore
+from yeto.sync.core.learner import pipeline as lpipeline
+from yeto.sync.core.learner import phases as lphases
 from yeto.sync.core import merging
 from yeto.sync.core import syncer as score
 from yeto.sync.merge.outer import nesterov_step

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
-from yeto.sync.core.learner_timing import WINDOW_NEAREST_BOUNDARY
+from yeto.sync.core.learner.timing import WINDOW_NEAREST_BOUNDARY
 
 WINDOW_GRACE_CAP_S = 30.0  # a time-window round waits at most this long past its window (or --straggler-timeout)
 GRACE_ROUND_SHARE = 0.05  # the grace is at most this share of the time the round took to reach quorum (>= 95% busy)

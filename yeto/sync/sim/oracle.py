@@ -11,7 +11,7 @@ from yeto.sync.merge.aggregate import RoundSum, clipped_merge, effective_weight
 from yeto.sync.shell.audit import TapeFold, audit
 from yeto.sync.core.actions import Checkpoint, Out
 from yeto.sync.core.learner import LearnerCore
-from yeto.sync.core.learner_phases import TRANSITIONS, Phase
+from yeto.sync.core.learner.phases import TRANSITIONS, Phase
 from yeto.sync.merge.rules import DeltaCounts, merge_terms
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
 from yeto.sync.wire.layout import fragment_pieces, round_part, synced_fragments

@@ -16,9 +16,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from yeto.sync.core.learner_phases import Phase, Training
-from yeto.sync.core.learner_loop import Train
-from yeto.sync.core.pushed import Pushed
+from yeto.sync.core.learner.phases import Phase, Training
+from yeto.sync.core.learner.loop import Train
+from yeto.sync.core.learner.pushed import Pushed
 from yeto.sync.wire.layout import fragment_pieces, synced_fragments, untouched_since
 
 

@@ -44,13 +44,13 @@ import numpy as np
 
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
 from yeto.sync.core.contract import learner_contract, tokens_per_step
-from yeto.sync.core.learner_loop import Done, RoundCounts, Task, Train, StepVerdict, Wait
-from yeto.sync.core.learner_messages import SyncerMessages
-from yeto.sync.core.learner_pipeline import PipelinedDeltas
-from yeto.sync.core.learner_timing import (FINISH_CATCHUP_DEAD_AFTERS, HELLO_RETRY_HEARTBEATS,  # noqa: F401
+from yeto.sync.core.learner.loop import Done, RoundCounts, Task, Train, StepVerdict, Wait
+from yeto.sync.core.learner.messages import SyncerMessages
+from yeto.sync.core.learner.pipeline import PipelinedDeltas
+from yeto.sync.core.learner.timing import (FINISH_CATCHUP_DEAD_AFTERS, HELLO_RETRY_HEARTBEATS,
                                            WINDOW_NEAREST_BOUNDARY, LinkTimeouts)
-from yeto.sync.core.pushed import Pushed
-from yeto.sync.core.learner_phases import DATA, Held, Phase, PhaseData, Place, Training, check_transition
+from yeto.sync.core.learner.pushed import Pushed
+from yeto.sync.core.learner.phases import DATA, Held, Phase, PhaseData, Place, Training, check_transition
 from yeto.sync.wire.layout import Layout, round_part
 from yeto.sync.wire.protocol import (CLOCK_JUMP_S, Code, Message, ProtocolError, digest_bytes, encode_fragments_ef,
                                      session_id)

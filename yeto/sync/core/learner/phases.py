@@ -25,7 +25,7 @@ from typing import Union
 
 import numpy as np
 
-from yeto.sync.core.learner_loop import Done, RoundCounts
+from yeto.sync.core.learner.loop import Done, RoundCounts
 
 
 class Phase(Enum):

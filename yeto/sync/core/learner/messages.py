@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from yeto.sync.core.learner_phases import Phase, Place
+from yeto.sync.core.learner.phases import Phase, Place
 from yeto.sync.wire.protocol import (FINAL_CODES, Code, Message, ProtocolError, array_digest, decode, decode_fragments,
                                      encode, encode_fragments)
 from yeto.sync.wire.quant import dequantize
