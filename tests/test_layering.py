@@ -87,15 +87,16 @@ class _Names:
 
 
 def test_every_message_and_tape_event_goes_to_the_handler_its_table_names():
-    """The syncer, the learner and the tape fold dispatch through one table each (no handler looked up by a built
-    name): every message type of its direction has an entry, and no `_on_` method is left outside the table."""
+    """The syncer, the learner's message handlers and the tape fold dispatch through one table each (no handler looked
+    up by a built name): every message type of its direction has an entry, and no `_on_` method is left outside the
+    table."""
     from yeto.sync.core.fold import TapeFold
-    from yeto.sync.core.learner import LearnerCore
+    from yeto.sync.core.learner.messages import SyncerMessages
     from yeto.sync.core.syncer import SyncerCore
     from yeto.sync.wire.protocol import LEARNER_TYPES, SYNCER_TYPES
 
     for cls, types, fallback in [(SyncerCore, LEARNER_TYPES, {"_on_unexpected"}),
-                                 (LearnerCore, SYNCER_TYPES, {"_on_other"}), (TapeFold, None, set())]:
+                                 (SyncerMessages, SYNCER_TYPES, {"_on_other"}), (TapeFold, None, set())]:
         table = cls._handlers(_Names())
         assert types is None or set(table) == types, cls
         assert all(callable(getattr(cls, name)) for name in table.values()), cls
