@@ -63,6 +63,10 @@ from yeto.sync.wire.quant import ErrorFeedback, QuantError
 
 
 class LearnerCore:
+    """A learner's side of the round protocol: events in (messages, ticks, training progress), actions out. Why one
+    class this size: it is the one owner of the learner's state and the one entry point its shells call; each concern
+    it hands on (messages, deltas in flight, phases, what it knows) lives in its own module."""
+
     # what it owns, and nothing else: a field set by mistake (one that moved to a part) fails instead of going unread
     __slots__ = ("learner_id", "backend", "layout", "adapter_config", "provenance", "rng", "t", "max_inner_steps",
                  "session", "identity", "contract", "run", "link", "phases", "outbox", "deltas", "messages")

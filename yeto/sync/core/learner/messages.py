@@ -30,6 +30,8 @@ Handler = Callable[[Message, float], None]
 
 
 class SyncerMessages:
+    """What each message from the syncer means to a learner, over the state its core hands it."""
+
     def __init__(self, learner_id: int, layout: Layout, init_flat: np.ndarray, timeouts: LinkTimeouts,
                  run: RunKnowledge, link: LinkState, phases: Phases, deltas: DeltasInFlight, outbox: Outbox,
                  hello: Callable[[float], None]):
@@ -53,6 +55,7 @@ class SyncerMessages:
 
     @property
     def heartbeat_s(self) -> float:
+        """How often the learner pings (the syncer's policy may ask for more often)."""
         return heartbeat_s(self.timeouts, self.run.policy)
 
     def maybe_sync(self, now: float) -> None:

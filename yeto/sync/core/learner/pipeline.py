@@ -27,6 +27,8 @@ from yeto.sync.wire.quant import ErrorFeedback
 
 
 class DeltasInFlight:
+    """The deltas in the syncer's hands, oldest first, and the error-feedback residual they were quantized with."""
+
     def __init__(self, layout: Layout, run: RunKnowledge, outbox: Outbox):
         self.layout = layout
         self.run = run
