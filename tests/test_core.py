@@ -16,7 +16,7 @@ from yeto.sync.shell.audit import audit
 from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
-from yeto.sync.core.learner_phases import TRANSITIONS, Held, IllegalTransition, Phase, Training
+from yeto.sync.core.learner.phases import TRANSITIONS, Held, IllegalTransition, Phase, Training
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.wire.layout import build_layout
 from yeto.sync.wire.protocol import decode, encode
@@ -529,7 +529,7 @@ def test_a_learner_restarted_while_its_late_delta_holds_the_round_carries_instea
     f.run()
     f.tick()
     if told_by == "duplicate":
-        c1.place_held = None
+        c1.run.place_held = None
     task = c1.next_task(f.now)
     assert isinstance(task, Train) and (task.round, task.base_version) == (2, 1)
     f.tick(dt=0.5, times=int(task.seconds / 0.5) + 1)
@@ -636,7 +636,7 @@ def test_in_fixed_step_rounds_a_learner_whose_earlier_late_delta_holds_the_round
     f.run()
     f.tick()
     if told_by == "duplicate":
-        c1.place_held = None
+        c1.run.place_held = None
         task, verdict = f.train(1)
         assert (task.round, verdict) == (2, StepVerdict.PUSH)
         assert [e["code"] for e in f.tape if e["event"] == "reject"] == ["duplicate"]
@@ -738,7 +738,7 @@ def test_a_round_whose_base_falls_more_than_max_base_lag_behind_is_abandoned():
 
 def test_a_stale_round_is_abandoned_when_its_base_was_rolled_back():
     f, late, task = _late_learner_mid_round(max_base_lag=4)
-    late.lineage[1] = "another"  # as if a syncer restart redefined version 1 under it
+    late.run.lineage[1] = "another"  # as if a syncer restart redefined version 1 under it
     assert late.after_step(1, f.now) is StepVerdict.ABANDON
 
 
@@ -749,7 +749,7 @@ def test_a_learner_moves_through_its_phases_by_the_table_and_an_illegal_move_rai
     f = Fleet(n=1, quorum=1)
     c = f.learners[0]
     moves = []
-    c.on_move = lambda old, new, event: moves.append((old, new))
+    c.phases.on_move = lambda old, new, event: moves.append((old, new))
     assert c.phase is Phase.WAITING  # (the fixture's learner founded the run)
     task = c.next_task(f.now)
     assert c.phase is Phase.TRAINING and c.training is not None and c.carried is None and c.held is None
@@ -758,11 +758,11 @@ def test_a_learner_moves_through_its_phases_by_the_table_and_an_illegal_move_rai
     assert moves == [(Phase.WAITING, Phase.TRAINING), (Phase.TRAINING, Phase.HOLDING), (Phase.HOLDING, Phase.WAITING)]
     assert c.training is None and c.held is None
     with pytest.raises(IllegalTransition, match="illegal phase transition waiting -> holding on a planted push"):
-        c._enter(Phase.HOLDING, "a planted push", Held(Training(1, 0, task.adapter, 0.0, 1, 0.0), task.adapter,
-                                                            RoundCounts(1, 1, 1, 1.0, 0.1)))
+        c.phases.enter(Phase.HOLDING, "a planted push", Held(Training(1, 0, task.adapter, 0.0, 1, 0.0), task.adapter,
+                                                                  RoundCounts(1, 1, 1, 1.0, 0.1)))
     assert c.phase is Phase.WAITING and len(moves) == 3  # (nothing changed)
     with pytest.raises(AssertionError, match="training holds Training"):
-        c._enter(Phase.TRAINING, "a round without its data")
+        c.phases.enter(Phase.TRAINING, "a round without its data")
 
 
 def test_a_control_drop_never_sends_a_delta_again_and_a_pong_repeats_the_lost_ack():
@@ -824,9 +824,9 @@ def test_a_refusal_lost_before_a_late_hello_of_the_same_process_is_still_learned
     f.to_syncer(1, c.push(task.adapter + 0.01, RoundCounts(too_many, too_many, 2, 1.0, 0.1)))
     f.run()
     assert [e["code"] for e in f.tape if e["event"] == "reject"] == ["refused"] and c.pushed.on_its_way
-    c.out = []
+    c.outbox.clear()
     c._hello(f.now)  # a hello this process sent earlier, arriving late
-    f.to_syncer(1, c._flush())
+    f.to_syncer(1, c.outbox.flush())
     f.run()
     f.lost = lambda *a: False
     f.tick(times=4)
@@ -852,15 +852,15 @@ def test_a_delta_sent_by_a_learner_dropped_while_asleep_is_sent_again_once_it_is
         f.to_syncer(0, f.learners[0].tick(f.now))
         f.run()
     assert not f.syncer.state.members[1].active
-    c.last_heard = f.now  # (waking, it reads what came while it slept: it heard the syncer, so no reconnect)
+    c.link.last_heard = f.now  # (waking, it reads what came while it slept: it heard the syncer, so no reconnect)
     f.lost = lambda direction, lid, msg_type: direction == "down" and lid == 1 and msg_type == "error"
     f.to_syncer(1, c.push(task.adapter + 0.01, RoundCounts(200, 100, 2, 1.0, 0.1)))
     f.run()
     assert [e["code"] for e in f.tape if e["event"] == "reject"] == ["not_joined"] and c.pushed.on_its_way
     f.lost = lambda direction, lid, msg_type: direction == "down" and lid == 1 and msg_type == "welcome"
-    c.out = []
+    c.outbox.clear()
     c._hello(f.now)  # (the welcome it had before it slept was its last: this one is lost too)
-    f.to_syncer(1, c._flush())
+    f.to_syncer(1, c.outbox.flush())
     f.run()
     f.lost = lambda *a: False
     f.tick(times=4)
@@ -879,7 +879,7 @@ def test_a_founding_upload_that_came_too_late_to_count_is_asked_for_again():
     f.run(until=lambda direction, msg: msg.type == "init")
     held, f.queue = f.queue, []  # learner 0's upload is held up on its way, and learner 0 is frozen ...
     c = f.learners[0]
-    assert c.init_sent is not None and [decode(q[2]).type for q in held] == ["init"]
+    assert c.link.init_sent is not None and [decode(q[2]).type for q in held] == ["init"]
     f.now += 4.0
     f.apply(f.syncer.tick(f.now))  # ... long enough for the syncer to drop it, not for it to reconnect
     assert not f.syncer.state.members[0].active and f.syncer.run is None
@@ -887,7 +887,7 @@ def test_a_founding_upload_that_came_too_late_to_count_is_asked_for_again():
     f.queue = held
     f.run()
     f.tick(times=8)  # learner 0 says hello again and is asked again
-    assert f.syncer.run is not None and f.syncer.state.founder == 0 and c.init_copies == 2
+    assert f.syncer.run is not None and f.syncer.state.founder == 0 and c.link.init_copies == 2
 
 
 def test_a_finish_from_a_stopped_syncer_gives_way_to_a_restarted_one_that_goes_on():

@@ -87,10 +87,11 @@ class _Names:
 
 
 def test_every_message_and_tape_event_goes_to_the_handler_its_table_names():
-    """The syncer, the learner and the tape fold dispatch through one table each (no handler looked up by a built
-    name): every message type of its direction has an entry, and no `_on_` method is left outside the table."""
+    """The syncer, the learner's message handlers and the tape fold dispatch through one table each (no handler looked
+    up by a built name): every message type of its direction has an entry, and no `_on_` method is left outside the
+    table."""
     from yeto.sync.core.fold import TapeFold
-    from yeto.sync.core.learner import LearnerCore
+    from yeto.sync.core.learner.messages import SyncerMessages
     from yeto.sync.core.syncer import SyncerCore
     from yeto.sync.wire.protocol import LEARNER_TYPES, SYNCER_TYPES
 
@@ -107,7 +108,7 @@ def test_every_message_and_tape_event_goes_to_the_handler_its_table_names():
             kind = name.removeprefix("_").removeprefix("on_")  # a concern's handler: the table's, or the core's
             # entry for its type calls it (then the round may open or close)
             assert (type(owner).__name__, name) in handlers or table[kind].__self__ is core, (owner, name)
-    for cls, types, fallback in [(LearnerCore, SYNCER_TYPES, {"_on_other"}), (TapeFold, None, set())]:
+    for cls, types, fallback in [(SyncerMessages, SYNCER_TYPES, {"_on_other"}), (TapeFold, None, set())]:
         table = cls._handlers(_Names())
         assert types is None or set(table) == types, cls
         assert all(callable(getattr(cls, name)) for name in table.values()), cls

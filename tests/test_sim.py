@@ -16,9 +16,10 @@ from yeto.sync.core import actions
 from yeto.sync.core import admission as sadmission
 from yeto.sync.core import deltas as sdeltas
 from yeto.sync.core import driver as sdriver
-from yeto.sync.core import learner as lcore
-from yeto.sync.core import learner_pipeline as lpipeline
-from yeto.sync.core import learner_phases as lphases
+from yeto.sync.core.learner import core as lcore
+from yeto.sync.core.learner import messages as lmessages
+from yeto.sync.core.learner import pipeline as lpipeline
+from yeto.sync.core.learner import phases as lphases
 from yeto.sync.core import merging
 from yeto.sync.core import state as sstate
 from yeto.sync.core import syncer as score
@@ -143,7 +144,7 @@ def test_a_schedule_replays_exactly_from_its_seed():
 def _after_step_ignoring_new_versions(orig):
     def after_step(self, steps, now):  # keep training through a broadcast (the bug the issue reports) ...
         t = self.training
-        if t is not None and t.base_version != self.version and self.finish is None and not self.need_state:
+        if t is not None and t.base_version != self.version and self.finish is None and not self.run.need_state:
             return lcore.StepVerdict.PUSH if t.steps and steps >= t.steps else lcore.StepVerdict.CONTINUE
         return orig(self, steps, now)
     return after_step
@@ -197,9 +198,10 @@ def _forget_saved_deltas(orig):
 
 def _settle_every_refusal(orig):
     def settle(self, code, h):  # give the residual back on any refusal, even a "stale" for a delta that was merged
-        p = self.pushed
+        d = self.deltas
+        p = d.pushed
         if p is not None and [p.round, p.base_version] == [h.get("round"), h.get("base_version")]:
-            self.ef.residual, self.pushed = p.residual_before, None
+            d.ef.residual, d.pushed = p.residual_before, None
     return settle
 
 
@@ -252,7 +254,7 @@ PLANTED = {
     "a learner's second delta in a round accepted": [(sdeltas.Deltas, "on_delta", _no_duplicate_check)],
     "merging one responder short of quorum": [(sdriver.RoundDriver, "maybe_close", _quorum_minus_one)],
     "a restart that forgets the saved deltas": [(score.SyncerCore, "start", _forget_saved_deltas)],
-    "a learner that never catches up": [(lcore.LearnerCore, "_maybe_sync", lambda orig: lambda self, now: None)],
+    "a learner that never catches up": [(lmessages.SyncerMessages, "maybe_sync", lambda orig: lambda self, now: None)],
     "a claim that buys more than the round's median weight": [(merging.Merging, "_terms", _weights_by_claim)],
     "a streamed round that steps the parts it did not merge": [(merging, "nesterov_step_on", _every_part_stepped)],
     "a delta sent again on every control-connection drop (copies queue up a slow link)": [
@@ -260,7 +262,7 @@ PLANTED = {
     "a pipelined delta across a merge of its own part": [(lpipeline, "untouched_since", lambda orig: lambda *a: True),
                                                          (sdeltas, "untouched_since", lambda orig: lambda *a: True)],
     "a refused pipelined delta that gives back the whole residual": [
-        (lpipeline.PipelinedDeltas, "_give_back", _whole_residual_given_back)],
+        (lpipeline.DeltasInFlight, "give_back", _whole_residual_given_back)],
     "a finished syncer that stops serving a slow reader": [
         (sdriver.RoundDriver, "_fetching_final", lambda orig: lambda self, now: False)],
     "an extra id's delta counted toward quorum": [(sstate, "counts_toward_quorum", lambda orig: lambda tier: True)],
@@ -270,7 +272,8 @@ PLANTED = {
     "a clip reference taken from the largest norm (an outlier judged by itself)": [
         (merging, "clip_reference", lambda orig: lambda norms, history, tiers=None: max(norms))],
     "an error-feedback residual given back for a delta that counted": [
-        (lcore.LearnerCore, "_settle_refused", _settle_every_refusal), (sdeltas.Deltas, "on_delta", _no_merged_ack)],
+        (lmessages.SyncerMessages, "_settle_refused", _settle_every_refusal),
+        (sdeltas.Deltas, "on_delta", _no_merged_ack)],
 }
 
 
@@ -312,9 +315,9 @@ PLANTED_ON_SEEDS = {
         [(sdeltas.Deltas, "_waits_for_its_round", _old_keep_rule),
          (sadmission.Admission, "_keep_delta_news", lambda orig: staticmethod(lambda old, new: None))], [800680]),
     "a stopped syncer's finish kept after a restarted one welcomed the learner into the run": (
-        [(lcore.LearnerCore, "_finish_superseded", lambda orig: lambda self, h: None)], [192934085]),
+        [(lmessages.SyncerMessages, "_finish_superseded", lambda orig: lambda self, h: None)], [192934085]),
     "a pipelined delta's copy taken for still on its way after the connections were remade or the syncer forgot us": (
-        [(lpipeline.PipelinedDeltas, "_copies_lost", _only_the_pushed_copy_lost)], [192937500, 506180938]),
+        [(lpipeline.DeltasInFlight, "copies_lost", _only_the_pushed_copy_lost)], [192937500, 506180938]),
     "a delta refused from a learner dropped while asleep, the refusal lost, never asked for again": (
         [(sdeltas.Deltas, "_heard_while_away", lambda orig: lambda self, msg: None)], [903596133, 903606582]),
     "a founding upload refused with its error lost, never asked for again": (
@@ -358,7 +361,7 @@ def test_the_learner_core_refuses_a_move_its_phase_table_does_not_have(monkeypat
 def test_the_simulator_checks_every_move_against_the_phase_table_itself(monkeypatch):
     """With the core's own check switched off, the oracle still finds the move the table does not have."""
     _without_abandon(monkeypatch)
-    monkeypatch.setattr(lcore, "check_transition", lambda old, new, event: None)
+    monkeypatch.setattr(lphases, "check_transition", lambda old, new, event: None)
     error = _first_violation(PHASE_SEEDS)
     assert "moved training -> waiting on " in error and "the phase table has no such move" in error, error
 
@@ -370,11 +373,11 @@ def test_the_simulator_catches_a_phase_changed_around_the_one_method_that_checks
     def after_step(self, steps_done, now, window_steps=None):
         t = self.training
         if t is not None and not self._base_ok(t.base_version, t.base_digest) and self.finish is None and not (
-                self.refused or self.gave_up):
-            self._phase, self._phase_data = lphases.Phase.WAITING, None
+                self.refused or self.link.gave_up):
+            self.phases._phase, self.phases._data = lphases.Phase.WAITING, None
             return lcore.StepVerdict.ABANDON
         return orig(self, steps_done, now, window_steps)
 
     monkeypatch.setattr(lcore.LearnerCore, "after_step", after_step)
     error = _first_violation(PHASE_SEEDS * 4)
-    assert "last recorded move entered training: a phase changed outside LearnerCore._enter" in error, error
+    assert "last recorded move entered training: a phase changed outside Phases.enter" in error, error

@@ -25,7 +25,7 @@ from yeto.sync.shell.audit import audit, audit_run
 from yeto.sync.shell.server import SyncerConfig
 from yeto.sync.shell.tape import read_tape
 from yeto.sync.core.actions import Durable
-from yeto.sync.core.state import Outbox
+from yeto.sync.core.state import SyncerOutbox
 from yeto.sync.wire.layout import (MAX_STREAM_PARTS, MIN_FRAGMENT_NUMEL, STREAM_GRANULES, build_layout, flatten,
                                    fragment_pieces, round_part, stream_part, stream_parts, synced_fragments)
 from yeto.sync.wire.protocol import Message, ProtocolError, decode_fragments, encode, encode_fragments_ef
@@ -68,7 +68,7 @@ def test_a_big_tensor_gets_a_part_of_its_own_and_fewer_fragments_than_parts_are_
     layout = build_layout({"a": np.zeros(10), "b": np.zeros(1000)})
     assert stream_parts(layout, 2) == ((0,), (1,))  # (by first value alone, part 1 would be empty)
     said = []
-    monkeypatch.setattr(Outbox, "log", lambda self, level, text: said.append((level, text)))
+    monkeypatch.setattr(SyncerOutbox, "log", lambda self, level, text: said.append((level, text)))
     Fleet(n=2, fragments=4)  # its adapter packs into one fragment
     assert any(level == "warning" and "--fragments 4" in text and "streams in 1 part" in text for level, text in said)
 
@@ -131,7 +131,7 @@ def test_a_pipelined_delta_waits_unacked_for_its_round_and_counts_there_as_a_fre
     task, _ = f.train(0)  # round 2, ahead of round 1's merge
     assert (task.round, task.base_version) == (2, 0)
     c = f.learners[0]
-    assert [p.round for p in c.in_flight()] == [1, 2] and not c.ahead[0].acked
+    assert [p.round for p in c.in_flight()] == [1, 2] and not c.deltas.ahead[0].acked
     assert isinstance(c.next_task(f.now), Wait)  # two in flight: the pipeline is full
     assert f.syncer.state.ahead[0][2][1].header["trained_from"] == 0 and f.syncer.state.pending[0].round == 1
     f.train(1)  # round 1's quorum: merged; round 2 opens and takes learner 0's pipelined delta
@@ -154,8 +154,8 @@ def test_a_pipelined_delta_whose_part_a_merge_changes_is_refused_and_gives_its_r
     f.train(0)
     f.train(0)
     c = f.learners[0]
-    head, ahead = c.pushed, c.ahead[0]
-    assert c._next_pipelined() is None  # (round 3, the last, moves the whole adapter: never ahead)
+    head, ahead = c.pushed, c.deltas.ahead[0]
+    assert c.deltas.next_pipelined() is None  # (round 3, the last, moves the whole adapter: never ahead)
     before = c.ef.residual.copy()
     for refused, left in ((head, [ahead]), (ahead, [])):  # the oldest first: the pipelined one takes its place
         c.receive(Message("error", {"code": "refused", "reason": "x", "round": refused.round, "version": 0,
@@ -167,7 +167,7 @@ def test_a_pipelined_delta_whose_part_a_merge_changes_is_refused_and_gives_its_r
         np.testing.assert_array_equal(c.ef.residual[mine], refused.residual_before[mine])
         np.testing.assert_array_equal(c.ef.residual[~mine], before[~mine])  # (the other part's is its own)
         before = c.ef.residual.copy()
-        assert set(synced_fragments(f.layout, refused.part)) <= c.given_back  # (the loop keeps its steps)
+        assert set(synced_fragments(f.layout, refused.part)) <= c.deltas.given_back  # (the loop keeps its steps)
     # the syncer's side: a delta of the last round (the whole adapter) trained before round 2's merge
     f.train(1)
     f.train(1)
@@ -189,11 +189,11 @@ def test_a_pipeline_takes_no_round_the_syncer_would_refuse_and_the_syncer_keeps_
         task, _ = f.train(0)
         assert (task.round, task.base_version) == (rnd, 0)
     c = f.learners[0]
-    assert sorted(f.syncer.state.ahead[0]) == [2, 3] and c._next_pipelined() is None  # (full)
-    second = c.ahead[0]
+    assert sorted(f.syncer.state.ahead[0]) == [2, 3] and c.deltas.next_pipelined() is None  # (full)
+    second = c.deltas.ahead[0]
     c.receive(Message("error", {"code": "refused", "reason": "x", "round": 2, "base_version": 1, "version": 0,
                                 "digest": second.digest}), f.now)
-    assert [p.round for p in c.in_flight()] == [1, 3] and c._next_pipelined() is None
+    assert [p.round for p in c.in_flight()] == [1, 3] and c.deltas.next_pipelined() is None
     # a delta for round 3 carrying round 2's part: refused at once, the kept one stays
     kept = f.syncer.state.ahead[0][3][1]
     bad = {**second.header, "round": 3, "base_version": 2, "copy": 9}

@@ -22,7 +22,8 @@ from yeto.sync.core.actions import Checkpoint, SaveCheckpoint
 from yeto.sync.core.contract import contract_mismatch, contract_problem, init_adapter_problem, run_contract
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.core.rounds import round_header
-from yeto.sync.core.state import FRESH_IDS_PER_WINDOW, RATE_WINDOW_S, Founding, Member, Outbox, Refusal, SyncerState
+from yeto.sync.core.state import (FRESH_IDS_PER_WINDOW, RATE_WINDOW_S, Founding, Member, Refusal, SyncerOutbox,
+                                  SyncerState)
 from yeto.sync.merge.aggregate import RoundSum
 from yeto.sync.merge.rules import Tier
 from yeto.sync.wire.layout import Layout, flatten, layout_from_json, layout_mismatch, stream_parts
@@ -42,7 +43,7 @@ MAX_RETIRED_SESSIONS = 8  # per learner id: older sessions that get "superseded"
 class Admission:
     """Hello, identity and sessions, founding, welcome."""
 
-    def __init__(self, state: SyncerState, outbox: Outbox, open_round: Callable[[float], None]):
+    def __init__(self, state: SyncerState, outbox: SyncerOutbox, open_round: Callable[[float], None]):
         """`open_round(now)`: the round driver's, called when a member joins a founded run or the run is founded."""
         self.state = state
         self.outbox = outbox

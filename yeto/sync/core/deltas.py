@@ -21,7 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 from yeto.sync.core.actions import AcceptedDelta, SaveDelta
-from yeto.sync.core.state import Member, Outbox, Refusal, SyncerState
+from yeto.sync.core.state import Member, SyncerOutbox, Refusal, SyncerState
 from yeto.sync.merge.rules import DeltaCounts, staleness_factor, weight_of
 from yeto.sync.wire.layout import untouched_since
 from yeto.sync.wire.protocol import (Code, Message, ProtocolError, check_fragments, decode_fragments, digest_bytes,
@@ -38,7 +38,7 @@ MAX_REFUSED_REMEMBERED = 4096  # digests of deltas a merge refused
 class Deltas:
     """The delta message, and what a delta counts for (shared by the merge and the recovery)."""
 
-    def __init__(self, state: SyncerState, outbox: Outbox):
+    def __init__(self, state: SyncerState, outbox: SyncerOutbox):
         self.state = state
         self.outbox = outbox
 

@@ -17,7 +17,7 @@ from yeto.sync.core.deltas import Deltas
 from yeto.sync.core.merging import Merging
 from yeto.sync.core.rounds import (ClosePolicy, OpenRound, Pace, RoundMembers, RoundPhase, Verdict, close_decision,
                                    round_header)
-from yeto.sync.core.state import Outbox, SyncerState
+from yeto.sync.core.state import SyncerOutbox, SyncerState
 
 QUORUM_WAIT_LOG_S = 15.0  # how often a round short of quorum says whom it waits for
 PROGRESS_LOG_S = 60.0  # how often a slow round says whom it waits for
@@ -31,7 +31,7 @@ FINISH_GRACE_TIMEOUTS = 3  # ... and wait for a learner gone silent (asleep?) un
 class RoundDriver:
     """Opens, closes and ends the run's rounds (`SyncerCore` calls it after each event that may change them)."""
 
-    def __init__(self, state: SyncerState, outbox: Outbox, deltas: Deltas, merging: Merging):
+    def __init__(self, state: SyncerState, outbox: SyncerOutbox, deltas: Deltas, merging: Merging):
         self.state = state
         self.outbox = outbox
         self.deltas = deltas  # the pipelined deltas a round takes as it opens

@@ -18,7 +18,7 @@ import numpy as np
 from yeto.sync.core.actions import Checkpoint, DropDeltas, SaveCheckpoint
 from yeto.sync.core.deltas import Deltas
 from yeto.sync.core.rounds import OpenRound, RoundPhase
-from yeto.sync.core.state import Broadcast, Outbox, SyncerState
+from yeto.sync.core.state import Broadcast, SyncerOutbox, SyncerState
 from yeto.sync.merge.aggregate import (RoundSum, clip_factors, clip_reference, clipped_merge, effective_weight,
                                        trimmed_mean)
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
@@ -65,7 +65,7 @@ class Merged:
 class Merging:
     """Closing a round: the merge transaction and its commit."""
 
-    def __init__(self, state: SyncerState, outbox: Outbox, deltas: Deltas):
+    def __init__(self, state: SyncerState, outbox: SyncerOutbox, deltas: Deltas):
         self.state = state
         self.outbox = outbox
         self.deltas = deltas  # what each pending delta counts for, and how it is answered

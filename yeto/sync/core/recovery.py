@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from yeto.sync.core.actions import AcceptedDelta, Checkpoint, DropDeltas, Durable
 from yeto.sync.core.deltas import Deltas
-from yeto.sync.core.state import Outbox, SyncerState
+from yeto.sync.core.state import SyncerOutbox, SyncerState
 from yeto.sync.core.fold import TapeFold
 from yeto.sync.merge.aggregate import RoundSum
 from yeto.sync.merge.rules import Tier
@@ -28,7 +28,7 @@ Saved = dict[tuple[int, int], AcceptedDelta]  # (round, learner) -> a delta save
 class Recovery:
     """What a process start does (`SyncerCore.start`)."""
 
-    def __init__(self, state: SyncerState, outbox: Outbox, deltas: Deltas):
+    def __init__(self, state: SyncerState, outbox: SyncerOutbox, deltas: Deltas):
         self.state = state
         self.outbox = outbox
         self.deltas = deltas  # how a saved delta is decoded, weighed and recorded again

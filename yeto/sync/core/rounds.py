@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Optional
 
-from yeto.sync.core.learner_timing import WINDOW_NEAREST_BOUNDARY
+from yeto.sync.core.learner.timing import WINDOW_NEAREST_BOUNDARY
 
 if TYPE_CHECKING:
     from yeto.sync.core.config import SyncerConfig

@@ -2,11 +2,12 @@
 
 `SyncerState` is the run's state, one record the core owns and lends to each concern: the run (the committed
 checkpoint), the members, the open round and what it has received, and the reads every concern shares (who is live,
-the quorum, the member a message comes from). It holds no behaviour beyond those reads. `Outbox` collects the actions
-a call puts out (`record` on the tape, `send` to a peer, `log`) and answers refusals within a rate limit. The concerns
-each get the state, the outbox and the few collaborators they call: `admission` (hello, identity, founding), `intake`
-(a delta's intake), `merging` (the merge transaction), `recovery` (a start from what survived on disk), `driver` (the
-open round: opening, closing, the finish); `syncer`'s `SyncerCore` owns them all and dispatches events to them.
+the quorum, the member a message comes from). It holds no behaviour beyond those reads. `SyncerOutbox` collects the
+actions a call puts out (`record` on the tape, `send` to a peer, `log`) and answers refusals within a rate limit.
+Each concern gets the state, the outbox and the few collaborators it calls: `admission` (hello, identity, founding),
+`deltas` (a delta's intake), `merging` (the merge transaction), `recovery` (a start from what survived on disk),
+`driver` (the open round: opening, closing, the finish); `syncer`'s `SyncerCore` owns them all and dispatches events
+to them.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ class SyncerState:
         return {k: v for k, v in self.finish_header.items() if k != "code"}
 
 
-class Outbox:
+class SyncerOutbox:
     """The actions one event puts out, in order; refusals and errors answered within a rate limit per peer."""
 
     def __init__(self) -> None:

@@ -51,7 +51,7 @@ from yeto.sync.core.limits import RateLimit
 from yeto.sync.core.merging import Merging
 from yeto.sync.core.recovery import Recovery
 from yeto.sync.core.rounds import RoundMembers, RoundPhaseError, round_header
-from yeto.sync.core.state import RATE_WINDOW_S, STATE_REQUESTS_PER_WINDOW, Member, Outbox, SyncerState
+from yeto.sync.core.state import RATE_WINDOW_S, STATE_REQUESTS_PER_WINDOW, Member, SyncerOutbox, SyncerState
 from yeto.sync.wire.protocol import CLOCK_JUMP_S, Code, Message, ProtocolError, decode, encode_fragments, truncate
 
 __all__ = ["SyncerConfig", "SyncerCore"]  # (the config is the core's: `SyncerCore(SyncerConfig(...), ...)`)
@@ -69,7 +69,7 @@ class SyncerCore:
     def __init__(self, cfg: SyncerConfig, incarnation: str, init: Optional[InitAdapter] = None):
         """`init`: the adapter a new run starts from (--init-adapter), instead of the founding learner's."""
         self.state = SyncerState(cfg, incarnation, init)
-        self.outbox = Outbox()
+        self.outbox = SyncerOutbox()
         self.deltas = Deltas(self.state, self.outbox)
         self.merging = Merging(self.state, self.outbox, self.deltas)
         self.driver = RoundDriver(self.state, self.outbox, self.deltas, self.merging)

@@ -155,8 +155,7 @@ class SyncerLink:
     def take_given_back(self) -> set[int]:
         """The fragments whose latest push never counted, since the last call (the streamed start's references)."""
         with self.lock:
-            out, self.core.given_back = self.core.given_back, set()
-            return out
+            return self.core.take_given_back()
 
     def global_flat(self) -> Optional[np.ndarray]:
         with self.lock:

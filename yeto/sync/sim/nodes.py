@@ -287,9 +287,9 @@ class SimLearner:
     def status(self) -> dict[str, Any]:
         c = self.core
         return {"lid": self.lid, "alive": self.alive, "ended": self.ended,
-                "version": c.version if c else None, "joined": c.joined if c else None,
+                "version": c.version if c else None, "joined": c.link.joined if c else None,
                 "training": c.training.round if c and c.training else None,
-                "pushed": c._pushed_ref() if c else None, "finish": bool(c and c.finish)}
+                "pushed": c.deltas.pushed_ref() if c else None, "finish": bool(c and c.finish)}
 
     def boot(self) -> None:
         w = self.w

@@ -11,7 +11,7 @@ from yeto.sync.merge.aggregate import RoundSum, clipped_merge, effective_weight
 from yeto.sync.shell.audit import TapeFold, audit
 from yeto.sync.core.actions import Checkpoint, Out
 from yeto.sync.core.learner import LearnerCore
-from yeto.sync.core.learner_phases import TRANSITIONS, Phase
+from yeto.sync.core.learner.phases import TRANSITIONS, Phase
 from yeto.sync.merge.rules import DeltaCounts, merge_terms
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
 from yeto.sync.wire.layout import fragment_pieces, round_part, synced_fragments
@@ -46,18 +46,18 @@ class Oracle:
             moves.append((old, new, event))
             self.w.log(f"learner {lid}: {old.value} -> {new.value} ({event})")
 
-        core.on_move = on_move
+        core.phases.on_move = on_move
 
     def check_phases(self, lid: int, core: LearnerCore) -> None:
         """Each move since the last check is in the phase table and starts where the one before it ended, and the
-        core is in the phase its last move entered (a phase changed around `LearnerCore._enter` is caught here even
+        core is in the phase its last move entered (a phase changed around `Phases.enter` is caught here even
         where the core's own check was skipped)."""
         _, moves, checked = self.moves[id(core)]
         at = moves[checked[0] - 1][1] if checked[0] else Phase.JOINING
         for old, new, event in moves[checked[0]:]:
             if old is not at:
                 raise Violation(f"learner {lid} moved {old.value} -> {new.value} on {event}, but its last recorded "
-                                f"move entered {at.value}: a phase changed outside LearnerCore._enter")
+                                f"move entered {at.value}: a phase changed outside Phases.enter")
             if new not in TRANSITIONS[old]:
                 raise Violation(f"learner {lid} moved {old.value} -> {new.value} on {event}: the phase table has no "
                                 "such move")
@@ -65,7 +65,7 @@ class Oracle:
         checked[0] = len(moves)
         if core.phase is not at:
             raise Violation(f"learner {lid} is {core.phase.value}, but its last recorded move entered {at.value}: a "
-                            "phase changed outside LearnerCore._enter")
+                            "phase changed outside Phases.enter")
 
     def moves_seen(self) -> set[tuple[str, str]]:
         """The phase moves (from, to) any learner of this schedule made."""

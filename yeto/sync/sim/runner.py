@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from yeto.sync.core.learner_phases import TRANSITIONS
+from yeto.sync.core.learner.phases import TRANSITIONS
 from yeto.sync.sim.oracle import Violation
 from yeto.sync.sim.schedule import PROGRESS_CHUNK, Schedule
 from yeto.sync.sim.world import World

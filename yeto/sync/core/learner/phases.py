@@ -13,19 +13,20 @@
 Each phase owns the data only it needs (`Training`, `Held`, `Place`, `Done`), so a learner cannot train one round
 while holding another's work or carrying a third. What is not a phase is said beside it in `LearnerCore`: the link
 (joined or not), the delta in the syncer's hands (`Pushed`, unsettled while the next round trains), and what the
-learner knows of the syncer (the open round, places held by an earlier process's delta). Every move goes through
-`LearnerCore._enter`, which checks it against `TRANSITIONS`; the simulator checks every learner's moves again.
+learner knows of the syncer (the open round, places held by an earlier process's delta). `Phases` holds the phase and
+its data; every move goes through `Phases.enter`, which checks it against `TRANSITIONS`; the simulator checks every
+learner's moves again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 
-from yeto.sync.core.learner_loop import Done, RoundCounts
+from yeto.sync.core.learner.loop import Done, RoundCounts
 
 
 class Phase(Enum):
@@ -38,7 +39,7 @@ class Phase(Enum):
     DONE = "done"  # the run is over for this learner (data: Done, what the training loop was told)
 
 
-# the only moves a learner makes (LearnerCore._enter raises on any other; the simulator checks every learner's)
+# the only moves a learner makes (Phases.enter raises on any other; the simulator checks every learner's)
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.JOINING: frozenset({Phase.WAITING, Phase.FINISHING, Phase.DONE}),
     Phase.WAITING: frozenset({Phase.TRAINING, Phase.FINISHING, Phase.DONE}),
@@ -96,6 +97,51 @@ class Held:
 
 
 PhaseData = Union[None, Training, Held, Place, Done]
-# the data each phase holds (None: none); LearnerCore._enter checks it too
+# the data each phase holds (None: none); Phases.enter checks it too
 DATA: dict[Phase, type] = {Phase.JOINING: type(None), Phase.WAITING: type(None), Phase.TRAINING: Training,
                            Phase.HOLDING: Held, Phase.CARRYING: Place, Phase.FINISHING: type(None), Phase.DONE: Done}
+
+
+class Phases:
+    """A learner's phase and the data only it holds, changed by `enter` alone (the core hands this object to each part
+    that moves the phase, so no part sets a phase the table does not allow)."""
+
+    def __init__(self) -> None:
+        self._phase = Phase.JOINING
+        self._data: PhaseData = None
+        self.on_move: Optional[Callable[[Phase, Phase, str], None]] = None  # told every move (the simulator's oracle)
+
+    def enter(self, phase: Phase, event: str, data: PhaseData = None) -> None:
+        """The one way a learner changes phase: the move must be in the table (`TRANSITIONS`), and the new phase gets
+        its own data, dropping the old phase's."""
+        old = self._phase
+        check_transition(old, phase, event)
+        assert isinstance(data, DATA[phase]), f"learner core: {phase.value} holds {DATA[phase].__name__}, not {data!r}"
+        self._phase, self._data = phase, data
+        if self.on_move is not None:
+            self.on_move(old, phase, event)
+
+    @property
+    def phase(self) -> Phase:
+        """Read only: `enter` is the one way to change it."""
+        return self._phase
+
+    @property
+    def training(self) -> Optional[Training]:
+        """The round being trained, while training."""
+        return self._data if isinstance(self._data, Training) else None
+
+    @property
+    def held(self) -> Optional[Held]:
+        """A finished round's work waiting for the previous delta to settle, while holding."""
+        return self._data if isinstance(self._data, Held) else None
+
+    @property
+    def carried(self) -> Optional[Place]:
+        """The round whose work the training loop carries onto the next global, while carrying."""
+        return self._data if isinstance(self._data, Place) else None
+
+    @property
+    def done(self) -> Optional[Done]:
+        """What the training loop was told when the run ended for this learner, once done."""
+        return self._data if isinstance(self._data, Done) else None

@@ -4,6 +4,7 @@ hello again, how long a finished run's final adapter is waited for, and where a 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 HELLO_RETRY_HEARTBEATS = 2  # not welcomed after this many heartbeats: say hello again
 FINISH_CATCHUP_DEAD_AFTERS = 3  # after a finish, try at least this many dead-peer timeouts to fetch the final adapter
@@ -22,3 +23,8 @@ class LinkTimeouts:
     give_up_s: float = 1800.0  # silence after which the learner gives up (saving its adapter)
     backoff_base_s: float = 0.5  # reconnect backoff: uniform in [0, min(max, base * 2**attempt)]
     backoff_max_s: float = 30.0
+
+
+def heartbeat_s(timeouts: LinkTimeouts, policy: dict[str, Any]) -> float:
+    """How often a learner pings: its own heartbeat, or the syncer's policy's where that asks for more often."""
+    return min(timeouts.heartbeat_s, float(policy.get("heartbeat_s", timeouts.heartbeat_s)))
