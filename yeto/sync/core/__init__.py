@@ -8,7 +8,8 @@ I/O shells (`yeto.sync.shell.server`, `yeto.sync.shell.client`) execute those ac
 real; the simulator (`yeto.sync.sim`) executes them against a simulated network
 and disk, through thousands of seeded fault schedules.
 
-The syncer's core is split by concern: `config`, `state`, `admission`, `deltas`,
-`rounds` (phases and when a round closes), `merging`, `recovery`, and `syncer`
-(the dispatcher that combines them).
+The syncer's core is composed of one object per concern: `admission`, `deltas`,
+`merging`, `recovery` and `driver` (the open round), each handed the run's state
+(`state`) and the outbox; `rounds` holds the pure rules of when a round closes, and
+`syncer` owns them all and dispatches each event through one table.
 """

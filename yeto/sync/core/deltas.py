@@ -21,7 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 from yeto.sync.core.actions import AcceptedDelta, SaveDelta
-from yeto.sync.core.state import Member, SyncerOutbox, Refusal, SyncerState
+from yeto.sync.core.state import Member, Refusal, SyncerOutbox, SyncerState
 from yeto.sync.merge.rules import DeltaCounts, staleness_factor, weight_of
 from yeto.sync.wire.layout import untouched_since
 from yeto.sync.wire.protocol import (Code, Message, ProtocolError, check_fragments, decode_fragments, digest_bytes,

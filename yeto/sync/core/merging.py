@@ -1,6 +1,6 @@
 """The merge transaction: a round's pending deltas combined, the outer step taken, the next version committed.
 
-`_close_round` merges on copies (`_merge`: the rule's average, `_average`, then the outer Nesterov step and the
+`close_round` merges on copies (`_merge`: the rule's average, `_average`, then the outer Nesterov step and the
 broadcast's quantization); a delta that makes the merge fail is refused (on the tape, to its learner: the one that
 moves the merge most, `_contributions`) and the merge is retried without it; the run's state changes only in
 `_commit`, once a merge completed. Each delta counts for its bounded claim (`_terms`: no claim buys more than the
