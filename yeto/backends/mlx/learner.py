@@ -63,7 +63,7 @@ def check_flags(cfg: TrainConfig) -> None:
 
 
 def sft_loss_mx(logits, targets, weights):
-    """sum_i w_i * CE(logits_i, target_i) / sum_i w_i: yeto.island.losses.sft_loss in MLX."""
+    """sum_i w_i * CE(logits_i, target_i) / sum_i w_i: yeto.backends.torch.losses.sft_loss in MLX."""
     import mlx.core as mx
     import mlx.nn as nn
 

@@ -19,8 +19,9 @@ from yeto import YetoError
 from yeto.adapter import save_adapter
 from yeto.island.checkpoint import TrainState
 from yeto.island.data import Blocks
-from yeto.island.losses import LossFn, load_loss_function
-from yeto.island.lora import is_lora_a, lora_config
+from yeto.backends.torch.losses import LossFn, load_loss_function
+from yeto.backends.torch.lora import lora_config
+from yeto.island.lora import is_lora_a
 from yeto.island.micro_batch import chunks, largest_that_fits, parse_micro_batch_size
 from yeto.island import training
 from yeto.island.config import TrainConfig, check_config
