@@ -96,7 +96,9 @@ def test_yeto_syncer_merges_rounds_without_torch(tmp_path):
 
 def test_yeto_train_and_generate_without_torch_say_how_to_get_it_in_one_line(tmp_path):
     env = torchless_env(tmp_path)
-    for args in (["train", "--model", "smollm2-135m", "--data", DEMO_DATA], ["train", "--help"],
+    r = run(["-m", "yeto", "train", "--help"], env)  # (the command of every backend: its help needs none)
+    assert r.returncode == 0 and "--backend" in r.stdout, r.stderr
+    for args in (["train", "--model", "smollm2-135m", "--data", DEMO_DATA],  # (auto off Apple silicon: torch)
                  ["generate", "--adapter", str(tmp_path), "--prompt", "hi"],
                  ["launch", "--gpu", "local:2", "--model", "smollm2-135m", "--data", DEMO_DATA, "--out",
                   str(tmp_path / "local")]):

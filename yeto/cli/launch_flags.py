@@ -57,7 +57,8 @@ def check_learner_flags(plan: FleetPlan, backend: str) -> None:
     checks = _backend_checks(backend)
     args = learner_argv(plan, 0, PLACEHOLDER_SYNCER, plan.data, plan.model, backend)[3:] + ["--no-progress"]
     try:
-        run_parser(make_train_command(lambda cfg, progress: checks(cfg), doc=""), args, backend, invoke=True)
+        run_parser(make_train_command(lambda cfg, progress, asked: checks(cfg), doc="", backend=backend), args,
+                   backend, invoke=True)
     except YetoError as e:
         raise YetoError(f"{e} (a learner flag: yeto launch passes the flags it does not take itself to "
                         f"{WHO[backend]}; see {HELP[backend]})") from e
