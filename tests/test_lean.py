@@ -120,6 +120,8 @@ def test_launch_dry_run_without_torch_shows_a_head_that_installs_no_torch(tmp_pa
     assert "pip install" in head and "torch" not in head, head  # the syncer merges on numpy
     assert "[torch]" in learner, learner  # a cloud learner is the torch one
     join = r.stdout.split("# --- join/1.sh", 1)[1]  # a machine of the user's own: MLX on a Mac, torch elsewhere
-    assert 'Darwin-arm64) BACKEND="${YETO_BACKEND:-yeto.backends.mlx}"; EXTRAS="[mlx]"' in join
-    assert '*) BACKEND="${YETO_BACKEND:-yeto.backends.torch}"; EXTRAS="[torch]"' in join
+    assert 'Darwin-arm64) BACKEND="${YETO_BACKEND:-mlx}" ;;' in join
+    assert '*) BACKEND="${YETO_BACKEND:-torch}" ;;' in join
+    assert 'case "$BACKEND" in mlx) EXTRAS="[mlx]" ;; *) EXTRAS="[torch]" ;; esac' in join
+    assert ' -m yeto train --backend "$BACKEND" ' in join
 
