@@ -22,7 +22,7 @@ def main() -> int:
     p.add_argument("--lora-r", type=int, default=16)
     a = p.parse_args()
     from yeto import YetoError
-    from yeto.backends.mlx.parity import name_parity
+    from yeto.backends.parity import name_parity
 
     try:
         n_torch, n_mlx, problems = name_parity(a.model, a.lora_targets, a.lora_r)

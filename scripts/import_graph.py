@@ -3,8 +3,9 @@
     python scripts/import_graph.py            # the layers and their edges
     python scripts/import_graph.py --folders  # the folders and their imports, as the mermaid graph in docs/design.md
     python scripts/import_graph.py --check    # exit 1 on an import circle, a core module importing a shell, a
-                                              # library module importing the CLI, a backend importing another, or
-                                              # the backend-neutral island importing a backend
+                                              # library module importing the CLI, a backend importing another,
+                                              # the backend-neutral island importing a backend, or the island
+                                              # importing a tensor library
 
 Imports are read with `ast` (module level and inside functions alike: a deferred import is still a dependency), so
 nothing is imported to draw the graph. Written here because no maintained tool checks these project-specific layer
@@ -27,7 +28,8 @@ CORE = ("yeto.sync.core", "yeto.sync.wire", "yeto.sync.merge")
 SHELLS = ("yeto.sync.shell", "yeto.sync.sim")
 CLI = ("yeto.cli",)  # and every package's __main__ (an entry point: `python -m yeto.backends.torch`)
 BACKENDS = ("yeto.backends.torch", "yeto.backends.mlx")  # peers: neither imports the other
-ISLAND = ("yeto.island",)  # what every backend shares: imports no backend
+ISLAND = ("yeto.island",)  # what every backend shares: imports no backend and no tensor library
+TENSOR_LIBRARIES = ("torch", "mlx", "peft", "bitsandbytes")  # a backend's own: an MLX island never loads torch
 
 
 def module_name(path: Path) -> str:
@@ -39,6 +41,11 @@ def module_name(path: Path) -> str:
 
 def imports_of(path: Path, name: str) -> set[str]:
     """The yeto modules `path` imports (resolved to modules, not names inside them)."""
+    return {m for m in all_imports(path, name) if m == PACKAGE or m.startswith(PACKAGE + ".")}
+
+
+def all_imports(path: Path, name: str) -> set[str]:
+    """Every module `path` imports, yeto's and others' (`import torch.nn` is torch.nn; relative imports resolved)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     found: set[str] = set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -52,7 +59,16 @@ def imports_of(path: Path, name: str) -> set[str]:
                 base = ".".join(up + ([base] if base else []))
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)
-    return {m for m in found if m == PACKAGE or m.startswith(PACKAGE + ".")}
+    return found
+
+
+def tensor_imports() -> dict[str, set[str]]:
+    """The tensor libraries (TENSOR_LIBRARIES) each yeto module imports, by top-level name."""
+    found = {}
+    for path in (ROOT / PACKAGE).rglob("*.py"):
+        name = module_name(path)
+        found[name] = {m.split(".")[0] for m in all_imports(path, name)} & set(TENSOR_LIBRARIES)
+    return found
 
 
 def graph() -> dict[str, set[str]]:
@@ -111,8 +127,13 @@ def backend_of(module: str) -> str | None:
     return next((b for b in BACKENDS if in_layer(module, (b,))), None)
 
 
-def problems(edges: dict[str, set[str]]) -> list[str]:
+def problems(edges: dict[str, set[str]], libraries: dict[str, set[str]] | None = None) -> list[str]:
+    """What the architecture forbids in `edges` (yeto's imports) and `libraries` (tensor libraries imported; default:
+    read from the code)."""
     found = [f"import circle: {' -> '.join(c)}" for c in cycles(edges)]
+    for src, libs in sorted((tensor_imports() if libraries is None else libraries).items()):
+        if in_layer(src, ISLAND) and libs:
+            found.append(f"backend-neutral module {src} imports a tensor library ({', '.join(sorted(libs))})")
     for src, dsts in sorted(edges.items()):
         for dst in sorted(dsts):
             if in_layer(src, CORE) and in_layer(dst, SHELLS):

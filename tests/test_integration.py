@@ -98,11 +98,13 @@ def test_every_command_documents_every_flag():
 @pytest.mark.slow
 def test_smollm2_learns_the_demo_data(tmp_path):
     from yeto.backends.torch.generate import compare
-    from yeto.backends.torch.learner import TrainConfig, train
+    from yeto.backends.torch.backend import TorchBackend
+    from yeto.island.config import TrainConfig
+    from yeto.island.training import train
 
     cfg = TrainConfig(model="smollm2-135m", data=str(DEMO_DATA), out=str(tmp_path / "run"), seq_len=128, batch_size=4,
                       max_steps=12, lr=1e-3, warmup_steps=2, eval_every=0)
-    s = train(cfg, show_progress=False)
+    s = train(cfg, TorchBackend(), show_progress=False)
     assert s["eval_loss_after"] < s["eval_loss_before"] - 0.2, s
     steps = [json.loads(line) for line in Path(cfg.out, "metrics.jsonl").read_text().splitlines() if '"step"' in line]
     losses = [e["loss"] for e in steps if e["event"] == "step"]

@@ -4,6 +4,7 @@ second process runs exactly the written join script."""
 
 import json
 import os
+import platform
 import random
 import signal
 import subprocess
@@ -205,7 +206,7 @@ def test_a_multi_gpu_island_is_one_torchrun_group_over_skypilots_node_variables(
     assert run.startswith("torchrun --nnodes $SKYPILOT_NUM_NODES --nproc-per-node $SKYPILOT_NUM_GPUS_PER_NODE "
                           f"--rdzv-backend c10d --rdzv-id {plan.cluster(0)} --rdzv-endpoint "
                           "$(echo \"$SKYPILOT_NODE_IPS\" | head -n1):29500 --max-restarts 3")
-    assert " -m yeto.backends.torch --syncer 203.0.113.7:29400 --learner-id 0 " in run and "python3" not in run
+    assert " -m yeto train --backend torch --syncer 203.0.113.7:29400 --learner-id 0 " in run and "python3" not in run
     assert subprocess.run(["bash", "-n"], input=run, text=True).returncode == 0
 
 
@@ -560,7 +561,7 @@ def test_a_dry_run_refuses_a_flag_the_learners_or_the_syncer_would_refuse_in_one
 
 
 def test_an_mlx_learners_flag_is_parsed_by_the_mlx_learners_parser(tmp_path):
-    from yeto.cli.launch_flags import MLX_BACKEND, check_passed_flags
+    from yeto.cli.launch_flags import check_passed_flags
 
     plan = FleetPlan("mlx-mix", str(tmp_path / "run"), parse_gpu("local:2"), mlx=1, data=str(DEMO_DATA),
                      learner_args=["--seq-len", "64"], syncer_args=["--outer-steps", "2"])
@@ -569,7 +570,7 @@ def test_an_mlx_learners_flag_is_parsed_by_the_mlx_learners_parser(tmp_path):
     with pytest.raises(YetoError, match="Invalid value for '--seq-len'.*every learner"):
         check_passed_flags(plan)
     plan.islands = parse_gpu("local:1")  # every island MLX: the MLX learner's parser speaks
-    with pytest.raises(YetoError, match=f"the MLX learners; see `python -m {MLX_BACKEND} --help`"):
+    with pytest.raises(YetoError, match=r"the MLX learners \(yeto train --backend mlx\); see `yeto train --help`"):
         check_passed_flags(plan)
 
 
@@ -642,7 +643,17 @@ def test_join_script_is_what_a_user_would_run():
     plan = FleetPlan("wan", "/tmp/x", parse_gpu("aws:1xA10G"), external=1, data="HuggingFaceH4/no_robots",
                      learner_args=["--seq-len", "256"])
     text = join_script(plan, 1, "203.0.113.7:29400")
-    assert "yeto.backends.mlx" in text and "yeto.backends.torch" in text and "Darwin-arm64" in text
+    assert 'Darwin-arm64) BACKEND="${YETO_BACKEND:-mlx}"' in text and '*) BACKEND="${YETO_BACKEND:-torch}"' in text
+    assert ' -m yeto train --backend "$BACKEND" --syncer ' in text
+    pick = text[text.index('case "$(uname'):text.index("WHEEL=")] + 'echo "$BACKEND $EXTRAS"'
+    for override, picked in (("", "torch [torch]"), ("mlx", "mlx [mlx]"), ("yeto.backends.mlx", "mlx [mlx]"),
+                             ("auto", "auto [torch]")):  # (this test machine: not an Apple-silicon Mac)
+        if platform.system() == "Darwin" and platform.machine() == "arm64" and not override:
+            picked = "mlx [mlx]"
+        env = {**os.environ, "YETO_BACKEND": override} if override else {
+            k: v for k, v in os.environ.items() if k != "YETO_BACKEND"}
+        r = subprocess.run(["bash", "-c", pick], env=env, capture_output=True, text=True)
+        assert r.stdout.strip() == picked, (override, r.stdout, r.stderr)
     assert '--syncer 203.0.113.7:29400 --learner-id 1' in text and "--seq-len 256" in text
     assert "YETO_JOIN_KEY" in text and "1.key" in text and "pip install" in text
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0

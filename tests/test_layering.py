@@ -15,7 +15,8 @@ def test_the_import_graph_keeps_the_layers():
 
 
 def test_the_check_can_fail():
-    """Each planted bad import (core -> shell, backend -> backend, island -> backend, a circle) is named."""
+    """Each planted bad import (core -> shell, backend -> backend, island -> backend, island -> a tensor library, a
+    circle) is named."""
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import import_graph
@@ -26,7 +27,10 @@ def test_the_check_can_fail():
     edges["yeto.sync.wire.layout"] = edges["yeto.sync.wire.layout"] | {"yeto.sync.core.syncer"}
     edges["yeto.backends.mlx.learner"] = edges["yeto.backends.mlx.learner"] | {"yeto.backends.torch.learner"}
     edges["yeto.island.training"] = edges["yeto.island.training"] | {"yeto.backends.torch.learner"}
-    found = import_graph.problems(edges)
+    libraries = import_graph.tensor_imports()
+    libraries["yeto.island.data"] = libraries["yeto.island.data"] | {"torch"}
+    found = import_graph.problems(edges, libraries)
+    assert "backend-neutral module yeto.island.data imports a tensor library (torch)" in found
     assert "backend module yeto.backends.mlx.learner imports another backend (yeto.backends.torch.learner)" in found
     assert "backend-neutral module yeto.island.training imports a backend (yeto.backends.torch.learner)" in found
     assert "core module yeto.sync.core.syncer imports the shell yeto.sync.shell.server" in found

@@ -21,13 +21,15 @@ from yeto.sync.shell.tape import read_tape
 REPO = Path(__file__).resolve().parents[1]
 BLOCKED = ("torch", "peft", "bitsandbytes")
 DEMO_DATA = str(REPO / "data" / "demo")
-# everything the syncer, the CLI, launch (local and cloud) and the MLX island import
+# everything the syncer, the CLI, launch (local and cloud) and the MLX island import (and the torch backend's
+# entry: torch loads only when it trains)
 LEAN_MODULES = ("yeto.cli", "yeto.cli.syncer", "yeto.cli.train", "yeto.cli.launch", "yeto.cli.head",
                 "yeto.sync.shell.server", "yeto.sync.shell.client", "yeto.sync.sim", "yeto.sync.shell.audit",
                 "yeto.sync.shell.tape", "yeto.launch.head", "yeto.launch.local", "yeto.launch.tasks",
                 "yeto.launch.join",
                 "yeto.island.diloco", "yeto.island.training", "yeto.island.data", "yeto.adapter", "yeto.models",
-                "yeto.island.lora", "yeto.backends.mlx.learner", "yeto.backends.mlx.lora")
+                "yeto.island.lora", "yeto.island.protocol", "yeto.backends", "yeto.backends.mlx.backend",
+                "yeto.backends.mlx.learner", "yeto.backends.mlx.lora", "yeto.backends.torch.backend")
 
 
 def torchless_env(tmp_path: Path) -> dict[str, str]:
@@ -96,7 +98,9 @@ def test_yeto_syncer_merges_rounds_without_torch(tmp_path):
 
 def test_yeto_train_and_generate_without_torch_say_how_to_get_it_in_one_line(tmp_path):
     env = torchless_env(tmp_path)
-    for args in (["train", "--model", "smollm2-135m", "--data", DEMO_DATA], ["train", "--help"],
+    r = run(["-m", "yeto", "train", "--help"], env)  # (the command of every backend: its help needs none)
+    assert r.returncode == 0 and "--backend" in r.stdout, r.stderr
+    for args in (["train", "--model", "smollm2-135m", "--data", DEMO_DATA],  # (auto off Apple silicon: torch)
                  ["generate", "--adapter", str(tmp_path), "--prompt", "hi"],
                  ["launch", "--gpu", "local:2", "--model", "smollm2-135m", "--data", DEMO_DATA, "--out",
                   str(tmp_path / "local")]):
@@ -118,6 +122,8 @@ def test_launch_dry_run_without_torch_shows_a_head_that_installs_no_torch(tmp_pa
     assert "pip install" in head and "torch" not in head, head  # the syncer merges on numpy
     assert "[torch]" in learner, learner  # a cloud learner is the torch one
     join = r.stdout.split("# --- join/1.sh", 1)[1]  # a machine of the user's own: MLX on a Mac, torch elsewhere
-    assert 'Darwin-arm64) BACKEND="${YETO_BACKEND:-yeto.backends.mlx}"; EXTRAS="[mlx]"' in join
-    assert '*) BACKEND="${YETO_BACKEND:-yeto.backends.torch}"; EXTRAS="[torch]"' in join
+    assert 'Darwin-arm64) BACKEND="${YETO_BACKEND:-mlx}" ;;' in join
+    assert '*) BACKEND="${YETO_BACKEND:-torch}" ;;' in join
+    assert 'case "$BACKEND" in mlx) EXTRAS="[mlx]" ;; *) EXTRAS="[torch]" ;; esac' in join
+    assert ' -m yeto train --backend "$BACKEND" ' in join
 

@@ -5,7 +5,8 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from yeto import YetoError
-from yeto.island.lora import ATTENTION_REGEX, lora_config, select_targets, torch_linears
+from yeto.backends.torch.lora import lora_config, torch_linears
+from yeto.island.lora import ATTENTION_REGEX, select_targets
 
 
 def adapted_modules(model_dir, mode):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from yeto import YetoError
-from yeto.island.losses import load_loss_function, sft_loss
+from yeto.backends.torch.losses import load_loss_function, sft_loss
 
 
 def test_sft_loss_matches_a_hand_computed_value():
@@ -34,7 +34,7 @@ def test_sft_loss_gradient_flows_only_through_weighted_rows():
 def test_user_loss_function_loads(tmp_path, monkeypatch):
     (tmp_path / "myloss.py").write_text(textwrap.dedent("""
         def half(logits, targets, weights):
-            from yeto.island.losses import sft_loss
+            from yeto.backends.torch.losses import sft_loss
             return 0.5 * sft_loss(logits, targets, weights)
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -55,7 +55,7 @@ def test_a_loss_from_a_file_loads_and_its_contents_pin_it(tmp_path):
     from yeto.provenance import loss_identity
 
     path = tmp_path / "my_loss.py"
-    path.write_text("from yeto.island.losses import sft_loss\n\ndef fn(logits, targets, weights):\n"
+    path.write_text("from yeto.backends.torch.losses import sft_loss\n\ndef fn(logits, targets, weights):\n"
                     "    return 2 * sft_loss(logits, targets, weights)\n")
     fn = load_loss_function(f"{path}:fn")
     logits, targets, weights = torch.randn(3, 5), torch.tensor([0, 1, 2]), torch.ones(3)

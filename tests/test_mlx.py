@@ -17,10 +17,10 @@ from tests.conftest import ARCHITECTURES, DEMO_DATA, REPO  # noqa: E402
 from yeto import YetoError  # noqa: E402
 from yeto.island.data import Blocks  # noqa: E402
 from yeto.backends.torch.learner import TorchLearner, TrainConfig  # noqa: E402
-from yeto.island.losses import sft_loss  # noqa: E402
+from yeto.backends.torch.losses import sft_loss  # noqa: E402
 from yeto.backends.mlx.compat import NOT_YET, load_mlx_model, mlx_config_shim, mlx_implements  # noqa: E402
 from yeto.backends.mlx.lora import LoRALinear, to_mlx_path, to_peft_name  # noqa: E402
-from yeto.backends.mlx.parity import name_parity  # noqa: E402
+from yeto.backends.parity import name_parity  # noqa: E402
 
 
 def test_lora_linear_matches_peft():

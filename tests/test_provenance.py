@@ -57,11 +57,13 @@ def test_hub_dataset_resolves_to_one_commit(hub_cache):
 
 def test_training_records_resolved_revisions(hub_cache, tmp_path):
     from yeto.adapter import read_provenance
-    from yeto.backends.torch.learner import TrainConfig, train
+    from yeto.backends.torch.backend import TorchBackend
+    from yeto.island.config import TrainConfig
+    from yeto.island.training import train
 
     cfg = TrainConfig(model="org/tiny-llama", model_revision="v1", data="org/pirates", out=str(tmp_path / "run"),
                       seq_len=32, batch_size=2, max_steps=2, eval_every=0, lora_r=4)
-    summary = train(cfg, show_progress=False)
+    summary = train(cfg, TorchBackend(), show_progress=False)
     prov = read_provenance(summary["adapter"])
     assert prov["model"]["revision"] == SHA_OLD and prov["model"]["requested_revision"] == "v1"
     assert prov["data"]["revision"] == SHA_DATA

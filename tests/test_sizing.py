@@ -161,7 +161,8 @@ def test_lora_count_matches_the_learners_target_rules(alias):
     from transformers import AutoModelForCausalLM
 
     from yeto.catalog import hf_config
-    from yeto.island.lora import select_targets, torch_linears
+    from yeto.backends.torch.lora import torch_linears
+    from yeto.island.lora import select_targets
 
     cfg = hf_config(CATALOG[alias].config)
     with init_empty_weights():
@@ -185,7 +186,8 @@ def test_a_local_model_is_sized_from_its_own_linears(tiny_model):
     from transformers import AutoModelForCausalLM
 
     from yeto.catalog import hf_config
-    from yeto.island.lora import select_targets, torch_linears
+    from yeto.backends.torch.lora import torch_linears
+    from yeto.island.lora import select_targets
 
     path = tiny_model("qwen2_moe")
     size = model_size(str(path))
@@ -235,8 +237,8 @@ def test_activations_are_what_autograd_saves(tiny_model, kind, checkpointing):
 
     from yeto.backends.torch.learner import masked_loss
     from yeto.gpus import cpu
-    from yeto.island.lora import lora_config
-    from yeto.island.losses import load_loss_function
+    from yeto.backends.torch.lora import lora_config
+    from yeto.backends.torch.losses import load_loss_function
     from yeto.models import load_model, resolve_model
     from yeto.sizing import layer_activation_bytes
 

@@ -105,7 +105,7 @@ def test_the_mlx_learner_reports_to_tensorboard(tiny_model, tmp_path):
     pytest.importorskip("tensorboard", reason="the `track` extra is not installed")
     pytest.importorskip("mlx.core", reason="the mlx extra is not installed")
     out = tmp_path / "mlx"
-    r = train(tiny_model("llama"), out, "tensorboard", backend=("yeto.backends.mlx",))
+    r = train(tiny_model("llama"), out, "tensorboard", backend=("yeto", "train", "--backend", "mlx"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     tb = scalars(out / "tb" / "mlx")
     assert_series(tb["train/loss"], [(s["step"], s["loss"]) for s in steps_logged(out)])

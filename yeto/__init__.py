@@ -38,4 +38,4 @@ def require_torch(what: str) -> None:
     missing = missing_torch()
     if missing is not None:
         raise YetoError(f"{what} runs on torch and this install has no {missing}: {TORCH_EXTRA} (or, on a Mac, "
-                        "train on MLX: pip install 'yeto[mlx]', then python -m yeto.backends.mlx)")
+                        "train on MLX: pip install 'yeto[mlx]', then yeto train --backend mlx)")

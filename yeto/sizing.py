@@ -264,7 +264,8 @@ def meta_linears(fields: dict[str, Any], trust_remote_code: bool = False) -> tup
     from transformers import AutoModelForCausalLM
 
     from yeto.catalog import hf_config
-    from yeto.island.lora import ATTENTION_REGEX, EXPERT_REGEX, NON_TEXT_REGEX, is_router, torch_linears
+    from yeto.backends.torch.lora import torch_linears
+    from yeto.island.lora import ATTENTION_REGEX, EXPERT_REGEX, NON_TEXT_REGEX, is_router
 
     cfg = hf_config(fields)
     with init_empty_weights():

@@ -1,1 +1,72 @@
-"""The tensor backends, peers that never import each other: torch (+ peft) and MLX."""
+"""The tensor backends, peers that never import each other: torch (+ peft) and MLX.
+
+`choose_backend` turns `yeto train --backend auto|torch|mlx` into one of them (auto: MLX on Apple silicon where
+`yeto[mlx]` is installed, torch everywhere else) and `load_backend` gives its `yeto.island.protocol.Backend`;
+neither imports a tensor library.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import sys
+from typing import TYPE_CHECKING, Optional
+
+from yeto import YetoError, require_torch
+
+if TYPE_CHECKING:
+    from yeto.island.protocol import Backend
+
+AUTO, TORCH, MLX = "auto", "torch", "mlx"
+NAMES = (TORCH, MLX)
+CHOICES = (AUTO, *NAMES)
+MLX_MODULES = ("mlx", "mlx_lm")  # the mlx extra's (pip install 'yeto[mlx]')
+MLX_EXTRA = "pip install 'yeto[mlx]'"
+APPLE_SILICON = ("Darwin", "arm64")  # (platform.system(), platform.machine()) of a Mac MLX trains on
+
+
+def missing_mlx() -> Optional[str]:
+    """The first of the mlx extra's modules this install cannot import (None when it has them all)."""
+    for name in MLX_MODULES:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except ValueError:  # in sys.modules without a spec: blocked (None) or a stand-in
+            if sys.modules.get(name) is None:
+                return name
+    return None
+
+
+def apple_silicon() -> bool:
+    return (platform.system(), platform.machine()) == APPLE_SILICON
+
+
+def choose_backend(requested: str, what: str = "yeto train") -> str:
+    """The backend `--backend requested` names (auto: MLX on Apple silicon with the mlx extra, else torch), refused
+    in one line when it is unknown or its extra is not installed."""
+    if requested not in CHOICES:
+        raise YetoError(f"unknown --backend {requested!r}: use auto, torch or mlx")
+    name = requested
+    if requested == AUTO:
+        name = MLX if apple_silicon() and missing_mlx() is None else TORCH
+    if name == MLX:
+        missing = missing_mlx()
+        if missing is not None:
+            raise YetoError(f"--backend mlx, but this install has no {missing}: {MLX_EXTRA} (on Linux it pulls "
+                            "mlx[cpu]), or train with --backend torch")
+    else:
+        require_torch(what if requested == AUTO else f"{what} --backend torch")
+    return name
+
+
+def load_backend(name: str) -> Backend:
+    """The backend called `name` (one of NAMES); it loads its tensor library only when it trains."""
+    if name == MLX:
+        from yeto.backends.mlx.backend import MLXBackend
+
+        return MLXBackend()
+    if name == TORCH:
+        from yeto.backends.torch.backend import TorchBackend
+
+        return TorchBackend()
+    raise YetoError(f"unknown backend {name!r}: use {', '.join(NAMES)}")

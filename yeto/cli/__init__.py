@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from yeto import missing_torch, require_torch
+from yeto import require_torch
 from yeto.cli.usage import run_guarded
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -19,23 +19,15 @@ def _register() -> None:
     from yeto.cli.shape import shape_command
     from yeto.cli.syncer import syncer_command
 
-    if missing_torch() is None:
-        from yeto.cli.train import torch_train_command
+    from yeto.cli.train import train_command
 
-        app.command("train")(torch_train_command())
-    else:  # every invocation, --help included, is the one line that says how to get the torch learner
-        app.command("train", add_help_option=False, help="Train a LoRA adapter on one island (needs the torch extra).",
-                    context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(_train_without_torch)
+    app.command("train")(train_command())  # (--backend torch without torch, or mlx without MLX: one line, exit 2)
     app.command("syncer")(syncer_command)
     app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch_command)
     app.command("status")(status_command)
     app.command("logs")(logs_command)
     app.command("down")(down_command)
     app.command("shape")(shape_command)
-
-
-def _train_without_torch() -> None:
-    require_torch("yeto train")
 
 
 keys_app = typer.Typer(no_args_is_help=True, help="The run's credentials (docs/SECURITY.md): the syncer's key pair, "

@@ -98,8 +98,8 @@ def launch_command(
                                                          "a fleet that costs more.")] = None,
     external_learners: Annotated[int, typer.Option(help="Reserved slots for machines you own (a Mac, a box): each "
                                                         "gets a join script in OUT/join/.")] = 0,
-    mlx_learners: Annotated[int, typer.Option(help="With local:N, how many of the N islands run the MLX backend.")
-                            ] = 0,
+    mlx_learners: Annotated[int, typer.Option(help="With local:N, how many of the N islands run on MLX (yeto train "
+                                                   "--backend mlx; the others --backend torch).")] = 0,
     model: Annotated[str, typer.Option(help="Model alias, local directory or hub id.")] = "smollm2-135m",
     model_revision: Annotated[Optional[str], typer.Option(help="Hub revision; pinned to a commit before launch.")
                               ] = None,

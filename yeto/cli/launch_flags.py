@@ -2,9 +2,10 @@
 before anything is provisioned (dry runs included): a flag a learner or the syncer would refuse costs one line
 here, not a fleet of VMs whose learners exit 2 and get relaunched.
 
-The learners' flags go through their train command (`yeto.cli.train.make_train_command`, the one signature every
-backend's command is made from) with the backend's own checks in place of its training, so that nothing loads a
-model and no torch is imported for them; the syncer's through its command's parser, without running it (that
+The learners' flags (`yeto train --backend torch|mlx`) go through their train command (`yeto.cli.train.
+make_train_command`, the one signature every backend's command is made from) with the backend's own checks
+(`yeto.island.protocol.Backend.check_flags`) in place of its training, so that nothing loads a model and no torch is
+imported for them; the syncer's through its command's parser, without running it (that
 imports what `yeto.sync.shell.server` imports).
 """
 
@@ -14,15 +15,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from yeto import YetoError
+from yeto.backends import MLX, TORCH, load_backend
 from yeto.cli.train import make_train_command
-from yeto.island.config import TrainConfig, check_config
 from yeto.launch.plan import SYNCER_PORT, FleetPlan
-from yeto.launch.tasks import SYNCER_ENTRY, learner_argv, syncer_argv
+from yeto.launch.tasks import SYNCER_ENTRY, learner_flags, syncer_argv
 from yeto.cli.usage import usage_errors
 
-TORCH_BACKEND, MLX_BACKEND = "yeto.backends.torch", "yeto.backends.mlx"
-HELP = {TORCH_BACKEND: "`yeto train --help`", MLX_BACKEND: "`python -m yeto.backends.mlx --help`"}
-WHO = {TORCH_BACKEND: "every learner", MLX_BACKEND: "the MLX learners"}
+HELP = {TORCH: "`yeto train --help`", MLX: "`yeto train --help` and docs/MLX.md"}
+WHO = {TORCH: "every learner (yeto train --backend torch)", MLX: "the MLX learners (yeto train --backend mlx)"}
 PLACEHOLDER_SYNCER = "127.0.0.1:1"  # the learner's --syncer is launch's own (known once the head is up)
 
 
@@ -43,21 +43,14 @@ def run_parser(fn: Callable[..., Any], args: list[str], prog: str, invoke: bool)
         raise YetoError(" ".join(e.format_message().split())) from e
 
 
-def _backend_checks(backend: str) -> Callable[[TrainConfig], None]:
-    """What the backend refuses before it loads a model (the MLX learner: the flags it cannot honour)."""
-    if backend == MLX_BACKEND:
-        from yeto.backends.mlx import learner as mlx_learner  # (imports neither MLX nor torch)
-
-        return mlx_learner.check_flags
-    return check_config
-
-
 def check_learner_flags(plan: FleetPlan, backend: str) -> None:
-    """The learner's command line as launch builds it, through the backend's train command."""
-    checks = _backend_checks(backend)
-    args = learner_argv(plan, 0, PLACEHOLDER_SYNCER, plan.data, plan.model, backend)[3:] + ["--no-progress"]
+    """The learner's flags as launch builds them, through `yeto train --backend BACKEND`'s parser and the backend's
+    checks (the MLX learner's: the flags it cannot honour; neither imports a tensor library)."""
+    checks = load_backend(backend).check_flags
+    args = learner_flags(plan, 0, PLACEHOLDER_SYNCER, plan.data, plan.model) + ["--no-progress"]
     try:
-        run_parser(make_train_command(lambda cfg, progress: checks(cfg), doc=""), args, backend, invoke=True)
+        run_parser(make_train_command(lambda cfg, progress, asked: checks(cfg), doc="", backend=backend), args,
+                   f"yeto train --backend {backend}", invoke=True)
     except YetoError as e:
         raise YetoError(f"{e} (a learner flag: yeto launch passes the flags it does not take itself to "
                         f"{WHO[backend]}; see {HELP[backend]})") from e
@@ -80,6 +73,6 @@ def check_passed_flags(plan: FleetPlan) -> None:
     (cloud islands, local ones, and reserved slots), and the MLX learners' (--mlx-learners)."""
     check_syncer_flags(plan)
     if len(plan.islands) > plan.mlx or plan.external:
-        check_learner_flags(plan, TORCH_BACKEND)
+        check_learner_flags(plan, TORCH)
     if plan.mlx:
-        check_learner_flags(plan, MLX_BACKEND)
+        check_learner_flags(plan, MLX)

@@ -1,13 +1,17 @@
-"""`yeto train`'s flags, one signature for every backend: `make_train_command(train_fn)` binds them to a backend."""
+"""`yeto train`'s flags, one signature for every backend (`make_train_command`), and the command that picks the
+backend (`--backend auto|torch|mlx`) and trains through the one entry, `yeto.island.training.train`."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
+from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from yeto.backends import AUTO, MLX, TORCH, choose_backend, load_backend
 from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
 from yeto.island.config import TrainConfig
 from yeto.test_hooks import HIDDEN_TRAIN_FLAGS
@@ -23,35 +27,64 @@ TRAIN_ADVANCED = ("model_revision", "data_revision", "data_split", "data_config"
                   "base_quantization", "save_every", "run_name")
 
 
-def make_train_command(train_fn: Callable[[TrainConfig, bool], dict[str, Any]], doc: str) -> Callable[..., None]:
-    """The `train` command with every flag, for any backend: `train_fn(config, show_progress)` runs it."""
+TrainFn = Callable[[TrainConfig, bool, str], Any]  # (the flags, show the progress bar, the --backend asked for)
+BACKEND_PARAMETER = inspect.Parameter(
+    "backend", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=AUTO,
+    annotation=Annotated[str, typer.Option(help="The tensor backend: auto (MLX on Apple silicon where the mlx extra is "
+                                                "installed, else torch), torch (+ peft; CUDA, MPS, CPU) or mlx "
+                                                "(Apple silicon; MLX's CPU backend on Linux).")])
+BACKEND_DOCS = {
+    None: "Train a LoRA adapter on one island (torch + peft or MLX: --backend): standalone, or with --syncer as part "
+          "of a DiLoCo run.",
+    TORCH: "Train a LoRA adapter on one torch + peft island (yeto train --backend torch): standalone, or with "
+           "--syncer as part of a DiLoCo run.",
+    MLX: "Train a LoRA adapter on one MLX island (yeto train --backend mlx; Apple silicon, MLX's CPU backend on "
+         "Linux): standalone, or with --syncer as part of a DiLoCo run.",
+}
+
+
+def make_train_command(train_fn: TrainFn, doc: str, backend: Optional[str] = None) -> Callable[..., None]:
+    """The `train` command with every flag, for any backend: `train_fn(config, show_progress, backend)` runs it.
+    `backend` None: the command takes --backend (auto unless given); else it is that backend's own command."""
 
     def command(**kwargs: Any) -> None:
         progress = kwargs.pop("progress")
-        train_fn(TrainConfig(**kwargs), progress)
+        asked = kwargs.pop("backend", backend)
+        train_fn(TrainConfig(**kwargs), progress, asked)
 
     wrapper = functools.wraps(_train_signature)(command)
-    wrapper.__signature__ = inspect.signature(_train_signature, eval_str=True)
+    signature = inspect.signature(_train_signature, eval_str=True)
+    if backend is None:
+        signature = signature.replace(parameters=[BACKEND_PARAMETER, *signature.parameters.values()])
+    wrapper.__signature__ = signature
     with_help_panels(wrapper, advanced=TRAIN_ADVANCED, hidden=HIDDEN_TRAIN_FLAGS)
     wrapper.__doc__ = doc
     return with_old_spellings(wrapper, OLD_SPELLINGS)
 
 
-def torch_train_command() -> Callable[..., None]:
-    """`yeto train` (and `python -m yeto.backends.torch`, under torchrun too): the torch + peft island."""
-    from yeto.backends.torch.learner import train
-
-    return make_train_command(train, doc="Train a LoRA adapter on one island (torch + peft): standalone, or with "
-                                         "--syncer as part of a DiLoCo run.")
+def train_command(backend: Optional[str] = None) -> Callable[..., None]:
+    """`yeto train` (backend None: --backend picks it), or `python -m yeto.backends.<backend>` (torchrun's too): the
+    same flags and the one entry every backend runs through (`yeto.island.training.train`)."""
+    return make_train_command(run_train, BACKEND_DOCS[backend], backend)
 
 
-def mlx_train_command() -> Callable[..., None]:
-    """`python -m yeto.backends.mlx`: the MLX island, with the torch island's flags."""
-    from yeto.backends.mlx.learner import MLXLearner
+def run_train(cfg: TrainConfig, progress: bool, asked: str) -> dict[str, Any]:
+    """Train on the backend `asked` names (refused in one line when unknown or not installed)."""
+    name = choose_backend(asked)
+    if name == MLX and runs_as_yeto():
+        from yeto.backends.mlx.compat import reexec_with_fast_blas
+
+        reexec_with_fast_blas()  # (on Linux, once: OpenBLAS preloaded before MLX loads)
     from yeto.island.training import train
 
-    return make_train_command(lambda cfg, progress: train(cfg, MLXLearner, progress),
-                              doc="Train a LoRA adapter on one MLX island (Apple silicon; MLX's CPU backend on Linux).")
+    return train(cfg, load_backend(name), progress)
+
+
+def runs_as_yeto() -> bool:
+    """Whether this process is the `yeto` command (its script, or python -m yeto): its command line, run again,
+    is this training (a process that only calls the command, a test's, is not re-executed)."""
+    main = Path(sys.argv[0])
+    return main.name == "yeto" or (main.name == "__main__.py" and main.parent.name == "yeto")
 
 
 def _train_signature(
@@ -105,7 +138,7 @@ def _train_signature(
     learner_id: Annotated[int, typer.Option(help="This learner's index, for data sharding.")] = D.learner_id,
     num_learners: Annotated[int, typer.Option("--learners", help="Learners sharing the data (0: all; with --syncer, "
                                                                  "the syncer's count).")] = D.num_learners,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = D.device,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps (MLX: auto or cpu).")] = D.device,
     dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), "
                                             "float32, bfloat16 or float16.")] = D.dtype,
     gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute activations in the backward pass "
@@ -116,7 +149,8 @@ def _train_signature(
                       ] = None,
     overlap: Annotated[bool, typer.Option(help="With --syncer: keep training while a merge is in flight, "
                                                "then apply it as a correction.")] = False,
-    threads: Annotated[int, typer.Option(help="torch CPU threads (0: torch's default).")] = D.threads,
+    threads: Annotated[int, typer.Option(help="CPU threads: torch's, or OpenBLAS's for MLX on Linux (0: the "
+                                              "default).")] = D.threads,
     max_inner_steps: Annotated[int, typer.Option(help="With --syncer: do at most this many inner steps per round "
                                                       "(a weaker island contributing less; "
                                                       "0: the syncer's policy).")] = D.max_inner_steps,

@@ -1,8 +1,8 @@
 """The DiLoCo training loop: where every backend meets the syncer.
 
-A backend (torch + peft, MLX, ...) only has to offer an `Island`: its adapter
-as a `{canonical peft name: fp32 numpy array}` view, a way to load such a view
-back, and one inner optimizer step. `run_island` does the rest with a
+A backend (torch + peft, MLX, ...) offers an `Island` (yeto.island.protocol); the
+loop uses its adapter as a `{canonical peft name: fp32 numpy array}` view, a way
+to load such a view back, and one inner optimizer step. `run_island` does the rest with a
 `LearnerCore` (what to train, when a round ends, what to push) behind a
 `SyncerLink` (the I/O thread): load the round's global adapter, step until the
 core says the round is done, push `local - that adapter`, and go again until the
@@ -33,11 +33,12 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from yeto import YetoError
+from yeto.island.protocol import Island
 from yeto.sync.shell.keys import JoinKey, write_secret
 from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
@@ -46,18 +47,6 @@ from yeto.sync.wire.layout import Layout, build_layout, flatten, fragment_pieces
 
 IDENTITY_FILE = "identity"
 NO_STEP_LIMIT = 10**9  # an overlap with neither --max-inner-steps nor a step policy trains until the merge comes
-
-
-class Island(Protocol):
-    backend: str
-
-    def adapter_state(self) -> dict[str, np.ndarray]: ...
-    def load_adapter_state(self, state: dict[str, np.ndarray]) -> None: ...
-    def step(self) -> dict[str, Any]: ...
-    def adapter_config(self) -> dict[str, Any]: ...
-    def record(self) -> dict[str, Any]: ...
-    def set_total_steps(self, total: int) -> None: ...
-    def use_shard(self, index: int, count: int) -> None: ...
 
 
 @dataclass
@@ -239,7 +228,7 @@ class IslandLoop:
         return latest + 1
 
     def _round(self, task: Train) -> None:
-        if self.core.shard is not None and hasattr(self.island, "use_shard"):
+        if self.core.shard is not None and hasattr(self.island, "use_shard"):  # (tests' numpy islands have none)
             self.island.use_shard(*self.core.shard)  # the data shard the syncer says (a no-op once held)
         if self.t_start is None:
             self.t_start = time.perf_counter()

@@ -89,36 +89,12 @@ def peft_target_modules(chosen: list[str], all_names: Iterable[str]) -> str | li
     return sorted(chosen_set)
 
 
-def torch_linears(model) -> tuple[list[Linear], list[str]]:
-    """(linears, names to exclude: the output embedding) of a torch model."""
-    import torch.nn as nn
-
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    linears, exclude = [], []
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear):
-            linears.append((name, mod.in_features, mod.out_features))
-            if mod is head:
-                exclude.append(name)
-    return linears, exclude
-
-
-def _check_lora(r: int, dropout: float) -> None:
+def check_lora(r: int, dropout: float) -> None:
+    """--lora-r and --lora-dropout in range (every backend's adapter)."""
     if r < 1:
         raise YetoError(f"--lora-r must be at least 1, got {r}")
     if not 0.0 <= dropout < 1.0:
         raise YetoError(f"--lora-dropout must be in [0, 1), got {dropout}")
-
-
-def lora_config_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha: float = 32.0, dropout: float = 0.05):
-    """The peft LoraConfig the torch learner builds its adapter from: the linears `select_targets`
-    chose, among all of the model's `linears`."""
-    from peft import LoraConfig
-
-    _check_lora(r, dropout)
-    targets = peft_target_modules(chosen, [n for n, _, _ in linears])
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM",
-                      bias="none")
 
 
 @dataclass
@@ -143,12 +119,7 @@ class LoraSpec:
 
 def lora_spec_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha: float = 32.0,
                   dropout: float = 0.05) -> LoraSpec:
-    """As `lora_config_for`, as a LoraSpec (no peft, no torch): the MLX island's."""
-    _check_lora(r, dropout)
+    """As the torch learner's `lora_config_for` (yeto.backends.torch.lora), as a LoraSpec (no peft, no torch):
+    the MLX island's."""
+    check_lora(r, dropout)
     return LoraSpec(r, alpha, dropout, peft_target_modules(chosen, [n for n, _, _ in linears]))
-
-
-def lora_config(model, mode: str = "auto", r: int = 16, alpha: float = 32.0, dropout: float = 0.05):
-    """A peft LoraConfig for a torch `model` under the rule `mode`."""
-    linears, exclude = torch_linears(model)
-    return lora_config_for(select_targets(linears, model.config, mode, exclude), linears, r, alpha, dropout)

@@ -1,8 +1,9 @@
 """One island's run, whatever the backend: the session, resume and --init-adapter, the standalone loop, and the
 DiLoCo island loop of `yeto.island.diloco` with --syncer.
 
-A backend (`yeto.backends.torch`, `yeto.backends.mlx`) supplies the learner object, a `yeto.island.diloco.Island`
-with `evaluate`, `save` and step counters; nothing here imports a tensor library, so an MLX island never loads torch.
+`train(cfg, backend)` is the one entry every backend's island runs through (`yeto train --backend ...`, `python -m
+yeto.backends.torch`, `python -m yeto.backends.mlx`): the backend (a `yeto.island.protocol.Backend`) supplies the
+`Island`; nothing here imports a tensor library, so an MLX island never loads torch.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from yeto.trackers import Trackers, check_installed, open_trackers, parse_report
 
 if TYPE_CHECKING:
     from yeto.island.checkpoint import TrainState
+    from yeto.island.protocol import Backend, Island
 
 
 @dataclass
@@ -53,13 +55,19 @@ def open_session(cfg: TrainConfig) -> Session:
     return Session(console, out, join_key, lambda s: console.print(f"[dim]{s}[/dim]"))
 
 
-def train(cfg: TrainConfig, learner_cls: Callable[..., Any], show_progress: bool = True) -> dict[str, Any]:
-    """Train one single-process island of `learner_cls`'s backend; the adapter lands in `out/adapter`."""
+def train(cfg: TrainConfig, backend: Backend, show_progress: bool = True) -> dict[str, Any]:
+    """Train one island on `backend`; the adapter lands in `out/adapter`. A process that follows another of its
+    island (a torchrun rank other than 0) makes the calls that one relays and returns its own short summary."""
+    backend.check_flags(cfg)  # (one line before the key, the --out or a model is touched)
+    followed = backend.follow(cfg)
+    if followed is not None:
+        return followed
     session = open_session(cfg)
-    return run_training(learner_cls(cfg, log=session.log), cfg, session, show_progress)
+    with backend.island(cfg, session.log) as island:
+        return run_training(island, cfg, session, show_progress)
 
 
-def start_from_adapter(learner, name: str, log: Callable[[str], None]) -> None:
+def start_from_adapter(learner: Island, name: str, log: Callable[[str], None]) -> None:
     """Load an existing peft adapter into a fresh learner (`--init-adapter`), refused in one line when its base or
     LoRA shape is not this run's (the syncer's --init-adapter check)."""
     from yeto.adapter import load_init_adapter
@@ -76,14 +84,11 @@ def start_from_adapter(learner, name: str, log: Callable[[str], None]) -> None:
     log(f"starting from the adapter {name}")
 
 
-def resume_state(learner, cfg: TrainConfig, out: Path, log: Callable[[str], None]) -> Optional[TrainState]:
+def resume_state(learner: Island, cfg: TrainConfig, out: Path, log: Callable[[str], None]) -> Optional[TrainState]:
     """Load the training state saved in --out into `learner`, if there is one and it is this run's: a state of
     another run, or of a finished one, is refused with what differs (--fresh starts over); None: a fresh start."""
     from yeto.island.checkpoint import STATE_FILE, differences, load_state, run_identity
 
-    if not hasattr(learner, "load_training_state"):
-        log("note: this backend saves no training state: a restart starts its optimizer and LR schedule afresh")
-        return None
     if cfg.fresh:
         return None
     state = load_state(out)
@@ -107,13 +112,11 @@ def resume_state(learner, cfg: TrainConfig, out: Path, log: Callable[[str], None
     return state
 
 
-def save_training_state(learner, cfg: TrainConfig, out: Path, residual: Optional[np.ndarray] = None,
+def save_training_state(learner: Island, cfg: TrainConfig, out: Path, residual: Optional[np.ndarray] = None,
                         finished: bool = False) -> None:
     """Save what `resume_state` needs (with --syncer, the delta quantizer's error-feedback residual too)."""
     from yeto.island.checkpoint import run_identity, save_state
 
-    if not hasattr(learner, "training_state"):
-        return
     state = learner.training_state()
     state.meta.update(run=run_identity(learner), finished=finished)
     if residual is not None:
@@ -121,7 +124,7 @@ def save_training_state(learner, cfg: TrainConfig, out: Path, residual: Optional
     save_state(out, state)
 
 
-def run_training(learner, cfg: TrainConfig, session: Session, show_progress: bool = True) -> dict[str, Any]:
+def run_training(learner: Island, cfg: TrainConfig, session: Session, show_progress: bool = True) -> dict[str, Any]:
     """Evaluate, train (standalone or as an island of --syncer's run), evaluate again, save the adapter.
 
     The training state is saved in --out as it goes (yeto.island.checkpoint), and the same command resumes from it."""
@@ -151,7 +154,7 @@ def run_training(learner, cfg: TrainConfig, session: Session, show_progress: boo
             except Exception as save_error:  # never hide the first error behind a second one
                 console.print(f"{tag}[red]could not save the adapter[/red]: {save_error!r}")
             raise
-        if hasattr(learner, "relay_s"):  # a torchrun island: rank 0's time relaying to the other ranks
+        if hasattr(learner, "relay_s"):  # a torchrun island (RelayedIsland): rank 0's time relaying to the others
             extra["relay_s"] = round(learner.relay_s, 3)
         done = f"{extra['rounds']} rounds, {learner.step_count} steps, utilization {extra['utilization']:.1%}"
     else:
@@ -164,7 +167,7 @@ def run_training(learner, cfg: TrainConfig, session: Session, show_progress: boo
     save_training_state(learner, cfg, out, finished=True)
     summary = {"adapter": str(adapter), "steps": learner.step_count, "eval_loss_before": eval0,
                "eval_loss_after": final_eval, "tokens": learner.tokens_seen, "loss_tokens": learner.loss_tokens_seen,
-               "shard": list(learner.shard) if getattr(learner, "shard", None) else None, **extra}
+               "shard": list(learner.shard) if learner.shard else None, **extra}
     metrics.write(event="done", **summary)
     metrics.close()
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -182,7 +185,7 @@ def open_island_trackers(cfg: TrainConfig, record: dict[str, Any], log: Callable
     return open_trackers(cfg.report_to, cfg.out, name, group, record, log)
 
 
-def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,
+def _standalone_loop(learner: Island, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,
                      show_progress: bool, out: Path) -> dict[str, Any]:
     """Up to `--max-steps` steps (from where a resumed run was) with a progress bar, periodic eval and saves."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
@@ -222,7 +225,7 @@ def _standalone_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, ev
             "loss_tok_s": (learner.loss_tokens_seen - loss_tokens0) / elapsed}
 
 
-def _island_loop(learner, cfg: TrainConfig, metrics: MetricsLog, console, tag: str, join_key,
+def _island_loop(learner: Island, cfg: TrainConfig, metrics: MetricsLog, console, tag: str, join_key,
                  residual: Optional[np.ndarray], save_state: Callable[[np.ndarray], None]) -> dict[str, Any]:
     """One island of a DiLoCo run: the syncer decides rounds, merges and the end; `save_state(residual)` runs at
     the start of every round, and `residual` (a resumed learner's) seeds the delta quantizer's error feedback."""

@@ -34,8 +34,9 @@ def _here(quoted: str) -> str:
 
 
 def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
-    """The script's text. It picks the backend where it runs (MLX on an Apple-silicon Mac, torch elsewhere;
-    YETO_BACKEND overrides), installs yeto only where it is not importable, and takes PYTHON and, for data that
+    """The script's text. It picks the backend where it runs (`yeto train --backend mlx` on an Apple-silicon Mac,
+    torch elsewhere; YETO_BACKEND=torch|mlx|auto overrides, its old module spelling `yeto.backends.NAME` too) and the
+    extra to install with it, installs yeto only where it is not importable, and takes PYTHON and, for data that
     lives on the launching machine, YETO_DATA (the path of the joining machine's copy)."""
     version = yeto.__version__
     alias = ALIASES.get(plan.model)
@@ -57,9 +58,11 @@ def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
         f"DATA={shlex.quote(plan.data)}",
         'DATA="${YETO_DATA:-$DATA}"',
         'case "$(uname -s)-$(uname -m)" in',
-        f'  Darwin-arm64) BACKEND="${{YETO_BACKEND:-yeto.backends.mlx}}"; EXTRAS="[mlx{track}]" ;;',
-        f'  *) BACKEND="${{YETO_BACKEND:-yeto.backends.torch}}"; EXTRAS="[torch{track}]" ;;',
+        '  Darwin-arm64) BACKEND="${YETO_BACKEND:-mlx}" ;;',
+        '  *) BACKEND="${YETO_BACKEND:-torch}" ;;',
         "esac",
+        'BACKEND="${BACKEND#yeto.backends.}"  # (YETO_BACKEND=yeto.backends.mlx, as earlier scripts took it)',
+        f'case "$BACKEND" in mlx) EXTRAS="[mlx{track}]" ;; *) EXTRAS="[torch{track}]" ;; esac',
         f'WHEEL="$(ls "$HERE"/yeto-{version}-*.whl 2>/dev/null | head -n1 || true)"  # the launching checkout\'s',
         'if ! "$PYTHON" -c "import yeto" 2>/dev/null; then',
         f'  if [ -n "$WHEEL" ]; then PACKAGE="$WHEEL$EXTRAS"; else PACKAGE="yeto$EXTRAS=={version}"; fi',

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from yeto import require_torch
+from yeto.backends import MLX, TORCH
 from yeto.launch.controller import USAGE_EXIT
 from yeto.launch.join import join_instructions, write_join_files
 from yeto.launch.output import deliver
@@ -52,8 +53,9 @@ def _stream(proc: subprocess.Popen, prefix: str, color: str, console, lock: thre
 
 
 def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = STOP_GRACE_S) -> int:
-    """Run the fleet with this machine as the head; the last `plan.mlx` local islands use the MLX backend, and
-    `plan.external` reserved slots wait for machines that run their printed join command."""
+    """Run the fleet with this machine as the head; the last `plan.mlx` local islands run `yeto train --backend mlx`
+    (the others `--backend torch`), and `plan.external` reserved slots wait for machines that run their printed join
+    command."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -95,8 +97,7 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
     time.sleep(SYNCER_HEAD_START_S)
     for i in range(n_local):
         mlx = i >= n_local - plan.mlx
-        cmd = learner_argv(plan, i, f"127.0.0.1:{port}", plan.data, plan.model,
-                              "yeto.backends.mlx" if mlx else "yeto.backends.torch", sys.executable)
+        cmd = learner_argv(plan, i, f"127.0.0.1:{port}", plan.data, plan.model, MLX if mlx else TORCH, sys.executable)
         # (an MLX island's BLAS takes OMP_NUM_THREADS from the environment; its --threads needs OpenBLAS preloaded)
         start(f"island-{i}{'-mlx' if mlx else ''}",
               [*cmd, *([] if mlx else ["--threads", str(threads)]), "--out", str(out / f"island-{i}"), "--no-progress"],

@@ -147,18 +147,27 @@ def syncer_argv(plan: FleetPlan, host: str, port: int, out: Path, python: str) -
             "--out", str(out), *plan.syncer_args, *pins, *plan.tracking_args]
 
 
-def learner_argv(plan: FleetPlan, learner: int, syncer: str, data: str, model: str,
-                 backend: str = "yeto.backends.torch", python: str = "python3", loss: str = "") -> list[str]:
-    """The learner's command line (no secret on it: the join key comes from the environment or --join-key); `loss`:
+LEARNER_ENTRY = ("-m", "yeto", "train")  # how a learner starts: `python -m yeto train --backend NAME FLAGS`
+
+
+def learner_flags(plan: FleetPlan, learner: int, syncer: str, data: str, model: str, loss: str = "") -> list[str]:
+    """The learner's flags (no secret among them: the join key comes from the environment or --join-key); `loss`:
     where the learner's machine has a --loss-function file (default: the path given). The syncer (its --learners
     is the fleet's count) says each learner's data shard."""
-    cmd = [python, "-m", backend, "--syncer", syncer, "--learner-id", str(learner), "--model", model, "--data", data]
+    flags = ["--syncer", syncer, "--learner-id", str(learner), "--model", model, "--data", data]
     if plan.model_revision:
-        cmd += ["--model-revision", plan.model_revision]
+        flags += ["--model-revision", plan.model_revision]
     if plan.data_revision:
-        cmd += ["--data-revision", plan.data_revision]
+        flags += ["--data-revision", plan.data_revision]
     args = list(plan.learner_args)
-    return cmd + (with_loss_file(args, loss) if loss else args) + plan.tracking_args
+    return flags + (with_loss_file(args, loss) if loss else args) + plan.tracking_args
+
+
+def learner_argv(plan: FleetPlan, learner: int, syncer: str, data: str, model: str, backend: str = "torch",
+                 python: str = "python3", loss: str = "") -> list[str]:
+    """The learner's command line, `yeto train --backend BACKEND` (torch, mlx or auto) with `learner_flags`, as
+    `python -m yeto` so that it runs with `python`'s yeto (and under torchrun's -m)."""
+    return [python, *LEARNER_ENTRY, "--backend", backend, *learner_flags(plan, learner, syncer, data, model, loss)]
 
 
 @dataclass(frozen=True)

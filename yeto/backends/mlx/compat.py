@@ -121,7 +121,8 @@ def load_mlx_model(path: str | Path):
     config = json.loads((path / "config.json").read_text())
     if config.get("model_type") in NOT_YET:
         raise YetoError(f"the MLX learner does not train model_type {config['model_type']!r} yet "
-                        f"({NOT_YET[config['model_type']]}); train this model with the torch learner (yeto train)")
+                        f"({NOT_YET[config['model_type']]}); train this model with the torch learner "
+                        "(yeto train --backend torch)")
     overrides = mlx_config_shim(config)
     get_classes = getattr(mlx_lm.utils, "_get_classes", None)  # mlx-lm's own lookup (remappings included)
     if get_classes is not None:
@@ -130,7 +131,7 @@ def load_mlx_model(path: str | Path):
         except ValueError as e:
             raise YetoError(f"mlx-lm {mlx_lm.__version__} has no implementation of model_type "
                             f"{config.get('model_type')!r} ({e}); train this model with the torch learner "
-                            "(yeto train)") from e
+                            "(yeto train --backend torch)") from e
     model, _ = mlx_lm.utils.load_model(path, model_config=overrides)
     return model
 

@@ -1,4 +1,5 @@
-"""The MLX learner island: `python -m yeto.backends.mlx` with the torch learner's flags.
+"""The MLX learner island: `yeto train --backend mlx` (or `python -m yeto.backends.mlx`), the torch learner's
+flags.
 
 Same adapter (yeto.backends.mlx.lora matches peft), same target rule (yeto.island.lora), same
 blocks and masks (yeto.island.data with the Hugging Face tokenizer), same weighted
@@ -63,7 +64,7 @@ def check_flags(cfg: TrainConfig) -> None:
 
 
 def sft_loss_mx(logits, targets, weights):
-    """sum_i w_i * CE(logits_i, target_i) / sum_i w_i: yeto.island.losses.sft_loss in MLX."""
+    """sum_i w_i * CE(logits_i, target_i) / sum_i w_i: yeto.backends.torch.losses.sft_loss in MLX."""
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -150,7 +151,7 @@ class MLXLearner(ShardedData):
         import_mlx_lm()
         if cfg.threads > 0 and not set_blas_threads(cfg.threads):
             raise YetoError("--threads sets OpenBLAS's threads, and this MLX island does not run on OpenBLAS (run it "
-                            "as python -m yeto.backends.mlx on Linux with libopenblas0-pthread installed, or drop "
+                            "as yeto train --backend mlx on Linux with libopenblas0-pthread installed, or drop "
                             "--threads)")
         import mlx.core as mx
 

@@ -1,10 +1,10 @@
 """The torch learner island: one process (or one torchrun group), one LoRA adapter, AdamW inner steps.
 
 `TorchLearner` holds the model, data and optimizer and exposes the pieces a
-training loop needs (`step`, `evaluate`, `adapter_state`, `save`); `yeto.island.training`
+training loop needs (the `yeto.island.protocol.Island` members); `yeto.island.training`
 runs the loop around them (standalone, or as one island of a DiLoCo run).
 
-Run it as `yeto train ...` or `python -m yeto.backends.torch ...`.
+Run it as `yeto train --backend torch ...` (the default off Apple silicon) or `python -m yeto.backends.torch ...`.
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from yeto import YetoError
 from yeto.adapter import save_adapter
 from yeto.island.checkpoint import TrainState
 from yeto.island.data import Blocks
-from yeto.island.losses import LossFn, load_loss_function
-from yeto.island.lora import is_lora_a, lora_config
+from yeto.backends.torch.losses import LossFn, load_loss_function
+from yeto.backends.torch.lora import lora_config
+from yeto.island.lora import is_lora_a
 from yeto.island.micro_batch import chunks, largest_that_fits, parse_micro_batch_size
-from yeto.island import training
 from yeto.island.config import TrainConfig, check_config
 from yeto.island.metrics import island_record
 from yeto.island.schedule import lr_lambda
 from yeto.island.shard import ShardedData
 from yeto.models import default_device, load_model, load_tokenizer, resolve_model
-from yeto.backends.torch.torchrun import SHARDINGS, RankGroup, RelayedIsland, follow, shard_base
+from yeto.backends.torch.torchrun import SHARDINGS, RankGroup, shard_base
 
-__all__ = ["TorchLearner", "TrainConfig", "masked_loss", "train"]
+__all__ = ["TorchLearner", "TrainConfig", "masked_loss"]
 
 
 def check_device(device: str) -> None:
@@ -305,31 +305,3 @@ class TorchLearner(ShardedData):
             torch.set_rng_state(torch.from_numpy(rng["torch"].copy()))
         if "cuda" in rng and self.device.startswith("cuda"):
             torch.cuda.set_rng_state(torch.from_numpy(rng["cuda"].copy()), self.device)
-
-
-def train(cfg: TrainConfig, show_progress: bool = True) -> dict[str, Any]:
-    """Train one torch island; under torchrun rank 0 trains and talks, the other ranks follow it."""
-    group = RankGroup.from_env()
-    if group is None:
-        return training.train(cfg, TorchLearner, show_progress)
-    if not group.leader:
-        return _follow_rank(cfg, group)
-    session = training.open_session(cfg)
-    # in a torchrun island every call rank 0 makes goes to the other ranks first (a sharded forward is collective)
-    relayed = RelayedIsland(TorchLearner(cfg, session.log, group), group)
-    try:
-        return training.run_training(relayed, cfg, session, show_progress)
-    finally:
-        relayed.finish()  # the other ranks stop following (they would otherwise wait for a collective)
-        group.close()
-
-
-def _follow_rank(cfg: TrainConfig, group: RankGroup) -> dict[str, Any]:
-    """A torchrun island's rank other than 0: the same model and data, its slice of every batch, and the calls rank
-    0 relays (standalone or with --syncer). Rank 0 alone logs, saves and talks."""
-    try:
-        learner = TorchLearner(cfg, log=lambda s: None, group=group)
-        follow(learner, group)
-    finally:
-        group.close()
-    return {"rank": group.rank, "steps": learner.step_count}

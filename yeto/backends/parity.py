@@ -1,4 +1,6 @@
-"""Do the torch and MLX backends build the same adapter? (names, shapes, count)"""
+"""Do the torch and MLX backends build the same adapter? (names, shapes, count)
+
+It sits above both backends (peers that never import each other): the one place that loads them side by side."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ def torch_adapter_specs(path: str, mode: str = "auto", r: int = 16) -> dict[str,
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from yeto.island.lora import lora_config
+    from yeto.backends.torch.lora import lora_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))

@@ -1,4 +1,5 @@
-"""The training loss: weighted per-token cross-entropy, and user-supplied losses.
+"""The torch learner's training loss: weighted per-token cross-entropy, and user-supplied losses (the MLX island
+re-derives the built-in one in MLX: yeto.backends.mlx.learner.sft_loss_mx).
 
 A loss function takes the rows that carry loss (already selected and flattened):
 

@@ -1,0 +1,36 @@
+"""The MLX backend as `yeto.island.training.train` runs it (`yeto train --backend mlx`): one process is one island.
+
+MLX itself loads only when the learner starts, so `yeto launch` checks an MLX learner's flags anywhere.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+from yeto.island.config import TrainConfig
+
+if TYPE_CHECKING:
+    from yeto.island.protocol import Island
+
+
+class MLXBackend:
+    """MLX (Apple silicon; MLX's CPU backend on Linux): `MLXLearner` (a `yeto.island.protocol.Backend`)."""
+
+    name = "mlx"
+
+    def check_flags(self, cfg: TrainConfig) -> None:
+        """The flags an MLX island cannot honour, refused before anything loads."""
+        from yeto.backends.mlx.learner import check_flags
+
+        check_flags(cfg)
+
+    def follow(self, cfg: TrainConfig) -> Optional[dict[str, Any]]:
+        """Never: an MLX island is one process."""
+        return None
+
+    @contextmanager
+    def island(self, cfg: TrainConfig, log: Callable[[str], None]) -> Iterator[Island]:
+        from yeto.backends.mlx.learner import MLXLearner
+
+        yield MLXLearner(cfg, log)

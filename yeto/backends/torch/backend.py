@@ -1,0 +1,67 @@
+"""The torch backend as `yeto.island.training.train` runs it (`yeto train --backend torch`): one process, or one
+torchrun group whose rank 0 trains and talks while the other ranks follow it.
+
+Nothing loads here until training starts (torch included), so `yeto launch` checks a torch learner's flags on a
+machine without torch.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+from yeto.island.config import TrainConfig, check_config
+
+if TYPE_CHECKING:
+    from yeto.backends.torch.torchrun import RankGroup
+    from yeto.island.protocol import Island
+
+
+class TorchBackend:
+    """torch + peft: `TorchLearner`, relayed across a torchrun group's ranks (a `yeto.island.protocol.Backend`)."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self.group: Optional[RankGroup] = None  # this process's torchrun group, joined by `follow`
+
+    def check_flags(self, cfg: TrainConfig) -> None:
+        """The checks every backend makes (the device is checked as the learner starts: that needs torch)."""
+        check_config(cfg)
+
+    def follow(self, cfg: TrainConfig) -> Optional[dict[str, Any]]:
+        """Join the torchrun group if there is one; a rank other than 0 builds the same learner and makes the calls
+        rank 0 relays (standalone or with --syncer) until it says exit. Rank 0 alone logs, saves and talks."""
+        from yeto.backends.torch.learner import TorchLearner
+        from yeto.backends.torch.torchrun import RankGroup, follow
+
+        self.group = group = RankGroup.from_env()
+        if group is None or group.leader:
+            return None
+        learner = None
+        try:
+            learner = TorchLearner(cfg, log=lambda s: None, group=group)
+            follow(learner, group)
+        finally:
+            group.close()
+        return {"rank": group.rank, "steps": learner.step_count}
+
+    @contextmanager
+    def island(self, cfg: TrainConfig, log: Callable[[str], None]) -> Iterator[Island]:
+        """The learner; in a torchrun group, rank 0's learner behind a `RelayedIsland` (every call that changes it
+        goes to the other ranks first: a sharded forward is collective), which lets them go at the end."""
+        from yeto.backends.torch.learner import TorchLearner
+        from yeto.backends.torch.torchrun import RelayedIsland
+
+        group = self.group
+        if group is None:
+            yield TorchLearner(cfg, log)
+            return
+        try:
+            relayed = RelayedIsland(TorchLearner(cfg, log, group), group)
+            try:
+                yield relayed
+            finally:
+                relayed.finish()  # the other ranks stop following (they would otherwise wait for a collective)
+        finally:
+            group.close()
