@@ -261,7 +261,7 @@ def test_a_fresh_id_flood_leaves_room_for_a_real_learner_and_nothing_behind(star
         f.close()
     assert wait_until(lambda: not [i for i in syncer.core.state.seen if i >= 100], 10.0), sorted(syncer.core.state.seen)
     assert not [i for i in syncer.core.state.owners if i >= 100]
-    ck = syncer.core._checkpoint()
+    ck = syncer.core.state.checkpoint()
     assert set(ck.members) <= {0, 1} and set(ck.owners) <= {0, 1}  # the checkpoint keeps nothing of the flood
     founder.close()
     honest.close()
