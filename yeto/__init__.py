@@ -18,12 +18,12 @@ TORCH_EXTRA = "pip install 'yeto[torch]'"
 TORCH_MODULES = ("torch", "peft")  # the torch learner's extra; the syncer, CLI, launch and MLX island need neither
 
 
-def missing_torch() -> str | None:
-    """The first of the torch extra's modules this install cannot import (None when it has them all)."""
+def missing_module(names: tuple[str, ...]) -> str | None:
+    """The first of `names` this install cannot import (None when it has them all), without importing any."""
     import importlib.util
     import sys
 
-    for name in TORCH_MODULES:
+    for name in names:
         try:
             if importlib.util.find_spec(name) is None:
                 return name
@@ -31,6 +31,11 @@ def missing_torch() -> str | None:
             if sys.modules.get(name) is None:
                 return name
     return None
+
+
+def missing_torch() -> str | None:
+    """The first of the torch extra's modules this install cannot import (None when it has them all)."""
+    return missing_module(TORCH_MODULES)
 
 
 def require_torch(what: str) -> None:

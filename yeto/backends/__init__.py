@@ -7,12 +7,10 @@ neither imports a tensor library.
 
 from __future__ import annotations
 
-import importlib.util
 import platform
-import sys
 from typing import TYPE_CHECKING, Optional
 
-from yeto import YetoError, require_torch
+from yeto import YetoError, missing_module, require_torch
 
 if TYPE_CHECKING:
     from yeto.island.protocol import Backend
@@ -27,14 +25,7 @@ APPLE_SILICON = ("Darwin", "arm64")  # (platform.system(), platform.machine()) o
 
 def missing_mlx() -> Optional[str]:
     """The first of the mlx extra's modules this install cannot import (None when it has them all)."""
-    for name in MLX_MODULES:
-        try:
-            if importlib.util.find_spec(name) is None:
-                return name
-        except ValueError:  # in sys.modules without a spec: blocked (None) or a stand-in
-            if sys.modules.get(name) is None:
-                return name
-    return None
+    return missing_module(MLX_MODULES)
 
 
 def apple_silicon() -> bool:
