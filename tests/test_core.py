@@ -156,11 +156,11 @@ def test_a_member_gone_stops_blocking_and_one_that_returns_is_counted_again():
     silent = f.learners.pop(1)
     f.tick(dt=1.0, times=4)  # learner 1 is dropped after --learner-timeout ...
     assert any(e["event"] == "leave" and e["learner"] == 1 for e in f.tape)
-    expected = f.syncer.round_members(f.now)
+    expected = f.syncer.driver.round_members(f.now)
     assert list(expected.waiting) == [2] and expected.absent == ()  # ... and no longer expected; 2 still is
     f.learners[1] = silent  # it comes back: pings get "not joined", it says hello again, is counted again
     f.tick(dt=1.0, times=8)
-    assert sorted(f.syncer.round_members(f.now).waiting) == [1, 2]
+    assert sorted(f.syncer.driver.round_members(f.now).waiting) == [1, 2]
     f.train(1)
     f.train(2)
     assert [e["responders"] for e in f.tape if e["event"] == "merge"][-1] == [0, 1, 2]

@@ -212,6 +212,10 @@ class SyncerOutbox:
         self.actions: list[Action] = []
         self.replies = RateLimit(REPLIES_PER_WINDOW, RATE_WINDOW_S)
 
+    def clear(self) -> None:
+        """A new event begins (or a halt discards what this one said): nothing said yet."""
+        self.actions = []
+
     def flush(self) -> list[Action]:
         out, self.actions = self.actions, []
         return out

@@ -39,7 +39,7 @@ The round protocol, in the terms used below:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from yeto.sync.core.actions import Action, Checkpoint, Durable, Exit, SaveCheckpoint
 from yeto.sync.core.admission import Admission
@@ -50,7 +50,7 @@ from yeto.sync.core.driver import RoundDriver
 from yeto.sync.core.limits import RateLimit
 from yeto.sync.core.merging import Merging
 from yeto.sync.core.recovery import Recovery
-from yeto.sync.core.rounds import RoundMembers, RoundPhaseError, round_header
+from yeto.sync.core.rounds import RoundPhaseError, round_header
 from yeto.sync.core.state import RATE_WINDOW_S, STATE_REQUESTS_PER_WINDOW, Member, SyncerOutbox, SyncerState
 from yeto.sync.wire.protocol import CLOCK_JUMP_S, Code, Message, ProtocolError, decode, encode_fragments, truncate
 
@@ -109,14 +109,11 @@ class SyncerCore:
     def given_up(self) -> dict[int, str]:
         return self.state.given_up
 
-    def round_members(self, now: float) -> RoundMembers:
-        """The open round's responders and whom it expects (`RoundDriver.round_members`)."""
-        return self.driver.round_members(now)
-
     # ------------------------------------------------------ events
 
     def start(self, now: float, durable: Durable) -> list[Action]:
         """A process start: the run resumed from what survived on disk (`Recovery`), and its round opened if it can."""
+        self.outbox.clear()
         if self.recovery.recover(now, durable):
             self.driver.maybe_open(now)
         return self.outbox.flush()
@@ -125,6 +122,7 @@ class SyncerCore:
         """One message from a learner connection; nothing a peer sends can raise out of here (a `RoundPhaseError`, the
         core's own state gone wrong, halts the syncer: see `_halt`). `principal`: who the connection authenticated as
         (the ZAP User-Id: "join" or "learner:<id>"); None without security."""
+        self.outbox.clear()
         try:
             if principal is not None and principal in self.state.revoked:
                 raise ProtocolError(f"the key of {principal} was revoked", Code.REVOKED)
@@ -146,6 +144,7 @@ class SyncerCore:
                 "ping": self._on_ping, "sync": self._on_sync, "leave": self._on_leave}  # here: membership
 
     def tick(self, now: float) -> list[Action]:
+        self.outbox.clear()
         try:
             self._tick(now)
         except RoundPhaseError as e:
@@ -161,7 +160,7 @@ class SyncerCore:
     def _halt(self, where: str, error: RoundPhaseError) -> None:
         """Stop at once on a state the design does not have: recorded, nothing checkpointed or sent, exit
         INTERNAL_ERROR_EXIT; the same command resumes from the tape's last durable state, and learners reconnect."""
-        self.outbox.flush()
+        self.outbox.clear()
         self.outbox.record("internal_error", where=where, error=truncate(str(error)), fatal=True)
         self.outbox.log("error", f"{error}; stopping (restart the syncer with the same --out: it resumes from "
                                  "its tape)")
@@ -188,6 +187,7 @@ class SyncerCore:
 
     def stop(self, now: float, reason: str, code: int) -> list[Action]:
         """A signal: checkpoint, tell every learner to finish (saving its adapter), then exit with `code`."""
+        self.outbox.clear()
         s = self.state
         if s.finished_at is None:
             self.outbox.record("stop", reason=reason, version=s.version)
@@ -201,6 +201,7 @@ class SyncerCore:
 
     def set_keys(self, bound_ids: set[int], revoked: set[str], now: float) -> list[Action]:
         """The run's learner keys changed (yeto keys add/revoke): members holding a revoked key are cut off."""
+        self.outbox.clear()
         s = self.state
         s.bound_ids, s.revoked = set(bound_ids), set(revoked)
         for m in s.active():
@@ -216,6 +217,7 @@ class SyncerCore:
         """The fleet controller stopped relaunching these learners (`yeto launch --recover-timeout`): the run goes on
         without them, its quorum and round-1 gate lowered by as many (never below 1). A learner that comes back anyway
         is welcome; it does not raise the quorum again."""
+        self.outbox.clear()
         s = self.state
         for lid, reason in sorted(learners.items()):
             if not 0 <= lid < s.cfg.learners:  # only a learner the run counts on lowers the quorum
@@ -236,9 +238,6 @@ class SyncerCore:
         """The shell measured how long a merge took: the grace leaves that much of the cap for it."""
         if math.isfinite(seconds) and seconds >= 0:
             self.state.merge_s = MERGE_TIME_EMA * seconds + (1 - MERGE_TIME_EMA) * self.state.merge_s
-
-    def finish_header_for_wire(self) -> dict[str, Any]:
-        return self.state.finish_header_for_wire()
 
     # ------------------------------------------------------ messages (hello, init: `Admission`)
 
