@@ -74,6 +74,9 @@ class NumpyIsland:
     def set_total_steps(self, total):
         pass
 
+    def use_shard(self, index, count):  # (no data to cut: every shard is the same target)
+        pass
+
 
 def lora_names(layers: int, module: str = "self_attn.q_proj") -> list[str]:
     return [f"base_model.model.model.layers.{i}.{module}.lora_{ab}.default.weight"

@@ -68,6 +68,9 @@ class NumpyIsland:
     def set_total_steps(self, total):
         pass
 
+    def use_shard(self, index, count):  # (no data to cut: every shard is the same target)
+        pass
+
 
 def merge_times(rounds: int, tracker: str, out: Path, hook: list[float]) -> list[float]:
     """One run: the seconds of each merge's event handling (from the second merge on: the first follows the run's

@@ -228,7 +228,7 @@ class IslandLoop:
         return latest + 1
 
     def _round(self, task: Train) -> None:
-        if self.core.shard is not None and hasattr(self.island, "use_shard"):  # (tests' numpy islands have none)
+        if self.core.shard is not None:
             self.island.use_shard(*self.core.shard)  # the data shard the syncer says (a no-op once held)
         if self.t_start is None:
             self.t_start = time.perf_counter()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from yeto import YetoError
-from yeto.island.config import TrainConfig, check_config
+from yeto.island.config import TrainConfig
 from yeto.island.metrics import MetricsLog
 from yeto.trackers import Trackers, check_installed, open_trackers, parse_report_to, run_group
 
@@ -39,10 +39,10 @@ class Session:
 
 
 def open_session(cfg: TrainConfig) -> Session:
-    """Check the key and make --out before the model loads, so a missing key is one line at once."""
+    """Check the key and make --out before the model loads, so a missing key is one line at once (the flags were
+    checked by the backend: `train`)."""
     from rich.console import Console
 
-    check_config(cfg)
     check_installed(parse_report_to(cfg.report_to))
     console = Console(stderr=True)
     join_key = None
