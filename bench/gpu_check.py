@@ -1,4 +1,4 @@
-"""The GPU check: yeto's torch learner on one GPU against a plain torch+peft loop and against yeto.sizing's
+"""The GPU check: yeto's torch learner on one GPU against a plain torch+peft loop and against yeto.launch.sizing's
 predictions, on models built from catalog configs with random weights (nothing downloaded, nothing read from disk).
 
     bench/gpu_check.sh [--out runs/gpu-check]         on a GPU machine: torch, transformers, peft, accelerate
@@ -8,9 +8,10 @@ What it measures (bf16, --seq-len 2048, LoRA r=16 on every linear, every positio
 - throughput: tokens/s of yeto's learner step (TorchLearner.step: micro-batches, the LM head on loss-bearing rows
   only) against a plain loop (get_peft_model + AdamW + loss.backward) at the same batch, seq len and rank, on a
   1B- and an 8B-class config;
-- memory: peak memory (torch.cuda.max_memory_reserved plus the CUDA context) against yeto.sizing.memory's
+- memory: peak memory (torch.cuda.max_memory_reserved plus the CUDA context) against yeto.launch.sizing.memory's
   prediction, for three models at micro-batches 1 and 4;
-- `--micro-batch-size auto`: the probe's choice (yeto.island.micro_batch) against yeto.sizing.largest_micro_batch;
+- `--micro-batch-size auto`: the probe's choice (yeto.island.micro_batch) against
+  yeto.launch.sizing.largest_micro_batch;
 - gradient checkpointing: what it costs in tokens/s and saves in memory.
 
 On a GPU each case runs in its own process, so its peak memory is its own; on the CPU they run in this one (there is
@@ -35,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from yeto import YetoError  # noqa: E402
-from yeto.catalog import CATALOG, hf_config  # noqa: E402
+from yeto.models.catalog import CATALOG, hf_config  # noqa: E402
 
 SMALL, MIDDLE, LARGE = "llama3.2-1b", "qwen3-4b", "llama3.1-8b"  # the 1B- and 8B-class configs, and one between
 LORA_RANK, LORA_ALPHA, LORA_TARGETS = 16, 32.0, "all-linear"
@@ -68,7 +69,7 @@ class Settings:
     steps: int  # timed steps, after `warmup` untimed ones
     warmup: int
     tiny: bool
-    gpu: str  # the yeto.gpus name sizing predicts for
+    gpu: str  # the yeto.launch.gpus name sizing predicts for
     auto_batch: int  # the --batch-size the micro-batch probe searches under
     device_info: dict[str, Any]  # the GPU's name, memory and CUDA version (empty on the CPU)
 
@@ -92,7 +93,7 @@ def plan(s: Settings) -> list[Case]:
 def model_config(alias: str, tiny: bool) -> dict[str, Any]:
     config = CATALOG[alias].config
     if config is None:
-        raise YetoError(f"{alias} has no config in yeto/catalog.py: pick a sized alias")
+        raise YetoError(f"{alias} has no config in yeto/models/catalog.py: pick a sized alias")
     if not tiny:
         return dict(config)
     small = {**config, **TINY_FIELDS}
@@ -126,7 +127,7 @@ def random_init_loading(config: dict[str, Any], hub_id: str) -> Iterator[None]:
     """While open, yeto's torch learner builds `config` with random weights instead of resolving a model on the hub
     (the one thing it cannot do on a machine without a network); everything else it does is what `yeto train` runs."""
     from yeto.backends.torch import learner
-    from yeto.provenance import Artifact
+    from yeto.models.provenance import Artifact
 
     swaps: dict[str, Callable[..., Any]] = {
         "resolve_model": lambda name, revision=None: Artifact(name, "model", "random-init", "", "random-init", None,
@@ -154,7 +155,7 @@ def yeto_learner(case: Case, config: dict[str, Any], s: Settings, log: Callable[
     from yeto.backends.torch.learner import TorchLearner, TrainConfig
     from yeto.island.data import Blocks, PreparedData
     from yeto.island.schedule import BatchSampler
-    from yeto.provenance import Artifact
+    from yeto.models.provenance import Artifact
 
     blocks = random_blocks(config, 2 * case.batch, s.seq_len)
 
@@ -335,8 +336,8 @@ def gpu_info(device: str) -> dict[str, Any]:
 
 
 def sizing_model(alias: str, s: Settings, out: Path):
-    """yeto.sizing's ModelSize of the config the case builds (--tiny: the shrunk config, from a directory)."""
-    from yeto.sizing import model_size
+    """yeto.launch.sizing's ModelSize of the config the case builds (--tiny: the shrunk config, from a directory)."""
+    from yeto.launch.sizing import model_size
 
     if not s.tiny:
         return model_size(alias)
@@ -347,8 +348,8 @@ def sizing_model(alias: str, s: Settings, out: Path):
 
 
 def predict(case: Case, s: Settings, out: Path) -> dict[str, Any]:
-    """What yeto.sizing says of a case of yeto's learner: memory (bytes), tokens/s, the largest micro-batch."""
-    from yeto.sizing import IslandShape, largest_micro_batch, memory, tokens_per_second
+    """What yeto.launch.sizing says of a case of yeto's learner: memory (bytes), tokens/s, the largest micro-batch."""
+    from yeto.launch.sizing import IslandShape, largest_micro_batch, memory, tokens_per_second
 
     if case.loop != "yeto":
         return {}
@@ -439,19 +440,20 @@ def print_report(rows: list[dict[str, Any]], summary: dict[str, Any], s: Setting
 
 
 def sized_as(gpu: dict[str, Any], named: Optional[str]) -> str:
-    """The yeto.gpus entry this GPU (`gpu_info`) is sized as: --gpu, or the one whose name and memory match it."""
-    from yeto.gpus import GPUS
+    """The yeto.launch.gpus entry this GPU (`gpu_info`) is sized as: --gpu, or the one whose name and memory match
+    it."""
+    from yeto.launch.gpus import GPUS
 
     if named:
         if named not in GPUS:
-            raise YetoError(f"--gpu {named!r} is not in yeto.gpus: use one of {', '.join(GPUS)}")
+            raise YetoError(f"--gpu {named!r} is not in yeto.launch.gpus: use one of {', '.join(GPUS)}")
         return named
     if not gpu:
         return CPU_SIZED_AS
     name = gpu["name"].lower().replace(" ", "")
     matches = [g for g in GPUS.values() if not g.apple and g.name.split("-")[0].lower() in name]
     if not matches:
-        raise YetoError(f"this GPU ({gpu['name']}) is not in yeto.gpus: pass --gpu with the nearest of "
+        raise YetoError(f"this GPU ({gpu['name']}) is not in yeto.launch.gpus: pass --gpu with the nearest of "
                         f"{', '.join(GPUS)}")
     return min(matches, key=lambda g: abs(g.memory_gib - gpu["memory_gib"])).name
 
@@ -477,7 +479,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="tiny configs (the CPU mode: every code path, in seconds)")
     p.add_argument("--out", default="runs/gpu-check", help="gpu_check.json goes here")
-    p.add_argument("--gpu", help="the yeto.gpus name to predict for (default: this GPU's)")
+    p.add_argument("--gpu", help="the yeto.launch.gpus name to predict for (default: this GPU's)")
     p.add_argument("--seq-len", type=int, default=0, help="default 2048 (--tiny: 32)")
     p.add_argument("--steps", type=int, default=0, help="timed steps per case; default 6 (--tiny: 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first; default 2 (--tiny: 1)")
@@ -513,7 +515,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               + (f", {row['tok_s']:.0f} tok/s" if "tok_s" in row else "")
               + (f", micro-batch {row['micro_batch_used']}" if case.micro_batch == "auto" and "micro_batch_used" in row
                  else ""), flush=True)
-    from yeto.gpus import GPUS
+    from yeto.launch.gpus import GPUS
 
     summary = summarize(rows, GPUS[s.gpu].mfu)
     print_report(rows, summary, s, GPUS[s.gpu].mfu)

@@ -84,7 +84,7 @@ def main() -> None:
     a = p.parse_args()
     args = {"model": a.model, "data": a.data, "steps": a.steps, "warmup": a.warmup, "seq_len": a.seq_len,
             "batch_size": a.batch_size}
-    from yeto.models import resolve_model
+    from yeto.models.materialize import resolve_model
 
     resolve_model(a.model)  # materialize once, outside the timed children
     ctx = mp.get_context("spawn")

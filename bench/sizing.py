@@ -1,4 +1,4 @@
-"""yeto.sizing's predictions against measured training steps on this CPU: peak memory and tokens/s.
+"""yeto.launch.sizing's predictions against measured training steps on this CPU: peak memory and tokens/s.
 
 Each configuration (model, seq len, micro-batch, gradient checkpointing) runs in a fresh process through yeto's own
 training step (TorchLearner.step: the loss on the loss-bearing rows, AdamW, fp32 on the CPU), on text data whose
@@ -91,9 +91,9 @@ def warm_up(spec: dict) -> None:
     the resident set the learner then adds is its weights and adapter."""
     import peft  # noqa: F401
 
-    from yeto.catalog import size_local
+    from yeto.models.catalog import size_local
     from yeto.island.data import prepare_data
-    from yeto.models import load_tokenizer, resolve_model
+    from yeto.models.materialize import load_tokenizer, resolve_model
 
     size_local(spec["path"])  # the model built on the meta device: its modeling code imported
     tokenizer = load_tokenizer(resolve_model(spec["path"]))
@@ -105,7 +105,7 @@ def child(spec: dict) -> dict:
     import torch
 
     from yeto.backends.torch.learner import TorchLearner
-    from yeto.island.config import TrainConfig
+    from yeto.island.train_config import TrainConfig
 
     torch.set_num_threads(1)
     warm_up(spec)  # the imports, tokenizer and data the learner's construction would otherwise add to its count
@@ -164,8 +164,8 @@ def text_data(where: Path) -> Path:
 
 
 def predict(path: Path, seq_len: int, micro_batch: int, checkpointing: bool, targets: str, gflops: float) -> dict:
-    from yeto.gpus import cpu
-    from yeto.sizing import IslandShape, memory, model_size, tokens_per_second
+    from yeto.launch.gpus import cpu
+    from yeto.launch.sizing import IslandShape, memory, model_size, tokens_per_second
 
     size = model_size(str(path))
     device = cpu(gflops, memory_gib=1e6, mfu=CPU_MFU)
@@ -193,7 +193,7 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(json.loads(a.child))))
         return
-    from yeto.models import load_tokenizer, resolve_model
+    from yeto.models.materialize import load_tokenizer, resolve_model
 
     smollm2 = resolve_model("smollm2-135m")
     tokenizer = load_tokenizer(smollm2)

@@ -36,7 +36,7 @@ def smollm2_specs(r: int = 16) -> tuple[TensorSpec, ...]:
     the packaged SmolLM2's config alone (no torch)."""
     from transformers import AutoConfig
 
-    from yeto.models import resolve_model
+    from yeto.models.materialize import resolve_model
 
     cfg = AutoConfig.from_pretrained(resolve_model("smollm2-135m").path)
     h = cfg.hidden_size

@@ -25,7 +25,7 @@ from yeto.island.diloco import run_island  # noqa: E402
 from yeto.launch.local import free_port  # noqa: E402
 from yeto.sync.core.learner import LinkTimeouts  # noqa: E402
 from yeto.sync.shell.server import Syncer, SyncerConfig  # noqa: E402
-from yeto.trackers import open_trackers  # noqa: E402
+from yeto.report.trackers import open_trackers  # noqa: E402
 
 LAYERS, HIDDEN, KV, RANK = 30, 576, 192, 16  # SmolLM2-135M's attention, LoRA r=16
 SHAPES = {"q_proj": (HIDDEN, HIDDEN), "k_proj": (HIDDEN, KV), "v_proj": (HIDDEN, KV), "o_proj": (HIDDEN, HIDDEN)}

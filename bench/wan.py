@@ -1,7 +1,7 @@
-"""WAN emulation: fleets behind emulated links (yeto.netem) against the same fleets on loopback, in one run.
+"""WAN emulation: fleets behind emulated links (yeto.testbed.netem) against the same fleets on loopback, in one run.
 
 Each island reaches a real `yeto syncer` (CURVE, 4-bit wire, quorum = every island) through its own
-`yeto.netem.Link` with a named profile (datacenter, region, home, poor), or directly (`loopback`); `mix` puts
+`yeto.testbed.netem.Link` with a named profile (datacenter, region, home, poor), or directly (`loopback`); `mix` puts
 island 0 on `poor` and the rest on `region`. Islands are
   - synthetic (bench/synthetic.py's NumpyIsland, one process each): LoRA adapters at the sizes of real models,
     r and shapes from the catalog's published configs (all linears: q k v o gate up down), with timed fake steps.
@@ -44,9 +44,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.synthetic import NumpyIsland, start_syncer  # noqa: E402
-from yeto.catalog import CATALOG  # noqa: E402
+from yeto.models.catalog import CATALOG  # noqa: E402
 from yeto.launch.local import free_port  # noqa: E402
-from yeto.netem import PROFILES, Link  # noqa: E402
+from yeto.testbed.netem import PROFILES, Link  # noqa: E402
 from yeto.sync.shell.tape import read_tape  # noqa: E402
 
 DEMO_DATA = REPO / "data" / "demo" / "pirate_chat.jsonl"

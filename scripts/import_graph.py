@@ -2,7 +2,8 @@
 
     python scripts/import_graph.py            # the layers and their edges
     python scripts/import_graph.py --folders  # the folders and their imports, as the mermaid graph in docs/design.md
-    python scripts/import_graph.py --check    # exit 1 on an import circle, a core module importing a shell, a
+    python scripts/import_graph.py --check    # exit 1 on an import circle, an upward import (a module importing a
+                                              # layer above its own, LAYERS), a core module importing a shell, a
                                               # library module importing the CLI, a backend importing another,
                                               # the backend-neutral island importing a backend, or the island
                                               # importing a tensor library
@@ -30,6 +31,24 @@ CLI = ("yeto.cli",)  # and every package's __main__ (an entry point: `python -m 
 BACKENDS = ("yeto.backends.torch", "yeto.backends.mlx")  # peers: neither imports the other
 ISLAND = ("yeto.island",)  # what every backend shares: imports no backend and no tensor library
 TENSOR_LIBRARIES = ("torch", "mlx", "peft", "bitsandbytes")  # a backend's own: an MLX island never loads torch
+# the layers from the bottom up: a module imports its own layer and those below, never one above (an entry point,
+# `__main__`, may import anything: it runs the CLI). A module belongs to the longest prefix that names it.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("yeto",)),  # YetoError and the install checks
+    ("leaves", ("yeto.models", "yeto.report", "yeto.testbed")),  # models and adapters, trackers, the link emulator
+    ("wire", ("yeto.sync.wire",)),
+    ("merge", ("yeto.sync.merge",)),
+    ("core", ("yeto.sync.core",)),
+    ("learner core", ("yeto.sync.core.learner",)),
+    ("shell", ("yeto.sync.shell",)),
+    ("island", ("yeto.island",)),
+    ("sim", ("yeto.sync.sim",)),
+    ("backend", BACKENDS),
+    ("backends", ("yeto.backends",)),  # choosing one, and the parity check over both
+    ("launch", ("yeto.launch",)),
+    ("watch", ("yeto.watch",)),
+    ("cli", CLI),
+)
 
 
 def module_name(path: Path) -> str:
@@ -127,6 +146,13 @@ def backend_of(module: str) -> str | None:
     return next((b for b in BACKENDS if in_layer(module, (b,))), None)
 
 
+def rank_of(module: str) -> tuple[int, str]:
+    """The module's layer (its index in LAYERS, and its name): the one whose longest prefix names the module."""
+    best = max(((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes if in_layer(module, (p,))),
+               default=(0, 0))
+    return best[1], LAYERS[best[1]][0]
+
+
 def problems(edges: dict[str, set[str]], libraries: dict[str, set[str]] | None = None) -> list[str]:
     """What the architecture forbids in `edges` (yeto's imports) and `libraries` (tensor libraries imported; default:
     read from the code)."""
@@ -136,6 +162,8 @@ def problems(edges: dict[str, set[str]], libraries: dict[str, set[str]] | None =
             found.append(f"backend-neutral module {src} imports a tensor library ({', '.join(sorted(libs))})")
     for src, dsts in sorted(edges.items()):
         for dst in sorted(dsts):
+            if not src.endswith("__main__") and rank_of(dst)[0] > rank_of(src)[0]:
+                found.append(f"upward import: {src} ({rank_of(src)[1]}) imports {dst} ({rank_of(dst)[1]})")
             if in_layer(src, CORE) and in_layer(dst, SHELLS):
                 found.append(f"core module {src} imports the shell {dst}")
             if is_cli(dst) and not is_cli(src):
@@ -148,16 +176,7 @@ def problems(edges: dict[str, set[str]], libraries: dict[str, set[str]] | None =
 
 
 def layer_of(module: str) -> str:
-    if in_layer(module, CORE):
-        return "core"
-    if in_layer(module, SHELLS):
-        return "shell"
-    if is_cli(module):
-        return "cli"
-    for folder in ("yeto.launch", "yeto.island", *BACKENDS):
-        if in_layer(module, (folder,)):
-            return folder.removeprefix("yeto.")
-    return "shared (models, provenance, adapter, checks)"
+    return f"{rank_of(module)[0]:02d} {rank_of(module)[1]}"
 
 
 def folder_of(module: str) -> str:

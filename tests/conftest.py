@@ -53,7 +53,7 @@ def shrink(config: dict) -> dict:
 
 
 def architecture_classes() -> dict[str, dict]:
-    from yeto.catalog import CATALOG
+    from yeto.models.catalog import CATALOG
 
     out: dict[str, dict] = {}
     for entry in CATALOG.values():
@@ -68,14 +68,14 @@ TINY.update({kind: spec for kind, spec in ARCHITECTURES.items() if kind not in T
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from yeto.models import resolve_model
+    from yeto.models.materialize import resolve_model
 
     return resolve_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def tokenizer(smollm2):
-    from yeto.models import load_tokenizer
+    from yeto.models.materialize import load_tokenizer
 
     return load_tokenizer(smollm2)
 

@@ -6,7 +6,7 @@ import warnings
 import torch
 from transformers import AutoModelForCausalLM
 
-from yeto.adapter import read_provenance
+from yeto.models.adapter import read_provenance
 from yeto.backends.torch.learner import TorchLearner, TrainConfig
 
 

@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM
 from tests.conftest import ARCHITECTURES, DEMO_DATA
 from tests.test_lora import adapted_modules
 from yeto.backends.torch.learner import TorchLearner, TrainConfig
-from yeto.catalog import num_experts
+from yeto.models.catalog import num_experts
 from yeto.backends.torch.lora import torch_linears
-from yeto.island.lora import ATTENTION_REGEX, EXPERT_REGEX, NON_TEXT_REGEX, is_router
+from yeto.island.lora_targets import ATTENTION_REGEX, EXPERT_REGEX, NON_TEXT_REGEX, is_router
 
 CLASSES = sorted(ARCHITECTURES)
 TRAIN = dict(seq_len=64, batch_size=2, max_steps=2, lora_r=4, lora_dropout=0.0, lr=1e-2, warmup_steps=1)

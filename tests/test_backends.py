@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import DEMO_DATA, REPO
 from tests.test_lean import torchless_env
 from yeto import YetoError
-from yeto.island.protocol import Backend, Island
+from yeto.island.interface import Backend, Island
 
 
 def protocol_members(protocol: type) -> set[str]:

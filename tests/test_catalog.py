@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from tests.conftest import REPO
 from yeto import YetoError
-from yeto.catalog import CATALOG, count_params, size_local
-from yeto.models import ALIASES
+from yeto.models.catalog import CATALOG, count_params, size_local
+from yeto.models.materialize import ALIASES
 
 B, M = 10**9, 10**6
 # alias: (total, active) as the model's publisher states it (model card or hub page); active None: not checked
@@ -154,7 +154,7 @@ def test_a_hub_id_is_sized_from_the_cached_config(tiny_model, tmp_path, monkeypa
     """A hub id whose config.json the Hugging Face cache holds (laid out as the hub client lays it out) is counted."""
     import shutil
 
-    from yeto.catalog import sized_row
+    from yeto.models.catalog import sized_row
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))

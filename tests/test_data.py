@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from yeto import YetoError
 from yeto.island.data import (Unusable, encode_chat, encode_record, pack_examples, prepare_data, record_format,
                               split_and_shard)
-from yeto.island.records import Record, read_records
+from yeto.island.records import DataRecord, read_records
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}]
 
@@ -52,10 +52,10 @@ def test_chat_mask_multi_turn_and_system(tokenizer):
 
 
 def test_prompt_completion_and_text_masks(tokenizer):
-    ids, mask = encode_record(Record({"prompt": "2+2=", "completion": " 4"}, "x:1"), tokenizer)
+    ids, mask = encode_record(DataRecord({"prompt": "2+2=", "completion": " 4"}, "x:1"), tokenizer)
     assert masked_text(tokenizer, ids, mask) == " 4<|im_end|>"
     assert unmasked_text(tokenizer, ids, mask) == "2+2="
-    ids, mask = encode_record(Record({"text": "Once upon a time."}, "x:2"), tokenizer)
+    ids, mask = encode_record(DataRecord({"text": "Once upon a time."}, "x:2"), tokenizer)
     assert all(mask) and tokenizer.decode(ids) == "Once upon a time.<|im_end|>"
 
 
@@ -87,7 +87,7 @@ def test_chat_in_csv_column_and_sharegpt(tmp_path, tokenizer):
         w.writerow({"messages": json.dumps(CHAT)})
     (rec,) = read_records(tmp_path / "c.csv")
     assert record_format(rec) == "chat"
-    share = Record({"conversations": [{"from": "human", "value": CHAT[0]["content"]},
+    share = DataRecord({"conversations": [{"from": "human", "value": CHAT[0]["content"]},
                                       {"from": "gpt", "value": "Paris."}]}, "s:1")
     assert encode_record(share, tokenizer) == encode_chat(CHAT, tokenizer)
 
@@ -345,14 +345,14 @@ def test_hub_dataset_id_reads_one_split_offline(tmp_path, monkeypatch, tokenizer
 
 
 def test_alpaca_records_are_a_chat(tokenizer):
-    plain = Record({"instruction": "What is the capital of France?", "input": "", "output": "Paris."}, "a:1")
+    plain = DataRecord({"instruction": "What is the capital of France?", "input": "", "output": "Paris."}, "a:1")
     assert record_format(plain) == "alpaca"
     assert encode_record(plain, tokenizer) == encode_chat(CHAT, tokenizer)
-    with_input = Record({"instruction": "Translate.", "input": "bonjour", "output": "hello"}, "a:2")
+    with_input = DataRecord({"instruction": "Translate.", "input": "bonjour", "output": "hello"}, "a:2")
     ids, mask = encode_record(with_input, tokenizer)
     assert masked_text(tokenizer, ids, mask) == "hello<|im_end|>\n"
     assert "Translate.\n\nbonjour" in unmasked_text(tokenizer, ids, mask)
-    null_input = Record({"instruction": "Say hi.", "input": None, "output": "hi"}, "a:3")  # parquet nulls
+    null_input = DataRecord({"instruction": "Say hi.", "input": None, "output": "hi"}, "a:3")  # parquet nulls
     assert masked_text(tokenizer, *encode_record(null_input, tokenizer)) == "hi<|im_end|>\n"
 
 
@@ -370,7 +370,7 @@ def test_unusable_records_are_counted_by_reason(tmp_path, tokenizer):
         {"prompt": long_prompt, "completion": "the answer"},  # the prompt alone fills --seq-len
     ]
     with pytest.raises(Unusable):
-        record_format(Record(bad[0], "x:1"))
+        record_format(DataRecord(bad[0], "x:1"))
     p = write_jsonl(tmp_path / "mixed.jsonl", good + bad)
     d = prepare_data(str(p), tokenizer, 64, eval_fraction=0.0)
     assert d.stats["unusable"] == {"no_assistant_turn": 1, "unknown_role": 2, "empty": 4, "over_long": 1}
@@ -437,7 +437,7 @@ def test_bad_data_input_is_one_line(case, tmp_path, tokenizer):
 
 
 def test_a_chat_template_that_raises_is_one_line(tmp_path, tiny_model, tokenizer):
-    from yeto.models import load_tokenizer, resolve_model
+    from yeto.models.materialize import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(str(raising_template_model(tiny_model, tokenizer, tmp_path))))
     p = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}] * 2)

@@ -69,7 +69,7 @@ def test_export_refuses_a_non_empty_directory_and_another_base_in_one_line(train
 
 def test_init_adapter_starts_a_run_from_an_adapter_and_refuses_another_shape(trained, tmp_path):
     from yeto import YetoError
-    from yeto.adapter import read_adapter
+    from yeto.models.adapter import read_adapter
     from yeto.island.training import start_from_adapter
     from yeto.backends.torch.learner import TorchLearner, TrainConfig
 

@@ -1,7 +1,7 @@
 """Real processes under real faults: a syncer and torch learner processes (tiny Llama) on loopback.
 
 A learner SIGKILLed mid-round and restarted, the syncer SIGKILLed between a merge
-and its checkpoint, a 10-second network cut (through yeto.netem's link emulator) that heals by
+and its checkpoint, a 10-second network cut (through yeto.testbed.netem's link emulator) that heals by
 itself, inner steps longer than --learner-timeout, and an upload slower than the
 learner's dead-peer timeout. Each run must finish every merge, pass the tape
 audit, and leave every learner holding the syncer's final adapter.
@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 from tests.test_fleet import ENV, finish, learner, syncer, wait_for
 from yeto.launch.local import free_port
-from yeto.netem import Link
+from yeto.testbed.netem import Link
 from yeto.sync.shell.audit import audit_run
 from yeto.sync.shell.tape import read_tape
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import DEMO_DATA, REPO
 from yeto.launch.local import free_port
-from yeto.netem import Link
+from yeto.testbed.netem import Link
 from yeto.sync.core.config import DEFAULT_STALENESS_EXPONENT
 from yeto.sync.shell.keys import JOIN_KEY_ENV, Keyring
 from yeto.sync.merge.rules import capped_claims, staleness_factor
@@ -195,7 +195,7 @@ def test_launch_local_fleet_and_ctrl_c(tiny_model, tmp_path):
 def test_the_syncer_starts_a_run_from_an_existing_adapter(tiny_model, tmp_path):
     """`yeto syncer --init-adapter DIR`: version 0 is that adapter, exactly (its digest on the tape), whatever the
     founding learner's own LoRA init; a learner of another LoRA shape is refused in one line naming the flag."""
-    from yeto.adapter import read_adapter
+    from yeto.models.adapter import read_adapter
     from yeto.sync.wire.layout import build_layout, flatten
     from yeto.sync.wire.protocol import array_digest
 

@@ -92,5 +92,5 @@ def test_a_gpu_the_table_lacks_is_named_with_the_fix(gpu_check):
     with pytest.raises(YetoError, match="--gpu"):
         gpu_check.sized_as({"name": "Some Accelerator X1", "memory_gib": 64.0}, None)
     assert gpu_check.sized_as({"name": "Some Accelerator X1", "memory_gib": 64.0}, "H100") == "H100"
-    with pytest.raises(YetoError, match="not in yeto.gpus"):
+    with pytest.raises(YetoError, match="not in yeto.launch.gpus"):
         gpu_check.sized_as({}, "H1000")

@@ -65,12 +65,12 @@ def test_every_command_documents_every_flag():
 
     import inspect
 
-    from yeto.cli.syncer import syncer_command
-    from yeto.cli.train import make_train_command
+    from yeto.cli.syncer_command import syncer_command
+    from yeto.cli.train_command import make_train_command
     from yeto.cli.usage import flag_of
-    from yeto.island.config import TrainConfig
+    from yeto.island.train_config import TrainConfig
     from yeto.sync.core.syncer import SyncerConfig
-    from yeto.test_hooks import HIDDEN_TRAIN_FLAGS
+    from yeto.cli.test_hooks import HIDDEN_TRAIN_FLAGS
 
     def flags(command):
         return {name: flag_of(p) for name, p in inspect.signature(command, eval_str=True).parameters.items()}
@@ -99,7 +99,7 @@ def test_every_command_documents_every_flag():
 def test_smollm2_learns_the_demo_data(tmp_path):
     from yeto.backends.torch.generate import compare
     from yeto.backends.torch.backend import TorchBackend
-    from yeto.island.config import TrainConfig
+    from yeto.island.train_config import TrainConfig
     from yeto.island.training import train
 
     cfg = TrainConfig(model="smollm2-135m", data=str(DEMO_DATA), out=str(tmp_path / "run"), seq_len=128, batch_size=4,

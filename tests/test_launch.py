@@ -90,7 +90,7 @@ def test_extra_flags_go_to_the_syncer_or_the_learners():
     # a flag not spelled like its field (--grace: grace_s), and an older spelling the syncer still takes
     syncer, learner = split_extra_args(["--grace", "2", "--grace-ms=300", "--seq-len", "128"])
     assert syncer == ["--grace", "2", "--grace-ms=300"] and learner == ["--seq-len", "128"]
-    from yeto.cli.syncer import OLD_SPELLINGS
+    from yeto.cli.syncer_command import OLD_SPELLINGS
     from yeto.sync.core.config import OLD_FLAGS
 
     assert {o.flag: o.param for o in OLD_SPELLINGS} == OLD_FLAGS  # the syncer's old spellings are the ones routed
@@ -116,7 +116,7 @@ def test_plans_that_cannot_run_are_refused_before_anything_launches(tmp_path, kw
 
 
 def test_the_syncer_outwaits_the_controller_before_a_round_short_of_quorum_ends_the_run():
-    from yeto.cli.launch import GIVE_UP_MARGIN_S, quorum_timeout_args
+    from yeto.cli.launch_command import GIVE_UP_MARGIN_S, quorum_timeout_args
 
     assert quorum_timeout_args([], 1800.0) == ["--quorum-timeout", f"{1800.0 + GIVE_UP_MARGIN_S:g}"]
     assert quorum_timeout_args(["--quorum-timeout", "99999"], 1800.0) == []

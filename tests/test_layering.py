@@ -16,7 +16,7 @@ def test_the_import_graph_keeps_the_layers():
 
 def test_the_check_can_fail():
     """Each planted bad import (core -> shell, backend -> backend, island -> backend, island -> a tensor library, a
-    circle) is named."""
+    circle, a layer importing one above it) is named."""
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import import_graph
@@ -27,6 +27,8 @@ def test_the_check_can_fail():
     edges["yeto.sync.wire.layout"] = edges["yeto.sync.wire.layout"] | {"yeto.sync.core.syncer"}
     edges["yeto.backends.mlx.learner"] = edges["yeto.backends.mlx.learner"] | {"yeto.backends.torch.learner"}
     edges["yeto.island.training"] = edges["yeto.island.training"] | {"yeto.backends.torch.learner"}
+    edges["yeto.models.adapter"] = edges["yeto.models.adapter"] | {"yeto.sync.core.contract"}
+    edges["yeto.sync.core.rounds"] = edges["yeto.sync.core.rounds"] | {"yeto.sync.core.learner.timing"}
     libraries = import_graph.tensor_imports()
     libraries["yeto.island.data"] = libraries["yeto.island.data"] | {"torch"}
     found = import_graph.problems(edges, libraries)
@@ -35,6 +37,9 @@ def test_the_check_can_fail():
     assert "backend-neutral module yeto.island.training imports a backend (yeto.backends.torch.learner)" in found
     assert "core module yeto.sync.core.syncer imports the shell yeto.sync.shell.server" in found
     assert any(p.startswith("import circle:") and "yeto.sync.wire.layout" in p for p in found)
+    assert "upward import: yeto.models.adapter (leaves) imports yeto.sync.core.contract (core)" in found
+    assert "upward import: yeto.sync.core.rounds (core) imports yeto.sync.core.learner.timing (learner core)" in found
+    assert not any("yeto.__main__" in p or "yeto.launch.__main__" in p for p in found)  # entry points import anything
 
 
 def _design_modules_section() -> str:
@@ -118,3 +123,19 @@ def test_every_message_and_tape_event_goes_to_the_handler_its_table_names():
         assert all(callable(getattr(cls, name)) for name in table.values()), cls
         assert {n for n in dir(cls) if n.startswith("_on_")} == set(table.values()) | fallback, cls
         assert table == {kind: f"_on_{kind}" for kind in table}, cls
+
+
+def test_module_names_say_one_thing():
+    """No two modules share a file name, except a backend's peers (the same concept on two engines), and the root of
+    yeto/ holds only its __init__ and __main__."""
+    from collections import defaultdict
+
+    by_name = defaultdict(set)
+    for path in (REPO / "yeto").rglob("*.py"):
+        rel = path.relative_to(REPO / "yeto")
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        peer = rel.parts[0] == "backends" and len(rel.parts) == 3  # backends/<engine>/<module>.py
+        by_name[path.name].add("backends/*" if peer else str(rel.parent))
+    assert {n: f for n, f in by_name.items() if len(f) > 1} == {}
+    assert sorted(p.name for p in (REPO / "yeto").glob("*.py")) == ["__init__.py", "__main__.py"]

@@ -23,12 +23,14 @@ BLOCKED = ("torch", "peft", "bitsandbytes")
 DEMO_DATA = str(REPO / "data" / "demo")
 # everything the syncer, the CLI, launch (local and cloud) and the MLX island import (and the torch backend's
 # entry: torch loads only when it trains)
-LEAN_MODULES = ("yeto.cli", "yeto.cli.syncer", "yeto.cli.train", "yeto.cli.launch", "yeto.cli.head",
+LEAN_MODULES = ("yeto.cli", "yeto.cli.syncer_command", "yeto.cli.train_command", "yeto.cli.launch_command",
+                "yeto.cli.head_command",
                 "yeto.sync.shell.server", "yeto.sync.shell.client", "yeto.sync.sim", "yeto.sync.shell.audit",
                 "yeto.sync.shell.tape", "yeto.launch.head", "yeto.launch.local", "yeto.launch.tasks",
                 "yeto.launch.join",
-                "yeto.island.diloco", "yeto.island.training", "yeto.island.data", "yeto.adapter", "yeto.models",
-                "yeto.island.lora", "yeto.island.protocol", "yeto.backends", "yeto.backends.mlx.backend",
+                "yeto.island.diloco", "yeto.island.training", "yeto.island.data", "yeto.models.adapter",
+                "yeto.models.materialize",
+                "yeto.island.lora_targets", "yeto.island.interface", "yeto.backends", "yeto.backends.mlx.backend",
                 "yeto.backends.mlx.learner", "yeto.backends.mlx.lora", "yeto.backends.torch.backend")
 
 

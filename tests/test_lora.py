@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from yeto import YetoError
 from yeto.backends.torch.lora import lora_config, torch_linears
-from yeto.island.lora import ATTENTION_REGEX, select_targets
+from yeto.island.lora_targets import ATTENTION_REGEX, select_targets
 
 
 def adapted_modules(model_dir, mode):

@@ -52,7 +52,7 @@ def test_user_loss_function_loads(tmp_path, monkeypatch):
 
 
 def test_a_loss_from_a_file_loads_and_its_contents_pin_it(tmp_path):
-    from yeto.provenance import loss_identity
+    from yeto.models.provenance import loss_identity
 
     path = tmp_path / "my_loss.py"
     path.write_text("from yeto.backends.torch.losses import sft_loss\n\ndef fn(logits, targets, weights):\n"

@@ -12,7 +12,7 @@ from tests.conftest import DEMO_DATA
 from yeto import YetoError
 from yeto.backends.torch.learner import TorchLearner, TrainConfig
 from yeto.island.micro_batch import chunks, largest_that_fits, parse_micro_batch_size
-from yeto.models import load_model
+from yeto.models.materialize import load_model
 
 
 def test_largest_that_fits_is_found_in_few_probes():

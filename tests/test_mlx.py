@@ -162,7 +162,7 @@ def test_same_blocks_as_the_torch_learner(tiny_model, tmp_path):
     # same fragments on both backends, and an MLX adapter packs, writes and reads back exactly
     from safetensors.numpy import load_file
 
-    from yeto.adapter import peft_file_name, write_adapter
+    from yeto.models.adapter import peft_file_name, write_adapter
     from yeto.sync.wire.layout import build_layout, pack_fragment, unpack_fragment
 
     lt, lm = build_layout(t.adapter_state(), 1000), build_layout(m.adapter_state(), 1000)

@@ -13,7 +13,7 @@ from tests.test_faults import assert_run_complete
 from tests.test_fleet import finish, learner, syncer
 from yeto import YetoError
 from yeto.launch.local import free_port
-from yeto.netem import MBIT, PROFILES, Link, Profile, profile
+from yeto.testbed.netem import MBIT, PROFILES, Link, Profile, profile
 
 RATE_TOLERANCE = 0.15
 

@@ -7,8 +7,8 @@ import pytest
 
 from yeto import YetoError
 from yeto.island.records import resolve_data
-from yeto.models import ALIASES, resolve_model
-from yeto.provenance import content_hash
+from yeto.models.materialize import ALIASES, resolve_model
+from yeto.models.provenance import content_hash
 
 SHA_MODEL = "a" * 40
 SHA_OLD = "b" * 40
@@ -56,9 +56,9 @@ def test_hub_dataset_resolves_to_one_commit(hub_cache):
 
 
 def test_training_records_resolved_revisions(hub_cache, tmp_path):
-    from yeto.adapter import read_provenance
+    from yeto.models.adapter import read_provenance
     from yeto.backends.torch.backend import TorchBackend
-    from yeto.island.config import TrainConfig
+    from yeto.island.train_config import TrainConfig
     from yeto.island.training import train
 
     cfg = TrainConfig(model="org/tiny-llama", model_revision="v1", data="org/pirates", out=str(tmp_path / "run"),

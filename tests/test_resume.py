@@ -189,7 +189,7 @@ def test_a_fleet_restore_takes_the_next_step_as_the_learner_would_have(tiny_mode
     the restored learner's next step is the original's, bit for bit (moments, schedule, batch, dropout)."""
     import torch
 
-    from yeto.island.config import TrainConfig
+    from yeto.island.train_config import TrainConfig
     from yeto.backends.torch.learner import TorchLearner
 
     cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), out=str(tmp_path), seq_len=64,

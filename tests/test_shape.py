@@ -1,6 +1,6 @@
 """`yeto shape`, its prices and `yeto launch --budget`, offline: prices come from a small catalog in SkyPilot's own
-format (tests/data/sky_catalog) read through SkyPilot's API, the planner ranks real sizes (yeto.sizing) of catalog
-models, and the CLI runs as a real subprocess."""
+format (tests/data/sky_catalog) read through SkyPilot's API, the planner ranks real sizes (yeto.launch.sizing) of
+catalog models, and the CLI runs as a real subprocess."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from yeto.launch.prices import PriceBook, book_from_rows
 from yeto.launch.shape import (MAX_INNER_STEPS, MIN_INNER_STEPS, TARGET_ROUND_S, Order, Rejection, ShapeRequest,
                                candidates, plan_shapes, tokens_per_step)
 from yeto.launch.spec import parse_gpu
-from yeto.sizing import model_size
+from yeto.launch.sizing import model_size
 
 FIXTURE = REPO / "tests" / "data" / "sky_catalog"
 TIMEOUT_S = 180
@@ -214,7 +214,7 @@ def test_without_prices_every_fit_is_listed_by_time_and_said():
 
 
 def test_every_catalog_alias_gets_a_plan():
-    from yeto.catalog import CATALOG
+    from yeto.models.catalog import CATALOG
 
     for alias in CATALOG:
         plan = plan_shapes(model_size(alias), ShapeRequest(alias), PRICES)

@@ -1,15 +1,15 @@
-"""yeto.sizing: the memory and speed model's terms add up and move the right way, a few absolute anchors, and the LoRA
-parameter count it derives from a config equals what the learner's own target rules pick on the real module tree.
-(Predicted against measured: bench/sizing.py.)"""
+"""yeto.launch.sizing: the memory and speed model's terms add up and move the right way, a few absolute anchors, and
+the LoRA parameter count it derives from a config equals what the learner's own target rules pick on the real module
+tree. (Predicted against measured: bench/sizing.py.)"""
 
 from dataclasses import replace
 
 import pytest
 
 from yeto import YetoError
-from yeto.catalog import CATALOG, Entry
-from yeto.gpus import GPUS, cpu
-from yeto.sizing import (IslandShape, memory, fits, largest_micro_batch, min_shape, model_size,
+from yeto.models.catalog import CATALOG, Entry
+from yeto.launch.gpus import GPUS, cpu
+from yeto.launch.sizing import (IslandShape, memory, fits, largest_micro_batch, min_shape, model_size,
                          tokens_per_second, flops_per_token, NF4_BYTES)
 
 SMOL = model_size("smollm2-135m")
@@ -155,14 +155,14 @@ def one_per_architecture() -> list[str]:
 @pytest.mark.parametrize("alias", one_per_architecture())
 def test_lora_count_matches_the_learners_target_rules(alias):
     """The adapter size sizing derives from the config equals r * (in + out) summed over the linears
-    yeto.island.lora.select_targets picks on the model built on the meta device, for every rule."""
+    yeto.island.lora_targets.select_targets picks on the model built on the meta device, for every rule."""
     pytest.importorskip("torch")
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from yeto.catalog import hf_config
+    from yeto.models.catalog import hf_config
     from yeto.backends.torch.lora import torch_linears
-    from yeto.island.lora import select_targets
+    from yeto.island.lora_targets import select_targets
 
     cfg = hf_config(CATALOG[alias].config)
     with init_empty_weights():
@@ -185,9 +185,9 @@ def test_a_local_model_is_sized_from_its_own_linears(tiny_model):
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from yeto.catalog import hf_config
+    from yeto.models.catalog import hf_config
     from yeto.backends.torch.lora import torch_linears
-    from yeto.island.lora import select_targets
+    from yeto.island.lora_targets import select_targets
 
     path = tiny_model("qwen2_moe")
     size = model_size(str(path))
@@ -236,11 +236,11 @@ def test_activations_are_what_autograd_saves(tiny_model, kind, checkpointing):
     from peft import get_peft_model
 
     from yeto.backends.torch.learner import masked_loss
-    from yeto.gpus import cpu
+    from yeto.launch.gpus import cpu
     from yeto.backends.torch.lora import lora_config
     from yeto.backends.torch.losses import load_loss_function
-    from yeto.models import load_model, resolve_model
-    from yeto.sizing import layer_activation_bytes
+    from yeto.models.materialize import load_model, resolve_model
+    from yeto.launch.sizing import layer_activation_bytes
 
     path = tiny_model(kind)
     base = load_model(resolve_model(str(path)), "cpu", torch.float32, False, "none")
@@ -274,7 +274,7 @@ def test_sizing_a_catalog_alias_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from yeto.sizing import model_size, min_shape; min_shape(model_size('llama3.1-70b')); "
+    code = ("import sys; from yeto.launch.sizing import model_size, min_shape; min_shape(model_size('llama3.1-70b')); "
             "print('torch' in sys.modules or 'transformers' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from tests.peers import QuadraticIsland, RawLearner, island_thread, wait_until
-from yeto.netem import Link, Profile
+from yeto.testbed.netem import Link, Profile
 from yeto.sync.shell.tape import read_tape
 from yeto.sync.wire.layout import build_layout, flatten
 from yeto.sync.wire.protocol import encode

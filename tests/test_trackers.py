@@ -155,7 +155,7 @@ def test_a_missing_library_names_the_extra(monkeypatch):
     import importlib.util
 
     from yeto import YetoError
-    from yeto.trackers import check_installed
+    from yeto.report.trackers import check_installed
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
@@ -202,7 +202,7 @@ def test_a_tracker_that_raises_does_not_stop_the_syncer(tmp_path, start_syncer):
     """A real syncer on loopback with a failing tracker beside a working one merges every round; the failure is one
     warning, and the working tracker still gets every merge."""
     from tests.peers import QuadraticIsland, island_thread
-    from yeto.trackers import Trackers
+    from yeto.report.trackers import Trackers
 
     warnings = []
     Recording.logged = []
@@ -282,7 +282,7 @@ def test_launch_refuses_an_unknown_tracker_in_one_line(tmp_path):
 
 def test_report_to_is_read_as_a_list_of_known_trackers():
     from yeto import YetoError
-    from yeto.trackers import parse_report_to
+    from yeto.report.trackers import parse_report_to
 
     assert parse_report_to("none") == [] and parse_report_to("") == []
     assert parse_report_to(" TensorBoard, wandb,tensorboard ") == ["tensorboard", "wandb"]

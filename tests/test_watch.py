@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import REPO
 from yeto.sync.shell.tape import read_tape
 from yeto.watch.alerts import CRASH_SESSIONS, LATE_ROUNDS, alerts
-from yeto.watch.server import JsonlFollower, LocalRun, open_run
+from yeto.watch.dashboard import JsonlFollower, LocalRun, open_run
 from yeto.watch.snapshot import snapshot
 
 RUN = REPO / "tests" / "data" / "watch-run"
@@ -177,7 +177,7 @@ def test_the_live_page_needs_its_token_and_a_loopback_host():
     import urllib.request
     from urllib.parse import urlsplit
 
-    from yeto.watch.server import serve
+    from yeto.watch.dashboard import serve
 
     printed: list[str] = []
     threading.Thread(target=serve, args=(open_run(str(RUN)),), kwargs={"ready": printed.append}, daemon=True).start()
@@ -240,7 +240,7 @@ def test_a_cloud_run_is_read_as_yeto_status_reads_it_with_its_cost(monkeypatch):
     import yeto.launch.cloud
     import yeto.launch.manage
     from yeto.launch.registry import RunRecord
-    from yeto.watch.server import CloudRun, Dashboard
+    from yeto.watch.dashboard import CloudRun, Dashboard
 
     events = read_tape(RUN / "syncer")
     copies = []
@@ -270,7 +270,7 @@ def test_a_cloud_run_is_read_as_yeto_status_reads_it_with_its_cost(monkeypatch):
 
 
 def test_the_snapshot_is_folded_again_when_the_tape_grows_or_time_passes(tmp_path):
-    from yeto.watch.server import REFOLD_S, Dashboard
+    from yeto.watch.dashboard import REFOLD_S, Dashboard
 
     events = read_tape(RUN / "syncer")
     (tmp_path / "syncer").mkdir()

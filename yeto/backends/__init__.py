@@ -1,7 +1,7 @@
 """The tensor backends, peers that never import each other: torch (+ peft) and MLX.
 
 `choose_backend` turns `yeto train --backend auto|torch|mlx` into one of them (auto: MLX on Apple silicon where
-`yeto[mlx]` is installed, torch everywhere else) and `load_backend` gives its `yeto.island.protocol.Backend`;
+`yeto[mlx]` is installed, torch everywhere else) and `load_backend` gives its `yeto.island.interface.Backend`;
 neither imports a tensor library.
 """
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 from yeto import YetoError, missing_module, require_torch
 
 if TYPE_CHECKING:
-    from yeto.island.protocol import Backend
+    from yeto.island.interface import Backend
 
 AUTO, TORCH, MLX = "auto", "torch", "mlx"
 NAMES = (TORCH, MLX)

@@ -4,7 +4,7 @@ It sits above both backends (peers that never import each other): the one place 
 
 from __future__ import annotations
 
-from yeto.models import resolve_model
+from yeto.models.materialize import resolve_model
 
 
 def torch_adapter_specs(path: str, mode: str = "auto", r: int = 16) -> dict[str, tuple[int, ...]]:
@@ -23,7 +23,7 @@ def torch_adapter_specs(path: str, mode: str = "auto", r: int = 16) -> dict[str,
 def mlx_adapter_specs(path: str, mode: str = "auto", r: int = 16) -> dict[str, tuple[int, ...]]:
     from transformers import AutoConfig
 
-    from yeto.island.lora import select_targets
+    from yeto.island.lora_targets import select_targets
     from yeto.backends.mlx.compat import load_mlx_model
     from yeto.backends.mlx.lora import apply_lora, lora_state, mlx_linears
 

@@ -15,11 +15,11 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 
 
 def _register() -> None:
-    from yeto.cli.launch import down_command, launch_command, logs_command, status_command
-    from yeto.cli.shape import shape_command
-    from yeto.cli.syncer import syncer_command
+    from yeto.cli.launch_command import down_command, launch_command, logs_command, status_command
+    from yeto.cli.shape_command import shape_command
+    from yeto.cli.syncer_command import syncer_command
 
-    from yeto.cli.train import train_command
+    from yeto.cli.train_command import train_command
 
     app.command("train")(train_command())  # (--backend torch without torch, or mlx without MLX: one line, exit 2)
     app.command("syncer")(syncer_command)
@@ -118,8 +118,8 @@ def dashboard(
 ) -> None:
     """Watch a run in a browser, live or finished, local or cloud: the fleet, loss curves, where each round's time
     goes, bytes, staleness and clips, alerts (and for cloud runs the cost). It only reads the run's files."""
-    from yeto.watch.server import export as export_html
-    from yeto.watch.server import open_run, serve
+    from yeto.watch.dashboard import export as export_html
+    from yeto.watch.dashboard import open_run, serve
 
     source = open_run(run)
     if export:
@@ -199,8 +199,8 @@ def models(
     from rich.table import Table
 
     from yeto.backends.mlx.compat import mlx_implements
-    from yeto.catalog import CATALOG, human, row, sized_row
-    from yeto.sizing import MIN_SHAPE_TERMS, island_row
+    from yeto.models.catalog import CATALOG, human, row, sized_row
+    from yeto.launch.sizing import MIN_SHAPE_TERMS, island_row
 
     if model is not None:
         rows = [sized_row(model, trust_remote_code)]
@@ -224,7 +224,8 @@ def models(
                       "yes" if r["trust_remote_code"] else "no", marks[r["mlx"]],
                       r["min_shape"]["label"] if r["min_shape"] else "?")
     Console(width=220).print(table)
-    typer.echo(f"min island: the GPUs with the least memory in all that train it (yeto.sizing: {MIN_SHAPE_TERMS})")
+    typer.echo("min island: the GPUs with the least memory in all that train it "
+               f"(yeto.launch.sizing: {MIN_SHAPE_TERMS})")
     if model is None and any(r["total_params"] is None for r in rows):
         typer.echo("?: the published config is not known offline; size a download with yeto models --model DIR")
 

@@ -2,9 +2,9 @@
 before anything is provisioned (dry runs included): a flag a learner or the syncer would refuse costs one line
 here, not a fleet of VMs whose learners exit 2 and get relaunched.
 
-The learners' flags (`yeto train --backend torch|mlx`) go through their train command (`yeto.cli.train.
+The learners' flags (`yeto train --backend torch|mlx`) go through their train command (`yeto.cli.train_command.
 make_train_command`, the one signature every backend's command is made from) with the backend's own checks
-(`yeto.island.protocol.Backend.check_flags`) in place of its training, so that nothing loads a model and no torch is
+(`yeto.island.interface.Backend.check_flags`) in place of its training, so that nothing loads a model and no torch is
 imported for them; the syncer's through its command's parser, without running it (that
 imports what `yeto.sync.shell.server` imports).
 """
@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from yeto import YetoError
 from yeto.backends import MLX, TORCH, load_backend
-from yeto.cli.train import make_train_command
+from yeto.cli.train_command import make_train_command
 from yeto.launch.plan import SYNCER_PORT, FleetPlan
 from yeto.launch.tasks import SYNCER_ENTRY, learner_flags, syncer_argv
 from yeto.cli.usage import usage_errors
@@ -58,7 +58,7 @@ def check_learner_flags(plan: FleetPlan, backend: str) -> None:
 
 def check_syncer_flags(plan: FleetPlan) -> None:
     """The syncer's command line as launch builds it, through `yeto syncer`'s parser (not run)."""
-    from yeto.cli.syncer import syncer_command as syncer_cli
+    from yeto.cli.syncer_command import syncer_command as syncer_cli
 
     argv = syncer_argv(plan, "127.0.0.1", plan.port or SYNCER_PORT, Path(plan.out) / "syncer", "python3")
     args = argv[1 + len(SYNCER_ENTRY):]

@@ -14,8 +14,9 @@ a kill during a save leaves the previous state whole; one file, so its tensors a
                              saved under, compared field by field on resume
 
 Numpy's global generator is not saved: nothing in training draws from it (the batch order is its own seeded
-generator, saved as its position). A test hook (yeto.test_hooks: YETO_CRASH_AT="train_state:N") kills the process in the
-save of step N, after the temp file is written and before it replaces the state (unset in real runs).
+generator, saved as its position). `save_state`'s `before_commit` is where the entry point's fault hook enters
+(yeto.cli.test_hooks: YETO_CRASH_AT="train_state:N" kills the process in the save of step N, after the temp file is
+written and before it replaces the state; unset in real runs).
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from yeto import YetoError
-from yeto.test_hooks import TRAIN_STATE, crash_here
 
 STATE_FILE = "train_state.safetensors"
 FORMAT = 1  # raised whenever the file's layout changes: a state of another format is refused, never misread
@@ -71,8 +71,10 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
 
 
-def save_state(out: str | Path, state: TrainState) -> Path:
-    """Write `out/train_state.safetensors` atomically (temp file, fsync, os.replace)."""
+def save_state(out: str | Path, state: TrainState,
+               before_commit: Optional[Callable[[int], None]] = None) -> Path:
+    """Write `out/train_state.safetensors` atomically (temp file, fsync, os.replace); `before_commit(step)` runs
+    between the fsync and the replace (where a fault test kills the process)."""
     from safetensors.numpy import save
 
     path = Path(out) / STATE_FILE
@@ -84,7 +86,8 @@ def save_state(out: str | Path, state: TrainState) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        crash_here(TRAIN_STATE, int(state.meta.get("step", -1)))  # (a test hook: die mid-save)
+        if before_commit is not None:
+            before_commit(int(state.meta.get("step", -1)))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from yeto import YetoError
-from yeto.provenance import Artifact
-from yeto.island.records import Record, data_layout, flat_message, resolve_data
+from yeto.models.provenance import Artifact
+from yeto.island.records import DataRecord, data_layout, flat_message, resolve_data
 
 EVAL_SPLITS = ("validation", "test")  # a dataset's own held-out split, in order of preference
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
@@ -77,7 +77,7 @@ NO_ASSISTANT, UNKNOWN_ROLE, EMPTY, OVER_LONG = "no_assistant_turn", "unknown_rol
 UNUSABLE_REASONS = (NO_ASSISTANT, UNKNOWN_ROLE, EMPTY, OVER_LONG)
 
 
-def record_format(rec: Record) -> str:
+def record_format(rec: DataRecord) -> str:
     """'chat', 'prompt_completion', 'alpaca' or 'text'.
 
     A record whose structure is wrong (not an object, no known format, fields of
@@ -116,7 +116,7 @@ def record_format(rec: Record) -> str:
     )
 
 
-def _alpaca_messages(rec: Record) -> list[dict[str, str]]:
+def _alpaca_messages(rec: DataRecord) -> list[dict[str, str]]:
     """Alpaca's instruction (+ input) is the user turn, its output the assistant's."""
     d = rec.data
     instruction, extra, output = d["instruction"], d.get("input") or "", d["output"]
@@ -128,7 +128,7 @@ def _alpaca_messages(rec: Record) -> list[dict[str, str]]:
     return [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
 
 
-def _chat_messages(rec: Record) -> list[dict[str, str]]:
+def _chat_messages(rec: DataRecord) -> list[dict[str, str]]:
     d = rec.data
     if "messages" in d:
         msgs = d["messages"]
@@ -165,7 +165,7 @@ def _chat_messages(rec: Record) -> list[dict[str, str]]:
 # ----------------------------------------------------------------------------- tokenizing
 
 
-def encode_record(rec: Record, tokenizer) -> tuple[list[int], list[int]]:
+def encode_record(rec: DataRecord, tokenizer) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) for one record; the mask marks the tokens to learn."""
     fmt = record_format(rec)
     if fmt == "chat":
@@ -309,7 +309,7 @@ class DataSource:
     name: str
     tokenizer: Any
     seq_len: int
-    pool: list[Record]
+    pool: list[DataRecord]
     train_idx: np.ndarray
     eval: Blocks
     artifact: Artifact
@@ -389,8 +389,8 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def _usable(records: list[Record], name: str, formats: Counter, unusable: Counter,
-            where: dict[str, str]) -> list[Record]:
+def _usable(records: list[DataRecord], name: str, formats: Counter, unusable: Counter,
+            where: dict[str, str]) -> list[DataRecord]:
     """The records that can be trained on; a file none of whose records can is an error naming it."""
     if not records:
         raise YetoError(f"no records in {name}")
@@ -414,7 +414,7 @@ def _usable(records: list[Record], name: str, formats: Counter, unusable: Counte
     return keep
 
 
-def _encode_all(records: list[Record], tokenizer, seq_len: int, unusable: Counter,
+def _encode_all(records: list[DataRecord], tokenizer, seq_len: int, unusable: Counter,
                 where: dict[str, str]) -> list[tuple[list[int], list[int]]]:
     """Tokenized records; one whose first target lies past the first block (its prompt alone fills
     --seq-len) is over-long: cut, its answer would be trained on without its question."""

@@ -1,6 +1,6 @@
 """The DiLoCo training loop: where every backend meets the syncer.
 
-A backend (torch + peft, MLX, ...) offers an `Island` (yeto.island.protocol); the
+A backend (torch + peft, MLX, ...) offers an `Island` (yeto.island.interface); the
 loop uses its adapter as a `{canonical peft name: fp32 numpy array}` view, a way
 to load such a view back, and one inner optimizer step. `run_island` does the rest with a
 `LearnerCore` (what to train, when a round ends, what to push) behind a
@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from yeto import YetoError
-from yeto.island.protocol import Island
+from yeto.island.interface import Island
 from yeto.sync.shell.keys import JoinKey, write_secret
 from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from yeto import __version__
-from yeto.trackers import Trackers, flat_metrics
+from yeto.report.trackers import Trackers, flat_metrics
 
 
 def island_record(learner) -> dict[str, Any]:
     """What a saved adapter and run.json say about the island that made it (any backend)."""
-    from yeto.provenance import loss_identity
+    from yeto.models.provenance import loss_identity
 
     return {
         "yeto_version": __version__,
@@ -35,7 +35,7 @@ TRACKED = {"step": "train", "eval": "eval", "round": "round"}
 
 
 class MetricsLog:
-    """Append-only JSONL: one object per event, each with wall time; `trackers` (yeto.trackers) get the numbers
+    """Append-only JSONL: one object per event, each with wall time; `trackers` (yeto.report.trackers) get the numbers
     of its step, eval and round events too, at the island's step."""
 
     def __init__(self, path: str | Path, trackers: Optional[Trackers] = None):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from yeto import YetoError
-from yeto.provenance import Artifact, content_hash, resolve_hub_snapshot
+from yeto.models.provenance import Artifact, content_hash, resolve_hub_snapshot
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv", ".txt")  # matched case-insensitively
 # written by `datasets` beside the data (save_to_disk, the hub's legacy infos): skipped, and said so
@@ -26,7 +26,7 @@ IGNORED_EXTENSIONS = {".md", ".lock", ".gitattributes", ".py", ".arrow"}  # not 
 
 
 @dataclass(frozen=True)
-class Record:
+class DataRecord:
     data: dict[str, Any]
     origin: str  # "file:line", used in every error about this record
 
@@ -56,7 +56,7 @@ class DataLayout:
     is all `train`. A dataset saved with `save_to_disk` keeps its splits.
     """
 
-    splits: dict[str, Callable[[], list[Record]]]
+    splits: dict[str, Callable[[], list[DataRecord]]]
     config: str | None = None
     skipped: list[str] = field(default_factory=list)  # "file (why)": files in the directory that are not read
 
@@ -101,7 +101,7 @@ def _hub_layout(root: Path, config: str | None) -> DataLayout:
     except (EmptyDatasetError, FileNotFoundError):
         resolved = {}
     present = _candidate_files(base)  # what a user may expect read: to say what is not, and why
-    splits: dict[str, Callable[[], list[Record]]] = {}
+    splits: dict[str, Callable[[], list[DataRecord]]] = {}
     taken: set[Path] = set()
     for split, files in resolved.items():
         keep = [Path(f) for f in files if Path(f) in present and present[Path(f)] is None]
@@ -170,8 +170,8 @@ def _saved_layout(path: Path, config: str | None) -> DataLayout:
                         "save it again") from e
     parts = {"train": saved} if isinstance(saved, Dataset) else dict(saved)
 
-    def rows(name: str) -> list[Record]:
-        return [Record(row, f"{path}[{name}]:row {i + 1}") for i, row in enumerate(parts[name])]
+    def rows(name: str) -> list[DataRecord]:
+        return [DataRecord(row, f"{path}[{name}]:row {i + 1}") for i, row in enumerate(parts[name])]
 
     return DataLayout({name: functools.partial(rows, name) for name in parts})
 
@@ -185,7 +185,7 @@ def data_files(directory: Path) -> list[Path]:
     return files
 
 
-def read_records(path: str | Path) -> list[Record]:
+def read_records(path: str | Path) -> list[DataRecord]:
     """Every record of a file or a directory (its data files, in sorted order; no splits).
 
     Hard errors (one line naming file:line and the fix): a file that is not UTF-8,
@@ -221,7 +221,7 @@ def _read_text(path: Path) -> str:
                         "re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from e
 
 
-def _jsonl_records(path: Path, text: str) -> Iterable[Record]:
+def _jsonl_records(path: Path, text: str) -> Iterable[DataRecord]:
     for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
         if not line.strip():
             continue
@@ -230,14 +230,14 @@ def _jsonl_records(path: Path, text: str) -> Iterable[Record]:
         except json.JSONDecodeError as e:
             raise YetoError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); "
                             "fix the line (one JSON object per line)") from e
-        yield Record(data, f"{path}:{lineno}")
+        yield DataRecord(data, f"{path}:{lineno}")
 
 
-def _read_jsonl(path: Path) -> Iterable[Record]:
+def _read_jsonl(path: Path) -> Iterable[DataRecord]:
     return _jsonl_records(path, _read_text(path))
 
 
-def _read_json(path: Path) -> Iterable[Record]:
+def _read_json(path: Path) -> Iterable[DataRecord]:
     text = _read_text(path)
     try:
         data = json.loads(text)
@@ -255,10 +255,10 @@ def _read_json(path: Path) -> Iterable[Record]:
     if not isinstance(data, list):
         raise YetoError(f"{path}: expected a list of records, got {type(data).__name__}")
     for i, rec in enumerate(data):
-        yield Record(rec, f"{path}:[{i}]")
+        yield DataRecord(rec, f"{path}:[{i}]")
 
 
-def _read_parquet(path: Path) -> Iterable[Record]:
+def _read_parquet(path: Path) -> Iterable[DataRecord]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -267,22 +267,22 @@ def _read_parquet(path: Path) -> Iterable[Record]:
     except (pa.ArrowException, OSError) as e:
         raise YetoError(f"{path}: not a readable parquet file ({flat_message(e)}); re-export it or remove it") from e
     for i, row in enumerate(rows):
-        yield Record(row, f"{path}:row {i + 1}")
+        yield DataRecord(row, f"{path}:row {i + 1}")
 
 
-def _read_csv(path: Path) -> Iterable[Record]:
+def _read_csv(path: Path) -> Iterable[DataRecord]:
     reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
     try:
         for row in reader:
             if None in row:  # DictReader files the fields past the header under the key None
                 raise YetoError(f"{path}:{reader.line_num}: {len(row[None])} more field(s) than the header's "
                                 f"{len(reader.fieldnames or [])}; quote fields that contain commas")
-            yield Record(dict(row), f"{path}:{reader.line_num}")
+            yield DataRecord(dict(row), f"{path}:{reader.line_num}")
     except csv.Error as e:
         raise YetoError(f"{path}:{reader.line_num}: malformed CSV ({flat_message(e)}); fix the row") from e
 
 
-def _read_txt(path: Path) -> Iterable[Record]:
+def _read_txt(path: Path) -> Iterable[DataRecord]:
     """A plain-text file is one document per blank-line-separated paragraph."""
     para: list[str] = []
     start = 0
@@ -292,7 +292,7 @@ def _read_txt(path: Path) -> Iterable[Record]:
                 start = lineno
             para.append(line)
         elif para:
-            yield Record({"text": "\n".join(para)}, f"{path}:{start}")
+            yield DataRecord({"text": "\n".join(para)}, f"{path}:{start}")
             para = []
     if para:
-        yield Record({"text": "\n".join(para)}, f"{path}:{start}")
+        yield DataRecord({"text": "\n".join(para)}, f"{path}:{start}")

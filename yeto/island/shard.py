@@ -6,7 +6,7 @@ import json
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from yeto import YetoError
-from yeto.island.config import TrainConfig
+from yeto.island.train_config import TrainConfig
 from yeto.island.schedule import BatchSampler
 
 if TYPE_CHECKING:

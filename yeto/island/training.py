@@ -2,7 +2,7 @@
 DiLoCo island loop of `yeto.island.diloco` with --syncer.
 
 `train(cfg, backend)` is the one entry every backend's island runs through (`yeto train --backend ...`, `python -m
-yeto.backends.torch`, `python -m yeto.backends.mlx`): the backend (a `yeto.island.protocol.Backend`) supplies the
+yeto.backends.torch`, `python -m yeto.backends.mlx`): the backend (a `yeto.island.interface.Backend`) supplies the
 `Island`; nothing here imports a tensor library, so an MLX island never loads torch.
 """
 
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from yeto import YetoError
-from yeto.island.config import TrainConfig
+from yeto.island.train_config import TrainConfig
 from yeto.island.metrics import MetricsLog
-from yeto.trackers import Trackers, check_installed, open_trackers, parse_report_to, run_group
+from yeto.report.trackers import Trackers, check_installed, open_trackers, parse_report_to, run_group
 
 if TYPE_CHECKING:
     from yeto.island.checkpoint import TrainState
-    from yeto.island.protocol import Backend, Island
+    from yeto.island.interface import Backend, Island
 
 
 @dataclass
@@ -36,6 +36,7 @@ class Session:
     out: Path
     join_key: Any
     log: Callable[[str], None]
+    before_state_commit: Optional[Callable[[int], None]] = None  # (a test hook enters here: see save_state)
 
 
 def open_session(cfg: TrainConfig) -> Session:
@@ -55,14 +56,18 @@ def open_session(cfg: TrainConfig) -> Session:
     return Session(console, out, join_key, lambda s: console.print(f"[dim]{s}[/dim]"))
 
 
-def train(cfg: TrainConfig, backend: Backend, show_progress: bool = True) -> dict[str, Any]:
+def train(cfg: TrainConfig, backend: Backend, show_progress: bool = True,
+          before_state_commit: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
     """Train one island on `backend`; the adapter lands in `out/adapter`. A process that follows another of its
-    island (a torchrun rank other than 0) makes the calls that one relays and returns its own short summary."""
+    island (a torchrun rank other than 0) makes the calls that one relays and returns its own short summary.
+    `before_state_commit(step)` runs as each training state is written, before it replaces the last one (the
+    entry point's fault hook)."""
     backend.check_flags(cfg)  # (one line before the key, the --out or a model is touched)
     followed = backend.follow(cfg)
     if followed is not None:
         return followed
     session = open_session(cfg)
+    session.before_state_commit = before_state_commit
     with backend.island(cfg, session.log) as island:
         return run_training(island, cfg, session, show_progress)
 
@@ -70,7 +75,7 @@ def train(cfg: TrainConfig, backend: Backend, show_progress: bool = True) -> dic
 def start_from_adapter(learner: Island, name: str, log: Callable[[str], None]) -> None:
     """Load an existing peft adapter into a fresh learner (`--init-adapter`), refused in one line when its base or
     LoRA shape is not this run's (the syncer's --init-adapter check)."""
-    from yeto.adapter import load_init_adapter
+    from yeto.sync.shell.store import load_init_adapter
     from yeto.sync.core.contract import init_adapter_problem
     from yeto.sync.wire.layout import build_layout
 
@@ -112,7 +117,7 @@ def resume_state(learner: Island, cfg: TrainConfig, out: Path, log: Callable[[st
     return state
 
 
-def save_training_state(learner: Island, cfg: TrainConfig, out: Path, residual: Optional[np.ndarray] = None,
+def save_training_state(learner: Island, session: Session, residual: Optional[np.ndarray] = None,
                         finished: bool = False) -> None:
     """Save what `resume_state` needs (with --syncer, the delta quantizer's error-feedback residual too)."""
     from yeto.island.checkpoint import run_identity, save_state
@@ -121,7 +126,7 @@ def save_training_state(learner: Island, cfg: TrainConfig, out: Path, residual: 
     state.meta.update(run=run_identity(learner), finished=finished)
     if residual is not None:
         state.tensors["residual"] = residual
-    save_state(out, state)
+    save_state(session.out, state, session.before_state_commit)
 
 
 def run_training(learner: Island, cfg: TrainConfig, session: Session, show_progress: bool = True) -> dict[str, Any]:
@@ -144,7 +149,7 @@ def run_training(learner: Island, cfg: TrainConfig, session: Session, show_progr
         residual = resumed.tensors.get("residual") if resumed is not None else None
         try:
             extra = _island_loop(learner, cfg, metrics, console, tag, session.join_key, residual,
-                                 lambda r: save_training_state(learner, cfg, out, r))
+                                 lambda r: save_training_state(learner, session, r))
         except BaseException as e:  # refused, gave up on the syncer, Ctrl-C, SIGTERM, a crash: keep the adapter
             try:
                 adapter = learner.save(out / "adapter")
@@ -159,12 +164,12 @@ def run_training(learner: Island, cfg: TrainConfig, session: Session, show_progr
         done = f"{extra['rounds']} rounds, {learner.step_count} steps, utilization {extra['utilization']:.1%}"
     else:
         tag = ""
-        extra = _standalone_loop(learner, cfg, metrics, console, eval0, show_progress, out)
+        extra = _standalone_loop(learner, cfg, metrics, console, eval0, show_progress, session)
         done = f"{learner.step_count} steps, {extra['tok_s']:.0f} tok/s"
     final_eval = learner.evaluate()
     metrics.write(event="eval", step=learner.step_count, eval_loss=final_eval)
     adapter = learner.save(out / "adapter")
-    save_training_state(learner, cfg, out, finished=True)
+    save_training_state(learner, session, finished=True)
     summary = {"adapter": str(adapter), "steps": learner.step_count, "eval_loss_before": eval0,
                "eval_loss_after": final_eval, "tokens": learner.tokens_seen, "loss_tokens": learner.loss_tokens_seen,
                "shard": list(learner.shard) if learner.shard else None, **extra}
@@ -186,7 +191,7 @@ def open_island_trackers(cfg: TrainConfig, record: dict[str, Any], log: Callable
 
 
 def _standalone_loop(learner: Island, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,
-                     show_progress: bool, out: Path) -> dict[str, Any]:
+                     show_progress: bool, session: Session) -> dict[str, Any]:
     """Up to `--max-steps` steps (from where a resumed run was) with a progress bar, periodic eval and saves."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
@@ -216,7 +221,7 @@ def _standalone_loop(learner: Island, cfg: TrainConfig, metrics: MetricsLog, con
             metrics.write(event="step", **s)
             history.append(s)
             if cfg.save_every and s["step"] % cfg.save_every == 0 and s["step"] < cfg.max_steps:
-                save_training_state(learner, cfg, out)
+                save_training_state(learner, session)
             ev = f" eval {last_eval:.3f}" if last_eval is not None else ""
             progress.update(task, advance=1, info=f"loss {s['loss']:.3f}{ev} {s['tok_s']:.0f} tok/s")
     elapsed = time.perf_counter() - t0

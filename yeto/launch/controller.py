@@ -76,7 +76,7 @@ class Note:
 Action = Union[Launch, Down, GiveUp, Note]
 
 
-class Phase(str, enum.Enum):
+class CloudPhase(str, enum.Enum):
     LAUNCHING = "launching"
     RUNNING = "running"
     RECOVERING = "recovering"
@@ -85,10 +85,10 @@ class Phase(str, enum.Enum):
 
 
 @dataclass
-class Island:
+class CloudIsland:
     learner: int
     cluster: str
-    phase: Phase = Phase.LAUNCHING
+    phase: CloudPhase = CloudPhase.LAUNCHING
     down_since: Optional[float] = None  # when this outage began (None: healthy for at least stable_s)
     healthy_since: Optional[float] = None
     retry_at: float = 0.0
@@ -103,23 +103,23 @@ class FleetController:
     clusters: dict[int, str]  # learner id -> its cluster's name
     recover_timeout_s: float
     stable_s: float = STABLE_S
-    islands: dict[int, Island] = field(default_factory=dict)
+    islands: dict[int, CloudIsland] = field(default_factory=dict)
     finished: bool = False
 
     def start(self, now: float) -> list[Action]:
-        self.islands = {lid: Island(lid, name) for lid, name in sorted(self.clusters.items())}
+        self.islands = {lid: CloudIsland(lid, name) for lid, name in sorted(self.clusters.items())}
         return [self._launch(i, now) for i in self.islands.values()]
 
     def launched(self, learner: int, ok: bool, now: float, error: str = "") -> list[Action]:
         """The shell's launch of `learner` returned (SkyPilot provisioned and started it, or gave up)."""
         i = self.islands[learner]
-        if i.phase is not Phase.LAUNCHING:
+        if i.phase is not CloudPhase.LAUNCHING:
             return []
         if self.finished:
-            i.phase = Phase.DONE
+            i.phase = CloudPhase.DONE
             return [Down(i.cluster)]
         if ok:
-            i.phase, i.healthy_since = Phase.RUNNING, None
+            i.phase, i.healthy_since = CloudPhase.RUNNING, None
             return [Note("up", {"learner": learner, "cluster": i.cluster, "launches": i.launches})]
         return self._outage(i, now, f"launch failed: {error}", already_down=False)
 
@@ -127,9 +127,9 @@ class FleetController:
         """What SkyPilot reports of the learner clusters (a cluster missing from `views` is GONE)."""
         out: list[Action] = []
         for i in self.islands.values():
-            if i.phase is Phase.RUNNING:
+            if i.phase is CloudPhase.RUNNING:
                 out += self._check(i, views.get(i.cluster, ClusterView("GONE")), now)
-            if i.phase is Phase.RECOVERING and not self.finished:
+            if i.phase is CloudPhase.RECOVERING and not self.finished:
                 out += self._recover(i, now)
         return out
 
@@ -138,26 +138,26 @@ class FleetController:
         self.finished = True
         out: list[Action] = [Note("run_finished", {})]
         for i in self.islands.values():
-            if i.phase in (Phase.RUNNING, Phase.RECOVERING):
+            if i.phase in (CloudPhase.RUNNING, CloudPhase.RECOVERING):
                 out.append(Down(i.cluster))
-                i.phase = Phase.DONE
+                i.phase = CloudPhase.DONE
         return out
 
     @property
     def settled(self) -> bool:
         """Nothing left to watch or tear down."""
-        return all(i.phase in (Phase.DONE, Phase.GIVEN_UP) for i in self.islands.values())
+        return all(i.phase in (CloudPhase.DONE, CloudPhase.GIVEN_UP) for i in self.islands.values())
 
     # ------------------------------------------------------------------ transitions
 
-    def _launch(self, i: Island, now: float) -> Launch:
-        i.phase, i.init_since = Phase.LAUNCHING, None
+    def _launch(self, i: CloudIsland, now: float) -> Launch:
+        i.phase, i.init_since = CloudPhase.LAUNCHING, None
         i.launches += 1
         return Launch(i.learner, i.cluster, i.launches)
 
-    def _check(self, i: Island, view: ClusterView, now: float) -> list[Action]:
+    def _check(self, i: CloudIsland, view: ClusterView, now: float) -> list[Action]:
         if view.job == "SUCCEEDED":  # the learner exited 0: the run told it to finish
-            i.phase = Phase.DONE
+            i.phase = CloudPhase.DONE
             return [Note("learner_done", {"learner": i.learner, "cluster": i.cluster}), Down(i.cluster)]
         if view.job in FAILED_JOBS and view.exit_code == USAGE_EXIT:
             return self._give_up(i, f"learner exited {USAGE_EXIT}, not relaunched (the same command would fail the "
@@ -181,12 +181,12 @@ class FleetController:
         why = f"cluster {view.status.lower()}" if view.status != "UP" else f"learner job {view.job.lower()}"
         return self._outage(i, now, why, already_down=view.status == "GONE")
 
-    def _outage(self, i: Island, now: float, why: str, already_down: bool) -> list[Action]:
+    def _outage(self, i: CloudIsland, now: float, why: str, already_down: bool) -> list[Action]:
         """The island is down: the outage's clock starts at its first loss and keeps running through relaunches that
         fail or crash again before the island has stayed healthy for `stable_s`."""
         first = i.down_since is None
         i.down_since = now if first else i.down_since
-        i.phase = Phase.RECOVERING
+        i.phase = CloudPhase.RECOVERING
         i.failures += 1  # the first relaunch is at once; each failed one waits longer before the next
         i.retry_at = now + (RELAUNCH_BACKOFF_S[min(i.failures - 2, len(RELAUNCH_BACKOFF_S) - 1)] if i.failures > 1
                             else 0.0)
@@ -196,7 +196,7 @@ class FleetController:
             out.append(Down(i.cluster))  # a stopped or failed cluster is torn down before its relaunch
         return out + self._recover(i, now)
 
-    def _recover(self, i: Island, now: float) -> list[Action]:
+    def _recover(self, i: CloudIsland, now: float) -> list[Action]:
         assert i.down_since is not None
         if now - i.down_since >= self.recover_timeout_s:
             return self._give_up(i, f"not back within --recover-timeout {self.recover_timeout_s:g}s "
@@ -206,7 +206,7 @@ class FleetController:
             return [Note("relaunch", {"learner": i.learner, "cluster": i.cluster, "attempt": launch.attempt}), launch]
         return []
 
-    def _give_up(self, i: Island, reason: str) -> list[Action]:
-        i.phase = Phase.GIVEN_UP
+    def _give_up(self, i: CloudIsland, reason: str) -> list[Action]:
+        i.phase = CloudPhase.GIVEN_UP
         return [Note("given_up", {"learner": i.learner, "cluster": i.cluster, "reason": reason}),
                 GiveUp(i.learner, reason), Down(i.cluster)]

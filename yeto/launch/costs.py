@@ -2,7 +2,7 @@
 `yeto launch --budget`).
 
 An island's price is its VM's in the region it names, else in its cloud's cheapest region (where SkyPilot's
-optimizer places it first), times its nodes. The run's length comes from the speed model (`yeto.sizing`):
+optimizer places it first), times its nodes. The run's length comes from the speed model (`yeto.launch.sizing`):
 
     round = inner steps x tokens per step / tokens per second   (the quorum-th fastest island)
     run   = outer steps x round                                  (merges, transfers, start-up not counted)
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from yeto import YetoError
-from yeto.island.config import TrainConfig
+from yeto.island.train_config import TrainConfig
 from yeto.launch.plan import FleetPlan
 from yeto.launch.prices import Offer, PriceBook
 from yeto.launch.spec import IslandSpec
@@ -57,8 +57,8 @@ def fleet_hourly(prices: list[IslandPrice]) -> Optional[float]:
 
 def run_hours(plan: FleetPlan) -> Optional[float]:
     """The run's estimated length from the speed model, None where the model or a GPU cannot be sized here."""
-    from yeto.gpus import GPUS
-    from yeto.sizing import IslandShape, model_size, tokens_per_second
+    from yeto.launch.gpus import GPUS
+    from yeto.launch.sizing import IslandShape, model_size, tokens_per_second
 
     defaults = TrainConfig()
     args = plan.learner_args

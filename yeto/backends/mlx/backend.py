@@ -8,14 +8,14 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from yeto.island.config import TrainConfig
+from yeto.island.train_config import TrainConfig
 
 if TYPE_CHECKING:
-    from yeto.island.protocol import Island
+    from yeto.island.interface import Island
 
 
 class MLXBackend:
-    """MLX (Apple silicon; MLX's CPU backend on Linux): `MLXLearner` (a `yeto.island.protocol.Backend`)."""
+    """MLX (Apple silicon; MLX's CPU backend on Linux): `MLXLearner` (a `yeto.island.interface.Backend`)."""
 
     name = "mlx"
 

@@ -1,7 +1,7 @@
 """The MLX learner island: `yeto train --backend mlx` (or `python -m yeto.backends.mlx`), the torch learner's
 flags.
 
-Same adapter (yeto.backends.mlx.lora matches peft), same target rule (yeto.island.lora), same
+Same adapter (yeto.backends.mlx.lora matches peft), same target rule (yeto.island.lora_targets), same
 blocks and masks (yeto.island.data with the Hugging Face tokenizer), same weighted
 per-token cross-entropy re-derived in MLX, and the same optimizer step as the
 torch learner's `torch.optim.AdamW` + `clip_grad_norm_` + `LambdaLR`. One process
@@ -21,12 +21,12 @@ import numpy as np
 from yeto import YetoError
 from yeto.island.checkpoint import TrainState
 from yeto.island.data import Blocks
-from yeto.island.config import TrainConfig, check_config
+from yeto.island.train_config import TrainConfig, check_config
 from yeto.island.metrics import island_record
 from yeto.island.schedule import lr_lambda
 from yeto.island.shard import ShardedData
 from yeto.island.micro_batch import WHOLE_BATCH
-from yeto.models import load_tokenizer, resolve_model
+from yeto.models.materialize import load_tokenizer, resolve_model
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -160,7 +160,7 @@ class MLXLearner(ShardedData):
         import mlx.optimizers as optim
         from transformers import AutoConfig
 
-        from yeto.island.lora import lora_spec_for, select_targets
+        from yeto.island.lora_targets import lora_spec_for, select_targets
         from yeto.backends.mlx.lora import apply_lora, freeze_lora_a, mlx_linears
 
         self.cfg = cfg
@@ -293,7 +293,7 @@ class MLXLearner(ShardedData):
         self.mx.eval(self.model.trainable_parameters())
 
     def adapter_config(self) -> dict[str, Any]:
-        from yeto.adapter import peft_config_dict
+        from yeto.models.adapter import peft_config_dict
 
         return peft_config_dict(self.lora, self.record())
 
@@ -304,7 +304,7 @@ class MLXLearner(ShardedData):
         return island_record(self)
 
     def save(self, out_dir: str | Path) -> Path:
-        from yeto.adapter import write_adapter
+        from yeto.models.adapter import write_adapter
 
         return write_adapter(out_dir, self.adapter_state(), self.adapter_config(), self.record())
 

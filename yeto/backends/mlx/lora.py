@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from yeto.island.lora import Linear
+from yeto.island.lora_targets import Linear
 
 PEFT_PREFIX = "base_model.model."
 PEFT_SUFFIX = ".default.weight"

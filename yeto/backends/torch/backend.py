@@ -10,15 +10,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from yeto.island.config import TrainConfig, check_config
+from yeto.island.train_config import TrainConfig, check_config
 
 if TYPE_CHECKING:
     from yeto.backends.torch.torchrun import RankGroup
-    from yeto.island.protocol import Island
+    from yeto.island.interface import Island
 
 
 class TorchBackend:
-    """torch + peft: `TorchLearner`, relayed across a torchrun group's ranks (a `yeto.island.protocol.Backend`)."""
+    """torch + peft: `TorchLearner`, relayed across a torchrun group's ranks (a `yeto.island.interface.Backend`)."""
 
     name = "torch"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from yeto import YetoError
-from yeto.adapter import RUN_RECORD, adapter_base, find_adapter_dir
+from yeto.models.adapter import RUN_RECORD, adapter_base, find_adapter_dir
 
 EXPORT_RECORD = "yeto_export.json"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -36,7 +36,7 @@ def export_merged(adapter: str | Path, out: str | Path, model: Optional[str] = N
     import torch
     from peft import PeftModel
 
-    from yeto.models import load_model, load_tokenizer
+    from yeto.models.materialize import load_model, load_tokenizer
 
     if dtype not in DTYPES:
         raise YetoError(f"unknown --dtype {dtype!r}: use {', '.join(DTYPES)}")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from yeto.adapter import adapter_base, find_adapter_dir
-from yeto.models import default_device, load_model, load_tokenizer
+from yeto.models.adapter import adapter_base, find_adapter_dir
+from yeto.models.materialize import default_device, load_model, load_tokenizer
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The torch learner island: one process (or one torchrun group), one LoRA adapter, AdamW inner steps.
 
 `TorchLearner` holds the model, data and optimizer and exposes the pieces a
-training loop needs (the `yeto.island.protocol.Island` members); `yeto.island.training`
+training loop needs (the `yeto.island.interface.Island` members); `yeto.island.training`
 runs the loop around them (standalone, or as one island of a DiLoCo run).
 
 Run it as `yeto train --backend torch ...` (the default off Apple silicon) or `python -m yeto.backends.torch ...`.
@@ -16,18 +16,18 @@ import numpy as np
 import torch
 
 from yeto import YetoError
-from yeto.adapter import save_adapter
+from yeto.models.adapter import save_adapter
 from yeto.island.checkpoint import TrainState
 from yeto.island.data import Blocks
 from yeto.backends.torch.losses import LossFn, load_loss_function
 from yeto.backends.torch.lora import lora_config
-from yeto.island.lora import is_lora_a
+from yeto.island.lora_targets import is_lora_a
 from yeto.island.micro_batch import chunks, largest_that_fits, parse_micro_batch_size
-from yeto.island.config import TrainConfig, check_config
+from yeto.island.train_config import TrainConfig, check_config
 from yeto.island.metrics import island_record
 from yeto.island.schedule import lr_lambda
 from yeto.island.shard import ShardedData
-from yeto.models import default_device, load_model, load_tokenizer, resolve_model
+from yeto.models.materialize import default_device, load_model, load_tokenizer, resolve_model
 from yeto.backends.torch.torchrun import SHARDINGS, RankGroup, shard_base
 
 __all__ = ["TorchLearner", "TrainConfig", "masked_loss"]
@@ -241,7 +241,7 @@ class TorchLearner(ShardedData):
             p.copy_(torch.from_numpy(np.asarray(state[k])).to(p.dtype))
 
     def adapter_config(self) -> dict[str, Any]:
-        from yeto.adapter import peft_config_dict
+        from yeto.models.adapter import peft_config_dict
 
         return peft_config_dict(self.model.peft_config["default"], self.record())
 

@@ -1,9 +1,10 @@
 """The torch learner's LoRA: the linears of a torch model and the peft `LoraConfig` for the targets that
-`yeto.island.lora`'s backend-neutral rules choose (peft needs torch; the MLX island builds a `LoraSpec` instead)."""
+`yeto.island.lora_targets`'s backend-neutral rules choose (peft needs torch; the MLX island builds a `LoraSpec`
+instead)."""
 
 from __future__ import annotations
 
-from yeto.island.lora import Linear, check_lora, peft_target_modules, select_targets
+from yeto.island.lora_targets import Linear, check_lora, peft_target_modules, select_targets
 
 
 def torch_linears(model) -> tuple[list[Linear], list[str]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from yeto import YetoError
-from yeto.checks import check_port
+from yeto.sync.core.checks import check_port
 from yeto.sync.merge.aggregate import DEFAULT_CLIP_K, ROBUST_MODES
 from yeto.sync.merge.rules import LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS
 from yeto.sync.wire.layout import MAX_STREAM_PARTS

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Optional
 
-from yeto.sync.core.learner.timing import WINDOW_NEAREST_BOUNDARY
 
 if TYPE_CHECKING:
     from yeto.sync.core.config import SyncerConfig
@@ -27,6 +26,10 @@ WINDOW_GRACE_CAP_S = 30.0  # a time-window round waits at most this long past it
 GRACE_ROUND_SHARE = 0.05  # the grace is at most this share of the time the round took to reach quorum (>= 95% busy)
 GRACE_SLACK = 1.02  # a predicted push: its observed round time (a running estimate) times this ...
 GRACE_SLACK_S = 0.25  # ... plus this (upload, jitter), after its start
+# a time window ends at the step boundary nearest its end: stop once the next step (at this window's mean pace)
+# would overrun the end by more than the time left. Islands' pushes then centre on the window's end instead of
+# trailing it by up to a step, so a fast island is not the last in, missing a round a slow one's push closed
+WINDOW_NEAREST_BOUNDARY = 0.5
 
 
 class RoundPhase(Enum):

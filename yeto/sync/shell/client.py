@@ -33,7 +33,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from yeto import YetoError
-from yeto.checks import check_address
+from yeto.sync.core.checks import check_address
 from yeto.sync.shell.gate import HANDSHAKE_IVL_MS, ZAP_TEMPORARY, curve_client
 from yeto.sync.shell.keys import JOIN_KEY_ENV, JOIN_KEY_FILE, JoinKey
 from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect

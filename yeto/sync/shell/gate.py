@@ -61,7 +61,7 @@ def curve_client(sock: zmq.Socket, key: JoinKey) -> None:
 
 
 @dataclass(frozen=True)
-class Refusal:
+class ConnectionRefusal:
     address: str
     reason: str
 
@@ -125,7 +125,7 @@ class Gatekeeper:
         self.monitor: Optional[zmq.Socket] = None
         self.pending: dict[int, Pending] = {}  # fd -> the socket waiting for its handshake, oldest first
         self.handshaked: set[int] = set()  # fds of connections that proved a key (the learner connections)
-        self.refusals: list[Refusal] = []  # for the tape, drained by the syncer
+        self.refusals: list[ConnectionRefusal] = []  # for the tape, drained by the syncer
         self.recorded = RateLimit(REFUSALS_RECORDED_PER_WINDOW, REFUSAL_WINDOW_S)
         self.suppressed = 0
 
@@ -155,11 +155,11 @@ class Gatekeeper:
                 self.pending[e["value"]] = Pending(peer_address(e["value"]), now)
                 accepted = True
             elif e["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:  # before ZAP: no address is known here
-                self._refused(Refusal("", HANDSHAKE_FAILURES.get(e["value"], f"handshake failed (ZMTP error "
-                                                                             f"{e['value']:#x})")), now)
+                reason = HANDSHAKE_FAILURES.get(e["value"], f"handshake failed (ZMTP error {e['value']:#x})")
+                self._refused(ConnectionRefusal("", reason), now)
             elif e["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-                self._refused(Refusal("", "handshake failed: the peer closed or garbled it (no CURVE, or plain "
-                                          "TCP)"), now)
+                self._refused(ConnectionRefusal("", "handshake failed: the peer closed or garbled it (no CURVE, or "
+                                                    "plain TCP)"), now)
             else:
                 self.pending.pop(e["value"], None)
                 self.handshaked.discard(e["value"])
@@ -188,7 +188,7 @@ class Gatekeeper:
     def _cut(self, fd: int, reason: str, now: float) -> None:
         p = self.pending.pop(fd)
         cut(fd)
-        self._refused(Refusal(p.address, reason), now)
+        self._refused(ConnectionRefusal(p.address, reason), now)
 
     def _answer(self, frames: list[bytes], now: float) -> None:
         if len(frames) < 6:
@@ -217,9 +217,9 @@ class Gatekeeper:
                 self._handshake_done(waiting[0])
             return
         self.zap.send_multipart([ZAP_VERSION, request_id, status, reason.encode()[:200], b"", b""])
-        self._refused(Refusal(address_s, reason), now)
+        self._refused(ConnectionRefusal(address_s, reason), now)
 
-    def _refused(self, r: Refusal, now: float) -> None:
+    def _refused(self, r: ConnectionRefusal, now: float) -> None:
         # budgeted per kind of refusal (its first word: handshake, mechanism, too, unknown, revoked...), so that a
         # flood of one kind (strangers without CURVE) cannot hide another (too many connections) from the tape
         if self.recorded.allow(r.reason.split(" ", 1)[0], now):
@@ -227,7 +227,7 @@ class Gatekeeper:
         else:
             self.suppressed += 1
 
-    def drain(self) -> tuple[list[Refusal], int]:
+    def drain(self) -> tuple[list[ConnectionRefusal], int]:
         """(refusals to record, how many more were refused but not recorded one by one)."""
         out, n = self.refusals, self.suppressed
         self.refusals, self.suppressed = [], 0

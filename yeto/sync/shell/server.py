@@ -50,7 +50,7 @@ from typing import Callable, Optional
 import zmq
 
 from yeto import YetoError
-from yeto.checks import check_out_dir
+from yeto.sync.core.checks import check_out_dir
 from yeto.sync.shell.gate import Gatekeeper, curve_server
 from yeto.sync.shell.keys import KEYS_RESCAN_S, Keyring, require_loopback
 from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta, Send
@@ -58,10 +58,9 @@ from yeto.sync.core.delivery import GLOBAL_TYPES, Delivery, Outgoing, Undelivera
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.shell.given_up import read_given_up
 from yeto.sync.wire.protocol import BULK_SUFFIX, MAX_HEADER_BYTES, encode, is_bulk, message_size
-from yeto.test_hooks import CHECKPOINT, crash_here
 from yeto.sync.shell.store import PENDING_DIR, STATE_FILE, DiskStore
 from yeto.sync.shell.tracking import MergeTracking
-from yeto.trackers import Trackers
+from yeto.report.trackers import Trackers
 
 log = logging.getLogger("yeto.syncer")
 TICK_S = 0.05  # timer resolution of the core (poll timeout)
@@ -74,10 +73,12 @@ DISK_FAILED_EXIT = 74  # sysexits' EX_IOERR: the run's state could not be writte
 class Syncer:
     """`Syncer(cfg).serve()` runs until the run finishes or a signal stops it; returns the exit code."""
 
-    def __init__(self, cfg: SyncerConfig):
+    def __init__(self, cfg: SyncerConfig, before_checkpoint: Optional[Callable[[int], None]] = None):
+        """`before_checkpoint(version)` runs before each checkpoint is written (the entry point's fault hook)."""
         cfg.check()
         check_out_dir(cfg.out)
         self.cfg = cfg
+        self.before_checkpoint = before_checkpoint
         if cfg.insecure:
             require_loopback(cfg.host, "the syncer's --host")
             self.keys: Keyring | None = None
@@ -89,7 +90,7 @@ class Syncer:
             self.keys.issue_expected(cfg.learners)
         init = None
         if cfg.init_adapter and durable.checkpoint is None:  # (a resumed run has its version 0 already)
-            from yeto.adapter import load_init_adapter
+            from yeto.sync.shell.store import load_init_adapter
 
             init = load_init_adapter(cfg.init_adapter)
         self.core = SyncerCore(cfg, incarnation=secrets.token_hex(4), init=init)
@@ -105,7 +106,7 @@ class Syncer:
         self.tracking: Optional[MergeTracking] = None  # --report-to's trackers (`report_to`)
 
     def report_to(self, trackers: Trackers) -> None:
-        """Log every merge to `trackers` (yeto.trackers), with the run's config; they never hold up a merge."""
+        """Log every merge to `trackers` (yeto.report.trackers), with the run's config; they never hold up a merge."""
         self.tracking = MergeTracking(trackers)
         trackers.log_config({"syncer": asdict(self.cfg)})
 
@@ -335,7 +336,8 @@ class Syncer:
             elif isinstance(a, Record):
                 self._append(a.event, a.fields)
             elif isinstance(a, SaveCheckpoint):
-                crash_here(CHECKPOINT, a.checkpoint.version)  # (a test hook)
+                if self.before_checkpoint is not None:
+                    self.before_checkpoint(a.checkpoint.version)
                 if self._durable(self.store.out / STATE_FILE, lambda: self.store.save_checkpoint(a.checkpoint)):
                     self._write_adapter(a.checkpoint)
             elif isinstance(a, SaveDelta):

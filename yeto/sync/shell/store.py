@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from yeto import YetoError
-from yeto.adapter import write_adapter
+from yeto.models.adapter import ADAPTER_CONFIG, read_adapter, recorded_base_revision, resolve_adapter_dir, write_adapter
 from yeto.sync.core.actions import AcceptedDelta, Checkpoint, Durable, Record
+from yeto.sync.core.contract import InitAdapter
 from yeto.sync.wire.layout import layout_from_json, unflatten
 from yeto.sync.wire.protocol import array_digest, digest_bytes
 from yeto.sync.shell.tape import Tape
@@ -188,3 +189,10 @@ def read_delta(path: Path) -> AcceptedDelta:
     if digest_bytes(d.frames) != d.digest:
         raise ValueError(f"{path.name}: payload does not match its digest (damaged on disk)")
     return d
+
+
+def load_init_adapter(name: str) -> InitAdapter:
+    """`--init-adapter NAME`: the adapter's config, recorded base and tensors (numpy: the syncer needs no torch)."""
+    adapter_dir = resolve_adapter_dir(name)
+    return InitAdapter(name, json.loads((adapter_dir / ADAPTER_CONFIG).read_text()),
+                       recorded_base_revision(adapter_dir), read_adapter(adapter_dir))

@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from yeto.trackers import Trackers, flat_metrics, per_learner
+from yeto.report.trackers import Trackers, flat_metrics, per_learner
 
 
 class MergeTracking:
     """Fed every tape event (`on_event`) and each merge's duration (`merged`); logs to `trackers`, never waiting on
-    them (yeto.trackers.Trackers queues)."""
+    them (yeto.report.trackers.Trackers queues)."""
 
     def __init__(self, trackers: Trackers, clock: Callable[[], float] = time.monotonic):
         self.trackers, self.clock = trackers, clock

@@ -29,7 +29,7 @@ After every schedule, and along the way:
 
 from yeto.sync.sim.oracle import Oracle, Violation
 from yeto.sync.sim.runner import EXERCISED, Outcome, fresh_first_seed, main, run_seed
-from yeto.sync.sim.schedule import Hostile, Schedule
+from yeto.sync.sim.faults import Hostile, Schedule
 from yeto.sync.sim.world import World
 
 __all__ = ["EXERCISED", "Hostile", "Oracle", "Outcome", "Schedule", "Violation", "World", "fresh_first_seed", "main",

@@ -25,7 +25,7 @@ from yeto.sync.wire.protocol import (array_digest, decode, decode_fragments, dig
 from yeto.sync.wire.quant import ErrorFeedback, QuantError
 from yeto.sync.sim.oracle import Violation
 from yeto.sync.sim.sleep import Sleep
-from yeto.sync.sim.schedule import (ADAPTER_CONFIG, DIE_DURING_WITHIN_S, LINK, POISON, POISON_WEIGHT, TICK_S,
+from yeto.sync.sim.faults import (ADAPTER_CONFIG, DIE_DURING_WITHIN_S, LINK, POISON, POISON_WEIGHT, TICK_S,
                                     Hostile)
 
 # (each node holds the World of yeto.sync.sim.world as `w`, typed Any: that module imports this one)

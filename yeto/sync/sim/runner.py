@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from yeto.sync.core.learner.phases import TRANSITIONS
 from yeto.sync.sim.oracle import Violation
-from yeto.sync.sim.schedule import PROGRESS_CHUNK, Schedule
+from yeto.sync.sim.faults import PROGRESS_CHUNK, Schedule
 from yeto.sync.sim.world import World
 
 

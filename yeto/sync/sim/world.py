@@ -17,7 +17,7 @@ from yeto.sync.wire.layout import build_layout
 from yeto.sync.wire.protocol import encode, is_bulk
 from yeto.sync.sim.nodes import SimLearner, SimSyncer
 from yeto.sync.sim.oracle import Oracle, Violation
-from yeto.sync.sim.schedule import (ADAPTER_SHAPES, DIE_DURING_WITHIN_S, FRAGMENT_NUMEL, HEAL_BUDGET_S, LINK,
+from yeto.sync.sim.faults import (ADAPTER_SHAPES, DIE_DURING_WITHIN_S, FRAGMENT_NUMEL, HEAL_BUDGET_S, LINK,
                                     ZOMBIE_SLEEPS_LONGER_S, Schedule)
 
 

@@ -10,8 +10,8 @@ from yeto.sync.core.learner.core import LearnerCore
 from yeto.sync.core.learner.loop import Done, RoundCounts, StepVerdict, Task, Train, Wait
 from yeto.sync.core.learner.phases import TRANSITIONS, Held, IllegalTransition, Phase, Place, Training
 from yeto.sync.core.learner.pushed import Pushed
-from yeto.sync.core.learner.timing import (FINISH_CATCHUP_DEAD_AFTERS, HELLO_RETRY_HEARTBEATS,
-                                           WINDOW_NEAREST_BOUNDARY, LinkTimeouts)
+from yeto.sync.core.learner.timing import FINISH_CATCHUP_DEAD_AFTERS, HELLO_RETRY_HEARTBEATS, LinkTimeouts
+from yeto.sync.core.rounds import WINDOW_NEAREST_BOUNDARY
 
 __all__ = ["FINISH_CATCHUP_DEAD_AFTERS", "HELLO_RETRY_HEARTBEATS", "TRANSITIONS", "WINDOW_NEAREST_BOUNDARY", "Done",
            "Held", "IllegalTransition", "LearnerCore", "LinkTimeouts", "Phase", "Place", "Pushed", "RoundCounts",

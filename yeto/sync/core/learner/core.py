@@ -54,8 +54,8 @@ from yeto.sync.core.learner.outbox import LearnerOutbox
 from yeto.sync.core.learner.phases import Held, Phase, Phases, Place, Training
 from yeto.sync.core.learner.pipeline import DeltasInFlight
 from yeto.sync.core.learner.pushed import Pushed
-from yeto.sync.core.learner.timing import (FINISH_CATCHUP_DEAD_AFTERS, HELLO_RETRY_HEARTBEATS,
-                                           WINDOW_NEAREST_BOUNDARY, LinkTimeouts, heartbeat_s)
+from yeto.sync.core.learner.timing import FINISH_CATCHUP_DEAD_AFTERS, HELLO_RETRY_HEARTBEATS, LinkTimeouts, heartbeat_s
+from yeto.sync.core.rounds import WINDOW_NEAREST_BOUNDARY
 from yeto.sync.wire.layout import Layout
 from yeto.sync.wire.protocol import (CLOCK_JUMP_S, Code, Message, ProtocolError, digest_bytes, encode_fragments_ef,
                                      session_id)

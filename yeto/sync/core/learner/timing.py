@@ -8,10 +8,6 @@ from typing import Any
 
 HELLO_RETRY_HEARTBEATS = 2  # not welcomed after this many heartbeats: say hello again
 FINISH_CATCHUP_DEAD_AFTERS = 3  # after a finish, try at least this many dead-peer timeouts to fetch the final adapter
-# a time window ends at the step boundary nearest its end: stop once the next step (at this window's mean pace)
-# would overrun the end by more than the time left. Islands' pushes then centre on the window's end instead of
-# trailing it by up to a step, so a fast island is not the last in, missing a round a slow one's push closed
-WINDOW_NEAREST_BOUNDARY = 0.5
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The accelerators an island runs on: memory, dense peak, the link between devices, and the stated MFU the speed
-model (`yeto.sizing`) uses for each.
+model (`yeto.launch.sizing`) uses for each.
 
 Names are SkyPilot's accelerator names (what `yeto launch` asks a cloud for); Apple silicon rows are named
 chip-memory. Figures are the vendors' published dense (not 2:4 sparse) tensor peaks per device:
@@ -37,7 +37,7 @@ class Gpu:
     fp32_tflops: float = 0.0  # dense fp32 (non-tensor) peak: the speed of an fp32 base
     cuda: bool = True  # NVIDIA: bitsandbytes' nf4 runs here
     context_gib: float = 0.5  # CUDA/HIP context, cuBLAS workspaces, kernels: resident before any tensor
-    host: bool = False  # this machine's CPU (yeto.gpus.cpu): no caching allocator, dropout masks in the input's dtype
+    host: bool = False  # this machine's CPU (gpus.cpu): no caching allocator, dropout masks in the input's dtype
 
     @property
     def link_gbs(self) -> float:

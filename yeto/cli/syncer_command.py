@@ -8,12 +8,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from yeto.adapter import ADAPTER_WEIGHTS
+from yeto.models.adapter import ADAPTER_WEIGHTS
+from yeto.cli.test_hooks import CHECKPOINT, crash_hook
 from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
 from yeto.sync.core.config import DEFAULT_MAX_BASE_LAG, field_flag
 from yeto.sync.core.syncer import SyncerConfig
 from yeto.sync.shell.server import Syncer
-from yeto.trackers import check_installed, open_trackers, parse_report_to, report_to_help, run_group
+from yeto.report.trackers import check_installed, open_trackers, parse_report_to, report_to_help, run_group
 
 _D = SyncerConfig()
 # renamed flags, still accepted (hidden); `yeto launch` routes them to the syncer by core.config.OLD_FLAGS
@@ -121,7 +122,7 @@ def syncer_command(
     cfg = SyncerConfig(**{k: v for k, v in locals().items() if k in SyncerConfig.__dataclass_fields__})
     check_installed(parse_report_to(report_to))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s syncer %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    syncer = Syncer(cfg)
+    syncer = Syncer(cfg, before_checkpoint=crash_hook(CHECKPOINT))
     group = run_group(run_name, Path(cfg.out).resolve().parent)
     trackers = open_trackers(report_to, cfg.out, f"{group}-syncer", group, {}, logging.getLogger("yeto.syncer").warning)
     if trackers is not None:

@@ -15,7 +15,7 @@ from yeto import YetoError
 from yeto.cli.launch_flags import check_passed_flags
 from yeto.launch.plan import SYNCER_PORT, FleetPlan, pin_revision, split_extra_args
 from yeto.launch.registry import live_run, runs_dir
-from yeto.trackers import report_to_help
+from yeto.report.trackers import report_to_help
 from yeto.launch.spec import GRAMMAR, parse_gpu
 
 DEFAULT_GPU = "local:2"
@@ -56,9 +56,9 @@ class ChosenFleet:
 def choose_fleet(model: str, budget: float, spot: bool, learner_extra: list[str], console) -> ChosenFleet:
     """The fleet `yeto shape` ranks first (cost per token) within the budget, for the learners' --seq-len and
     --base-quantization; printed with why."""
-    from yeto.cli.shape import make_plan
+    from yeto.cli.shape_command import make_plan
     from yeto.launch.costs import flag_value
-    from yeto.island.config import TrainConfig
+    from yeto.island.train_config import TrainConfig
 
     given = flag_value(learner_extra, "--seq-len")
     if given is not None and not given.isdigit():

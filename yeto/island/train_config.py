@@ -61,14 +61,15 @@ class TrainConfig:
     save_every: int = 50  # standalone: save the training state every N steps (0: only at the end); fleet: each round
     fresh: bool = False  # start over, replacing the training state saved in --out
     init_adapter: Optional[str] = None  # start from this peft adapter (a directory or hub id) instead of LoRA's init
-    report_to: str = "none"  # experiment trackers (yeto.trackers): tensorboard, wandb, trackio, mlflow, comma-separated
+    report_to: str = "none"  # experiment trackers (yeto.report.trackers): tensorboard, wandb, trackio, mlflow, comma-
+    # separated
     run_name: str = ""  # the run's name that groups its trackers' runs (default: --out's directory name)
 
 
 def check_config(cfg: TrainConfig) -> None:
     """The flags every backend checks before it loads anything: one line naming the flag and the fix."""
-    from yeto.checks import check_address, check_out_dir, check_range
-    from yeto.trackers import parse_report_to
+    from yeto.sync.core.checks import check_address, check_out_dir, check_range
+    from yeto.report.trackers import parse_report_to
 
     for name in ("batch_size", "grad_accum", "max_steps", "seq_len", "lora_r"):
         check_range(getattr(cfg, name), f"--{name.replace('_', '-')}", low=1)

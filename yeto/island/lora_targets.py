@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from yeto import YetoError
-from yeto.catalog import num_experts
+from yeto.models.catalog import num_experts
 
 ATTENTION_REGEX = r".*\.(self_attn|attention|attn)\.(q_proj|k_proj|v_proj|o_proj|out_proj|qkv_proj)$"
 ROUTER_REGEX = r"(.*\.)?(gate|router|shared_expert_gate|expert_gate|moe_gate|wg|gating)$"

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yeto import YetoError
-from yeto.catalog import CATALOG
-from yeto.provenance import Artifact, content_hash, resolve_hub_snapshot
+from yeto.models.catalog import CATALOG
+from yeto.models.provenance import Artifact, content_hash, resolve_hub_snapshot
 
 
 @dataclass(frozen=True)

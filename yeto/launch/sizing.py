@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional
 
 from yeto import YetoError
-from yeto.gpus import GPUS, Gpu, gpu
+from yeto.launch.gpus import GPUS, Gpu, gpu
 
 GiB = 1024**3
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits, an 8-bit absmax per 64 values, an fp32 scale per 256 absmaxes
@@ -94,7 +94,7 @@ class ModelSize:
     moe: bool = False
 
     def targeted(self, targets: str) -> list[Linear]:
-        """The linears LoRA adapts under a --lora-targets rule (yeto.island.lora.select_targets, by kind)."""
+        """The linears LoRA adapts under a --lora-targets rule (yeto.island.lora_targets.select_targets, by kind)."""
         if targets not in TARGETS:
             raise YetoError(f"unknown LoRA targets {targets!r}: use one of {', '.join(TARGETS)}")
         if targets == "attention" or (targets == "auto" and not self.moe):
@@ -177,7 +177,7 @@ def _sparse_layer(text: dict[str, Any], i: int) -> bool:
 
 
 def shapes(fields: dict[str, Any], total: int, active: int, name: str = "") -> ModelSize:
-    """A ModelSize from config.json's fields and the counted parameters (yeto.catalog.count_params)."""
+    """A ModelSize from config.json's fields and the counted parameters (yeto.models.catalog.count_params)."""
     text = dict(fields.get("text_config") or fields)
     text.setdefault("model_type", fields["model_type"])
     mt = text["model_type"]
@@ -232,12 +232,12 @@ def shapes(fields: dict[str, Any], total: int, active: int, name: str = "") -> M
 
 def model_size(name: str, trust_remote_code: bool = False) -> ModelSize:
     """Size a catalog alias (its kept config and counts: no torch), or a local model directory or a hub id whose
-    config.json this machine's Hugging Face cache holds (counted with yeto.catalog.size_local; with torch, its linears
-    read from the model built on the meta device, so any architecture's adapter is counted exactly)."""
+    config.json this machine's Hugging Face cache holds (counted with yeto.models.catalog.size_local; with torch,
+    its linears read from the model built on the meta device, so any architecture's adapter is counted exactly)."""
     import json
 
     from yeto import missing_torch
-    from yeto.catalog import CATALOG, config_dir, size_local
+    from yeto.models.catalog import CATALOG, config_dir, size_local
 
     if name in CATALOG:
         e = CATALOG[name]
@@ -257,15 +257,16 @@ def model_size(name: str, trust_remote_code: bool = False) -> ModelSize:
 
 
 def meta_linears(fields: dict[str, Any], trust_remote_code: bool = False) -> tuple[Linear, ...]:
-    """The decoder's linears of the model built on the meta device, by kind: what yeto.island.lora's rules see."""
+    """The decoder's linears of the model built on the meta device, by kind: what yeto.island.lora_targets's rules
+    see."""
     import re
 
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from yeto.catalog import hf_config
+    from yeto.models.catalog import hf_config
     from yeto.backends.torch.lora import torch_linears
-    from yeto.island.lora import ATTENTION_REGEX, EXPERT_REGEX, NON_TEXT_REGEX, is_router
+    from yeto.island.lora_targets import ATTENTION_REGEX, EXPERT_REGEX, NON_TEXT_REGEX, is_router
 
     cfg = hf_config(fields)
     with init_empty_weights():

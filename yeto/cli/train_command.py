@@ -13,9 +13,9 @@ import typer
 
 from yeto.backends import AUTO, MLX, TORCH, choose_backend, load_backend
 from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
-from yeto.island.config import TrainConfig
-from yeto.test_hooks import HIDDEN_TRAIN_FLAGS
-from yeto.trackers import report_to_help
+from yeto.island.train_config import TrainConfig
+from yeto.cli.test_hooks import HIDDEN_TRAIN_FLAGS, TRAIN_STATE, crash_hook
+from yeto.report.trackers import report_to_help
 
 D = TrainConfig()
 OLD_SPELLINGS = (OldSpelling("--num-learners", "num_learners"),)  # renamed flags, still accepted
@@ -77,7 +77,7 @@ def run_train(cfg: TrainConfig, progress: bool, asked: str) -> dict[str, Any]:
         reexec_with_fast_blas()  # (on Linux, once: OpenBLAS preloaded before MLX loads)
     from yeto.island.training import train
 
-    return train(cfg, load_backend(name), progress)
+    return train(cfg, load_backend(name), progress, before_state_commit=crash_hook(TRAIN_STATE))
 
 
 def runs_as_yeto() -> bool:

@@ -17,9 +17,9 @@ import numpy as np
 
 if TYPE_CHECKING:
     from yeto.island.checkpoint import TrainState
-    from yeto.island.config import TrainConfig
+    from yeto.island.train_config import TrainConfig
     from yeto.island.data import Blocks, DataSource
-    from yeto.provenance import Artifact
+    from yeto.models.provenance import Artifact
 
 
 class Island(Protocol):

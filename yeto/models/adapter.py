@@ -2,7 +2,7 @@
 
 `adapter_config.json` + `adapter_model.safetensors` is exactly what
 `PeftModel.from_pretrained(base, dir)` reads; the provenance rides along in the
-safetensors header (`yeto.provenance`) and in `yeto_run.json`.
+safetensors header (`yeto.models.provenance`) and in `yeto_run.json`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from yeto import YetoError
-from yeto.provenance import Artifact
+from yeto.models.provenance import Artifact
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 RUN_RECORD = "yeto_run.json"
-METADATA_KEY = "yeto.provenance"
+METADATA_KEY = "yeto.models.provenance"
 
 
 def find_adapter_dir(path: str | Path) -> Path:
@@ -34,7 +34,7 @@ def find_adapter_dir(path: str | Path) -> Path:
 
 
 def peft_config_dict(cfg, record: dict[str, Any]) -> dict[str, Any]:
-    """adapter_config.json's content for a peft LoraConfig (or a peft-free yeto.island.lora.LoraSpec), with the
+    """adapter_config.json's content for a peft LoraConfig (or a peft-free yeto.island.lora_targets.LoraSpec), with the
     base model named as provenance resolved it."""
     model = record.get("model", {})
     cfg.base_model_name_or_path = model.get("hub_id") or model.get("path") or cfg.base_model_name_or_path
@@ -112,7 +112,7 @@ def read_provenance(adapter_dir: str | Path) -> dict[str, Any]:
 def adapter_base(adapter_dir: Path, model: str | None, revision: str | None) -> Artifact:
     """The base model to load under an adapter: the one it records (yeto's provenance, else peft's
     `base_model_name_or_path`), or `model` when given, which must then be that same base (same content)."""
-    from yeto.models import resolve_model
+    from yeto.models.materialize import resolve_model
 
     try:
         recorded = read_provenance(adapter_dir).get("model") or {}
@@ -145,7 +145,7 @@ def resolve_adapter_dir(name: str) -> Path:
     local = Path(name).expanduser()
     if local.exists():
         return find_adapter_dir(local)
-    from yeto.provenance import resolve_hub_snapshot
+    from yeto.models.provenance import resolve_hub_snapshot
 
     path, _ = resolve_hub_snapshot(name, None, "model")
     return find_adapter_dir(path)
@@ -166,12 +166,3 @@ def recorded_base_revision(adapter_dir: Path) -> str | None:
         return (read_provenance(adapter_dir).get("model") or {}).get("revision")
     except YetoError:
         return None
-
-
-def load_init_adapter(name: str):
-    """`--init-adapter NAME`: the adapter's config, recorded base and tensors (numpy: the syncer needs no torch)."""
-    from yeto.sync.core.contract import InitAdapter
-
-    adapter_dir = resolve_adapter_dir(name)
-    return InitAdapter(name, json.loads((adapter_dir / ADAPTER_CONFIG).read_text()),
-                       recorded_base_revision(adapter_dir), read_adapter(adapter_dir))

@@ -22,7 +22,7 @@ def split_list(text: Optional[str]) -> tuple[str, ...]:
 def check_request(budget: Optional[float], tokens: int, seq_len: int, base_quantization: str, gpus: tuple[str, ...],
                   own: tuple[str, ...] = ()) -> None:
     """One line for what no plan can come of (before SkyPilot or the model is read)."""
-    from yeto.gpus import gpu
+    from yeto.launch.gpus import gpu
 
     if budget is not None and not budget > 0:
         raise YetoError(f"--budget {budget:g}: give the fleet's price limit in USD per hour, above 0")
@@ -44,7 +44,7 @@ def make_plan(model: str, budget: Optional[float] = None, tokens: int = DEFAULT_
     from yeto.launch.prices import load_prices
     from yeto.launch.shape import plan_shapes
     from yeto.launch.spec import CLOUD_ALIASES
-    from yeto.sizing import model_size
+    from yeto.launch.sizing import model_size
 
     gpu_names, own_names = split_list(gpus), split_list(own)
     check_request(budget, tokens, seq_len, base_quantization, gpu_names, own_names)

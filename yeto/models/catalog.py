@@ -8,7 +8,7 @@ config.json) with `accelerate.init_empty_weights()` and counts its tensors; the 
 the routed experts a token does not visit (the expert tensors found in the module tree, scaled by 1 - top_k/experts).
 Counting a 235B MoE takes under a second, but `yeto models` lists every row, so the counts are kept in the rows
 (`total`, `active`); tests/test_catalog.py recounts them and checks a few against the published figures.
-`python -m yeto.catalog` prints the rows whose kept counts differ from a recount (after editing a config).
+`python -m yeto.models.catalog` prints the rows whose kept counts differ from a recount (after editing a config).
 
 Why one module: the table is data read top to bottom, one row per alias; splitting it by family would scatter it.
 """
