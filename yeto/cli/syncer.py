@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from yeto.adapter import ADAPTER_WEIGHTS
-from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
+from yeto.cli.usage import OldSpelling, run_name_help, with_help_panels, with_old_spellings
 from yeto.sync.core.config import DEFAULT_MAX_BASE_LAG, field_flag
 from yeto.sync.core.syncer import SyncerConfig
 from yeto.sync.merge.rules import rules_help
@@ -111,8 +111,7 @@ def syncer_command(
                                                     "share join.key (bounded, and any holder of it can take an "
                                                     "expected id first).")] = _D.learner_keys,
     report_to: Annotated[str, typer.Option(help=report_to_help("every merge"))] = "none",
-    run_name: Annotated[str, typer.Option(help="The run's name, grouping the syncer's and the islands' tracker runs "
-                                               "(default: the name of --out's parent directory).")] = "",
+    run_name: Annotated[str, typer.Option(help=run_name_help("the name of --out's parent directory"))] = "",
 ) -> None:
     """Run the syncer: wait for learners, run outer rounds, merge, broadcast, checkpoint."""
     cfg = SyncerConfig(**{k: v for k, v in locals().items() if k in SyncerConfig.__dataclass_fields__})
