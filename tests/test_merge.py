@@ -11,7 +11,7 @@ from yeto.sync.core.contract import contract_mismatch
 from yeto.sync.core.learner import RoundCounts, Train, StepVerdict
 from yeto.sync.core.syncer import SyncerConfig
 from yeto.sync.wire.layout import build_layout, flatten, unflatten
-from yeto.sync.merge.rules import lora_pairs, product_merge, rda, refactor
+from yeto.sync.merge.rules import MergeRule, lora_pairs, needs_its_sums, product_merge, rda, refactor, rules_help
 
 EQUAL2 = np.array([0.5, 0.5])
 
@@ -70,10 +70,10 @@ def test_streaming_rda_matches_the_formula_whatever_the_order_scales_and_clips(s
     s = RoundSum.for_rule(layout, "rda")
     for i in rng.permutation(n):
         s.add(int(i), deltas[i], tokens[i], scale[i])
-    merged, fallbacks = clipped_merge(s, clip, {i: tokens[i] * scale[i] for i in range(n)}, deltas.__getitem__)
+    merged, report = clipped_merge(s, clip, {i: tokens[i] * scale[i] for i in range(n)}, deltas.__getitem__)
     counted = [d * scale[i] * clip.get(i, 1.0) for i, d in enumerate(deltas)]
     np.testing.assert_allclose(merged, rda_by_formula(counted, tokens, layout), rtol=1e-4, atol=1e-6)
-    assert fallbacks == 0
+    assert report == {"rda_fallbacks": 0}
     assert not np.allclose(merged, rda_by_formula(deltas, tokens, layout), rtol=1e-3)  # scales and clips counted
 
 
@@ -202,6 +202,79 @@ def test_conflicting_merge_flags_are_one_line_errors():
                            ({"merge": "rda", "lora_merge": "product"}, "use it with --merge mean")):
         with pytest.raises(YetoError, match=message):
             SyncerConfig(**flags).check()
+
+
+class FirstSums:
+    """A toy rule's sums, to show what a new rule takes: the first delta to arrive, as it counts (scaled, then
+    clipped), the others left out."""
+
+    def __init__(self):
+        self.first = None  # (learner, its effective weight t s, its delta scaled)
+
+    def add(self, learner, delta, weight, scale=1.0):
+        if self.first is None:
+            self.first = (learner, weight * scale, np.asarray(delta, np.float32) * np.float32(scale))
+
+    def merge(self, mean, total_weight, shrink):
+        lid, weight, delta = self.first
+        kept = 1.0 - shrink.get(lid, 0.0) / weight if weight else 1.0  # (a clip by c shrinks by (1 - c) t s)
+        return delta * np.float32(kept), {"first_of": lid}
+
+
+FIRST_ALONE = "--merge first takes the first delta as it came: drop --step-normalize"
+FIRST = MergeRule("first", "the first delta to arrive, the others left out", lambda layout: FirstSums(),
+                  reports={"first_of": "first learner"},
+                  check=lambda flags: FIRST_ALONE if flags.step_normalize else needs_its_sums(flags))
+
+
+@pytest.fixture
+def first_rule(monkeypatch):
+    """The registry with the toy rule added: a copy, for this test alone."""
+    from yeto.sync.merge import rules
+
+    monkeypatch.setattr(rules, "RULES", {**rules.RULES, FIRST.name: FIRST})
+
+
+def test_a_new_merge_rule_is_one_registry_entry(first_rule):
+    """The entry alone makes the rule: the config takes it and runs its check, --merge's help lists it, the syncer
+    core merges by it and records what it reports, and the audit proves the tape."""
+    from yeto.sync.shell.audit import audit
+
+    SyncerConfig(merge="first").check()
+    for flags, message in (({"merge": "median"}, "--merge must be one of mean, rda, first, got 'median'"),
+                           ({"merge": "first", "step_normalize": True}, FIRST_ALONE),
+                           ({"merge": "first", "robust": "trimmed-mean"}, "--robust trimmed-mean is its own rule"),
+                           ({"merge": "first", "lora_merge": "product"}, "use it with --merge mean")):
+        with pytest.raises(YetoError, match=message):
+            SyncerConfig(**flags).check()
+    assert rules_help().endswith("or first (the first delta to arrive, the others left out)")
+    f = Fleet(n=3, merge="first", outer_lr=1.0, outer_momentum=0.0, robust="off")
+    g0 = f.syncer.run.global_.copy()
+    rng = np.random.default_rng(5)
+    deltas = {lid: rng.normal(size=f.layout.numel).astype(np.float32) for lid in (2, 0, 1)}
+    push(f, deltas, {0: (100, 50, 2), 1: (100, 50, 2), 2: (100, 50, 2)})
+    e = [e for e in f.tape if e["event"] == "merge"][0]
+    assert (e["merge"], e["summed"], e["first_of"]) == ("first", [2, 0, 1], 2)
+    np.testing.assert_allclose(f.syncer.run.global_ - g0, deltas[2], rtol=1e-5, atol=1e-6)
+    assert audit(f.tape).ok
+
+
+def test_the_simulator_replays_a_new_merge_rule_from_its_entry(first_rule):
+    """A fault schedule run under the toy rule: the oracle replays every merge by the entry's sums (the global bit for
+    bit, the field it reports), and a replay that reads another rule is caught."""
+    import dataclasses
+
+    from yeto.sync import sim
+
+    schedule = dataclasses.replace(sim.Schedule.draw(11), merge="first")
+    w = sim.World(schedule)
+    w.run()
+    merges = [e for e in w.syncer.disk.tape if e["event"] == "merge"]
+    assert merges and all(e["merge"] == "first" and e["first_of"] == e["summed"][0] for e in merges)
+    for e in merges:
+        e["first_of"] = e["summed"][-1] if len(e["summed"]) > 1 else -1  # (a tape that says otherwise)
+    with pytest.raises(sim.Violation, match="first learner, the tape says"):
+        w.oracle.replay(w.syncer.disk.tape)
 
 
 def frozen_a_learners(tiny_model):

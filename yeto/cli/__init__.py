@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from yeto import require_torch
-from yeto.cli.usage import run_guarded
+from yeto.cli.usage import (ADAPTER_HELP, BASE_MODEL_HELP, BASE_REVISION_HELP, JSON_HELP, run_guarded,
+                            trust_remote_code_help)
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="LoRA fine-tuning across independent islands, DiLoCo-style.")
@@ -136,14 +137,12 @@ def dashboard(
 @app.command()
 def generate(
     prompt: Annotated[list[str], typer.Option(help="A prompt to answer (repeat for several).")],
-    adapter: Annotated[str, typer.Option(help="The adapter directory (or a run directory holding adapter/).")],
-    model: Annotated[Optional[str], typer.Option(help="Base model alias, local directory or hub id (default: the "
-                                                      "base the adapter records; given, it must be that base).")
-                     ] = None,
-    model_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the base model.")] = None,
+    adapter: Annotated[str, typer.Option(help=ADAPTER_HELP)],
+    model: Annotated[Optional[str], typer.Option(help=BASE_MODEL_HELP)] = None,
+    model_revision: Annotated[Optional[str], typer.Option(help=BASE_REVISION_HELP)] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per answer (greedy).")] = 64,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own code to run.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help=trust_remote_code_help())] = False,
 ) -> None:
     """Show the fine-tuned model's answers next to the base model's (greedy decoding)."""
     from rich.console import Console
@@ -164,14 +163,13 @@ def generate(
 
 @app.command()
 def export(
-    adapter: Annotated[str, typer.Argument(help="The adapter directory (or a run directory holding adapter/).")],
+    adapter: Annotated[str, typer.Argument(help=ADAPTER_HELP)],
     merged: Annotated[str, typer.Option(help="Where to write the base with the adapter merged in (a new directory).")],
-    model: Annotated[Optional[str], typer.Option(help="Base model alias, directory or hub id (default: the base the "
-                                                      "adapter records; given, it must be that base).")] = None,
-    model_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the base model.")] = None,
+    model: Annotated[Optional[str], typer.Option(help=BASE_MODEL_HELP)] = None,
+    model_revision: Annotated[Optional[str], typer.Option(help=BASE_REVISION_HELP)] = None,
     dtype: Annotated[str, typer.Option(help="Weights' dtype: float32, bfloat16 or float16.")] = "float32",
     force: Annotated[bool, typer.Option(help="Replace a non-empty --merged directory.")] = False,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own code to run.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help=trust_remote_code_help())] = False,
 ) -> None:
     """Write the base model with the adapter merged in: a plain transformers checkpoint (safetensors, config,
     tokenizer, chat template) for AutoModelForCausalLM, vLLM or llama.cpp's converter."""
@@ -187,9 +185,8 @@ def models(
                                                       "machine's Hugging Face cache (its config.json, built on the "
                                                       "meta device: no weights read) instead of listing aliases.")
                      ] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own code to run (with --model).")
-                                 ] = False,
+    json_out: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help=trust_remote_code_help(" (with --model)"))] = False,
 ) -> None:
     """The model catalog: each alias's hub id, architecture, parameters (counted from its config: total, and active
     for MoE), context, license, whether its repo's code must run, and whether the MLX learner can train it."""

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from yeto import YetoError
-from yeto.cli.usage import with_help_panels
+from yeto.cli.usage import JSON_HELP, trust_remote_code_help, with_help_panels
 from yeto.launch.shape import DEFAULT_SEQ_LEN, DEFAULT_TOKENS, Order, Rejected, ShapePlan, ShapeRequest
 
 BASES = {"none": "bf16", "nf4": "nf4"}  # --base-quantization (yeto train's spelling) -> the sizing's base precision
@@ -128,8 +128,8 @@ def shape_command(
                                                     "separated (e.g. M3-Ultra-512GB, RTX4090): sized at the fleet's "
                                                     "batch, with their share of a round.")] = None,
     by: Annotated[Order, typer.Option(help="Rank by cost per million tokens or by time to --tokens.")] = Order.COST,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own code to run.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help=trust_remote_code_help())] = False,
 ) -> None:
     """Every island shape the model fits, ranked by price per token and time to --tokens, with why the others are
     rejected, the fleet it proposes and its `yeto launch` line. Prices come from SkyPilot's catalog."""

@@ -8,11 +8,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from yeto.models.adapter import ADAPTER_WEIGHTS
 from yeto.cli.test_hooks import CHECKPOINT, crash_hook
-from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
+from yeto.cli.usage import OldSpelling, run_name_help, with_help_panels, with_old_spellings
+from yeto.models.adapter import ADAPTER_WEIGHTS
 from yeto.sync.core.config import DEFAULT_MAX_BASE_LAG, field_flag
 from yeto.sync.core.syncer import SyncerConfig
+from yeto.sync.merge.rules import rules_help
 from yeto.sync.shell.server import Syncer
 from yeto.report.trackers import check_installed, open_trackers, parse_report_to, report_to_help, run_group
 
@@ -60,11 +61,7 @@ def syncer_command(
     robust_k: Annotated[float, typer.Option(help="norm-clip: clip deltas whose norm exceeds k x the median.")
                         ] = _D.robust_k,
     merge: Annotated[Optional[str], typer.Option(
-        help="How deltas combine: rda (radial-directional: the mean norm along the mean direction, per tensor; the "
-             "default) or mean (weighted average; the default with --round-seconds, --lora-merge product or --robust "
-             "trimmed-mean). "
-             "Unset on a resume: the run's own rule."
-    )] = None,
+        help=f"How deltas combine: {rules_help()}. Unset on a resume: the run's own rule.")] = None,
     merge_weight: Annotated[str, typer.Option(help="Weights of the merge: loss-tokens, tokens, steps or equal.")
                             ] = _D.merge_weight,
     lora_merge: Annotated[str, typer.Option(help="LoRA aggregation: factors (lora_A and lora_B apart) or product "
@@ -115,8 +112,7 @@ def syncer_command(
                                                     "share join.key (bounded, and any holder of it can take an "
                                                     "expected id first).")] = _D.learner_keys,
     report_to: Annotated[str, typer.Option(help=report_to_help("every merge"))] = "none",
-    run_name: Annotated[str, typer.Option(help="The run's name, grouping the syncer's and the islands' tracker runs "
-                                               "(default: the name of --out's parent directory).")] = "",
+    run_name: Annotated[str, typer.Option(help=run_name_help("the name of --out's parent directory"))] = "",
 ) -> None:
     """Run the syncer: wait for learners, run outer rounds, merge, broadcast, checkpoint."""
     cfg = SyncerConfig(**{k: v for k, v in locals().items() if k in SyncerConfig.__dataclass_fields__})

@@ -12,9 +12,9 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from yeto.backends import AUTO, MLX, TORCH, choose_backend, load_backend
-from yeto.cli.usage import OldSpelling, with_help_panels, with_old_spellings
-from yeto.island.train_config import TrainConfig
 from yeto.cli.test_hooks import HIDDEN_TRAIN_FLAGS, TRAIN_STATE, crash_hook
+from yeto.cli.usage import OldSpelling, run_name_help, trust_remote_code_help, with_help_panels, with_old_spellings
+from yeto.island.train_config import TrainConfig
 from yeto.report.trackers import report_to_help
 
 D = TrainConfig()
@@ -103,8 +103,7 @@ def _train_signature(
     data_config: Annotated[Optional[str], typer.Option(help="Dataset config (subset) to read, for a dataset with "
                                                             "several (README `configs` or one subfolder each).")
                            ] = None,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model repo's own Python code to run "
-                                                         "(off unless given).")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help=trust_remote_code_help(" (off unless given)"))] = False,
     seq_len: Annotated[int, typer.Option(help="Tokens per packed block.")] = D.seq_len,
     batch_size: Annotated[int, typer.Option(help="Blocks per batch (per rank under torchrun).")] = D.batch_size,
     grad_accum: Annotated[int, typer.Option(help="Batches per optimizer step (gradient accumulation).")] = D.grad_accum,
@@ -175,8 +174,7 @@ def _train_signature(
     init_adapter: Annotated[Optional[str], typer.Option(help="Start from this peft adapter (its base and LoRA "
                                                              "shape the run's).")] = None,
     report_to: Annotated[str, typer.Option(help=report_to_help("the island's training"))] = D.report_to,
-    run_name: Annotated[str, typer.Option(help="The run's name, grouping its islands' and syncer's tracker runs "
-                                               "(default: --out's directory name; with --syncer, its parent's).")
+    run_name: Annotated[str, typer.Option(help=run_name_help("--out's directory name; with --syncer, its parent's"))
                         ] = D.run_name,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:

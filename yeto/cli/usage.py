@@ -3,6 +3,9 @@
 A usage error (unknown flag, bad value, missing option) is click's usual few lines and exit 2; a `YetoError`
 (bad input found by yeto's own checks) is one `error: ...` line and exit 2. typer 0.26+ bundles its own copy of
 click and raises that copy's exceptions, so both copies' classes are caught here.
+
+How a command's help reads is here too: its panels, its old spellings, and the help texts more than one command
+shows, written once.
 """
 
 from __future__ import annotations
@@ -19,8 +22,24 @@ import typer
 from yeto import YetoError
 
 ADVANCED_PANEL = "Advanced (defaults need no touching)"
+# help texts more than one command shows, written once (`--report-to`'s: yeto.report.trackers.report_to_help)
+ADAPTER_HELP = "The adapter directory (or a run directory holding adapter/)."
+BASE_MODEL_HELP = ("Base model alias, local directory or hub id (default: the base the adapter records; given, it "
+                   "must be that base).")
+BASE_REVISION_HELP = "Hub revision of the base model."
+JSON_HELP = "Print JSON instead of a table."
 USAGE_EXIT = 2  # click's and yeto's exit code for a usage or input error
 INTERRUPTED_EXIT = 130  # 128 + SIGINT
+
+
+def trust_remote_code_help(when: str = "") -> str:
+    """`--trust-remote-code`'s help; `when` says where it applies (" (with --model)")."""
+    return f"Allow the model repo's own code to run{when}."
+
+
+def run_name_help(default: str) -> str:
+    """`--run-name`'s help, for the syncer and the islands alike: `default` says where the name comes from."""
+    return f"The run's name, grouping the syncer's and the islands' tracker runs (default: {default})."
 
 
 def usage_errors() -> tuple[type[Exception], ...]:

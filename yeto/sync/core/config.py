@@ -13,7 +13,8 @@ from typing import Any, Optional
 from yeto import YetoError
 from yeto.sync.core.checks import check_port
 from yeto.sync.merge.aggregate import DEFAULT_CLIP_K, ROBUST_MODES
-from yeto.sync.merge.rules import LORA_MERGES, MERGE_RULES, MERGE_WEIGHTS
+from yeto.sync.merge.rules import (DEFAULT_RULE, LORA_MERGES, MEAN, MERGE_WEIGHTS, TRIMMED_MEAN_ALONE, merge_rule,
+                                   merge_rules)
 from yeto.sync.wire.layout import MAX_STREAM_PARTS
 from yeto.sync.wire.protocol import DEFAULT_MAX_MESSAGE_MB
 from yeto.sync.wire.quant import BITS
@@ -22,7 +23,6 @@ DEFAULT_GRACE_S = 5.0  # after quorum, wait at most this long for an island pred
 DEFAULT_MAX_BASE_LAG = 4
 MAX_BASE_LAG = 64  # beyond this a delta describes another model
 DEFAULT_STALENESS_EXPONENT = 0.5
-DEFAULT_MERGE = "rda"
 HEARTBEATS_PER_TIMEOUT = 4  # learners ping this many times per --learner-timeout
 DEFAULT_MAX_LEARNERS = 1024
 # what a restart may not change: the run's math and its wire format depend on them
@@ -56,7 +56,7 @@ class SyncerConfig:
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
     robust: str = "norm-clip"
     robust_k: float = DEFAULT_CLIP_K
-    merge: Optional[str] = None  # yeto.sync.merge.rules: mean | rda (None: rda, or mean where another choice needs it)
+    merge: Optional[str] = None  # yeto.sync.merge.rules.RULES (None: rda, or mean where another choice needs it)
     merge_weight: str = "loss-tokens"  # loss-tokens | tokens | steps | equal
     lora_merge: str = "factors"  # factors | product
     grace_s: float = DEFAULT_GRACE_S
@@ -94,13 +94,15 @@ class SyncerConfig:
             self.broadcast_bits = self.sync_bits
         if self.step_normalize is None:  # docs/benchmarks.md, heterogeneous fleet: with a 10x slower island, mean +
             # step normalization 0.987x the fast island alone (ten runs); in one run, 0.969x against the mean's 1.025x
-            self.step_normalize = self.round_seconds > 0 and self.merge in (None, "mean")
+            rule = merge_rules().get(self.merge)  # (an unknown --merge: check names it)
+            self.step_normalize = self.round_seconds > 0 and (self.merge is None or (
+                rule is not None and rule.step_normalize_by_default))
             self.step_normalize_by_default = True
         if self.merge is None:  # bench/convergence.py: rda 0.98x the data-parallel loss, mean 1.02x (2 islands)
             # (rda keeps the deltas' mean norm: a slow island's short delta scaled up is mostly noise, and its norm
             # inflates the step: rda + step normalization 1.08-1.14x the fast island alone)
             mean = self.robust == "trimmed-mean" or self.lora_merge == "product" or self.step_normalize
-            self.merge = "mean" if mean else DEFAULT_MERGE
+            self.merge = MEAN if mean else DEFAULT_RULE
             self.merge_by_default = True
 
     def check(self) -> None:
@@ -140,15 +142,15 @@ class SyncerConfig:
         if not self.robust_k >= 1:
             raise YetoError(f"--robust-k must be at least 1 (a delta is clipped above k x the median norm), got "
                             f"{self.robust_k}")
-        for flag, value, choices in (("--merge", self.merge, MERGE_RULES), ("--merge-weight", self.merge_weight,
-                                     MERGE_WEIGHTS), ("--lora-merge", self.lora_merge, LORA_MERGES)):
+        for flag, value, choices in (("--merge", self.merge, tuple(merge_rules())), ("--merge-weight",
+                                     self.merge_weight, MERGE_WEIGHTS), ("--lora-merge", self.lora_merge, LORA_MERGES)):
             if value not in choices:
                 raise YetoError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
-        if self.robust == "trimmed-mean" and (self.merge, self.lora_merge) != ("mean", "factors"):
-            raise YetoError("--robust trimmed-mean is its own rule, coordinate by coordinate: use it with --merge mean "
-                            "--lora-merge factors, or pick --robust norm-clip")
-        if self.merge == "rda" and self.lora_merge == "product":
-            raise YetoError("--lora-merge product merges the B.A products by their mean: use it with --merge mean")
+        if self.robust == "trimmed-mean" and self.lora_merge != "factors":  # (two merges of their own: one at most)
+            raise YetoError(TRIMMED_MEAN_ALONE)
+        problem = merge_rule(self.merge).check(self)  # (the rule's own: yeto.sync.merge.rules.MergeRule.check)
+        if problem is not None:
+            raise YetoError(problem)
         self._check_streaming()
 
     def _check_streaming(self) -> None:
@@ -192,7 +194,7 @@ class SyncerConfig:
     def check_resume(self, saved: dict[str, Any], version: int) -> None:
         """Refuse a restart whose flags contradict the run in the checkpoint; an unset --merge (--step-normalize)
         takes the run's own (a run started under other defaults resumes as it began)."""
-        if self.merge_by_default and saved.get("merge") in MERGE_RULES:
+        if self.merge_by_default and saved.get("merge") in tuple(merge_rules()):
             self.merge = saved["merge"]
         if self.step_normalize_by_default and saved:  # (a run from before the switch: it had none)
             self.step_normalize = saved.get("step_normalize") is True

@@ -146,9 +146,9 @@ class Merging:
             clip = {i: c for i, c in zip(ids, factors) if c < 1.0}
         if cfg.lora_merge == "factors":  # the running sums: one or two vectors in memory, not n
             unnormalised = {i: effective_weight(w, scales[i]) for i, w in zip(ids, terms.counted)}
-            avg, fallbacks = clipped_merge(self._bounded_sum(ids, terms), clip, unnormalised,
-                                           lambda i: self.deltas.decode(s.pending[i]))
-            return Average(avg * most, clip, {} if fallbacks is None else {"rda_fallbacks": fallbacks})
+            avg, report = clipped_merge(self._bounded_sum(ids, terms), clip, unnormalised,
+                                        lambda i: self.deltas.decode(s.pending[i]))
+            return Average(avg * most, clip, report)
         # every delta at once (LoRA adapters are small: n of them fit where one base does not)
         deltas = [self.deltas.decode(s.pending[i]) * np.float32(clip.get(i, 1.0) * scales[i] * most) for i in ids]
         pm = product_merge([run.global_ + d for d in deltas], weights, run.layout)

@@ -28,9 +28,10 @@ the token-weighted mean of the rest; it needs every delta at once, so it walks
 the adapter fragment by fragment (memory: n fragments, not n adapters). With
 fewer than three deltas there is nothing to trim and it is the mean.
 
-RDA (`--merge rda`, yeto.sync.merge.rules) streams too: `RoundSum` carries its
-per-tensor radial sums and running sum of unit directions, and a clip corrects
-the radial sum from the delta's stored tensor norms (no decode).
+The rule (`--merge`, yeto.sync.merge.rules.RULES) streams too: `RoundSum`
+carries what the rule keeps beyond the sum (RDA: its per-tensor radial sums and
+running sum of unit directions, a clip correcting the radial sum from the
+delta's stored tensor norms, no decode; the mean: nothing).
 
 Every result is a pure function of the deltas in their accumulation order (the
 tape's `responders`), so the merge replays bit for bit.
@@ -40,12 +41,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from yeto.sync.wire.layout import Layout
-from yeto.sync.merge.rules import Directions, Tier, low_median
+from yeto.sync.merge.rules import MeanSums, RuleSums, Tier, low_median, merge_rule
 from yeto.sync.wire.spans import over_spans
 
 ROBUST_MODES = ("norm-clip", "trimmed-mean", "off")
@@ -92,18 +93,18 @@ def effective_weight(weight: float, scale: float) -> float:
 
 @dataclass
 class RoundSum:
-    """sum_i t_i * d_i over the deltas added so far, in arrival order (and RDA's sums, when the rule is rda)."""
+    """sum_i t_i * d_i over the deltas added so far, in arrival order (and what the rule keeps beside it)."""
 
     numel: int
     total: Optional[np.ndarray] = None
     weight: float = 0.0
     order: list[int] = field(default_factory=list)  # learner ids, as added
-    directions: Optional[Directions] = None  # `--merge rda`: the radial and direction sums
+    rule_sums: RuleSums = field(default_factory=MeanSums)  # `--merge`'s own sums (RDA: the radial and direction sums)
 
     @classmethod
     def for_rule(cls, layout: Layout, rule: str) -> "RoundSum":
-        """An empty sum for `--merge rule` (mean or rda)."""
-        return cls(layout.numel, directions=Directions.of(layout) if rule == "rda" else None)
+        """An empty sum for `--merge rule`."""
+        return cls(layout.numel, rule_sums=merge_rule(rule).sums(layout))
 
     def add(self, learner: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
         """Add weight x scale x delta; the mean divides by the weights alone (a stale delta's scale < 1 shrinks
@@ -111,13 +112,12 @@ class RoundSum:
         self.total = accumulate(self.total, delta, effective_weight(weight, scale))
         self.weight += weight
         self.order.append(learner)
-        if self.directions is not None:
-            self.directions.add(learner, delta, weight, scale)
+        self.rule_sums.add(learner, delta, weight, scale)
 
     def copy(self) -> "RoundSum":
         """A copy a merge may correct (clips) while the round's own sum stays as the deltas arrived."""
         return RoundSum(self.numel, None if self.total is None else self.total.copy(), self.weight, list(self.order),
-                        self.directions)
+                        self.rule_sums)  # (shared: a rule's merge leaves its sums as they are)
 
     def mean(self) -> np.ndarray:
         if self.total is None or self.weight <= 0:
@@ -144,18 +144,17 @@ def clip_factors(norms: Sequence[float], ref: float, k: float) -> list[float]:
 
 
 def clipped_merge(s: RoundSum, factors: dict[int, float], weights: dict[int, float],
-                  delta_of: Callable[[int], np.ndarray]) -> tuple[np.ndarray, Optional[int]]:
-    """The running sum's merge (the mean, or RDA's with its count of tensors that fell back to the mean) after
-    scaling the listed learners' deltas by their factors (< 1); `weights` are the effective ones, t_i s_i."""
+                  delta_of: Callable[[int], np.ndarray]) -> tuple[np.ndarray, dict[str, Any]]:
+    """The running sum's merge by its rule, and the fields the rule adds to the merge record (RDA: its count of
+    tensors that fell back to the mean), after scaling the listed learners' deltas by their factors (< 1); `weights`
+    are the effective ones, t_i s_i."""
     shrink = {}
     for lid in s.order:
         c = factors.get(lid, 1.0)
         if c < 1.0:
             shrink[lid] = (1.0 - c) * weights[lid]  # what the clip takes off this delta's weight
             s.total = accumulate(s.total, delta_of(lid), -shrink[lid], fused=True)
-    if s.directions is None:
-        return s.mean(), None
-    return s.directions.merge(s.mean(), s.weight, shrink)
+    return s.rule_sums.merge(s.mean(), s.weight, shrink)
 
 
 def trimmed_mean(block: Callable[[int], np.ndarray], weights: Sequence[float], layout: Layout) -> np.ndarray:

@@ -9,7 +9,8 @@ Weights (`--merge-weight`), w_i >= 0 normalised to sum 1:
 A slow island already sends a smaller delta (fewer steps, fewer tokens behind it): token weights account for that
 once, and the delta's own size a second time; `equal` counts every island once whatever it did.
 
-Rules (`--merge`):
+Rules (`--merge`, the table `RULES`: each entry a `MergeRule`, all a rule is: its sums, its merge, what it reports
+on the tape, its check of the other flags, its help line):
     rda    (the default) radial-directional averaging, per tensor t:
                (sum_i w_i |d_i,t|) * v / |v|,   v = sum_i w_i d_i,t / |d_i,t|
            The mean of near-orthogonal deltas shrinks as 1/sqrt(n); RDA keeps the typical delta's length and takes the
@@ -69,16 +70,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
 from yeto.sync.wire.layout import Layout
 
-MERGE_RULES = ("mean", "rda")
 MERGE_WEIGHTS = ("loss-tokens", "tokens", "steps", "equal")
 LORA_MERGES = ("factors", "product")
 RDA_CANCEL = 1e-3  # |sum of weighted unit directions| below this (of the weights' sum): directions cancel, use the mean
+RDA_FALLBACKS = "rda_fallbacks"  # the merge record's field: how many tensors RDA left at the mean
 ALS_MAX_ITERATIONS = 50  # bounds a product merge's cost where ALS_TOLERANCE is not reached
 ALS_TOLERANCE = 1e-9  # stop once the residual improves by less than this (relative to |W|^2)
 RIDGE = 1e-12  # keeps the normal equations of a rank-deficient factor solvable
@@ -244,12 +245,14 @@ class Directions:
         self.radial += (weight * scale) * norms
         self.norms[learner] = norms
 
-    def merge(self, mean: np.ndarray, total_weight: float, shrink: dict[int, float]) -> tuple[np.ndarray, int]:
-        """(sum radial / sum t) * v / |v| per tensor, v = units / sum t; the `mean` where |v| < RDA_CANCEL.
-        `shrink` removes (1 - c_i) t_i s_i |d_i| from the radial sums (a clip by c_i, given as that product)."""
+    def merge(self, mean: np.ndarray, total_weight: float, shrink: dict[int, float]
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        """(sum radial / sum t) * v / |v| per tensor, v = units / sum t; the `mean` where |v| < RDA_CANCEL, counted
+        in the report's RDA_FALLBACKS. `shrink` removes (1 - c_i) t_i s_i |d_i| from the radial sums (a clip by c_i,
+        given as that product)."""
         out = np.asarray(mean, dtype=np.float32).copy()
         if self.units is None or total_weight <= 0:
-            return out, len(self.slices)
+            return out, {RDA_FALLBACKS: len(self.slices)}
         radial = self.radial.copy()
         for lid, amount in shrink.items():
             radial -= amount * self.norms[lid]
@@ -262,7 +265,7 @@ class Directions:
                 # fallback: only deltas that cancel are)
             else:
                 out[k] = (radial[j] / total_weight / length) * v
-        return out, fallbacks
+        return out, {RDA_FALLBACKS: fallbacks}
 
 
 def rda(deltas: Sequence[np.ndarray], weights: np.ndarray, layout: Layout) -> tuple[np.ndarray, int]:
@@ -271,7 +274,114 @@ def rda(deltas: Sequence[np.ndarray], weights: np.ndarray, layout: Layout) -> tu
     for i, x in enumerate(deltas):
         d.add(i, x, float(weights[i]))
     mean = sum(float(w) * np.asarray(x, dtype=np.float64) for w, x in zip(weights, deltas))
-    return d.merge(mean / float(np.sum(weights)), float(np.sum(weights)), {})
+    merged, report = d.merge(mean / float(np.sum(weights)), float(np.sum(weights)), {})
+    return merged, report[RDA_FALLBACKS]
+
+
+class RuleSums(Protocol):
+    """What a rule keeps of a round beyond the weighted sum (`yeto.sync.merge.aggregate.RoundSum` carries it), added
+    to as each delta arrives, and the merge it makes of them. `merge` leaves the sums as they are: a merge retried
+    without a refused delta, or made again on a copy, reads them again."""
+
+    def add(self, learner: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
+        """Take in learner's delta, counted for `weight` (its claim, unnormalised) and scaled by `scale`."""
+
+    def merge(self, mean: np.ndarray, total_weight: float, shrink: dict[int, float]
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        """The merged delta (from the round's weighted `mean`, its weights' sum, and each clip's `shrink`: (1 - c_i)
+        t_i s_i), and the fields the rule adds to the tape's merge record."""
+
+
+class MeanSums:
+    """The mean keeps nothing beyond the weighted sum: its merge is that sum's mean."""
+
+    @classmethod
+    def of(cls, layout: Layout) -> "MeanSums":
+        return cls()
+
+    def add(self, learner: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
+        pass
+
+    def merge(self, mean: np.ndarray, total_weight: float, shrink: dict[int, float]
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        return mean, {}
+
+
+class MergeFlags(Protocol):
+    """The flags a rule's check reads (`yeto.sync.core.config.SyncerConfig` has them)."""
+
+    robust: str
+    lora_merge: str
+    step_normalize: Optional[bool]
+
+
+TRIMMED_MEAN_ALONE = ("--robust trimmed-mean is its own rule, coordinate by coordinate: use it with --merge mean "
+                      "--lora-merge factors, or pick --robust norm-clip")
+PRODUCT_IS_A_MEAN = "--lora-merge product merges the B.A products by their mean: use it with --merge mean"
+
+
+def needs_its_sums(flags: MergeFlags) -> Optional[str]:
+    """A rule's own math runs on the running sums: `--robust trimmed-mean` and `--lora-merge product` merge by means
+    of their own, so they take the mean rule, not this one."""
+    if flags.robust == "trimmed-mean":
+        return TRIMMED_MEAN_ALONE
+    if flags.lora_merge == "product":
+        return PRODUCT_IS_A_MEAN
+    return None
+
+
+def fits_any_flags(flags: MergeFlags) -> Optional[str]:
+    """The mean is what trimmed-mean and product merges are: every other flag goes with it."""
+    return None
+
+
+@dataclass(frozen=True)
+class MergeRule:
+    """One `--merge` rule, whole: its math (the sums it keeps as deltas arrive, and its merge of them), what its
+    merge adds to the tape (checked by the simulator's replay), its check of the run's other flags, its default for
+    `--step-normalize` and its line in `yeto syncer --help`. A new rule is one entry in `RULES`."""
+
+    name: str
+    help: str  # what `yeto syncer --help` says of it, after its name
+    sums: Callable[[Layout], RuleSums]  # a round's empty sums
+    reports: dict[str, str] = field(default_factory=dict)  # merge record fields it adds -> what a replay calls them
+    step_normalize_by_default: bool = False  # in time-window rounds, with --step-normalize unset
+    check: Callable[[MergeFlags], Optional[str]] = needs_its_sums  # a problem with the other flags, or None
+
+
+MEAN = "mean"  # the rule `--robust trimmed-mean` and `--lora-merge product` are
+DEFAULT_RULE = "rda"
+RULES: dict[str, MergeRule] = {r.name: r for r in (
+    MergeRule(MEAN, "weighted average; the default with --round-seconds, --lora-merge product or --robust "
+                    "trimmed-mean", MeanSums.of, step_normalize_by_default=True, check=fits_any_flags),
+    MergeRule("rda", "radial-directional: the mean norm along the mean direction, per tensor; the default",
+              Directions.of, reports={RDA_FALLBACKS: "RDA fallbacks"}),
+)}
+
+
+def merge_rules() -> dict[str, MergeRule]:
+    """The rules `--merge` takes, by name, in the order they are listed (read at each call: a test may swap in a copy
+    of `RULES` with a rule of its own)."""
+    return RULES
+
+
+def merge_rule(name: str) -> MergeRule:
+    """The rule `name` (`SyncerConfig.check` refuses an unknown one first, in one line)."""
+    rule = merge_rules().get(name)
+    if rule is None:
+        raise ValueError(f"unknown merge rule {name!r}")
+    return rule
+
+
+def reported_fields() -> dict[str, str]:
+    """Every rule's merge record fields: a replay checks each (a rule reports its own, and none of another's)."""
+    return {k: label for r in merge_rules().values() for k, label in r.reports.items()}
+
+
+def rules_help() -> str:
+    """The rules as `--merge`'s help lists them: each with its own line, the default first."""
+    lines = [f"{r.name} ({r.help})" for r in sorted(merge_rules().values(), key=lambda r: r.name != DEFAULT_RULE)]
+    return lines[0] if len(lines) == 1 else f"{', '.join(lines[:-1])} or {lines[-1]}"
 
 
 def lora_pairs(layout: Layout) -> list[tuple[str, str]]:

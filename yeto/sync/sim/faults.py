@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from yeto.sync.core.learner import LinkTimeouts
 from yeto.sync.core.syncer import SyncerConfig
+from yeto.sync.merge.rules import merge_rules
 from yeto.sync.wire.protocol import JOIN_PRINCIPAL, LEARNER_PRINCIPAL
 
 TICK_S = 0.25  # how often each node's timers run (the real shells tick faster)
@@ -216,7 +217,7 @@ class Schedule:
         """Stale deltas and the adaptive grace: drawn from a stream of their own (older seeds keep their faults)."""
         rng = random.Random(seed * 31 + 29)
         return {"max_base_lag": rng.choice([0, 1, 2, 4]), "staleness_exponent": rng.choice([0.0, 0.5]),
-                "grace_ms": rng.choice([0.0, 500.0, 3000.0]), "merge": rng.choice(["mean", "rda"])}
+                "grace_ms": rng.choice([0.0, 500.0, 3000.0]), "merge": rng.choice(tuple(merge_rules()))}
 
     @staticmethod
     def draw_give_ups(seed: int, kills: list) -> list[tuple[float, int]]:

@@ -12,7 +12,7 @@ from yeto.sync.shell.audit import TapeFold, audit
 from yeto.sync.core.actions import Checkpoint, Out
 from yeto.sync.core.learner import LearnerCore
 from yeto.sync.core.learner.phases import TRANSITIONS, Phase
-from yeto.sync.merge.rules import DeltaCounts, merge_terms
+from yeto.sync.merge.rules import DeltaCounts, merge_terms, reported_fields
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
 from yeto.sync.wire.layout import fragment_pieces, round_part, synced_fragments
 from yeto.sync.wire.protocol import Code, Message, array_digest, decode_fragments, digest_bytes, encode_fragments_ef
@@ -205,11 +205,11 @@ class Oracle:
                 s.add(lid, deltas[lid], weight[lid], scale[lid])
             clip = {int(k): c for k, c in e["clip"].items()}
             weights = {lid: effective_weight(weight[lid], scale[lid]) for lid in weight}
-            avg, fallbacks = clipped_merge(s, clip, weights, deltas.__getitem__)
+            avg, report = clipped_merge(s, clip, weights, deltas.__getitem__)
             avg = avg * np.float32(terms.length)
-            if fallbacks != e.get("rda_fallbacks"):
-                raise Violation(f"replay of merge {v}: {fallbacks} RDA fallbacks, the tape says "
-                                f"{e.get('rda_fallbacks')}")
+            for name, what in reported_fields().items():  # (every rule's: a merge reports its own rule's alone)
+                if report.get(name) != e.get(name):
+                    raise Violation(f"replay of merge {v}: {report.get(name)} {what}, the tape says {e.get(name)}")
             if part is None:
                 new, m = nesterov_step(g, avg, m, cfg.outer_lr, cfg.outer_momentum)
             else:
