@@ -17,6 +17,7 @@ from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
 from yeto.sync.core.learner.phases import TRANSITIONS, Held, IllegalTransition, Phase, Training
+from yeto.sync.core.learner.policy import NO_STEP_LIMIT, RoundPolicy
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.wire.layout import build_layout
 from yeto.sync.wire.protocol import decode, encode
@@ -239,7 +240,35 @@ def test_deltas_travel_at_sync_bits_and_broadcasts_at_broadcast_bits(bits):
     assert frames and all(s == [encoded_size(x.numel, up) for x in f.layout.fragments] for s in frames)
     for c in f.learners.values():  # each learner holds the syncer's global bit for bit, and its policy says both
         assert np.array_equal(c.global_, f.syncer.run.global_)
-        assert (c.policy["sync_bits"], c.policy["broadcast_bits"]) == (up, down or up)
+        assert (c.policy.sync_bits, c.policy.broadcast_bits) == (up, down or up)
+
+
+@pytest.mark.parametrize("round_seconds, cap, steps, limit", [
+    (0.0, 0, 4, 4), (0.0, 2, 2, 2), (10.0, 0, 0, NO_STEP_LIMIT), (10.0, 3, 3, 3),
+], ids=["fixed", "fixed-capped", "window", "window-capped"])
+def test_the_round_policy_says_how_many_steps_a_round_asks_of_an_island(round_seconds, cap, steps, limit):
+    """One answer where the learner core's round start, its pipelined rounds and the training loop each had a
+    formula: a fixed-step round asks --inner-steps, or the island's --max-inner-steps (`cap`) where lower; a time
+    window asks only the cap (0: as many steps as it holds). What an island trains toward a round whose global has
+    not come (--overlap, steps ahead, a carried window) stops at its cap, else at what a round asks, else never."""
+    policy = RoundPolicy(inner_steps=4, round_seconds=round_seconds, outer_steps=3)
+    assert policy.steps_for(cap) == steps and policy.train_on_limit(cap) == limit
+    assert policy.steps_for(8) == (4 if not round_seconds else 8)  # (a cap above --inner-steps asks no more)
+    assert policy.run_steps() == (None if round_seconds else 12)
+
+
+def test_the_round_policy_is_what_the_syncer_sends():
+    """Every key the syncer's welcome carries is a field, read back as sent; a key this version does not know is
+    left out, a missing one takes its one default (what a learner assumes before the welcome), and a value that is
+    not a number is refused (the core ignores that welcome as malformed)."""
+    wire = SyncerConfig(inner_steps=3, sync_bits=8, fragments=2, pipeline=2, learner_timeout=6.0).policy()
+    policy = RoundPolicy.from_wire(wire)
+    assert list(policy.wire().items()) == list(wire.items())
+    assert (policy.inner_steps, policy.broadcast_bits, policy.heartbeat_s, policy.pipeline) == (3, 8, 1.5, 2)
+    assert RoundPolicy.from_wire({**wire, "from_a_later_version": 1}) == policy
+    assert RoundPolicy.from_wire({}) == RoundPolicy() and RoundPolicy().heartbeat_s == math.inf
+    with pytest.raises(ValueError):
+        RoundPolicy.from_wire({**wire, "inner_steps": "many"})
 
 
 @pytest.mark.parametrize("flags", [{"sync_bits": 3}, {"broadcast_bits": 1}, {"sync_bits": 2, "broadcast_bits": 64}])

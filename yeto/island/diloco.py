@@ -46,7 +46,6 @@ from yeto.sync.wire.layout import Layout, build_layout, flatten, fragment_pieces
 
 
 IDENTITY_FILE = "identity"
-NO_STEP_LIMIT = 10**9  # an overlap with neither --max-inner-steps nor a step policy trains until the merge comes
 
 
 @dataclass
@@ -221,7 +220,7 @@ class IslandLoop:
         wait for the core)."""
         if not self.overlap or self.core.pipeline <= 1 or self.t_start is None or self.held_global is None:
             return 0
-        limit = self.max_inner_steps or int(self.core.policy.get("inner_steps", 0))
+        limit = self.core.policy.train_on_limit(self.max_inner_steps)
         latest = self.link.latest_round_in_flight()
         if not latest or (self.carry is not None and self.carry.rnd.steps >= limit):
             return 0
@@ -232,9 +231,9 @@ class IslandLoop:
             self.island.use_shard(*self.core.shard)  # the data shard the syncer says (a no-op once held)
         if self.t_start is None:
             self.t_start = time.perf_counter()
-            policy = self.core.policy
-            if not policy.get("round_seconds"):
-                self.island.set_total_steps(int(policy["outer_steps"]) * int(policy["inner_steps"]))
+            total = self.core.policy.run_steps()
+            if total is not None:
+                self.island.set_total_steps(total)
         rnd = self._start(task)
         if self.on_round_start is not None:
             self.on_round_start(self.link.counted_residual())
@@ -264,7 +263,7 @@ class IslandLoop:
         elif self.carry is not None:
             start = task.adapter + (flatten(self.layout, self.island.adapter_state()) - self.carry.since)
         else:
-            alpha = float(self.core.policy.get("merge_alpha", 1.0))
+            alpha = self.core.policy.merge_alpha
             start = task.adapter if self.last_local is None or alpha >= 1 else (
                 alpha * task.adapter + (1 - alpha) * self.last_local).astype(np.float32)
         self.carry, self.held_global = None, task.adapter.copy()
@@ -309,7 +308,8 @@ class IslandLoop:
     def _carry(self, task: Train, rnd: RoundStats) -> None:
         """Our previous delta, late, holds this round's place: train on until the next global comes (at most
         --max-inner-steps in all), and carry it all on top of it (a fresh delta)."""
-        while self.link.carrying() and not (self.max_inner_steps and rnd.steps >= self.max_inner_steps):
+        limit = self.core.policy.train_on_limit(self.max_inner_steps)
+        while self.link.carrying() and rnd.steps < limit:
             self._step(rnd)
         self.carry, self.carried_round = Carry(rnd, task.adapter), task.round
         self.stats.carried += 1
@@ -335,7 +335,7 @@ class IslandLoop:
         if self.overlap and self.core.pipeline <= 1:  # train on while the merge is in flight; those steps go on top
             # of the merged adapter (a pipeline trains the next rounds' parts, then on while full: `_next_task`)
             nxt = RoundStats(task.round + 1)
-            limit = self.max_inner_steps or (task.steps if task.steps else NO_STEP_LIMIT)
+            limit = self.core.policy.train_on_limit(self.max_inner_steps)
             while self.link.awaiting_merge() and nxt.steps < limit:
                 self._step(nxt)
             self.carry = Carry(nxt, local) if nxt.steps else None

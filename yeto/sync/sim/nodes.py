@@ -447,7 +447,7 @@ class SimLearner:
             w.log(f"learner {self.lid}: carrying round {t.round}'s {self.steps} steps onto the next global")
         if verdict is StepVerdict.PUSH:
             t = self.core.training
-            bits = int(self.core.policy["sync_bits"])
+            bits = self.core.policy.sync_bits
             w.oracle.check_base(self.lid, t.base_version, t.base)
             x = self.island.flat - t.base
             self.raw[(t.round, t.round - 1 if t.round > t.base_version + 1 else t.base_version)] = x  # (as sent:
