@@ -18,6 +18,7 @@ from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpo
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
 from yeto.sync.core.learner.phases import TRANSITIONS, Held, IllegalTransition, Phase, Training
 from yeto.sync.core.learner.policy import NO_STEP_LIMIT, RoundPolicy
+from yeto.sync.core.learner.work import Carry, RoundSteps
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.wire.layout import build_layout
 from yeto.sync.wire.protocol import decode, encode
@@ -578,6 +579,24 @@ def test_a_learner_restarted_while_its_late_delta_holds_the_round_carries_instea
     assert merge2["round"] == 2 and merge2["responders"] == [0, 1] and merge2["lags"] == [0, 1]
     assert not c1.carrying and (c1.next_task(f.now).round, c1.version) == (3, 2)
     assert len([e for e in f.tape if e["event"] == "reject"]) == (told_by == "duplicate")
+
+
+@pytest.mark.parametrize("trained_for, place, into, carried, back", [
+    (2, 2, 3, 5, False), (3, None, 3, 0, False), (2, 2, 2, 0, True),
+], ids=["window-carried-on", "overlap-or-ahead", "carried-back"])
+def test_steps_kept_into_a_round_count_toward_its_delta_not_its_window(trained_for, place, into, carried, back):
+    """The training loops' carry (the real loop's and the simulator's, one code): 5 steps kept go on top of the next
+    global (θ ← g + (θ − since)) and count toward round `into`'s delta, none toward its window's pace. Trained for
+    another round's window, they are carried in (step normalization leaves them out of the round's length); trained
+    for `into` itself (--overlap, a pipeline's steps ahead) they are its own; sent back to the round they were
+    carried from (the late delta holding its place was refused), `into` says so."""
+    count = RoundSteps(trained_for, steps=5)
+    carry = Carry(count, np.zeros(3, np.float32), place)
+    assert carry.into(into) is back
+    assert (count.round, count.steps, count.before, count.carried, count.window_steps) == (into, 5, 5, carried, 0)
+    count.steps += 1
+    assert count.window_steps == 1
+    assert np.array_equal(carry.onto(np.full(3, 2.0, np.float32), np.ones(3, np.float32)), np.full(3, 3.0))
 
 
 @pytest.mark.parametrize("told_by", ["error", "pong", "welcome"])
