@@ -17,6 +17,8 @@ from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
 from yeto.sync.core.learner.phases import TRANSITIONS, Held, IllegalTransition, Phase, Training
+from yeto.sync.core.learner.policy import NO_STEP_LIMIT, RoundPolicy
+from yeto.sync.core.learner.work import Carry, RoundSteps
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.wire.layout import build_layout
 from yeto.sync.wire.protocol import decode, encode
@@ -239,7 +241,35 @@ def test_deltas_travel_at_sync_bits_and_broadcasts_at_broadcast_bits(bits):
     assert frames and all(s == [encoded_size(x.numel, up) for x in f.layout.fragments] for s in frames)
     for c in f.learners.values():  # each learner holds the syncer's global bit for bit, and its policy says both
         assert np.array_equal(c.global_, f.syncer.run.global_)
-        assert (c.policy["sync_bits"], c.policy["broadcast_bits"]) == (up, down or up)
+        assert (c.policy.sync_bits, c.policy.broadcast_bits) == (up, down or up)
+
+
+@pytest.mark.parametrize("round_seconds, cap, steps, limit", [
+    (0.0, 0, 4, 4), (0.0, 2, 2, 2), (10.0, 0, 0, NO_STEP_LIMIT), (10.0, 3, 3, 3),
+], ids=["fixed", "fixed-capped", "window", "window-capped"])
+def test_the_round_policy_says_how_many_steps_a_round_asks_of_an_island(round_seconds, cap, steps, limit):
+    """One answer where the learner core's round start, its pipelined rounds and the training loop each had a
+    formula: a fixed-step round asks --inner-steps, or the island's --max-inner-steps (`cap`) where lower; a time
+    window asks only the cap (0: as many steps as it holds). What an island trains toward a round whose global has
+    not come (--overlap, steps ahead, a carried window) stops at its cap, else at what a round asks, else never."""
+    policy = RoundPolicy(inner_steps=4, round_seconds=round_seconds, outer_steps=3)
+    assert policy.steps_for(cap) == steps and policy.train_on_limit(cap) == limit
+    assert policy.steps_for(8) == (4 if not round_seconds else 8)  # (a cap above --inner-steps asks no more)
+    assert policy.run_steps() == (None if round_seconds else 12)
+
+
+def test_the_round_policy_is_what_the_syncer_sends():
+    """Every key the syncer's welcome carries is a field, read back as sent; a key this version does not know is
+    left out, a missing one takes its one default (what a learner assumes before the welcome), and a value that is
+    not a number is refused (the core ignores that welcome as malformed)."""
+    wire = SyncerConfig(inner_steps=3, sync_bits=8, fragments=2, pipeline=2, learner_timeout=6.0).policy()
+    policy = RoundPolicy.from_wire(wire)
+    assert list(policy.wire().items()) == list(wire.items())
+    assert (policy.inner_steps, policy.broadcast_bits, policy.heartbeat_s, policy.pipeline) == (3, 8, 1.5, 2)
+    assert RoundPolicy.from_wire({**wire, "from_a_later_version": 1}) == policy
+    assert RoundPolicy.from_wire({}) == RoundPolicy() and RoundPolicy().heartbeat_s == math.inf
+    with pytest.raises(ValueError):
+        RoundPolicy.from_wire({**wire, "inner_steps": "many"})
 
 
 @pytest.mark.parametrize("flags", [{"sync_bits": 3}, {"broadcast_bits": 1}, {"sync_bits": 2, "broadcast_bits": 64}])
@@ -549,6 +579,24 @@ def test_a_learner_restarted_while_its_late_delta_holds_the_round_carries_instea
     assert merge2["round"] == 2 and merge2["responders"] == [0, 1] and merge2["lags"] == [0, 1]
     assert not c1.carrying and (c1.next_task(f.now).round, c1.version) == (3, 2)
     assert len([e for e in f.tape if e["event"] == "reject"]) == (told_by == "duplicate")
+
+
+@pytest.mark.parametrize("trained_for, place, into, carried, back", [
+    (2, 2, 3, 5, False), (3, None, 3, 0, False), (2, 2, 2, 0, True),
+], ids=["window-carried-on", "overlap-or-ahead", "carried-back"])
+def test_steps_kept_into_a_round_count_toward_its_delta_not_its_window(trained_for, place, into, carried, back):
+    """The training loops' carry (the real loop's and the simulator's, one code): 5 steps kept go on top of the next
+    global (θ ← g + (θ − since)) and count toward round `into`'s delta, none toward its window's pace. Trained for
+    another round's window, they are carried in (step normalization leaves them out of the round's length); trained
+    for `into` itself (--overlap, a pipeline's steps ahead) they are its own; sent back to the round they were
+    carried from (the late delta holding its place was refused), `into` says so."""
+    count = RoundSteps(trained_for, steps=5)
+    carry = Carry(count, np.zeros(3, np.float32), place)
+    assert carry.into(into) is back
+    assert (count.round, count.steps, count.before, count.carried, count.window_steps) == (into, 5, 5, carried, 0)
+    count.steps += 1
+    assert count.window_steps == 1
+    assert np.array_equal(carry.onto(np.full(3, 2.0, np.float32), np.ones(3, np.float32)), np.full(3, 3.0))
 
 
 @pytest.mark.parametrize("told_by", ["error", "pong", "welcome"])

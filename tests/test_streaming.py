@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from tests.peers import QuadraticIsland, island_thread, wait_until
 from tests.test_core import Fleet
 from yeto.sync.core.learner import Wait
+from yeto.sync.core.learner.policy import RoundPolicy
 from yeto import YetoError
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
 from yeto.sync.merge.rules import DeltaCounts, merge_weights
@@ -145,6 +146,21 @@ def test_a_pipelined_delta_waits_unacked_for_its_round_and_counts_there_as_a_fre
         f.train(1)
     assert f.syncer.version == 4 and f.syncer.state.finished_at is not None
     assert _mine(f, 0) == [(1, 1), (2, 2), (3, 3), (4, 4)] and audit(f.tape).ok
+
+
+@pytest.mark.parametrize("cap", [0, 2, 8])
+def test_a_round_and_a_pipelined_round_ask_the_policy_how_many_steps(cap, monkeypatch):
+    """The learner core's round start and its pipelined rounds both ask `RoundPolicy.steps_for` (--inner-steps 4, or
+    the island's --max-inner-steps where lower); planted, a policy that says 3 is what both then train."""
+    for planted in (False, True):
+        if planted:
+            monkeypatch.setattr(RoundPolicy, "steps_for", lambda self, max_inner_steps=0: 3)
+        f = Fleet(n=2, shapes=PIPELINE_SHAPES, fragments=2, pipeline=2, outer_steps=4, inner_steps=4)
+        f.learners[0].max_inner_steps = cap
+        first, _ = f.train(0)
+        ahead, _ = f.train(0)  # round 2, ahead of round 1's merge
+        assert (first.round, ahead.round, ahead.base_version) == (1, 2, 0)
+        assert first.steps == ahead.steps == (3 if planted else min(4, cap or 4))
 
 
 def test_a_pipelined_delta_whose_part_a_merge_changes_is_refused_and_gives_its_residual_back():

@@ -42,23 +42,21 @@ from yeto.island.interface import Island
 from yeto.sync.shell.keys import JoinKey, write_secret
 from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
+from yeto.sync.core.learner.work import Carry, RoundStart, RoundSteps
 from yeto.sync.wire.layout import Layout, build_layout, flatten, fragment_pieces, synced_fragments, unflatten
 
 
 IDENTITY_FILE = "identity"
-NO_STEP_LIMIT = 10**9  # an overlap with neither --max-inner-steps nor a step policy trains until the merge comes
 
 
 @dataclass
-class RoundStats:
-    round: int
-    steps: int = 0
+class RoundStats(RoundSteps):
+    """A round's steps (`RoundSteps`: how many, and which were taken before its training started) and what they took."""
+
     tokens: int = 0
     loss_tokens: int = 0
     loss_sum: float = 0.0
     compute_s: float = 0.0
-    before: int = 0  # of `steps`, those taken before this round's training started (they do not pace its window)
-    carried: int = 0  # of those, the steps trained for an earlier round's window and carried onto this one (CARRY)
     last_step: Optional[int] = None  # the island's step number after this round's last step, and that step's LR
     last_lr: Optional[float] = None  # (where its step() says them)
 
@@ -73,11 +71,6 @@ class RoundStats:
     @property
     def loss(self) -> float:
         return self.loss_sum / max(1, self.loss_tokens)
-
-    @property
-    def window_steps(self) -> int:
-        """The steps taken since this round's training started: they pace its time window."""
-        return self.steps - self.before
 
     def counts(self) -> RoundCounts:
         return RoundCounts(self.tokens, self.loss_tokens, self.steps, self.loss, self.compute_s, self.carried)
@@ -119,13 +112,6 @@ def inner_step(island: Island, rnd: RoundStats, stats: IslandStats, step_delay: 
 def _norm_on(x: np.ndarray, pieces: list[tuple[int, int]]) -> float:
     """The L2 norm of x's values in these (start, numel) pieces (what a streamed round sends)."""
     return float(np.sqrt(sum(float(np.dot(x[a : a + n], x[a : a + n])) for a, n in pieces)))
-
-
-@dataclass
-class Carry:
-    """Steps already trained that go on top of the next global: (θ ← g + (θ − since))."""
-    rnd: RoundStats  # the steps kept
-    since: np.ndarray  # the adapter they were taken from (the push, or the round's base)
 
 
 def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = False,
@@ -173,11 +159,8 @@ class IslandLoop:
         self.stats = IslandStats()
         self.t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
         self.stall_s = 0.0
-        self.carry: Optional[Carry] = None
-        self.carried_round: Optional[int] = None  # the round whose work `carry` holds after a CARRY (not an overlap)
-        self.last_local: Optional[np.ndarray] = None  # the adapter this island last pushed (--merge-alpha blends it in)
-        self.held_global: Optional[np.ndarray] = None  # the global the island's adapter last took (a streamed run)
-        self.pushed_at: dict[int, np.ndarray] = {}  # fragment -> the adapter at its latest push (a streamed run)
+        self.carry: Optional[Carry[RoundStats]] = None  # steps that go on top of the next global
+        self.starts = RoundStart(layout)  # where each round starts, and what that keeps from earlier rounds
 
     def run(self) -> dict[str, Any]:
         done: Optional[Done] = None
@@ -213,17 +196,17 @@ class IslandLoop:
             if not isinstance(task, Wait):
                 return task
             if self.carry is None:  # (a streamed start keeps the island's adapter: `since` is not used)
-                self.carry = Carry(RoundStats(ahead), self.held_global)
-            self._step(self.carry.rnd)
+                self.carry = Carry(RoundStats(ahead), self.starts.held_global)
+            self._step(self.carry.count)
 
     def _next_round_ahead(self) -> int:
         """A pipelined island with deltas in flight and room for more steps: the round its steps now go to (0: none,
         wait for the core)."""
-        if not self.overlap or self.core.pipeline <= 1 or self.t_start is None or self.held_global is None:
+        if not self.overlap or self.core.pipeline <= 1 or self.t_start is None or self.starts.held_global is None:
             return 0
-        limit = self.max_inner_steps or int(self.core.policy.get("inner_steps", 0))
+        limit = self.core.policy.train_on_limit(self.max_inner_steps)
         latest = self.link.latest_round_in_flight()
-        if not latest or (self.carry is not None and self.carry.rnd.steps >= limit):
+        if not latest or (self.carry is not None and self.carry.count.steps >= limit):
             return 0
         return latest + 1
 
@@ -232,9 +215,9 @@ class IslandLoop:
             self.island.use_shard(*self.core.shard)  # the data shard the syncer says (a no-op once held)
         if self.t_start is None:
             self.t_start = time.perf_counter()
-            policy = self.core.policy
-            if not policy.get("round_seconds"):
-                self.island.set_total_steps(int(policy["outer_steps"]) * int(policy["inner_steps"]))
+            total = self.core.policy.run_steps()
+            if total is not None:
+                self.island.set_total_steps(total)
         rnd = self._start(task)
         if self.on_round_start is not None:
             self.on_round_start(self.link.counted_residual())
@@ -246,60 +229,25 @@ class IslandLoop:
             self._carry(task, rnd)
         elif verdict is StepVerdict.ABANDON:
             self.stats.abandoned += 1
-            self.last_local = None
+            self.starts.abandoned()
             self.log(f"round {task.round} closed without us after {rnd.steps} steps: starting from the new global")
         elif verdict is not StepVerdict.STOP:  # (STOP: next_task says why)
             self._push(task, rnd)
 
     def _start(self, task: Train) -> RoundStats:
-        """Load the round's start: the carried steps on top of its global, else the global (blended with our last
-        push under --merge-alpha < 1); the delta is always taken against the global. A streamed run (--fragments)
-        keeps the island's adapter and takes only the parts that changed (`_streamed_start`), every round (its last
-        round syncs the whole adapter: each part's steps since its last sync go up then)."""
-        rnd = self._round_stats(task)
-        if self.core.fragments > 1 and self.held_global is not None:
-            for f in self.link.take_given_back():  # (its steps before that push are in no global: keep them)
-                self.pushed_at.pop(f, None)
-            start = self._streamed_start(task.adapter)
-        elif self.carry is not None:
-            start = task.adapter + (flatten(self.layout, self.island.adapter_state()) - self.carry.since)
-        else:
-            alpha = float(self.core.policy.get("merge_alpha", 1.0))
-            start = task.adapter if self.last_local is None or alpha >= 1 else (
-                alpha * task.adapter + (1 - alpha) * self.last_local).astype(np.float32)
-        self.carry, self.held_global = None, task.adapter.copy()
-        self.island.load_adapter_state(unflatten(self.layout, start))
-        return rnd
-
-    def _round_stats(self, task: Train) -> RoundStats:
-        """The round's step counts: new, or those of steps carried into it."""
-        if self.carry is None:
-            return RoundStats(task.round)
-        rnd = self.carry.rnd
-        if rnd.round != task.round:  # steps trained for another round's window: carried in (not overlap's,
-            rnd.carried = rnd.steps  # trained for this round, nor a carry a refusal sent back to its round)
-        elif self.carried_round == task.round:
+        """Load the round's start (`RoundStart.start`: the carried steps on top of its global, a streamed run's kept
+        parts, or --merge-alpha's blend; a streamed run's last round syncs the whole adapter: each part's steps since
+        its last sync go up then), with the round's step counts: new, or those of the steps carried into it."""
+        carry, self.carry = self.carry, None
+        rnd = RoundStats(task.round) if carry is None else carry.count
+        if carry is not None and carry.into(task.round):
             self.stats.carried -= 1
             self.log(f"round {task.round}: the late delta that held its place was refused; its {rnd.steps} "
                      "steps go to it after all")
-        rnd.round, rnd.before, self.carried_round = task.round, rnd.steps, None
+        start = self.starts.start(task.adapter, lambda: flatten(self.layout, self.island.adapter_state()), carry,
+                                  self.core.policy, self.link.take_given_back)
+        self.island.load_adapter_state(unflatten(self.layout, start))
         return rnd
-
-    def _streamed_start(self, new_global: np.ndarray) -> np.ndarray:
-        """Streaming DiLoCo's start: the island's adapter is never reset, since each part keeps training between its
-        syncs. A fragment the new global changed takes its new value with this island's steps since its own push of
-        it on top, and every other step kept: θ_f ← g_f + (θ_f − ref_f), ref_f the adapter at our latest push of f
-        (those steps are in g_f now) or, for a fragment we did not push since, the global we held (no step of ours is
-        in it). A pipelined run has several pushes in flight: each fragment keeps its own until its global moves."""
-        here = flatten(self.layout, self.island.adapter_state())
-        start = here.copy()
-        for f in self.layout.fragments:
-            span = slice(f.start, f.start + f.numel)
-            if np.array_equal(new_global[span], self.held_global[span]):
-                continue
-            ref = self.pushed_at.pop(f.index, self.held_global)
-            start[span] = new_global[span] + (here[span] - ref[span])
-        return start
 
     def _step(self, rnd: RoundStats) -> None:
         s = inner_step(self.island, rnd, self.stats, self.step_delay)
@@ -309,19 +257,18 @@ class IslandLoop:
     def _carry(self, task: Train, rnd: RoundStats) -> None:
         """Our previous delta, late, holds this round's place: train on until the next global comes (at most
         --max-inner-steps in all), and carry it all on top of it (a fresh delta)."""
-        while self.link.carrying() and not (self.max_inner_steps and rnd.steps >= self.max_inner_steps):
+        limit = self.core.policy.train_on_limit(self.max_inner_steps)
+        while self.link.carrying() and rnd.steps < limit:
             self._step(rnd)
-        self.carry, self.carried_round = Carry(rnd, task.adapter), task.round
+        self.carry = Carry(rnd, task.adapter, place=task.round)
         self.stats.carried += 1
         self.log(f"round {task.round}: our previous delta (late) holds its place in the syncer; carrying "
                  f"{rnd.steps} steps onto the next global")
 
     def _push(self, task: Train, rnd: RoundStats) -> None:
         local = flatten(self.layout, self.island.adapter_state())
-        self.last_local = local
         pushed_part = synced_fragments(self.layout, self.core.part(task.round))
-        if self.core.fragments > 1:
-            self.pushed_at.update((f, local) for f in pushed_part)
+        self.starts.pushed(local, pushed_part, self.core.fragments > 1)
         self.stats.delta_bytes.append(self.link.push(local, rnd.counts()))
         self.stats.rounds += 1
         if self.progress:
@@ -335,7 +282,7 @@ class IslandLoop:
         if self.overlap and self.core.pipeline <= 1:  # train on while the merge is in flight; those steps go on top
             # of the merged adapter (a pipeline trains the next rounds' parts, then on while full: `_next_task`)
             nxt = RoundStats(task.round + 1)
-            limit = self.max_inner_steps or (task.steps if task.steps else NO_STEP_LIMIT)
+            limit = self.core.policy.train_on_limit(self.max_inner_steps)
             while self.link.awaiting_merge() and nxt.steps < limit:
                 self._step(nxt)
             self.carry = Carry(nxt, local) if nxt.steps else None

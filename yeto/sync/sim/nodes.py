@@ -17,6 +17,7 @@ import numpy as np
 from yeto.sync.core.actions import (DropDeltas, Durable, Exit, Log, Out, Reconnect, Record, SaveCheckpoint, SaveDelta,
                                     Send)
 from yeto.sync.core.learner import Done, LearnerCore, RoundCounts, Train, StepVerdict, Wait
+from yeto.sync.core.learner.work import Carry, RoundSteps
 from yeto.sync.core.deltas import MAX_INNER_STEPS_PER_DELTA
 from yeto.sync.core.delivery import GLOBAL_TYPES, Delivery, Outgoing, Undeliverable
 from yeto.sync.core.syncer import SyncerCore
@@ -276,7 +277,7 @@ class SimLearner:
         self.pushes: list[tuple[tuple[int, int, str], np.ndarray, tuple[int, ...]]] = []  # sent deltas (oracle)
         self.raw: dict[tuple[int, int], np.ndarray] = {}  # (round, base version) -> the delta it finished with
         self.train_started = 0.0
-        self.steps = 0
+        self.count = RoundSteps(0)  # the steps held toward the round being trained
         self.stats: dict[str, float] = {}
         self.results: list[tuple[Done, tuple[int, np.ndarray]]] = []
 
@@ -310,9 +311,7 @@ class SimLearner:
         self.pushes = []
         self.sent: set[tuple[int, int, str]] = set()  # (round, base version, digest) of every delta sent (oracle)
         self.raw = {}
-        self.carry_base: Optional[np.ndarray] = None  # a carried round's base: its work goes on top of the next global
-        self.carry_round = 0  # ... and that round (a refusal of our late delta may send the work back to it)
-        self.carried_steps = 0
+        self.carry: Optional[Carry[RoundSteps]] = None  # a carried round's work: it goes on top of the next global
         w.log(f"learner {self.lid}: boot (life {self.life}, session {self.core.session})")
         self.execute(self.core.connected_now(w.now))
         self.schedule_tick(self.life)
@@ -399,16 +398,15 @@ class SimLearner:
             return
         assert isinstance(task, Train)
         self.train_started = self.w.now
-        if self.carry_base is not None:  # (the sim's learner does not step while it waits; the real loop does)
-            self.island.flat = task.adapter + (self.island.flat - self.carry_base)
-            if task.round != self.carry_round:
-                self.carried_steps = self.steps
-            else:
+        carry, self.carry = self.carry, None
+        if carry is not None:  # (the sim's learner does not step while it waits; the real loop does)
+            self.island.flat = carry.onto(task.adapter, self.island.flat)
+            if carry.into(task.round):
                 self.w.carries_back += 1
-            self.carry_base = None
+            self.count = carry.count
         else:
             self.island.flat = task.adapter.copy()
-            self.steps = self.carried_steps = 0
+            self.count = RoundSteps(task.round)
             self.stats = {"tokens": 0, "loss_tokens": 0, "loss": 0.0}
         self.w.log(f"learner {self.lid}: train round {task.round} from version {task.base_version}")
         self.start_step()
@@ -430,32 +428,32 @@ class SimLearner:
             self.island.flat = self.island.flat + np.float32(POISON)
             s = {k: v * POISON_WEIGHT if k != "loss" else v for k, v in s.items()}  # and it claims most of the weight
             w.log(f"learner {self.lid}: a poisoned step (+{POISON:g})")
-        self.steps += 1
+        self.count.steps += 1
         for k in ("tokens", "loss_tokens"):
             self.stats[k] += s[k]
         self.stats["loss"] = s["loss"]
         t = self.core.training
-        verdict = self.core.after_step(self.steps, w.now, self.steps - self.carried_steps)
+        verdict = self.core.after_step(self.count.steps, w.now, self.count.window_steps)
         if verdict is StepVerdict.CONTINUE:
             self.start_step()
             return
         self.stepping = False
         if verdict is StepVerdict.CARRY:
             assert t is not None
-            self.carry_base, self.carry_round = t.base.copy(), t.round
+            self.carry = Carry(self.count, t.base.copy(), place=t.round)
             w.carries += 1
-            w.log(f"learner {self.lid}: carrying round {t.round}'s {self.steps} steps onto the next global")
+            w.log(f"learner {self.lid}: carrying round {t.round}'s {self.count.steps} steps onto the next global")
         if verdict is StepVerdict.PUSH:
             t = self.core.training
-            bits = int(self.core.policy["sync_bits"])
+            bits = self.core.policy.sync_bits
             w.oracle.check_base(self.lid, t.base_version, t.base)
             x = self.island.flat - t.base
             self.raw[(t.round, t.round - 1 if t.round > t.base_version + 1 else t.base_version)] = x  # (as sent:
             # a pipelined round names the version its round opens on)
             residual = self.core.ef.residual
             actions = self.core.push(self.island.flat.copy(), RoundCounts(
-                int(self.stats["tokens"]), int(self.stats["loss_tokens"]), self.steps, self.stats["loss"],
-                w.now - self.train_started, self.carried_steps))
+                int(self.stats["tokens"]), int(self.stats["loss_tokens"]), self.count.steps, self.stats["loss"],
+                w.now - self.train_started, self.count.carried))
             sent = any(isinstance(a, Out) and a.type == "delta" for a in actions)
             if not sent and self.core.held is None:  # neither sent nor held: only a delta that cannot be encoded
                 expect = ErrorFeedback(w.layout.numel)
@@ -467,7 +465,7 @@ class SimLearner:
                     pass
             self.execute(actions)
         elif verdict is StepVerdict.ABANDON:
-            w.log(f"learner {self.lid}: abandoned the round after {self.steps} steps")
+            w.log(f"learner {self.lid}: abandoned the round after {self.count.steps} steps")
         self.wake()
 
 

@@ -254,7 +254,7 @@ class Oracle:
             if key in self.merged:
                 ef = ErrorFeedback(self.w.layout.numel)
                 ef.residual = r
-                ef.encode(y, int(node.core.policy["sync_bits"]), fragment_pieces(self.w.layout, part))
+                ef.encode(y, node.core.policy.sync_bits, fragment_pieces(self.w.layout, part))
                 r = ef.residual
         own = np.ones(r.size, dtype=bool)  # (the parts of the other deltas in flight are theirs until they settle)
         for q in [q for q in node.core.in_flight() if q is not p]:
@@ -267,7 +267,7 @@ class Oracle:
         expect.residual = p.residual_before
         part = node.core.part(h["round"])
         part = synced_fragments(self.w.layout, part)
-        _, frames, _ = encode_fragments_ef(self.w.layout, x, int(node.core.policy["sync_bits"]), expect, part)
+        _, frames, _ = encode_fragments_ef(self.w.layout, x, node.core.policy.sync_bits, expect, part)
         if list(frames) != list(a.frames):
             raise Violation(f"learner {node.lid}'s delta for round {h['round']} is not its adapter minus the "
                             f"version {h['base_version']} it trained from (its part {part})")

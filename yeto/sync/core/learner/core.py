@@ -53,6 +53,7 @@ from yeto.sync.core.learner.messages import SyncerMessages
 from yeto.sync.core.learner.outbox import LearnerOutbox
 from yeto.sync.core.learner.phases import Held, Phase, Phases, Place, Training
 from yeto.sync.core.learner.pipeline import DeltasInFlight
+from yeto.sync.core.learner.policy import RoundPolicy
 from yeto.sync.core.learner.pushed import Pushed
 from yeto.sync.core.learner.timing import FINISH_CATCHUP_DEAD_AFTERS, HELLO_RETRY_HEARTBEATS, LinkTimeouts, heartbeat_s
 from yeto.sync.core.rounds import WINDOW_NEAREST_BOUNDARY
@@ -136,7 +137,7 @@ class LearnerCore:
         return self.run.digest
 
     @property
-    def policy(self) -> dict[str, Any]:
+    def policy(self) -> RoundPolicy:
         """The syncer's policy, from its welcome."""
         return self.run.policy
 
@@ -354,13 +355,11 @@ class LearnerCore:
         """Train the round open on our version (unless our held delta already stands for it in a fixed-step round)."""
         run = self.run
         assert run.global_ is not None
-        windowed = bool(r["round_seconds"])
+        windowed = run.policy.windowed
         held = run.place_held is not None and run.place_held.matches(r["round"], r["version"])
         if held and not windowed:
             return Wait()  # the round closes on its quorum, which our held delta is part of: train the next one
-        steps = 0 if windowed else int(r["inner_steps"])
-        if self.max_inner_steps:
-            steps = min(steps, self.max_inner_steps) if steps else self.max_inner_steps
+        steps = run.policy.steps_for(self.max_inner_steps)
         seconds = max(0.0, r["ends_at"] - now) if windowed and "ends_at" in r else float(r["round_seconds"])
         # (one delta per learner per round: this round's work could only go a version late, like every later one)
         p = self.deltas.pushed
@@ -447,7 +446,7 @@ class LearnerCore:
         ef = self.deltas.ef
         residual_before, part = ef.residual, self.run.part(t.round)
         try:
-            descs, frames, _ = encode_fragments_ef(self.layout, h.local - t.base, int(self.run.policy["sync_bits"]),
+            descs, frames, _ = encode_fragments_ef(self.layout, h.local - t.base, self.run.policy.sync_bits,
                                                    ef, part)
         except QuantError as e:
             ef.residual = residual_before

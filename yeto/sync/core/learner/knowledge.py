@@ -11,6 +11,7 @@ from typing import Any, Optional
 import numpy as np
 
 from yeto.sync.core.learner.phases import Place
+from yeto.sync.core.learner.policy import RoundPolicy
 from yeto.sync.core.learner.pushed import Pushed
 from yeto.sync.wire.layout import Layout, round_part
 
@@ -20,7 +21,7 @@ class RunKnowledge:
     """The run as this learner knows it: the global adapter it holds, where the syncer is, and the open round."""
 
     layout: Layout
-    policy: dict[str, Any] = field(default_factory=dict)  # the syncer's, from its welcome
+    policy: RoundPolicy = field(default_factory=RoundPolicy)  # the syncer's, from its welcome
     shard: Optional[tuple[int, int]] = None  # (index, count) of the data shard the syncer says we train on
     global_: Optional[np.ndarray] = None
     version: int = -1
@@ -38,21 +39,21 @@ class RunKnowledge:
 
     @property
     def max_lag(self) -> int:
-        return int(self.policy.get("max_base_lag", 0))
+        return self.policy.max_base_lag
 
     @property
     def fragments(self) -> int:
         """The parts the run streams its adapter in (1: the whole adapter every round)."""
-        return int(self.policy.get("fragments", 1))
+        return self.policy.fragments
 
     @property
     def outer_steps(self) -> int:
-        return int(self.policy.get("outer_steps", 0))
+        return self.policy.outer_steps
 
     @property
     def pipeline(self) -> int:
         """Deltas a learner may have in flight (1: it waits for each merge)."""
-        return int(self.policy.get("pipeline", 1))
+        return self.policy.pipeline
 
     @property
     def versions_kept(self) -> int:

@@ -20,6 +20,7 @@ from yeto.sync.core.learner.knowledge import LinkState, RunKnowledge
 from yeto.sync.core.learner.outbox import LearnerOutbox
 from yeto.sync.core.learner.phases import Phase, Phases, Place
 from yeto.sync.core.learner.pipeline import DeltasInFlight
+from yeto.sync.core.learner.policy import RoundPolicy
 from yeto.sync.core.learner.timing import LinkTimeouts, heartbeat_s
 from yeto.sync.wire.layout import Layout
 from yeto.sync.wire.protocol import (FINAL_CODES, Code, Message, ProtocolError, array_digest, decode, decode_fragments,
@@ -132,11 +133,12 @@ class SyncerMessages:
 
     def _on_welcome(self, msg: Message, now: float) -> None:
         h = msg.header
+        policy = RoundPolicy.from_wire(h["policy"])  # (first: a policy we cannot read changes nothing)
         self.link.joined = True
         self.link.busy = False
         self.link.init_sent = None
         self.link.incarnation = h["incarnation"]
-        self.run.policy = h["policy"]
+        self.run.policy = policy
         index, count = h["shard"]
         self.run.shard = (int(index), int(count))
         self.run.syncer_version = h["version"]
@@ -173,7 +175,7 @@ class SyncerMessages:
             self.deltas.resend_pushed()  # the syncer lost it (it restarted before the delta was saved)
         elif r is not None and p is None:
             self._free_place(r["round"], r["version"])  # (a late delta we knew of is gone)
-        self.outbox.log("info", f"joined the syncer at version {h['version']}; policy {self.run.policy}")
+        self.outbox.log("info", f"joined the syncer at version {h['version']}; policy {self.run.policy.wire()}")
         self.maybe_sync(now)
 
     def _on_init_request(self, msg: Message, now: float) -> None:
@@ -288,8 +290,8 @@ class SyncerMessages:
             if not mine and not (self.run.contributed and self.run.contributed[0] == h["round"]) and (
                     self.phases.training is None or self.phases.training.round != h["round"]):
                 self._set_open_round({"round": h["round"], "version": h["version"],
-                                      "inner_steps": self.run.policy.get("inner_steps", 1),
-                                      "round_seconds": self.run.policy.get("round_seconds", 0.0),
+                                      "inner_steps": self.run.policy.inner_steps,
+                                      "round_seconds": self.run.policy.round_seconds,
                                       "seconds_left": h.get("seconds_left")}, now)
             if p is not None and self.run.may_land(p, h["round"], h["version"]) and (
                     p.merge_round is None or p.merge_round == h["round"]):

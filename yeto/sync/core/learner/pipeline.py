@@ -74,13 +74,11 @@ class DeltasInFlight:
         """The next round to train ahead of its opening, from the global held, while earlier deltas are in flight."""
         rnd = self.next_pipelined()
         run = self.run
-        if rnd is None or run.finish is not None or run.policy.get("round_seconds"):
+        if rnd is None or run.finish is not None or run.policy.windowed:
             return None
         assert run.global_ is not None
-        steps = int(run.policy["inner_steps"])
-        if max_inner_steps:
-            steps = min(steps, max_inner_steps)
-        return Training(rnd, run.version, run.global_.copy(), now, steps, 0.0, run.digest)
+        return Training(rnd, run.version, run.global_.copy(), now, run.policy.steps_for(max_inner_steps), 0.0,
+                        run.digest)
 
     def may_send_now(self, t: Training) -> bool:
         """May this round's work go now: nothing in flight, or it is the next round the pipeline may take, or (the

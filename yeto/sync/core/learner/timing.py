@@ -4,7 +4,8 @@ hello again, how long a finished run's final adapter is waited for, and where a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from yeto.sync.core.learner.policy import RoundPolicy
 
 HELLO_RETRY_HEARTBEATS = 2  # not welcomed after this many heartbeats: say hello again
 FINISH_CATCHUP_DEAD_AFTERS = 3  # after a finish, try at least this many dead-peer timeouts to fetch the final adapter
@@ -21,6 +22,6 @@ class LinkTimeouts:
     backoff_max_s: float = 30.0
 
 
-def heartbeat_s(timeouts: LinkTimeouts, policy: dict[str, Any]) -> float:
+def heartbeat_s(timeouts: LinkTimeouts, policy: RoundPolicy) -> float:
     """How often a learner pings: its own heartbeat, or the syncer's policy's where that asks for more often."""
-    return min(timeouts.heartbeat_s, float(policy.get("heartbeat_s", timeouts.heartbeat_s)))
+    return min(timeouts.heartbeat_s, policy.heartbeat_s)
