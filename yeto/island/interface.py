@@ -3,7 +3,7 @@ the `Backend` that makes one for `yeto.island.training.train`.
 
 Every member here is used by the island's code (the DiLoCo loop in `yeto.island.diloco`, the run in
 `yeto.island.training`, the training state in `yeto.island.checkpoint`, the record in `yeto.island.metrics`), and
-both backends (`yeto.backends.torch`, `yeto.backends.mlx`) provide them all; tests/test_island_protocol.py checks
+both backends (`yeto.backends.torch`, `yeto.backends.mlx`) provide them all; tests/test_backends.py checks
 that. The adapter crosses this line as `{canonical peft name: fp32 numpy array}`, so nothing here names a tensor
 library.
 """
