@@ -245,13 +245,14 @@ def test_deltas_travel_at_sync_bits_and_broadcasts_at_broadcast_bits(bits):
 
 
 @pytest.mark.parametrize("round_seconds, cap, steps, limit", [
-    (0.0, 0, 4, 4), (0.0, 2, 2, 2), (10.0, 0, 0, NO_STEP_LIMIT), (10.0, 3, 3, 3),
-], ids=["fixed", "fixed-capped", "window", "window-capped"])
+    (0.0, 0, 4, 4), (0.0, 2, 2, 2), (0.0, 8, 4, 4), (10.0, 0, 0, NO_STEP_LIMIT), (10.0, 3, 3, 3),
+], ids=["fixed", "fixed-capped", "fixed-cap-above", "window", "window-capped"])
 def test_the_round_policy_says_how_many_steps_a_round_asks_of_an_island(round_seconds, cap, steps, limit):
     """One answer where the learner core's round start, its pipelined rounds and the training loop each had a
     formula: a fixed-step round asks --inner-steps, or the island's --max-inner-steps (`cap`) where lower; a time
     window asks only the cap (0: as many steps as it holds). What an island trains toward a round whose global has
-    not come (--overlap, steps ahead, a carried window) stops at its cap, else at what a round asks, else never."""
+    not come (--overlap, steps ahead, a carried window) stops at what a round asks (a cap above --inner-steps
+    included: the syncer refuses a delta claiming more steps than the round allows), else never (a window, uncapped)."""
     policy = RoundPolicy(inner_steps=4, round_seconds=round_seconds, outer_steps=3)
     assert policy.steps_for(cap) == steps and policy.train_on_limit(cap) == limit
     assert policy.steps_for(8) == (4 if not round_seconds else 8)  # (a cap above --inner-steps asks no more)

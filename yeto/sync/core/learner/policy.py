@@ -60,8 +60,9 @@ class RoundPolicy:
     def train_on_limit(self, max_inner_steps: int = 0) -> int:
         """At most how many steps an island trains toward a round before that round's global comes (--overlap's
         steps while a merge is in flight, a pipelined island's steps ahead, a time window's work carried onto the
-        next global): its own cap, else what a round asks, else NO_STEP_LIMIT (a time window: until it comes)."""
-        return max_inner_steps or self.steps_for() or NO_STEP_LIMIT
+        next global): what a round asks of it (`steps_for`: a cap above --inner-steps trains no further, since the
+        syncer refuses a delta claiming more than the round allows), else NO_STEP_LIMIT (a window: until it comes)."""
+        return self.steps_for(max_inner_steps) or NO_STEP_LIMIT
 
     def run_steps(self) -> Optional[int]:
         """The run's inner steps in all, which an island's LR schedule spans (None: time windows, whose steps are
