@@ -17,7 +17,7 @@ from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.actions import DropDeltas, Durable, Out, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
 from yeto.sync.core.learner.phases import TRANSITIONS, Held, IllegalTransition, Phase, Training
-from yeto.sync.core.learner.policy import NO_STEP_LIMIT, RoundPolicy
+from yeto.sync.core.policy import NO_STEP_LIMIT, RoundPolicy
 from yeto.sync.core.learner.work import Carry, RoundSteps
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
 from yeto.sync.wire.layout import build_layout

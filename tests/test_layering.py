@@ -139,3 +139,56 @@ def test_module_names_say_one_thing():
         by_name[path.name].add("backends/*" if peer else str(rel.parent))
     assert {n: f for n, f in by_name.items() if len(f) > 1} == {}
     assert sorted(p.name for p in (REPO / "yeto").glob("*.py")) == ["__init__.py", "__main__.py"]
+
+
+def _modules_computing_with(attr: str) -> set[str]:
+    """The modules of yeto/ that compute with a config's or a policy's `attr` (arithmetic, min/max, a conditional
+    value: not a copy into a message, not a range check): `cfg.X`, `config.X`, `policy.X`, or `self.X` inside a
+    class whose name ends in Config or Policy."""
+    import ast
+
+    found = set()
+    for path in (REPO / "yeto").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr == attr):
+                continue
+            base = ast.unparse(node.value).split(".")[-1]
+            owner = parents.get(node)
+            while owner is not None and not isinstance(owner, ast.ClassDef):
+                owner = parents.get(owner)
+            in_own_class = base == "self" and owner is not None and owner.name.endswith(("Config", "Policy"))
+            if base not in ("cfg", "config", "policy") and not in_own_class:
+                continue
+            use = parents[node]
+            if isinstance(use, (ast.BinOp, ast.IfExp, ast.BoolOp)) or (
+                    isinstance(use, ast.Call) and ast.unparse(use.func) in ("min", "max")):
+                found.add(".".join(path.relative_to(REPO).with_suffix("").parts))
+    return found
+
+
+def test_inner_steps_walks_from_the_flag_to_one_owner():
+    """`--inner-steps` followed from the command line to its use: `yeto syncer`'s option (its default the config's,
+    the config's the round policy's) -> `SyncerConfig` -> the welcome's policy -> the learner's `RoundPolicy` ->
+    `steps_for`, the one answer to how many steps a round asks of an island (the learner's round start, its pipelined
+    rounds, the training loop's limits and the syncer's check of a delta's claim all ask it); no other module computes
+    with the flag's value."""
+    import typer
+    import typer.main
+
+    from yeto.cli.syncer_command import syncer_command
+    from yeto.sync.core.config import SyncerConfig
+    from yeto.sync.core.policy import RoundPolicy
+
+    app = typer.Typer()
+    app.command()(syncer_command)
+    command = typer.main.get_command(app)  # `yeto syncer`, as the CLI registers it
+    option = next(p for p in command.params if p.name == "inner_steps")
+    assert option.default == SyncerConfig().inner_steps == RoundPolicy().inner_steps
+    with command.make_context("syncer", ["--inner-steps", "7", "--out", "unused"]) as ctx:
+        cfg = SyncerConfig(**{k: v for k, v in ctx.params.items() if k in SyncerConfig.__dataclass_fields__})
+    read_back = RoundPolicy.from_wire(cfg.policy())  # what the learner reads from the welcome
+    assert read_back == cfg.round_policy() and read_back.inner_steps == 7
+    assert [read_back.steps_for(cap) for cap in (0, 3, 9)] == [7, 3, 7]
+    assert _modules_computing_with("inner_steps") == {"yeto.sync.core.policy"}

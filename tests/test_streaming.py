@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tests.peers import QuadraticIsland, island_thread, wait_until
 from tests.test_core import Fleet
 from yeto.sync.core.learner import Wait
-from yeto.sync.core.learner.policy import RoundPolicy
+from yeto.sync.core.policy import RoundPolicy
 from yeto import YetoError
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
 from yeto.sync.merge.rules import DeltaCounts, merge_weights

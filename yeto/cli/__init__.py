@@ -19,7 +19,6 @@ def _register() -> None:
     from yeto.cli.launch_command import down_command, launch_command, logs_command, status_command
     from yeto.cli.shape_command import shape_command
     from yeto.cli.syncer_command import syncer_command
-
     from yeto.cli.train_command import train_command
 
     app.command("train")(train_command())  # (--backend torch without torch, or mlx without MLX: one line, exit 2)

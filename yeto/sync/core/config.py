@@ -7,11 +7,12 @@ checkpoint holds (`CONTRACT_FIELDS`: the run's math and wire format depend on th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from yeto import YetoError
 from yeto.sync.core.checks import check_port
+from yeto.sync.core.policy import RoundPolicy
 from yeto.sync.merge.aggregate import DEFAULT_CLIP_K, ROBUST_MODES
 from yeto.sync.merge.rules import (DEFAULT_RULE, LORA_MERGES, MEAN, MERGE_WEIGHTS, TRIMMED_MEAN_ALONE, merge_rule,
                                    merge_rules)
@@ -213,12 +214,13 @@ class SyncerConfig:
     def heartbeat_s(self) -> float:
         return self.learner_timeout / HEARTBEATS_PER_TIMEOUT
 
+    def round_policy(self) -> RoundPolicy:
+        """The round policy this config sets (what a round asks of an island is its `steps_for`)."""
+        return RoundPolicy(**{f.name: getattr(self, f.name) for f in fields(RoundPolicy)})
+
     def policy(self) -> dict[str, Any]:
-        return {"inner_steps": self.inner_steps, "round_seconds": self.round_seconds, "outer_steps": self.outer_steps,
-                "sync_bits": self.sync_bits, "broadcast_bits": self.broadcast_bits, "quorum": self.quorum,
-                "heartbeat_s": self.heartbeat_s,
-                "max_base_lag": self.max_base_lag, "merge_alpha": self.merge_alpha, "fragments": self.fragments,
-                "pipeline": self.pipeline}
+        """The welcome's `policy`: every `RoundPolicy` field, from this config (the learner reads it back)."""
+        return self.round_policy().wire()
 
     @property
     def versions_kept(self) -> int:

@@ -116,7 +116,7 @@ class Deltas:
     def _claims_refusal(self, m: Member, h: dict[str, Any], digest: str) -> Optional[Refusal]:
         """Claims that cannot be true, or a copy of a delta a merge refused."""
         s = self.state
-        problem = _claims_problem(h, m.tokens_per_step, 0 if s.cfg.round_seconds else s.cfg.inner_steps)
+        problem = _claims_problem(h, m.tokens_per_step, s.cfg.round_policy().steps_for())
         if problem:
             return Refusal(Code.REFUSED, problem)
         if digest in s.refused_digests:  # a copy of a delta a merge already refused (stale copies come back)

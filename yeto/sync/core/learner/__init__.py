@@ -3,9 +3,9 @@
 `core` (the core: the link, training events, the held round's release), `messages` (what each syncer message means
 to a learner, and catching up), `pipeline` (the deltas in the syncer's hands, pipelined ones included), `phases` (the
 learner's phases, the one table of their moves, each phase's data), `loop` (what the core and the training loop say
-to each other), `policy` (the syncer's round policy, and how many steps a round asks of an island), `work` (the
-training loops' arithmetic between rounds: steps, carries, where a round starts), `timing` (how a learner times its
-link), `pushed` (what a pushed delta is, until it settles).
+to each other), `work` (the training loops' arithmetic between rounds: steps, carries, where a round starts; how
+many steps a round asks is the round policy's, `yeto.sync.core.policy`), `timing` (how a learner times its link),
+`pushed` (what a pushed delta is, until it settles).
 """
 
 from yeto.sync.core.learner.core import LearnerCore

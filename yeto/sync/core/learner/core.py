@@ -53,7 +53,7 @@ from yeto.sync.core.learner.messages import SyncerMessages
 from yeto.sync.core.learner.outbox import LearnerOutbox
 from yeto.sync.core.learner.phases import Held, Phase, Phases, Place, Training
 from yeto.sync.core.learner.pipeline import DeltasInFlight
-from yeto.sync.core.learner.policy import RoundPolicy
+from yeto.sync.core.policy import RoundPolicy
 from yeto.sync.core.learner.pushed import Pushed
 from yeto.sync.core.learner.timing import FINISH_CATCHUP_DEAD_AFTERS, HELLO_RETRY_HEARTBEATS, LinkTimeouts, heartbeat_s
 from yeto.sync.core.rounds import WINDOW_NEAREST_BOUNDARY

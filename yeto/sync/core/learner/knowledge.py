@@ -11,7 +11,7 @@ from typing import Any, Optional
 import numpy as np
 
 from yeto.sync.core.learner.phases import Place
-from yeto.sync.core.learner.policy import RoundPolicy
+from yeto.sync.core.policy import RoundPolicy
 from yeto.sync.core.learner.pushed import Pushed
 from yeto.sync.wire.layout import Layout, round_part
 

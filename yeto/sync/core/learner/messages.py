@@ -20,7 +20,7 @@ from yeto.sync.core.learner.knowledge import LinkState, RunKnowledge
 from yeto.sync.core.learner.outbox import LearnerOutbox
 from yeto.sync.core.learner.phases import Phase, Phases, Place
 from yeto.sync.core.learner.pipeline import DeltasInFlight
-from yeto.sync.core.learner.policy import RoundPolicy
+from yeto.sync.core.policy import RoundPolicy
 from yeto.sync.core.learner.timing import LinkTimeouts, heartbeat_s
 from yeto.sync.wire.layout import Layout
 from yeto.sync.wire.protocol import (FINAL_CODES, Code, Message, ProtocolError, array_digest, decode, decode_fragments,

@@ -11,7 +11,7 @@ from typing import Callable, Generic, Iterable, Optional, TypeVar
 
 import numpy as np
 
-from yeto.sync.core.learner.policy import RoundPolicy
+from yeto.sync.core.policy import RoundPolicy
 from yeto.sync.wire.layout import Layout
 
 

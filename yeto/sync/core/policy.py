@@ -1,6 +1,7 @@
-"""The syncer's round policy as a learner reads it (`RoundPolicy`, from the welcome's `policy`), and the one answer to
-how many inner steps a round asks of an island (`RoundPolicy.steps_for`): the learner core's round start, its
-pipelined rounds, and the training loops' --overlap, steps ahead and carried windows all ask it."""
+"""The round policy (`RoundPolicy`): what the syncer's welcome tells every learner about the rounds, written by the
+syncer (`SyncerConfig.policy()` builds one) and read back by the learner, and the one answer to how many inner steps a
+round asks of an island (`RoundPolicy.steps_for`): the learner core's round start, its pipelined rounds, and the
+training loops' --overlap, steps ahead and carried windows all ask it."""
 
 from __future__ import annotations
 
