@@ -202,7 +202,8 @@ class IslandLoop:
     def _next_round_ahead(self) -> int:
         """A pipelined island with deltas in flight and room for more steps: the round its steps now go to (0: none,
         wait for the core)."""
-        if not self.overlap or self.core.pipeline <= 1 or self.t_start is None or self.starts.held_global is None:
+        pipelined = self.core.policy.pipeline > 1
+        if not self.overlap or not pipelined or self.t_start is None or self.starts.held_global is None:
             return 0
         limit = self.core.policy.train_on_limit(self.max_inner_steps)
         latest = self.link.latest_round_in_flight()
@@ -268,7 +269,7 @@ class IslandLoop:
     def _push(self, task: Train, rnd: RoundStats) -> None:
         local = flatten(self.layout, self.island.adapter_state())
         pushed_part = synced_fragments(self.layout, self.core.part(task.round))
-        self.starts.pushed(local, pushed_part, self.core.fragments > 1)
+        self.starts.pushed(local, pushed_part, self.core.policy.fragments > 1)
         self.stats.delta_bytes.append(self.link.push(local, rnd.counts()))
         self.stats.rounds += 1
         if self.progress:
@@ -279,8 +280,8 @@ class IslandLoop:
                            "delta_bytes": self.stats.delta_bytes[-1], "stall_s": round(self.stall_s, 4),
                            "utilization": self.stats.compute_s / wall if wall else 0.0,
                            "lag": max(0, self.core.version - max(task.base_version, task.round - 1))})
-        if self.overlap and self.core.pipeline <= 1:  # train on while the merge is in flight; those steps go on top
-            # of the merged adapter (a pipeline trains the next rounds' parts, then on while full: `_next_task`)
+        if self.overlap and self.core.policy.pipeline <= 1:  # train on while the merge is in flight; those steps go
+            # on top of the merged adapter (a pipeline trains the next rounds' parts, then on while full: `_next_task`)
             nxt = RoundStats(task.round + 1)
             limit = self.core.policy.train_on_limit(self.max_inner_steps)
             while self.link.awaiting_merge() and nxt.steps < limit:

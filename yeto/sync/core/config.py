@@ -224,8 +224,8 @@ class SyncerConfig:
 
     @property
     def versions_kept(self) -> int:
-        """How many versions back a delta may have trained from: --max-base-lag, or a pipelined delta's distance."""
-        return max(self.max_base_lag, self.pipeline - 1)
+        """How many versions back a delta may have trained from (the round policy's)."""
+        return self.round_policy().versions_kept
 
     @property
     def grace_cap_s(self) -> float:

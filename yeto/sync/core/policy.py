@@ -1,7 +1,7 @@
 """The round policy (`RoundPolicy`): what the syncer's welcome tells every learner about the rounds, written by the
-syncer (`SyncerConfig.policy()` builds one) and read back by the learner, and the one answer to how many inner steps a
-round asks of an island (`RoundPolicy.steps_for`): the learner core's round start, its pipelined rounds, and the
-training loops' --overlap, steps ahead and carried windows all ask it."""
+syncer (`SyncerConfig.round_policy()` builds one) and read back by the learner, and the one answer to how many inner
+steps a round asks of an island (`RoundPolicy.steps_for`): the learner core's round start, its pipelined rounds, the
+training loops' --overlap, steps ahead and carried windows, and the syncer's check of a delta's claim all ask it."""
 
 from __future__ import annotations
 
@@ -44,6 +44,11 @@ class RoundPolicy:
     def wire(self) -> dict[str, Any]:
         """The welcome's `policy`."""
         return asdict(self)
+
+    @property
+    def versions_kept(self) -> int:
+        """How many versions back a delta's base may be: --max-base-lag, or a pipelined delta's distance."""
+        return max(self.max_base_lag, self.pipeline - 1)
 
     @property
     def windowed(self) -> bool:

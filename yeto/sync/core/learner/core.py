@@ -160,16 +160,6 @@ class LearnerCore:
     def connected(self) -> bool:
         return self.link.connected
 
-    @property
-    def fragments(self) -> int:
-        """The parts the run streams its adapter in (1: the whole adapter every round)."""
-        return self.run.fragments
-
-    @property
-    def pipeline(self) -> int:
-        """Deltas a learner may have in flight (1: it waits for each merge)."""
-        return self.run.pipeline
-
     def part(self, round_number: int) -> Optional[tuple[int, ...]]:
         """The fragments round `round_number` syncs (`round_part`), None: the whole adapter (unstreamed, last round)."""
         return self.run.part(round_number)
@@ -382,9 +372,10 @@ class LearnerCore:
         run = self.run
         if rnd > base_version + 1:
             return self.deltas.pipelined_ok(rnd, base_version, base_digest)
-        if not run.max_lag:
+        lag = run.policy.max_base_lag
+        if not lag:
             return base_version == run.version and not run.need_state
-        return 0 <= run.version - base_version <= run.max_lag and run.lineage.get(base_version) == base_digest
+        return 0 <= run.version - base_version <= lag and run.lineage.get(base_version) == base_digest
 
     def after_step(self, steps_done: int, now: float, window_steps: Optional[int] = None) -> StepVerdict:
         """Whether the round's training goes on. `steps_done` counts toward a round of inner steps; `window_steps`

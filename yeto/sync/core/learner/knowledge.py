@@ -37,36 +37,13 @@ class RunKnowledge:
     finish: Optional[dict[str, Any]] = None
     finish_at: float = 0.0
 
-    @property
-    def max_lag(self) -> int:
-        return self.policy.max_base_lag
-
-    @property
-    def fragments(self) -> int:
-        """The parts the run streams its adapter in (1: the whole adapter every round)."""
-        return self.policy.fragments
-
-    @property
-    def outer_steps(self) -> int:
-        return self.policy.outer_steps
-
-    @property
-    def pipeline(self) -> int:
-        """Deltas a learner may have in flight (1: it waits for each merge)."""
-        return self.policy.pipeline
-
-    @property
-    def versions_kept(self) -> int:
-        """How far back a base may be and still be pushed: --max-base-lag, or a pipelined round's distance."""
-        return max(self.max_lag, self.pipeline - 1)
-
     def part(self, round_number: int) -> Optional[tuple[int, ...]]:
         """The fragments round `round_number` syncs (`round_part`), None: the whole adapter (unstreamed, last round)."""
-        return round_part(self.layout, self.fragments, round_number, self.outer_steps)
+        return round_part(self.layout, self.policy.fragments, round_number, self.policy.outer_steps)
 
     def may_land(self, p: Pushed, rnd: int, version: int) -> bool:
         """Could our pushed delta be merged in the round `rnd` open on `version`?"""
-        return rnd == version + 1 and 0 <= version - p.base_version <= self.max_lag
+        return rnd == version + 1 and 0 <= version - p.base_version <= self.policy.max_base_lag
 
 
 @dataclass

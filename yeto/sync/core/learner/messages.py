@@ -96,7 +96,8 @@ class SyncerMessages:
             self.deltas.ahead_refused(h)
             return  # not about the delta we hold (e.g. an earlier push of this round), or about a pipelined one
         behind = h.get("version", -1) - p.base_version
-        if code == Code.STALE and behind >= 0 and (not self.run.max_lag or behind <= self.run.max_lag):
+        lag = self.run.policy.max_base_lag
+        if code == Code.STALE and behind >= 0 and (not lag or behind <= lag):
             p.acked, p.stale, p.on_its_way = False, True, False
             return
         if code == Code.DUPLICATE and h.get("version") == self.run.version:  # another delta of ours holds the round
@@ -253,7 +254,7 @@ class SyncerMessages:
         run.need_state = False
         if self.phases.phase is Phase.JOINING:
             self.phases.enter(Phase.WAITING, f"the run's version {version} adopted")
-        run.lineage = {v: d for v, d in run.lineage.items() if version - run.versions_kept <= v < version}
+        run.lineage = {v: d for v, d in run.lineage.items() if version - run.policy.versions_kept <= v < version}
         run.lineage[version] = digest
         self.deltas.settle(version, merged)
         if run.contributed is not None and run.contributed[1] != version:

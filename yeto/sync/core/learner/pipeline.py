@@ -57,16 +57,16 @@ class DeltasInFlight:
         its round is not merged yet, and no merge from its base to its round touches its part."""
         run = self.run
         return run.lineage.get(base_version) == base_digest and run.version < rnd and not run.need_state and \
-            untouched_since(self.layout, run.fragments, rnd, base_version, run.outer_steps)
+            untouched_since(self.layout, run.policy.fragments, rnd, base_version, run.policy.outer_steps)
 
     def next_pipelined(self) -> Optional[int]:
         """The round to train ahead now, or None: the pipeline is full, or the next round's part moves first."""
         flying, run = self.in_flight(), self.run
-        if run.pipeline <= 1 or not flying or len(flying) >= run.pipeline or run.global_ is None:
+        if run.policy.pipeline <= 1 or not flying or len(flying) >= run.policy.pipeline or run.global_ is None:
             return None
         rnd = max(p.round for p in flying) + 1
-        if rnd <= max(run.version, run.syncer_version) + 1 or rnd > run.outer_steps or \
-                rnd - 1 - run.version >= run.pipeline:  # (the syncer takes it only from D - 1 versions back)
+        if rnd <= max(run.version, run.syncer_version) + 1 or rnd > run.policy.outer_steps or \
+                rnd - 1 - run.version >= run.policy.pipeline:  # (the syncer takes it only from D - 1 versions back)
             return None
         return rnd if self.pipelined_ok(rnd, run.version, run.digest) else None
 
@@ -86,10 +86,10 @@ class DeltasInFlight:
         flying = self.in_flight()
         if not flying:
             return True
-        if self.run.pipeline <= 1 or not all(self.disjoint(t.round, p) for p in flying):
+        if self.run.policy.pipeline <= 1 or not all(self.disjoint(t.round, p) for p in flying):
             return False
         rounds = [p.round for p in flying]
-        return t.round < min(rounds) or (len(flying) < self.run.pipeline and t.round > max(rounds) and
+        return t.round < min(rounds) or (len(flying) < self.run.policy.pipeline and t.round > max(rounds) and
                                          t.round > t.base_version + 1)
 
     def disjoint(self, rnd: int, p: Pushed) -> bool:
@@ -103,7 +103,7 @@ class DeltasInFlight:
         run = self.run
         r = run.open_round
         flying = self.in_flight()
-        if run.pipeline <= 1 or r is None or r["version"] != run.version or not flying:
+        if run.policy.pipeline <= 1 or r is None or r["version"] != run.version or not flying:
             return False
         return all(self.disjoint(r["round"], p) and p.round > r["round"] for p in flying) and not (
             run.contributed or run.place_held)
@@ -159,7 +159,7 @@ class DeltasInFlight:
             if p is None or p.base_version == version or (p.base_version > version and "trained_from" in p.header):
                 return  # (a pipelined one waits for the version its round opens on)
             counted = [p.round, p.digest] in merged
-            may_land = not counted and 0 < version - p.base_version <= run.max_lag and (
+            may_land = not counted and 0 < version - p.base_version <= run.policy.max_base_lag and (
                 run.lineage.get(p.base_version) == p.base_digest) and not (
                 p.merge_round is not None and version >= p.merge_round)  # (acked into a round merged without it)
             if not counted and not may_land:
