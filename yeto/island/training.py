@@ -36,10 +36,10 @@ class Session:
     out: Path
     join_key: Any
     log: Callable[[str], None]
-    before_state_commit: Optional[Callable[[int], None]] = None  # (a test hook enters here: see save_state)
+    before_state_commit: Optional[Callable[[int], None]] = None  # `train`'s: see save_state
 
 
-def open_session(cfg: TrainConfig) -> Session:
+def open_session(cfg: TrainConfig, before_state_commit: Optional[Callable[[int], None]] = None) -> Session:
     """Check the key and make --out before the model loads, so a missing key is one line at once (the flags were
     checked by the backend: `train`)."""
     from rich.console import Console
@@ -53,7 +53,7 @@ def open_session(cfg: TrainConfig) -> Session:
         join_key = learner_join_key(cfg.join_key, cfg.insecure, cfg.syncer)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    return Session(console, out, join_key, lambda s: console.print(f"[dim]{s}[/dim]"))
+    return Session(console, out, join_key, lambda s: console.print(f"[dim]{s}[/dim]"), before_state_commit)
 
 
 def train(cfg: TrainConfig, backend: Backend, show_progress: bool = True,
@@ -66,8 +66,7 @@ def train(cfg: TrainConfig, backend: Backend, show_progress: bool = True,
     followed = backend.follow(cfg)
     if followed is not None:
         return followed
-    session = open_session(cfg)
-    session.before_state_commit = before_state_commit
+    session = open_session(cfg, before_state_commit)
     with backend.island(cfg, session.log) as island:
         return run_training(island, cfg, session, show_progress)
 
