@@ -219,11 +219,12 @@ class World:
 
     def status(self) -> str:
         c = self.syncer.core
-        r = c.round if c else None
+        s = c.state if c else None
+        r = s.round if s else None
         return json.dumps({
             "syncer": {"up": self.syncer.up, "exited": self.syncer.exited, "version": c.version if c else None,
-                       "round": r.number if r else None, "pending": sorted(c.pending) if c else None,
-                       "live": sorted(m.learner for m in c._live()) if c else None},
+                       "round": r.number if r else None, "pending": sorted(s.pending) if s else None,
+                       "live": sorted(m.learner for m in s.live()) if s else None},
             "learners": [lrn.status() for lrn in self.processes()]})
 
     # checks ---------------------------------------------------------------------------------
