@@ -115,6 +115,22 @@ def test_a_schedule_that_once_failed_now_passes(seed):
     assert out.ok, f"seed {seed} ({FOUND_SEEDS[seed]}): {out.error}"
 
 
+def test_a_run_that_does_not_finish_is_reported_with_where_each_node_stands():
+    """The liveness report (what a violation says) reads the syncer's open round, held deltas and live learners
+    mid-run, while a round is open."""
+    import json
+
+    w = sim.World(sim.Schedule.draw(11))
+    w.setup()
+    while w.queue and (w.syncer.core is None or w.syncer.core.state.round is None):
+        t, _, fn = heapq.heappop(w.queue)
+        w.now = max(w.now, t)
+        fn()
+    status = json.loads(w.status())
+    assert status["syncer"]["round"] == w.syncer.core.state.round.number
+    assert status["syncer"]["live"] and len(status["learners"]) == w.s.learners + w.s.extra_ids
+
+
 def test_a_node_frozen_twice_reads_what_came_in_the_order_it_came():
     """A process asleep reads its sockets in order when it wakes; a second freeze only makes the sleep longer."""
     w = sim.World(sim.Schedule.draw(11))
