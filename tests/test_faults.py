@@ -13,7 +13,7 @@ import pytest
 
 from safetensors.numpy import load_file
 
-from tests.test_fleet import ENV, finish, learner, syncer, wait_for
+from tests.test_fleet import ENV, finish, start_island, syncer, wait_for
 from yeto.launch.local import free_port
 from yeto.testbed.netem import Link
 from yeto.sync.shell.audit import audit_run
@@ -41,15 +41,15 @@ def test_a_learner_killed_mid_round_and_restarted_rejoins_and_its_delta_counts(t
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 4,
                               "--learner-timeout", 4)}
-    procs[0] = learner(model, port, 0, 2, tmp_path / "l0", "--step-delay", 0.2, "--syncer-timeout", 5)
+    procs[0] = start_island(model, port, 0, 2, tmp_path / "l0", "--step-delay", 0.2, "--syncer-timeout", 5)
     slow = ("--step-delay", 1.5, "--syncer-timeout", 5)  # its rounds take 6 s, learner 0's about 1 s
-    victim = learner(model, port, 1, 2, tmp_path / "l1", *slow)
+    victim = start_island(model, port, 1, 2, tmp_path / "l1", *slow)
     wait_for(s_out, "round_open", round=2)
     wait_for(s_out, "delta", round=2, learner=0)  # mid-round: learner 0 is done, learner 1 still training
     victim.send_signal(signal.SIGKILL)
     victim.communicate(timeout=30)
     assert not any(e["event"] == "delta" and e["round"] == 2 and e["learner"] == 1 for e in read_tape(s_out))
-    procs[1] = learner(model, port, 1, 2, tmp_path / "l1", *slow)  # the same command again
+    procs[1] = start_island(model, port, 1, 2, tmp_path / "l1", *slow)  # the same command again
     outs = finish(procs)
     events = assert_run_complete(s_out, outs, 3, [tmp_path / "l0", tmp_path / "l1"], quorum_of=[0, 1])
     sessions = {e["session"] for e in events if e["event"] == "join" and e["learner"] == 1}
@@ -64,7 +64,7 @@ def test_the_syncer_killed_between_a_merge_and_its_checkpoint_resumes_losing_not
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
     flags = ("--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 3, "--learner-timeout", 4, *streamed)
     first = syncer(port, s_out, *flags, env=dict(ENV, YETO_CRASH_AT="checkpoint:2"))
-    procs = {i: learner(model, port, i, 2, tmp_path / f"l{i}", "--syncer-timeout", 3) for i in (0, 1)}
+    procs = {i: start_island(model, port, i, 2, tmp_path / f"l{i}", "--syncer-timeout", 3) for i in (0, 1)}
     first_out, _ = first.communicate(timeout=240)
     assert first.returncode == -signal.SIGKILL, first_out[-3000:]
     procs["syncer"] = syncer(port, s_out, *flags)  # the same command, restarted
@@ -88,8 +88,8 @@ def test_a_ten_second_network_cut_heals_by_itself(tiny_model, tmp_path):
     try:
         procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 3,
                                   "--learner-timeout", 4)}
-        procs[0] = learner(model, port, 0, 2, tmp_path / "l0", "--step-delay", 0.3, "--syncer-timeout", 3)
-        procs[1] = learner(model, proxy.port, 1, 2, tmp_path / "l1", "--step-delay", 0.3, "--syncer-timeout", 3)
+        procs[0] = start_island(model, port, 0, 2, tmp_path / "l0", "--step-delay", 0.3, "--syncer-timeout", 3)
+        procs[1] = start_island(model, proxy.port, 1, 2, tmp_path / "l1", "--step-delay", 0.3, "--syncer-timeout", 3)
         wait_for(s_out, "round_open", round=2)
         proxy.cut(10.0)
         outs = finish(procs)
@@ -104,8 +104,8 @@ def test_an_inner_step_longer_than_the_learner_timeout_is_not_a_dead_learner(tin
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 2,
                               "--learner-timeout", 2)}
-    procs[0] = learner(model, port, 0, 2, tmp_path / "l0")
-    procs[1] = learner(model, port, 1, 2, tmp_path / "l1", "--step-delay", 3.5)  # every step outlasts the timeout
+    procs[0] = start_island(model, port, 0, 2, tmp_path / "l0")
+    procs[1] = start_island(model, port, 1, 2, tmp_path / "l1", "--step-delay", 3.5)  # every step outlasts the timeout
     outs = finish(procs)
     events = assert_run_complete(s_out, outs, 2, [tmp_path / "l0", tmp_path / "l1"], quorum_of=[0, 1])
     assert not any(e["event"] == "leave" and "silent" in e["reason"] for e in events)
@@ -119,8 +119,8 @@ def test_an_upload_slower_than_the_dead_peer_timeout_is_not_a_dead_syncer(tiny_m
     try:
         procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 2,
                                   "--learner-timeout", 3, "--sync-bits", 32)}
-        procs[0] = learner(model, port, 0, 2, tmp_path / "l0")
-        procs[1] = learner(model, proxy.port, 1, 2, tmp_path / "l1", "--syncer-timeout", 2.5)
+        procs[0] = start_island(model, port, 0, 2, tmp_path / "l0")
+        procs[1] = start_island(model, proxy.port, 1, 2, tmp_path / "l1", "--syncer-timeout", 2.5)
         wait_for(s_out, "round_open", round=1)
         proxy.throttle_up(rate, per_connection=True)  # the delta's connection is slow, the heartbeats' is not
         outs = finish(procs)

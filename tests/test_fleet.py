@@ -33,7 +33,7 @@ def syncer(port, out, *args, env=None):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def learner(model, port, lid, n, out, *args, key=None):
+def start_island(model, port, lid, n, out, *args, key=None):
     """A torch learner process; `n` None: no --learners (the syncer says the shard); `key`: its own key's text (else
     the join key)."""
     shards = ["--learners", str(n)] if n is not None else []
@@ -83,12 +83,12 @@ def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 4, "--inner-steps", 10,
                               "--sync-bits", 4)}
-    procs[0] = learner(model, port, 0, None, tmp_path / "l0", "--step-delay", 0.3)  # the syncer says the shards
-    procs[1] = learner(model, port, 1, None, tmp_path / "l1", "--max-inner-steps", 1)  # 10x fewer steps per round
+    procs[0] = start_island(model, port, 0, None, tmp_path / "l0", "--step-delay", 0.3)  # the syncer says the shards
+    procs[1] = start_island(model, port, 1, None, tmp_path / "l1", "--max-inner-steps", 1)  # 10x fewer steps per round
     late = Link(port)  # the late ones start now (a loaded machine takes long to load a model) behind a cut link
     late.cut(LATE_CUT_S)
-    procs[2] = learner(model, late.port, 2, None, tmp_path / "l2")  # joins late: an id beyond --learners (extra)
-    procs["bad"] = learner(model, late.port, 3, 4, tmp_path / "bad", "--lora-r", "8")  # another adapter layout
+    procs[2] = start_island(model, late.port, 2, None, tmp_path / "l2")  # joins late: an id beyond --learners (extra)
+    procs["bad"] = start_island(model, late.port, 3, 4, tmp_path / "bad", "--lora-r", "8")  # another adapter layout
     wait_for(s_out, "merge", round=1)
     deadline = time.time() + LATE_CUT_S
     while not all(_evaluated(tmp_path / d) for d in ("l2", "bad")) and time.time() < deadline:
@@ -156,8 +156,8 @@ def test_quorum_two_of_three_with_a_straggler(tiny_model, tmp_path):
     procs = {"syncer": syncer(port, s_out, "--learners", 3, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 4,
                               "--straggler-timeout", 2)}
     for lid in (0, 1):
-        procs[lid] = learner(model, port, lid, 3, tmp_path / f"l{lid}")
-    procs[2] = learner(model, port, 2, 3, tmp_path / "l2", "--step-delay", 3)
+        procs[lid] = start_island(model, port, lid, 3, tmp_path / f"l{lid}")
+    procs[2] = start_island(model, port, 2, 3, tmp_path / "l2", "--step-delay", 3)
     outs = finish(procs)
     assert all(code == 0 for code, _ in outs.values()), {k: v[1][-2000:] for k, v in outs.items() if v[0]}
     merges = [e for e in read_tape(s_out) if e["event"] == "merge"]
@@ -210,10 +210,10 @@ def test_the_syncer_starts_a_run_from_an_existing_adapter(tiny_model, tmp_path):
     port, s_out = free_port(), tmp_path / "syncer"
     procs = {"syncer": syncer(port, s_out, "--learners", 1, "--quorum", 1, "--outer-steps", 1, "--inner-steps", 2,
                               "--init-adapter", tmp_path / "first")}
-    bad = learner(model, port, 1, None, tmp_path / "bad", "--lora-r", "8")
+    bad = start_island(model, port, 1, None, tmp_path / "bad", "--lora-r", "8")
     out, _ = bad.communicate(timeout=240)
     assert bad.returncode == 2 and "--init-adapter" in out and "its r is 4, this run's is 8" in out, out[-2000:]
-    procs[0] = learner(model, port, 0, None, tmp_path / "l0", "--seed", "7")  # its own LoRA init is not version 0
+    procs[0] = start_island(model, port, 0, None, tmp_path / "l0", "--seed", "7")  # its own LoRA init is not version 0
     outs = finish(procs)
     for name, (code, text) in outs.items():
         assert code == 0, (name, text[-3000:])

@@ -329,7 +329,7 @@ def test_a_torch_and_an_mlx_island_with_frozen_a_merge_products_exactly(tiny_mod
     from safetensors.numpy import load_file
 
     from tests.conftest import REPO
-    from tests.test_fleet import ENV, finish, learner, syncer
+    from tests.test_fleet import ENV, finish, start_island, syncer
     from yeto.launch.local import free_port
     from yeto.sync.shell.audit import audit
     from yeto.sync.shell.tape import read_tape
@@ -337,7 +337,7 @@ def test_a_torch_and_an_mlx_island_with_frozen_a_merge_products_exactly(tiny_mod
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 3,
                               "--lora-merge", "product", "--sync-bits", 32)}
-    procs[0] = learner(model, port, 0, 2, tmp_path / "l0", "--lora-freeze-a", "--lora-dropout", 0)
+    procs[0] = start_island(model, port, 0, 2, tmp_path / "l0", "--lora-freeze-a", "--lora-dropout", 0)
     procs[1] = subprocess.Popen([sys.executable, "-m", "yeto.backends.mlx", "--model", str(model), "--syncer",
                                  f"127.0.0.1:{port}", "--learner-id", "1", "--learners", "2", "--out",
                                  str(tmp_path / "l1"), "--data", str(DEMO_DATA), "--seq-len", "64", "--batch-size", "2",

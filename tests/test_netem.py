@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.test_faults import assert_run_complete
-from tests.test_fleet import finish, learner, syncer
+from tests.test_fleet import finish, start_island, syncer
 from yeto import YetoError
 from yeto.launch.local import free_port
 from yeto.testbed.netem import MBIT, PROFILES, Link, Profile, profile
@@ -204,8 +204,8 @@ def test_a_real_curve_syncer_round_through_a_home_link(tiny_model, tmp_path):
     try:
         procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 2,
                                   "--sync-bits", 4)}
-        procs[0] = learner(model, port, 0, 2, tmp_path / "l0")
-        procs[1] = learner(model, link.port, 1, 2, tmp_path / "l1")
+        procs[0] = start_island(model, port, 0, 2, tmp_path / "l0")
+        procs[1] = start_island(model, link.port, 1, 2, tmp_path / "l1")
         outs = finish(procs)
     finally:
         link.close()

@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from tests.conftest import DEMO_DATA, REPO
-from tests.test_fleet import ENV, finish, learner, syncer
+from tests.test_fleet import ENV, finish, start_island, syncer
 from yeto import YetoError
 from yeto.island.checkpoint import load_state
 from yeto.launch.local import free_port
@@ -159,8 +159,8 @@ def test_a_fleet_learner_killed_and_restarted_continues_its_steps_and_lr(tiny_mo
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 4, "--inner-steps", inner,
                               "--learner-timeout", 4)}
     flags = ("--warmup-steps", "2", "--lr", "1e-3", "--syncer-timeout", "5")
-    procs[0] = learner(model, port, 0, 2, tmp_path / "l0", *flags)
-    victim = learner(model, port, 1, 2, tmp_path / "l1", *flags, "--step-delay", 0.7)
+    procs[0] = start_island(model, port, 0, 2, tmp_path / "l0", *flags)
+    victim = start_island(model, port, 1, 2, tmp_path / "l1", *flags, "--step-delay", 0.7)
     deadline = time.time() + 120
     while saved_step(tmp_path / "l1") != inner and time.time() < deadline:  # saved as round 2 starts
         time.sleep(0.05)
@@ -169,7 +169,7 @@ def test_a_fleet_learner_killed_and_restarted_continues_its_steps_and_lr(tiny_mo
     time.sleep(1.0)  # mid-round 2
     victim.send_signal(signal.SIGKILL)
     victim.communicate(timeout=30)
-    procs[1] = learner(model, port, 1, 2, tmp_path / "l1", *flags, "--step-delay", 0.7)  # the same command
+    procs[1] = start_island(model, port, 1, 2, tmp_path / "l1", *flags, "--step-delay", 0.7)  # the same command
     outs = finish(procs)
     for name, (code, text) in outs.items():
         assert code == 0, f"{name} exited {code}:\n{text[-3000:]}"

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 from tests.conftest import DEMO_DATA, REPO
 from tests.peers import wait_until
 from tests.test_faults import assert_run_complete
-from tests.test_fleet import ENV, finish, learner, syncer, wait_for
+from tests.test_fleet import ENV, finish, start_island, syncer, wait_for
 from yeto.launch.local import free_port
 from yeto.sync.shell.audit import audit
 from yeto.sync.shell.tape import read_tape
@@ -96,7 +96,7 @@ def test_a_two_rank_island_a_one_process_island_and_an_mlx_island_merge_in_one_r
                               "--sync-bits", 8)}
     procs[0] = torchrun(model, tmp_path / "l0", "--syncer", f"127.0.0.1:{port}", "--learner-id", 0,
                         "--batch-size", 2)  # no --learners: the syncer says the shard (relayed to rank 1)
-    procs[1] = learner(model, port, 1, 3, tmp_path / "l1", "--lora-dropout", 0)  # (the contract: the same LoRA)
+    procs[1] = start_island(model, port, 1, 3, tmp_path / "l1", "--lora-dropout", 0)  # (the contract: the same LoRA)
     procs[2] = subprocess.Popen([sys.executable, "-m", "yeto.backends.mlx", "--model", str(model), "--syncer",
                                  f"127.0.0.1:{port}", "--learner-id", "2", "--out",
                                  str(tmp_path / "l2"), "--batch-size", "2", *COMMON], cwd=REPO, env=ENV,
@@ -197,7 +197,7 @@ def test_a_torchrun_island_restarted_by_torchrun_rejoins_the_run(tiny_model, tmp
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
     procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 4,
                               "--learner-timeout", 4)}
-    procs[0] = learner(model, port, 0, 2, tmp_path / "l0", "--lora-dropout", 0, "--step-delay", 0.2,
+    procs[0] = start_island(model, port, 0, 2, tmp_path / "l0", "--lora-dropout", 0, "--step-delay", 0.2,
                        "--syncer-timeout", 5)
     with open(tmp_path / "island1.log", "w") as log:
         procs[1] = torchrun(model, tmp_path / "l1", "--syncer", f"127.0.0.1:{port}", "--learner-id", 1,

@@ -191,21 +191,21 @@ def learner_task(plan: FleetPlan, learner: int, syncer: str, key: str) -> "sky.T
     """Island `learner` of the plan as a SkyPilot task; it keeps its --out on the VM, so its identity survives a
     restart of the job (a relaunch on a new VM is let back in once the old one is gone)."""
     sky = _sky()
-    island = plan.islands[learner]
+    spec = plan.islands[learner]
     data, model, loss = data_mounts(plan), model_mounts(plan), loss_mounts(plan)
     cmd = learner_argv(plan, learner, syncer, data.path, model.path, loss=loss.path) + ["--no-progress"]
     root = checkout_root()
     run = f"{shlex.join(cmd)} --out ~/yeto-island-{learner}"  # (~ unquoted: the VM's home)
-    if island.gpus > 1:  # one torchrun group is one island (shell variables unquoted: each node expands its own)
+    if spec.gpus > 1:  # one torchrun group is one island (shell variables unquoted: each node expands its own)
         run = " ".join(torchrun_prefix(plan.cluster(learner))) + " " + run.removeprefix("python3 ")
     run += f'; code=$?; echo "{EXIT_MARKER}$code"; exit $code'  # (SkyPilot keeps a job's status, not its code)
     task = sky.Task(name=plan.cluster(learner), setup=install_commands(with_track("torch", plan), model=plan.model),
                     run=run, envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: key, **tracker_secrets(plan)},
-                    workdir=str(root) if root else None, num_nodes=island.nodes,
+                    workdir=str(root) if root else None, num_nodes=spec.nodes,
                     file_mounts={**data.files, **model.files, **loss.files} or None)
     if data.storage:
         task.set_storage_mounts(data.storage)
-    task.set_resources(sky.Resources(infra=island.infra, accelerators=island.accelerators, use_spot=plan.spot))
+    task.set_resources(sky.Resources(infra=spec.infra, accelerators=spec.accelerators, use_spot=plan.spot))
     return task
 
 

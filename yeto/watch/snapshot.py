@@ -146,11 +146,11 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
             "utilization": round(utilization, 3) if utilization is not None else None,
             "given_up_reason": row.given_up_reason,
         })
-    learners = sorted({r for x in per_round for r in x["responders"]} | set(islands))
+    ids = sorted({r for x in per_round for r in x["responders"]} | set(islands))
     curves = {
         "rounds": [x["round"] for x in per_round],
         "islands": {str(lid): [[x["round"], x["loss"][lid]] for x in per_round if lid in x["loss"]]
-                    for lid in learners},
+                    for lid in ids},
         "merged": [[x["round"], sum(w * x["loss"][r] for r, w in zip(x["responders"], x["weights"]) if r in x["loss"])
                     / (sum(w for r, w in zip(x["responders"], x["weights"]) if r in x["loss"]) or 1.0)]
                    for x in per_round if x["loss"]],

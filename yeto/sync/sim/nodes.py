@@ -265,7 +265,7 @@ class SimLearner:
         world.net_ids += 1
         self.net_id = world.net_ids
         self.core: Optional[LearnerCore] = None
-        self.island: Optional[SimIsland] = None
+        self.trainer: Optional[SimIsland] = None
         self.alive = False
         self.ended = False  # exited (or killed for good)
         self.life = 0
@@ -303,8 +303,8 @@ class SimLearner:
         hostile = w.s.hostile if w.s.hostile is not None and w.s.hostile.learner == self.lid else None
         if self.lid >= w.s.learners:  # an extra id
             hostile = Hostile(self.lid, 1, w.s.extra_outlier)
-        self.island = SimIsland(self.lid, w.layout.numel, w.s.seed, hostile)
-        self.core = LearnerCore(self.lid, "sim", w.layout, self.island.flat.copy(), ADAPTER_CONFIG, {"sim": w.s.seed},
+        self.trainer = SimIsland(self.lid, w.layout.numel, w.s.seed, hostile)
+        self.core = LearnerCore(self.lid, "sim", w.layout, self.trainer.flat.copy(), ADAPTER_CONFIG, {"sim": w.s.seed},
                                 random.Random(w.rng.getrandbits(64)), LINK, w.s.max_inner_steps[self.lid],
                                 started_at_us=int(w.now * 1e6), identity=f"sim-identity-{w.s.seed}-{self.lid}")
         w.oracle.watch_phases(self.lid, self.core)
@@ -364,7 +364,7 @@ class SimLearner:
                 w.log(f"learner {self.lid} -> {a.type} {_brief(a.header)}")
                 if a.type == "delta":
                     w.oracle.check_sent(self, a)
-                    a = self.island.claimed(a)
+                    a = self.trainer.claimed(a)
                 w.post(self, True, a.type, a.header, a.frames, lambda parts, peer=self.peer: (
                     w.syncer.guarded(w.syncer.life, lambda: w.syncer.receive(peer, parts))))
             elif isinstance(a, Reconnect):
@@ -400,12 +400,12 @@ class SimLearner:
         self.train_started = self.w.now
         carry, self.carry = self.carry, None
         if carry is not None:  # (the sim's learner does not step while it waits; the real loop does)
-            self.island.flat = carry.onto(task.adapter, self.island.flat)
+            self.trainer.flat = carry.onto(task.adapter, self.trainer.flat)
             if carry.into(task.round):
                 self.w.carries_back += 1
             self.count = carry.count
         else:
-            self.island.flat = task.adapter.copy()
+            self.trainer.flat = task.adapter.copy()
             self.count = RoundSteps(task.round)
             self.stats = {"tokens": 0, "loss_tokens": 0, "loss": 0.0}
         self.w.log(f"learner {self.lid}: train round {task.round} from version {task.base_version}")
@@ -422,10 +422,10 @@ class SimLearner:
 
     def step_done(self) -> None:
         w = self.w
-        s = self.island.step()
+        s = self.trainer.step()
         if self.poison_next_step:
             self.poison_next_step = False
-            self.island.flat = self.island.flat + np.float32(POISON)
+            self.trainer.flat = self.trainer.flat + np.float32(POISON)
             s = {k: v * POISON_WEIGHT if k != "loss" else v for k, v in s.items()}  # and it claims most of the weight
             w.log(f"learner {self.lid}: a poisoned step (+{POISON:g})")
         self.count.steps += 1
@@ -447,11 +447,11 @@ class SimLearner:
             t = self.core.training
             bits = self.core.policy.sync_bits
             w.oracle.check_base(self.lid, t.base_version, t.base)
-            x = self.island.flat - t.base
+            x = self.trainer.flat - t.base
             self.raw[(t.round, t.round - 1 if t.round > t.base_version + 1 else t.base_version)] = x  # (as sent:
             # a pipelined round names the version its round opens on)
             residual = self.core.ef.residual
-            actions = self.core.push(self.island.flat.copy(), RoundCounts(
+            actions = self.core.push(self.trainer.flat.copy(), RoundCounts(
                 int(self.stats["tokens"]), int(self.stats["loss_tokens"]), self.count.steps, self.stats["loss"],
                 w.now - self.train_started, self.count.carried))
             sent = any(isinstance(a, Out) and a.type == "delta" for a in actions)
