@@ -11,8 +11,8 @@ STAMP  := $(VENV)/.yeto-installed
 OPENBLAS = $(firstword $(wildcard /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3))
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RUN    ?= runs/demo
-# make demo MLX_LEARNERS=1: one of the two islands runs on MLX
-MLX_LEARNERS ?= 0
+# make demo MLX_ISLANDS=1: one of the two islands runs on MLX
+MLX_ISLANDS ?= 0
 # make demo REPORT_TO=tensorboard: the syncer and both islands log to TensorBoard (then: tensorboard --logdir runs/demo);
 # any of tensorboard, wandb, trackio, mlflow, comma-separated (docs/trackers.md)
 REPORT_TO ?= none
@@ -47,7 +47,7 @@ setup: $(STAMP)
 
 demo: setup
 	rm -rf $(RUN)  # a fresh run each time (a run directory left by an older yeto would be resumed, or refused)
-	$(BIN)/yeto launch --gpu local:2 --mlx-learners $(MLX_LEARNERS) --model smollm2-135m --data data/demo --out $(RUN) \
+	$(BIN)/yeto launch --gpu local:2 --mlx-islands $(MLX_ISLANDS) --model smollm2-135m --data data/demo --out $(RUN) \
 		--outer-steps 5 --inner-steps 8 --sync-bits 4 --seq-len 256 --batch-size 4 --lr 1e-3 --warmup-steps 3 \
 		--report-to $(REPORT_TO)
 	$(BIN)/yeto tape $(RUN)/syncer --plot
@@ -71,7 +71,7 @@ sim: setup
 	$(BIN)/python -m yeto.sync.sim --seeds $(N) $(if $(FIRST),--first $(FIRST)) --workers $$(nproc 2>/dev/null || sysctl -n hw.ncpu)
 
 bench: setup
-	$(BIN)/python bench/learner_throughput.py
+	$(BIN)/python bench/island_throughput.py
 	$(BIN)/python bench/sync_wire.py
 	$(BIN)/python bench/fleet.py
 	$(BIN)/python bench/mlx_throughput.py
@@ -92,7 +92,7 @@ gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d build/wheels $(GPU_WHEELS)
 
 demo-mixed:
-	$(MAKE) demo MLX_LEARNERS=1 RUN=$(RUN)-mixed
+	$(MAKE) demo MLX_ISLANDS=1 RUN=$(RUN)-mixed
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -66,7 +66,7 @@ class Arm:
     islands: int = 0  # 0: data-parallel (one process)
     inner_steps: int = 16
     syncer: list[str] = field(default_factory=list)
-    learner: list[str] = field(default_factory=list)
+    island: list[str] = field(default_factory=list)
     round_seconds: float = 0.0  # heterogeneous arms: time-window rounds
     slow_delay_s: float = 0.0  # the last island's --step-delay
     batch: int = 0  # per island (0: the global batch split between the islands); data-parallel: its batch
@@ -76,7 +76,7 @@ class Arm:
     # machine carries the pair's load, so "the fast island alone" is compared at equal wall-clock and equal CPU
     shadow_slow_s: float = 0.0
     steps: int = 0  # inner steps per island (data-parallel: its steps); 0: --steps
-    # the islands' keys: "" none (--insecure on loopback: trusted), "own" a learner key each (trusted, what
+    # the islands' keys: "" none (--insecure on loopback: trusted), "own" an island key each (trusted, what
     # `yeto launch` sets up), "join" the shared join key (bounded: claims capped at the round's low median)
     keys: str = ""
     slow_backend: str = "torch"  # the slow island's backend: "mlx" (a Mac beside a GPU; MLX's CPU backend here)
@@ -150,13 +150,13 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
     out = tmp / arm.name.replace(" ", "_").replace(",", "").replace("/", "-").replace("=", "")
     common = ["--model", a.model, "--data", a.data, "--seq-len", str(a.seq_len), "--lr", str(a.lr),
               "--seed", str(a.seed), "--warmup-steps", "3", "--eval-every", "0", "--lora-dropout", "0", "--no-progress",
-              *arm.learner]
-    learner = [sys.executable, "-m", "yeto.backends.torch"]
+              *arm.island]
+    island = [sys.executable, "-m", "yeto.backends.torch"]
     t0 = time.perf_counter()
     budget = arm.steps or a.steps  # inner steps per island (data-parallel: its steps)
     if not arm.islands:
         batch = arm.batch or a.batch_size
-        r = subprocess.run(learner + common + ["--batch-size", str(batch), "--max-steps", str(budget),
+        r = subprocess.run(island + common + ["--batch-size", str(batch), "--max-steps", str(budget),
                                                "--out", str(out / "dp")], cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=PROCESS_TIMEOUT_S)
         if r.returncode:
@@ -173,22 +173,22 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
     batch = arm.batch or max(1, a.batch_size // n)
     rounds = budget // arm.inner_steps if not arm.round_seconds else a.rounds
 
-    def start_syncer(port: int, learners: int, where: Path, keyed: bool = False) -> subprocess.Popen:
+    def start_syncer(port: int, islands: int, where: Path, keyed: bool = False) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "yeto", "syncer", *([] if keyed else ["--insecure"]),
                                  "--host", "127.0.0.1",
-                                 "--port", str(port), "--out", str(where), "--learners", str(learners),
-                                 "--quorum", str(1 if arm.round_seconds else learners), "--outer-steps", str(rounds),
+                                 "--port", str(port), "--out", str(where), "--islands", str(islands),
+                                 "--quorum", str(1 if arm.round_seconds else islands), "--outer-steps", str(rounds),
                                  "--inner-steps", str(arm.inner_steps), "--round-seconds", str(arm.round_seconds),
-                                 "--sync-bits", "4", *(["--no-learner-keys"] if arm.keys == "join" else []),
+                                 "--sync-bits", "4", *(["--no-island-keys"] if arm.keys == "join" else []),
                                  *arm.syncer], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
 
     def start_island(port: int, i: int, delay_s: float, where: Path, key: str = "") -> subprocess.Popen:
         delay = ["--step-delay", str(delay_s)] if delay_s else []
         mlx = i == n - 1 and arm.slow_backend == "mlx"
-        return subprocess.Popen(([sys.executable, "-m", "yeto.backends.mlx"] if mlx else learner) + common + [
+        return subprocess.Popen(([sys.executable, "-m", "yeto.backends.mlx"] if mlx else island) + common + [
             "--batch-size", str(batch), "--syncer", f"127.0.0.1:{port}", *([] if key else ["--insecure"]),
-            "--learner-id", str(i), "--learners", str(arm.shards or n), "--threads", str(threads), "--out",
+            "--island-id", str(i), "--islands", str(arm.shards or n), "--threads", str(threads), "--out",
             str(where), *delay], cwd=REPO, env=dict(env, **{JOIN_KEY_ENV: key}) if key else env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -219,7 +219,7 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
     deltas = [e for e in tape if e["event"] == "delta"]
     curve, seen = [], 0
     for m in (e for e in tape if e["event"] == "merge"):
-        mine = [d for d in deltas if d["round"] == m["round"] and d["learner"] in m["responders"]]
+        mine = [d for d in deltas if d["round"] == m["round"] and d["island"] in m["responders"]]
         seen += sum(d["tokens"] for d in mine)
         curve.append((seen, sum(d["loss"] * d["loss_tokens"] for d in mine) / max(1, sum(d["loss_tokens"]
                                                                                        for d in mine))))
@@ -232,7 +232,7 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
             "utilization": [round(x.get("utilization", 0.0), 4) for x in isl],
             "stall_s": [round(x.get("stall_s", 0.0), 2) for x in isl],
             "carried": [x.get("carried_rounds", 0) for x in isl],  # rounds carried onto the next global
-            "lags": [d.get("lag", 0) for d in deltas if d["learner"] == n - 1],  # the last (slow) island's
+            "lags": [d.get("lag", 0) for d in deltas if d["island"] == n - 1],  # the last (slow) island's
             "merges": sum(1 for e in tape if e["event"] == "merge"),
             "pipelined": sum(1 for d in deltas if "trained_from" in d),  # (--pipeline: pushed before their round)
             "slow_deltas_merged": sum(1 for e in tape if e["event"] == "merge" for lid in e["responders"]
@@ -275,7 +275,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4, help="the fleet's global batch (islands split it)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0, help="the learners' --seed: held-out split, batch order, LoRA init")
+    p.add_argument("--seed", type=int, default=0, help="the islands' --seed: held-out split, batch order, LoRA init")
     p.add_argument("--seeds", default="", help="run every arm once per seed (comma-separated, e.g. 0,1,2) and table "
                                               "each arm's ratio to its baseline per seed and its mean")
     p.add_argument("--rounds", type=int, default=6, help="rounds of the heterogeneous arms")
@@ -335,7 +335,7 @@ def main() -> None:
 
 
 def run_arms(todo: list[Arm], a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict[str, dict]:
-    """Every arm once, with the learners' --seed a.seed."""
+    """Every arm once, with the islands' --seed a.seed."""
     results: dict[str, dict] = {}
     for i, arm in enumerate(todo):
         print(f"[{i + 1}/{len(todo)}] seed {a.seed}: {arm.name} ...", flush=True)

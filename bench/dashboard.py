@@ -10,7 +10,7 @@
     tape still, and that again as a control whose ratio to the first is the machine's own noise. Reported as each
     arm's min and median against "without".
 
-    python bench/dashboard.py [--lines 20] [--trials 40] [--learners 4]
+    python bench/dashboard.py [--lines 20] [--trials 40] [--islands 4]
 """
 
 from __future__ import annotations
@@ -157,12 +157,12 @@ def merge_round(layout, msgs, tokens, state) -> float:
     return time.perf_counter() - t
 
 
-def merge_time(trials: int, learners: int) -> None:
+def merge_time(trials: int, islands: int) -> None:
     layout = layout_from_specs(llama_1b_specs())
     rng = np.random.default_rng(1)
     msgs = [decode(delta_message(layout, (rng.standard_normal(layout.numel) * 1e-3).astype(np.float32), 4))
-            for _ in range(learners)]
-    tokens = rng.integers(500, 5000, learners)
+            for _ in range(islands)]
+    tokens = rng.integers(500, 5000, islands)
     state = [np.zeros(layout.numel, np.float32), np.zeros(layout.numel, np.float32), ErrorFeedback(layout.numel)]
     merge_round(layout, msgs, tokens, state)  # warm
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
@@ -191,7 +191,7 @@ def merge_time(trials: int, learners: int) -> None:
     finally:
         os.kill(w.board.pid, signal.SIGCONT)
         w.close()
-    print(f"(b) merge round ({learners} learners, {layout.numel * 4 / 1e6:.0f} MB fp32 adapter), {trials} of each arm:")
+    print(f"(b) merge round ({islands} islands, {layout.numel * 4 / 1e6:.0f} MB fp32 adapter), {trials} of each arm:")
     base = {"min": min(times["without"]), "median": statistics.median(times["without"])}
     result = {}
     for arm in ARMS:
@@ -207,10 +207,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lines", type=int, default=20)
     p.add_argument("--trials", type=int, default=40)
-    p.add_argument("--learners", type=int, default=4)
+    p.add_argument("--islands", type=int, default=4)
     a = p.parse_args()
     update_lag(a.lines)
-    merge_time(a.trials, a.learners)
+    merge_time(a.trials, a.islands)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""The GPU check: yeto's torch learner on one GPU against a plain torch+peft loop and against yeto.launch.sizing's
+"""The GPU check: yeto's torch island on one GPU against a plain torch+peft loop and against yeto.launch.sizing's
 predictions, on models built from catalog configs with random weights (nothing downloaded, nothing read from disk).
 
     bench/gpu_check.sh [--out runs/gpu-check]         on a GPU machine: torch, transformers, peft, accelerate
     python bench/gpu_check.py --device cpu --tiny     every code path on tiny configs, fp32, a few steps
 
 What it measures (bf16, --seq-len 2048, LoRA r=16 on every linear, every position loss-bearing):
-- throughput: tokens/s of yeto's learner step (TorchLearner.step: micro-batches, the LM head on loss-bearing rows
+- throughput: tokens/s of yeto's island step (TorchIsland.step: micro-batches, the LM head on loss-bearing rows
   only) against a plain loop (get_peft_model + AdamW + loss.backward) at the same batch, seq len and rank, on a
   1B- and an 8B-class config;
 - memory: peak memory (torch.cuda.max_memory_reserved plus the CUDA context) against yeto.launch.sizing.memory's
@@ -55,7 +55,7 @@ class Case:
     """One run of a training loop on one model: what the tables compare."""
     name: str
     alias: str  # the catalog row whose config builds the model
-    loop: str  # "yeto" (TorchLearner) or "plain" (get_peft_model + AdamW + loss.backward)
+    loop: str  # "yeto" (TorchIsland) or "plain" (get_peft_model + AdamW + loss.backward)
     batch: int  # blocks per optimizer step
     micro_batch: str = "all"  # yeto's --micro-batch-size: all, N or auto (auto: probe only, no steps timed)
     checkpointing: bool = False
@@ -124,9 +124,9 @@ def random_blocks(config: dict[str, Any], n: int, seq_len: int, seed: int = 0):
 
 @contextmanager
 def random_init_loading(config: dict[str, Any], hub_id: str) -> Iterator[None]:
-    """While open, yeto's torch learner builds `config` with random weights instead of resolving a model on the hub
+    """While open, yeto's torch island builds `config` with random weights instead of resolving a model on the hub
     (the one thing it cannot do on a machine without a network); everything else it does is what `yeto train` runs."""
-    from yeto.backends.torch import learner
+    from yeto.backends.torch import island
     from yeto.models.provenance import Artifact
 
     swaps: dict[str, Callable[..., Any]] = {
@@ -136,30 +136,30 @@ def random_init_loading(config: dict[str, Any], hub_id: str) -> Iterator[None]:
         "load_model": lambda artifact, device, dtype=None, trust_remote_code=False, quantization="none":
             build_model(config, device, dtype),
     }
-    missing = [name for name in swaps if not hasattr(learner, name)]
-    if missing:  # the learner's loading moved: say where to follow it, not a hub lookup failing minutes later
-        raise RuntimeError(f"yeto.backends.torch.learner no longer has {missing}: update random_init_loading")
-    saved = {name: getattr(learner, name) for name in swaps}
+    missing = [name for name in swaps if not hasattr(island, name)]
+    if missing:  # the island's loading moved: say where to follow it, not a hub lookup failing minutes later
+        raise RuntimeError(f"yeto.backends.torch.island no longer has {missing}: update random_init_loading")
+    saved = {name: getattr(island, name) for name in swaps}
     for name, fn in swaps.items():
-        setattr(learner, name, fn)
+        setattr(island, name, fn)
     try:
         yield
     finally:
         for name, fn in saved.items():
-            setattr(learner, name, fn)
+            setattr(island, name, fn)
 
 
-def yeto_learner(case: Case, config: dict[str, Any], s: Settings, log: Callable[[str], None]):
-    """yeto's TorchLearner as `yeto train` builds it (LoRA, gradient checkpointing, AdamW, the micro-batch probe),
+def yeto_island(case: Case, config: dict[str, Any], s: Settings, log: Callable[[str], None]):
+    """yeto's TorchIsland as `yeto train` builds it (LoRA, gradient checkpointing, AdamW, the micro-batch probe),
     on `config` with random weights and training on random blocks."""
-    from yeto.backends.torch.learner import TorchLearner, TrainConfig
+    from yeto.backends.torch.island import TorchIsland, TrainConfig
     from yeto.island.data import Blocks, PreparedData
     from yeto.island.schedule import BatchSampler
     from yeto.models.provenance import Artifact
 
     blocks = random_blocks(config, 2 * case.batch, s.seq_len)
 
-    class RandomBlocksLearner(TorchLearner):
+    class RandomBlocksIsland(TorchIsland):
         def read_data(self, cfg: TrainConfig, tokenizer: Any, log: Callable[[str], None]) -> None:
             artifact = Artifact("random tokens", "dataset", "random-init", "", "random-init")
             self.data = PreparedData(blocks, Blocks(blocks.input_ids[:0], blocks.loss_mask[:0]), artifact)
@@ -172,7 +172,7 @@ def yeto_learner(case: Case, config: dict[str, Any], s: Settings, log: Callable[
                       device=s.device, dtype=s.dtype, gradient_checkpointing=case.checkpointing,
                       micro_batch_size=case.micro_batch)
     with random_init_loading(config, CATALOG[case.alias].hub_id):
-        return RandomBlocksLearner(cfg, log=log)
+        return RandomBlocksIsland(cfg, log=log)
 
 
 def parameter_bytes(model) -> dict[str, int]:
@@ -271,9 +271,9 @@ def run_case(case: Case, s: Settings) -> dict[str, Any]:
         if case.loop == "plain":
             step, model = plain_step(case, config, s)
         else:
-            learner = yeto_learner(case, config, s, lines.append)
-            result["micro_batch_used"] = learner.micro_batch
-            step, model = (lambda: learner.step()["tokens"]), learner.model
+            island = yeto_island(case, config, s, lines.append)
+            result["micro_batch_used"] = island.micro_batch
+            step, model = (lambda: island.step()["tokens"]), island.model
         result.update(parameter_bytes(model))
         result["setup_s"] = time.perf_counter() - t0
         if case.micro_batch != "auto":
@@ -348,7 +348,7 @@ def sizing_model(alias: str, s: Settings, out: Path):
 
 
 def predict(case: Case, s: Settings, out: Path) -> dict[str, Any]:
-    """What yeto.launch.sizing says of a case of yeto's learner: memory (bytes), tokens/s, the largest micro-batch."""
+    """What yeto.launch.sizing says of a case of yeto's island: memory (bytes), tokens/s, the largest micro-batch."""
     from yeto.launch.sizing import IslandShape, largest_micro_batch, memory, tokens_per_second
 
     if case.loop != "yeto":

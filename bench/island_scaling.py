@@ -72,13 +72,13 @@ def main() -> None:
     many = json.loads((tmp / "n" / "summary.json").read_text())
 
     port, s_out = free_port(), tmp / "syncer"
-    env[JOIN_KEY_ENV] = Keyring.ensure(s_out).own_key(0).text()  # (learner 0's own key, as `yeto launch` gives it)
+    env[JOIN_KEY_ENV] = Keyring.ensure(s_out).own_key(0).text()  # (island 0's own key, as `yeto launch` gives it)
     syncer = subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--host", "127.0.0.1", "--port", str(port),
-                               "--learners", "1", "--quorum", "1", "--outer-steps", str(a.rounds), "--inner-steps",
+                               "--islands", "1", "--quorum", "1", "--outer-steps", str(a.rounds), "--inner-steps",
                                str(max(1, a.steps // a.rounds)), "--out", str(s_out)], cwd=REPO, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    run([*torchrun(a.ranks), *common, *per_rank, "--syncer", f"127.0.0.1:{port}", "--learner-id", "0",
-         "--learners", "1", "--out", str(tmp / "fleet")], env)
+    run([*torchrun(a.ranks), *common, *per_rank, "--syncer", f"127.0.0.1:{port}", "--island-id", "0",
+         "--islands", "1", "--out", str(tmp / "fleet")], env)
     syncer.wait(timeout=120)
     fleet = json.loads((tmp / "fleet" / "summary.json").read_text())
 

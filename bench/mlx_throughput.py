@@ -1,9 +1,9 @@
-"""yeto's MLX learner vs mlx-lm's own LoRA training step, same model, batch and sequence length.
+"""yeto's MLX island vs mlx-lm's own LoRA training step, same model, batch and sequence length.
 
 The baseline is mlx-lm's trainer step as `mlx_lm.tuner.trainer.train` builds it:
 `linear_to_lora_layers` on the same attention projections, `default_loss`,
-`nn.value_and_grad`, and the `mx.compile`d AdamW update. yeto's learner is
-`yeto.backends.mlx.learner.MLXLearner.step` on the same packed blocks. Each variant runs
+`nn.value_and_grad`, and the `mx.compile`d AdamW update. yeto's island is
+`yeto.backends.mlx.island.MLXIsland.step` on the same packed blocks. Each variant runs
 in its own process with Debian's OpenBLAS preloaded where installed.
 
     python bench/mlx_throughput.py [--steps 4] [--warmup 1] [--seq-len 128] [--batch-size 4]
@@ -27,12 +27,12 @@ def run_variant(variant: str, a: argparse.Namespace) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from yeto.backends.torch.learner import TrainConfig
-    from yeto.backends.mlx.learner import MLXLearner
+    from yeto.backends.torch.island import TrainConfig
+    from yeto.backends.mlx.island import MLXIsland
 
     cfg = TrainConfig(model=a.model, data=a.data, seq_len=a.seq_len, batch_size=a.batch_size, max_steps=100, lr=1e-4,
                       lora_dropout=0.0, lora_r=16, lora_alpha=32)
-    learner = MLXLearner(cfg, log=lambda s: None)  # same model load, data and blocks for both
+    island = MLXIsland(cfg, log=lambda s: None)  # same model load, data and blocks for both
     if variant == "mlx-lm":
         from functools import partial
 
@@ -43,9 +43,9 @@ def run_variant(variant: str, a: argparse.Namespace) -> dict:
 
         from yeto.backends.mlx.compat import load_mlx_model
 
-        model = load_mlx_model(learner.model_artifact.path)
+        model = load_mlx_model(island.model_artifact.path)
         model.freeze()
-        keys = sorted({t.split("layers.", 1)[1].split(".", 1)[1] for t in learner.targets})
+        keys = sorted({t.split("layers.", 1)[1].split(".", 1)[1] for t in island.targets})
         linear_to_lora_layers(model, len(model.layers), {"rank": 16, "scale": 2.0, "dropout": 0.0, "keys": keys})
         opt = optim.AdamW(learning_rate=1e-4)
         vg = nn.value_and_grad(model, default_loss)
@@ -58,16 +58,16 @@ def run_variant(variant: str, a: argparse.Namespace) -> dict:
             return loss, toks
 
         def one():
-            idx = learner.sampler.next()
-            ids = learner.data.train.input_ids[idx]
+            idx = island.sampler.next()
+            ids = island.data.train.input_ids[idx]
             batch = mx.array(ids)
             lengths = mx.array(np.tile([[1, ids.shape[1] - 1]], (ids.shape[0], 1)))
             loss, toks = step(batch, lengths)
             mx.eval(loss, toks, state)
-            return ids.size, int(learner.data.train.loss_mask[idx][:, 1:].sum())
+            return ids.size, int(island.data.train.loss_mask[idx][:, 1:].sum())
     else:
         def one():
-            s = learner.step()
+            s = island.step()
             return s["tokens"], s["loss_tokens"]
 
     for _ in range(a.warmup):

@@ -1,9 +1,9 @@
 """What a fault costs a real fleet: wall time of a 2-island run on SmolLM2-135M with and without faults.
 
-Runs, each as real processes on this machine (`yeto syncer` + two `yeto train --syncer` learners,
+Runs, each as real processes on this machine (`yeto syncer` + two `yeto train --syncer` islands,
 4-bit, quorum 2, so a round cannot close without both islands):
   baseline        no fault
-  learner kill    island 1 is SIGKILLed 5 s into round 2 and restarted with the same command
+  island kill    island 1 is SIGKILLed 5 s into round 2 and restarted with the same command
   syncer kill     the syncer is SIGKILLed between the merge of round 2 and its checkpoint, then restarted
 and prints each run's wall time, its ratio to the baseline measured in the same run, whether
 every merge happened and the tape audit passed, and what the recovery cost (extra seconds).
@@ -52,13 +52,13 @@ def fleet(name: str, tmp: Path, a: argparse.Namespace, fault: str | None) -> dic
     run.mkdir()
     port = free_port()
     syncer_args = ["syncer", "--host", "127.0.0.1", "--port", str(port), "--out", str(run / "syncer"),
-                   "--learners", "2", "--quorum", "2", "--outer-steps", str(a.outer_steps),
-                   "--inner-steps", str(a.inner_steps), "--learner-timeout", "10", "--no-learner-keys"]
+                   "--islands", "2", "--quorum", "2", "--outer-steps", str(a.outer_steps),
+                   "--inner-steps", str(a.inner_steps), "--island-timeout", "10", "--no-island-keys"]
     threads = max(1, (os.cpu_count() or 2) // 2)
 
-    def learner(i: int) -> subprocess.Popen:
+    def island(i: int) -> subprocess.Popen:
         return spawn(["train", "--model", "smollm2-135m", "--data", str(REPO / "data" / "demo"), "--syncer",
-                      f"127.0.0.1:{port}", "--learner-id", str(i), "--learners", "2", "--out",
+                      f"127.0.0.1:{port}", "--island-id", str(i), "--islands", "2", "--out",
                       str(run / f"island-{i}"), "--seq-len", "128", "--batch-size", "4", "--lr", "1e-3",
                       "--warmup-steps", "3", "--eval-every", "0", "--threads", str(threads), "--no-progress",
                       "--syncer-timeout", "10", "--join-key", str(run / "syncer" / JOIN_KEY_FILE)],
@@ -71,17 +71,17 @@ def fleet(name: str, tmp: Path, a: argparse.Namespace, fault: str | None) -> dic
         env["YETO_CRASH_AT"] = "checkpoint:2"
     t0 = time.perf_counter()
     syncer = spawn(syncer_args, run / "syncer.log", env)
-    learners = [learner(0), learner(1)]
+    islands = [island(0), island(1)]
     recovery_s = 0.0
-    if fault == "learner":
+    if fault == "island":
         wait_tape(run / "syncer", "round_open", round=2)
         time.sleep(KILL_INTO_ROUND_S)
-        if any(e["event"] == "delta" and e["round"] == 2 and e["learner"] == 1 for e in read_tape(run / "syncer")):
+        if any(e["event"] == "delta" and e["round"] == 2 and e["island"] == 1 for e in read_tape(run / "syncer")):
             raise SystemExit("island 1 finished round 2 before the kill: lower KILL_INTO_ROUND_S")
         t = time.perf_counter()
-        learners[1].send_signal(signal.SIGKILL)
-        learners[1].wait()
-        learners[1] = learner(1)
+        islands[1].send_signal(signal.SIGKILL)
+        islands[1].wait()
+        islands[1] = island(1)
         wait_tape(run / "syncer", "merge", round=2)
         recovery_s = time.perf_counter() - t  # kill -> the round it was killed in is merged (restart, retrain)
     elif fault == "syncer":
@@ -90,7 +90,7 @@ def fleet(name: str, tmp: Path, a: argparse.Namespace, fault: str | None) -> dic
         syncer = spawn(syncer_args, run / "syncer-2.log")
         wait_tape(run / "syncer", "broadcast", round=2)
         recovery_s = time.perf_counter() - t  # restart -> the lost round is merged again and broadcast
-    codes = [p.wait() for p in (syncer, *learners)]
+    codes = [p.wait() for p in (syncer, *islands)]
     wall = time.perf_counter() - t0
     report = audit_run(run / "syncer")
     return {"wall_s": wall, "recovery_s": recovery_s, "ok": all(c == 0 for c in codes) and report.ok
@@ -104,12 +104,12 @@ def main() -> None:
     a = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="yeto-recovery-"))
     results = {}
-    for name, fault in (("baseline", None), ("learner kill", "learner"), ("syncer kill", "syncer")):
+    for name, fault in (("baseline", None), ("island kill", "island"), ("syncer kill", "syncer")):
         results[name] = r = fleet(name.replace(" ", "-"), tmp, a, fault)
         print(f"{name:>13}: {r['wall_s']:6.1f} s  ok={r['ok']}  recovery {r['recovery_s']:5.1f} s  ({r['audit']})",
               flush=True)
     base = results["baseline"]["wall_s"]
-    for name in ("learner kill", "syncer kill"):
+    for name in ("island kill", "syncer kill"):
         r = results[name]
         print(f"ratio {name} / baseline: {r['wall_s'] / base:.3f} (+{r['wall_s'] - base:.1f} s)")
     print(f"runs in {tmp}")

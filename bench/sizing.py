@@ -1,14 +1,14 @@
 """yeto.launch.sizing's predictions against measured training steps on this CPU: peak memory and tokens/s.
 
 Each configuration (model, seq len, micro-batch, gradient checkpointing) runs in a fresh process through yeto's own
-training step (TorchLearner.step: the loss on the loss-bearing rows, AdamW, fp32 on the CPU), on text data whose
+training step (TorchIsland.step: the loss on the loss-bearing rows, AdamW, fp32 on the CPU), on text data whose
 every token bears loss (the sizing model's case: the LM head on every position).
 
-Memory: the kernel's peak resident set (VmHWM), reset once the learner is built (/proc/self/clear_refs 5), less the
+Memory: the kernel's peak resident set (VmHWM), reset once the island is built (/proc/self/clear_refs 5), less the
 resident set at that moment: what the steps add on top of the loaded base and adapter, i.e. sizing's grads +
 optimizer + activations. glibc's malloc hands allocations over 64 KiB to mmap (MALLOC_MMAP_THRESHOLD_, set for the
 child), so a freed tensor leaves the resident set and the peak is live tensors, as on a GPU's allocator without its
-slack. The loaded base and adapter (sizing's base + lora) are checked the same way: the resident set the learner's
+slack. The loaded base and adapter (sizing's base + lora) are checked the same way: the resident set the island's
 construction adds, which also holds the tokenizer and the packed data (small beside the weights).
 
 Speed: the baseline is this CPU's fp32 matmul rate, measured in the same process right before and after the steps,
@@ -87,8 +87,8 @@ def matmul_gflops(windows: int = 6, seconds: float = 0.25) -> float:
 
 
 def warm_up(spec: dict) -> None:
-    """Import what building the learner imports (the model's code, peft), load the tokenizer and read the data once, so
-    the resident set the learner then adds is its weights and adapter."""
+    """Import what building the island imports (the model's code, peft), load the tokenizer and read the data once, so
+    the resident set the island then adds is its weights and adapter."""
     import peft  # noqa: F401
 
     from yeto.models.catalog import size_local
@@ -101,32 +101,32 @@ def warm_up(spec: dict) -> None:
 
 
 def child(spec: dict) -> dict:
-    """One configuration in this (fresh) process: build the learner, run steps, measure."""
+    """One configuration in this (fresh) process: build the island, run steps, measure."""
     import torch
 
-    from yeto.backends.torch.learner import TorchLearner
+    from yeto.backends.torch.island import TorchIsland
     from yeto.island.train_config import TrainConfig
 
     torch.set_num_threads(1)
-    warm_up(spec)  # the imports, tokenizer and data the learner's construction would otherwise add to its count
+    warm_up(spec)  # the imports, tokenizer and data the island's construction would otherwise add to its count
     cfg = TrainConfig(model=spec["path"], data=spec["data"], seq_len=spec["seq_len"], batch_size=spec["micro_batch"],
                       max_steps=spec["steps"] + 10, lr=1e-4, dtype="float32", device="cpu", threads=1,
                       gradient_checkpointing=spec["checkpointing"], lora_targets=spec["targets"],
                       eval_fraction=0.0, out=spec["out"])
     before = rss_kib("VmRSS")
-    learner = TorchLearner(cfg, log=lambda s: None)
+    island = TorchIsland(cfg, log=lambda s: None)
     with torch.no_grad():  # safetensors maps the weights' file: touch every page so it is resident before the steps
-        for p in learner.model.parameters():
+        for p in island.model.parameters():
             p.sum()
     loaded = rss_kib("VmRSS")
     gflops_before = matmul_gflops()
     Path("/proc/self/clear_refs").write_text("5")  # the peak resident set starts again from here
     base_rss = rss_kib("VmRSS")
-    learner.step()  # AdamW's state is made on the first step
+    island.step()  # AdamW's state is made on the first step
     times, tokens = [], 0
     for _ in range(spec["steps"]):
         t0 = time.perf_counter()
-        s = learner.step()
+        s = island.step()
         times.append(time.perf_counter() - t0)
         tokens = s["tokens"]
     peak = rss_kib("VmHWM")

@@ -1,15 +1,15 @@
 """Wire cost and merge speed of the sync path.
 
-(a) bytes on the wire per round per learner (delta up + broadcast down, whole
+(a) bytes on the wire per round per island (delta up + broadcast down, whole
     messages as encoded by yeto.sync.wire.protocol) at 2/4/8/16 bits vs 32 bits, for
     SmolLM2-135M's adapter layout (LoRA r=16 on attention, built by peft).
-(b) the syncer's merge throughput for 16 learners' 4-bit deltas of a 1B-class
+(b) the syncer's merge throughput for 16 islands' 4-bit deltas of a 1B-class
     adapter layout (Llama-3.2-1B shapes, LoRA r=16 on all linears): decode,
     token-weighted merge, outer Nesterov step, 4-bit broadcast encode. Reported as
     MB/s of fp32 adapter merged, against this machine's memory-copy bandwidth
     measured in the same run.
 
-    python bench/sync_wire.py [--learners 16] [--repeats 3]
+    python bench/sync_wire.py [--islands 16] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def llama_1b_specs(r: int = 16) -> tuple[TensorSpec, ...]:
 
 def delta_message(layout, flat, bits) -> list[bytes]:
     descs, frames = encode_fragments(layout, flat, bits)
-    return encode("delta", {"learner": 0, "session": "bench", "round": 1, "base_version": 0, "tokens": 4096,
+    return encode("delta", {"island": 0, "session": "bench", "round": 1, "base_version": 0, "tokens": 4096,
                             "loss_tokens": 1300, "inner_steps": 50, "loss": 1.234, "fragments": descs}, frames)
 
 
@@ -86,7 +86,7 @@ def wire_bytes() -> None:
                                                   "fragments": descs}, frames))
         sizes[bits] = up + down
         print(f"    {bits:>2} bits: delta {up:>10,} B + broadcast {down:>10,} B = {up + down:>10,} B "
-              "per round per learner")
+              "per round per island")
     for bits in (16, 8, 4, 2):
         print(f"    ratio {bits}-bit / 32-bit: {sizes[bits] / sizes[32]:.4f} (1/{sizes[32] / sizes[bits]:.2f})")
 
@@ -102,15 +102,15 @@ def memcpy_bandwidth(nbytes: int, repeats: int) -> float:
     return nbytes / best / 1e6
 
 
-def merge_throughput(n_learners: int, repeats: int) -> None:
+def merge_throughput(n_islands: int, repeats: int) -> None:
     layout = layout_from_specs(llama_1b_specs())
     mb = layout.numel * 4 / 1e6
     print(f"(b) 1B-class adapter (Llama-3.2-1B shapes, r=16, all linears): {layout.numel:,} values = {mb:.1f} MB fp32, "
-          f"{len(layout.fragments)} fragments; {n_learners} learners at 4 bits")
+          f"{len(layout.fragments)} fragments; {n_islands} islands at 4 bits")
     rng = np.random.default_rng(1)
     msgs = [decode(delta_message(layout, (rng.standard_normal(layout.numel) * 1e-3).astype(np.float32), 4))
-            for _ in range(n_learners)]
-    tokens = rng.integers(500, 5000, n_learners)
+            for _ in range(n_islands)]
+    tokens = rng.integers(500, 5000, n_islands)
     g = np.zeros(layout.numel, np.float32)
     m = np.zeros_like(g)
     ef = ErrorFeedback(layout.numel)
@@ -124,7 +124,7 @@ def merge_throughput(n_learners: int, repeats: int) -> None:
         _, _, sent = encode_fragments_ef(layout, new_g - g, 4, ef)
         g = g + sent
         best = min(best, time.perf_counter() - t)
-    merged_mb = n_learners * mb
+    merged_mb = n_islands * mb
     rate = merged_mb / best
     bw = memcpy_bandwidth(int(merged_mb * 1e6), repeats)
     print(f"    merge round: {best * 1000:.0f} ms for {merged_mb:.0f} MB of fp32 deltas = {rate:,.0f} MB/s")
@@ -134,11 +134,11 @@ def merge_throughput(n_learners: int, repeats: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--learners", type=int, default=16)
+    p.add_argument("--islands", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     wire_bytes()
-    merge_throughput(a.learners, a.repeats)
+    merge_throughput(a.islands, a.repeats)
 
 
 if __name__ == "__main__":

@@ -84,8 +84,8 @@ def lora_names(layers: int, module: str = "self_attn.q_proj") -> list[str]:
 
 
 def start_syncer(out: Path, port: int, flags: list[str], log: Path) -> subprocess.Popen:
-    """A real syncer process on loopback, returned once it listens; the run's keys are made first (learners read
-    out/join.key). (Waiting matters behind a proxy: it accepts before the syncer is up, and a learner takes the
+    """A real syncer process on loopback, returned once it listens; the run's keys are made first (islands read
+    out/join.key). (Waiting matters behind a proxy: it accepts before the syncer is up, and an island takes the
     connection it then closes for a failed handshake.)"""
     Keyring.ensure(out)
     proc = subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--host", "127.0.0.1", "--port", str(port),

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from yeto.island.diloco import run_island  # noqa: E402
 from yeto.launch.local import free_port  # noqa: E402
-from yeto.sync.core.learner import LinkTimeouts  # noqa: E402
+from yeto.sync.core.island import LinkTimeouts  # noqa: E402
 from yeto.sync.shell.server import Syncer, SyncerConfig  # noqa: E402
 from yeto.report.trackers import open_trackers  # noqa: E402
 
@@ -76,7 +76,7 @@ def merge_times(rounds: int, tracker: str, out: Path, hook: list[float]) -> list
     """One run: the seconds of each merge's event handling (from the second merge on: the first follows the run's
     founding); `hook` gets the seconds spent in the tracker's hooks (`MergeTracking`), in all."""
     port = free_port()
-    cfg = SyncerConfig(port=port, host="127.0.0.1", out=str(out / "syncer"), insecure=True, learners=2, quorum=2,
+    cfg = SyncerConfig(port=port, host="127.0.0.1", out=str(out / "syncer"), insecure=True, islands=2, quorum=2,
                        outer_steps=rounds, inner_steps=2, sync_bits=4)
     syncer = Syncer(cfg)
     trackers = open_trackers(tracker, cfg.out, "bench-syncer", "bench", {}, print)

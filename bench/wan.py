@@ -8,12 +8,12 @@ island 0 on `poor` and the rest on `region`. Islands are
     The round's compute is `inner steps x step seconds` of each size class (SIZES), shorter than a real round
     (a DiLoCo round is ~500 steps of ~1 s on one GPU for 8B) so the run fits minutes; the stall each round adds
     is measured, and the table also says what utilization that stall leaves in a 500 s round;
-  - real SmolLM2-135M torch learners (`--real`), the fleet tests' adapter (r 8, q/v).
+  - real SmolLM2-135M torch islands (`--real`), the fleet tests' adapter (r 8, q/v).
 Per island and round: utilization (time in inner steps / wall time from the first round, run_island's own measure),
 stall (time waiting on the syncer), bytes up and down, seconds up (the end of the round's last step -> the syncer
 records the delta: encode + wire), seconds down (the syncer's broadcast -> the island holds the new adapter: wire +
 decode), quorum -> received (the last delta the merge waited for arrives -> the island holds the merged adapter),
-and false drops (a live island dropped as silent, a quorum timeout, a reconnect, a learner that gave up: must be 0).
+and false drops (a live island dropped as silent, a quorum timeout, a reconnect, an island that gave up: must be 0).
 
     python bench/wan.py                              # 1B-class and SmolLM2: loopback, home, mix, each also with
                                                      # --overlap and streamed in 4 parts (about 15 minutes)
@@ -143,8 +143,8 @@ def real_island(case: Case, address: str, lid: int, out_dir: Path, key: str) -> 
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **{JOIN_KEY_ENV: key})
     return subprocess.Popen([sys.executable, "-m", "yeto.backends.torch", "--model", "smollm2-135m",
-                             "--data", str(DEMO_DATA), "--syncer", address, "--learner-id", str(lid),
-                             "--learners", str(len(case.profiles)), "--out", str(out_dir), "--seq-len", "64",
+                             "--data", str(DEMO_DATA), "--syncer", address, "--island-id", str(lid),
+                             "--islands", str(len(case.profiles)), "--out", str(out_dir), "--seq-len", "64",
                              "--batch-size", "2", "--threads", "1", "--no-progress",
                              *(["--overlap"] if case.overlap else [])],
                             cwd=REPO, env=env, stdout=open(out_dir.parent / f"l{lid}.log", "w"),
@@ -156,8 +156,8 @@ def run_case(case: Case, rounds: int, real_steps: int) -> dict[str, Any]:
     out, port, n = tmp / "syncer", free_port(), len(case.profiles)
     steps = real_steps if case.kind == "smollm2" else SIZES[case.kind].inner_steps
     steps, rounds = max(1, steps // case.fragments), rounds * case.fragments  # (each part still syncs every H steps)
-    syncer = start_syncer(out, port, ["--no-learner-keys",  # (one join key for every island: links, not trust)
-                                      "--learners", str(n), "--quorum", str(n), "--outer-steps", str(rounds),
+    syncer = start_syncer(out, port, ["--no-island-keys",  # (one join key for every island: links, not trust)
+                                      "--islands", str(n), "--quorum", str(n), "--outer-steps", str(rounds),
                                       "--inner-steps", str(steps), "--sync-bits", "4",
                                       "--fragments", str(case.fragments), "--pipeline", str(case.pipeline)],
                           tmp / "syncer.log")
@@ -204,7 +204,7 @@ def measure(case: Case, tape: list[dict[str, Any]], results: list[dict[str, Any]
             wall: float, tmp: Path) -> dict[str, Any]:
     merges = {e["round"]: e for e in tape if e["event"] == "merge"}
     broadcasts = {e["round"]: e["time"] for e in tape if e["event"] == "broadcast"}
-    deltas = {(e["round"], e["learner"]): e["time"] for e in tape if e["event"] == "delta"}
+    deltas = {(e["round"], e["island"]): e["time"] for e in tape if e["event"] == "delta"}
     opened = next(e["time"] for e in tape if e["event"] == "round_open")
     ends = [opened] + [merges[r]["time"] for r in sorted(merges)]
     silent = sum(1 for e in tape if e["event"] == "leave" and "silent" in e["reason"])

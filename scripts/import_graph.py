@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("wire", ("yeto.sync.wire",)),
     ("merge", ("yeto.sync.merge",)),
     ("core", ("yeto.sync.core",)),
-    ("learner core", ("yeto.sync.core.learner",)),
+    ("island core", ("yeto.sync.core.island",)),
     ("shell", ("yeto.sync.shell",)),
     ("island", ("yeto.island",)),
     ("sim", ("yeto.sync.sim",)),

@@ -129,7 +129,7 @@ def start_syncer(tmp_path):
     def start(**kw):
         port = kw.pop("port", None) or free_port()
         kw.setdefault("insecure", True)  # protocol tests speak in clear; tests/test_security.py runs with keys
-        kw.setdefault("learner_keys", False)  # ... and the join key speaks for any id there unless a test asks
+        kw.setdefault("island_keys", False)  # ... and the join key speaks for any id there unless a test asks
         cfg = SyncerConfig(port=port, host="127.0.0.1", out=str(kw.pop("out", tmp_path / "syncer")), **kw)
         s = Syncer(cfg)
         t = threading.Thread(target=s.serve, daemon=True)

@@ -1,7 +1,7 @@
-"""Peers for tests against a real syncer on loopback: a numpy island, a hand-driven raw-protocol learner.
+"""Peers for tests against a real syncer on loopback: a numpy island, a hand-driven raw-protocol island.
 
 `QuadraticIsland` is a real (numpy) `Island` whose expected merges can be computed
-by hand; `RawLearner` speaks the wire protocol byte for byte over its two
+by hand; `RawIsland` speaks the wire protocol byte for byte over its two
 connections (CURVE with a join key, or plain against an --insecure syncer).
 """
 
@@ -14,8 +14,8 @@ import zmq
 from yeto.island.diloco import run_island
 from yeto.sync.shell.gate import curve_client
 from yeto.sync.shell.keys import JoinKey
-from yeto.sync.core.contract import learner_contract
-from yeto.sync.core.learner import LinkTimeouts
+from yeto.sync.core.contract import island_contract
+from yeto.sync.core.island import LinkTimeouts
 from yeto.sync.wire.layout import build_layout, flatten
 from yeto.sync.wire.protocol import BULK_SUFFIX, decode, encode, encode_fragments
 from yeto.sync.shell.tape import read_tape
@@ -103,14 +103,14 @@ def island_thread(island, port, lid, results, log_fn=lambda s: None, **kw):
     return t
 
 
-class RawLearner:
-    """A hand-driven learner: its two connections and the messages it sends, byte for byte."""
+class RawIsland:
+    """A hand-driven island: its two connections and the messages it sends, byte for byte."""
 
     def __init__(self, port, lid, session="s1", key: JoinKey | None = None, identity=None, ident=None):
         self.lid, self.session = lid, session
-        self.identity = identity or f"identity-of-learner-{lid:04d}"
+        self.identity = identity or f"identity-of-island-{lid:04d}"
         self.key = key
-        ident = ident or f"learner-{lid}-{session}".encode()
+        ident = ident or f"island-{lid}-{session}".encode()
         self.ctl = self._socket(port, ident)
         self.bulk = self._socket(port, ident + BULK_SUFFIX)
 
@@ -125,7 +125,7 @@ class RawLearner:
         return s
 
     def header(self, **h):
-        return {"learner": self.lid, "session": self.session, **h}
+        return {"island": self.lid, "session": self.session, **h}
 
     def recv(self, timeout=3.0, want=None):
         """The next message on either connection (skipping pongs, and anything but `want` if given)."""
@@ -147,7 +147,7 @@ class RawLearner:
     def hello_parts(self, state, adapter_config=ADAPTER_CONFIG, provenance=None, tokens_per_step=0):
         layout = build_layout(state)
         provenance = provenance or {}
-        contract = learner_contract(adapter_config, provenance, layout, tokens_per_step)
+        contract = island_contract(adapter_config, provenance, layout, tokens_per_step)
         return encode("hello", self.header(backend="numpy", layout=layout.to_json(), adapter_config=adapter_config,
                                            provenance=provenance, version=-1, digest="", identity=self.identity,
                                            contract=contract)), layout

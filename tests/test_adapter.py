@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from yeto.models.adapter import read_provenance
-from yeto.backends.torch.learner import TorchLearner, TrainConfig
+from yeto.backends.torch.island import TorchIsland, TrainConfig
 
 
 def test_peft_round_trip(tiny_model, tmp_path):
@@ -17,16 +17,16 @@ def test_peft_round_trip(tiny_model, tmp_path):
 
     cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, max_steps=3,
                       lora_r=4, lora_targets="all-linear", lora_dropout=0.0)
-    learner = TorchLearner(cfg, log=lambda s: None)
+    island = TorchIsland(cfg, log=lambda s: None)
     for _ in range(3):
-        learner.step()
-    out = learner.save(tmp_path / "adapter")
+        island.step()
+    out = island.save(tmp_path / "adapter")
     assert sorted(p.name for p in out.iterdir() if p.suffix in (".json", ".safetensors")) == [
         "adapter_config.json", "adapter_model.safetensors", "yeto_run.json"]
-    ids = torch.from_numpy(learner.data.train.input_ids[:2])
-    learner.model.eval()
+    ids = torch.from_numpy(island.data.train.input_ids[:2])
+    island.model.eval()
     with torch.no_grad():
-        want = learner.model(input_ids=ids).logits
+        want = island.model(input_ids=ids).logits
 
     base = AutoModelForCausalLM.from_pretrained(cfg.model)
     with warnings.catch_warnings(record=True) as caught:
@@ -41,7 +41,7 @@ def test_peft_round_trip(tiny_model, tmp_path):
     with torch.no_grad(), reloaded.disable_adapter():
         assert (reloaded(input_ids=ids).logits - want).abs().max() > 1e-4
 
-    state = learner.adapter_state()
+    state = island.adapter_state()
     assert all(k.startswith("base_model.model.") and ".lora_" in k for k in state)
     prov = read_provenance(out)
     assert prov["steps"] == 3 and prov["model"]["revision"].startswith("sha256:")

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.conftest import ARCHITECTURES, DEMO_DATA
 from tests.test_lora import adapted_modules
-from yeto.backends.torch.learner import TorchLearner, TrainConfig
+from yeto.backends.torch.island import TorchIsland, TrainConfig
 from yeto.models.catalog import num_experts
 from yeto.backends.torch.lora import torch_linears
 from yeto.island.lora_targets import ATTENTION_REGEX, EXPERT_REGEX, NON_TEXT_REGEX, is_router
@@ -29,21 +29,21 @@ def test_trains_two_steps_and_the_adapter_reloads_in_peft(tiny_model, kind, tmp_
     from peft import PeftModel
 
     path = tiny_model(kind)
-    learner = TorchLearner(TrainConfig(model=str(path), data=str(DEMO_DATA), **TRAIN), log=lambda s: None)
-    start = learner.adapter_state()
-    losses = [learner.step()["loss"] for _ in range(TRAIN["max_steps"])]
+    island = TorchIsland(TrainConfig(model=str(path), data=str(DEMO_DATA), **TRAIN), log=lambda s: None)
+    start = island.adapter_state()
+    losses = [island.step()["loss"] for _ in range(TRAIN["max_steps"])]
     assert np.isfinite(losses).all()
-    trained = learner.adapter_state()
+    trained = island.adapter_state()
     assert sorted(trained) == sorted(start) and any(not np.array_equal(trained[k], start[k]) for k in start)
-    out = learner.save(tmp_path / "adapter")
+    out = island.save(tmp_path / "adapter")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), str(out)).eval()
     assert not [w for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message).lower()]
-    ids = torch.from_numpy(learner.data.train.input_ids[:2])
-    learner.model.eval()
+    ids = torch.from_numpy(island.data.train.input_ids[:2])
+    island.model.eval()
     with torch.no_grad():
-        want = learner.model(input_ids=ids).logits
+        want = island.model(input_ids=ids).logits
         got = reloaded(input_ids=ids).logits
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
         with reloaded.disable_adapter():  # the trained adapter is what makes them equal

@@ -51,10 +51,10 @@ def _delta_before_finish(t):
 
 
 def _quorum_of_99(t):
-    t[:] = [e for e in t if e["event"] != "given_up"]  # (a learner given up would lower the quorum, by the rule)
+    t[:] = [e for e in t if e["event"] != "given_up"]  # (an island given up would lower the quorum, by the rule)
     for e in t:
         if e["event"] == "start":
-            e["config"].update(quorum=99, learners=99)
+            e["config"].update(quorum=99, islands=99)
 
 
 @pytest.mark.parametrize("name,edit,message", [
@@ -160,8 +160,8 @@ def test_saved_deltas_round_trip_and_drop(tmp_path):
     d = AcceptedDelta(3, "s", 2, 1, 100, 50, 4, 0.5, digest_bytes(frames), [{"index": 0, "numel": 1, "bits": 4}] * 2,
                       frames)
     store.save_delta(d)
-    store.save_delta(AcceptedDelta(**{**d.__dict__, "learner": 4, "round": 3}))
-    back = {(x.round, x.learner): x for x in store.load().deltas}
+    store.save_delta(AcceptedDelta(**{**d.__dict__, "island": 4, "round": 3}))
+    back = {(x.round, x.island): x for x in store.load().deltas}
     assert back[(2, 3)].frames == frames and back[(2, 3)].digest == d.digest and back[(2, 3)].loss_tokens == 50
     store.drop_deltas(through_round=2)
-    assert [(x.round, x.learner) for x in store.load().deltas] == [(3, 4)]
+    assert [(x.round, x.island) for x in store.load().deltas] == [(3, 4)]

@@ -1,4 +1,4 @@
-"""The backends as peers: each learner provides every member of the written `Island` protocol, `yeto train --backend`
+"""The backends as peers: each island provides every member of the written `Island` protocol, `yeto train --backend`
 picks one (auto: MLX on Apple silicon with the mlx extra, else torch) or says in one line why it cannot, and
 `yeto train --backend mlx` trains on MLX (its CPU backend on Linux) through the one entry both backends use."""
 
@@ -42,7 +42,7 @@ def provided(cls: type) -> set[str]:
 
 
 def test_the_island_protocol_is_whole():
-    """The loops' and records' every use of a learner is written in the protocol (the members below, typed)."""
+    """The loops' and records' every use of an island is written in the protocol (the members below, typed)."""
     assert protocol_members(Island) == {
         "backend", "cfg", "model_artifact", "source", "shard", "ranks", "step_count", "tokens_seen",
         "loss_tokens_seen", "step", "evaluate", "adapter_state", "load_adapter_state", "adapter_config", "record",
@@ -51,17 +51,17 @@ def test_the_island_protocol_is_whole():
         assert "return" in getattr(Island, name).__annotations__, name  # typed
 
 
-def test_the_mlx_learner_provides_every_island_member():
-    from yeto.backends.mlx.learner import MLXLearner  # (imports neither MLX nor torch)
+def test_the_mlx_island_provides_every_island_member():
+    from yeto.backends.mlx.island import MLXIsland  # (imports neither MLX nor torch)
 
-    assert protocol_members(Island) - provided(MLXLearner) == set()
+    assert protocol_members(Island) - provided(MLXIsland) == set()
 
 
-def test_the_torch_learner_provides_every_island_member():
+def test_the_torch_island_provides_every_island_member():
     pytest.importorskip("torch")
-    from yeto.backends.torch.learner import TorchLearner
+    from yeto.backends.torch.island import TorchIsland
 
-    assert protocol_members(Island) - provided(TorchLearner) == set()
+    assert protocol_members(Island) - provided(TorchIsland) == set()
 
 
 def test_both_backends_provide_every_backend_member():

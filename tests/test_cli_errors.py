@@ -31,10 +31,10 @@ USAGE = {  # name: argv; each must be a usage error
     "syncer bad int": YETO + ["syncer", "--port", "abc"],
     "status unknown flag": YETO + ["status", "--bogus"],
     "logs unknown flag": YETO + ["logs", "x", "--bogus"],
-    "logs bad int": YETO + ["logs", "x", "--learner", "q"],
+    "logs bad int": YETO + ["logs", "x", "--island", "q"],
     "down unknown flag": YETO + ["down", "x", "--bogus"],
     "keys init missing option": YETO + ["keys", "init"],
-    "keys add bad int": YETO + ["keys", "add", "--out", "x", "--learner", "q"],
+    "keys add bad int": YETO + ["keys", "add", "--out", "x", "--island", "q"],
     "keys revoke missing option": YETO + ["keys", "revoke", "--out", "x"],
     "keys list unknown flag": YETO + ["keys", "list", "--out", "x", "--bogus"],
     "tape missing argument": YETO + ["tape"],
@@ -80,9 +80,9 @@ def _input_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "syncer not HOST:PORT": (train + ["--syncer", "nohost", "--insecure"], "HOST:PORT"),
         "syncer port out of range": (train + ["--syncer", "127.0.0.1:99999", "--insecure"], "1-65535"),
         # a renamed flag's old spelling still works (it feeds the new flag, whose check names it) and is not doubled
-        "old spelling works": (train + ["--num-learners", "2", "--learner-id", "3"], "[0, 2) with --learners 2"),
-        "both spellings": (train + ["--learners", "2", "--num-learners", "2"],
-                           "--num-learners is the old spelling of --learners: give one of them"),
+        "old spelling works": (train + ["--num-learners", "2", "--learner-id", "3"], "[0, 2) with --islands 2"),
+        "both spellings": (train + ["--islands", "2", "--learners", "2"],  # old spelling
+                           "--learners is the old spelling of --islands: give one of them"),  # old spelling
         "train out is a file": (YETO + ["train", "--model", NO_MODEL, "--out", str(a_file)], "is a file"),
         "mlx lr zero": ([sys.executable, "-m", "yeto.backends.mlx", "--model", NO_MODEL, "--lr", "0"], "--lr"),
         "syncer port 99999": (YETO + ["syncer", "--port", "99999", "--out", str(tmp / "s1")], "1-65535"),
@@ -154,13 +154,13 @@ def test_the_audit_of_an_empty_tape_is_not_ok_and_a_torn_last_line_is_said(tmp_p
 
 @pytest.fixture(scope="module")
 def adapter(tiny_model, tmp_path_factory):
-    from yeto.backends.torch.learner import TorchLearner, TrainConfig
+    from yeto.backends.torch.island import TorchIsland, TrainConfig
 
     cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, max_steps=1,
                       lora_r=4, lora_dropout=0.0)
-    learner = TorchLearner(cfg, log=lambda s: None)
-    learner.step()
-    return learner.save(tmp_path_factory.mktemp("gen") / "adapter")
+    island = TorchIsland(cfg, log=lambda s: None)
+    island.step()
+    return island.save(tmp_path_factory.mktemp("gen") / "adapter")
 
 
 def test_generate_uses_the_base_the_adapter_records(adapter):

@@ -124,7 +124,7 @@ def test_missing_and_unsupported_files(tmp_path, tokenizer):
 def test_shards_are_disjoint_and_cover_the_train_split(n, num, frac, seed):
     shards = [split_and_shard(n, i, num, frac, seed) for i in range(num)]
     evals = {tuple(e) for _, e in shards}
-    assert len(evals) == 1  # every learner holds out the same records
+    assert len(evals) == 1  # every island holds out the same records
     eval_set = set(shards[0][1])
     seen: set[int] = set()
     for train, _ in shards:
@@ -135,17 +135,17 @@ def test_shards_are_disjoint_and_cover_the_train_split(n, num, frac, seed):
 
 
 def test_shard_arguments_are_checked():
-    with pytest.raises(YetoError, match="--learner-id"):
+    with pytest.raises(YetoError, match="--island-id"):
         split_and_shard(10, 3, 3, 0.0, 0)
-    with pytest.raises(YetoError, match="--learners"):
+    with pytest.raises(YetoError, match="--islands"):
         split_and_shard(10, 0, 0, 0.0, 0)
 
 
-def test_learners_see_disjoint_blocks(tokenizer):
+def test_islands_see_disjoint_blocks(tokenizer):
     from tests.conftest import DEMO_DATA
 
-    a = prepare_data(str(DEMO_DATA), tokenizer, 128, learner_id=0, num_learners=2)
-    b = prepare_data(str(DEMO_DATA), tokenizer, 128, learner_id=1, num_learners=2)
+    a = prepare_data(str(DEMO_DATA), tokenizer, 128, island_id=0, num_islands=2)
+    b = prepare_data(str(DEMO_DATA), tokenizer, 128, island_id=1, num_islands=2)
     assert a.stats["train_records"] + b.stats["train_records"] + a.stats["eval_records"] == a.stats["records"]
     rows_a = {r.tobytes() for r in a.train.input_ids}
     rows_b = {r.tobytes() for r in b.train.input_ids}
@@ -246,10 +246,10 @@ def snapshot(tmp_path, splits, fmt="parquet"):
 
 def test_hub_snapshot_trains_on_one_split_and_holds_out_its_validation_split(tmp_path, tokenizer):
     root = snapshot(tmp_path, {"train": rows("TRAIN", 12), "validation": rows("VALID", 3), "test": rows("TEST", 5)})
-    d = prepare_data(str(root), tokenizer, 64, num_learners=2, eval_fraction=0.5)
+    d = prepare_data(str(root), tokenizer, 64, num_islands=2, eval_fraction=0.5)
     assert (d.stats["split"], d.stats["eval_split"]) == ("train", "validation")
     assert d.stats["records"] == 12 and d.stats["eval_records"] == 3  # all of validation; --eval-fraction unused
-    assert d.stats["train_records"] == 6  # half of train: learner 0 of 2
+    assert d.stats["train_records"] == 6  # half of train: island 0 of 2
     train, held_out = block_text(tokenizer, d.train), block_text(tokenizer, d.eval)
     assert "TRAIN" in train and "VALID" not in train and "TEST" not in train
     assert "VALID" in held_out and "TRAIN" not in held_out and "TEST" not in held_out

@@ -8,7 +8,7 @@ import pytest
 
 from yeto.sync.core.delivery import SEND_RETRY_S, Delivery, Outgoing, Undeliverable
 
-BULK, CTL = b"learner-1-s/bulk", b"learner-1-s"
+BULK, CTL = b"island-1-s/bulk", b"island-1-s"
 
 
 class Transport:

@@ -1,7 +1,7 @@
 """The syncer's disk failing under it: handled by what was being written, not by the exception's type.
 
 Faults are injected into the real `DiskStore` of an in-process syncer (the exceptions a full disk raises: OSError
-ENOSPC from files, SafetensorError from safetensors), with real learner code on loopback; the signal convention is
+ENOSPC from files, SafetensorError from safetensors), with real island code on loopback; the signal convention is
 checked on a real syncer process.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from safetensors import SafetensorError
 
 from tests.conftest import REPO
-from tests.peers import HeldIsland, QuadraticIsland, RawLearner, island_thread, tape_with, wait_until
+from tests.peers import HeldIsland, QuadraticIsland, RawIsland, island_thread, tape_with, wait_until
 from yeto.launch.local import free_port
 from yeto.sync.shell.server import DISK_FAILED_EXIT
 from yeto.sync.shell.store import DiskStore
@@ -40,7 +40,7 @@ def test_a_failed_adapter_write_is_recorded_and_survived(start_syncer, tmp_path,
         raise SafetensorError("Error while serializing: IoError(No space left on device)")
 
     monkeypatch.setattr(DiskStore, "write_adapter", full)
-    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=2, inner_steps=2, sync_bits=32)
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=2, inner_steps=2, sync_bits=32)
     threads, results = fleet(port)
     for t in threads:
         t.join(60)
@@ -52,7 +52,7 @@ def test_a_failed_adapter_write_is_recorded_and_survived(start_syncer, tmp_path,
 
 def test_a_failed_checkpoint_stops_the_syncer_cleanly_and_the_run_resumes(start_syncer, tmp_path, monkeypatch):
     """The first merge's checkpoint cannot be written: the syncer writes and acknowledges nothing more, tells every
-    learner to finish with the reason, names the path and its free space, exits DISK_FAILED_EXIT; restarted with
+    island to finish with the reason, names the path and its free space, exits DISK_FAILED_EXIT; restarted with
     space, it resumes from its last checkpoint and finishes the run."""
     save = DiskStore.save_checkpoint
 
@@ -62,8 +62,8 @@ def test_a_failed_checkpoint_stops_the_syncer_cleanly_and_the_run_resumes(start_
         save(self, ck)
 
     monkeypatch.setattr(DiskStore, "save_checkpoint", full_after_founding)
-    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32,
-                                learner_timeout=2.0)
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32,
+                                island_timeout=2.0)
     logs = {}
     threads, results = fleet(port, logs=logs)
     for t in threads:
@@ -79,7 +79,7 @@ def test_a_failed_checkpoint_stops_the_syncer_cleanly_and_the_run_resumes(start_
     assert not [e for e in tape if e["event"] == "checkpoint" and e["version"] >= 1]
 
     monkeypatch.setattr(DiskStore, "save_checkpoint", save)  # space freed: the same --out resumes
-    again, port = start_syncer(learners=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32)
+    again, port = start_syncer(islands=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32)
     # the merge whose checkpoint failed is rolled back, and redone at once from the two saved deltas
     resume = tape_with(tmp_path / "syncer", "resume")
     resume = next(e for e in resume if e["event"] == "resume")
@@ -100,8 +100,8 @@ def test_a_failed_tape_write_stops_the_syncer_too(start_syncer, tmp_path, monkey
         append(self, event, fields)
 
     monkeypatch.setattr(DiskStore, "append", full_on_merge)
-    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32,
-                                learner_timeout=2.0)
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32,
+                                island_timeout=2.0)
     threads, _ = fleet(port)
     for t in threads:
         t.join(60)
@@ -111,26 +111,26 @@ def test_a_failed_tape_write_stops_the_syncer_too(start_syncer, tmp_path, monkey
 
 @pytest.mark.parametrize("when", ["running", "final linger"])
 def test_sigterm_exits_143_whenever_it_comes(tmp_path, when):
-    """128 + the signal, during the run and after its finish while the syncer still serves a silent learner."""
+    """128 + the signal, during the run and after its finish while the syncer still serves a silent island."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--host", "127.0.0.1", "--port", str(port),
-                             "--insecure", "--out", str(tmp_path / "s"), "--learners", "1", "--outer-steps", "1",
-                             "--inner-steps", "1", "--sync-bits", "32", "--learner-timeout", "30"], cwd=REPO,
+                             "--insecure", "--out", str(tmp_path / "s"), "--islands", "1", "--outer-steps", "1",
+                             "--inner-steps", "1", "--sync-bits", "32", "--island-timeout", "30"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        learner = RawLearner(port, 0)
-        layout = learner.found(QuadraticIsland(0.0, 1).state, timeout=SYNCER_START_S)
-        if when == "final linger":  # one merge finishes the run; the learner never says goodbye
+        island = RawIsland(port, 0)
+        layout = island.found(QuadraticIsland(0.0, 1).state, timeout=SYNCER_START_S)
+        if when == "final linger":  # one merge finishes the run; the island never says goodbye
             import numpy as np
 
-            learner.ask(learner.delta_parts(layout, 1, 0, np.full(layout.numel, 0.01, np.float32)), bulk=True,
+            island.ask(island.delta_parts(layout, 1, 0, np.full(layout.numel, 0.01, np.float32)), bulk=True,
                         want="ack")
             tape_with(tmp_path / "s", "finish", 10.0)
             time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]
-        learner.close()
+        island.close()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -144,7 +144,7 @@ def test_a_full_tmpfs_stops_the_run_and_freeing_space_resumes_it(start_syncer, t
         pytest.skip("mounting a tmpfs is not permitted here")
     try:
         out = mnt / "syncer"
-        syncer, port = start_syncer(learners=1, quorum=1, outer_steps=6, inner_steps=1, sync_bits=32, out=out)
+        syncer, port = start_syncer(islands=1, quorum=1, outer_steps=6, inner_steps=1, sync_bits=32, out=out)
         results = {}
         filled = threading.Event()
         t = island_thread(HeldIsland(1.0, 10, lr=0.1, steps_before=2, hold=filled), port, 0, results)
@@ -162,8 +162,8 @@ def test_a_full_tmpfs_stops_the_run_and_freeing_space_resumes_it(start_syncer, t
         t.join(40)
         assert syncer.exit_code == DISK_FAILED_EXIT and str(out) in syncer.disk_failure, syncer.disk_failure
         (mnt / "filler").unlink()
-        again, _ = start_syncer(learners=1, quorum=1, outer_steps=6, inner_steps=1, sync_bits=32, out=out,
-                                port=port, learner_timeout=2.0)
+        again, _ = start_syncer(islands=1, quorum=1, outer_steps=6, inner_steps=1, sync_bits=32, out=out,
+                                port=port, island_timeout=2.0)
         results = {}
         t = island_thread(QuadraticIsland(1.0, 10, lr=0.1), port, 0, results)
         assert wait_until(lambda: again.finished, 60)

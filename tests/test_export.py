@@ -15,29 +15,29 @@ YETO = [sys.executable, "-m", "yeto"]
 
 @pytest.fixture(scope="module")
 def trained(tiny_model, tmp_path_factory):
-    from yeto.backends.torch.learner import TorchLearner, TrainConfig
+    from yeto.backends.torch.island import TorchIsland, TrainConfig
 
     cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, max_steps=3,
                       lora_r=4, lora_targets="all-linear", lora_dropout=0.0, lr=1e-2)
-    learner = TorchLearner(cfg, log=lambda s: None)
+    island = TorchIsland(cfg, log=lambda s: None)
     for _ in range(3):
-        learner.step()
-    return learner, learner.save(tmp_path_factory.mktemp("export") / "adapter")
+        island.step()
+    return island, island.save(tmp_path_factory.mktemp("export") / "adapter")
 
 
 def test_the_merged_checkpoint_loads_with_transformers_and_matches_base_plus_adapter(trained, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    learner, adapter = trained
+    island, adapter = trained
     out = tmp_path / "merged"
     r = subprocess.run(YETO + ["export", str(adapter), "--merged", str(out)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert list(out.glob("*.safetensors")) and (out / "config.json").is_file()
-    ids = torch.from_numpy(learner.data.train.input_ids[:2])
+    ids = torch.from_numpy(island.data.train.input_ids[:2])
     merged = AutoModelForCausalLM.from_pretrained(out).eval()
-    base = AutoModelForCausalLM.from_pretrained(learner.cfg.model)
+    base = AutoModelForCausalLM.from_pretrained(island.cfg.model)
     with torch.no_grad():
         plain = base(input_ids=ids).logits.clone()
         want = PeftModel.from_pretrained(base, str(adapter)).eval()(input_ids=ids).logits
@@ -71,19 +71,19 @@ def test_init_adapter_starts_a_run_from_an_adapter_and_refuses_another_shape(tra
     from yeto import YetoError
     from yeto.models.adapter import read_adapter
     from yeto.island.training import start_from_adapter
-    from yeto.backends.torch.learner import TorchLearner, TrainConfig
+    from yeto.backends.torch.island import TorchIsland, TrainConfig
 
     source, adapter = trained
-    learner = TorchLearner(source.cfg, log=lambda s: None)
-    fresh = learner.adapter_state()
+    island = TorchIsland(source.cfg, log=lambda s: None)
+    fresh = island.adapter_state()
     saved = read_adapter(adapter)
     assert any(abs(fresh[k] - saved[k]).max() > 0 for k in saved)  # the run's own init is not the adapter
-    start_from_adapter(learner, str(adapter), log=lambda s: None)
-    state = learner.adapter_state()
+    start_from_adapter(island, str(adapter), log=lambda s: None)
+    state = island.adapter_state()
     assert state.keys() == saved.keys() and all((state[k] == saved[k]).all() for k in saved)
     other = TrainConfig(**{**source.cfg.__dict__, "lora_r": 8})
     with pytest.raises(YetoError, match="its r is 4, this run's is 8"):
-        start_from_adapter(TorchLearner(other, log=lambda s: None), str(adapter), log=lambda s: None)
+        start_from_adapter(TorchIsland(other, log=lambda s: None), str(adapter), log=lambda s: None)
     r = subprocess.run(YETO + ["train", "--model", source.cfg.model, "--data", str(DEMO_DATA), "--out",
                                str(tmp_path / "run"), "--lora-r", "8", "--seq-len", "64", "--init-adapter",
                                str(adapter), "--no-progress", "--max-steps", "1"],

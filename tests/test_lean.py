@@ -1,5 +1,5 @@
 """The lean install: the syncer, the CLI, `yeto launch` and the MLX island run without torch (`pip install yeto`,
-`yeto[mlx]`); the torch learner is the `yeto[torch]` extra.
+`yeto[mlx]`); the torch island is the `yeto[torch]` extra.
 
 Each check runs in a subprocess whose `sitecustomize` blocks torch, peft and bitsandbytes (`sys.modules[name] = None`:
 any import of them, or of a submodule, raises), as on a machine where they are not installed.
@@ -31,7 +31,7 @@ LEAN_MODULES = ("yeto.cli", "yeto.cli.syncer_command", "yeto.cli.train_command",
                 "yeto.island.diloco", "yeto.island.training", "yeto.island.data", "yeto.models.adapter",
                 "yeto.models.materialize",
                 "yeto.island.lora_targets", "yeto.island.interface", "yeto.backends", "yeto.backends.mlx.backend",
-                "yeto.backends.mlx.learner", "yeto.backends.mlx.lora", "yeto.backends.torch.backend")
+                "yeto.backends.mlx.island", "yeto.backends.mlx.lora", "yeto.backends.torch.backend")
 
 
 def torchless_env(tmp_path: Path) -> dict[str, str]:
@@ -72,7 +72,7 @@ def test_yeto_syncer_merges_rounds_without_torch(tmp_path):
     port = free_port()
     out = tmp_path / "syncer"
     syncer = subprocess.Popen([sys.executable, "-m", "yeto", "syncer", "--host", "127.0.0.1", "--port", str(port),
-                               "--learners", "2", "--quorum", "2", "--outer-steps", "3", "--inner-steps", "2",
+                               "--islands", "2", "--quorum", "2", "--outer-steps", "3", "--inner-steps", "2",
                                "--sync-bits", "4", "--out", str(out), "--insecure"],
                               cwd=REPO, env=torchless_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
@@ -115,14 +115,14 @@ def test_yeto_train_and_generate_without_torch_say_how_to_get_it_in_one_line(tmp
 def test_launch_dry_run_without_torch_shows_a_head_that_installs_no_torch(tmp_path):
     out = tmp_path / "run"
     r = run(["-m", "yeto", "launch", "--gpu", "aws:1xA10G@us-west-2", "--model", "smollm2-135m", "--data", DEMO_DATA,
-             "--out", str(out), "--name", "lean", "--dry-run", "--outer-steps", "2", "--external-learners", "1"],
+             "--out", str(out), "--name", "lean", "--dry-run", "--outer-steps", "2", "--external-islands", "1"],
             torchless_env(tmp_path))
     assert r.returncode == 0, r.stderr
     body = r.stdout.split("# --- tasks (SkyPilot YAML) ---\n", 1)[1].split("# --- end of tasks ---", 1)[0]
     tasks = {d["name"]: d for d in yaml.safe_load_all(body)}
-    head, learner = tasks["lean-head"]["setup"], tasks["lean-learner-0"]["setup"]
+    head, island = tasks["lean-head"]["setup"], tasks["lean-island-0"]["setup"]
     assert "pip install" in head and "torch" not in head, head  # the syncer merges on numpy
-    assert "[torch]" in learner, learner  # a cloud learner is the torch one
+    assert "[torch]" in island, island  # a cloud island is the torch one
     join = r.stdout.split("# --- join/1.sh", 1)[1]  # a machine of the user's own: MLX on a Mac, torch elsewhere
     assert 'Darwin-arm64) BACKEND="${YETO_BACKEND:-mlx}" ;;' in join
     assert '*) BACKEND="${YETO_BACKEND:-torch}" ;;' in join

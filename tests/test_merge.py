@@ -1,5 +1,5 @@
 """Merge rules (mean, RDA), merge weights, exact LoRA aggregation (product, frozen A): the pure math against hand
-computations and numpy's SVD, the syncer core merging by the configured rule and recording it, real learners."""
+computations and numpy's SVD, the syncer core merging by the configured rule and recording it, real islands."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ from tests.conftest import DEMO_DATA
 from tests.test_core import Fleet
 from yeto import YetoError
 from yeto.sync.core.contract import contract_mismatch
-from yeto.sync.core.learner import RoundCounts, Train, StepVerdict
+from yeto.sync.core.island import RoundCounts, Train, StepVerdict
 from yeto.sync.core.syncer import SyncerConfig
 from yeto.sync.wire.layout import build_layout, flatten, unflatten
 from yeto.sync.merge.rules import MergeRule, lora_pairs, needs_its_sums, product_merge, rda, refactor, rules_help
@@ -141,9 +141,9 @@ def test_identical_islands_merge_to_themselves():
 
 
 def push(fleet, deltas, counts):
-    """Every learner trains its round to `local = adapter + deltas[lid]` and pushes (tokens, loss_tokens, steps)."""
+    """Every island trains its round to `local = adapter + deltas[lid]` and pushes (tokens, loss_tokens, steps)."""
     for lid, d in deltas.items():
-        c = fleet.learners[lid]
+        c = fleet.islands[lid]
         task = c.next_task(fleet.now)
         assert isinstance(task, Train), task
         assert c.after_step(fleet.cfg.inner_steps, fleet.now) is StepVerdict.PUSH
@@ -154,7 +154,7 @@ def push(fleet, deltas, counts):
 
 @pytest.mark.parametrize("principal", [None, "join"])
 def test_the_syncer_merges_by_the_configured_rule_and_weights_and_records_them(principal):
-    """Weights follow --merge-weight: a trusted learner's counts as claimed (no keys on loopback, or its own key); on
+    """Weights follow --merge-weight: a trusted island's counts as claimed (no keys on loopback, or its own key); on
     the shared join key each count is capped at the round's low median (a claim buys no more than the median delta's
     weight; a short delta keeps its small one)."""
     plain = {"outer_lr": 1.0, "outer_momentum": 0.0, "robust": "off"}
@@ -209,11 +209,11 @@ class FirstSums:
     clipped), the others left out."""
 
     def __init__(self):
-        self.first = None  # (learner, its effective weight t s, its delta scaled)
+        self.first = None  # (island, its effective weight t s, its delta scaled)
 
-    def add(self, learner, delta, weight, scale=1.0):
+    def add(self, island, delta, weight, scale=1.0):
         if self.first is None:
-            self.first = (learner, weight * scale, np.asarray(delta, np.float32) * np.float32(scale))
+            self.first = (island, weight * scale, np.asarray(delta, np.float32) * np.float32(scale))
 
     def merge(self, mean, total_weight, shrink):
         lid, weight, delta = self.first
@@ -223,7 +223,7 @@ class FirstSums:
 
 FIRST_ALONE = "--merge first takes the first delta as it came: drop --step-normalize"
 FIRST = MergeRule("first", "the first delta to arrive, the others left out", lambda layout: FirstSums(),
-                  reports={"first_of": "first learner"},
+                  reports={"first_of": "first island"},
                   check=lambda flags: FIRST_ALONE if flags.step_normalize else needs_its_sums(flags))
 
 
@@ -273,27 +273,27 @@ def test_the_simulator_replays_a_new_merge_rule_from_its_entry(first_rule):
     assert merges and all(e["merge"] == "first" and e["first_of"] == e["summed"][0] for e in merges)
     for e in merges:
         e["first_of"] = e["summed"][-1] if len(e["summed"]) > 1 else -1  # (a tape that says otherwise)
-    with pytest.raises(sim.Violation, match="first learner, the tape says"):
+    with pytest.raises(sim.Violation, match="first island, the tape says"):
         w.oracle.replay(w.syncer.disk.tape)
 
 
-def frozen_a_learners(tiny_model):
-    from yeto.backends.torch.learner import TorchLearner, TrainConfig
-    from yeto.backends.mlx.learner import MLXLearner
+def frozen_a_islands(tiny_model):
+    from yeto.backends.torch.island import TorchIsland, TrainConfig
+    from yeto.backends.mlx.island import MLXIsland
 
     common = dict(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, lora_r=4,
-                  lora_dropout=0.0, lr=1e-2, warmup_steps=1, num_learners=2, lora_freeze_a=True)
-    return [TorchLearner(TrainConfig(**common, learner_id=0), log=lambda s: None),
-            MLXLearner(TrainConfig(**common, learner_id=1), log=lambda s: None)]
+                  lora_dropout=0.0, lr=1e-2, warmup_steps=1, num_islands=2, lora_freeze_a=True)
+    return [TorchIsland(TrainConfig(**common, island_id=0), log=lambda s: None),
+            MLXIsland(TrainConfig(**common, island_id=1), log=lambda s: None)]
 
 
 def test_frozen_a_trains_b_only_on_both_backends_and_averaging_b_is_exact(tiny_model):
     pytest.importorskip("mlx.core")
-    learners = frozen_a_learners(tiny_model)
-    start = learners[0].adapter_state()
-    learners[1].load_adapter_state(start)  # a run's islands all start from the founder's adapter
+    islands = frozen_a_islands(tiny_model)
+    start = islands[0].adapter_state()
+    islands[1].load_adapter_state(start)  # a run's islands all start from the founder's adapter
     ends = []
-    for island in learners:
+    for island in islands:
         for _ in range(3):
             island.step()
         end = island.adapter_state()
@@ -313,10 +313,10 @@ def test_frozen_a_trains_b_only_on_both_backends_and_averaging_b_is_exact(tiny_m
     assert product_merge(flat, EQUAL2, layout).residual < 1e-5  # the product merge agrees: nothing to drop
 
 
-def test_a_learner_that_trains_a_in_a_frozen_a_run_is_refused_by_the_contract():
+def test_a_island_that_trains_a_in_a_frozen_a_run_is_refused_by_the_contract():
     run = {"lora_freeze_a": True}
     assert contract_mismatch(run, {"lora_freeze_a": False}) == (
-        "lora_freeze_a (--lora-freeze-a) is False on this learner, True in the run")
+        "lora_freeze_a (--lora-freeze-a) is False on this island, True in the run")
     assert contract_mismatch(run, {"lora_freeze_a": True}) is None
 
 
@@ -335,11 +335,11 @@ def test_a_torch_and_an_mlx_island_with_frozen_a_merge_products_exactly(tiny_mod
     from yeto.sync.shell.tape import read_tape
 
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
-    procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 3,
+    procs = {"syncer": syncer(port, s_out, "--islands", 2, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 3,
                               "--lora-merge", "product", "--sync-bits", 32)}
     procs[0] = start_island(model, port, 0, 2, tmp_path / "l0", "--lora-freeze-a", "--lora-dropout", 0)
     procs[1] = subprocess.Popen([sys.executable, "-m", "yeto.backends.mlx", "--model", str(model), "--syncer",
-                                 f"127.0.0.1:{port}", "--learner-id", "1", "--learners", "2", "--out",
+                                 f"127.0.0.1:{port}", "--island-id", "1", "--islands", "2", "--out",
                                  str(tmp_path / "l1"), "--data", str(DEMO_DATA), "--seq-len", "64", "--batch-size", "2",
                                  "--lora-r", "4", "--lora-dropout", "0", "--no-progress", "--lora-freeze-a"], cwd=REPO,
                                 env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -377,7 +377,7 @@ def test_merge_alpha_starts_each_round_from_the_blend_of_the_merged_and_the_own_
             self.ends.append(flatten(self.layout, self.state))
             return out
 
-    s, port = start_syncer(learners=2, quorum=2, outer_steps=2, inner_steps=2, sync_bits=32, merge_alpha=0.25,
+    s, port = start_syncer(islands=2, quorum=2, outer_steps=2, inner_steps=2, sync_bits=32, merge_alpha=0.25,
                            outer_lr=1.0, outer_momentum=0.0)
     islands = {0: Recording(1.0, 100), 1: Recording(-1.0, 100)}
     for isl in islands.values():
@@ -405,7 +405,7 @@ def test_step_normalize_scales_each_delta_to_the_longest_island(principal, plain
     for normalize, expect in ((False, plain_mean), (True, normalized)):
         f = Fleet(n=2, quorum=2, inner_steps=4, outer_lr=1.0, outer_momentum=0.0, robust="off",
                   step_normalize=normalize, principal=principal)
-        f.learners[1].max_inner_steps = 1  # a weaker island: one step per round
+        f.islands[1].max_inner_steps = 1  # a weaker island: one step per round
         before = f.syncer.run.global_.copy()
         f.train(0)
         f.train(1)

@@ -1,5 +1,5 @@
 """The MLX island: LoRA parity with peft, names, data, shim, adapters that torch loads, the same optimizer step and
-loss as the torch learner, and the flags it refuses."""
+loss as the torch island, and the flags it refuses."""
 
 import ctypes
 import json
@@ -16,7 +16,7 @@ mx = pytest.importorskip("mlx.core")
 from tests.conftest import ARCHITECTURES, DEMO_DATA, REPO  # noqa: E402
 from yeto import YetoError  # noqa: E402
 from yeto.island.data import Blocks  # noqa: E402
-from yeto.backends.torch.learner import TorchLearner, TrainConfig  # noqa: E402
+from yeto.backends.torch.island import TorchIsland, TrainConfig  # noqa: E402
 from yeto.backends.torch.losses import sft_loss  # noqa: E402
 from yeto.backends.mlx.compat import NOT_YET, load_mlx_model, mlx_config_shim, mlx_implements  # noqa: E402
 from yeto.backends.mlx.lora import LoRALinear, to_mlx_path, to_peft_name  # noqa: E402
@@ -142,19 +142,19 @@ def test_shimmed_smollm2_generates_what_torch_generates(smollm2, tokenizer):
     assert greedy_mlx(unshimmed, prompt, 8) != want
 
 
-def mlx_learner(tiny_model, kind="llama", **kw):
-    from yeto.backends.mlx.learner import MLXLearner
+def mlx_island(tiny_model, kind="llama", **kw):
+    from yeto.backends.mlx.island import MLXIsland
 
     cfg = TrainConfig(model=str(tiny_model(kind)), data=str(DEMO_DATA), seq_len=64, batch_size=2, max_steps=4, lora_r=4,
                       lora_dropout=0.0, lr=1e-2, warmup_steps=1, **kw)
-    return MLXLearner(cfg, log=lambda s: None)
+    return MLXIsland(cfg, log=lambda s: None)
 
 
-def test_same_blocks_as_the_torch_learner(tiny_model, tmp_path):
+def test_same_blocks_as_the_torch_island(tiny_model, tmp_path):
     cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2, lora_r=4,
-                      learner_id=1, num_learners=2)
-    t = TorchLearner(cfg, log=lambda s: None)
-    m = mlx_learner(tiny_model, learner_id=1, num_learners=2)
+                      island_id=1, num_islands=2)
+    t = TorchIsland(cfg, log=lambda s: None)
+    m = mlx_island(tiny_model, island_id=1, num_islands=2)
     np.testing.assert_array_equal(t.data.train.input_ids, m.data.train.input_ids)
     np.testing.assert_array_equal(t.data.train.loss_mask, m.data.train.loss_mask)
     assert sorted(t.adapter_state()) == sorted(m.adapter_state())
@@ -184,7 +184,7 @@ def test_mlx_adapter_loads_in_torch_with_matching_logits(tiny_model, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    m = mlx_learner(tiny_model)
+    m = mlx_island(tiny_model)
     before = m.evaluate()
     for _ in range(4):
         m.step()
@@ -212,26 +212,26 @@ def test_heterogeneous_fleet_torch_and_mlx(tiny_model, tmp_path):
     from yeto.sync.shell.tape import read_tape
 
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
-    common = ["--model", str(model), "--data", str(DEMO_DATA), "--syncer", f"127.0.0.1:{port}", "--learners", "2",
+    common = ["--model", str(model), "--data", str(DEMO_DATA), "--syncer", f"127.0.0.1:{port}", "--islands", "2",
               "--seq-len", "64", "--batch-size", "2", "--lora-r", "4", "--no-progress"]
-    procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 4)}
-    procs["torch"] = subprocess.Popen([sys.executable, "-m", "yeto.backends.torch", "--learner-id", "0",
+    procs = {"syncer": syncer(port, s_out, "--islands", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 4)}
+    procs["torch"] = subprocess.Popen([sys.executable, "-m", "yeto.backends.torch", "--island-id", "0",
                                        "--threads", "1",
                                        "--out", str(tmp_path / "t"), *common],
                                       cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    procs["mlx"] = subprocess.Popen([sys.executable, "-m", "yeto.backends.mlx", "--learner-id", "1",
+    procs["mlx"] = subprocess.Popen([sys.executable, "-m", "yeto.backends.mlx", "--island-id", "1",
                                      "--out", str(tmp_path / "m"), *common],
                                     cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     outs = finish(procs)
     assert all(code == 0 for code, _ in outs.values()), {k: v[1][-2500:] for k, v in outs.items()}
     from yeto.backends.mlx.compat import fast_blas_library
 
-    if sys.platform.startswith("linux") and fast_blas_library():  # the MLX learner re-exec'd itself with OpenBLAS
+    if sys.platform.startswith("linux") and fast_blas_library():  # the MLX island re-exec'd itself with OpenBLAS
         assert "OpenBLAS preloaded" in outs["mlx"][1]
     events = read_tape(s_out)
-    joins = {e["learner"]: e["backend"] for e in events if e["event"] == "join"}
+    joins = {e["island"]: e["backend"] for e in events if e["event"] == "join"}
     assert joins == {0: "torch", 1: "mlx"}
-    deltas = {(e["round"], e["learner"]): e for e in events if e["event"] == "delta"}
+    deltas = {(e["round"], e["island"]): e for e in events if e["event"] == "delta"}
     merges = [e for e in events if e["event"] == "merge"]
     assert len(merges) == 3
     for m in merges:
@@ -266,11 +266,11 @@ LOSS_RTOL = 2e-5  # fp32 logits summed in other orders; granite's x20 logit scal
 
 
 def twins(model_path, **kw):
-    """A torch and an MLX learner of one config, holding the same non-zero adapter (so A and B both learn)."""
-    from yeto.backends.mlx.learner import MLXLearner
+    """A torch and an MLX island of one config, holding the same non-zero adapter (so A and B both learn)."""
+    from yeto.backends.mlx.island import MLXIsland
 
     cfg = TrainConfig(model=str(model_path), data=str(DEMO_DATA), **{**PARITY, **kw})
-    t, m = TorchLearner(cfg, log=lambda s: None), MLXLearner(cfg, log=lambda s: None)
+    t, m = TorchIsland(cfg, log=lambda s: None), MLXIsland(cfg, log=lambda s: None)
     rng = np.random.default_rng(0)
     start = {k: (v if "lora_A" in k else rng.normal(0, 0.05, v.shape)).astype(np.float32)
              for k, v in t.adapter_state().items()}
@@ -370,7 +370,7 @@ def test_loss_matches_torch(tiny_model, logit_model, kind):
 def test_the_loss_rows_path_is_taken_only_where_it_gives_the_models_own_logits():
     import mlx.nn as nn
 
-    from yeto.backends.mlx.learner import find_decoder, loss_rows_decoder
+    from yeto.backends.mlx.island import find_decoder, loss_rows_decoder
 
     class Body(nn.Module):
         def __init__(self):
@@ -408,12 +408,12 @@ def test_the_loss_rows_path_is_taken_only_where_it_gives_the_models_own_logits()
 def test_full_logits_dtype_and_device_are_honoured(tiny_model):
     import mlx.nn as nn
 
-    rows_only = mlx_learner(tiny_model)
-    full = mlx_learner(tiny_model, full_logits=True, device="cpu")
+    rows_only = mlx_island(tiny_model)
+    full = mlx_island(tiny_model, full_logits=True, device="cpu")
     assert full.decoder is None and rows_only.decoder is not None
     full.load_adapter_state(rows_only.adapter_state())
     assert full.evaluate() == pytest.approx(rows_only.evaluate(), rel=1e-6)
-    half = mlx_learner(tiny_model, dtype="bfloat16")
+    half = mlx_island(tiny_model, dtype="bfloat16")
     linears = [mod for _, mod in half.model.named_modules() if isinstance(mod, nn.Linear)]
     assert linears and all(mod.weight.dtype == mx.bfloat16 for mod in linears)
     from yeto.backends.mlx.lora import lora_state
@@ -427,28 +427,28 @@ OPENBLAS_HERE = hasattr(ctypes.CDLL(None), "openblas_set_num_threads")
 
 @pytest.mark.parametrize("flag, value, says", [
     ("dtype", "float64", "unknown --dtype"),
-    ("device", "cuda", "--device cuda is the torch learner's"),
-    ("device", "mps", "--device mps is the torch learner's"),
-    ("gradient_checkpointing", True, "--gradient-checkpointing is the torch learner's"),
+    ("device", "cuda", "--device cuda is the torch island's"),
+    ("device", "mps", "--device mps is the torch island's"),
+    ("gradient_checkpointing", True, "--gradient-checkpointing is the torch island's"),
     ("threads", -1, "--threads must be at least 0"),
     pytest.param("threads", 2, "does not run on OpenBLAS",
                  marks=pytest.mark.skipif(OPENBLAS_HERE, reason="OpenBLAS is loaded in this process")),
-    ("base_quantization", "nf4", "--base-quantization is the torch learner's"),
+    ("base_quantization", "nf4", "--base-quantization is the torch island's"),
     ("shard", "fsdp", "--shard fsdp is for torchrun"),
-    ("micro_batch_size", "2", "--micro-batch-size is the torch learner's"),
+    ("micro_batch_size", "2", "--micro-batch-size is the torch island's"),
     ("loss_function", "mymod:fn", "cross_entropy only"),
     ("max_grad_norm", -1.0, "--max-grad-norm must be above 0"),
     ("grad_accum", 0, "--grad-accum must be at least 1"),
 ])
-def test_mlx_learner_refuses_flags_it_cannot_honour(flag, value, says):
-    from yeto.backends.mlx.learner import MLXLearner
+def test_mlx_island_refuses_flags_it_cannot_honour(flag, value, says):
+    from yeto.backends.mlx.island import MLXIsland
 
     # a model that does not exist: the refusal comes before anything loads
     with pytest.raises(YetoError, match=says):
-        MLXLearner(TrainConfig(model="/nonexistent/model", **{flag: value}), log=lambda s: None)
+        MLXIsland(TrainConfig(model="/nonexistent/model", **{flag: value}), log=lambda s: None)
 
 
-def test_mlx_learner_cli_refuses_in_one_line(tmp_path):
+def test_mlx_island_cli_refuses_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "yeto.backends.mlx", "--device", "cuda", "--out", str(tmp_path / "o"),
                         "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**__import__("os").environ, "YETO_NO_FAST_BLAS": "1"})
@@ -459,11 +459,11 @@ def test_mlx_learner_cli_refuses_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("kind", sorted(kind for kind in ARCHITECTURES if kind in NOT_YET))
 def test_a_class_the_mlx_island_does_not_train_yet_is_refused(tiny_model, kind):
-    from yeto.backends.mlx.learner import MLXLearner
+    from yeto.backends.mlx.island import MLXIsland
 
     assert mlx_implements(kind) is False
-    with pytest.raises(YetoError, match=f"does not train model_type '{kind}' yet .*with the torch learner"):
-        MLXLearner(TrainConfig(model=str(tiny_model(kind)), data=str(DEMO_DATA), seq_len=64), log=lambda s: None)
+    with pytest.raises(YetoError, match=f"does not train model_type '{kind}' yet .*with the torch island"):
+        MLXIsland(TrainConfig(model=str(tiny_model(kind)), data=str(DEMO_DATA), seq_len=64), log=lambda s: None)
 
 
 def test_an_architecture_mlx_lm_lacks_is_one_line(tiny_model, tmp_path):

@@ -198,11 +198,11 @@ def test_a_profile_name_that_does_not_exist_says_which_do():
 
 
 def test_a_real_curve_syncer_round_through_a_home_link(tiny_model, tmp_path):
-    """CURVE's handshake and a whole run through the emulator: a learner on `home`, one direct."""
+    """CURVE's handshake and a whole run through the emulator: an island on `home`, one direct."""
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
     link = Link(port, PROFILES["home"], seed=0)
     try:
-        procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 2,
+        procs = {"syncer": syncer(port, s_out, "--islands", 2, "--quorum", 2, "--outer-steps", 2, "--inner-steps", 2,
                                   "--sync-bits", 4)}
         procs[0] = start_island(model, port, 0, 2, tmp_path / "l0")
         procs[1] = start_island(model, link.port, 1, 2, tmp_path / "l1")
@@ -210,7 +210,7 @@ def test_a_real_curve_syncer_round_through_a_home_link(tiny_model, tmp_path):
     finally:
         link.close()
     assert_run_complete(s_out, outs, 2, [tmp_path / "l0", tmp_path / "l1"], quorum_of=[0, 1])
-    assert link.bytes_up > 0 and link.bytes_down > 0  # learner 1's traffic went through the link
+    assert link.bytes_up > 0 and link.bytes_down > 0  # island 1's traffic went through the link
 
 
 @pytest.mark.parametrize("per_connection", [False, True])

@@ -1,7 +1,7 @@
-"""A preempted island resumes: real learner processes killed (SIGKILL) and restarted with the same command.
+"""A preempted island resumes: real island processes killed (SIGKILL) and restarted with the same command.
 
 Standalone, the resumed run ends with the uninterrupted run's adapter bit for bit on CPU (the same batches, dropout
-draws, AdamW moments and LR from the saved state) and logs the same steps and LRs. In a fleet, a learner killed
+draws, AdamW moments and LR from the saved state) and logs the same steps and LRs. In a fleet, an island killed
 mid-round rejoins with its optimizer state, and its step numbers and LR schedule go on from where it was (as its
 uninterrupted peer's), not from a second warm-up.
 """
@@ -153,11 +153,11 @@ def test_a_state_of_another_run_is_refused_naming_what_differs(uninterrupted, tm
     assert saved_step(out) == 2
 
 
-def test_a_fleet_learner_killed_and_restarted_continues_its_steps_and_lr(tiny_model, tmp_path):
+def test_a_fleet_island_killed_and_restarted_continues_its_steps_and_lr(tiny_model, tmp_path):
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
     inner = 3
-    procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 4, "--inner-steps", inner,
-                              "--learner-timeout", 4)}
+    procs = {"syncer": syncer(port, s_out, "--islands", 2, "--quorum", 2, "--outer-steps", 4, "--inner-steps", inner,
+                              "--island-timeout", 4)}
     flags = ("--warmup-steps", "2", "--lr", "1e-3", "--syncer-timeout", "5")
     procs[0] = start_island(model, port, 0, 2, tmp_path / "l0", *flags)
     victim = start_island(model, port, 1, 2, tmp_path / "l1", *flags, "--step-delay", 0.7)
@@ -184,24 +184,24 @@ def test_a_fleet_learner_killed_and_restarted_continues_its_steps_and_lr(tiny_mo
     assert sorted(after) == [2, 3, 4]  # it trained round 2 again (its first push was lost with it), then the rest
 
 
-def test_a_fleet_restore_takes_the_next_step_as_the_learner_would_have(tiny_model, tmp_path):
+def test_a_fleet_restore_takes_the_next_step_as_the_island_would_have(tiny_model, tmp_path):
     """In a fleet the state comes back without its adapter (the rejoin brings the global): given the same adapter,
-    the restored learner's next step is the original's, bit for bit (moments, schedule, batch, dropout)."""
+    the restored island's next step is the original's, bit for bit (moments, schedule, batch, dropout)."""
     import torch
 
     from yeto.island.train_config import TrainConfig
-    from yeto.backends.torch.learner import TorchLearner
+    from yeto.backends.torch.island import TorchIsland
 
     cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), out=str(tmp_path), seq_len=64,
                       batch_size=2, lora_r=4, lora_dropout=0.1, max_steps=10, warmup_steps=2, lr=1e-3,
-                      syncer="127.0.0.1:9", num_learners=1)
+                      syncer="127.0.0.1:9", num_islands=1)
     quiet = dict(log=lambda s: None)
-    a = TorchLearner(cfg, **quiet)
+    a = TorchIsland(cfg, **quiet)
     a.set_total_steps(20)  # the syncer's horizon
     for _ in range(3):
         a.step()
     state = a.training_state()
-    b = TorchLearner(cfg, **quiet)
+    b = TorchIsland(cfg, **quiet)
     fresh = b.adapter_state()
     b.load_training_state(state, adapter=False)
     assert all((b.adapter_state()[k] == fresh[k]).all() for k in fresh)  # not the saved adapter
@@ -215,12 +215,12 @@ def test_a_fleet_restore_takes_the_next_step_as_the_learner_would_have(tiny_mode
 
 
 def test_run_island_seeds_the_error_feedback_with_the_saved_residual(start_syncer):
-    """A resumed learner's first round carries the quantization error it saved; each round start reports it."""
+    """A resumed island's first round carries the quantization error it saved; each round start reports it."""
     import numpy as np
 
     from tests.peers import QuadraticIsland, island_thread, wait_until
 
-    _, port = start_syncer(learners=1, quorum=1, outer_steps=2, inner_steps=2, sync_bits=4)
+    _, port = start_syncer(islands=1, quorum=1, outer_steps=2, inner_steps=2, sync_bits=4)
     saved = np.linspace(-0.01, 0.01, 16, dtype=np.float32)
     seen, results = [], {}
     island_thread(QuadraticIsland(1.0, 10), port, 0, results, residual=saved, on_round_start=seen.append)

@@ -1,9 +1,9 @@
 """The threat model of docs/SECURITY.md against a real, CURVE-secured syncer on loopback.
 
 Strangers (no key, a wrong key, plain text), a holder of the join key who replays,
-takes over ids or lies about its training, a learner on another base model, a
+takes over ids or lies about its training, an island on another base model, a
 hostile delta, floods of connections and oversized frames, and a fuzzer: each
-must leave the honest learners merging and the run's state untouched.
+must leave the honest islands merging and the run's state untouched.
 """
 
 import os
@@ -15,23 +15,23 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch  # noqa: F401  (imported up front: quantize's first import would stall a raw learner past a 1 s timeout)
+import torch  # noqa: F401  (imported up front: quantize's first import would stall a raw island past a 1 s timeout)
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.peers import (ADAPTER_CONFIG, FAST, SEND_TIMEOUT_MS, HeldIsland, QuadraticIsland, RawLearner, island_thread,
+from tests.peers import (ADAPTER_CONFIG, FAST, SEND_TIMEOUT_MS, HeldIsland, QuadraticIsland, RawIsland, island_thread,
                          tape_with, wait_until)
 from yeto import YetoError
 from yeto.island.diloco import run_island
 from yeto.launch.local import free_port
 from yeto.sync.shell import client
 from yeto.sync.shell import gate as gating
-from yeto.sync.shell.keys import JoinKey, Keyring, learner_join_key, read_join_key
+from yeto.sync.shell.keys import JoinKey, Keyring, island_join_key, read_join_key
 from yeto.sync.wire.protocol import encode
 from yeto.sync.shell.server import Syncer, SyncerConfig
 from yeto.sync.shell.tape import read_tape
-from yeto.sync.core.learner import LinkTimeouts
+from yeto.sync.core.island import LinkTimeouts
 
 FUZZ_CASES = int(os.environ.get("YETO_FUZZ_CASES", "1000"))
 HELD_STEPS = 4  # a held honest fleet's steps before it waits (2 rounds merge under the fuzz, the rest after it)
@@ -93,25 +93,25 @@ def test_credentials_are_private_reused_on_restart_and_given_keys_are_honoured(t
         JoinKey.parse("secret-key = \"x\"\n", "env")
 
 
-def test_insecure_is_refused_off_loopback_and_learners_need_a_key(tmp_path, monkeypatch):
+def test_insecure_is_refused_off_loopback_and_islands_need_a_key(tmp_path, monkeypatch):
     with pytest.raises(YetoError, match="--insecure is refused"):
         Syncer(SyncerConfig(host="0.0.0.0", port=free_port(), out=str(tmp_path / "s"), insecure=True))
     with pytest.raises(YetoError, match="--insecure is refused"):
-        learner_join_key(None, True, "203.0.113.7:29400")
+        island_join_key(None, True, "203.0.113.7:29400")
     monkeypatch.delenv("YETO_JOIN_KEY", raising=False)
     with pytest.raises(YetoError, match="no join key: pass --join-key FILE or set YETO_JOIN_KEY"):
-        learner_join_key(None, False, "127.0.0.1:29400")
+        island_join_key(None, False, "127.0.0.1:29400")
     key = Keyring.ensure(tmp_path / "s").join
     monkeypatch.setenv("YETO_JOIN_KEY", key.text())  # the file's contents, never a command-line argument
-    assert learner_join_key(None, False, "10.0.0.1:29400") == key
+    assert island_join_key(None, False, "10.0.0.1:29400") == key
 
 
-def test_strangers_get_nothing_and_change_nothing_while_honest_learners_merge(start_syncer, tmp_path):
-    syncer, port, key = secure(start_syncer, learners=2, quorum=2, outer_steps=4, inner_steps=2)
+def test_strangers_get_nothing_and_change_nothing_while_honest_islands_merge(start_syncer, tmp_path):
+    syncer, port, key = secure(start_syncer, islands=2, quorum=2, outer_steps=4, inner_steps=2)
     threads, results = honest_fleet(port, key, step_delay=0.1)
     assert wait_until(lambda: syncer.version >= 0, 15)
-    plain = RawLearner(port, 7)  # no CURVE at all
-    wrong = RawLearner(port, 8, key=stranger_key(key))  # CURVE with a key the run never issued
+    plain = RawIsland(port, 7)  # no CURVE at all
+    wrong = RawIsland(port, 8, key=stranger_key(key))  # CURVE with a key the run never issued
     for s in (plain, wrong):
         parts, _ = s.hello_parts(QuadraticIsland(0.0, 1).state)
         send_if_connected(s.ctl, parts)
@@ -119,7 +119,7 @@ def test_strangers_get_nothing_and_change_nothing_while_honest_learners_merge(st
             s.recv(timeout=1.5)
     join_all(threads, results)
     tape = read_tape(tmp_path / "syncer")
-    assert {e["learner"] for e in tape if e["event"] == "join"} == {0, 1}  # no stranger ever reached the core
+    assert {e["island"] for e in tape if e["event"] == "join"} == {0, 1}  # no stranger ever reached the core
     refused = [e for e in tape if e["event"] == "auth_refused"]
     assert refused and all(e["address"] == "127.0.0.1" for e in refused)
     assert any("unknown key" in e["reason"] for e in refused)  # the wrong key, at the gatekeeper
@@ -128,9 +128,9 @@ def test_strangers_get_nothing_and_change_nothing_while_honest_learners_merge(st
     assert sum(e["event"] == "merge" for e in tape) == 4
 
 
-def test_a_learner_with_a_wrong_or_missing_key_exits_with_what_is_missing(start_syncer):
-    syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=1, inner_steps=1)
-    with pytest.raises(YetoError, match="refused this learner's key.*--join-key"):
+def test_a_island_with_a_wrong_or_missing_key_exits_with_what_is_missing(start_syncer):
+    syncer, port, key = secure(start_syncer, islands=1, quorum=1, outer_steps=1, inner_steps=1)
+    with pytest.raises(YetoError, match="refused this island's key.*--join-key"):
         run_island(QuadraticIsland(0.0, 1), f"127.0.0.1:{port}", 0, log_fn=lambda s: None,
                    join_key=stranger_key(key))
     with pytest.raises(YetoError, match="requires a join key: pass --join-key"):
@@ -147,55 +147,55 @@ def test_a_learner_with_a_wrong_or_missing_key_exits_with_what_is_missing(start_
 
 
 def test_replay_from_another_connection_and_identity_takeover_are_refused(start_syncer, tmp_path):
-    syncer, port, key = secure(start_syncer, learners=2, quorum=2, outer_steps=1, inner_steps=1, sync_bits=32)
-    a = RawLearner(port, 0, key=key)
+    syncer, port, key = secure(start_syncer, islands=2, quorum=2, outer_steps=1, inner_steps=1, sync_bits=32)
+    a = RawIsland(port, 0, key=key)
     state = QuadraticIsland(0.0, 1).state
     layout = a.found(state)
-    b = RawLearner(port, 1, key=key)
+    b = RawIsland(port, 1, key=key)
     b.ask(b.hello_parts(state)[0])
     assert a.recv(want="round").header["round"] == 1
     delta = a.delta_parts(layout, 1, 0, np.full(layout.numel, 0.5, np.float32))
     # the same bytes, replayed by another holder of the join key on its own connection
-    thief = RawLearner(port, 0, key=key, ident=b"learner-0-s1-other")
+    thief = RawIsland(port, 0, key=key, ident=b"island-0-s1-other")
     err = thief.ask(delta, bulk=True)
     assert err.type == "error" and err.header["code"] == "identity"
     assert 0 not in syncer.core.state.pending
-    # another identity claiming learner 0's id while it is live: refused and recorded; learner 0 keeps it
-    taker = RawLearner(port, 0, session="s2", key=key, identity="someone-else-entirely")
+    # another identity claiming island 0's id while it is live: refused and recorded; island 0 keeps it
+    taker = RawIsland(port, 0, session="s2", key=key, identity="someone-else-entirely")
     err = taker.ask(taker.hello_parts(state)[0])
     assert err.type == "error" and err.header["code"] == "id_taken"
     assert syncer.core.state.members[0].session == "s1"
-    assert a.ask(delta, bulk=True).type == "ack"  # the real learner 0 is undisturbed
+    assert a.ask(delta, bulk=True).type == "ack"  # the real island 0 is undisturbed
     tape = tape_with(tmp_path / "syncer", "delta")
     assert any(e["event"] == "reject" and e["code"] == "id_taken" for e in tape)
     assert any(e["event"] == "reject" and e["code"] == "identity" for e in tape)
-    # the same learner restarted (same identity, newer session) takes its id back at once
-    restarted = RawLearner(port, 0, session="s3", key=key)
+    # the same island restarted (same identity, newer session) takes its id back at once
+    restarted = RawIsland(port, 0, session="s3", key=key)
     assert restarted.ask(restarted.hello_parts(state)[0]).type == "welcome"
     for s in (a, b, thief, taker, restarted):
         s.close()
 
 
-def test_per_learner_keys_bind_an_id_and_can_be_revoked(start_syncer, tmp_path):
+def test_per_island_keys_bind_an_id_and_can_be_revoked(start_syncer, tmp_path):
     out = tmp_path / "syncer"
     ring = Keyring.ensure(out)
-    lk = read_join_key(ring.add_learner(1))
-    syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=50, inner_steps=1, sync_bits=32)
+    lk = read_join_key(ring.add_island(1))
+    syncer, port, key = secure(start_syncer, islands=1, quorum=1, outer_steps=50, inner_steps=1, sync_bits=32)
     state = QuadraticIsland(0.0, 1).state
-    RawLearner(port, 0, key=key).found(state)
-    impostor = RawLearner(port, 1, key=key)  # the shared join key may not speak for learner 1 any more
+    RawIsland(port, 0, key=key).found(state)
+    impostor = RawIsland(port, 1, key=key)  # the shared join key may not speak for island 1 any more
     r = impostor.ask(impostor.hello_parts(state)[0])
     assert r.type == "refuse" and r.header["code"] == "identity" and "own key" in r.header["reason"]
-    wrong_id = RawLearner(port, 2, key=lk)  # learner 1's key may not speak for learner 2
+    wrong_id = RawIsland(port, 2, key=lk)  # island 1's key may not speak for island 2
     r = wrong_id.ask(wrong_id.hello_parts(state)[0])
-    assert r.type == "refuse" and "belongs to learner:1" in r.header["reason"]
-    one = RawLearner(port, 1, key=lk)
+    assert r.type == "refuse" and "belongs to island:1" in r.header["reason"]
+    one = RawIsland(port, 1, key=lk)
     assert one.ask(one.hello_parts(state)[0]).type == "welcome"
-    ring.revoke_learner(1)
+    ring.revoke_island(1)
     assert one.recv(timeout=8, want="refuse").header["code"] == "revoked"
     tape = tape_with(out, "revoked")
-    assert any(e["event"] == "revoked" and e["learner"] == 1 for e in tape)
-    again = RawLearner(port, 1, session="s9", key=lk)
+    assert any(e["event"] == "revoked" and e["island"] == 1 for e in tape)
+    again = RawIsland(port, 1, session="s9", key=lk)
     send_if_connected(again.ctl, again.hello_parts(state)[0])
     with pytest.raises(AssertionError, match="sent no message"):
         again.recv(timeout=1.5)
@@ -203,78 +203,78 @@ def test_per_learner_keys_bind_an_id_and_can_be_revoked(start_syncer, tmp_path):
 
 
 def test_expected_ids_get_keys_of_their_own_so_no_join_key_holder_takes_one(start_syncer, tmp_path):
-    """By default the run's first start issues a learner key per expected id: a holder of the join key asking for
-    learner 1 before learner 1 starts (issue 34: the real learner then got id_taken) is refused, naming the key to
-    use; learner 1 on its key is welcomed, trusted; the join key still admits ids beyond --learners, as extra. A
+    """By default the run's first start issues an island key per expected id: a holder of the join key asking for
+    island 1 before island 1 starts (issue 34: the real island then got id_taken) is refused, naming the key to
+    use; island 1 on its key is welcomed, trusted; the join key still admits ids beyond --islands, as extra. A
     revoked key is not issued again."""
     out = tmp_path / "syncer"
-    syncer, port, key = secure(start_syncer, learners=2, quorum=2, outer_steps=5, inner_steps=1, learner_keys=True,
+    syncer, port, key = secure(start_syncer, islands=2, quorum=2, outer_steps=5, inner_steps=1, island_keys=True,
                                out=out)
-    mine = {lid: read_join_key(out / "keys" / "learners" / f"{lid}.key") for lid in (0, 1)}
-    assert all(k.learner == lid for lid, k in mine.items())
+    mine = {lid: read_join_key(out / "keys" / "islands" / f"{lid}.key") for lid in (0, 1)}
+    assert all(k.island == lid for lid, k in mine.items())
     state = QuadraticIsland(0.0, 1).state
-    RawLearner(port, 0, key=mine[0]).found(state)
-    taker = RawLearner(port, 1, key=key)
+    RawIsland(port, 0, key=mine[0]).found(state)
+    taker = RawIsland(port, 1, key=key)
     r = taker.ask(taker.hello_parts(state)[0])
-    assert r.type == "refuse" and r.header["code"] == "identity" and "keys/learners/1.key" in r.header["reason"]
-    one = RawLearner(port, 1, key=mine[1])
+    assert r.type == "refuse" and r.header["code"] == "identity" and "keys/islands/1.key" in r.header["reason"]
+    one = RawIsland(port, 1, key=mine[1])
     assert one.ask(one.hello_parts(state)[0]).type == "welcome"
-    extra = RawLearner(port, 2, key=key)
+    extra = RawIsland(port, 2, key=key)
     assert extra.ask(extra.hello_parts(state)[0]).type == "welcome"
-    assert wait_until(lambda: {e["learner"]: e["tier"] for e in read_tape(out) if e["event"] == "join"} == {
+    assert wait_until(lambda: {e["island"]: e["tier"] for e in read_tape(out) if e["event"] == "join"} == {
         0: "trusted", 1: "trusted", 2: "extra"}), [e for e in read_tape(out) if e["event"] == "join"]
     ring = Keyring.ensure(out)
-    ring.revoke_learner(1)
-    assert ring.issue_expected(2) == [] and not (out / "keys" / "learners" / "1.key").exists()
+    ring.revoke_island(1)
+    assert ring.issue_expected(2) == [] and not (out / "keys" / "islands" / "1.key").exists()
     for p in (taker, one, extra):
         p.close()
 
 
 def test_the_contract_is_pinned_and_a_mismatch_names_the_field_and_both_values(start_syncer):
-    syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=5, inner_steps=1,
+    syncer, port, key = secure(start_syncer, islands=1, quorum=1, outer_steps=5, inner_steps=1,
                                model="smollm2-135m", model_revision="sha256:aaa")
     state = QuadraticIsland(0.0, 1).state
     prov = {"model": {"name": "smollm2-135m", "source": "package", "revision": "sha256:aaa"}}
-    founder = RawLearner(port, 0, key=key)
+    founder = RawIsland(port, 0, key=key)
     req = founder.ask(founder.hello_parts(state, provenance=prov)[0])
     assert req.type == "init_request"
-    other_rev = RawLearner(port, 1, key=key)
+    other_rev = RawIsland(port, 1, key=key)
     other_prov = {"model": {**prov["model"], "revision": "sha256:bbb"}}
     r = other_rev.ask(other_rev.hello_parts(state, provenance=other_prov)[0])
     assert r.type == "refuse" and r.header["code"] == "contract_mismatch"
-    assert ("base_revision (--model-revision) is 'sha256:bbb' on this learner, 'sha256:aaa' in the run"
+    assert ("base_revision (--model-revision) is 'sha256:bbb' on this island, 'sha256:aaa' in the run"
             in r.header["reason"])
-    other_alpha = RawLearner(port, 2, key=key)
+    other_alpha = RawIsland(port, 2, key=key)
     r = other_alpha.ask(other_alpha.hello_parts(state, {**ADAPTER_CONFIG, "lora_alpha": 16}, prov)[0])
-    assert r.type == "refuse" and "lora_alpha (--lora-alpha) is 16 on this learner, 4 in the run" in r.header["reason"]
+    assert r.type == "refuse" and "lora_alpha (--lora-alpha) is 16 on this island, 4 in the run" in r.header["reason"]
     assert syncer.core.state.founding.provenance["run"]["lora_alpha"] == 4  # the run's provenance: its contract
 
 
 @pytest.mark.parametrize("field, changed, reason", [
     ("data", {"data": {"name": "d", "revision": "sha256:other"}}, "data (--data"),
     ("split", {"data_stats": {"split": "test"}}, "sha256:ddd test"),
-    ("loss", {"loss": "my_loss@sha256:two"}, "loss (--loss-function) is 'my_loss@sha256:two' on this learner"),
-    ("shard count", {"config": {"num_learners": 1}}, "num_learners (--learners) is 1 on this learner, 2 in"),
+    ("loss", {"loss": "my_loss@sha256:two"}, "loss (--loss-function) is 'my_loss@sha256:two' on this island"),
+    ("shard count", {"config": {"num_islands": 1}}, "num_islands (--islands) is 1 on this island, 2 in"),
 ])
-def test_a_learner_on_other_data_another_loss_or_another_shard_count_is_refused(start_syncer, field, changed,
+def test_a_island_on_other_data_another_loss_or_another_shard_count_is_refused(start_syncer, field, changed,
                                                                                 reason):
-    syncer, port, key = secure(start_syncer, learners=2, quorum=2, outer_steps=5, inner_steps=1)
+    syncer, port, key = secure(start_syncer, islands=2, quorum=2, outer_steps=5, inner_steps=1)
     state = QuadraticIsland(0.0, 1).state
     prov = {"data": {"name": "d", "revision": "sha256:ddd"}, "data_stats": {"split": "train"},
-            "loss": "my_loss@sha256:one", "config": {"num_learners": 2}}
-    founder = RawLearner(port, 0, key=key)
+            "loss": "my_loss@sha256:one", "config": {"num_islands": 2}}
+    founder = RawIsland(port, 0, key=key)
     assert founder.ask(founder.hello_parts(state, provenance=prov)[0]).type == "init_request"
-    other = RawLearner(port, 1, key=key)
+    other = RawIsland(port, 1, key=key)
     r = other.ask(other.hello_parts(state, provenance={**prov, **changed})[0])
     assert r.type == "refuse" and r.header["code"] == "contract_mismatch", r.header
     assert reason in r.header["reason"], r.header["reason"]
 
 
 def test_inflated_claims_are_refused_and_an_outlier_delta_is_clipped(start_syncer, tmp_path):
-    syncer, port, key = secure(start_syncer, learners=3, quorum=3, outer_steps=2, inner_steps=2, sync_bits=32,
+    syncer, port, key = secure(start_syncer, islands=3, quorum=3, outer_steps=2, inner_steps=2, sync_bits=32,
                                outer_lr=1.0, outer_momentum=0.0)
     state = QuadraticIsland(0.0, 1).state
-    peers = [RawLearner(port, i, key=key) for i in range(3)]
+    peers = [RawIsland(port, i, key=key) for i in range(3)]
     layout = peers[0].found(state)
     for p in peers[1:]:
         p.ctl.send_multipart(p.hello_parts(state, tokens_per_step=64)[0])
@@ -307,7 +307,7 @@ def test_inflated_claims_are_refused_and_an_outlier_delta_is_clipped(start_synce
 
 
 def test_floods_of_connections_and_oversized_frames_leave_the_syncer_serving(start_syncer, tmp_path):
-    syncer, port, key = secure(start_syncer, learners=2, quorum=2, outer_steps=4, inner_steps=2, max_connections=12)
+    syncer, port, key = secure(start_syncer, islands=2, quorum=2, outer_steps=4, inner_steps=2, max_connections=12)
     threads, results = honest_fleet(port, key, step_delay=0.05)
     assert wait_until(lambda: syncer.version >= 0, 15)
     ctx = zmq.Context.instance()
@@ -316,7 +316,7 @@ def test_floods_of_connections_and_oversized_frames_leave_the_syncer_serving(sta
     big.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # (sent before the flood takes the connection slots)
     big.curve_serverkey, big.curve_publickey, big.curve_secretkey = key.syncer_public, key.public, key.secret
     big.connect(f"tcp://127.0.0.1:{port}")
-    big.send_multipart([encode("ping", {"learner": 9, "session": "s", "version": 0, "pushed": None})[0],
+    big.send_multipart([encode("ping", {"island": 9, "session": "s", "version": 0, "pushed": None})[0],
                         os.urandom(8 << 20)])
     flood = []
     for i in range(40):  # authenticated connections beyond --max-connections, and strangers
@@ -335,7 +335,7 @@ def test_floods_of_connections_and_oversized_frames_leave_the_syncer_serving(sta
     tape = read_tape(tmp_path / "syncer")
     assert sum(e["event"] == "merge" for e in tape) == 4
     assert any(e["event"] == "auth_refused" and "too many connections" in e["reason"] for e in tape)
-    assert not any(e.get("learner") == 9 for e in tape)  # the oversized message never reached the core
+    assert not any(e.get("island") == 9 for e in tape)  # the oversized message never reached the core
 
 
 class KeylessFlood:
@@ -405,12 +405,12 @@ def within_caps(gate: gating.Gatekeeper) -> bool:
     return len(waiting) <= gating.PENDING_TOTAL and max(per_address.values(), default=0) <= gating.PENDING_PER_ADDRESS
 
 
-def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path, monkeypatch):
+def test_a_keyless_connection_flood_locks_no_island_out(start_syncer, tmp_path, monkeypatch):
     # caps small enough that the stranger's few dozen sockets overflow both, per source address and in total
     monkeypatch.setattr(gating, "PENDING_PER_ADDRESS", 4)
     monkeypatch.setattr(gating, "PENDING_TOTAL", 12)
-    max_connections = 6  # two learners' four connections fit; the stranger alone holds five times as many
-    syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=ROUNDS, inner_steps=2,
+    max_connections = 6  # two islands' four connections fit; the stranger alone holds five times as many
+    syncer, port, key = secure(start_syncer, islands=1, quorum=1, outer_steps=ROUNDS, inner_steps=2,
                                max_connections=max_connections)
     results = {}
     first = island_thread(QuadraticIsland(1.0, 100), port, 0, results, join_key=key, step_delay=0.1)
@@ -418,18 +418,18 @@ def test_a_keyless_connection_flood_locks_no_learner_out(start_syncer, tmp_path,
     addresses = [f"127.0.0.{i}" for i in range(2, 6)]
     with KeylessFlood(port, addresses, per_address=8, reopen_after_s=FLOOD_REOPEN_S) as flood:
         time.sleep(1.0)  # the stranger holds its sockets: without a fix, every one counts toward the cap
-        for fd in list(syncer.gate.handshaked):  # the learner in the run loses its connections and reconnects
+        for fd in list(syncer.gate.handshaked):  # the island in the run loses its connections and reconnects
             gating.cut(fd)
         during = syncer.version
         joiner = island_thread(QuadraticIsland(-1.0, 150), port, 1, results, join_key=key, step_delay=0.1)
-        assert wait_until(lambda: any(e["event"] == "join" and e["learner"] == 1
+        assert wait_until(lambda: any(e["event"] == "join" and e["island"] == 1
                                       for e in read_tape(tmp_path / "syncer")) or 1 in results, 20)
         assert not isinstance(results.get(1), Exception), results[1]  # (not refused for good as a wrong key)
-        with pytest.raises(YetoError, match="refused this learner's key.*--join-key"):  # a wrong key: still final
+        with pytest.raises(YetoError, match="refused this island's key.*--join-key"):  # a wrong key: still final
             run_island(QuadraticIsland(0.0, 1), f"127.0.0.1:{port}", 5, log_fn=lambda s: None,
                        join_key=stranger_key(key), timeouts=FAST)
         assert wait_until(lambda: syncer.version >= during + 3, 10), (during, syncer.version, results)  # it goes on
-        assert 0 not in results  # (the learner that reconnected was not told its key is wrong)
+        assert 0 not in results  # (the island that reconnected was not told its key is wrong)
         assert flood.cut > 0  # the stranger's oldest sockets were dropped ...
         assert wait_until(lambda: within_caps(syncer.gate), 5)  # ... so that what waits for a handshake stays
         # within both caps (once the syncer's thread has cut what it just accepted: sampled until it has)
@@ -491,28 +491,28 @@ def test_the_gatekeeper_cuts_the_oldest_sockets_waiting_for_a_handshake_per_addr
 def test_a_full_syncer_has_key_holders_retry_and_still_refuses_a_wrong_key_for_good(start_syncer, tmp_path,
                                                                                     monkeypatch):
     monkeypatch.setattr(gating, "HANDSHAKE_IVL_MS", 2000)  # a busy refusal shows at the syncer's handshake timeout ...
-    monkeypatch.setattr(client, "BUSY_AFTER_S", 1.0)  # ... shortened here, and the learner's reading of it with it
-    syncer, port, key = secure(start_syncer, learners=1, quorum=1, outer_steps=2, inner_steps=1, max_connections=2)
-    occupant = RawLearner(port, 9, key=key)  # a key holder's two connections fill --max-connections
+    monkeypatch.setattr(client, "BUSY_AFTER_S", 1.0)  # ... shortened here, and the island's reading of it with it
+    syncer, port, key = secure(start_syncer, islands=1, quorum=1, outer_steps=2, inner_steps=1, max_connections=2)
+    occupant = RawIsland(port, 9, key=key)  # a key holder's two connections fill --max-connections
     assert wait_until(lambda: len(syncer.gate.handshaked) == 2, 5)
-    with pytest.raises(YetoError, match="refused this learner's key.*--join-key"):  # the key is judged first
+    with pytest.raises(YetoError, match="refused this island's key.*--join-key"):  # the key is judged first
         run_island(QuadraticIsland(0.0, 1), f"127.0.0.1:{port}", 5, log_fn=lambda s: None,
                    join_key=stranger_key(key), timeouts=FAST)
     results, logs = {}, []
 
-    def learner():
+    def island():
         try:
             results[0] = run_island(QuadraticIsland(1.0, 100), f"127.0.0.1:{port}", 0, log_fn=logs.append,
                                     timeouts=FAST, join_key=key)
         except Exception as e:  # surfaced by the test
             results[0] = e
 
-    t = threading.Thread(target=learner, daemon=True)
+    t = threading.Thread(target=island, daemon=True)
     t.start()
     assert wait_until(lambda: any("retrying" in line for line in logs), 10), logs
     time.sleep(2 * gating.HANDSHAKE_IVL_MS / 1000)  # refused again and again meanwhile: never for good
     assert 0 not in results and syncer.core.run is None, results
-    occupant.close()  # room again: the learner that waited gets in on its own
+    occupant.close()  # room again: the island that waited gets in on its own
     join_all([t], results)
     tape = read_tape(tmp_path / "syncer")
     assert any(e["event"] == "auth_refused" and "too many connections" in e["reason"] for e in tape)
@@ -538,7 +538,7 @@ def fuzz_message(draw, templates):
     head = json.loads(parts[0])
     for _ in range(draw(st.integers(1, 4))):
         keys = sorted(head)
-        k = draw(st.sampled_from(keys + ["type", "v", "learner", "extra"]))
+        k = draw(st.sampled_from(keys + ["type", "v", "island", "extra"]))
         choice = draw(st.integers(0, 3))
         if choice == 0:
             head.pop(k, None)
@@ -560,12 +560,12 @@ def fuzz_message(draw, templates):
 
 
 def test_fuzzed_frames_authenticated_or_not_never_stop_honest_rounds(start_syncer, tmp_path):
-    syncer, port, key = secure(start_syncer, learners=2, quorum=2, outer_steps=6, inner_steps=2,
+    syncer, port, key = secure(start_syncer, islands=2, quorum=2, outer_steps=6, inner_steps=2,
                                straggler_timeout=2.0, sync_bits=32)
     fuzzed = threading.Event()  # (the run must not finish, and its syncer exit, while the fuzz goes on)
     threads, results = honest_fleet(port, key, step_delay=0.1, hold=fuzzed)
     assert wait_until(lambda: syncer.version >= 0, 15)
-    fuzzer = RawLearner(port, 5, key=key, identity="fuzzer-identity-0001")
+    fuzzer = RawIsland(port, 5, key=key, identity="fuzzer-identity-0001")
     state = QuadraticIsland(0.0, 1).state
     hello, layout = fuzzer.hello_parts(state)
     templates = [hello, fuzzer.delta_parts(layout, 1, 0, np.ones(layout.numel, np.float32)),

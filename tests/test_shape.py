@@ -188,14 +188,14 @@ def test_machines_you_own_join_in_time_windows_or_say_why_they_stay_out():
     assert mac.fits and mac.tokens_per_s > 0 and fleet.joining == [mac]
     assert not t4.fits and "GiB" in t4.out  # 16 GB of bf16 weights on a 15 GiB card
     argv = shlex.split(fleet.launch)
-    assert argv[argv.index("--external-learners") + 1] == "1" and "--inner-steps" not in argv
+    assert argv[argv.index("--external-islands") + 1] == "1" and "--inner-steps" not in argv
     assert float(argv[argv.index("--round-seconds") + 1]) == TARGET_ROUND_S and fleet.inner_steps == 0
     assert int(argv[argv.index("--quorum") + 1]) == fleet.quorum <= fleet.islands  # the Mac is not waited for
     alone = plan_shapes(size, replace(request, own=()), PRICES).best
     assert fleet.hours < alone.hours  # the Mac's tokens count
     assert any(line.startswith("M3-Max-128GB joins") for line in fleet.why)
     nf4 = plan_shapes(size, replace(request, base="nf4", own=("M3-Max-128GB",)), PRICES).best
-    assert not nf4.joining and "nf4" in nf4.own[0].out and "--external-learners" not in nf4.launch
+    assert not nf4.joining and "nf4" in nf4.own[0].out and "--external-islands" not in nf4.launch
     big = plan_shapes(model_size("llama3.1-70b"), ShapeRequest("llama3.1-70b", gpus=("H100",), base="nf4",
                                                                own=("M3-Ultra-512GB",)), PRICES).best
     slow = plan_shapes(model_size("llama3.1-70b"), ShapeRequest("llama3.1-70b", gpus=("A100-80GB",),

@@ -16,10 +16,10 @@ from yeto.sync.core import actions
 from yeto.sync.core import admission as sadmission
 from yeto.sync.core import deltas as sdeltas
 from yeto.sync.core import driver as sdriver
-from yeto.sync.core.learner import core as lcore
-from yeto.sync.core.learner import messages as lmessages
-from yeto.sync.core.learner import pipeline as lpipeline
-from yeto.sync.core.learner import phases as lphases
+from yeto.sync.core.island import core as lcore
+from yeto.sync.core.island import messages as lmessages
+from yeto.sync.core.island import pipeline as lpipeline
+from yeto.sync.core.island import phases as lphases
 from yeto.sync.core import merging
 from yeto.sync.core import state as sstate
 from yeto.sync.core import syncer as score
@@ -38,7 +38,7 @@ def test_seeded_fault_schedules_keep_every_invariant():
                               for o in bad[:5])
     streamed = [o for o in outcomes if "streamed" in o.exercised]  # (--fragments: one part merged per round)
     assert len(streamed) >= SEEDS // 10 and any("resume" in o.exercised and "reject" in o.exercised for o in streamed)
-    slow = [o for o in outcomes if "slow_link" in o.exercised]  # (a learner's adapters take longer than its timeout)
+    slow = [o for o in outcomes if "slow_link" in o.exercised]  # (an island's adapters take longer than its timeout)
     assert len(slow) >= SEEDS // 10 and any("resume" in o.exercised for o in slow)
     piped = [o for o in outcomes if "pipelined" in o.exercised]  # (--pipeline: a delta pushed ahead of its round)
     assert len(piped) >= SEEDS // 20 and any("resume" in o.exercised for o in piped)
@@ -67,31 +67,31 @@ def test_a_sweep_starts_from_a_fresh_seed_and_says_which(capsys):
 
 # seeds beyond the CI range that once broke an invariant (each note says what was fixed); they stay fixed
 FOUND_SEEDS = {
-    1892: "a restart forgot learners who joined after checkpoint 0, and exited while one was knocking",
+    1892: "a restart forgot islands who joined after checkpoint 0, and exited while one was knocking",
     2347: "the simulator relaunched a zombie as a second process",
     16035: "a syncer killed inside a durable write may die 20 s late: the faults end later",
     19555: "the same, with a zombie that finished the run for its replacement",
-    54072: "a learner that lost the restarted syncer's welcome ignored its pongs and waited forever",
-    5316: "a delta re-sent to a restarted syncer kept its old ack; a pong then made the learner drop it",
+    54072: "an island that lost the restarted syncer's welcome ignored its pongs and waited forever",
+    5316: "a delta re-sent to a restarted syncer kept its old ack; a pong then made the island drop it",
     4: "behind a slow link, every control-connection drop sent the delta again: copies queued up the uplink",
     62: "a finished syncer stopped serving a slow reader still fetching the final adapter",
-    4529: "no copy on its way and the round's announcement lost: the learner waited for an answer forever",
+    4529: "no copy on its way and the round's announcement lost: the island waited for an answer forever",
     6386: "a finished run's slow reader gave up while its control connection flapped",
     1887: "a restart with more --outer-steps moved a streamed run's whole last round: its saved delta was lost",
     945: "a pipelined delta taken when its round opened closed that round inside the opening (nested rounds)",
-    492: "a learner whose open round's delta was lost waited on its pipelined ones, which waited on that round",
-    3141721: "a founding upload refused (its learner dropped meanwhile) with the error lost: the learner took it for "
+    492: "an island whose open round's delta was lost waited on its pipelined ones, which waited on that round",
+    3141721: "a founding upload refused (its island dropped meanwhile) with the error lost: the island took it for "
              "still on its way and ignored every request for it",
-    414694317: "(the simulator) a frozen learner frozen again read its connection out of order: a pong sent before "
+    414694317: "(the simulator) a frozen island frozen again read its connection out of order: a pong sent before "
                "an ack came after it and dropped a merged delta's residual",
-    192934085: "a learner relaunched by a fleet stop joined the stopping syncer, took its finish, then joined the "
+    192934085: "an island relaunched by a fleet stop joined the stopping syncer, took its finish, then joined the "
                "relaunched one and still ended mid-run (its next relaunch found no syncer)",
     192937500: "a pipelined delta sent just before a reconnect was taken for still on its way: its round waited "
                "on it forever",
-    903596133: "a learner asleep past --learner-timeout was dropped; waking, its delta came before its hello again "
+    903596133: "an island asleep past --island-timeout was dropped; waking, its delta came before its hello again "
                "and was refused not joined, the refusal and the new welcome lost: the round waited on it forever",
     903606582: "the same, in a fleet of three",
-    506180938: "a learner dropped while asleep sent its pipelined delta to the syncer that forgot it; the refusal "
+    506180938: "an island dropped while asleep sent its pipelined delta to the syncer that forgot it; the refusal "
                "(not joined) named no delta, and only the oldest was sent again: its round waited on the other",
     800680: "a delta that reached a restarted syncer just before its round reopened was refused stale, the refusal "
             "lost, and a late hello wiped the answer the pongs repeat: the round waited on it forever",
@@ -116,7 +116,7 @@ def test_a_schedule_that_once_failed_now_passes(seed):
 
 
 def test_a_run_that_does_not_finish_is_reported_with_where_each_node_stands():
-    """The liveness report (what a violation says) reads the syncer's open round, held deltas and live learners
+    """The liveness report (what a violation says) reads the syncer's open round, held deltas and live islands
     mid-run, while a round is open."""
     import json
 
@@ -128,13 +128,13 @@ def test_a_run_that_does_not_finish_is_reported_with_where_each_node_stands():
         fn()
     status = json.loads(w.status())
     assert status["syncer"]["round"] == w.syncer.core.state.round.number
-    assert status["syncer"]["live"] and len(status["learners"]) == w.s.learners + w.s.extra_ids
+    assert status["syncer"]["live"] and len(status["islands"]) == w.s.islands + w.s.extra_ids
 
 
 def test_a_node_frozen_twice_reads_what_came_in_the_order_it_came():
     """A process asleep reads its sockets in order when it wakes; a second freeze only makes the sleep longer."""
     w = sim.World(sim.Schedule.draw(11))
-    node, seen = w.learners[0], []
+    node, seen = w.islands[0], []
     node.pause(5.0)
     w.at(1.0, lambda: node.sleep.hold(lambda: seen.append("before")) or seen.append("early"))
     w.at(2.0, lambda: node.pause(10.0))  # (until t=12)
@@ -188,7 +188,7 @@ def _broadcast_before_checkpoint(orig):
 
 def _no_duplicate_check(orig):
     def on_delta(self, peer, msg, now):
-        self.state.pending.pop(msg.header["learner"], None)
+        self.state.pending.pop(msg.header["island"], None)
         return orig(self, peer, msg, now)
     return on_delta
 
@@ -263,18 +263,18 @@ def _step_claims_believed(orig):
 
 
 PLANTED = {
-    "a delta against a newer adapter than it trained from": [(lcore.LearnerCore, "after_step",
+    "a delta against a newer adapter than it trained from": [(lcore.IslandCore, "after_step",
                                                               _after_step_ignoring_new_versions),
-                                                             (lcore.LearnerCore, "push", _push_against_newest)],
+                                                             (lcore.IslandCore, "push", _push_against_newest)],
     "broadcast before the checkpoint is durable": [(merging.Merging, "_commit", _broadcast_before_checkpoint)],
-    "a learner's second delta in a round accepted": [(sdeltas.Deltas, "on_delta", _no_duplicate_check)],
+    "an island's second delta in a round accepted": [(sdeltas.Deltas, "on_delta", _no_duplicate_check)],
     "merging one responder short of quorum": [(sdriver.RoundDriver, "maybe_close", _quorum_minus_one)],
     "a restart that forgets the saved deltas": [(score.SyncerCore, "start", _forget_saved_deltas)],
-    "a learner that never catches up": [(lmessages.SyncerMessages, "maybe_sync", lambda orig: lambda self, now: None)],
+    "an island that never catches up": [(lmessages.SyncerMessages, "maybe_sync", lambda orig: lambda self, now: None)],
     "a claim that buys more than the round's median weight": [(merging.Merging, "_terms", _weights_by_claim)],
     "a streamed round that steps the parts it did not merge": [(merging, "nesterov_step_on", _every_part_stepped)],
     "a delta sent again on every control-connection drop (copies queue up a slow link)": [
-        (lcore.LearnerCore, "link_lost", lambda orig: lambda self, now, bulk=True: orig(self, now, True))],
+        (lcore.IslandCore, "link_lost", lambda orig: lambda self, now, bulk=True: orig(self, now, True))],
     "a pipelined delta across a merge of its own part": [(lpipeline, "untouched_since", lambda orig: lambda *a: True),
                                                          (sdeltas, "untouched_since", lambda orig: lambda *a: True)],
     "a refused pipelined delta that gives back the whole residual": [
@@ -313,7 +313,7 @@ def _old_keep_rule(orig):
 
 
 def _request_init_without_heard(orig):
-    def request(self, f, m):  # the request does not say the learner's upload came and did not count
+    def request(self, f, m):  # the request does not say the island's upload came and did not count
         self.outbox.send(m.peer, "init_request", {"bits": self.state.cfg.sync_bits})
     return request
 
@@ -330,11 +330,11 @@ PLANTED_ON_SEEDS = {
     "a delta refused before its round reopens, its answer lost with a late hello": (
         [(sdeltas.Deltas, "_waits_for_its_round", _old_keep_rule),
          (sadmission.Admission, "_keep_delta_news", lambda orig: staticmethod(lambda old, new: None))], [800680]),
-    "a stopped syncer's finish kept after a restarted one welcomed the learner into the run": (
+    "a stopped syncer's finish kept after a restarted one welcomed the island into the run": (
         [(lmessages.SyncerMessages, "_finish_superseded", lambda orig: lambda self, h: None)], [192934085]),
     "a pipelined delta's copy taken for still on its way after the connections were remade or the syncer forgot us": (
         [(lpipeline.DeltasInFlight, "copies_lost", _only_the_pushed_copy_lost)], [192937500, 506180938]),
-    "a delta refused from a learner dropped while asleep, the refusal lost, never asked for again": (
+    "a delta refused from an island dropped while asleep, the refusal lost, never asked for again": (
         [(sdeltas.Deltas, "_heard_while_away", lambda orig: lambda self, msg: None)], [903596133, 903606582]),
     "a founding upload refused with its error lost, never asked for again": (
         [(sadmission.Admission, "_request_init", _request_init_without_heard)], [3141721]),
@@ -351,7 +351,7 @@ def test_the_simulator_finds_a_rare_planted_bug_on_its_seed(bug, monkeypatch):
     assert all(not sim.run_seed(seed).ok for seed in seeds), f"the oracle did not notice: {bug}"
 
 
-PHASE_SEEDS = 50  # a planted bad move of a learner's phase must be caught within this many schedules
+PHASE_SEEDS = 50  # a planted bad move of an island's phase must be caught within this many schedules
 
 
 def _first_violation(seeds: int) -> str:
@@ -368,7 +368,7 @@ def _without_abandon(monkeypatch):
     monkeypatch.setitem(lphases.TRANSITIONS, lphases.Phase.TRAINING, allowed)
 
 
-def test_the_learner_core_refuses_a_move_its_phase_table_does_not_have(monkeypatch):
+def test_the_island_core_refuses_a_move_its_phase_table_does_not_have(monkeypatch):
     _without_abandon(monkeypatch)
     error = _first_violation(PHASE_SEEDS)
     assert "IllegalTransition" in error and "illegal phase transition training -> waiting on " in error, error
@@ -384,7 +384,7 @@ def test_the_simulator_checks_every_move_against_the_phase_table_itself(monkeypa
 
 def test_the_simulator_catches_a_phase_changed_around_the_one_method_that_checks_it(monkeypatch):
     """A call site that sets the phase itself (here: abandoning a round) is caught after the event."""
-    orig = lcore.LearnerCore.after_step
+    orig = lcore.IslandCore.after_step
 
     def after_step(self, steps_done, now, window_steps=None):
         t = self.training
@@ -394,6 +394,6 @@ def test_the_simulator_catches_a_phase_changed_around_the_one_method_that_checks
             return lcore.StepVerdict.ABANDON
         return orig(self, steps_done, now, window_steps)
 
-    monkeypatch.setattr(lcore.LearnerCore, "after_step", after_step)
+    monkeypatch.setattr(lcore.IslandCore, "after_step", after_step)
     error = _first_violation(PHASE_SEEDS * 4)
     assert "last recorded move entered training: a phase changed outside Phases.enter" in error, error

@@ -1,5 +1,5 @@
 """yeto.launch.sizing: the memory and speed model's terms add up and move the right way, a few absolute anchors, and
-the LoRA parameter count it derives from a config equals what the learner's own target rules pick on the real module
+the LoRA parameter count it derives from a config equals what the island's own target rules pick on the real module
 tree. (Predicted against measured: bench/sizing.py.)"""
 
 from dataclasses import replace
@@ -153,7 +153,7 @@ def one_per_architecture() -> list[str]:
 
 
 @pytest.mark.parametrize("alias", one_per_architecture())
-def test_lora_count_matches_the_learners_target_rules(alias):
+def test_lora_count_matches_the_islands_target_rules(alias):
     """The adapter size sizing derives from the config equals r * (in + out) summed over the linears
     yeto.island.lora_targets.select_targets picks on the model built on the meta device, for every rule."""
     pytest.importorskip("torch")
@@ -179,7 +179,7 @@ def test_lora_count_matches_the_learners_target_rules(alias):
 
 def test_a_local_model_is_sized_from_its_own_linears(tiny_model):
     """A directory's adapter is counted from the linears of the model built on the meta device (here an MoE with
-    shared experts, which the config-only shapes do not know), equal to what the learner's rules pick."""
+    shared experts, which the config-only shapes do not know), equal to what the island's rules pick."""
     import json
 
     from accelerate import init_empty_weights
@@ -235,7 +235,7 @@ def test_activations_are_what_autograd_saves(tiny_model, kind, checkpointing):
     import torch
     from peft import get_peft_model
 
-    from yeto.backends.torch.learner import masked_loss
+    from yeto.backends.torch.island import masked_loss
     from yeto.launch.gpus import cpu
     from yeto.backends.torch.lora import lora_config
     from yeto.backends.torch.losses import load_loss_function

@@ -9,7 +9,7 @@ never dropped; the round it trains meanwhile is carried onto the next global rat
 import numpy as np
 
 from tests.peers import QuadraticIsland, island_thread, tape_with
-from yeto.sync.core.learner import WINDOW_NEAREST_BOUNDARY
+from yeto.sync.core.island import WINDOW_NEAREST_BOUNDARY
 from yeto.sync.core.rounds import GRACE_SLACK, GRACE_SLACK_S, OpenRound, Pace, RoundMembers, grace_until
 from yeto.sync.core.state import Member
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
@@ -21,7 +21,7 @@ FAST_STEP_S, SLOW_STEP_S = 0.03, 1.0  # the slow island's one step ends 0.4 s pa
 
 def test_a_slow_island_contributes_every_delta_and_the_fast_one_never_waits_past_the_cap(start_syncer, tmp_path):
     out = tmp_path / "syncer"
-    s, port = start_syncer(out=out, learners=2, quorum=1, outer_steps=10, round_seconds=ROUND_S, grace_s=GRACE_S,
+    s, port = start_syncer(out=out, islands=2, quorum=1, outer_steps=10, round_seconds=ROUND_S, grace_s=GRACE_S,
                            max_base_lag=4, straggler_timeout=30.0)
     results: dict = {}
     fast = island_thread(QuadraticIsland(1.0, 100), port, 0, results, step_delay=FAST_STEP_S)
@@ -35,10 +35,10 @@ def test_a_slow_island_contributes_every_delta_and_the_fast_one_never_waits_past
     # every delta the slow island sent was accepted and merged: none refused, none dropped as stale (one sent after
     # the last merge, when no round is open any more, is the end of the run, not a dropped delta)
     last = merges[-1]["round"]
-    refused = [e for e in tape if e["event"] in ("reject", "refuse_delta") and e.get("learner") == 1
+    refused = [e for e in tape if e["event"] in ("reject", "refuse_delta") and e.get("island") == 1
                and e["seq"] < merges[-1]["seq"]]
     assert not refused, refused
-    slow_deltas = [e for e in tape if e["event"] == "delta" and e["learner"] == 1]
+    slow_deltas = [e for e in tape if e["event"] == "delta" and e["island"] == 1]
     merged = {d for m in merges for lid, d in zip(m["responders"], m["deltas"]) if lid == 1}
     assert slow_deltas and all(e["digest"] in merged for e in slow_deltas if e["round"] <= last)
     assert results[1]["abandoned_rounds"] == 0
@@ -59,7 +59,7 @@ def test_overlap_steps_are_the_rounds_own_not_carried_in(start_syncer, tmp_path)
     to, so a delta reports none carried in and step normalization takes its steps whole as the round's length (it
     took them out, shrinking every delta by window/inner). The slow island pushes first and overlaps a step."""
     out = tmp_path / "syncer"
-    s, port = start_syncer(out=out, learners=2, quorum=2, outer_steps=4, round_seconds=ROUND_S)
+    s, port = start_syncer(out=out, islands=2, quorum=2, outer_steps=4, round_seconds=ROUND_S)
     assert s.core.cfg.step_normalize
     results: dict = {}
     threads = [island_thread(QuadraticIsland(sign, 100), port, lid, results, step_delay=delay, overlap=True)
@@ -83,7 +83,7 @@ def _grace(core: SyncerCore, r: OpenRound, waiting: list[int]) -> float:
 def test_the_grace_waits_for_an_island_predicted_within_the_cap_and_not_for_one_beyond():
     """The grace rule alone, with the clock in hand: after quorum the round waits until the latest predicted push
     among the members predicted within the cap, never longer than the cap, and not at all for one predicted later."""
-    core = SyncerCore(SyncerConfig(learners=3, quorum=1, grace_s=2.0, straggler_timeout=100.0), "inc")
+    core = SyncerCore(SyncerConfig(islands=3, quorum=1, grace_s=2.0, straggler_timeout=100.0), "inc")
     r = OpenRound(number=5, base_version=4, opened_at=-100.0, quorum_at=10.0)  # 5% of 110 s: the 2 s cap binds
     members = core.state.members = {lid: Member(lid, "s", f"p{lid}", "test", last_seen=10.0) for lid in (1, 2)}
     members[1].round_s, members[1].since = 8.0, 2.0  # predicted at 2 + 1.02 x 8 + 0.25: within the cap
@@ -108,7 +108,7 @@ def test_a_time_window_round_waits_for_its_window_and_predicts_each_member_at_it
     (the others are training until then); after it, a member is predicted at the window's end, padded by the half
     step its push may trail it by, and waited for up to the cap (5% of the round); one that started so late that its
     single step ends past the cap is not waited for; with everyone in, the round closes at once."""
-    core = SyncerCore(SyncerConfig(learners=2, quorum=1, grace_s=5.0, round_seconds=20.0,
+    core = SyncerCore(SyncerConfig(islands=2, quorum=1, grace_s=5.0, round_seconds=20.0,
                                    straggler_timeout=100.0), "inc")
     r = OpenRound(number=1, base_version=0, opened_at=0.0, quorum_at=12.0, ends_at=20.0)  # cap: 5% of 20 s = 1 s
     members = core.state.members = {1: Member(1, "s", "p1", "test", last_seen=12.0)}

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests.peers import QuadraticIsland, island_thread, wait_until
 from tests.test_core import Fleet
-from yeto.sync.core.learner import Wait
+from yeto.sync.core.island import Wait
 from yeto.sync.core.policy import RoundPolicy
 from yeto import YetoError
 from yeto.sync.merge.outer import nesterov_step, nesterov_step_on
@@ -36,7 +36,7 @@ LR = 0.1  # the quadratic islands' step: slow enough that a lost step shows
 FRAGMENT_NUMEL = 8  # the quadratic island's two tensors of 8 values: two fragments, so two parts
 
 
-def test_a_learners_layout_has_enough_fragments_to_stream_and_the_parts_cover_it_once_per_cycle():
+def test_a_islands_layout_has_enough_fragments_to_stream_and_the_parts_cover_it_once_per_cycle():
     rng = np.random.default_rng(0)
     named = {f"model.layers.{i}.{m}.lora_{ab}.weight": np.zeros(rng.integers(1, 64, size=2))
              for i in range(40) for m in ("q", "v", "up") for ab in "AB"}
@@ -91,7 +91,7 @@ def test_a_parts_deltas_are_judged_by_the_norm_clip_against_that_parts_own_histo
 
 def test_a_restart_that_moves_the_last_round_refuses_its_saved_whole_deltas_on_the_tape():
     """Round 2 of 2 syncs the whole adapter; the syncer restarts with --outer-steps 3, so round 2 now syncs part 1: the
-    saved whole delta cannot count (nor can its learner's copy), and is refused on the tape, not silently lost."""
+    saved whole delta cannot count (nor can its island's copy), and is refused on the tape, not silently lost."""
     f = Fleet(n=2, shapes={"a.lora_A.weight": (48, 48), "b.lora_A.weight": (48, 48)}, fragments=2, outer_steps=2)
     f.train(0)
     f.train(1)
@@ -100,12 +100,12 @@ def test_a_restart_that_moves_the_last_round_refuses_its_saved_whole_deltas_on_t
     f.cfg = replace(f.cfg, outer_steps=3)
     f.syncer = f._boot_syncer(Durable(f.disk["checkpoint"], list(f.disk["deltas"].values()), list(f.tape)))
     refused = [e for e in f.tape if e["event"] == "refuse_delta"]
-    assert [(e["learner"], e["round"]) for e in refused] == [(0, 2)] and "--outer-steps" in refused[0]["reason"]
+    assert [(e["island"], e["round"]) for e in refused] == [(0, 2)] and "--outer-steps" in refused[0]["reason"]
     assert not f.syncer.state.pending and audit(f.tape).ok
-    for lid, c in f.learners.items():
+    for lid, c in f.islands.items():
         f.to_syncer(lid, c.connected_now(f.now))
     f.run()
-    f.tick(dt=1.0, times=3)  # learner 0 sends its delta again, is told it was refused, and trains round 2 anew
+    f.tick(dt=1.0, times=3)  # island 0 sends its delta again, is told it was refused, and trains round 2 anew
     for _ in range(2):
         f.train(0)
         f.train(1)
@@ -118,29 +118,29 @@ PIPELINE_SHAPES = {"a.lora_A.weight": (48, 48), "b.lora_A.weight": (48, 48)}  # 
 
 
 def _mine(f: Fleet, lid: int) -> list[tuple[int, int]]:
-    """(round, merge version) of each of learner `lid`'s deltas a merge counted."""
+    """(round, merge version) of each of island `lid`'s deltas a merge counted."""
     deltas = {e["digest"]: e for e in f.tape if e["event"] == "delta"}
     return [(deltas[d]["round"], e["version"]) for e in f.tape if e["event"] == "merge"
             for i, d in zip(e["responders"], e["deltas"]) if i == lid]
 
 
 def test_a_pipelined_delta_waits_unacked_for_its_round_and_counts_there_as_a_fresh_one():
-    """--pipeline 2: learner 0 pushes round 1, then trains round 2 from version 0 at once (round 2's part is not
+    """--pipeline 2: island 0 pushes round 1, then trains round 2 from version 0 at once (round 2's part is not
     round 1's) and pushes it; the syncer keeps it until round 2 opens, then takes it as a fresh delta of version 1."""
     f = Fleet(n=2, shapes=PIPELINE_SHAPES, fragments=2, pipeline=2, outer_steps=4)
     f.train(0)  # round 1
     task, _ = f.train(0)  # round 2, ahead of round 1's merge
     assert (task.round, task.base_version) == (2, 0)
-    c = f.learners[0]
+    c = f.islands[0]
     assert [p.round for p in c.in_flight()] == [1, 2] and not c.deltas.ahead[0].acked
     assert isinstance(c.next_task(f.now), Wait)  # two in flight: the pipeline is full
     assert f.syncer.state.ahead[0][2][1].header["trained_from"] == 0 and f.syncer.state.pending[0].round == 1
-    f.train(1)  # round 1's quorum: merged; round 2 opens and takes learner 0's pipelined delta
+    f.train(1)  # round 1's quorum: merged; round 2 opens and takes island 0's pipelined delta
     assert f.syncer.version == 1 and f.syncer.state.pending[0].round == 2 and f.syncer.state.pending[0].lag == 0
     assert [p.round for p in c.in_flight()] == [2] and c.pushed.acked
-    accepted = [e for e in f.tape if e["event"] == "delta" and e["learner"] == 0]
+    accepted = [e for e in f.tape if e["event"] == "delta" and e["island"] == 0]
     assert [(e["round"], e["base_version"], e.get("trained_from")) for e in accepted] == [(1, 0, None), (2, 1, 0)]
-    f.train(1)  # round 2 merged: learner 0's delta counted in it
+    f.train(1)  # round 2 merged: island 0's delta counted in it
     for _ in range(2):
         f.train(0)
         f.train(1)
@@ -150,13 +150,13 @@ def test_a_pipelined_delta_waits_unacked_for_its_round_and_counts_there_as_a_fre
 
 @pytest.mark.parametrize("cap", [0, 2, 8])
 def test_a_round_and_a_pipelined_round_ask_the_policy_how_many_steps(cap, monkeypatch):
-    """The learner core's round start and its pipelined rounds both ask `RoundPolicy.steps_for` (--inner-steps 4, or
+    """The island core's round start and its pipelined rounds both ask `RoundPolicy.steps_for` (--inner-steps 4, or
     the island's --max-inner-steps where lower); planted, a policy that says 3 is what both then train."""
     for planted in (False, True):
         if planted:
             monkeypatch.setattr(RoundPolicy, "steps_for", lambda self, max_inner_steps=0: 3)
         f = Fleet(n=2, shapes=PIPELINE_SHAPES, fragments=2, pipeline=2, outer_steps=4, inner_steps=4)
-        f.learners[0].max_inner_steps = cap
+        f.islands[0].max_inner_steps = cap
         first, _ = f.train(0)
         ahead, _ = f.train(0)  # round 2, ahead of round 1's merge
         assert (first.round, ahead.round, ahead.base_version) == (1, 2, 0)
@@ -165,11 +165,11 @@ def test_a_round_and_a_pipelined_round_ask_the_policy_how_many_steps(cap, monkey
 
 def test_a_pipelined_delta_whose_part_a_merge_changes_is_refused_and_gives_its_residual_back():
     """Round 4 of 4 syncs the whole adapter, so it is never pushed ahead; a crafted delta that claims it was is
-    refused, and a learner whose pipelined delta is refused gets that part's residual back (its other part's stays)."""
+    refused, and an island whose pipelined delta is refused gets that part's residual back (its other part's stays)."""
     f = Fleet(n=2, shapes=PIPELINE_SHAPES, fragments=2, pipeline=2, outer_steps=3, sync_bits=4)
     f.train(0)
     f.train(0)
-    c = f.learners[0]
+    c = f.islands[0]
     head, ahead = c.pushed, c.deltas.ahead[0]
     assert c.deltas.next_pipelined() is None  # (round 3, the last, moves the whole adapter: never ahead)
     before = c.ef.residual.copy()
@@ -204,7 +204,7 @@ def test_a_pipeline_takes_no_round_the_syncer_would_refuse_and_the_syncer_keeps_
     for rnd in (1, 2, 3):
         task, _ = f.train(0)
         assert (task.round, task.base_version) == (rnd, 0)
-    c = f.learners[0]
+    c = f.islands[0]
     assert sorted(f.syncer.state.ahead[0]) == [2, 3] and c.deltas.next_pipelined() is None  # (full)
     second = c.deltas.ahead[0]
     c.receive(Message("error", {"code": "refused", "reason": "x", "round": 2, "base_version": 1, "version": 0,
@@ -213,7 +213,7 @@ def test_a_pipeline_takes_no_round_the_syncer_would_refuse_and_the_syncer_keeps_
     # a delta for round 3 carrying round 2's part: refused at once, the kept one stays
     kept = f.syncer.state.ahead[0][3][1]
     bad = {**second.header, "round": 3, "base_version": 2, "copy": 9}
-    f.queue.append(("up", 0, encode("delta", {**bad, "learner": 0, "session": c.session}, second.frames)))
+    f.queue.append(("up", 0, encode("delta", {**bad, "island": 0, "session": c.session}, second.frames)))
     f.run()
     assert f.syncer.state.ahead[0][3][1] is kept
     assert any(e["event"] == "reject" and e["round"] == 3 and e["digest"] == second.digest for e in f.tape)
@@ -291,7 +291,7 @@ def _replay(targets: list[float], rounds: int, parts: int, steps: int, reset: bo
 
 
 def test_a_streamed_run_merges_one_part_a_round_exactly_as_by_hand(start_syncer, tmp_path):
-    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=6, inner_steps=2, sync_bits=32, merge="mean",
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=6, inner_steps=2, sync_bits=32, merge="mean",
                                 fragments=2)
     islands = {0: QuadraticIsland(1.0, 100, lr=LR), 1: QuadraticIsland(-2.0, 100, lr=LR)}
     results: dict = {}
@@ -325,7 +325,7 @@ def test_a_pipelined_run_on_loopback_pushes_ahead_and_lands_where_streaming_does
     the islands' late takes cancel in the part's next merge (a delta taken against the wrong base would not).
     With --overlap the fast island also trains on while its pipeline is full, and before the last round: its steps
     take the merged parts later still (near the replay, not on it)."""
-    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=6, inner_steps=2, sync_bits=32, merge="mean",
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=6, inner_steps=2, sync_bits=32, merge="mean",
                                 fragments=2, pipeline=2)
     islands = {0: QuadraticIsland(1.0, 100, lr=LR), 1: QuadraticIsland(-2.0, 100, lr=LR)}
     results: dict = {}
@@ -338,7 +338,7 @@ def test_a_pipelined_run_on_loopback_pushes_ahead_and_lands_where_streaming_does
     merges = [e for e in tape if e["event"] == "merge"]
     assert [sorted(e["responders"]) for e in merges] == [[0, 1]] * 6
     ahead = [e for e in tape if e["event"] == "delta" and "trained_from" in e]
-    assert {e["learner"] for e in ahead} >= {0} and all(e["trained_from"] < e["base_version"] for e in ahead)
+    assert {e["island"] for e in ahead} >= {0} and all(e["trained_from"] < e["base_version"] for e in ahead)
     assert audit_run(tmp_path / "syncer").ok
     expected = _replay([1.0, -2.0], 6, 2, 2)
     np.testing.assert_allclose(syncer.global_, expected, rtol=1e-5, atol=1e-6 if not overlap else 0.15)
@@ -347,7 +347,7 @@ def test_a_pipelined_run_on_loopback_pushes_ahead_and_lands_where_streaming_does
 
 
 def test_a_streamed_run_whose_syncer_is_killed_mid_run_resumes_and_finishes(start_syncer, tmp_path):
-    cfg = dict(learners=2, quorum=2, outer_steps=8, inner_steps=2, sync_bits=4, fragments=2)
+    cfg = dict(islands=2, quorum=2, outer_steps=8, inner_steps=2, sync_bits=4, fragments=2)
     syncer, port = start_syncer(**cfg)
     islands = {0: QuadraticIsland(1.0, 100), 1: QuadraticIsland(-2.0, 100)}
     results: dict = {}

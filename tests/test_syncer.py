@@ -1,7 +1,7 @@
 """The syncer as a real ZeroMQ server on loopback: robustness, quorum, exact merge math, restart.
 
 Islands here are a minimal numpy backend (gradient steps on a quadratic) so the
-expected global adapter can be computed by hand; the torch learner processes are
+expected global adapter can be computed by hand; the torch island processes are
 in test_fleet.py and test_faults.py.
 """
 
@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.peers import FAST, NAMES, QuadraticIsland, RawLearner, island_thread, tape_with, wait_until
+from tests.peers import FAST, NAMES, QuadraticIsland, RawIsland, island_thread, tape_with, wait_until
 from yeto import YetoError
 from yeto.island.diloco import run_island
 from yeto.launch.local import free_port
@@ -26,7 +26,7 @@ from yeto.sync.shell.tape import read_tape
 
 
 def test_two_islands_merge_exactly_as_computed_by_hand(start_syncer, tmp_path):
-    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32, outer_lr=0.7,
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32, outer_lr=0.7,
                                 outer_momentum=0.9, merge="mean")
     islands = {0: QuadraticIsland(1.0, 300), 1: QuadraticIsland(-2.0, 100)}
     results = {}
@@ -66,15 +66,15 @@ def test_two_islands_merge_exactly_as_computed_by_hand(start_syncer, tmp_path):
 
 
 def test_malformed_messages_are_answered_and_change_nothing(start_syncer, tmp_path):
-    syncer, port = start_syncer(learners=1, quorum=1, outer_steps=1, inner_steps=1, sync_bits=32)
-    s = RawLearner(port, 5)
+    syncer, port = start_syncer(islands=1, quorum=1, outer_steps=1, inner_steps=1, sync_bits=32)
+    s = RawIsland(port, 5)
     bad = [
         [b"\xff\xfe not json"],
         [json.dumps([1, 2]).encode()],
-        [json.dumps({"v": 99, "type": "ping", "learner": 5}).encode()],
+        [json.dumps({"v": 99, "type": "ping", "island": 5}).encode()],
         [json.dumps({"v": PROTOCOL_VERSION, "type": "teleport"}).encode()],
-        [json.dumps({"v": PROTOCOL_VERSION, "type": "delta", "learner": 5, "session": "s1"}).encode()],
-        [json.dumps({"v": PROTOCOL_VERSION, "type": "hello", "learner": "five", "session": "s1", "backend": "x",
+        [json.dumps({"v": PROTOCOL_VERSION, "type": "delta", "island": 5, "session": "s1"}).encode()],
+        [json.dumps({"v": PROTOCOL_VERSION, "type": "hello", "island": "five", "session": "s1", "backend": "x",
                      "layout": {}, "adapter_config": {}, "version": -1, "digest": ""}).encode()],
         encode("ping", s.header(version=-1, pushed=None)),  # before hello
         encode("welcome", {"incarnation": "x", "version": 0, "digest": "", "policy": {}, "open_round": None,
@@ -139,10 +139,10 @@ def test_malformed_messages_are_answered_and_change_nothing(start_syncer, tmp_pa
 
 
 def send_a_huge_delta_in_a_round_of_three(start_syncer, merge):
-    """Learners 0 and 1 push small deltas, learner 2 one finite but far beyond what fp16 block scales can carry."""
-    syncer, port = start_syncer(learners=3, quorum=2, outer_steps=1, inner_steps=1, sync_bits=4, straggler_timeout=30,
+    """Islands 0 and 1 push small deltas, island 2 one finite but far beyond what fp16 block scales can carry."""
+    syncer, port = start_syncer(islands=3, quorum=2, outer_steps=1, inner_steps=1, sync_bits=4, straggler_timeout=30,
                                 merge=merge)
-    ls = [RawLearner(port, i) for i in range(3)]
+    ls = [RawIsland(port, i) for i in range(3)]
     state = QuadraticIsland(0.0, 1).state
     layout = ls[0].found(state)
     for lrn in ls[1:]:
@@ -171,7 +171,7 @@ def test_a_huge_finite_delta_is_refused_by_the_merge_and_the_round_goes_on(start
     tape = tape_with(tmp_path / "syncer", "merge")
     merge = next(e for e in tape if e["event"] == "merge")
     assert merge["responders"] == [0, 1]
-    assert any(e["event"] == "refuse_delta" and e["learner"] == 2 for e in tape)
+    assert any(e["event"] == "refuse_delta" and e["island"] == 2 for e in tape)
     assert audit(tape).ok, audit(tape).summary()
     for lrn in ls:
         lrn.close()
@@ -192,10 +192,10 @@ def test_rda_merges_a_huge_finite_delta_clipped_to_a_typical_length(start_syncer
 
 
 def test_layout_mismatch_is_refused_naming_the_tensor(start_syncer):
-    syncer, port = start_syncer(learners=2, quorum=1, outer_steps=1)
-    a = RawLearner(port, 0)
+    syncer, port = start_syncer(islands=2, quorum=1, outer_steps=1)
+    a = RawIsland(port, 0)
     a.found(QuadraticIsland(0.0, 1).state)
-    b = RawLearner(port, 1)
+    b = RawIsland(port, 1)
     parts, _ = b.hello_parts(QuadraticIsland(0.0, 1, shape_b=(4, 3)).state)
     reply = b.ask(parts)
     assert reply.type == "refuse" and reply.header["code"] == "layout_mismatch"
@@ -204,10 +204,10 @@ def test_layout_mismatch_is_refused_naming_the_tensor(start_syncer):
     assert 1 not in syncer.core.state.members
 
 
-def test_a_learner_whose_deltas_exceed_max_message_mb_is_refused_with_the_fix(start_syncer):
-    syncer, port = start_syncer(learners=1, quorum=1, outer_steps=1, sync_bits=32, max_message_mb=1)
+def test_a_island_whose_deltas_exceed_max_message_mb_is_refused_with_the_fix(start_syncer):
+    syncer, port = start_syncer(islands=1, quorum=1, outer_steps=1, sync_bits=32, max_message_mb=1)
     big = {NAMES[0]: np.zeros((2, 4), np.float32), NAMES[1]: np.zeros((300_000, 2), np.float32)}  # 2.4 MB at 32 bits
-    a = RawLearner(port, 0)
+    a = RawIsland(port, 0)
     parts, _ = a.hello_parts(big)
     reply = a.ask(parts)
     assert reply.type == "refuse" and reply.header["code"] == "too_large"
@@ -215,17 +215,17 @@ def test_a_learner_whose_deltas_exceed_max_message_mb_is_refused_with_the_fix(st
 
 
 def test_bridge_raises_a_clear_error_when_refused(start_syncer):
-    syncer, port = start_syncer(learners=2, quorum=1, outer_steps=1)
-    RawLearner(port, 0).found(QuadraticIsland(0.0, 1).state)
-    with pytest.raises(YetoError, match="refused this learner.*lora_B"):
+    syncer, port = start_syncer(islands=2, quorum=1, outer_steps=1)
+    RawIsland(port, 0).found(QuadraticIsland(0.0, 1).state)
+    with pytest.raises(YetoError, match="refused this island.*lora_B"):
         run_island(QuadraticIsland(0.0, 1, shape_b=(4, 3)), f"127.0.0.1:{port}", 1, log_fn=lambda s: None,
                    timeouts=FAST)
 
 
 def test_a_round_short_of_quorum_waits_says_whom_it_waits_for_and_never_merges(start_syncer, tmp_path):
-    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=2, inner_steps=1, sync_bits=32, learner_timeout=1.0,
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=2, inner_steps=1, sync_bits=32, island_timeout=1.0,
                                 quorum_timeout=20.0)
-    s0, s1 = RawLearner(port, 0), RawLearner(port, 1)
+    s0, s1 = RawIsland(port, 0), RawIsland(port, 1)
     layout = s0.found(QuadraticIsland(0.0, 1).state)
     parts, _ = s1.hello_parts(QuadraticIsland(0.0, 1).state)
     assert s1.ask(parts).type == "welcome"
@@ -233,7 +233,7 @@ def test_a_round_short_of_quorum_waits_says_whom_it_waits_for_and_never_merges(s
     d = encode("delta", s0.header(round=1, base_version=0, tokens=4, loss_tokens=2, inner_steps=1, loss=0.5,
                                   fragments=frags), [np.ones(layout.numel, np.float32).tobytes()])
     s0.bulk.send_multipart(d)
-    # learner 1 goes silent: it is dropped after 1 s, but one responder is still short of quorum 2
+    # island 1 goes silent: it is dropped after 1 s, but one responder is still short of quorum 2
     deadline = time.time() + 17
     waits = []
     while time.time() < deadline and not waits:
@@ -242,8 +242,8 @@ def test_a_round_short_of_quorum_waits_says_whom_it_waits_for_and_never_merges(s
         waits = [e for e in read_tape(tmp_path / "syncer") if e["event"] == "quorum_wait"]
     assert waits and waits[0]["responders"] == [0] and waits[0]["gone"] == [1] and waits[0]["short"]
     assert syncer.version == 0, "merged with fewer responders than the quorum"
-    # learner 1 comes back (a restart: a new session) and is counted again: the round merges with both
-    s1b = RawLearner(port, 1, session="s2")
+    # island 1 comes back (a restart: a new session) and is counted again: the round merges with both
+    s1b = RawIsland(port, 1, session="s2")
     parts, _ = s1b.hello_parts(QuadraticIsland(0.0, 1).state)
     welcome = s1b.ask(parts)
     assert welcome.type == "welcome" and welcome.header["open_round"]["round"] == 1
@@ -256,9 +256,9 @@ def test_a_round_short_of_quorum_waits_says_whom_it_waits_for_and_never_merges(s
 
 
 def test_a_round_that_truly_cannot_reach_quorum_gives_up_with_exit_3(start_syncer, tmp_path):
-    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=2, inner_steps=1, learner_timeout=1.0,
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=2, inner_steps=1, island_timeout=1.0,
                                 quorum_timeout=2.0)
-    s0, s1 = RawLearner(port, 0), RawLearner(port, 1)
+    s0, s1 = RawIsland(port, 0), RawIsland(port, 1)
     s0.found(QuadraticIsland(0.0, 1).state)
     parts, _ = s1.hello_parts(QuadraticIsland(0.0, 1).state)
     assert s1.ask(parts).type == "welcome"
@@ -270,7 +270,7 @@ def test_a_round_that_truly_cannot_reach_quorum_gives_up_with_exit_3(start_synce
 
 def test_islands_survive_a_syncer_crash(start_syncer, tmp_path):
     out = tmp_path / "syncer"
-    syncer, port = start_syncer(learners=1, quorum=1, outer_steps=6, inner_steps=1, sync_bits=32, out=out)
+    syncer, port = start_syncer(islands=1, quorum=1, outer_steps=6, inner_steps=1, sync_bits=32, out=out)
     island = QuadraticIsland(1.0, 10, lr=0.1)
     results = {}
     orig_step = island.step
@@ -285,7 +285,7 @@ def test_islands_survive_a_syncer_crash(start_syncer, tmp_path):
     syncer.kill()  # the syncer vanishes mid-run, telling nobody ...
     time.sleep(0.5)
     version_at_kill = syncer.version
-    syncer2, _ = start_syncer(learners=1, quorum=1, outer_steps=6, inner_steps=1, sync_bits=32, out=out, port=port)
+    syncer2, _ = start_syncer(islands=1, quorum=1, outer_steps=6, inner_steps=1, sync_bits=32, out=out, port=port)
     resumed = tape_with(out, "resume")  # ... and comes back from its checkpoint (the island may push at once)
     assert next(e for e in resumed if e["event"] == "resume")["version"] == version_at_kill
     t.join(40)
@@ -299,25 +299,25 @@ def test_islands_survive_a_syncer_crash(start_syncer, tmp_path):
 
 def test_a_restart_with_a_conflicting_config_is_refused_naming_the_field(start_syncer, tmp_path):
     out = tmp_path / "syncer"
-    syncer, port = start_syncer(learners=1, quorum=1, outer_steps=2, inner_steps=1, sync_bits=32, out=out,
+    syncer, port = start_syncer(islands=1, quorum=1, outer_steps=2, inner_steps=1, sync_bits=32, out=out,
                                 merge="mean")
     results = {}
     island_thread(QuadraticIsland(1.0, 10), port, 0, results).join(30)
     assert wait_until(lambda: syncer.finished)
     with pytest.raises(YetoError, match=r"--sync-bits 4 conflicts with the checkpoint.*sync_bits 32.*--sync-bits 32"):
-        Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), learners=1, quorum=1, outer_steps=2,
+        Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), islands=1, quorum=1, outer_steps=2,
                             inner_steps=1, sync_bits=4))
     with pytest.raises(YetoError, match=r"--broadcast-bits 8 conflicts with the checkpoint.*--broadcast-bits 32"):
-        Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), learners=1, quorum=1, outer_steps=2,
+        Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), islands=1, quorum=1, outer_steps=2,
                             inner_steps=1, sync_bits=32, broadcast_bits=8, merge="mean"))
     with pytest.raises(YetoError, match="--outer-steps 1 is below the checkpoint's version 2"):
-        Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), learners=1, quorum=1, outer_steps=1,
+        Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), islands=1, quorum=1, outer_steps=1,
                             inner_steps=1, sync_bits=32, merge="mean"))
     with pytest.raises(YetoError, match=r"--merge rda conflicts with the checkpoint.*resume with --merge mean"):
-        Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), learners=1, quorum=1, outer_steps=2,
+        Syncer(SyncerConfig(port=free_port(), host="127.0.0.1", out=str(out), islands=1, quorum=1, outer_steps=2,
                             inner_steps=1, sync_bits=32, merge="rda"))
     # --merge left unset resumes the run's own rule (mean: the default when it began), and the tape says so
-    resumed, _ = start_syncer(learners=1, quorum=1, outer_steps=2, inner_steps=1, sync_bits=32, out=out)
+    resumed, _ = start_syncer(islands=1, quorum=1, outer_steps=2, inner_steps=1, sync_bits=32, out=out)
     assert resumed.cfg.merge == "mean"
     assert [e["config"]["merge"] for e in read_tape(out) if e["event"] == "start"] == ["mean", "mean"]
 
@@ -347,7 +347,7 @@ def test_time_window_rounds_default_to_the_mean_with_step_normalization():
 
 
 def test_time_window_rounds_weight_a_slow_island_by_its_tokens_and_steps(start_syncer, tmp_path):
-    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=2, round_seconds=0.6, sync_bits=32)
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=2, round_seconds=0.6, sync_bits=32)
     fast, slow = QuadraticIsland(1.0, 10, lr=0.1), QuadraticIsland(-1.0, 10, lr=0.1)
     results = {}
     threads = [island_thread(fast, port, 0, results, step_delay=0.02),
@@ -356,7 +356,7 @@ def test_time_window_rounds_weight_a_slow_island_by_its_tokens_and_steps(start_s
         t.join(30)
     assert all(isinstance(r, dict) for r in results.values()), results
     events = read_tape(tmp_path / "syncer")
-    deltas = {(e["round"], e["learner"]): e for e in events if e["event"] == "delta"}
+    deltas = {(e["round"], e["island"]): e for e in events if e["event"] == "delta"}
     for m in (e for e in events if e["event"] == "merge"):
         f, s = deltas[(m["round"], 0)], deltas[(m["round"], 1)]
         assert f["inner_steps"] > 2 * s["inner_steps"] >= 2  # the slow island still contributes what it did

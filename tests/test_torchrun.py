@@ -88,27 +88,27 @@ def test_a_killed_torchrun_island_resumes_from_its_saved_state(tiny_model, tmp_p
 
 
 def test_a_two_rank_island_a_one_process_island_and_an_mlx_island_merge_in_one_run(tiny_model, tmp_path):
-    """A real syncer; a 2-rank torchrun island (learner 0), a 1-process torch island (1), an MLX island (2). Every
+    """A real syncer; a 2-rank torchrun island (island 0), a 1-process torch island (1), an MLX island (2). Every
     broadcast is checked by digest on both ranks (a difference ends the island); the island's tokens and its
     declared tokens per step count both ranks; every island ends on the merged adapter."""
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
-    procs = {"syncer": syncer(port, s_out, "--learners", 3, "--quorum", 3, "--outer-steps", 3, "--inner-steps", 3,
+    procs = {"syncer": syncer(port, s_out, "--islands", 3, "--quorum", 3, "--outer-steps", 3, "--inner-steps", 3,
                               "--sync-bits", 8)}
-    procs[0] = torchrun(model, tmp_path / "l0", "--syncer", f"127.0.0.1:{port}", "--learner-id", 0,
-                        "--batch-size", 2)  # no --learners: the syncer says the shard (relayed to rank 1)
+    procs[0] = torchrun(model, tmp_path / "l0", "--syncer", f"127.0.0.1:{port}", "--island-id", 0,
+                        "--batch-size", 2)  # no --islands: the syncer says the shard (relayed to rank 1)
     procs[1] = start_island(model, port, 1, 3, tmp_path / "l1", "--lora-dropout", 0)  # (the contract: the same LoRA)
     procs[2] = subprocess.Popen([sys.executable, "-m", "yeto.backends.mlx", "--model", str(model), "--syncer",
-                                 f"127.0.0.1:{port}", "--learner-id", "2", "--out",
+                                 f"127.0.0.1:{port}", "--island-id", "2", "--out",
                                  str(tmp_path / "l2"), "--batch-size", "2", *COMMON], cwd=REPO, env=ENV,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     outs = {name: p.communicate(timeout=400) for name, p in procs.items()}
     for name, p in procs.items():
         assert p.returncode == 0, (name, outs[name][0][-3000:])
     tape = read_tape(s_out)
-    assert {e["learner"]: e["backend"] for e in tape if e["event"] == "join"} == {0: "torch", 1: "torch", 2: "mlx"}
+    assert {e["island"]: e["backend"] for e in tape if e["event"] == "join"} == {0: "torch", 1: "torch", 2: "mlx"}
     merges = [e for e in tape if e["event"] == "merge"]
     assert [m["responders"] for m in merges] == [[0, 1, 2]] * 3
-    deltas = {(e["round"], e["learner"]): e for e in tape if e["event"] == "delta"}
+    deltas = {(e["round"], e["island"]): e for e in tape if e["event"] == "delta"}
     assert deltas[(1, 0)]["tokens"] == 3 * 2 * 2 * 64  # 3 steps x 2 ranks x batch 2 x 64
     assert deltas[(1, 1)]["tokens"] == deltas[(1, 2)]["tokens"] == 3 * 2 * 64
     assert audit(tape).ok, audit(tape).summary()
@@ -185,7 +185,7 @@ def test_base_quantization_nf4_is_cuda_only_and_says_so_in_one_line(tiny_model, 
     r = subprocess.run([sys.executable, "-m", "yeto.backends.torch", "--model", str(tiny_model("llama")), "--out",
                         str(tmp_path / "q"), *COMMON, "--max-steps", "1", "--base-quantization", "nf4"], cwd=REPO,
                        env=ENV, capture_output=True, text=True, timeout=120)
-    last = r.stderr.strip().splitlines()[-1]  # (after the data summary the learner logs first)
+    last = r.stderr.strip().splitlines()[-1]  # (after the data summary the island logs first)
     assert r.returncode == 2 and last.startswith("error: --base-quantization nf4 (QLoRA through bitsandbytes) runs on "
                                                  "CUDA only"), r.stderr[-2000:]
 
@@ -195,17 +195,17 @@ def test_a_torchrun_island_restarted_by_torchrun_rejoins_the_run(tiny_model, tmp
     again, and the new rank 0 rejoins the open round through the syncer's rejoin path (the identity kept in --out):
     every merge is [0, 1], the restarted island's included."""
     model, port, s_out = tiny_model("llama"), free_port(), tmp_path / "syncer"
-    procs = {"syncer": syncer(port, s_out, "--learners", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 4,
-                              "--learner-timeout", 4)}
+    procs = {"syncer": syncer(port, s_out, "--islands", 2, "--quorum", 2, "--outer-steps", 3, "--inner-steps", 4,
+                              "--island-timeout", 4)}
     procs[0] = start_island(model, port, 0, 2, tmp_path / "l0", "--lora-dropout", 0, "--step-delay", 0.2,
                        "--syncer-timeout", 5)
     with open(tmp_path / "island1.log", "w") as log:
-        procs[1] = torchrun(model, tmp_path / "l1", "--syncer", f"127.0.0.1:{port}", "--learner-id", 1,
-                            "--learners", 2, "--batch-size", 1, "--step-delay", 1.5, "--syncer-timeout", 5,
+        procs[1] = torchrun(model, tmp_path / "l1", "--syncer", f"127.0.0.1:{port}", "--island-id", 1,
+                            "--islands", 2, "--batch-size", 1, "--step-delay", 1.5, "--syncer-timeout", 5,
                             restarts=1, log=log)
         try:
             wait_for(s_out, "round_open", round=2)
-            wait_for(s_out, "delta", round=2, learner=0)  # mid-round: island 1 still training
+            wait_for(s_out, "delta", round=2, island=0)  # mid-round: island 1 still training
             ranks = subprocess.run(["pgrep", "-f", "-P", str(procs[1].pid), "yeto.backends.torch"], capture_output=True,
                                    text=True).stdout.split()
             assert len(ranks) == 2, ranks
@@ -218,7 +218,7 @@ def test_a_torchrun_island_restarted_by_torchrun_rejoins_the_run(tiny_model, tmp
     island_log = (tmp_path / "island1.log").read_text()
     outs[1] = (outs[1][0], island_log)
     events = assert_run_complete(s_out, outs, 3, [tmp_path / "l0", tmp_path / "l1"], quorum_of=[0, 1])
-    joins = [e for e in events if e["event"] == "join" and e["learner"] == 1]
+    joins = [e for e in events if e["event"] == "join" and e["island"] == 1]
     assert len({e["session"] for e in joins}) == 2, joins  # the restarted group joined as a new session ...
     assert [e["round"] for e in joins if e.get("rejoin")] == [2]  # ... into the open round 2
     assert island_log.count("island 1 joined the syncer") == 2

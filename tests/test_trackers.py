@@ -101,7 +101,7 @@ def test_train_reports_to_tensorboard_wandb_mlflow_and_trackio(tiny_model, tmp_p
     assert_series([(x["step"], x["train/loss"]) for x in logs], expected)
 
 
-def test_the_mlx_learner_reports_to_tensorboard(tiny_model, tmp_path):
+def test_the_mlx_island_reports_to_tensorboard(tiny_model, tmp_path):
     pytest.importorskip("tensorboard", reason="the `track` extra is not installed")
     pytest.importorskip("mlx.core", reason="the mlx extra is not installed")
     out = tmp_path / "mlx"
@@ -206,7 +206,7 @@ def test_a_tracker_that_raises_does_not_stop_the_syncer(tmp_path, start_syncer):
 
     warnings = []
     Recording.logged = []
-    syncer, port = start_syncer(learners=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32)
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32)
     trackers = Trackers(["raising", "recording"], tmp_path, "t-syncer", "t", {"x": 1}, warnings.append,
                         adapters={"raising": Raising, "recording": Recording})
     syncer.report_to(trackers)
@@ -225,7 +225,7 @@ def test_a_tracker_that_raises_does_not_stop_the_syncer(tmp_path, start_syncer):
 
 def test_launch_passes_report_to_and_a_cloud_task_gets_the_key_only_as_a_secret(tmp_path):
     """Every process gets --report-to and the run's name; WANDB_API_KEY from this machine's environment is a SkyPilot
-    secret of each cloud task (the head's too: it relaunches learners), never in a task's YAML or the dry run."""
+    secret of each cloud task (the head's too: it relaunches islands), never in a task's YAML or the dry run."""
     import yaml
 
     pytest.importorskip("sky", reason="the launch extra is not installed")
@@ -238,18 +238,18 @@ def test_launch_passes_report_to_and_a_cloud_task_gets_the_key_only_as_a_secret(
     assert r.returncode == 0, r.stderr
     assert key not in r.stdout + r.stderr and key not in (out / "plan.json").read_text()
     body = r.stdout.split("# --- tasks (SkyPilot YAML) ---\n", 1)[1].split("# --- end of tasks ---", 1)[0]
-    head, learner = yaml.safe_load_all(body)
-    assert "--report-to wandb --run-name tracked" in learner["run"] and ",track]" in learner["setup"]
-    assert head["secrets"]["WANDB_API_KEY"] == learner["secrets"]["WANDB_API_KEY"] == "<redacted>"
+    head, island = yaml.safe_load_all(body)
+    assert "--report-to wandb --run-name tracked" in island["run"] and ",track]" in island["setup"]
+    assert head["secrets"]["WANDB_API_KEY"] == island["secrets"]["WANDB_API_KEY"] == "<redacted>"
 
     from yeto.launch.plan import FleetPlan
-    from yeto.launch.tasks import head_task, learner_task, syncer_argv
+    from yeto.launch.tasks import head_task, island_task, syncer_argv
 
     plan = FleetPlan.from_json((out / "plan.json").read_text())
     assert syncer_argv(plan, "0.0.0.0", 1, out, "python3")[-4:] == ["--report-to", "wandb", "--run-name", "tracked"]
     os.environ["WANDB_API_KEY"] = key
     try:
-        tasks = [learner_task(plan, 0, "203.0.113.7:29400", "join"), head_task(plan, out / "plan.json", "keys")]
+        tasks = [island_task(plan, 0, "203.0.113.7:29400", "join"), head_task(plan, out / "plan.json", "keys")]
     finally:
         del os.environ["WANDB_API_KEY"]
     for task in tasks:
@@ -307,12 +307,12 @@ def test_a_merge_record_counts_the_quorum_waits_and_rejoins_since_the_last_merge
     now = [100.0]
     fan = Fanout()
     tracking = MergeTracking(fan, clock=lambda: now[0])
-    tracking.on_event("contract", {"learner": 0, "lora_r": 4})
+    tracking.on_event("contract", {"island": 0, "lora_r": 4})
     tracking.on_event("round_open", {"round": 1, "version": 0})
     tracking.on_event("quorum_wait", {"round": 1})
     tracking.on_event("quorum_wait", {"round": 1})
-    tracking.on_event("join", {"learner": 1, "rejoin": True})
-    tracking.on_event("join", {"learner": 2, "rejoin": False})
+    tracking.on_event("join", {"island": 1, "rejoin": True})
+    tracking.on_event("join", {"island": 2, "rejoin": False})
     tracking.on_event("merge", {"round": 1, "version": 1, "responders": [0, 2], "weights": [0.25, 0.75],
                                 "lags": [0, 1], "clip": {"2": 0.5}, "update_norm": 0.3, "stragglers": [1]})
     now[0] = 107.5
@@ -322,7 +322,7 @@ def test_a_merge_record_counts_the_quorum_waits_and_rejoins_since_the_last_merge
                                 "clip": {}, "update_norm": 0.1, "stragglers": []})
     tracking.merged(0.1)
     tracking.merged(0.1)  # a batch without a merge record: nothing
-    assert fan.configs == [{"contract": {"learner": 0, "lora_r": 4}}]
+    assert fan.configs == [{"contract": {"island": 0, "lora_r": 4}}]
     (s1, m1), (s2, m2) = fan.logged
     assert (s1, s2) == (1, 2)
     assert m1 == {"merge/responders": 2.0, "merge/stragglers": 1.0, "merge/update_norm": 0.3, "merge/merge_s": 0.2,

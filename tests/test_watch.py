@@ -30,10 +30,10 @@ def test_the_snapshot_of_a_finished_run_says_what_its_tape_and_islands_say():
     run = snap["run"]
     assert (run["version"], run["outer_steps"], run["rounds_merged"], run["finished"]) == (5, 5, 5,
                                                                                           "outer steps done")
-    assert [r["learner"] for r in snap["fleet"]] == [0, 1]
+    assert [r["island"] for r in snap["fleet"]] == [0, 1]
     deltas = [e for e in events if e["event"] == "delta"]
     for row in snap["fleet"]:
-        mine = [d for d in deltas if d["learner"] == row["learner"]]
+        mine = [d for d in deltas if d["island"] == row["island"]]
         assert (row["backend"], row["device"], row["state"], row["version"], row["merges"]) == (
             "torch", "cpu", "done", 5, 5)  # left at the end of a finished run
         assert row["last_delta_round"] == 5 and row["lag"] == 0
@@ -42,15 +42,15 @@ def test_the_snapshot_of_a_finished_run_says_what_its_tape_and_islands_say():
     merges = [e for e in events if e["event"] == "merge"]
     assert snap["curves"]["rounds"] == [1, 2, 3, 4, 5]
     for (rnd, merged), m in zip(snap["curves"]["merged"], merges):
-        losses = {d["learner"]: d["loss"] for d in deltas if d["round"] == rnd}
+        losses = {d["island"]: d["loss"] for d in deltas if d["round"] == rnd}
         assert merged == pytest.approx(sum(w * losses[r] for r, w in zip(m["responders"], m["weights"])))
-    assert snap["curves"]["islands"]["1"][0] == [1, next(d["loss"] for d in deltas if d["learner"] == 1)]
+    assert snap["curves"]["islands"]["1"][0] == [1, next(d["loss"] for d in deltas if d["island"] == 1)]
     assert snap["curves"]["eval"]["0"] == [[0.0, pytest.approx(2.7646641)], [5.0, pytest.approx(0.5016891)]]
     assert snap["bytes"] == [[m["round"], sum(d["bytes"] for d in deltas if d["round"] == m["round"])]
                              for m in merges]
     assert len(snap["timeline"]) == 10
     for t in snap["timeline"]:
-        d = next(d for d in deltas if (d["round"], d["learner"]) == (t["round"], t["learner"]))
+        d = next(d for d in deltas if (d["round"], d["island"]) == (t["round"], t["island"]))
         assert t["inner_steps"] == d["compute_s"]
         assert all(t[k] >= 0 for k in ("push", "waiting", "merge", "broadcast"))
     # each round's last delta in waits for nobody
@@ -71,12 +71,12 @@ def test_an_island_missing_from_an_open_round_turns_late_then_rounds_show_open()
     opened = next(i for i, e in enumerate(events) if e["event"] == "round_open" and e["round"] == 3)
     first_delta = next(i for i, e in enumerate(events) if i > opened and e["event"] == "delta")
     cut = events[:first_delta + 1]
-    sent = cut[-1]["learner"]
+    sent = cut[-1]["island"]
     soon, _ = demo_snapshot(cut, now=events[opened]["time"] + 1)
     later, _ = demo_snapshot(cut, now=events[opened]["time"] + 500)
     assert soon["run"]["open_round"] == 3 and soon["run"]["finished"] is None
-    assert {r["learner"]: r["state"] for r in soon["fleet"]} == {0: "alive", 1: "alive"}
-    assert {r["learner"]: r["state"] for r in later["fleet"]} == {sent: "alive", 1 - sent: "late"}
+    assert {r["island"]: r["state"] for r in soon["fleet"]} == {0: "alive", 1: "alive"}
+    assert {r["island"]: r["state"] for r in later["fleet"]} == {sent: "alive", 1 - sent: "late"}
 
 
 # alerts, from tables of tapes (each event list the smallest that raises or does not raise the alert)
@@ -86,7 +86,7 @@ def _round(rnd, responders, stragglers=(), losses=None, compute=None):
     losses = losses or {}
     compute = compute or {}
     evs = [{"event": "round_open", "round": rnd, "time": t, "members": [*responders, *stragglers]}]
-    evs += [{"event": "delta", "round": rnd, "learner": r, "time": t + compute.get(r, 10) + 1, "tokens": 100,
+    evs += [{"event": "delta", "round": rnd, "island": r, "time": t + compute.get(r, 10) + 1, "tokens": 100,
              "loss_tokens": 50, "bytes": 10, "loss": losses.get(r, 1.0), "lag": 0, "compute_s": compute.get(r, 10)}
             for r in responders]
     evs += [{"event": "merge", "round": rnd, "version": rnd, "time": t + 12, "responders": list(responders),
@@ -95,9 +95,9 @@ def _round(rnd, responders, stragglers=(), losses=None, compute=None):
     return evs
 
 
-def _joins(*learners, sessions=1, every=10.0):
-    return [{"event": "join", "learner": lid, "backend": "torch", "session": f"s{lid}-{k}", "time": k * every,
-             "tier": "trusted" if lid == 0 else "bounded"} for lid in learners for k in range(sessions)]
+def _joins(*islands, sessions=1, every=10.0):
+    return [{"event": "join", "island": lid, "backend": "torch", "session": f"s{lid}-{k}", "time": k * every,
+             "tier": "trusted" if lid == 0 else "bounded"} for lid in islands for k in range(sessions)]
 
 
 def _tape(*parts):
@@ -114,7 +114,7 @@ LATE_BUT_ONCE_IN = _tape(_joins(0, 1, 2), _round(1, [0, 1], [2]), _round(2, [0, 
 SLOW = _tape(_joins(0, 1, 2), _round(1, [0, 1, 2], compute={2: 40}),
              *[_round(r, [0, 1], [2]) for r in range(2, LATE_ROUNDS + 2)])
 CRASHING = _tape(_joins(0), _joins(1, sessions=CRASH_SESSIONS, every=30.0),
-                 [{"event": "leave", "learner": 1, "reason": "connection lost", "time": 80.0}])
+                 [{"event": "leave", "island": 1, "reason": "connection lost", "time": 80.0}])
 RESTARTED_TWICE = _tape(_joins(0), _joins(1, sessions=CRASH_SESSIONS - 1, every=30.0))
 RISING = _tape(_joins(0, 1), *[_round(r, [0, 1], losses={0: 1.0, 1: y})
                                for r, y in enumerate([1.0, 1.2, 1.4], start=1)])
@@ -135,10 +135,10 @@ IDLE = _tape(_joins(0, 1), *[_round(r, [0, 1], compute={0: 2, 1: 2}) for r in ra
 ], ids=["late", "late-but-once-in", "late-slow", "crash-loop", "two-restarts", "loss-rising", "rising-once", "idle"])
 def test_alerts_name_the_island_and_the_cause(events, want):
     snap = snapshot(events, {}, now=events[-1]["time"] + 1)
-    assert {r["learner"]: r["tier"] for r in snap["fleet"]} == {  # (each row says whose claims the syncer believes)
-        lid: "trusted" if lid == 0 else "bounded" for lid in {e["learner"] for e in events if e["event"] == "join"}}
+    assert {r["island"]: r["tier"] for r in snap["fleet"]} == {  # (each row says whose claims the syncer believes)
+        lid: "trusted" if lid == 0 else "bounded" for lid in {e["island"] for e in events if e["event"] == "join"}}
     got = alerts(snap, events)
-    assert [(a["learner"], a["kind"]) for a in got] == [(lid, kind) for lid, kind, _ in want]
+    assert [(a["island"], a["kind"]) for a in got] == [(lid, kind) for lid, kind, _ in want]
     for a, (_, _, cause) in zip(got, want):
         assert cause in a["cause"], a
 
@@ -259,12 +259,12 @@ def test_a_cloud_run_is_read_as_yeto_status_reads_it_with_its_cost(monkeypatch):
 
     monkeypatch.setattr(yeto.launch.cloud, "SkyPilotClient", lambda: type("C", (), {"sky": FakeSky()})())
     record = RunRecord("pirate", "cloud", "/nowhere", created=1000.0, head_cluster="pirate-head",
-                       learner_clusters={"0": "pirate-l0"})
+                       island_clusters={"0": "pirate-l0"})
     clock = lambda: 1000.0 + 2 * 3600  # noqa: E731
     board = Dashboard(CloudRun(record, clock), clock)
     snap = board.snapshot()
     assert (snap["run"]["kind"], snap["run"]["cost"], snap["run"]["cost_per_hour"]) == ("cloud", 2.0, 1.0)
-    assert [r["learner"] for r in snap["fleet"]] == [0, 1] and snap["run"]["rounds_merged"] == 5
+    assert [r["island"] for r in snap["fleet"]] == [0, 1] and snap["run"]["rounds_merged"] == 5
     board.snapshot()
     assert copies == ["pirate"]  # the head's tape is copied at most every CLOUD_POLL_S, not on every poll
 

@@ -1,5 +1,7 @@
 """yeto: LoRA fine-tuning across independent islands, DiLoCo-style."""
 
+from typing import Any
+
 __version__ = "0.1.0"
 
 
@@ -15,7 +17,7 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 
 
 TORCH_EXTRA = "pip install 'yeto[torch]'"
-TORCH_MODULES = ("torch", "peft")  # the torch learner's extra; the syncer, CLI, launch and MLX island need neither
+TORCH_MODULES = ("torch", "peft")  # the torch island's extra; the syncer, CLI, launch and MLX island need neither
 
 
 def missing_module(names: tuple[str, ...]) -> str | None:
@@ -44,3 +46,16 @@ def require_torch(what: str) -> None:
     if missing is not None:
         raise YetoError(f"{what} runs on torch and this install has no {missing}: {TORCH_EXTRA} (or, on a Mac, "
                         "train on MLX: pip install 'yeto[mlx]', then yeto train --backend mlx)")
+
+
+OLD_WORD, WORD = "learner", "island"  # the old spelling of an island (files written before the rename say it)
+
+
+def in_current_words(record: Any) -> Any:
+    """`record` (a tape event, a saved config, a registry) with each key, at any depth, that says the old word for
+    an island saying "island" instead, so files written before the rename read as written today."""
+    if isinstance(record, dict):
+        return {k.replace(OLD_WORD, WORD) if isinstance(k, str) else k: in_current_words(v) for k, v in record.items()}
+    if isinstance(record, list):
+        return [in_current_words(v) for v in record]
+    return record

@@ -8,30 +8,32 @@ from typing import Annotated, Optional
 import typer
 
 from yeto import require_torch
-from yeto.cli.usage import (ADAPTER_HELP, BASE_MODEL_HELP, BASE_REVISION_HELP, JSON_HELP, run_guarded,
-                            trust_remote_code_help)
+from yeto.cli.usage import (ADAPTER_HELP, BASE_MODEL_HELP, BASE_REVISION_HELP, JSON_HELP, OldSpelling, run_guarded,
+                            trust_remote_code_help, with_old_spellings)
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="LoRA fine-tuning across independent islands, DiLoCo-style.")
 
 
 def _register() -> None:
-    from yeto.cli.launch_command import down_command, launch_command, logs_command, status_command
+    from yeto.cli.launch_command import (LAUNCH_OLD_SPELLINGS, down_command, launch_command, logs_command,
+                                         status_command)
     from yeto.cli.shape_command import shape_command
     from yeto.cli.syncer_command import syncer_command
     from yeto.cli.train_command import train_command
 
     app.command("train")(train_command())  # (--backend torch without torch, or mlx without MLX: one line, exit 2)
     app.command("syncer")(syncer_command)
-    app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch_command)
+    launch = with_old_spellings(launch_command, LAUNCH_OLD_SPELLINGS)
+    app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch)
     app.command("status")(status_command)
-    app.command("logs")(logs_command)
+    app.command("logs")(with_old_spellings(logs_command, ISLAND_OLD_SPELLING))
     app.command("down")(down_command)
     app.command("shape")(shape_command)
 
 
 keys_app = typer.Typer(no_args_is_help=True, help="The run's credentials (docs/SECURITY.md): the syncer's key pair, "
-                                                   "the shared join key, and per-learner keys that can be revoked.")
+                                                   "the shared join key, and per-island keys that can be revoked.")
 app.add_typer(keys_app, name="keys")
 OutOption = Annotated[str, typer.Option(help="The syncer's --out directory (its credentials live there).")]
 
@@ -42,42 +44,47 @@ def keys_init(out: OutOption) -> None:
     from yeto.sync.shell.keys import JOIN_KEY_FILE, Keyring
 
     Keyring.ensure(out)
-    typer.echo(f"join key: {out}/{JOIN_KEY_FILE} (mode 0600; give it to learners with --join-key or YETO_JOIN_KEY; "
-               "the syncer's first start issues each expected learner id a key of its own, keys/learners/<id>.key, "
-               "and the join key then admits the ids beyond --learners: see --no-learner-keys)")
+    typer.echo(f"join key: {out}/{JOIN_KEY_FILE} (mode 0600; give it to islands with --join-key or YETO_JOIN_KEY; "
+               "the syncer's first start issues each expected island id a key of its own, keys/islands/<id>.key, "
+               "and the join key then admits the ids beyond --islands: see --no-island-keys)")
 
 
-@keys_app.command("add")
-def keys_add(out: OutOption, learner: Annotated[int, typer.Option(help="The learner id this key admits.")]) -> None:
-    """Issue a key that admits one learner id only (and that `revoke` can withdraw); the running syncer picks it
-    up within seconds. From then on learner I must use it: the shared join key no longer speaks for I."""
+ISLAND_OLD_SPELLING = (OldSpelling("--learner", "island"),)  # old spelling: `yeto keys add/revoke`, `yeto logs`
+
+
+def keys_add(out: OutOption, island: Annotated[int, typer.Option(help="The island id this key admits.")]) -> None:
+    """Issue a key that admits one island id only (and that `revoke` can withdraw); the running syncer picks it
+    up within seconds. From then on island I must use it: the shared join key no longer speaks for I."""
     from yeto.sync.shell.keys import Keyring
 
-    path = Keyring.ensure(out).add_learner(learner)
-    typer.echo(f"learner {learner}'s key: {path} (start it with --join-key {path.name} or YETO_JOIN_KEY)")
+    path = Keyring.ensure(out).add_island(island)
+    typer.echo(f"island {island}'s key: {path} (start it with --join-key {path.name} or YETO_JOIN_KEY)")
 
 
-@keys_app.command("revoke")
-def keys_revoke(out: OutOption, learner: Annotated[int, typer.Option(help="The learner id whose key to revoke.")]
+def keys_revoke(out: OutOption, island: Annotated[int, typer.Option(help="The island id whose key to revoke.")]
                 ) -> None:
-    """Withdraw a learner's key: the running syncer refuses its handshakes and cuts its connections."""
+    """Withdraw an island's key: the running syncer refuses its handshakes and cuts its connections."""
     from yeto.sync.shell.keys import Keyring
 
-    path = Keyring.ensure(out).revoke_learner(learner)
-    typer.echo(f"revoked learner {learner}'s key (kept as {path})")
+    path = Keyring.ensure(out).revoke_island(island)
+    typer.echo(f"revoked island {island}'s key (kept as {path})")
+
+
+keys_app.command("add")(with_old_spellings(keys_add, ISLAND_OLD_SPELLING))
+keys_app.command("revoke")(with_old_spellings(keys_revoke, ISLAND_OLD_SPELLING))
 
 
 @keys_app.command("list")
 def keys_list(out: OutOption) -> None:
-    """The learner keys of the run, and the revoked ones."""
+    """The island keys of the run, and the revoked ones."""
     from yeto.sync.shell.keys import Keyring
 
     ring = Keyring.ensure(out)
-    typer.echo(f"join key: {out}/join.key (any learner id without its own key)")
-    for public, lid in sorted(ring.learners.items(), key=lambda kv: kv[1]):
-        typer.echo(f"learner {lid}: key {public.decode()[:8]}...")
+    typer.echo(f"join key: {out}/join.key (any island id without its own key)")
+    for public, lid in sorted(ring.islands.items(), key=lambda kv: kv[1]):
+        typer.echo(f"island {lid}: key {public.decode()[:8]}...")
     for lid in sorted(ring.revoked_ids):
-        typer.echo(f"learner {lid}: revoked")
+        typer.echo(f"island {lid}: revoked")
 
 
 @app.command()
@@ -188,7 +195,7 @@ def models(
     trust_remote_code: Annotated[bool, typer.Option(help=trust_remote_code_help(" (with --model)"))] = False,
 ) -> None:
     """The model catalog: each alias's hub id, architecture, parameters (counted from its config: total, and active
-    for MoE), context, license, whether its repo's code must run, and whether the MLX learner can train it."""
+    for MoE), context, license, whether its repo's code must run, and whether the MLX island can train it."""
     import json
 
     from rich.console import Console

@@ -20,7 +20,7 @@ def head_command(
     out: Annotated[str, typer.Option(help="The head's run directory (syncer/ and fleet.jsonl).")] = HEAD_RUN_DIR,
     no_syncer: Annotated[bool, typer.Option(help="Run the fleet controller only (the syncer is on the head VM).")
                          ] = False,
-    syncer_address: Annotated[Optional[str], typer.Option(help="HOST:PORT learners connect to (default: asked of "
+    syncer_address: Annotated[Optional[str], typer.Option(help="HOST:PORT islands connect to (default: asked of "
                                                                "SkyPilot for the head cluster).")] = None,
 ) -> None:
     """The head of a cloud run (started by `yeto launch`, not by hand)."""

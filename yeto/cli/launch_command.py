@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from yeto.cli.usage import with_help_panels
+from yeto.cli.usage import OldSpelling, with_help_panels
 
 from yeto import YetoError
 from yeto.cli.launch_flags import check_passed_flags
@@ -37,7 +37,7 @@ def quorum_timeout_args(syncer_extra: list[str], recover_timeout: float) -> list
     except ValueError:
         ok = True  # (not reached: check_passed_flags has named the bad value already)
     if not ok:
-        raise YetoError(f"--quorum-timeout {value} would end the run before a lost learner is given up "
+        raise YetoError(f"--quorum-timeout {value} would end the run before a lost island is given up "
                         f"(--recover-timeout {recover_timeout:g}s): use at least {needed:g}, or lower "
                         "--recover-timeout")
     return []
@@ -50,21 +50,21 @@ class ChosenFleet:
     launch_gpu: str
     inner_steps: int
     quorum: int
-    learner_args: list[str]  # the batch size (and sharding) the island was sized with, where not passed
+    island_args: list[str]  # the batch size (and sharding) the island was sized with, where not passed
 
 
-def choose_fleet(model: str, budget: float, spot: bool, learner_extra: list[str], console) -> ChosenFleet:
-    """The fleet `yeto shape` ranks first (cost per token) within the budget, for the learners' --seq-len and
+def choose_fleet(model: str, budget: float, spot: bool, island_extra: list[str], console) -> ChosenFleet:
+    """The fleet `yeto shape` ranks first (cost per token) within the budget, for the islands' --seq-len and
     --base-quantization; printed with why."""
     from yeto.cli.shape_command import make_plan
     from yeto.launch.costs import flag_value
     from yeto.island.train_config import TrainConfig
 
-    given = flag_value(learner_extra, "--seq-len")
+    given = flag_value(island_extra, "--seq-len")
     if given is not None and not given.isdigit():
-        raise YetoError(f"--seq-len {given!r}: give the tokens per block, a whole number (a learner flag)")
+        raise YetoError(f"--seq-len {given!r}: give the tokens per block, a whole number (an island flag)")
     seq_len = int(given) if given is not None else TrainConfig().seq_len
-    quantization = flag_value(learner_extra, "--base-quantization") or "none"
+    quantization = flag_value(island_extra, "--base-quantization") or "none"
     plan = make_plan(model, budget, spot=spot, seq_len=seq_len, base_quantization=quantization)
     best = plan.best
     if best is None or best.cost is None:
@@ -72,8 +72,8 @@ def choose_fleet(model: str, budget: float, spot: bool, learner_extra: list[str]
         raise YetoError(f"--budget {budget:g}: {why}; `yeto shape --model {model} --budget {budget:g}` shows the "
                         "shapes, then name --gpu yourself")
     shape, gpu = best.option.shape, best.gpu
-    sized = list(best.learner_args)  # flag, value pairs; the user's own flags stay
-    learner_args = [a for i in range(0, len(sized), 2) if flag_value(learner_extra, sized[i]) is None
+    sized = list(best.island_args)  # flag, value pairs; the user's own flags stay
+    island_args = [a for i in range(0, len(sized), 2) if flag_value(island_extra, sized[i]) is None
                     for a in sized[i:i + 2]]
     console.print(f"--budget ${budget:g}/h: --gpu {gpu} ({best.islands} x {shape.count}x{shape.gpu} {shape.strategy} "
                   f"on {best.cloud} at ${best.option.hourly:.2f}/h each, ${best.option.usd_per_mtok:.3g} per million "
@@ -81,7 +81,7 @@ def choose_fleet(model: str, budget: float, spot: bool, learner_extra: list[str]
                   f"{model} --budget {budget:g}` lists them)", highlight=False, markup=False, soft_wrap=True)
     for why in best.why:
         console.print(f"  {why}", highlight=False, markup=False, soft_wrap=True)
-    return ChosenFleet(gpu, best.inner_steps, best.quorum, learner_args)
+    return ChosenFleet(gpu, best.inner_steps, best.quorum, island_args)
 
 
 def _default_name(out: str) -> str:
@@ -89,21 +89,26 @@ def _default_name(out: str) -> str:
     return (name if name[:1].isalpha() else f"run-{name}")[:35].rstrip("-") or "run"
 
 
+# renamed flags, still accepted (hidden)
+LAUNCH_OLD_SPELLINGS = (OldSpelling("--external-learners", "external_islands"),  # old spelling
+                        OldSpelling("--mlx-learners", "mlx_islands"))  # old spelling
+
+
 def launch_command(
     ctx: typer.Context,
-    gpu: Annotated[Optional[str], typer.Option(help=f"One learner island per entry: {GRAMMAR} (default: {DEFAULT_GPU}; "
+    gpu: Annotated[Optional[str], typer.Option(help=f"One island per entry: {GRAMMAR} (default: {DEFAULT_GPU}; "
                                                    "with --budget, the fleet `yeto shape` ranks first).")] = None,
     budget: Annotated[Optional[float], typer.Option(help="USD per hour for the cloud islands: without --gpu, launch "
                                                          "the cheapest fleet per token within it; with --gpu, refuse "
                                                          "a fleet that costs more.")] = None,
-    external_learners: Annotated[int, typer.Option(help="Reserved slots for machines you own (a Mac, a box): each "
+    external_islands: Annotated[int, typer.Option(help="Reserved slots for machines you own (a Mac, a box): each "
                                                         "gets a join script in OUT/join/.")] = 0,
-    mlx_learners: Annotated[int, typer.Option(help="With local:N, how many of the N islands run on MLX (yeto train "
+    mlx_islands: Annotated[int, typer.Option(help="With local:N, how many of the N islands run on MLX (yeto train "
                                                    "--backend mlx; the others --backend torch).")] = 0,
     model: Annotated[str, typer.Option(help="Model alias, local directory or hub id.")] = "smollm2-135m",
     model_revision: Annotated[Optional[str], typer.Option(help="Hub revision; pinned to a commit before launch.")
                               ] = None,
-    data: Annotated[str, typer.Option(help="Training data: a file or directory (shipped to cloud learners), a hub "
+    data: Annotated[str, typer.Option(help="Training data: a file or directory (shipped to cloud islands), a hub "
                                            "dataset id, or an object-store URI (mounted).")] = "data/demo",
     data_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the dataset; pinned before launch.")
                              ] = None,
@@ -111,18 +116,18 @@ def launch_command(
                                           "(local runs: syncer/ and island-I/ too).")] = "runs/fleet",
     name: Annotated[Optional[str], typer.Option(help="Run name (default: from --out); names the clusters.")] = None,
     port: Annotated[int, typer.Option(help="Syncer port (0 with local:N: pick a free one).")] = 0,
-    public_host: Annotated[str, typer.Option(help="Local runs with --external-learners: the address other machines "
+    public_host: Annotated[str, typer.Option(help="Local runs with --external-islands: the address other machines "
                                                   "reach this one at.")] = "127.0.0.1",
     outer_steps: Annotated[int, typer.Option(help="Merges to run.")] = 3,
-    inner_steps: Annotated[Optional[int], typer.Option(help=f"Inner steps per learner per round (default: "
+    inner_steps: Annotated[Optional[int], typer.Option(help=f"Inner steps per island per round (default: "
                                                             f"{DEFAULT_INNER_STEPS}; with --budget and no --gpu, "
                                                             "sized to a round of minutes).")] = None,
-    quorum: Annotated[int, typer.Option(help="Responders needed to merge a round (default: all learners).")] = 0,
-    overlap: Annotated[bool, typer.Option(help="Learners keep training while a merge is in flight.")] = False,
-    spot: Annotated[bool, typer.Option("--spot/--on-demand", help="Cloud learners on spot capacity (the head is "
+    quorum: Annotated[int, typer.Option(help="Responders needed to merge a round (default: all islands).")] = 0,
+    overlap: Annotated[bool, typer.Option(help="Islands keep training while a merge is in flight.")] = False,
+    spot: Annotated[bool, typer.Option("--spot/--on-demand", help="Cloud islands on spot capacity (the head is "
                                                                   "always on-demand).")] = True,
     retry_until_up: Annotated[bool, typer.Option(help="Keep trying until the cloud has capacity.")] = False,
-    recover_timeout: Annotated[float, typer.Option(help="Relaunch a preempted or failed learner for this many "
+    recover_timeout: Annotated[float, typer.Option(help="Relaunch a preempted or failed island for this many "
                                                         "seconds, then go on without it.")] = 1800.0,
     output: Annotated[Optional[str], typer.Option(help="Where the merged adapter goes at the end: a path, s3://..., "
                                                        "gs://..., or hf://org/repo.")] = None,
@@ -130,37 +135,37 @@ def launch_command(
                     ] = None,
     dry_run: Annotated[bool, typer.Option(help="Print what would run (cloud: the SkyPilot tasks) and stop.")] = False,
     report_to: Annotated[str, typer.Option(help=report_to_help(
-        "the syncer and every learner", " Cloud tasks get their credentials (WANDB_API_KEY, ...) as SkyPilot "
+        "the syncer and every island", " Cloud tasks get their credentials (WANDB_API_KEY, ...) as SkyPilot "
                                         "secrets."))] = "none",
 ) -> None:
     """Run a DiLoCo fleet. Any syncer flag (--sync-bits 8, --outer-lr 0.5, --round-seconds 60, see `yeto syncer
-    --help`) goes to the syncer; any other flag (--seq-len 128 --lr 1e-3) to every learner (`yeto train --help`)."""
+    --help`) goes to the syncer; any other flag (--seq-len 128 --lr 1e-3) to every island (`yeto train --help`)."""
     from rich.console import Console
 
-    syncer_extra, learner_extra = split_extra_args(list(ctx.args))
+    syncer_extra, island_extra = split_extra_args(list(ctx.args))
     console = Console()
     if budget is not None and not budget > 0:
         raise YetoError(f"--budget {budget:g}: give the fleet's price limit in USD per hour, above 0")
     if budget is not None and gpu is None:
-        fleet = choose_fleet(model, budget, spot, learner_extra, console)
+        fleet = choose_fleet(model, budget, spot, island_extra, console)
         gpu = fleet.launch_gpu
         inner_steps = fleet.inner_steps if inner_steps is None else inner_steps
         quorum = quorum or fleet.quorum
-        learner_extra += fleet.learner_args
+        island_extra += fleet.island_args
     gpu = DEFAULT_GPU if gpu is None else gpu
     inner_steps = DEFAULT_INNER_STEPS if inner_steps is None else inner_steps
     islands = parse_gpu(gpu)
     local = all(i.local for i in islands)
-    plan = FleetPlan(name or _default_name(out), out, islands, external_learners, mlx_learners, model, model_revision,
+    plan = FleetPlan(name or _default_name(out), out, islands, external_islands, mlx_islands, model, model_revision,
                      data, data_revision, port=port if local else (port or SYNCER_PORT), spot=spot,
                      retry_until_up=retry_until_up, recover_timeout=recover_timeout, output=output, head_infra=head,
                      report_to=report_to)
     plan.check()
-    n = plan.num_learners
+    n = plan.num_islands
     plan.syncer_args = ["--outer-steps", str(outer_steps), "--inner-steps", str(inner_steps),
                        "--quorum", str(quorum or n), *syncer_extra]
-    plan.learner_args = [*(["--overlap"] if overlap else []), *learner_extra]
-    check_passed_flags(plan)  # before anything is provisioned: a flag a learner would refuse is one line here
+    plan.island_args = [*(["--overlap"] if overlap else []), *island_extra]
+    check_passed_flags(plan)  # before anything is provisioned: a flag an island would refuse is one line here
     if not local:
         plan.syncer_args += quorum_timeout_args(syncer_extra, recover_timeout)
     if budget is not None:
@@ -198,7 +203,7 @@ RunArg = Annotated[Optional[str], typer.Argument(help="The run's name (default: 
 
 
 def status_command(run: RunArg = None) -> None:
-    """A run's clusters or processes, learners (alive, merges answered, last delta), rounds, last merge, cost."""
+    """A run's clusters or processes, islands (alive, merges answered, last delta), rounds, last merge, cost."""
     from rich.console import Console
 
     from yeto.launch.manage import status
@@ -208,14 +213,14 @@ def status_command(run: RunArg = None) -> None:
 
 
 def logs_command(run: RunArg = None,
-                 learner: Annotated[Optional[int], typer.Option(help="Learner I's log (default: the syncer's).")
+                 island: Annotated[Optional[int], typer.Option(help="Island I's log (default: the syncer's).")
                                     ] = None,
                  follow: Annotated[bool, typer.Option(help="Keep following while the run lives.")] = True) -> None:
     """Follow a run's logs."""
     from yeto.launch.manage import logs
     from yeto.launch.registry import load_run
 
-    logs(load_run(run), learner, follow)
+    logs(load_run(run), island, follow)
 
 
 def down_command(run: Annotated[str, typer.Argument(help="The run's name.")]) -> None:

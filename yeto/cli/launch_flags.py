@@ -1,8 +1,8 @@
 """The flags `yeto launch` passes on, parsed on this machine by the parsers of the commands that will get them,
-before anything is provisioned (dry runs included): a flag a learner or the syncer would refuse costs one line
-here, not a fleet of VMs whose learners exit 2 and get relaunched.
+before anything is provisioned (dry runs included): a flag an island or the syncer would refuse costs one line
+here, not a fleet of VMs whose islands exit 2 and get relaunched.
 
-The learners' flags (`yeto train --backend torch|mlx`) go through their train command (`yeto.cli.train_command.
+The islands' flags (`yeto train --backend torch|mlx`) go through their train command (`yeto.cli.train_command.
 make_train_command`, the one signature every backend's command is made from) with the backend's own checks
 (`yeto.island.interface.Backend.check_flags`) in place of its training, so that nothing loads a model and no torch is
 imported for them; the syncer's through its command's parser, without running it (that
@@ -18,12 +18,12 @@ from yeto import YetoError
 from yeto.backends import MLX, TORCH, load_backend
 from yeto.cli.train_command import make_train_command
 from yeto.launch.plan import SYNCER_PORT, FleetPlan
-from yeto.launch.tasks import SYNCER_ENTRY, learner_flags, syncer_argv
+from yeto.launch.tasks import SYNCER_ENTRY, island_flags, syncer_argv
 from yeto.cli.usage import usage_errors
 
 HELP = {TORCH: "`yeto train --help`", MLX: "`yeto train --help` and docs/MLX.md"}
-WHO = {TORCH: "every learner (yeto train --backend torch)", MLX: "the MLX learners (yeto train --backend mlx)"}
-PLACEHOLDER_SYNCER = "127.0.0.1:1"  # the learner's --syncer is launch's own (known once the head is up)
+WHO = {TORCH: "every island (yeto train --backend torch)", MLX: "the MLX islands (yeto train --backend mlx)"}
+PLACEHOLDER_SYNCER = "127.0.0.1:1"  # the island's --syncer is launch's own (known once the head is up)
 
 
 def run_parser(fn: Callable[..., Any], args: list[str], prog: str, invoke: bool) -> None:
@@ -43,16 +43,16 @@ def run_parser(fn: Callable[..., Any], args: list[str], prog: str, invoke: bool)
         raise YetoError(" ".join(e.format_message().split())) from e
 
 
-def check_learner_flags(plan: FleetPlan, backend: str) -> None:
-    """The learner's flags as launch builds them, through `yeto train --backend BACKEND`'s parser and the backend's
-    checks (the MLX learner's: the flags it cannot honour; neither imports a tensor library)."""
+def check_island_flags(plan: FleetPlan, backend: str) -> None:
+    """The island's flags as launch builds them, through `yeto train --backend BACKEND`'s parser and the backend's
+    checks (the MLX island's: the flags it cannot honour; neither imports a tensor library)."""
     checks = load_backend(backend).check_flags
-    args = learner_flags(plan, 0, PLACEHOLDER_SYNCER, plan.data, plan.model) + ["--no-progress"]
+    args = island_flags(plan, 0, PLACEHOLDER_SYNCER, plan.data, plan.model) + ["--no-progress"]
     try:
         run_parser(make_train_command(lambda cfg, progress, asked: checks(cfg), doc="", backend=backend), args,
                    f"yeto train --backend {backend}", invoke=True)
     except YetoError as e:
-        raise YetoError(f"{e} (a learner flag: yeto launch passes the flags it does not take itself to "
+        raise YetoError(f"{e} (an island flag: yeto launch passes the flags it does not take itself to "
                         f"{WHO[backend]}; see {HELP[backend]})") from e
 
 
@@ -69,10 +69,10 @@ def check_syncer_flags(plan: FleetPlan) -> None:
 
 
 def check_passed_flags(plan: FleetPlan) -> None:
-    """Every flag the fleet's processes will get, parsed by their own parsers: the syncer's, the torch learners'
-    (cloud islands, local ones, and reserved slots), and the MLX learners' (--mlx-learners)."""
+    """Every flag the fleet's processes will get, parsed by their own parsers: the syncer's, the torch islands'
+    (cloud islands, local ones, and reserved slots), and the MLX islands' (--mlx-islands)."""
     check_syncer_flags(plan)
     if len(plan.islands) > plan.mlx or plan.external:
-        check_learner_flags(plan, TORCH)
+        check_island_flags(plan, TORCH)
     if plan.mlx:
-        check_learner_flags(plan, MLX)
+        check_island_flags(plan, MLX)

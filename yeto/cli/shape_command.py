@@ -124,7 +124,7 @@ def shape_command(
     spot: Annotated[bool, typer.Option("--spot/--on-demand", help="Spot or on-demand prices.")] = True,
     seq_len: Annotated[int, typer.Option(help="Tokens per block.")] = DEFAULT_SEQ_LEN,
     base_quantization: Annotated[str, typer.Option(help="none (bf16 base) or nf4 (QLoRA).")] = "none",
-    own: Annotated[Optional[str], typer.Option(help="Machines you own that join as --external-learners, comma-"
+    own: Annotated[Optional[str], typer.Option(help="Machines you own that join as --external-islands, comma-"
                                                     "separated (e.g. M3-Ultra-512GB, RTX4090): sized at the fleet's "
                                                     "batch, with their share of a round.")] = None,
     by: Annotated[Order, typer.Option(help="Rank by cost per million tokens or by time to --tokens.")] = Order.COST,

@@ -5,7 +5,7 @@ points (`train(before_state_commit=)`, `Syncer(before_checkpoint=)`); no library
 
     yeto train --step-delay S              sleep S seconds after each inner step (a slow island)
     YETO_CRASH_AT=checkpoint:V             the syncer dies (SIGKILL) after merge V, before its checkpoint is durable
-    YETO_CRASH_AT=train_state:N            a learner dies (SIGKILL) inside the save of its step N's training state
+    YETO_CRASH_AT=train_state:N            an island dies (SIGKILL) inside the save of its step N's training state
 """
 
 from __future__ import annotations

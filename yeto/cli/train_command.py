@@ -18,7 +18,9 @@ from yeto.island.train_config import TrainConfig
 from yeto.report.trackers import report_to_help
 
 D = TrainConfig()
-OLD_SPELLINGS = (OldSpelling("--num-learners", "num_learners"),)  # renamed flags, still accepted
+# renamed flags, still accepted (hidden)
+OLD_SPELLINGS = (OldSpelling("--num-learners", "num_islands"), OldSpelling("--learners", "num_islands"),  # old spelling
+                 OldSpelling("--learner-id", "island_id"))  # old spelling
 # `yeto train --help` shows these after the everyday flags (their defaults need no touching)
 TRAIN_ADVANCED = ("model_revision", "data_revision", "data_split", "data_config", "warmup_steps", "trust_remote_code",
                   "grad_accum", "lora_freeze_a", "micro_batch_size", "min_lr_ratio", "weight_decay", "max_grad_norm",
@@ -109,7 +111,7 @@ def _train_signature(
     grad_accum: Annotated[int, typer.Option(help="Batches per optimizer step (gradient accumulation).")] = D.grad_accum,
     lora_freeze_a: Annotated[bool, typer.Option(help="Train lora_B only; lora_A stays at the run's shared "
                                                      "initialization (FFA-LoRA: the syncer's average of B is then "
-                                                     "exact). Every learner of a run must agree.")] = False,
+                                                     "exact). Every island of a run must agree.")] = False,
     micro_batch_size: Annotated[str, typer.Option(help="Blocks through the model at once: all (the whole batch), N, "
                                                        "or auto (the largest that fits the device, probed at start); "
                                                        "the gradient is the same whatever it is.")
@@ -134,9 +136,9 @@ def _train_signature(
     eval_fraction: Annotated[float, typer.Option(help="Fraction of records held out "
                                                       "for the eval loss.")] = D.eval_fraction,
     seed: Annotated[int, typer.Option(help="Seed of the split, batch order and LoRA init.")] = D.seed,
-    learner_id: Annotated[int, typer.Option(help="This learner's index, for data sharding.")] = D.learner_id,
-    num_learners: Annotated[int, typer.Option("--learners", help="Learners sharing the data (0: all; with --syncer, "
-                                                                 "the syncer's count).")] = D.num_learners,
+    island_id: Annotated[int, typer.Option(help="This island's index, for data sharding.")] = D.island_id,
+    num_islands: Annotated[int, typer.Option("--islands", help="Islands sharing the data (0: all; with --syncer, "
+                                                                 "the syncer's count).")] = D.num_islands,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps (MLX: auto or cpu).")] = D.device,
     dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), "
                                             "float32, bfloat16 or float16.")] = D.dtype,

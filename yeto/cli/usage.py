@@ -54,6 +54,17 @@ def usage_errors() -> tuple[type[Exception], ...]:
     return (*errors, ClickException)
 
 
+def _missing_option(flag: str) -> Exception:
+    """The usage error click gives a missing required option (its usage line, exit 2), from the click that runs
+    the command: typer's bundled copy where it has one."""
+    try:
+        from typer._click.exceptions import MissingParameter
+        from typer._click.globals import get_current_context
+    except ImportError:  # a typer that uses click itself
+        from click import MissingParameter, get_current_context
+    return MissingParameter(ctx=get_current_context(), param_type="option", param_hint=f"'{flag}'")
+
+
 def _aborts() -> tuple[type[BaseException], ...]:
     import click
 
@@ -117,8 +128,8 @@ def with_help_panels(command: Callable[..., None], advanced: Iterable[str], hidd
 class OldSpelling:
     """A renamed flag's old spelling: it keeps working (hidden from --help) so existing commands and scripts do, and
     feeds the parameter `param` of the new flag through `convert` (e.g. milliseconds to seconds)."""
-    flag: str  # "--num-learners"
-    param: str  # the command's parameter it feeds: "num_learners" (given as --learners)
+    flag: str  # "--grace-ms"
+    param: str  # the command's parameter it feeds: "grace_s" (given as --grace)
     convert: Callable[[Any], Any] = lambda value: value
 
 
@@ -135,9 +146,12 @@ def flag_of(parameter: inspect.Parameter) -> str:
 
 
 def with_old_spellings(command: Callable[..., None], olds: Iterable[OldSpelling]) -> Callable[..., None]:
-    """`command` with each old spelling as a hidden flag; giving both spellings of one flag is a one-line error."""
+    """`command` with each old spelling as a hidden flag; giving both spellings of one flag is a one-line error. A
+    required flag stays required: either spelling gives it."""
     olds = tuple(olds)
     signature = inspect.signature(command, eval_str=True)
+    required = {old.param for old in olds if signature.parameters[old.param].default is inspect.Parameter.empty}
+    params = [p.replace(default=None) if p.name in required else p for p in signature.parameters.values()]
     extra = []
     for i, old in enumerate(olds):
         target = signature.parameters[old.param]
@@ -152,10 +166,13 @@ def with_old_spellings(command: Callable[..., None], olds: Iterable[OldSpelling]
             if value is None:
                 continue
             target = signature.parameters[old.param]
-            if kwargs[old.param] != target.default:
+            if kwargs[old.param] != (None if old.param in required else target.default):
                 raise YetoError(f"{old.flag} is the old spelling of {flag_of(target)}: give one of them")
             kwargs[old.param] = old.convert(value)
+        for name in required:
+            if kwargs[name] is None:
+                raise _missing_option(flag_of(signature.parameters[name]))
         return command(**kwargs)
 
-    wrapper.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *extra])  # type: ignore
+    wrapper.__signature__ = signature.replace(parameters=[*params, *extra])  # type: ignore
     return wrapper

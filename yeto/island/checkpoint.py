@@ -1,4 +1,4 @@
-"""A learner's training state on disk, so that a preempted island resumes where it was.
+"""An island's training state on disk, so that a preempted island resumes where it was.
 
 `OUT/train_state.safetensors` is one safetensors file: the tensors under canonical names, the scalars as JSON in
 its header. It is written to a temp file beside it, flushed to disk and renamed over the old one (os.replace), so
@@ -30,20 +30,20 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from yeto import YetoError
+from yeto import YetoError, in_current_words
 
 STATE_FILE = "train_state.safetensors"
 FORMAT = 1  # raised whenever the file's layout changes: a state of another format is refused, never misread
 META_KEY = "yeto_train_state"
-# the flags that shape a learner's trajectory: a state saved under other values is another run's
+# the flags that shape an island's trajectory: a state saved under other values is another run's
 RUN_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
               "max_grad_norm", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_freeze_a",
-              "loss_function", "eval_fraction", "seed", "learner_id", "num_learners")
+              "loss_function", "eval_fraction", "seed", "island_id", "num_islands")
 
 
 @dataclass
 class TrainState:
-    """What a learner needs to take its next step as if it had never stopped."""
+    """What an island needs to take its next step as if it had never stopped."""
 
     meta: dict[str, Any]
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
@@ -54,12 +54,12 @@ class TrainState:
         return {k[len(p):]: v for k, v in self.tensors.items() if k.startswith(p)}
 
 
-def run_identity(learner: Any) -> dict[str, Any]:
+def run_identity(island: Any) -> dict[str, Any]:
     """The flags and resolved inputs (model commit, data digest) a state belongs to; the --out, the device, the
     syncer's address and --max-steps may change between a run and its resumption."""
-    cfg = learner.cfg
-    return {"model": learner.model_artifact.revision, "data": learner.source.artifact.revision,
-            "fleet": bool(cfg.syncer), "ranks": getattr(learner, "ranks", 1),
+    cfg = island.cfg
+    return {"model": island.model_artifact.revision, "data": island.source.artifact.revision,
+            "fleet": bool(cfg.syncer), "ranks": getattr(island, "ranks", 1),
             **{f: getattr(cfg, f) for f in RUN_FIELDS}}
 
 
@@ -106,7 +106,7 @@ def load_state(out: str | Path) -> Optional[TrainState]:
         return None
     try:
         with safe_open(str(path), framework="numpy") as f:
-            meta = json.loads((f.metadata() or {})[META_KEY])
+            meta = in_current_words(json.loads((f.metadata() or {})[META_KEY]))
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError, KeyError) as e:
         raise YetoError(f"{path} is not a training state yeto can read ({e}): pass --fresh to start over (it is "

@@ -5,10 +5,10 @@ a dataset saved with `save_to_disk`, or a hub dataset at a pinned commit) to the
 records of one split of one config (the `datasets` library's layout rules) ->
 detect each record's format, counting the unusable ones by reason -> take the
 held-out set (the dataset's validation/test split, else a seeded fraction) and
-shard the rest by learner -> tokenize with the Hugging Face tokenizer (chat
+shard the rest by island -> tokenize with the Hugging Face tokenizer (chat
 template for chat and alpaca records) -> pack whole examples into fixed-length
 blocks. Only numpy and the tokenizer touch the tokens, so the torch and the MLX
-learner see byte-identical blocks.
+island see byte-identical blocks.
 
 Hard errors (one line naming the file, or file:line, and the fix): unreadable
 input (not UTF-8, invalid JSON, corrupt parquet, a CSV row with more fields than
@@ -280,16 +280,16 @@ def pack_examples(examples: list[tuple[list[int], list[int]]], seq_len: int, pad
 def check_shard(index: int, count: int) -> None:
     """Shard `index` of `count` must exist: one line naming the flags otherwise."""
     if count < 1:
-        raise YetoError(f"--learners must be at least 1, got {count}")
+        raise YetoError(f"--islands must be at least 1, got {count}")
     if not 0 <= index < count:
-        raise YetoError(f"--learner-id must be in [0, {count}), got {index}")
+        raise YetoError(f"--island-id must be in [0, {count}), got {index}")
 
 
-def split_and_shard(n: int, learner_id: int, num_learners: int, eval_fraction: float,
+def split_and_shard(n: int, island_id: int, num_islands: int, eval_fraction: float,
                     seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices of this learner, eval indices): a seeded permutation, the
-    held-out set first (the same for every learner), then a round-robin shard."""
-    check_shard(learner_id, num_learners)
+    """(train indices of this island, eval indices): a seeded permutation, the
+    held-out set first (the same for every island), then a round-robin shard."""
+    check_shard(island_id, num_islands)
     if not 0.0 <= eval_fraction < 1.0:
         raise YetoError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
     order = np.random.default_rng(seed).permutation(n)
@@ -297,13 +297,13 @@ def split_and_shard(n: int, learner_id: int, num_learners: int, eval_fraction: f
     if eval_fraction > 0 and n >= 2:
         n_eval = max(1, n_eval)
     eval_idx, train_idx = order[:n_eval], order[n_eval:]
-    return train_idx[learner_id::num_learners], eval_idx
+    return train_idx[island_id::num_islands], eval_idx
 
 
 @dataclass
 class DataSource:
     """A dataset read and checked, before it is cut into shards: its usable training records, the held-out blocks
-    (the same for every learner) and what reading found. A learner reads before it joins a run, so bad data fails
+    (the same for every island) and what reading found. An island reads before it joins a run, so bad data fails
     before anything else, and takes its shard once the syncer has told it which (`shard`)."""
 
     name: str
@@ -323,7 +323,7 @@ class DataSource:
         check_shard(index, count)
         idx = self.train_idx[index::count]
         if len(idx) == 0:
-            raise YetoError(f"learner {index} of {count} has no training records "
+            raise YetoError(f"island {index} of {count} has no training records "
                             f"({len(self.pool)} usable records in {self.name})")
         unusable, where = Counter(self.unusable), dict(self.where)
         examples = _encode_all([self.pool[i] for i in idx], self.tokenizer, self.seq_len, unusable, where)
@@ -376,13 +376,13 @@ def read_data(
     return DataSource(data, tokenizer, seq_len, pool, train_idx, evalb, artifact, stats, unusable, where)
 
 
-def prepare_data(data: str, tokenizer, seq_len: int, learner_id: int = 0, num_learners: int = 1,
+def prepare_data(data: str, tokenizer, seq_len: int, island_id: int = 0, num_islands: int = 1,
                  eval_fraction: float = 0.05, seed: int = 0, revision: str | None = None, split: str = "train",
                  config: str | None = None) -> PreparedData:
-    """This learner's training blocks and the held-out blocks of `data`: `read_data`, then shard `learner_id` of
-    `num_learners`."""
+    """This island's training blocks and the held-out blocks of `data`: `read_data`, then shard `island_id` of
+    `num_islands`."""
     return read_data(data, tokenizer, seq_len, eval_fraction, seed, revision, split,
-                     config).shard(learner_id, num_learners)
+                     config).shard(island_id, num_islands)
 
 
 def _pad_id(tokenizer) -> int:

@@ -3,7 +3,7 @@
 A backend (torch + peft, MLX, ...) offers an `Island` (yeto.island.interface); the
 loop uses its adapter as a `{canonical peft name: fp32 numpy array}` view, a way
 to load such a view back, and one inner optimizer step. `run_island` does the rest with a
-`LearnerCore` (what to train, when a round ends, what to push) behind a
+`IslandCore` (what to train, when a round ends, what to push) behind a
 `SyncerLink` (the I/O thread): load the round's global adapter, step until the
 core says the round is done, push `local - that adapter`, and go again until the
 syncer finishes the run. It never touches the inner optimizer, so AdamW moments
@@ -14,9 +14,9 @@ training instead of waiting; when the merged adapter arrives, the progress made
 since the push is kept on top of it (θ ← g_r + (θ − θ_push)), as in one-step-
 delayed / streaming DiLoCo. Those steps count toward round r+1.
 
-Carry (time-window rounds, always on): a learner whose previous delta came late
-is merged a version late in the next round, where it holds this learner's place
-(one delta per learner per round); the round it trains meanwhile could only go
+Carry (time-window rounds, always on): an island whose previous delta came late
+is merged a version late in the next round, where it holds this island's place
+(one delta per island per round); the round it trains meanwhile could only go
 late too, and every later one after it. So that round's work is not pushed: the
 island trains on until the next global comes and keeps all of it on top of that
 global (θ ← g + (θ − its base)), and its next push lands fresh.
@@ -41,8 +41,8 @@ from yeto import YetoError
 from yeto.island.interface import Island
 from yeto.sync.shell.keys import JoinKey, write_secret
 from yeto.sync.shell.client import SyncerLink
-from yeto.sync.core.learner import Done, LearnerCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
-from yeto.sync.core.learner.work import Carry, RoundStart, RoundSteps
+from yeto.sync.core.island import Done, IslandCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
+from yeto.sync.core.island.work import Carry, RoundStart, RoundSteps
 from yeto.sync.wire.layout import Layout, build_layout, flatten, fragment_pieces, synced_fragments, unflatten
 
 
@@ -85,9 +85,9 @@ class IslandStats:
     delta_bytes: list[int] = field(default_factory=list)
 
 
-def learner_identity(out: str | Path) -> str:
-    """This learner's identity secret, kept in its run directory (0600): a restart with the same --out proves it
-    is the same learner and takes its id back at once; anyone else waits until the holder is gone."""
+def island_identity(out: str | Path) -> str:
+    """This island's identity secret, kept in its run directory (0600): a restart with the same --out proves it
+    is the same island and takes its id back at once; anyone else waits until the holder is gone."""
     path = Path(out) / IDENTITY_FILE
     try:
         return path.read_text().strip()
@@ -114,7 +114,7 @@ def _norm_on(x: np.ndarray, pieces: list[tuple[int, int]]) -> float:
     return float(np.sqrt(sum(float(np.dot(x[a : a + n], x[a : a + n])) for a, n in pieces)))
 
 
-def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = False,
+def run_island(island: Island, syncer: str, island_id: int, overlap: bool = False,
                progress: Callable[[dict[str, Any]], None] | None = None, log_fn: Callable[[str], None] = print,
                timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0, step_delay: float = 0.0,
                fragment_numel: Optional[int] = None, join_key: Optional[JoinKey] = None,
@@ -123,10 +123,10 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
                on_step: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
     """Train `island` as one DiLoCo island of the run at `syncer` until the syncer says finish.
 
-    `join_key`: the run's credentials (None only for an --insecure loopback syncer). `identity`: this learner's
-    secret, the same across its restarts (see `learner_identity`), so a restart may take its id back at once.
-    `residual`: the error-feedback residual a resumed learner saved; `on_round_start(residual)` is called once
-    each round's adapter is loaded (the round boundary where a learner saves its training state), with the residual
+    `join_key`: the run's credentials (None only for an --insecure loopback syncer). `identity`: this island's
+    secret, the same across its restarts (see `island_identity`), so a restart may take its id back at once.
+    `residual`: the error-feedback residual a resumed island saved; `on_round_start(residual)` is called once
+    each round's adapter is loaded (the round boundary where an island saves its training state), with the residual
     of the deltas known to count (a delta still in flight may be lost with the process: its error is not carried).
     `on_step(record)`: every inner step's record (loss, lr, grad_norm, tokens, loss_tokens, tok_s), for trackers.
 
@@ -135,7 +135,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
     """
     state = island.adapter_state()
     layout = build_layout(state, fragment_numel)
-    core = LearnerCore(learner_id, island.backend, layout, flatten(layout, state), island.adapter_config(),
+    core = IslandCore(island_id, island.backend, layout, flatten(layout, state), island.adapter_config(),
                        island.record(), random.Random(), timeouts, max_inner_steps, time.time_ns() // 1000,
                        identity=identity or secrets.token_hex(16))
     if residual is not None and residual.shape == core.ef.residual.shape:
@@ -148,7 +148,7 @@ def run_island(island: Island, syncer: str, learner_id: int, overlap: bool = Fal
 class IslandLoop:
     """One island's rounds: load the round's start, train until the core's verdict, then push, carry or drop."""
 
-    def __init__(self, island: Island, layout: Layout, core: LearnerCore, link: SyncerLink,
+    def __init__(self, island: Island, layout: Layout, core: IslandCore, link: SyncerLink,
                  log_fn: Callable[[str], None], overlap: bool, max_inner_steps: int, step_delay: float,
                  progress: Callable[[dict[str, Any]], None] | None,
                  on_round_start: Optional[Callable[[np.ndarray], None]],

@@ -1,4 +1,4 @@
-"""What a tensor backend provides, written once: an `Island` (one learner's model, adapter, data and optimizer) and
+"""What a tensor backend provides, written once: an `Island` (one island's model, adapter, data and optimizer) and
 the `Backend` that makes one for `yeto.island.training.train`.
 
 Every member here is used by the island's code (the DiLoCo loop in `yeto.island.diloco`, the run in
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class Island(Protocol):
-    """One learner's model + LoRA adapter + data + inner optimizer, as the island's loops drive it."""
+    """One island's model + LoRA adapter + data + inner optimizer, as the island's loops drive it."""
 
     backend: str  # "torch", "mlx": the records' and the syncer's name for it
     cfg: TrainConfig  # the flags it was made from

@@ -119,7 +119,7 @@ class LoraSpec:
 
 def lora_spec_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha: float = 32.0,
                   dropout: float = 0.05) -> LoraSpec:
-    """As the torch learner's `lora_config_for` (yeto.backends.torch.lora), as a LoraSpec (no peft, no torch):
+    """As the torch island's `lora_config_for` (yeto.backends.torch.lora), as a LoraSpec (no peft, no torch):
     the MLX island's."""
     check_lora(r, dropout)
     return LoraSpec(r, alpha, dropout, peft_target_modules(chosen, [n for n, _, _ in linears]))

@@ -12,21 +12,21 @@ from yeto import __version__
 from yeto.report.trackers import Trackers, flat_metrics
 
 
-def island_record(learner) -> dict[str, Any]:
+def island_record(island) -> dict[str, Any]:
     """What a saved adapter and run.json say about the island that made it (any backend)."""
     from yeto.models.provenance import loss_identity
 
     return {
         "yeto_version": __version__,
-        "backend": learner.backend,
-        "model": learner.model_artifact.to_dict(),
-        **learner.data_record(),
-        "config": asdict(learner.cfg),
-        "loss": loss_identity(learner.cfg.loss_function),
-        "steps": learner.step_count,
-        "tokens": learner.tokens_seen,
-        "loss_tokens": learner.loss_tokens_seen,
-        "ranks": getattr(learner, "ranks", 1),  # processes of a torchrun island (the island's batch is theirs)
+        "backend": island.backend,
+        "model": island.model_artifact.to_dict(),
+        **island.data_record(),
+        "config": asdict(island.cfg),
+        "loss": loss_identity(island.cfg.loss_function),
+        "steps": island.step_count,
+        "tokens": island.tokens_seen,
+        "loss_tokens": island.loss_tokens_seen,
+        "ranks": getattr(island, "ranks", 1),  # processes of a torchrun island (the island's batch is theirs)
     }
 
 

@@ -1,4 +1,4 @@
-"""A learner's data shard: the dataset read before joining, its shard taken when the syncer names it."""
+"""An island's data shard: the dataset read before joining, its shard taken when the syncer names it."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 
 class ShardedData:
-    """A learner's data (every backend): the dataset read and checked before the learner joins a run, and its
-    shard of it taken once known: at start from --learner-id of --learners (or the whole of it standalone),
+    """An island's data (every backend): the dataset read and checked before the island joins a run, and its
+    shard of it taken once known: at start from --island-id of --islands (or the whole of it standalone),
     else from the syncer's welcome (`use_shard`), which cuts the data into the run's shard count."""
 
     source: "DataSource"
@@ -30,10 +30,10 @@ class ShardedData:
         self.source = read_data(cfg.data, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.seed, cfg.data_revision,
                                 cfg.data_split, cfg.data_config)
         self._log_data = log
-        if cfg.num_learners or not cfg.syncer:
-            self.use_shard(cfg.learner_id if cfg.num_learners else 0, cfg.num_learners or 1)
+        if cfg.num_islands or not cfg.syncer:
+            self.use_shard(cfg.island_id if cfg.num_islands else 0, cfg.num_islands or 1)
         else:
-            log(f"data: {json.dumps(self.source.stats)}; the syncer says which shard this learner trains on")
+            log(f"data: {json.dumps(self.source.stats)}; the syncer says which shard this island trains on")
 
     def use_shard(self, index: int, count: int) -> None:
         """Train on shard `index` of `count` from here on (a no-op if it is the shard held)."""
@@ -44,10 +44,10 @@ class ShardedData:
         self.shard = (index, count)
         self._log_data(f"data: {json.dumps(self.data.stats)}")
         # every rank of a torchrun island draws the same global batch (ranks x --batch-size) and takes its slice
-        self.sampler = BatchSampler(len(self.data.train), cfg.batch_size * self.ranks, cfg.seed + 1000 * cfg.learner_id)
+        self.sampler = BatchSampler(len(self.data.train), cfg.batch_size * self.ranks, cfg.seed + 1000 * cfg.island_id)
 
     def resume_data(self, meta: dict[str, Any]) -> None:
-        """Take the shard and batch position a saved training state had (a restarted learner goes on with them)."""
+        """Take the shard and batch position a saved training state had (a restarted island goes on with them)."""
         if meta.get("shard"):
             self.use_shard(*meta["shard"])
         if meta.get("sampler") and self.sampler is not None:
@@ -55,7 +55,7 @@ class ShardedData:
 
     def train_blocks(self) -> "Blocks":
         if self.data is None or self.sampler is None:
-            raise YetoError("this learner has no data shard yet: pass --learners, or join a syncer (it says "
+            raise YetoError("this island has no data shard yet: pass --islands, or join a syncer (it says "
                             "which shard)")
         return self.data.train
 

@@ -39,8 +39,8 @@ class TrainConfig:
     eval_every: int = 50
     eval_fraction: float = 0.05
     seed: int = 0
-    learner_id: int = 0
-    num_learners: int = 0  # 0: standalone the whole data, in a fleet the shard count the syncer says
+    island_id: int = 0
+    num_islands: int = 0  # 0: standalone the whole data, in a fleet the shard count the syncer says
     device: str = "auto"
     dtype: str = "auto"
     gradient_checkpointing: bool = False
@@ -81,11 +81,11 @@ def check_config(cfg: TrainConfig) -> None:
     check_range(cfg.max_grad_norm, "--max-grad-norm", low=0, low_open=True)
     check_range(cfg.eval_fraction, "--eval-fraction", low=0, high=1, high_open=True)
     for name in ("warmup_steps", "weight_decay", "eval_every", "save_every", "threads", "max_inner_steps",
-                 "step_delay", "learner_id", "num_learners"):
+                 "step_delay", "island_id", "num_islands"):
         check_range(getattr(cfg, name), f"--{name.replace('_', '-')}", low=0)
-    if cfg.num_learners and cfg.learner_id >= cfg.num_learners:
-        raise YetoError(f"--learner-id must be in [0, {cfg.num_learners}) with --learners {cfg.num_learners}, "
-                        f"got {cfg.learner_id}: fix one, or drop --learners (the syncer then says the count)")
+    if cfg.num_islands and cfg.island_id >= cfg.num_islands:
+        raise YetoError(f"--island-id must be in [0, {cfg.num_islands}) with --islands {cfg.num_islands}, "
+                        f"got {cfg.island_id}: fix one, or drop --islands (the syncer then says the count)")
     check_range(cfg.syncer_timeout, "--syncer-timeout", low=0, low_open=True)
     check_range(cfg.give_up_after, "--give-up-after", low=0, low_open=True)
     if cfg.dtype not in DTYPES:

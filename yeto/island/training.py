@@ -48,9 +48,9 @@ def open_session(cfg: TrainConfig, before_state_commit: Optional[Callable[[int],
     console = Console(stderr=True)
     join_key = None
     if cfg.syncer:
-        from yeto.sync.shell.keys import learner_join_key
+        from yeto.sync.shell.keys import island_join_key
 
-        join_key = learner_join_key(cfg.join_key, cfg.insecure, cfg.syncer)
+        join_key = island_join_key(cfg.join_key, cfg.insecure, cfg.syncer)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     return Session(console, out, join_key, lambda s: console.print(f"[dim]{s}[/dim]"), before_state_commit)
@@ -71,25 +71,25 @@ def train(cfg: TrainConfig, backend: Backend, show_progress: bool = True,
         return run_training(island, cfg, session, show_progress)
 
 
-def start_from_adapter(learner: Island, name: str, log: Callable[[str], None]) -> None:
-    """Load an existing peft adapter into a fresh learner (`--init-adapter`), refused in one line when its base or
+def start_from_adapter(island: Island, name: str, log: Callable[[str], None]) -> None:
+    """Load an existing peft adapter into a fresh island (`--init-adapter`), refused in one line when its base or
     LoRA shape is not this run's (the syncer's --init-adapter check)."""
     from yeto.sync.shell.store import load_init_adapter
     from yeto.sync.core.contract import init_adapter_problem
     from yeto.sync.wire.layout import build_layout
 
     init = load_init_adapter(name)
-    problem = init_adapter_problem(init, build_layout(learner.adapter_state()), learner.adapter_config(),
-                                   {"base_revision": learner.model_artifact.revision})
+    problem = init_adapter_problem(init, build_layout(island.adapter_state()), island.adapter_config(),
+                                   {"base_revision": island.model_artifact.revision})
     if problem:
         raise YetoError(f"--init-adapter {name} cannot start this run: {problem}; train with its settings "
                         "(--model, --lora-r, --lora-alpha, --lora-targets) or pick another adapter")
-    learner.load_adapter_state(init.tensors)
+    island.load_adapter_state(init.tensors)
     log(f"starting from the adapter {name}")
 
 
-def resume_state(learner: Island, cfg: TrainConfig, out: Path, log: Callable[[str], None]) -> Optional[TrainState]:
-    """Load the training state saved in --out into `learner`, if there is one and it is this run's: a state of
+def resume_state(island: Island, cfg: TrainConfig, out: Path, log: Callable[[str], None]) -> Optional[TrainState]:
+    """Load the training state saved in --out into `island`, if there is one and it is this run's: a state of
     another run, or of a finished one, is refused with what differs (--fresh starts over); None: a fresh start."""
     from yeto.island.checkpoint import STATE_FILE, differences, load_state, run_identity
 
@@ -99,7 +99,7 @@ def resume_state(learner: Island, cfg: TrainConfig, out: Path, log: Callable[[st
     if state is None:
         return None
     path, step = out / STATE_FILE, int(state.meta["step"])
-    diff = differences(state.meta["run"], run_identity(learner))
+    diff = differences(state.meta["run"], run_identity(island))
     if diff:
         raise YetoError(f"{path} is the training state of another run ({'; '.join(diff)}): resume with the same flags, "
                         "pass --fresh to start over (replacing it), or use another --out")
@@ -110,68 +110,68 @@ def resume_state(learner: Island, cfg: TrainConfig, out: Path, log: Callable[[st
     if not cfg.syncer and step > cfg.max_steps:
         raise YetoError(f"{path} is at step {step}, past --max-steps {cfg.max_steps}: raise --max-steps, or pass "
                         "--fresh to start over")
-    learner.load_training_state(state, adapter=not cfg.syncer)
+    island.load_training_state(state, adapter=not cfg.syncer)
     log(f"resuming from {path} at step {step}" + (" (the syncer brings the current global adapter)"
                                                    if cfg.syncer else ""))
     return state
 
 
-def save_training_state(learner: Island, session: Session, residual: Optional[np.ndarray] = None,
+def save_training_state(island: Island, session: Session, residual: Optional[np.ndarray] = None,
                         finished: bool = False) -> None:
     """Save what `resume_state` needs (with --syncer, the delta quantizer's error-feedback residual too)."""
     from yeto.island.checkpoint import run_identity, save_state
 
-    state = learner.training_state()
-    state.meta.update(run=run_identity(learner), finished=finished)
+    state = island.training_state()
+    state.meta.update(run=run_identity(island), finished=finished)
     if residual is not None:
         state.tensors["residual"] = residual
     save_state(session.out, state, session.before_state_commit)
 
 
-def run_training(learner: Island, cfg: TrainConfig, session: Session, show_progress: bool = True) -> dict[str, Any]:
+def run_training(island: Island, cfg: TrainConfig, session: Session, show_progress: bool = True) -> dict[str, Any]:
     """Evaluate, train (standalone or as an island of --syncer's run), evaluate again, save the adapter.
 
     The training state is saved in --out as it goes (yeto.island.checkpoint), and the same command resumes from it."""
     out, console = session.out, session.console
-    resumed = resume_state(learner, cfg, out, session.log)
+    resumed = resume_state(island, cfg, out, session.log)
     if resumed is None and cfg.init_adapter:
-        start_from_adapter(learner, cfg.init_adapter, session.log)
-    record = learner.record()
+        start_from_adapter(island, cfg.init_adapter, session.log)
+    record = island.record()
     metrics = MetricsLog(out / "metrics.jsonl", open_island_trackers(cfg, record, session.log))
     (out / "run.json").write_text(json.dumps(record, indent=2))
     if resumed is not None:
-        metrics.write(event="resumed", step=learner.step_count, tokens=learner.tokens_seen)
-    eval0 = learner.evaluate()
-    metrics.write(event="eval", step=learner.step_count, eval_loss=eval0)
+        metrics.write(event="resumed", step=island.step_count, tokens=island.tokens_seen)
+    eval0 = island.evaluate()
+    metrics.write(event="eval", step=island.step_count, eval_loss=eval0)
     if cfg.syncer:
-        tag = f"[bold]island {cfg.learner_id}[/bold] "
+        tag = f"[bold]island {cfg.island_id}[/bold] "
         residual = resumed.tensors.get("residual") if resumed is not None else None
         try:
-            extra = _island_loop(learner, cfg, metrics, console, tag, session.join_key, residual,
-                                 lambda r: save_training_state(learner, session, r))
+            extra = _island_loop(island, cfg, metrics, console, tag, session.join_key, residual,
+                                 lambda r: save_training_state(island, session, r))
         except BaseException as e:  # refused, gave up on the syncer, Ctrl-C, SIGTERM, a crash: keep the adapter
             try:
-                adapter = learner.save(out / "adapter")
-                metrics.write(event="aborted", steps=learner.step_count, reason=repr(e)[:300])
+                adapter = island.save(out / "adapter")
+                metrics.write(event="aborted", steps=island.step_count, reason=repr(e)[:300])
                 metrics.close()  # (the trackers flush what they hold)
                 console.print(f"{tag}[yellow]stopped early[/yellow]; adapter (the last global it received): {adapter}")
             except Exception as save_error:  # never hide the first error behind a second one
                 console.print(f"{tag}[red]could not save the adapter[/red]: {save_error!r}")
             raise
-        if hasattr(learner, "relay_s"):  # a torchrun island (RelayedIsland): rank 0's time relaying to the others
-            extra["relay_s"] = round(learner.relay_s, 3)
-        done = f"{extra['rounds']} rounds, {learner.step_count} steps, utilization {extra['utilization']:.1%}"
+        if hasattr(island, "relay_s"):  # a torchrun island (RelayedIsland): rank 0's time relaying to the others
+            extra["relay_s"] = round(island.relay_s, 3)
+        done = f"{extra['rounds']} rounds, {island.step_count} steps, utilization {extra['utilization']:.1%}"
     else:
         tag = ""
-        extra = _standalone_loop(learner, cfg, metrics, console, eval0, show_progress, session)
-        done = f"{learner.step_count} steps, {extra['tok_s']:.0f} tok/s"
-    final_eval = learner.evaluate()
-    metrics.write(event="eval", step=learner.step_count, eval_loss=final_eval)
-    adapter = learner.save(out / "adapter")
-    save_training_state(learner, session, finished=True)
-    summary = {"adapter": str(adapter), "steps": learner.step_count, "eval_loss_before": eval0,
-               "eval_loss_after": final_eval, "tokens": learner.tokens_seen, "loss_tokens": learner.loss_tokens_seen,
-               "shard": list(learner.shard) if learner.shard else None, **extra}
+        extra = _standalone_loop(island, cfg, metrics, console, eval0, show_progress, session)
+        done = f"{island.step_count} steps, {extra['tok_s']:.0f} tok/s"
+    final_eval = island.evaluate()
+    metrics.write(event="eval", step=island.step_count, eval_loss=final_eval)
+    adapter = island.save(out / "adapter")
+    save_training_state(island, session, finished=True)
+    summary = {"adapter": str(adapter), "steps": island.step_count, "eval_loss_before": eval0,
+               "eval_loss_after": final_eval, "tokens": island.tokens_seen, "loss_tokens": island.loss_tokens_seen,
+               "shard": list(island.shard) if island.shard else None, **extra}
     metrics.write(event="done", **summary)
     metrics.close()
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -185,11 +185,11 @@ def open_island_trackers(cfg: TrainConfig, record: dict[str, Any], log: Callable
     """--report-to's trackers for this island: one run named `<run>-island-<id>` (standalone: `<run>`), grouped by
     the run's name, its config the island's record (flags, model, data, loss)."""
     group = run_group(cfg.run_name, cfg.out if not cfg.syncer else Path(cfg.out).resolve().parent)
-    name = f"{group}-island-{cfg.learner_id}" if cfg.syncer else group
+    name = f"{group}-island-{cfg.island_id}" if cfg.syncer else group
     return open_trackers(cfg.report_to, cfg.out, name, group, record, log)
 
 
-def _standalone_loop(learner: Island, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,
+def _standalone_loop(island: Island, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,
                      show_progress: bool, session: Session) -> dict[str, Any]:
     """Up to `--max-steps` steps (from where a resumed run was) with a progress bar, periodic eval and saves."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
@@ -202,12 +202,12 @@ def _standalone_loop(learner: Island, cfg: TrainConfig, metrics: MetricsLog, con
     )
     t0 = time.perf_counter()
     last_eval = eval0
-    tokens0, loss_tokens0 = learner.tokens_seen, learner.loss_tokens_seen
+    tokens0, loss_tokens0 = island.tokens_seen, island.loss_tokens_seen
     with progress:
-        task = progress.add_task("train", total=cfg.max_steps, completed=learner.step_count, info="")
-        while learner.step_count < cfg.max_steps:
+        task = progress.add_task("train", total=cfg.max_steps, completed=island.step_count, info="")
+        while island.step_count < cfg.max_steps:
             t = time.perf_counter()
-            s = learner.step()
+            s = island.step()
             if cfg.step_delay:
                 time.sleep(cfg.step_delay)  # a simulated slow island (tests): the delay counts as its compute
             dt = time.perf_counter() - t
@@ -215,28 +215,28 @@ def _standalone_loop(learner: Island, cfg: TrainConfig, metrics: MetricsLog, con
             if not math.isfinite(s["loss"]):
                 raise YetoError(f"loss is {s['loss']} at step {s['step']}; lower --lr or check the data")
             if cfg.eval_every and s["step"] % cfg.eval_every == 0 and s["step"] < cfg.max_steps:
-                last_eval = learner.evaluate()
+                last_eval = island.evaluate()
                 metrics.write(event="eval", step=s["step"], eval_loss=last_eval)
             metrics.write(event="step", **s)
             history.append(s)
             if cfg.save_every and s["step"] % cfg.save_every == 0 and s["step"] < cfg.max_steps:
-                save_training_state(learner, session)
+                save_training_state(island, session)
             ev = f" eval {last_eval:.3f}" if last_eval is not None else ""
             progress.update(task, advance=1, info=f"loss {s['loss']:.3f}{ev} {s['tok_s']:.0f} tok/s")
     elapsed = time.perf_counter() - t0
     first, last = (history[0]["loss"], history[-1]["loss"]) if history else (None, None)
-    return {"first_loss": first, "last_loss": last, "tok_s": (learner.tokens_seen - tokens0) / elapsed,
-            "loss_tok_s": (learner.loss_tokens_seen - loss_tokens0) / elapsed}
+    return {"first_loss": first, "last_loss": last, "tok_s": (island.tokens_seen - tokens0) / elapsed,
+            "loss_tok_s": (island.loss_tokens_seen - loss_tokens0) / elapsed}
 
 
-def _island_loop(learner: Island, cfg: TrainConfig, metrics: MetricsLog, console, tag: str, join_key,
+def _island_loop(island: Island, cfg: TrainConfig, metrics: MetricsLog, console, tag: str, join_key,
                  residual: Optional[np.ndarray], save_state: Callable[[np.ndarray], None]) -> dict[str, Any]:
     """One island of a DiLoCo run: the syncer decides rounds, merges and the end; `save_state(residual)` runs at
-    the start of every round, and `residual` (a resumed learner's) seeds the delta quantizer's error feedback."""
+    the start of every round, and `residual` (a resumed island's) seeds the delta quantizer's error feedback."""
     from rich.markup import escape
 
-    from yeto.island.diloco import learner_identity, run_island
-    from yeto.sync.core.learner import LinkTimeouts
+    from yeto.island.diloco import island_identity, run_island
+    from yeto.sync.core.island import LinkTimeouts
 
     def on_round(r: dict[str, Any]) -> None:
         metrics.write(event="round", **r)
@@ -248,9 +248,9 @@ def _island_loop(learner: Island, cfg: TrainConfig, metrics: MetricsLog, console
     previous = (signal.signal(signal.SIGTERM, on_sigterm) if threading.current_thread() is threading.main_thread()
                 else None)
     try:
-        return run_island(learner, cfg.syncer, cfg.learner_id, overlap=cfg.overlap, progress=on_round,
+        return run_island(island, cfg.syncer, cfg.island_id, overlap=cfg.overlap, progress=on_round,
                           max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
-                          join_key=join_key, identity=learner_identity(cfg.out), residual=residual,
+                          join_key=join_key, identity=island_identity(cfg.out), residual=residual,
                           on_round_start=save_state, on_step=lambda s: metrics.track(event="step", **s),
                           timeouts=LinkTimeouts(dead_after_s=cfg.syncer_timeout, give_up_s=cfg.give_up_after),
                           log_fn=lambda s: console.print(f"{tag}[dim]{escape(s)}[/dim]"))

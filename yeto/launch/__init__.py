@@ -1,1 +1,1 @@
-"""Launching fleets: `local` runs a syncer and N learners on this machine."""
+"""Launching fleets: `local` runs a syncer and N islands on this machine."""

@@ -18,13 +18,13 @@ from typing import Any, Callable, Optional, Protocol
 from yeto import one_line
 from yeto.launch.skypilot import import_sky
 from yeto.launch.controller import FAILED_JOBS, ClusterView, Down, FleetController, GiveUp, Launch, Note
-from yeto.launch.tasks import LearnerExit, learner_exit
+from yeto.launch.tasks import IslandExit, island_exit
 
-POLL_S = 30.0  # how often the controller asks SkyPilot for the learner clusters' state
+POLL_S = 30.0  # how often the controller asks SkyPilot for the island clusters' state
 LOOP_S = 0.5  # how often it looks for finished launches and the run's end
-AUTODOWN_IDLE_MINUTES = 10  # a learner cluster idle this long (its job ended, nobody relaunched it) tears itself down
+AUTODOWN_IDLE_MINUTES = 10  # an island cluster idle this long (its job ended, nobody relaunched it) tears itself down
 FINISH_WAIT_S = 900.0  # after the run ends, wait at most this long for launches in flight (autodown covers the rest)
-EXIT_LOG_LINES = 40  # of a failed learner job's log: enough for its error line and the exit code after it
+EXIT_LOG_LINES = 40  # of a failed island job's log: enough for its error line and the exit code after it
 
 
 class SkyClient(Protocol):
@@ -41,7 +41,7 @@ class SkyPilotClient:
         self.sky = import_sky()
 
     def launch(self, task: Any, cluster: str, retry_until_up: bool) -> None:
-        """Provision and start a learner; it downs itself once idle, so a cluster nobody watches anymore (the
+        """Provision and start an island; it downs itself once idle, so a cluster nobody watches anymore (the
         controller gone, a relaunch that raced `yeto down`) does not bill for long."""
         self.sky.stream_and_get(self.sky.launch(task, cluster_name=cluster, retry_until_up=retry_until_up,
                                                 idle_minutes_to_autostop=AUTODOWN_IDLE_MINUTES, down=True))
@@ -55,7 +55,7 @@ class SkyPilotClient:
         records = self.sky.get(self.sky.status(cluster_names=names, refresh=self.sky.StatusRefreshMode.AUTO))
         views = {}
         for r in records:
-            job, ended = None, LearnerExit(None, "")
+            job, ended = None, IslandExit(None, "")
             if str(r["status"].value) == "UP":
                 try:
                     statuses = self.sky.get(self.sky.job_status(r["name"], job_ids=None))
@@ -69,14 +69,14 @@ class SkyPilotClient:
             views[r["name"]] = ClusterView(str(r["status"].value), job, ended.code, ended.error)
         return views
 
-    def job_exit(self, cluster: str, job_id: int) -> LearnerExit:
-        """How a failed learner job ended, from its log's tail (SkyPilot keeps no exit code of its own)."""
+    def job_exit(self, cluster: str, job_id: int) -> IslandExit:
+        """How a failed island job ended, from its log's tail (SkyPilot keeps no exit code of its own)."""
         tail = io.StringIO()
         try:
             self.sky.tail_logs(cluster, job_id, follow=False, tail=EXIT_LOG_LINES, output_stream=tail)
         except Exception:  # gone meanwhile, or logs unreachable: an ordinary failure (relaunched)
-            return LearnerExit(None, "")
-        return learner_exit(tail.getvalue())
+            return IslandExit(None, "")
+        return island_exit(tail.getvalue())
 
     def down(self, cluster: str) -> None:
         try:
@@ -90,7 +90,7 @@ class SkyPilotClient:
 
 @dataclass(frozen=True)
 class LaunchResult:
-    learner: int
+    island: int
     ok: bool
     error: str = ""
 
@@ -103,7 +103,7 @@ def watch_fleet(ctl: FleetController, client: SkyClient, task_for: Callable[[int
                 run_over: Callable[[], bool], give_up: Callable[[int, str], None], note: Callable[[str, dict], None],
                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                 spawn: Callable[[Callable[[], None]], None] = _spawn_thread, poll_s: float = POLL_S) -> None:
-    """Run the controller until the run is over and every learner cluster is down (or given up). Launches run
+    """Run the controller until the run is over and every island cluster is down (or given up). Launches run
     through `spawn` (a thread each: one blocks for minutes); tests pass a synchronous spawn and a fake clock. A
     teardown that fails is retried every poll, and a cluster whose teardown failed is not relaunched over."""
     FleetWatch(ctl, client, task_for, retry_until_up, give_up, note, clock, spawn).run(run_over, sleep, poll_s)
@@ -140,8 +140,8 @@ class FleetWatch:
     def take_results(self) -> None:
         while not self.results.empty():
             r = self.results.get()
-            self.in_flight.discard(r.learner)
-            self.execute(self.ctl.launched(r.learner, r.ok, self.clock(), r.error))
+            self.in_flight.discard(r.island)
+            self.execute(self.ctl.launched(r.island, r.ok, self.clock(), r.error))
 
     def settled(self, finished_at: float) -> bool:
         """After the run: every cluster down, or FINISH_WAIT_S gone (the clusters' own autodown ends them once idle)."""
@@ -163,24 +163,24 @@ class FleetWatch:
     def execute(self, actions: list) -> None:
         for a in actions:
             if isinstance(a, Launch):
-                self.in_flight.add(a.learner)
-                if a.cluster in self.to_down:  # SkyPilot would reuse the old cluster: two learners with one id
-                    self.results.put(LaunchResult(a.learner, False, "the old cluster could not be torn down yet"))
+                self.in_flight.add(a.island)
+                if a.cluster in self.to_down:  # SkyPilot would reuse the old cluster: two islands with one id
+                    self.results.put(LaunchResult(a.island, False, "the old cluster could not be torn down yet"))
                 else:
                     self.spawn(lambda a=a: self.launch(a))
             elif isinstance(a, Down):
                 self.down(a.cluster)
             elif isinstance(a, GiveUp):
-                self.guarded("give_up", lambda a=a: self.give_up(a.learner, a.reason))
+                self.guarded("give_up", lambda a=a: self.give_up(a.island, a.reason))
             elif isinstance(a, Note):
                 self.guarded("note", lambda a=a: self.note(a.event, a.fields))
 
     def launch(self, a: Launch) -> None:
         try:
-            self.client.launch(self.task_for(a.learner), a.cluster, self.retry_until_up)
-            self.results.put(LaunchResult(a.learner, True))
+            self.client.launch(self.task_for(a.island), a.cluster, self.retry_until_up)
+            self.results.put(LaunchResult(a.island, True))
         except Exception as e:  # SkyPilot's many failure types all mean the same here: not up, try again later
-            self.results.put(LaunchResult(a.learner, False, one_line(e)))
+            self.results.put(LaunchResult(a.island, False, one_line(e)))
 
     def down(self, cluster: str) -> bool:
         try:

@@ -61,7 +61,7 @@ def run_hours(plan: FleetPlan) -> Optional[float]:
     from yeto.launch.sizing import IslandShape, model_size, tokens_per_second
 
     defaults = TrainConfig()
-    args = plan.learner_args
+    args = plan.island_args
     try:
         seq_len = int(flag_value(args, "--seq-len") or defaults.seq_len)
         batch = int(flag_value(args, "--batch-size") or defaults.batch_size)

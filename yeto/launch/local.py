@@ -1,8 +1,8 @@
-"""`yeto launch --gpu local:N`: this machine is the head; a syncer and N learner processes run here.
+"""`yeto launch --gpu local:N`: this machine is the head; a syncer and N island processes run here.
 
 Every process is a real `python -m ...` child talking ZeroMQ, exactly as a WAN fleet would; their output is
 streamed with a prefix per process and kept in <out>/logs/, and Ctrl-C (or `yeto down`) stops them all cleanly
-(SIGINT, then SIGTERM, then SIGKILL). Reserved slots (--external-learners) get join scripts for other machines.
+(SIGINT, then SIGTERM, then SIGKILL). Reserved slots (--external-islands) get join scripts for other machines.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from yeto.launch.join import join_instructions, write_join_files
 from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan
 from yeto.launch.registry import RunRecord, process_start
-from yeto.launch.tasks import learner_argv, learner_exit, syncer_argv
+from yeto.launch.tasks import island_argv, island_exit, syncer_argv
 from yeto.sync.shell.keys import JOIN_KEY_ENV, Keyring
 from yeto.sync.shell.given_up import give_up
 
@@ -31,7 +31,7 @@ LOOPBACK = "127.0.0.1"
 LOOPBACK_NAMES = (LOOPBACK, "localhost", "::1")
 LOGS_DIR = "logs"  # <out>/logs/<process>.log: what `yeto logs` follows
 STOP_GRACE_S = 15.0  # per signal (SIGINT, SIGTERM, SIGKILL) when stopping the fleet
-SYNCER_HEAD_START_S = 0.5  # learners retry anyway; this only keeps their first lines quiet
+SYNCER_HEAD_START_S = 0.5  # islands retry anyway; this only keeps their first lines quiet
 WATCH_POLL_S = 0.2  # how often the launcher checks its children: a dead syncer stops the fleet within it
 COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red"]
 
@@ -61,7 +61,7 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
 
     n_local = len(plan.islands)
     if n_local > plan.mlx:  # before the syncer starts: a torch island would die at its first import
-        require_torch(f"yeto launch local:{n_local} (its {n_local - plan.mlx} torch island(s); --mlx-learners "
+        require_torch(f"yeto launch local:{n_local} (its {n_local - plan.mlx} torch island(s); --mlx-islands "
                       f"{n_local} runs them all on MLX)")
     console = Console(force_terminal=None)
     out = Path(plan.out)
@@ -97,7 +97,7 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
     time.sleep(SYNCER_HEAD_START_S)
     for i in range(n_local):
         mlx = i >= n_local - plan.mlx
-        cmd = learner_argv(plan, i, f"127.0.0.1:{port}", plan.data, plan.model, MLX if mlx else TORCH, sys.executable)
+        cmd = island_argv(plan, i, f"127.0.0.1:{port}", plan.data, plan.model, MLX if mlx else TORCH, sys.executable)
         # (an MLX island's BLAS takes OMP_NUM_THREADS from the environment; its --threads needs OpenBLAS preloaded)
         start(f"island-{i}{'-mlx' if mlx else ''}",
               [*cmd, *([] if mlx else ["--threads", str(threads)]), "--out", str(out / f"island-{i}"), "--no-progress"],
@@ -131,16 +131,16 @@ def _watch(procs: list[tuple[str, subprocess.Popen]], streams: list[threading.Th
             syncer = procs[0][1]
             if syncer.poll() is not None and syncer.returncode != 0:
                 raise RuntimeError(f"syncer exited with {syncer.returncode}")
-            for lid, (name, p) in enumerate(procs[1:]):  # (learner i is the i-th process after the syncer)
+            for lid, (name, p) in enumerate(procs[1:]):  # (island i is the i-th process after the syncer)
                 if p.poll() == USAGE_EXIT and lid not in given_up and syncer.poll() is None:
                     given_up.add(lid)
                     streams[1 + lid].join(timeout=5)  # its last lines are in its log
                     reason = _given_up_reason(syncer_out.parent / LOGS_DIR / f"{name}.log")
                     give_up(syncer_out, lid, reason)  # the syncer lowers its quorum: the run goes on without it
                     console.print(f"{name} given up: {reason}", style="red", markup=False, highlight=False)
-            learners_failed = [(nm, p.returncode) for nm, p in procs[1:] if p.poll() not in (None, 0)]
-            if learners_failed and all(p.poll() is not None for _, p in procs[1:]) and not plan.external:
-                raise RuntimeError(f"every learner exited; failures: {learners_failed}")
+            islands_failed = [(nm, p.returncode) for nm, p in procs[1:] if p.poll() not in (None, 0)]
+            if islands_failed and all(p.poll() is not None for _, p in procs[1:]) and not plan.external:
+                raise RuntimeError(f"every island exited; failures: {islands_failed}")
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the fleet[/yellow]")
         _stop(procs, grace_s)
@@ -162,9 +162,9 @@ def _watch(procs: list[tuple[str, subprocess.Popen]], streams: list[threading.Th
 
 
 def _given_up_reason(log: Path) -> str:
-    """Why a local learner that exited with a usage error is not coming back: its last error line."""
-    error = learner_exit(log.read_text(errors="replace") if log.is_file() else "").error
-    return f"learner exited {USAGE_EXIT} (the same command would fail the same way): {error or 'see its log'}"
+    """Why a local island that exited with a usage error is not coming back: its last error line."""
+    error = island_exit(log.read_text(errors="replace") if log.is_file() else "").error
+    return f"island exited {USAGE_EXIT} (the same command would fail the same way): {error or 'see its log'}"
 
 
 def _stop(procs: list[tuple[str, subprocess.Popen]], grace_s: float) -> None:

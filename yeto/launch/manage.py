@@ -27,8 +27,8 @@ CLOCK_SLACK_S = 60.0  # a cluster launched this long before the run's record was
 
 
 @dataclass
-class LearnerRow:
-    learner: int
+class IslandRow:
+    island: int
     backend: str = "?"
     tier: str = "?"  # how far the syncer believes its claims (trusted: its own key; bounded or extra: the join key)
     alive: bool = False
@@ -42,7 +42,7 @@ class LearnerRow:
 class FleetView:
     """The run as its tape tells it."""
 
-    learners: dict[int, LearnerRow] = field(default_factory=dict)
+    islands: dict[int, IslandRow] = field(default_factory=dict)
     version: int = 0
     outer_steps: Optional[int] = None
     last_merge: Optional[dict[str, Any]] = None
@@ -52,11 +52,11 @@ class FleetView:
 def fleet_view(events: list[dict[str, Any]]) -> FleetView:
     view = FleetView()
 
-    def row(lid: int) -> LearnerRow:
-        return view.learners.setdefault(lid, LearnerRow(lid))
+    def row(lid: int) -> IslandRow:
+        return view.islands.setdefault(lid, IslandRow(lid))
 
     for e in events:
-        kind, lid = e.get("event"), e.get("learner")
+        kind, lid = e.get("event"), e.get("island")
         if kind == "start":
             view.outer_steps = (e.get("config") or {}).get("outer_steps", view.outer_steps)
         elif kind == "join" and isinstance(lid, int):
@@ -117,19 +117,19 @@ def status(run: RunRecord, console) -> None:
         console.print(f"[yellow]{why}[/yellow]")
         return
     view = fleet_view(events)
-    table = Table(title=f"learners (version {view.version}/{view.outer_steps or '?'})")
-    for col in ("learner", "slot", "backend", "tier", "state", "merges answered", "last delta (round)"):
+    table = Table(title=f"islands (version {view.version}/{view.outer_steps or '?'})")
+    for col in ("island", "slot", "backend", "tier", "state", "merges answered", "last delta (round)"):
         table.add_column(col)
-    for lid in sorted(set(view.learners) | set(run.external)):
-        r = view.learners.get(lid, LearnerRow(lid))
+    for lid in sorted(set(view.islands) | set(run.external)):
+        r = view.islands.get(lid, IslandRow(lid))
         state = "given up" if r.given_up else "alive" if r.alive else "gone" if r.backend != "?" else "not joined"
         table.add_row(str(lid), "external" if lid in run.external else run.kind, r.backend, r.tier, state,
                       str(r.answered),
                       "-" if r.last_delta_round is None else str(r.last_delta_round))
     console.print(table)
-    for r in sorted(view.learners.values(), key=lambda r: r.learner):
+    for r in sorted(view.islands.values(), key=lambda r: r.island):
         if r.given_up:
-            console.print(f"learner {r.learner} given up: {r.given_up_reason or 'no reason recorded'}",
+            console.print(f"island {r.island} given up: {r.given_up_reason or 'no reason recorded'}",
                           markup=False, highlight=False)
     m = view.last_merge
     if m is not None:
@@ -156,7 +156,7 @@ def _cloud_status(run: RunRecord, console) -> None:
         console.print(f"[yellow]SkyPilot unreachable ({one_line(e)}); showing the run's tape only[/yellow]")
         return
     table = Table(title="clusters")
-    for col in ("cluster", "status", "learner job", "cost so far ($)"):
+    for col in ("cluster", "status", "island job", "cost so far ($)"):
         table.add_column(col)
     for name in names:
         v = views.get(name)
@@ -167,7 +167,7 @@ def _cloud_status(run: RunRecord, console) -> None:
 
 
 def cluster_names(run: RunRecord) -> list[str]:
-    return [run.head_cluster or "", *run.learner_clusters.values()]
+    return [run.head_cluster or "", *run.island_clusters.values()]
 
 
 def cloud_costs(run: RunRecord, client) -> dict[str, float]:
@@ -181,20 +181,20 @@ def cloud_costs(run: RunRecord, client) -> dict[str, float]:
     return costs
 
 
-def logs(run: RunRecord, learner: Optional[int], follow: bool, out=None) -> None:
-    """Print (and follow) the syncer's log, or learner I's."""
+def logs(run: RunRecord, island: Optional[int], follow: bool, out=None) -> None:
+    """Print (and follow) the syncer's log, or island I's."""
     if run.kind == "cloud":
         import sky
 
-        cluster = run.head_cluster if learner is None else run.learner_clusters.get(str(learner))
+        cluster = run.head_cluster if island is None else run.island_clusters.get(str(island))
         if cluster is None:
-            raise YetoError(f"run {run.name} has no cloud learner {learner} (external slots log on their machine)")
+            raise YetoError(f"run {run.name} has no cloud island {island} (external slots log on their machine)")
         sky.tail_logs(cluster, job_id=None, follow=follow)
         return
-    name = "syncer" if learner is None else next((n for n in run.logs if n.split("-")[:2] == ["island", str(learner)]),
+    name = "syncer" if island is None else next((n for n in run.logs if n.split("-")[:2] == ["island", str(island)]),
                                                  None)
     if name is None or name not in run.logs:
-        raise YetoError(f"run {run.name} has no local learner {learner} (its logs: {', '.join(run.logs)})")
+        raise YetoError(f"run {run.name} has no local island {island} (its logs: {', '.join(run.logs)})")
     launcher = run.launcher_pid, run.started.get(str(run.launcher_pid))
     _follow(Path(run.logs[name]), lambda: follow and _alive(*launcher), out)
 
@@ -223,12 +223,12 @@ def down(run: RunRecord, console) -> int:
     from yeto.launch.cloud import SkyPilotClient
 
     client = SkyPilotClient()
-    # the head first: its controller would relaunch learners torn down under it
+    # the head first: its controller would relaunch islands torn down under it
     controller = run.processes.get("controller")
     if _alive(controller, run.started.get(str(controller))):
         os.kill(controller, signal.SIGTERM)
     failed = []
-    for name in [run.head_cluster or "", *_learner_clusters(run, client)]:
+    for name in [run.head_cluster or "", *_island_clusters(run, client)]:
         if name:
             console.print(f"tearing down {name} ...")
             try:
@@ -241,15 +241,15 @@ def down(run: RunRecord, console) -> int:
         console.print(f"[red]could not tear down: {'; '.join(failed)}; run `yeto down {run.name}` again, or "
                       "`sky down` them[/red]")
         return 1
-    console.print(f"run {run.name}: every cluster is down (learner clusters also down themselves when idle)")
+    console.print(f"run {run.name}: every cluster is down (island clusters also down themselves when idle)")
     return 0
 
 
-def _learner_clusters(run: RunRecord, client) -> list[str]:
-    """The recorded learner clusters and any other of the run's (a relaunch that raced this teardown)."""
-    names = set(run.learner_clusters.values())
+def _island_clusters(run: RunRecord, client) -> list[str]:
+    """The recorded island clusters and any other of the run's (a relaunch that raced this teardown)."""
+    names = set(run.island_clusters.values())
     try:
-        names |= {n for n in client.clusters(None) if n.startswith(f"{run.name}-learner-")}
+        names |= {n for n in client.clusters(None) if n.startswith(f"{run.name}-island-")}
     except Exception:  # the recorded ones are torn down anyway; autodown ends a straggler
         pass
     return sorted(names)

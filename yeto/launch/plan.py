@@ -1,7 +1,7 @@
 """A fleet plan: everything `yeto launch` decided before it starts anything, as one JSON-able record.
 
-Learner ids follow the --gpu entries (island 0, 1, ...), then the reserved external slots. Model and data
-revisions are pinned to commits here, once, so that every learner (and a relaunched one) trains the same thing;
+Island ids follow the --gpu entries (island 0, 1, ...), then the reserved external slots. Model and data
+revisions are pinned to commits here, once, so that every island (and a relaunched one) trains the same thing;
 the syncer pins the same base model in the run's contract.
 """
 
@@ -27,7 +27,7 @@ REMOTE_OUTPUTS = ("s3://", "gs://", "az://", "hf://")  # where a cloud run's hea
 @dataclass
 class FleetPlan:
     name: str
-    out: str  # the run directory on this machine (local head: also the syncer's and learners' directories)
+    out: str  # the run directory on this machine (local head: also the syncer's and islands' directories)
     islands: list[IslandSpec]
     external: int = 0
     mlx: int = 0
@@ -36,7 +36,7 @@ class FleetPlan:
     data: str = "data/demo"
     data_revision: Optional[str] = None
     syncer_args: list[str] = field(default_factory=list)
-    learner_args: list[str] = field(default_factory=list)
+    island_args: list[str] = field(default_factory=list)
     port: int = SYNCER_PORT
     spot: bool = True
     retry_until_up: bool = False
@@ -57,19 +57,19 @@ class FleetPlan:
         return ["--report-to", self.report_to, "--run-name", self.name] if self.report_to != "none" else []
 
     @property
-    def num_learners(self) -> int:
+    def num_islands(self) -> int:
         return len(self.islands) + self.external
 
     @property
     def external_ids(self) -> list[int]:
-        return list(range(len(self.islands), self.num_learners))
+        return list(range(len(self.islands), self.num_islands))
 
     @property
     def head_cluster(self) -> str:
         return f"{self.name}-head"
 
-    def cluster(self, learner: int) -> str:
-        return f"{self.name}-learner-{learner}"
+    def cluster(self, island: int) -> str:
+        return f"{self.name}-island-{island}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -97,14 +97,14 @@ class FleetPlan:
             raise YetoError(f"--name {self.name!r}: a run name is a lower-case letter, then up to 34 lower-case "
                             "letters, digits or dashes (it names the run's clusters)")
         if self.external < 0 or self.mlx < 0:
-            raise YetoError("--external-learners and --mlx-learners must be 0 or more")
+            raise YetoError("--external-islands and --mlx-islands must be 0 or more")
         if self.mlx and not self.local:
-            raise YetoError("--mlx-learners runs MLX islands on this machine, so it needs --gpu local:N; a Mac joins "
-                            "a cloud run through --external-learners and its printed join command")
+            raise YetoError("--mlx-islands runs MLX islands on this machine, so it needs --gpu local:N; a Mac joins "
+                            "a cloud run through --external-islands and its printed join command")
         if self.mlx > len(self.islands):
-            raise YetoError(f"--mlx-learners {self.mlx} exceeds the {len(self.islands)} local islands of --gpu")
+            raise YetoError(f"--mlx-islands {self.mlx} exceeds the {len(self.islands)} local islands of --gpu")
         if self.recover_timeout <= 0:
-            raise YetoError("--recover-timeout must be positive (seconds a lost learner is relaunched for)")
+            raise YetoError("--recover-timeout must be positive (seconds a lost island is relaunched for)")
         if not self.local and self.output and not self.output.startswith(REMOTE_OUTPUTS):
             raise YetoError(f"--output {self.output!r}: a cloud run's head cannot write to this machine, and its own "
                             "disk goes away with it; use an object store or the hub: s3://bucket/path, "
@@ -134,7 +134,7 @@ def _hub_id(name: str, kind: str) -> Optional[str]:
 
 
 def pin_revision(name: str, revision: Optional[str], kind: str) -> Optional[str]:
-    """The commit every learner will use. A packaged alias, a local path or a bucket needs none (pinned by content,
+    """The commit every island will use. A packaged alias, a local path or a bucket needs none (pinned by content,
     checked by the run's contract); a hub repository is asked for its commit now, before anything launches."""
     repo = _hub_id(name, kind)
     if repo is None:
@@ -149,7 +149,7 @@ def pin_revision(name: str, revision: Optional[str], kind: str) -> Optional[str]
     try:
         return HfApi().repo_info(repo, revision=revision, repo_type=kind).sha
     except Exception as e:  # the hub's errors differ across versions; any failure means the same to the user
-        try:  # offline: the commit this machine's HF cache holds for that revision (what a learner here would use)
+        try:  # offline: the commit this machine's HF cache holds for that revision (what an island here would use)
             return Path(snapshot_download(repo, revision=revision, repo_type=kind, local_files_only=True)).name
         except Exception:
             pass
@@ -169,7 +169,7 @@ def _aliases() -> dict[str, Any]:
 def _passed_fields() -> list[Field]:
     from yeto.sync.core.syncer import SyncerConfig
 
-    own = {"port", "host", "learners", "out", "insecure", "join_key"}
+    own = {"port", "host", "islands", "out", "insecure", "join_key"}
     return [f for f in fields(SyncerConfig) if f.init and f.name not in own]
 
 
@@ -188,9 +188,9 @@ def syncer_switches() -> set[str]:
 
 def split_extra_args(args: list[str]) -> tuple[list[str], list[str]]:
     """Route `yeto launch`'s extra flags: the syncer's flags (with their value) to the syncer, the rest to every
-    learner (`--seq-len 128 --lr 1e-3`)."""
+    island (`--seq-len 128 --lr 1e-3`)."""
     ours, switches = syncer_flags(), syncer_switches()
-    syncer, learner = [], []
+    syncer, island = [], []
     i = 0
     while i < len(args):
         name = args[i].split("=", 1)[0]
@@ -204,6 +204,6 @@ def split_extra_args(args: list[str]) -> tuple[list[str], list[str]]:
             syncer += args[i:i + take]
             i += take
         else:
-            learner.append(args[i])
+            island.append(args[i])
             i += 1
-    return syncer, learner
+    return syncer, island

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from yeto import YetoError
+from yeto import YetoError, in_current_words
 
 RUNS_ENV = "YETO_RUNS"
 
@@ -27,14 +27,14 @@ class RunRecord:
     name: str
     kind: str  # "local" (the head is this machine) or "cloud"
     out: str  # the run directory on this machine
-    syncer: str = ""  # HOST:PORT learners connect to
+    syncer: str = ""  # HOST:PORT islands connect to
     created: float = field(default_factory=time.time)
     head_cluster: Optional[str] = None
-    learner_clusters: dict[str, str] = field(default_factory=dict)  # learner id (str: JSON keys) -> cluster
+    island_clusters: dict[str, str] = field(default_factory=dict)  # island id (str: JSON keys) -> cluster
     external: list[int] = field(default_factory=list)
     launcher_pid: Optional[int] = None  # local runs: the `yeto launch` process that owns the fleet
     processes: dict[str, int] = field(default_factory=dict)  # local runs: name -> pid
-    logs: dict[str, str] = field(default_factory=dict)  # local runs: name ("syncer", "learner-0") -> log file
+    logs: dict[str, str] = field(default_factory=dict)  # local runs: name ("syncer", "island-0") -> log file
     controller: str = "head"  # cloud runs: where the fleet controller runs ("head" or "here")
     state: str = "running"  # "running", "ended" (a local fleet's launcher exited) or "down" (`yeto down`)
     started: dict[str, float] = field(default_factory=dict)  # local runs: pid (str) -> its start time (from /proc)
@@ -64,7 +64,7 @@ def load_run(name: Optional[str]) -> RunRecord:
             known = sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
             raise YetoError(f"no run named {name!r} in {folder} (known: {', '.join(known) or 'none'})")
     try:
-        return RunRecord(**json.loads(path.read_text()))
+        return RunRecord(**in_current_words(json.loads(path.read_text())))
     except (ValueError, TypeError) as e:
         raise YetoError(f"{path} is not a run record yeto wrote ({e}): delete it") from e
 

@@ -9,8 +9,8 @@ Every candidate island (a GPU type x GPUs per VM x strategy, on the base precisi
 where `islands` is what the budget buys (`fleet_islands`). A shape that is not ranked says why (`Rejection`).
 For each option the fleet is sized so that a round of `inner_steps` takes about `TARGET_ROUND_S`: long enough that
 the delta's transfer and the merge (seconds) are a small share of it, short enough that a preempted spot island
-loses minutes of work, not hours. Machines the user owns (`--own`: a Mac, a box) join as `--external-learners` at
-the fleet's `--batch-size` (the MLX learner takes the whole batch at once); with one among them the rounds become
+loses minutes of work, not hours. Machines the user owns (`--own`: a Mac, a box) join as `--external-islands` at
+the fleet's `--batch-size` (the MLX island takes the whole batch at once); with one among them the rounds become
 time windows of `TARGET_ROUND_S` (`--round-seconds`), so a slower machine adds the steps it managed, weighted by
 its tokens, instead of holding every round back.
 """
@@ -47,7 +47,7 @@ class Rejection(Enum):
     OVER_BUDGET = "over budget"  # one island costs more per hour than the budget
     NO_PRICE = "no price"  # no cloud asked sells this GPU at this count (or spot) in the catalogs read
     NF4_UNSUPPORTED = "nf4 unsupported"  # bitsandbytes' NF4 base: NVIDIA devices, one per island (yeto.launch.sizing)
-    NOT_A_CLOUD_GPU = "not a cloud GPU"  # Apple machines join a fleet as --external-learners
+    NOT_A_CLOUD_GPU = "not a cloud GPU"  # Apple machines join a fleet as --external-islands
 
 
 class Order(str, Enum):
@@ -65,10 +65,10 @@ class ShapeRequest:
     spot: bool = True
     seq_len: int = DEFAULT_SEQ_LEN
     base: str = "bf16"  # "bf16" or "nf4"
-    budget: Optional[float] = None  # USD per hour for the whole fleet (learner islands)
+    budget: Optional[float] = None  # USD per hour for the whole fleet (islands)
     tokens: int = DEFAULT_TOKENS
     order: Order = Order.COST
-    own: tuple[str, ...] = ()  # machines of yeto.launch.gpus the user owns, joining as --external-learners
+    own: tuple[str, ...] = ()  # machines of yeto.launch.gpus the user owns, joining as --external-islands
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,10 @@ class Fleet:
     outer_steps: int
     tokens: int
     hours: float  # to `tokens` (merges and transfers not counted)
-    cost: Optional[float]  # USD for `tokens` (learner islands; the head VM not counted)
+    cost: Optional[float]  # USD for `tokens` (islands; the head VM not counted)
     why: tuple[str, ...]  # one line each: islands, quorum, inner steps
     gpu: str  # the --gpu value
-    learner_args: tuple[str, ...]  # the learner flags the island was sized for
+    island_args: tuple[str, ...]  # the island flags the island was sized for
     launch: str
     own: tuple[OwnMachine, ...] = ()
 
@@ -223,8 +223,8 @@ def gpu_arg(shape: IslandShape, cloud: str, islands: int) -> str:
     return ",".join([f"{cloud}:{shape.count}x{shape.gpu}"] * islands)
 
 
-def learner_args(shape: IslandShape) -> tuple[str, ...]:
-    """The learner flags that make an island the shape it was sized as."""
+def island_args(shape: IslandShape) -> tuple[str, ...]:
+    """The island flags that make an island the shape it was sized as."""
     args = ["--seq-len", str(shape.seq_len), "--batch-size", str(shape.micro_batch)]
     if shape.count > 1 and shape.strategy == "fsdp":
         args += ["--shard", "fsdp"]
@@ -234,13 +234,13 @@ def learner_args(shape: IslandShape) -> tuple[str, ...]:
 
 
 def launch_line(request: ShapeRequest, gpu: str, quorum: int, round_policy: list[str], outer: int,
-                learner: tuple[str, ...], external: int, priced: bool) -> str:
+                island: tuple[str, ...], external: int, priced: bool) -> str:
     """The `yeto launch` command for this fleet (with the budget it was sized by, which launch then checks)."""
-    own = ["--external-learners", str(external)] if external else []
+    own = ["--external-islands", str(external)] if external else []
     budget = ["--budget", f"{request.budget:g}"] if request.budget is not None and priced else []
     return shlex.join(["yeto", "launch", "--gpu", gpu, *own, "--model", request.model,
                        "--spot" if request.spot else "--on-demand", *budget, "--outer-steps", str(outer),
-                       *round_policy, "--quorum", str(quorum), *learner])
+                       *round_policy, "--quorum", str(quorum), *island])
 
 
 def size_own(model: ModelSize, request: ShapeRequest, batch: int) -> tuple[OwnMachine, ...]:
@@ -253,7 +253,7 @@ def size_own(model: ModelSize, request: ShapeRequest, batch: int) -> tuple[OwnMa
         need_gib = memory(model, shape).total / GIB
         tps = tokens_per_second(model, shape)
         if no_nf4:
-            out = ("--base-quantization nf4 is the torch learner's (bitsandbytes, NVIDIA); a machine without one "
+            out = ("--base-quantization nf4 is the torch island's (bitsandbytes, NVIDIA); a machine without one "
                    "joins a fleet with a bf16 base")
         elif need_gib > device.memory_gib:
             out = f"it needs {need_gib:.1f} GiB at the fleet's batch, it has {device.memory_gib:g}"
@@ -287,7 +287,7 @@ def propose(request: ShapeRequest, option: Option, default_cloud: str, model: Mo
     own = size_own(model, request, option.shape.micro_batch)
     joining = [m for m in own if m.fits]
     fleet_tps = islands * option.tokens_per_s + sum(m.tokens_per_s for m in joining)
-    if joining:  # time windows: each learner adds what it did in the window, weighted by its tokens
+    if joining:  # time windows: each island adds what it did in the window, weighted by its tokens
         inner = 0
         round_policy = ["--round-seconds", f"{TARGET_ROUND_S:g}"]
         why_round = (f"rounds of {TARGET_ROUND_S:g} s (--round-seconds): a machine you own adds the steps it "
@@ -301,10 +301,10 @@ def propose(request: ShapeRequest, option: Option, default_cloud: str, model: Mo
     hours = request.tokens / fleet_tps / 3600
     cost = None if option.hourly is None else islands * option.hourly * hours
     cloud = option.offer.cloud if option.offer else default_cloud
-    gpu, learner = gpu_arg(option.shape, cloud, islands), learner_args(option.shape)
+    gpu, island = gpu_arg(option.shape, cloud, islands), island_args(option.shape)
     return Fleet(option, cloud, islands, quorum, inner, outer, request.tokens, hours, cost,
-                 (why_islands, why_quorum, why_round, *own_why(own, option.tokens_per_s, islands)), gpu, learner,
-                 launch_line(request, gpu, quorum, round_policy, outer, learner, len(joining),
+                 (why_islands, why_quorum, why_round, *own_why(own, option.tokens_per_s, islands)), gpu, island,
+                 launch_line(request, gpu, quorum, round_policy, outer, island, len(joining),
                              option.hourly is not None), own)
 
 
@@ -312,7 +312,7 @@ def unsupported(shape: IslandShape) -> Optional[Rejected]:
     """A shape yeto does not run, whatever the memory."""
     device = GPUS[shape.gpu]
     if device.apple:
-        return Rejected(shape, Rejection.NOT_A_CLOUD_GPU, "Apple machines join as --external-learners")
+        return Rejected(shape, Rejection.NOT_A_CLOUD_GPU, "Apple machines join as --external-islands")
     if shape.base == "nf4" and not device.cuda:
         return Rejected(shape, Rejection.NF4_UNSUPPORTED, f"{shape.gpu} is not an NVIDIA device")
     if shape.base == "nf4" and shape.count > 1:

@@ -434,7 +434,7 @@ def min_shape(model: ModelSize, gpus: Iterable[str] = DEFAULT_GPUS, seq_len: int
     return None
 
 
-MIN_SHAPE_TERMS = "seq len 2048, micro-batch 1, gradient checkpointing, LoRA r=16 on the learner's auto targets"
+MIN_SHAPE_TERMS = "seq len 2048, micro-batch 1, gradient checkpointing, LoRA r=16 on the island's auto targets"
 
 
 def island_row(name: str, trust_remote_code: bool = False) -> Optional[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""`--gpu SPEC[,SPEC...]`: where each learner island runs, one island per entry.
+"""`--gpu SPEC[,SPEC...]`: where each island runs, one island per entry.
 
     cloud:[NODESx]COUNTxGPU[@region]    aws:1xA10G@us-west-2  runpod:8xH100  gcp:2x8xA100@us-central1  k8s:1xL4
     local:N                             N islands on this machine
@@ -25,12 +25,12 @@ _REGION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]*$")
 # bounds that catch a typo (a digit too many) before anything is provisioned, well above any real island
 MAX_NODES = 64
 MAX_GPUS_PER_NODE = 16
-MAX_LOCAL_LEARNERS = 64
+MAX_LOCAL_ISLANDS = 64
 
 
 @dataclass(frozen=True)
 class IslandSpec:
-    """One learner island: `nodes` machines with `count` GPUs each (a multi-node island runs under torchrun)."""
+    """One island: `nodes` machines with `count` GPUs each (a multi-node island runs under torchrun)."""
 
     cloud: str  # SkyPilot's infra name ("aws", "kubernetes"), or "local"
     count: int  # GPUs per node (local: 0)
@@ -69,8 +69,8 @@ def parse_entry(entry: str) -> list[IslandSpec]:
     if not colon or not cloud or not rest:
         raise _bad(entry, "expected CLOUD:SHAPE")
     if cloud == "local":
-        if not rest.isdigit() or not 1 <= int(rest) <= MAX_LOCAL_LEARNERS:
-            raise _bad(entry, f"local:N needs N from 1 to {MAX_LOCAL_LEARNERS}")
+        if not rest.isdigit() or not 1 <= int(rest) <= MAX_LOCAL_ISLANDS:
+            raise _bad(entry, f"local:N needs N from 1 to {MAX_LOCAL_ISLANDS}")
         return [IslandSpec("local", 0, text=entry) for _ in range(int(rest))]
     if not _CLOUD.match(cloud):
         raise _bad(entry, f"{cloud!r} is not a cloud name")
@@ -89,7 +89,7 @@ def parse_entry(entry: str) -> list[IslandSpec]:
 
 
 def parse_gpu(text: str) -> list[IslandSpec]:
-    """Every island of a --gpu value, in order (their position is their learner id)."""
+    """Every island of a --gpu value, in order (their position is their island id)."""
     entries = [e for e in text.split(",")]
     if not text.strip() or any(not e.strip() for e in entries):
         raise YetoError(f"--gpu {text!r}: an empty entry; the grammar is {GRAMMAR}, entries separated by commas")
@@ -97,5 +97,5 @@ def parse_gpu(text: str) -> list[IslandSpec]:
     if any(i.local for i in islands) and not all(i.local for i in islands):
         raise YetoError(f"--gpu {text!r}: local islands cannot be mixed with cloud ones (the head would be this "
                         "machine for some and a VM for others); add this machine to a cloud run with "
-                        "--external-learners and run the printed join command here")
+                        "--external-islands and run the printed join command here")
     return islands

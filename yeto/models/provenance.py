@@ -1,6 +1,6 @@
 """Pin what is trained: hub ids resolve to one commit, local paths to a content hash.
 
-Everything a learner loads (weights, config, tokenizer, data) comes from the
+Everything an island loads (weights, config, tokenizer, data) comes from the
 snapshot directory materialized at the resolved commit, so the recorded revision
 is exactly what was used.
 """

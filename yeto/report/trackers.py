@@ -87,9 +87,9 @@ def flat_metrics(prefix: str, fields: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def per_learner(prefix: str, learners: list[int], **series: list[Any]) -> dict[str, float]:
-    """Per-learner lists of a merge (weights, lags) as `prefix/name/learner`."""
-    return flat_metrics(prefix, {name: {str(lid): v for lid, v in zip(learners, values)}
+def per_island(prefix: str, islands: list[int], **series: list[Any]) -> dict[str, float]:
+    """Per-island lists of a merge (weights, lags) as `prefix/name/island`."""
+    return flat_metrics(prefix, {name: {str(lid): v for lid, v in zip(islands, values)}
                                  for name, values in series.items() if isinstance(values, list)})
 
 

@@ -1,4 +1,4 @@
-"""A user-space link emulator: a TCP proxy in front of a learner's connections that behaves like a WAN link.
+"""A user-space link emulator: a TCP proxy in front of an island's connections that behaves like a WAN link.
 
 The machine's kernel has no netem, so the link is emulated in the proxy. Each direction of a `Link` is a
 bottleneck with a token bucket (a rate in bits per second, shared by all the link's connections, as one access
@@ -44,7 +44,7 @@ POLL_S = 0.01  # how often a blocked thread looks again (a cut, a stall, a full 
 
 @dataclass(frozen=True)
 class Profile:
-    """A link as the learner sees it. Rates in bits/s (0: unlimited); down = syncer -> learner."""
+    """A link as the island sees it. Rates in bits/s (0: unlimited); down = syncer -> island."""
 
     name: str
     down_bps: float = 0.0
@@ -100,7 +100,7 @@ class Link:
         self.lock = threading.Lock()
         self.up, self.down = _Bottleneck(), _Bottleneck()
         self.bytes_up = 0  # delivered to the syncer
-        self.bytes_down = 0  # delivered to the learner
+        self.bytes_down = 0  # delivered to the island
         self.stalls: list[tuple[float, float]] = []  # (start, end) of every stall that began, monotonic
         self.cut_until = 0.0
         self.t0 = time.monotonic()
@@ -126,7 +126,7 @@ class Link:
             self.next_stall = self._draw_stall(time.monotonic())
 
     def throttle_up(self, bytes_per_s: Optional[float], per_connection: bool = False) -> None:
-        """Limit the learner-to-syncer rate (None: unlimited), keeping the rest of the profile; `per_connection`:
+        """Limit the island-to-syncer rate (None: unlimited), keeping the rest of the profile; `per_connection`:
         each connection at that rate (a slow bulk upload that does not delay the heartbeats' connection)."""
         self.reshape(replace(self.shape, up_bps=8 * bytes_per_s if bytes_per_s else 0.0,
                              per_connection=per_connection))
@@ -182,7 +182,7 @@ class Link:
         self._wait_unfrozen()  # a new connection during a cut or a stall hangs until it heals
         try:
             server = socket.create_connection(self.target)
-        except OSError:  # nothing listens there: the learner gets a reset, as a refused connection gives
+        except OSError:  # nothing listens there: the island gets a reset, as a refused connection gives
             client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             client.close()
             return

@@ -29,11 +29,11 @@ def _late(events: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> list[
     recent = merges[-LATE_ROUNDS:]
     out = []
     for lid in sorted(set.intersection(*(set(m.get("stragglers") or []) for m in recent))):
-        mine = [t for t in timeline if t["learner"] == lid]
-        others = [t["inner_steps"] for t in timeline if t["learner"] != lid]
-        deltas = [e for e in events if e.get("event") == "delta" and e.get("learner") == lid]
+        mine = [t for t in timeline if t["island"] == lid]
+        others = [t["inner_steps"] for t in timeline if t["island"] != lid]
+        deltas = [e for e in events if e.get("event") == "delta" and e.get("island") == lid]
         if not deltas:
-            cause = "no delta from it on the tape since it joined: check its log (yeto logs --learner)"
+            cause = "no delta from it on the tape since it joined: check its log (yeto logs --island)"
         elif mine and others and mine[-1]["inner_steps"] > SLOW_FACTOR * median(others):
             cause = (f"slow inner steps: {mine[-1]['inner_steps']:.1f}s against the fleet's median "
                      f"{median(others):.1f}s (a slower device, or fewer --inner-steps for it)")
@@ -42,7 +42,7 @@ def _late(events: list[dict[str, Any]], timeline: list[dict[str, Any]]) -> list[
         else:
             cause = (f"its deltas arrive after the merges (last for round {deltas[-1]['round']}, lag "
                      f"{deltas[-1].get('lag', 0)}): slow inner steps or link")
-        out.append({"learner": lid, "kind": "late", "what": f"late for the last {LATE_ROUNDS} rounds", "cause": cause})
+        out.append({"island": lid, "kind": "late", "what": f"late for the last {LATE_ROUNDS} rounds", "cause": cause})
     return out
 
 
@@ -50,7 +50,7 @@ def _crash_loops(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     sessions: dict[int, dict[str, float]] = {}
     last_leave: dict[int, str] = {}
     for e in events:
-        lid = e.get("learner")
+        lid = e.get("island")
         if e.get("event") == "join" and isinstance(lid, int):
             sessions.setdefault(lid, {}).setdefault(e.get("session") or str(e.get("seq")), e["time"])
         elif e.get("event") == "leave" and isinstance(lid, int):
@@ -59,7 +59,7 @@ def _crash_loops(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for lid, starts in sorted(sessions.items()):
         times = sorted(starts.values())
         if len(times) >= CRASH_SESSIONS and times[-1] - times[-CRASH_SESSIONS] <= CRASH_WINDOW_S:
-            out.append({"learner": lid, "kind": "crash_loop",
+            out.append({"island": lid, "kind": "crash_loop",
                         "what": f"crash-looping: {CRASH_SESSIONS} sessions within "
                                 f"{times[-1] - times[-CRASH_SESSIONS]:.0f}s",
                         "cause": f"its last leave: {last_leave.get(lid, 'none recorded')}"})
@@ -73,12 +73,12 @@ def _low_utilization(fleet: list[dict[str, Any]], timeline: list[dict[str, Any]]
         u = row.get("utilization")
         if u is None or u >= min_utilization or row.get("state") in ("gone", "done", "given up", "not joined"):
             continue
-        mine = [t for t in timeline if t["learner"] == row["learner"]]
+        mine = [t for t in timeline if t["island"] == row["island"]]
         spent = {k: sum(t[k] for t in mine) for k in ("inner_steps", "push", "waiting", "merge", "broadcast")}
         worst = max((k for k in spent if k != "inner_steps"), key=spent.get) if mine else None
         cause = (f"most of its idle time is {worst.replace('_', ' ')} ({spent[worst]:.1f}s over {len(mine)} rounds)"
                  if worst else "no merged round of it on the tape yet")
-        out.append({"learner": row["learner"], "kind": "low_utilization",
+        out.append({"island": row["island"], "kind": "low_utilization",
                     "what": f"utilization {100 * u:.0f}% (under {100 * min_utilization:.0f}%)", "cause": cause})
     return out
 
@@ -97,7 +97,7 @@ def _loss_rising(curves: dict[str, Any]) -> list[dict[str, Any]]:
         if first_round in mine and pts:
             rises[int(lid)] = pts[-1][1] - mine[first_round]
     worst: Optional[int] = max(rises, key=rises.get) if rises else None
-    return [{"learner": worst, "kind": "loss_rising",
+    return [{"island": worst, "kind": "loss_rising",
              "what": f"merged loss rose for {RISING_MERGES} merges ({tail[0]:.4f} -> {tail[-1]:.4f})",
              "cause": (f"island {worst}'s loss rose most ({rises[worst]:+.4f}): its data or --lr"
                        if worst is not None else "no island's loss recorded")}]

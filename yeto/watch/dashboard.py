@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import parse_qs
 
-from yeto import YetoError, one_line
+from yeto import YetoError, in_current_words, one_line
 from yeto.sync.shell.tape import TAPE_FILE
 from yeto.watch.alerts import alerts
 from yeto.watch.page import export_page, live_page, plotly_js
@@ -65,7 +65,7 @@ class JsonlFollower:
         for line in data[:end].splitlines():
             if line.strip():
                 try:
-                    self.records.append(json.loads(line))
+                    self.records.append(in_current_words(json.loads(line)))
                 except ValueError:
                     continue  # `yeto tape --audit` names damage; the dashboard shows what it can read
         self.offset += end
@@ -74,7 +74,7 @@ class JsonlFollower:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        return in_current_words(json.loads(path.read_text()))
     except (OSError, ValueError):
         return {}
 

@@ -97,11 +97,11 @@ function render(s) {
   drawn = r.stamp;
   const alerts = document.getElementById("alerts"); alerts.replaceChildren();
   for (const a of s.alerts || []) { const li = document.createElement("li");
-    li.textContent = "island " + a.learner + ": " + a.what + " (" + a.cause + ")"; alerts.appendChild(li); }
+    li.textContent = "island " + a.island + ": " + a.what + " (" + a.cause + ")"; alerts.appendChild(li); }
   const body = document.querySelector("#fleet tbody"); body.replaceChildren();
   for (const f of s.fleet) {
-    const tr = body.insertRow(); tr.dataset.learner = f.learner; tr.className = "island";
-    cell(tr, f.learner); cell(tr, f.backend, "l"); cell(tr, f.tier, "l"); cell(tr, f.device, "l");
+    const tr = body.insertRow(); tr.dataset.island = f.island; tr.className = "island";
+    cell(tr, f.island); cell(tr, f.backend, "l"); cell(tr, f.tier, "l"); cell(tr, f.device, "l");
     cell(tr, f.state + (f.given_up_reason ? " (" + f.given_up_reason + ")" : ""), "l " + f.state.replace(" ", "-"));
     cell(tr, f.version); cell(tr, f.merges); cell(tr, f.last_delta_round); cell(tr, fmt(f.last_delta_ago, 0));
     cell(tr, f.lag); cell(tr, fmt(f.tokens_per_s, 0));
@@ -116,7 +116,7 @@ function render(s) {
   for (const [lid, pts] of Object.entries(c.eval)) if (pts.length) loss.push({name: "island " + lid + " eval",
     mode: "markers", marker: {symbol: "diamond", size: 9}, x: pts.map(p => p[0]), y: pts.map(p => p[1])});
   Plotly.react("loss-chart", loss, {...LAYOUT, title: {text: "loss per round"}, xaxis: ROUND_AXIS}, CONFIG);
-  const rows = s.timeline.map(t => "r" + t.round + " island " + t.learner);
+  const rows = s.timeline.map(t => "r" + t.round + " island " + t.island);
   Plotly.react("timeline-chart", PHASES.map(([k, color]) => ({type: "bar", orientation: "h", name: k.replace("_", " "),
     marker: {color}, y: rows, x: s.timeline.map(t => t[k])})),
     {...LAYOUT, barmode: "stack", title: {text: "where each round's time goes (s)"},
@@ -127,13 +127,13 @@ function render(s) {
   Plotly.react("staleness-chart", ["stale", "clip"].map(k => ({mode: "markers", name: k === "stale" ? "stale (lag)" :
     "clipped (factor)", x: stale.filter(e => e.event === k).map(e => e.round),
     y: stale.filter(e => e.event === k).map(e => k === "stale" ? e.lag : e.factor),
-    text: stale.filter(e => e.event === k).map(e => "island " + e.learner)})),
+    text: stale.filter(e => e.event === k).map(e => "island " + e.island)})),
     {...LAYOUT, title: {text: "staleness and clip events"}, xaxis: ROUND_AXIS}, CONFIG);
   const ev = document.querySelector("#events tbody"); ev.replaceChildren();
   for (const e of s.events.slice().reverse()) {
     const tr = ev.insertRow(); cell(tr, new Date(e.time * 1000).toLocaleTimeString(), "l"); cell(tr, e.event, "l");
-    cell(tr, e.round); cell(tr, e.learner);
-    const {time, event, round, learner, ...rest} = e; cell(tr, JSON.stringify(rest), "l");
+    cell(tr, e.round); cell(tr, e.island);
+    const {time, event, round, island, ...rest} = e; cell(tr, JSON.stringify(rest), "l");
   }
   document.body.dataset.events = r.events;
 }

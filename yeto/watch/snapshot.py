@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Optional
 
-from yeto.launch.manage import LearnerRow, fleet_view
+from yeto.launch.manage import IslandRow, fleet_view
 from yeto.sync.shell.tape import NOTABLE, rounds
 
 LATE_FACTOR = 2.0  # an island is late once the open round has run this many median rounds without its delta
@@ -34,7 +34,7 @@ MAX_EVENTS = 200  # the page lists the newest events only
 class IslandFiles:
     """What one island's directory holds (all optional: a cloud island's files are not on this machine)."""
 
-    learner: int
+    island: int
     run: dict[str, Any] = field(default_factory=dict)  # run.json
     metrics: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl events
     summary: dict[str, Any] = field(default_factory=dict)  # summary.json (a finished island)
@@ -65,13 +65,13 @@ def _timeline(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             merges[rnd] = e
         elif kind == "broadcast" and rnd in merges and rnd in opened:
             m, t0 = merges[rnd], opened[rnd]
-            used = [d for d in deltas.get(rnd, []) if d["learner"] in m.get("responders", [])]
+            used = [d for d in deltas.get(rnd, []) if d["island"] in m.get("responders", [])]
             if not used:
                 continue
             last_in = max(d["time"] for d in used)
             for d in used:
                 compute = min(float(d.get("compute_s") or 0.0), d["time"] - t0)
-                out.append({"round": rnd, "learner": d["learner"], "inner_steps": compute,
+                out.append({"round": rnd, "island": d["island"], "inner_steps": compute,
                             "push": max(0.0, d["time"] - t0 - compute), "waiting": last_in - d["time"],
                             "merge": max(0.0, m["time"] - last_in), "broadcast": max(0.0, e["time"] - m["time"])})
     return out
@@ -103,7 +103,7 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
     compute: dict[int, float] = {}
     version_sent: dict[int, int] = {}
     for e in events:
-        kind, lid = e.get("event"), e.get("learner")
+        kind, lid = e.get("event"), e.get("island")
         if kind == "round_open":
             open_round, sent = e, set()
         elif kind == "delta":
@@ -126,8 +126,8 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
     typical = median(round_times) if round_times else None
     end = events[-1]["time"] if view.finished and events else now
     fleet = []
-    for lid in sorted(set(view.learners) | set(islands)):
-        row = view.learners.get(lid) or LearnerRow(lid)
+    for lid in sorted(set(view.islands) | set(islands)):
+        row = view.islands.get(lid) or IslandRow(lid)
         files = islands.get(lid, IslandFiles(lid))
         d = last_delta.get(lid, {})
         cfg = files.run.get("config") or {}
@@ -136,7 +136,7 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
         if utilization is None and wall and lid in compute:
             utilization = min(1.0, compute[lid] / wall)
         fleet.append({
-            "learner": lid, "backend": row.backend if row.backend != "?" else files.run.get("backend", "?"),
+            "island": lid, "backend": row.backend if row.backend != "?" else files.run.get("backend", "?"),
             "tier": row.tier, "device": cfg.get("device", "?"),
             "state": _state(lid, row, open_round, sent, typical, now, view.finished),
             "version": version_sent.get(lid), "merges": row.answered,
@@ -163,13 +163,13 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
         if e.get("event") == "merge":
             for lid, lag in zip(e.get("responders", []), e.get("lags", [])):
                 if lag:
-                    notable.append({"time": e["time"], "event": "stale", "round": e["round"], "learner": lid,
+                    notable.append({"time": e["time"], "event": "stale", "round": e["round"], "island": lid,
                                     "lag": lag})
             for lid, factor in (e.get("clip") or {}).items():
-                notable.append({"time": e["time"], "event": "clip", "round": e["round"], "learner": int(lid),
+                notable.append({"time": e["time"], "event": "clip", "round": e["round"], "island": int(lid),
                                 "factor": factor})
         elif e.get("event") in NOTABLE or e.get("event") == "given_up":
-            notable.append(_fields(e, "time", "event", "round", "learner", "version", "reason", "code", "what"))
+            notable.append(_fields(e, "time", "event", "round", "island", "version", "reason", "code", "what"))
     return {
         "run": {**(run or {}), "version": view.version, "outer_steps": view.outer_steps, "finished": view.finished,
                 "rounds_merged": len(per_round), "events": len(events), "now": now,

@@ -1,6 +1,6 @@
 """The MLX backend as `yeto.island.training.train` runs it (`yeto train --backend mlx`): one process is one island.
 
-MLX itself loads only when the learner starts, so `yeto launch` checks an MLX learner's flags anywhere.
+MLX itself loads only when the island starts, so `yeto launch` checks an MLX island's flags anywhere.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ if TYPE_CHECKING:
 
 
 class MLXBackend:
-    """MLX (Apple silicon; MLX's CPU backend on Linux): `MLXLearner` (a `yeto.island.interface.Backend`)."""
+    """MLX (Apple silicon; MLX's CPU backend on Linux): `MLXIsland` (a `yeto.island.interface.Backend`)."""
 
     name = "mlx"
 
     def check_flags(self, cfg: TrainConfig) -> None:
         """The flags an MLX island cannot honour, refused before anything loads."""
-        from yeto.backends.mlx.learner import check_flags
+        from yeto.backends.mlx.island import check_flags
 
         check_flags(cfg)
 
@@ -31,6 +31,6 @@ class MLXBackend:
 
     @contextmanager
     def island(self, cfg: TrainConfig, log: Callable[[str], None]) -> Iterator[Island]:
-        from yeto.backends.mlx.learner import MLXLearner
+        from yeto.backends.mlx.island import MLXIsland
 
-        yield MLXLearner(cfg, log)
+        yield MLXIsland(cfg, log)

@@ -7,7 +7,7 @@
   few keys mlx-lm requires that transformers 5 does not write (LFM2's `block_dim`).
 - `fast_blas_env`: the Linux `mlx[cpu]` wheel bundles a slow reference BLAS; Debian's OpenBLAS
   (`libopenblas0-pthread`), preloaded, multiplies matrices tens of times faster (see docs/benchmarks.md,
-  MLX learner). `set_blas_threads` then sets its thread count (`--threads`).
+  MLX island). `set_blas_threads` then sets its thread count (`--threads`).
 - `load_mlx_model` refuses, in one line, a model type mlx-lm has no implementation of, or one the MLX island does
   not train yet (`NOT_YET`); `mlx_implements` says beforehand which it trains (`yeto models` marks the others).
 """
@@ -120,8 +120,8 @@ def load_mlx_model(path: str | Path):
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     if config.get("model_type") in NOT_YET:
-        raise YetoError(f"the MLX learner does not train model_type {config['model_type']!r} yet "
-                        f"({NOT_YET[config['model_type']]}); train this model with the torch learner "
+        raise YetoError(f"the MLX island does not train model_type {config['model_type']!r} yet "
+                        f"({NOT_YET[config['model_type']]}); train this model with the torch island "
                         "(yeto train --backend torch)")
     overrides = mlx_config_shim(config)
     get_classes = getattr(mlx_lm.utils, "_get_classes", None)  # mlx-lm's own lookup (remappings included)
@@ -130,7 +130,7 @@ def load_mlx_model(path: str | Path):
             get_classes({**config, **overrides})
         except ValueError as e:
             raise YetoError(f"mlx-lm {mlx_lm.__version__} has no implementation of model_type "
-                            f"{config.get('model_type')!r} ({e}); train this model with the torch learner "
+                            f"{config.get('model_type')!r} ({e}); train this model with the torch island "
                             "(yeto train --backend torch)") from e
     model, _ = mlx_lm.utils.load_model(path, model_config=overrides)
     return model

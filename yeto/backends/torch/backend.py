@@ -1,7 +1,7 @@
 """The torch backend as `yeto.island.training.train` runs it (`yeto train --backend torch`): one process, or one
 torchrun group whose rank 0 trains and talks while the other ranks follow it.
 
-Nothing loads here until training starts (torch included), so `yeto launch` checks a torch learner's flags on a
+Nothing loads here until training starts (torch included), so `yeto launch` checks a torch island's flags on a
 machine without torch.
 """
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class TorchBackend:
-    """torch + peft: `TorchLearner`, relayed across a torchrun group's ranks (a `yeto.island.interface.Backend`)."""
+    """torch + peft: `TorchIsland`, relayed across a torchrun group's ranks (a `yeto.island.interface.Backend`)."""
 
     name = "torch"
 
@@ -26,39 +26,39 @@ class TorchBackend:
         self.group: Optional[RankGroup] = None  # this process's torchrun group, joined by `follow`
 
     def check_flags(self, cfg: TrainConfig) -> None:
-        """The checks every backend makes (the device is checked as the learner starts: that needs torch)."""
+        """The checks every backend makes (the device is checked as the island starts: that needs torch)."""
         check_config(cfg)
 
     def follow(self, cfg: TrainConfig) -> Optional[dict[str, Any]]:
-        """Join the torchrun group if there is one; a rank other than 0 builds the same learner and makes the calls
+        """Join the torchrun group if there is one; a rank other than 0 builds the same island and makes the calls
         rank 0 relays (standalone or with --syncer) until it says exit. Rank 0 alone logs, saves and talks."""
-        from yeto.backends.torch.learner import TorchLearner
+        from yeto.backends.torch.island import TorchIsland
         from yeto.backends.torch.torchrun import RankGroup, follow
 
         self.group = group = RankGroup.from_env()
         if group is None or group.leader:
             return None
-        learner = None
+        island = None
         try:
-            learner = TorchLearner(cfg, log=lambda s: None, group=group)
-            follow(learner, group)
+            island = TorchIsland(cfg, log=lambda s: None, group=group)
+            follow(island, group)
         finally:
             group.close()
-        return {"rank": group.rank, "steps": learner.step_count}
+        return {"rank": group.rank, "steps": island.step_count}
 
     @contextmanager
     def island(self, cfg: TrainConfig, log: Callable[[str], None]) -> Iterator[Island]:
-        """The learner; in a torchrun group, rank 0's learner behind a `RelayedIsland` (every call that changes it
+        """The island; in a torchrun group, rank 0's island behind a `RelayedIsland` (every call that changes it
         goes to the other ranks first: a sharded forward is collective), which lets them go at the end."""
-        from yeto.backends.torch.learner import TorchLearner
+        from yeto.backends.torch.island import TorchIsland
         from yeto.backends.torch.torchrun import RelayedIsland
 
         group = self.group
         if group is None:
-            yield TorchLearner(cfg, log)
+            yield TorchIsland(cfg, log)
             return
         try:
-            relayed = RelayedIsland(TorchLearner(cfg, log, group), group)
+            relayed = RelayedIsland(TorchIsland(cfg, log, group), group)
             try:
                 yield relayed
             finally:

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
-from yeto import YetoError
+from yeto import YetoError, in_current_words
 from yeto.models.adapter import RUN_RECORD, adapter_base, find_adapter_dir
 
 EXPORT_RECORD = "yeto_export.json"
@@ -54,7 +54,7 @@ def export_merged(adapter: str | Path, out: str | Path, model: Optional[str] = N
     tokenizer.save_pretrained(tmp)  # the chat template rides in tokenizer_config.json / chat_template.jinja
     record = {"base": base_artifact.to_dict(), "adapter": str(adapter_dir.resolve()), "dtype": dtype}
     if (adapter_dir / RUN_RECORD).is_file():
-        record["adapter_run"] = json.loads((adapter_dir / RUN_RECORD).read_text())
+        record["adapter_run"] = in_current_words(json.loads((adapter_dir / RUN_RECORD).read_text()))
     (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
     if out.exists():
         shutil.rmtree(out)

@@ -1,4 +1,4 @@
-"""The torch learner's LoRA: the linears of a torch model and the peft `LoraConfig` for the targets that
+"""The torch island's LoRA: the linears of a torch model and the peft `LoraConfig` for the targets that
 `yeto.island.lora_targets`'s backend-neutral rules choose (peft needs torch; the MLX island builds a `LoraSpec`
 instead)."""
 
@@ -22,7 +22,7 @@ def torch_linears(model) -> tuple[list[Linear], list[str]]:
 
 
 def lora_config_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha: float = 32.0, dropout: float = 0.05):
-    """The peft LoraConfig the torch learner builds its adapter from: the linears `select_targets`
+    """The peft LoraConfig the torch island builds its adapter from: the linears `select_targets`
     chose, among all of the model's `linears`."""
     from peft import LoraConfig
 

@@ -1,11 +1,11 @@
-"""The torch learner's training loss: weighted per-token cross-entropy, and user-supplied losses (the MLX island
-re-derives the built-in one in MLX: yeto.backends.mlx.learner.sft_loss_mx).
+"""The torch island's training loss: weighted per-token cross-entropy, and user-supplied losses (the MLX island
+re-derives the built-in one in MLX: yeto.backends.mlx.island.sft_loss_mx).
 
 A loss function takes the rows that carry loss (already selected and flattened):
 
     fn(logits: Tensor[N, V], targets: Tensor[N] (int64), weights: Tensor[N] (float)) -> Tensor[]
 
-and returns the weighted mean over those rows. The learner calls it once per
+and returns the weighted mean over those rows. The island calls it once per
 micro-batch and rescales by the micro-batch's share of the step's total weight,
 so a step's loss is token-weighted over the whole accumulated batch.
 """

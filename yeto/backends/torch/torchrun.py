@@ -1,6 +1,6 @@
 """One island over several processes (torchrun): data-parallel inside the island, one link to the syncer.
 
-    torchrun --nproc-per-node N [--nnodes M ...] -m yeto.backends.torch --syncer HOST:PORT --learner-id I ...
+    torchrun --nproc-per-node N [--nnodes M ...] -m yeto.backends.torch --syncer HOST:PORT --island-id I ...
 
 Every rank holds the whole adapter and trains on its slice of each global batch; the LoRA gradients are summed
 across ranks every inner step, token-weighted, so that a step of N ranks is one process's step over the whole batch.
@@ -150,9 +150,9 @@ def shard_base(model: torch.nn.Module, base: torch.nn.Module, lora: list[torch.n
 class RelayedIsland:
     """Rank 0's island: every call that changes the island is first broadcast to the other ranks."""
 
-    def __init__(self, learner: Any, group: RankGroup):
-        self.learner, self.group = learner, group
-        self.backend = learner.backend
+    def __init__(self, island: Any, group: RankGroup):
+        self.island, self.group = island, group
+        self.backend = island.backend
         self.relay_s = 0.0  # time spent relaying calls and adapters to the other ranks (and checking them)
 
     def _relay(self, command: dict[str, Any]) -> None:
@@ -162,59 +162,59 @@ class RelayedIsland:
 
     def step(self) -> dict[str, Any]:
         self._relay({"op": "step"})
-        return self.learner.step()
+        return self.island.step()
 
     def load_adapter_state(self, state: dict[str, np.ndarray]) -> None:
         self._relay({"op": "load", "state": state})
-        self.learner.load_adapter_state(state)
+        self.island.load_adapter_state(state)
         t = time.perf_counter()
-        self.group.check_same(self.learner.adapter_state(), "a broadcast")
+        self.group.check_same(self.island.adapter_state(), "a broadcast")
         self.relay_s += time.perf_counter() - t
 
     def set_total_steps(self, total: int) -> None:
         self._relay({"op": "total", "total": total})
-        self.learner.set_total_steps(total)
+        self.island.set_total_steps(total)
 
     def use_shard(self, index: int, count: int) -> None:
-        if self.learner.shard != (index, count):
+        if self.island.shard != (index, count):
             self._relay({"op": "shard", "shard": [index, count]})
-            self.learner.use_shard(index, count)
+            self.island.use_shard(index, count)
 
     def load_training_state(self, state: Any, adapter: bool = True) -> None:
         """Every rank resumes from rank 0's saved state (the ranks' adapters, moments and batch order are one)."""
         self._relay({"op": "resume", "state": state, "adapter": adapter})
-        self.learner.load_training_state(state, adapter)
+        self.island.load_training_state(state, adapter)
 
     def evaluate(self) -> Optional[float]:
         self._relay({"op": "eval"})  # (a sharded base's forward needs every rank)
-        return self.learner.evaluate()
+        return self.island.evaluate()
 
     def finish(self) -> None:
         """Release the other ranks (the run is over, or rank 0 is leaving it)."""
         self._relay({"op": "exit"})
 
     def __getattr__(self, name: str) -> Any:  # adapter_state, adapter_config, record, evaluate...: read-only
-        return getattr(self.learner, name)
+        return getattr(self.island, name)
 
 
-def follow(learner: Any, group: RankGroup) -> None:
+def follow(island: Any, group: RankGroup) -> None:
     """A rank other than 0: make each call rank 0 relays, until it says exit."""
     while True:
         command = group.share()
         op = command["op"]
         if op == "step":
-            learner.step()
+            island.step()
         elif op == "load":
-            learner.load_adapter_state(command["state"])
-            group.check_same(learner.adapter_state(), "a broadcast")
+            island.load_adapter_state(command["state"])
+            group.check_same(island.adapter_state(), "a broadcast")
         elif op == "total":
-            learner.set_total_steps(command["total"])
+            island.set_total_steps(command["total"])
         elif op == "resume":
-            learner.load_training_state(command["state"], command["adapter"])
+            island.load_training_state(command["state"], command["adapter"])
         elif op == "shard":
-            learner.use_shard(*command["shard"])
+            island.use_shard(*command["shard"])
         elif op == "eval":
-            learner.evaluate()
+            island.evaluate()
         elif op == "exit":
             return
         else:

@@ -1,7 +1,7 @@
 """The coordination core: pure, deterministic state machines, no sockets, clocks or disks.
 
 `syncer.SyncerCore` (rounds, membership, quorum, merges, recovery) and
-`learner.LearnerCore` (a learner's side of the round protocol: its own package) take events in
+`island.IslandCore` (an island's side of the round protocol: its own package) take events in
 (a message received, a timer tick, a training step done) with the time and any
 randomness injected, and return actions (send, record on the tape, save). The
 I/O shells (`yeto.sync.shell.server`, `yeto.sync.shell.client`) execute those actions for

@@ -1,7 +1,7 @@
 """What the coordination cores ask their shells to do, and what survives on the syncer's disk.
 
 The syncer core returns `Send`, `Record` (append to the tape), `SaveCheckpoint`,
-`SaveDelta`, `DropDeltas`, `Log` and `Exit`; a learner core returns `Out`,
+`SaveDelta`, `DropDeltas`, `Log` and `Exit`; an island core returns `Out`,
 `Reconnect` and `Log`. A shell executes them in order. `Checkpoint`,
 `AcceptedDelta` and `Durable` are the syncer's durable state, written by
 `SaveCheckpoint`/`SaveDelta` and handed back to `SyncerCore.start` after a restart.
@@ -19,7 +19,7 @@ from yeto.sync.wire.layout import Layout
 
 @dataclass(frozen=True)
 class Send:
-    peer: str  # the learner's control-connection id; the shell routes adapter-carrying types to its bulk one
+    peer: str  # the island's control-connection id; the shell routes adapter-carrying types to its bulk one
     type: str
     header: dict[str, Any]
     frames: tuple[bytes, ...] = ()
@@ -45,11 +45,11 @@ class SaveDelta:
 
 @dataclass(frozen=True)
 class DropDeltas:
-    """Delete saved deltas: those of rounds up to `through_round`, or the one of (`round`, `learner`)."""
+    """Delete saved deltas: those of rounds up to `through_round`, or the one of (`round`, `island`)."""
 
     through_round: int = -1
     round: int = -1
-    learner: int = -1
+    island: int = -1
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Reconnect:
 
 
 Action = Union[Send, Record, SaveCheckpoint, SaveDelta, DropDeltas, Log, Exit]  # from the syncer core
-LearnerAction = Union[Out, Reconnect, Log]  # from a learner core
+IslandAction = Union[Out, Reconnect, Log]  # from an island core
 
 
 # ---------------------------------------------------------------------------------------------- durable state
@@ -99,16 +99,16 @@ class Checkpoint:
     residual: np.ndarray
     digest: str
     config: dict[str, Any]
-    members: list[int]  # learner ids that ever joined: after a restart the round waits a while for them
-    merged: dict[int, list]  # learner id -> [[round, delta digest], ...] of its latest merged deltas
-    retired: dict[int, list[str]] = field(default_factory=dict)  # learner -> sessions a newer one took over
-    contract: dict[str, Any] = field(default_factory=dict)  # what every learner of the run agrees on
-    owners: dict[int, str] = field(default_factory=dict)  # learner id -> proof of the identity holding it
+    members: list[int]  # island ids that ever joined: after a restart the round waits a while for them
+    merged: dict[int, list]  # island id -> [[round, delta digest], ...] of its latest merged deltas
+    retired: dict[int, list[str]] = field(default_factory=dict)  # island -> sessions a newer one took over
+    contract: dict[str, Any] = field(default_factory=dict)  # what every island of the run agrees on
+    owners: dict[int, str] = field(default_factory=dict)  # island id -> proof of the identity holding it
 
 
 @dataclass
 class AcceptedDelta:
-    learner: int
+    island: int
     session: str
     round: int
     base_version: int
@@ -122,7 +122,7 @@ class AcceptedDelta:
     peak: float = 0.0  # largest |value|: the first suspect when a merge fails
     norm: float = 0.0  # its L2 norm (robust merge); peak and norm are measured again after a restart
     carried_steps: int = 0  # of its inner steps, those trained in an earlier round's window and carried onto this one
-    tier: str = "bounded"  # its learner's tier when it came (yeto.sync.merge.rules.Tier): what its claims buy
+    tier: str = "bounded"  # its island's tier when it came (yeto.sync.merge.rules.Tier): what its claims buy
 
     @property
     def round_steps(self) -> int:
@@ -132,11 +132,11 @@ class AcceptedDelta:
     @property
     def lag(self) -> int:
         """Versions the global moved on between the delta's base and the round it is merged in (`round` is that
-        round; the learner trained round `base_version + 1`)."""
+        round; the island trained round `base_version + 1`)."""
         return self.round - 1 - self.base_version
 
     def ref(self) -> list:
-        """How its learner names it: [the round it trained, its base version, digest]."""
+        """How its island names it: [the round it trained, its base version, digest]."""
         return [self.base_version + 1, self.base_version, self.digest]
 
     def saved_fields(self) -> dict[str, Any]:

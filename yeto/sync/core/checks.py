@@ -1,4 +1,4 @@
-"""Checks of a person's flags shared by the learner's and the syncer's configs: each failure is one YetoError
+"""Checks of a person's flags shared by the island's and the syncer's configs: each failure is one YetoError
 that names the flag, the value and the fix, raised before anything heavy (a model, a socket) is touched."""
 
 from __future__ import annotations

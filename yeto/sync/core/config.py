@@ -24,22 +24,24 @@ DEFAULT_GRACE_S = 5.0  # after quorum, wait at most this long for an island pred
 DEFAULT_MAX_BASE_LAG = 4
 MAX_BASE_LAG = 64  # beyond this a delta describes another model
 DEFAULT_STALENESS_EXPONENT = 0.5
-HEARTBEATS_PER_TIMEOUT = 4  # learners ping this many times per --learner-timeout
-DEFAULT_MAX_LEARNERS = 1024
+HEARTBEATS_PER_TIMEOUT = 4  # islands ping this many times per --island-timeout
+DEFAULT_MAX_ISLANDS = 1024
 # what a restart may not change: the run's math and its wire format depend on them
 CONTRACT_FIELDS = ("sync_bits", "broadcast_bits", "outer_lr", "outer_momentum", "inner_steps", "round_seconds",
                    "robust", "robust_k", "merge", "merge_weight", "lora_merge", "max_base_lag", "staleness_exponent",
                    "step_normalize", "merge_alpha", "model", "model_revision", "fragments")
 # fields whose flag is not the field's name in dashes (a duration is in seconds: its flag needs no unit)
 FLAGS = {"grace_s": "--grace"}
-OLD_FLAGS = {"--grace-ms": "grace_s"}  # older spellings the syncer still takes (hidden; the CLI converts them)
+# older spellings the syncer still takes (hidden; the CLI converts them), by the field they feed
+OLD_FLAGS = {"--grace-ms": "grace_s", "--learners": "islands", "--max-learners": "max_islands",  # old spelling
+             "--learner-timeout": "island_timeout", "--no-learner-keys": "island_keys"}  # old spelling
 
 
 @dataclass
 class SyncerConfig:
     port: int = 29400
     host: str = "0.0.0.0"
-    learners: int = 1
+    islands: int = 1
     quorum: int = 1
     # plain averaging (FedAvg): DiLoCo's 0.7 / Nesterov 0.9, tuned for pre-training with hundreds of inner steps,
     # overshoots short LoRA runs (bench/convergence.py, docs/benchmarks.md: 1.51x the data-parallel loss vs 1.02x)
@@ -48,12 +50,12 @@ class SyncerConfig:
     outer_steps: int = 10
     inner_steps: int = 50
     round_seconds: float = 0.0
-    sync_bits: int = 4  # the learners' deltas
+    sync_bits: int = 4  # the islands' deltas
     broadcast_bits: Optional[int] = None  # the syncer's broadcasts (None: sync_bits)
     out: str = "runs/syncer"
     straggler_timeout: float = 120.0
     quorum_timeout: float = 1800.0
-    learner_timeout: float = 60.0
+    island_timeout: float = 60.0
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
     robust: str = "norm-clip"
     robust_k: float = DEFAULT_CLIP_K
@@ -66,25 +68,25 @@ class SyncerConfig:
     # scale each delta to the round's longest (FedNova-style): see yeto.sync.merge.rules (None: on in time-window rounds
     # under the mean, where islands of unequal speed take unequal steps)
     step_normalize: Optional[bool] = None
-    merge_alpha: float = 1.0  # learners start a round from alpha x global + (1 - alpha) x their own last adapter
+    merge_alpha: float = 1.0  # islands start a round from alpha x global + (1 - alpha) x their own last adapter
     # stream the adapter in this many parts, one per round (yeto.sync.wire.layout.stream_part): each round merges,
     # steps and broadcasts one part, so each part syncs every `fragments` rounds (1: the whole adapter every round)
     fragments: int = 1
     # a streamed island may push the next rounds' parts before this round's merge comes: up to `pipeline` deltas in
     # flight (each of a part the merges before its round leave alone), so slow links overlap with training
     pipeline: int = 1
-    model: Optional[str] = None  # pins the run's base model (else the founding learner's is the run's)
+    model: Optional[str] = None  # pins the run's base model (else the founding island's is the run's)
     model_revision: Optional[str] = None
-    max_learners: int = DEFAULT_MAX_LEARNERS
+    max_islands: int = DEFAULT_MAX_ISLANDS
     init_adapter: Optional[str] = None  # a new run's version 0 is this peft adapter (the shell reads it)
     # the I/O shell's (security, connections); here so that one config describes the syncer
     insecure: bool = False
     join_key: Optional[str] = None
-    # on the run's first start, issue a learner key to each expected id (< learners) that has none: only its own key
+    # on the run's first start, issue an island key to each expected id (< islands) that has none: only its own key
     # speaks for an expected id (trusted), the shared join key for the ids beyond (extra); off: the join key takes
-    # expected ids too (bounded, and first come: any holder of it can take one before its learner starts)
-    learner_keys: bool = True
-    max_connections: int = 2 * DEFAULT_MAX_LEARNERS
+    # expected ids too (bounded, and first come: any holder of it can take one before its island starts)
+    island_keys: bool = True
+    max_connections: int = 2 * DEFAULT_MAX_ISLANDS
     merge_by_default: bool = field(default=False, init=False)  # --merge unset: a resumed run keeps its own rule
     step_normalize_by_default: bool = field(default=False, init=False)  # ... and so for --step-normalize
 
@@ -111,8 +113,8 @@ class SyncerConfig:
         self._check_run()
         self._check_merge()
         self._check_timing()
-        if self.max_learners < self.learners or self.max_connections < 1:
-            raise YetoError(f"--max-learners ({self.max_learners}) must be at least --learners ({self.learners}) and "
+        if self.max_islands < self.islands or self.max_connections < 1:
+            raise YetoError(f"--max-islands ({self.max_islands}) must be at least --islands ({self.islands}) and "
                             "--max-connections at least 1")
 
     def _check_run(self) -> None:
@@ -122,15 +124,15 @@ class SyncerConfig:
             raise YetoError(f"--sync-bits must be one of {BITS}, got {self.sync_bits}")
         if self.broadcast_bits not in BITS:
             raise YetoError(f"--broadcast-bits must be one of {BITS}, got {self.broadcast_bits}")
-        if self.learners < 1 or self.quorum < 1:
-            raise YetoError("--learners and --quorum must be at least 1")
-        if self.quorum > self.learners:
-            raise YetoError(f"--quorum {self.quorum} exceeds --learners {self.learners}: no round could ever close")
+        if self.islands < 1 or self.quorum < 1:
+            raise YetoError("--islands and --quorum must be at least 1")
+        if self.quorum > self.islands:
+            raise YetoError(f"--quorum {self.quorum} exceeds --islands {self.islands}: no round could ever close")
         if self.outer_steps < 1 or self.inner_steps < 1:
             raise YetoError("--outer-steps and --inner-steps must be at least 1")
         if self.round_seconds < 0:
             raise YetoError("--round-seconds must be >= 0 (0: rounds of --inner-steps steps)")
-        for name in ("straggler_timeout", "quorum_timeout", "learner_timeout"):
+        for name in ("straggler_timeout", "quorum_timeout", "island_timeout"):
             if getattr(self, name) <= 0:
                 raise YetoError(f"--{name.replace('_', '-')} must be positive")
         if self.max_message_mb < 1:
@@ -212,14 +214,14 @@ class SyncerConfig:
 
     @property
     def heartbeat_s(self) -> float:
-        return self.learner_timeout / HEARTBEATS_PER_TIMEOUT
+        return self.island_timeout / HEARTBEATS_PER_TIMEOUT
 
     def round_policy(self) -> RoundPolicy:
         """The round policy this config sets (what a round asks of an island is its `steps_for`)."""
         return RoundPolicy(**{f.name: getattr(self, f.name) for f in fields(RoundPolicy)})
 
     def policy(self) -> dict[str, Any]:
-        """The welcome's `policy`: every `RoundPolicy` field, from this config (the learner reads it back)."""
+        """The welcome's `policy`: every `RoundPolicy` field, from this config (the island reads it back)."""
         return self.round_policy().wire()
 
     @property
@@ -232,7 +234,7 @@ class SyncerConfig:
         return min(self.grace_s, self.straggler_timeout)
 
     def pinned(self) -> dict[str, Any]:
-        """The contract fields fixed by the syncer's flags rather than by the founding learner."""
+        """The contract fields fixed by the syncer's flags rather than by the founding island."""
         pinned = {"base_model": self.model, "base_revision": self.model_revision}
         return {k: v for k, v in pinned.items() if v is not None}
 

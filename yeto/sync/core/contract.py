@@ -1,14 +1,14 @@
-"""The run's contract: what every learner of one run must agree on, fixed once and checked at every join.
+"""The run's contract: what every island of one run must agree on, fixed once and checked at every join.
 
-A learner whose base model, LoRA hyper-parameters or adapter layout differ would
+An island whose base model, LoRA hyper-parameters or adapter layout differ would
 produce deltas that merge without error and mean nothing (the layout alone only
 covers names and shapes: another `lora_alpha` or another base revision has the
-same shapes). So a hello carries the learner's contract; the first one (or the
-syncer's `--model`/`--model-revision`) fixes the run's, and any later learner
+same shapes). So a hello carries the island's contract; the first one (or the
+syncer's `--model`/`--model-revision`) fixes the run's, and any later island
 that differs is refused with the field and both values.
 
 `tokens_per_step` is not part of the contract (islands may use other batch
-sizes): it is the learner's declared ceiling, against which its claims are checked.
+sizes): it is the island's declared ceiling, against which its claims are checked.
 """
 
 from __future__ import annotations
@@ -22,23 +22,23 @@ import numpy as np
 
 from yeto.sync.wire.layout import Layout
 
-# fields that must be equal on every learner of a run, in the order mismatches are reported
+# fields that must be equal on every island of a run, in the order mismatches are reported
 CONTRACT_KEYS = ("base_model", "base_revision", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "layout",
-                 "lora_freeze_a", "data", "loss", "num_learners")
-# fields checked only where a learner declares them (a peer that says nothing of its shard count is not refused
-# for it; a real learner always says)
-DECLARED_ONLY = ("num_learners",)
-# the learner flag that sets a field, named in a refusal
+                 "lora_freeze_a", "data", "loss", "num_islands")
+# fields checked only where an island declares them (a peer that says nothing of its shard count is not refused
+# for it; a real island always says)
+DECLARED_ONLY = ("num_islands",)
+# the island flag that sets a field, named in a refusal
 FLAGS = {"base_model": "--model", "base_revision": "--model-revision", "lora_r": "--lora-r",
          "lora_alpha": "--lora-alpha", "lora_dropout": "--lora-dropout", "lora_targets": "--lora-targets",
          "lora_freeze_a": "--lora-freeze-a", "data": "--data (and --data-split, --data-config)",
-         "loss": "--loss-function", "num_learners": "--learners"}
+         "loss": "--loss-function", "num_islands": "--islands"}
 MAX_TOKENS_PER_STEP = 1 << 32
 
 
-def learner_contract(adapter_config: dict[str, Any], provenance: dict[str, Any], layout: Layout,
+def island_contract(adapter_config: dict[str, Any], provenance: dict[str, Any], layout: Layout,
                      tokens_per_step: int) -> dict[str, Any]:
-    """What a learner declares at join (from its peft config and the provenance of its base model)."""
+    """What an island declares at join (from its peft config and the provenance of its base model)."""
     model = provenance.get("model") or {}
     targets = adapter_config.get("target_modules")
     name = model.get("hub_id") or model.get("name")
@@ -55,14 +55,14 @@ def learner_contract(adapter_config: dict[str, Any], provenance: dict[str, Any],
         "lora_freeze_a": bool((provenance.get("config") or {}).get("lora_freeze_a", False)),
         "data": data_identity(provenance),
         "loss": provenance.get("loss"),
-        "num_learners": (provenance.get("config") or {}).get("num_learners") or None,  # 0: the run's
+        "num_islands": (provenance.get("config") or {}).get("num_islands") or None,  # 0: the run's
         "tokens_per_step": int(tokens_per_step),
     }
 
 
 def data_identity(provenance: dict[str, Any]) -> Optional[str]:
-    """The data a learner trains on: its content (hub commit or local sha256) and the split and config it reads.
-    Every learner of a run reads the same dataset and takes its own shard of it."""
+    """The data an island trains on: its content (hub commit or local sha256) and the split and config it reads.
+    Every island of a run reads the same dataset and takes its own shard of it."""
     data, stats = provenance.get("data") or {}, provenance.get("data_stats") or {}
     if not data.get("revision"):
         return None
@@ -75,7 +75,7 @@ MAX_ISLAND_RANKS = 4096  # more processes in one island than any cluster runs: a
 
 def tokens_per_step(provenance: dict[str, Any]) -> int:
     """Tokens one inner step can consume at most (micro-batch x accumulation x sequence length x the island's ranks),
-    from the learner's recorded config; 0 when it is not recorded (then claims are bounded by the syncer's ceiling)."""
+    from the island's recorded config; 0 when it is not recorded (then claims are bounded by the syncer's ceiling)."""
     cfg = provenance.get("config") or {}
     try:
         ranks = min(max(int(provenance.get("ranks", 1)), 1), MAX_ISLAND_RANKS)  # a torchrun island's processes
@@ -102,20 +102,20 @@ def contract_problem(contract: Any) -> Optional[str]:
 
 
 def run_contract(declared: dict[str, Any], pinned: dict[str, Any]) -> dict[str, Any]:
-    """The run's contract from the founding learner's declaration, with what the syncer pinned taking precedence."""
+    """The run's contract from the founding island's declaration, with what the syncer pinned taking precedence."""
     run = {k: declared.get(k) for k in CONTRACT_KEYS}
     run.update({k: v for k, v in pinned.items() if v is not None})
     return run
 
 
 def contract_mismatch(run: dict[str, Any], declared: dict[str, Any]) -> Optional[str]:
-    """The first field in which a learner's contract differs from the run's, with both values; None if none."""
+    """The first field in which an island's contract differs from the run's, with both values; None if none."""
     for k in CONTRACT_KEYS:
         if k in DECLARED_ONLY and declared.get(k) is None:
             continue
         if k in run and _norm(declared.get(k)) != _norm(run[k]):
             flag = f" ({FLAGS[k]})" if k in FLAGS else ""
-            return f"{k}{flag} is {_show(declared.get(k))} on this learner, {_show(run[k])} in the run"
+            return f"{k}{flag} is {_show(declared.get(k))} on this island, {_show(run[k])} in the run"
     return None
 
 
@@ -157,7 +157,7 @@ def lora_shape_mismatch(config: dict[str, Any], run_config: dict[str, Any]) -> O
 def init_adapter_problem(init: InitAdapter, layout: Layout, adapter_config: dict[str, Any],
                          contract: dict[str, Any]) -> Optional[str]:
     """Why `init` cannot start a run with this layout, peft config and contract (its `base_revision`): version 0 of a
-    fleet (the syncer's --init-adapter) or a standalone learner's start (yeto train --init-adapter)."""
+    fleet (the syncer's --init-adapter) or a standalone island's start (yeto train --init-adapter)."""
     problem = lora_shape_mismatch(init.config, adapter_config)
     if problem:
         return problem

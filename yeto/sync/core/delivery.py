@@ -1,13 +1,13 @@
-"""The syncer's send rules, per learner connection: what goes now, what waits, what a newer global replaces.
+"""The syncer's send rules, per island connection: what goes now, what waits, what a newer global replaces.
 
 A slow reader (a home line taking minutes for one adapter) must never hold the syncer's memory or delay anyone else,
 so an adapter-carrying message (broadcast, state) is handed to the transport one at a time per connection: the next
 waits here until the transport has released the previous one (`InFlight.done`). At most one global waits per
 connection: a newer one replaces an older one still waiting, the same one asked for again is not queued twice, and a
-broadcast whose base that learner will not hold (the one before it was replaced) is not sent at all (its catch-up
-asks for a state of the latest global). A message the transport cannot take now (its pipe full, the learner not
+broadcast whose base that island will not hold (the one before it was replaced) is not sent at all (its catch-up
+asks for a state of the latest global). A message the transport cannot take now (its pipe full, the island not
 connected) waits and is retried for SEND_RETRY_S, then dropped; beyond MAX_BACKLOG_PER_PEER messages or
-MAX_BACKLOG_BYTES_PER_PEER bytes the oldest go. Learners notice every dropped message from versions and ask again.
+MAX_BACKLOG_BYTES_PER_PEER bytes the oldest go. Islands notice every dropped message from versions and ask again.
 
 Pure: the transport is a callback (`hand_over`), time comes in as arguments and what happened goes out through `note`
 (the tape's `send_superseded` and `send_dropped`), so the syncer's shell (ZeroMQ) and the simulator (a link of
@@ -133,10 +133,10 @@ class Delivery:
         q = self.backlog.setdefault(p.dest, deque())
         q.append(p)
         while len(q) > MAX_BACKLOG_PER_PEER or (len(q) > 1 and sum(x.nbytes for x in q) > MAX_BACKLOG_BYTES_PER_PEER):
-            self._dropped(q.popleft(), "too much waiting for this learner")
+            self._dropped(q.popleft(), "too much waiting for this island")
 
     def _keep_global(self, q: deque[Outgoing], p: Outgoing) -> bool:
-        """At most one global waits per connection, and none that its learner cannot use. False: `p` is not sent."""
+        """At most one global waits per connection, and none that its island cannot use. False: `p` is not sent."""
         f = self.inflight.get(p.dest) if self.busy(p.dest) else None
         if f is not None and (f.type, f.version) == (p.type, p.version):
             self._superseded(p, "the same global is on its way")
@@ -151,10 +151,10 @@ class Delivery:
         if older and f is not None:
             self.last_global[p.dest] = f.version
         elif older:
-            self.last_global.pop(p.dest, None)  # (not known what the learner holds)
+            self.last_global.pop(p.dest, None)  # (not known what the island holds)
         base = self.last_global.get(p.dest)
         if p.type == "broadcast" and base is not None and base < p.version - 1:  # (>=: a catch-up's answer again)
-            self._superseded(p, "its base did not reach the learner (its catch-up gets a state of the latest global)")
+            self._superseded(p, "its base did not reach the island (its catch-up gets a state of the latest global)")
             return False
         self.last_global[p.dest] = p.version
         return True

@@ -1,15 +1,15 @@
-"""A delta's intake: what a learner's delta must be to count in the open round, and how it joins the round's sum.
+"""A delta's intake: what an island's delta must be to count in the open round, and how it joins the round's sum.
 
 A delta counts if it is for the open round, trained from its base or one at most --max-base-lag versions back (and that
 version as the run has it, not one rolled back), its claims (tokens, steps, loss) can be true, and no merge refused it
-before; a learner contributes one delta per round (a copy sent again after a lost ack is acked again). An accepted
+before; an island contributes one delta per round (a copy sent again after a lost ack is acked again). An accepted
 delta is recorded, saved, then acked, and added to the round's running sum with its weight (--merge-weight) and its
 scale (staleness discount, --step-normalize); its compute time updates the pace the grace predicts from.
 
 A pipelined delta (--pipeline D > 1, streamed runs) is pushed before its round opens: it names the version its round
 opens on as its base and, as `trained_from`, the older version it trained from, whose values of its part no merge in
 between changed (`untouched_since`), so it is as fresh as any. Until its round opens it waits, unacked and in memory
-only (at most D - 1 a member: a restart loses them and their learners send them again), then it is taken as if it
+only (at most D - 1 a member: a restart loses them and their islands send them again), then it is taken as if it
 had just come.
 """
 
@@ -43,7 +43,7 @@ class Deltas:
         self.outbox = outbox
 
     def on_delta(self, peer: str, msg: Message, now: float) -> None:
-        """A learner's delta (the core then sees whether the round may close)."""
+        """An island's delta (the core then sees whether the round may close)."""
         try:
             m = self.state.member(peer, msg, now)
         except ProtocolError as e:
@@ -54,21 +54,21 @@ class Deltas:
 
     def _heard_while_away(self, msg: Message) -> None:
         """A delta from a member's process while it is away (gone silent, its hello again still to come): the copy is
-        heard, so once that hello comes the pongs say so and the learner sends it again, even if the refusal that
+        heard, so once that hello comes the pongs say so and the island sends it again, even if the refusal that
         told it to was lost (sim seed 903596133)."""
         s = self.state
         h = msg.header
-        m = s.members.get(h["learner"])
+        m = s.members.get(h["island"])
         if m is not None and m.session == h["session"] and m.principal == s.principal:
             m.heard = [digest_bytes(msg.frames), h["copy"] if isinstance(h.get("copy"), int) else 0]
 
     def _take_delta(self, m: Member, msg: Message, now: float) -> None:
-        """A learner's delta: acked again if it counted already, kept for its round if pipelined ahead of it, refused
+        """An island's delta: acked again if it counted already, kept for its round if pipelined ahead of it, refused
         if it cannot count in the open round, else accepted into the round's sum (on the tape, saved, then acked)."""
         s = self.state
         h = msg.header
         digest = digest_bytes(msg.frames)
-        if [h["round"], digest] in s.merged.get(m.learner, []):  # sent again after a lost ack: it counted
+        if [h["round"], digest] in s.merged.get(m.island, []):  # sent again after a lost ack: it counted
             self.answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": True, "merged": True})
             return
         m.heard = [digest, h["copy"] if isinstance(h.get("copy"), int) else 0]
@@ -77,13 +77,13 @@ class Deltas:
         refusal = self._delta_refusal(m, h, digest)
         if refusal is not None:
             return self._refuse_delta(m, h, digest, refusal.code, refusal.reason, now)
-        mine = s.pending.get(m.learner)
+        mine = s.pending.get(m.island)
         if mine is not None:
             if mine.ref() == [h["round"], h["base_version"], digest]:  # sent again after a lost ack
                 self.answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": True,
                                           "merge_round": s.round.number})
             else:
-                self._refuse_delta(m, h, digest, Code.DUPLICATE, f"learner {m.learner} already contributed to round "
+                self._refuse_delta(m, h, digest, Code.DUPLICATE, f"island {m.island} already contributed to round "
                                                                  f"{s.round.number} (delta {mine.digest})", now)
             return
         try:
@@ -142,7 +142,7 @@ class Deltas:
         """A delta for a round not open yet that is kept for it rather than judged now: one pipelined ahead of the
         open round, or, with no round open (a restarted syncer before it reopens its round, or a run waiting for
         its quorum), one for the round that opens next, on the version it opens on. Refused as stale, the latter
-        was lost whenever the refusal was (sim seed 800680): its learner waited on a round that waited on it."""
+        was lost whenever the refusal was (sim seed 800680): its island waited on a round that waited on it."""
         s = self.state
         if s.round is not None:
             return h["round"] > s.round.number and "trained_from" in h
@@ -153,18 +153,18 @@ class Deltas:
         """A delta for a round not open yet (`_waits_for_its_round`): kept (unacked) for its round, or refused now."""
         s = self.state
         h, r = msg.header, s.round
-        kept = s.ahead.setdefault(m.learner, {})
+        kept = s.ahead.setdefault(m.island, {})
         problem = None
-        if r is None:  # (the round opening next, kept whole: at most one a learner beside the pipelined ones)
+        if r is None:  # (the round opening next, kept whole: at most one an island beside the pipelined ones)
             problem = None if h["round"] in kept or len(kept) < s.cfg.pipeline else Refusal(
-                Code.STALE, f"learner {m.learner} already has {len(kept)} delta(s) waiting for round "
+                Code.STALE, f"island {m.island} already has {len(kept)} delta(s) waiting for round "
                             f"{h['round']} to open (--pipeline {s.cfg.pipeline})")
         elif not h["round"] - r.number < s.cfg.pipeline or h["base_version"] != h["round"] - 1:
             problem = Refusal(Code.STALE, f"delta for round {h['round']} on version {h['base_version']}: round "
                                           f"{r.number} is open, and --pipeline {s.cfg.pipeline} keeps deltas for the "
                                           f"{s.cfg.pipeline - 1} round(s) after it, each on the version it opens on")
         elif h["round"] not in kept and len(kept) >= s.cfg.pipeline - 1:
-            problem = Refusal(Code.STALE, f"learner {m.learner} already has {len(kept)} pipelined delta(s) waiting "
+            problem = Refusal(Code.STALE, f"island {m.island} already has {len(kept)} pipelined delta(s) waiting "
                                           f"(--pipeline {s.cfg.pipeline})")
         pipelined = "trained_from" in h
         problem = problem or (self.pipelined_refusal(h) if pipelined else None) or \
@@ -180,7 +180,7 @@ class Deltas:
 
     def take_ahead(self, now: float) -> None:
         """The open round's pipelined deltas, taken as if they came now (those of a member gone or of an earlier
-        session are dropped: its learner sends them again)."""
+        session are dropped: its island sends them again)."""
         s = self.state
         r = s.round
         for lid in sorted(s.ahead):
@@ -199,7 +199,7 @@ class Deltas:
         (when plausible) updates its member's pace, which the grace predicts the next push from."""
         s = self.state
         h, r = msg.header, s.round
-        d = AcceptedDelta(m.learner, m.session, r.number, h["base_version"], h["tokens"], h["loss_tokens"],
+        d = AcceptedDelta(m.island, m.session, r.number, h["base_version"], h["tokens"], h["loss_tokens"],
                           h["inner_steps"], float(h["loss"]), digest, list(h["fragments"]), tuple(msg.frames),
                           carried_steps=h.get("carried_steps", 0), tier=str(m.tier))
         self.measure(d, flat)
@@ -210,8 +210,8 @@ class Deltas:
         self.outbox.record("delta", **self.delta_fields(d), bytes=msg.nbytes, norm=d.norm, compute_s=compute_s,
                            **pipelined)
         self.outbox.add(SaveDelta(d))
-        s.pending[m.learner] = d
-        s.sum.add(m.learner, flat, self.weight(d), self.scale(d))  # the decoded copy is dropped
+        s.pending[m.island] = d
+        s.sum.add(m.island, flat, self.weight(d), self.scale(d))  # the decoded copy is dropped
         self.answer(m, h, "ack", {**_where(h), "digest": digest, "duplicate": False, "merge_round": r.number})
         if compute_s is not None:
             m.round_s = compute_s if m.round_s is None else (ROUND_TIME_EMA * compute_s +
@@ -221,12 +221,12 @@ class Deltas:
         m.since = now
 
     def _refuse_delta(self, m: Member, h: dict[str, Any], digest: str, code: Code, reason: str, now: float) -> None:
-        """Not accepted: the error names the delta (round, base version, digest), so a learner that has pushed
+        """Not accepted: the error names the delta (round, base version, digest), so an island that has pushed
         that round again since knows it is not about its newer delta."""
         if not self.outbox.may_reply(m.peer, now):
             return
         reason = truncate(reason)
-        self.outbox.record("reject", learner=m.learner, round=h["round"], base_version=h["base_version"], digest=digest,
+        self.outbox.record("reject", island=m.island, round=h["round"], base_version=h["base_version"], digest=digest,
                            code=str(code), reason=reason)
         self.answer(m, h, "error", {"code": str(code), "reason": reason, "round": h["round"],
                                     "base_version": h["base_version"], "digest": digest, "version": self.state.version})
@@ -261,7 +261,7 @@ class Deltas:
 
     @staticmethod
     def delta_fields(d: AcceptedDelta) -> dict[str, Any]:
-        return {"learner": d.learner, "round": d.round, "base_version": d.base_version, "digest": d.digest,
+        return {"island": d.island, "round": d.round, "base_version": d.base_version, "digest": d.digest,
                 "tokens": d.tokens, "loss_tokens": d.loss_tokens, "inner_steps": d.inner_steps, "loss": d.loss,
                 "bits": sorted({x["bits"] for x in d.descs}), "lag": d.lag, "round_steps": d.round_steps,
                 "tier": d.tier}
@@ -297,7 +297,7 @@ def _claims_problem(h: dict[str, Any], tokens_per_step: int, round_steps: int) -
     if type(carried) is not int or not 0 <= carried <= steps:
         return f"delta claims {carried!r} steps carried in; it must be a count of its {steps} inner steps"
     if tokens_per_step and tokens > steps * tokens_per_step:
-        return (f"delta claims {tokens} tokens in {steps} steps; this learner declared at most {tokens_per_step} "
+        return (f"delta claims {tokens} tokens in {steps} steps; this island declared at most {tokens_per_step} "
                 "tokens per step (batch x accumulation x sequence length)")
     if not (math.isfinite(loss) and 0 <= loss <= MAX_LOSS):
         return f"delta with impossible loss {loss}"

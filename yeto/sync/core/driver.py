@@ -1,9 +1,9 @@
 """The open round's driver: it opens rounds, closes them by `rounds.close_decision`, and ends the run.
 
 `RoundDriver` applies the pure rules of `rounds` to the run's state: a round opens once the run is founded (round 1
-once its gate passed: --learners, or quorum plus --straggler-timeout) and is sent to every live member without a
+once its gate passed: --islands, or quorum plus --straggler-timeout) and is sent to every live member without a
 delta in; it closes into the merge transaction (`merging.Merging.close_round`), keeps waiting, or gives the run up
-short of quorum; the finish tells every learner and lingers until each had its chance to fetch the final adapter.
+short of quorum; the finish tells every island and lingers until each had its chance to fetch the final adapter.
 The concerns that may open or close a round (a join, a delta, a merge, a start) call it through the core.
 """
 
@@ -21,11 +21,11 @@ from yeto.sync.core.state import SyncerOutbox, SyncerState
 
 QUORUM_WAIT_LOG_S = 15.0  # how often a round short of quorum says whom it waits for
 PROGRESS_LOG_S = 60.0  # how often a slow round says whom it waits for
-FINISH_LINGER_TIMEOUTS = 10  # after the finish, serve stragglers at most this many --learner-timeouts
-# ... and longer, up to this many, while a learner that still answers has not got the final adapter (a slow reader:
+FINISH_LINGER_TIMEOUTS = 10  # after the finish, serve stragglers at most this many --island-timeouts
+# ... and longer, up to this many, while an island that still answers has not got the final adapter (a slow reader:
 # a 70B-class adapter down a home line takes most of an hour)
 FINISH_MAX_LINGER_TIMEOUTS = 60
-FINISH_GRACE_TIMEOUTS = 3  # ... and wait for a learner gone silent (asleep?) until it is silent this many
+FINISH_GRACE_TIMEOUTS = 3  # ... and wait for an island gone silent (asleep?) until it is silent this many
 
 
 class RoundDriver:
@@ -55,17 +55,17 @@ class RoundDriver:
         header = round_header(s.cfg, s.round, now)
         members = []
         for m in s.live():
-            if m.learner not in s.pending:
+            if m.island not in s.pending:
                 self.outbox.send(m.peer, "round", header)
-                members.append(m.learner)
+                members.append(m.island)
         self.outbox.record("round_open", round=s.round.number, version=run.version, members=sorted(members),
                            restored=sorted(s.pending))
-        self.outbox.log("info", f"round {s.round.number} open with learners {sorted(members)}")
+        self.outbox.log("info", f"round {s.round.number} open with islands {sorted(members)}")
         self.deltas.take_ahead(now)
         self.maybe_close(now)
 
     def _gate_passed(self, now: float) -> bool:
-        """Round 1 waits for --learners (less those given up), or for quorum plus --straggler-timeout."""
+        """Round 1 waits for --islands (less those given up), or for quorum plus --straggler-timeout."""
         s = self.state
         live = len(s.live())
         if live < s.quorum():
@@ -73,18 +73,18 @@ class RoundDriver:
             return False
         if s.gate_since is None:
             s.gate_since = now
-        return live >= s.cfg.learners - s.given_up_count() or now - s.gate_since >= s.cfg.straggler_timeout
+        return live >= s.cfg.islands - s.given_up_count() or now - s.gate_since >= s.cfg.straggler_timeout
 
     def round_members(self, now: float) -> RoundMembers:
         """The open round's responders, and whom it expects: the live members that have not answered, and (for a
-        --learner-timeout after a restart) the members known before it that may still come back."""
+        --island-timeout after a restart) the members known before it that may still come back."""
         s = self.state
         live = s.live()
-        waiting = {m.learner: Pace(m.since, m.round_s, m.step_s)
-                   for m in sorted(live, key=lambda m: m.learner) if m.learner not in s.pending}
+        waiting = {m.island: Pace(m.since, m.round_s, m.step_s)
+                   for m in sorted(live, key=lambda m: m.island) if m.island not in s.pending}
         absent: tuple[int, ...] = ()
         if now < s.absent_until:
-            here = {m.learner for m in live}
+            here = {m.island for m in live}
             absent = tuple(sorted(lid for lid in s.seen if lid not in here and lid not in s.pending))
         counting = s.counting()
         return RoundMembers(tuple(sorted(s.pending)), sum(1 for d in counting if d.lag == 0), waiting, absent,
@@ -135,21 +135,21 @@ class RoundDriver:
         if not short:
             self.outbox.log("info", f"round {r.number}: {len(responders)}/{q} responders so far, waiting for {waiting}")
             return
-        gone = sorted(lid for lid in s.seen if lid not in {m.learner for m in s.live()}
+        gone = sorted(lid for lid in s.seen if lid not in {m.island for m in s.live()}
                       and lid not in s.pending)
         self.outbox.record("quorum_wait", round=r.number, responders=responders, waiting=waiting, gone=gone,
                            quorum=q, short=short)
-        self.outbox.log("warning", f"round {r.number} cannot reach quorum {q} with the learners present "
+        self.outbox.log("warning", f"round {r.number} cannot reach quorum {q} with the islands present "
                                    f"({len(responders)} responded {responders}, training {waiting}, gone {gone}); "
                                    f"waiting up to {s.cfg.quorum_timeout - (now - r.opened_at):.0f}s more for "
-                                   "learners to (re)join")
+                                   "islands to (re)join")
 
     # ------------------------------------------------------ the finish
 
     def finish(self, reason: str, now: float, code: int, complete: bool, linger_s: Optional[float] = None) -> None:
         s = self.state
         s.finished_at = now
-        s.linger_until = now + (FINISH_LINGER_TIMEOUTS * s.cfg.learner_timeout if linger_s is None else linger_s)
+        s.linger_until = now + (FINISH_LINGER_TIMEOUTS * s.cfg.island_timeout if linger_s is None else linger_s)
         s.linger_for_fetchers = linger_s is None
         if s.round is not None:
             s.round.advance(RoundPhase.ABANDONED)
@@ -164,28 +164,28 @@ class RoundDriver:
             self.exit()
 
     def _fetching_final(self, now: float) -> bool:
-        """A live learner (heard within --learner-timeout) still says it holds an older version than the final one."""
+        """A live island (heard within --island-timeout) still says it holds an older version than the final one."""
         s = self.state
-        return any(m.held_version < s.version and now - m.last_seen <= s.cfg.learner_timeout
+        return any(m.held_version < s.version and now - m.last_seen <= s.cfg.island_timeout
                    for m in s.active())
 
     def _all_gone(self, now: float) -> bool:
-        """After the finish: has every learner had its chance to get it (and the final adapter)? Each one left, or
-        has been silent for a while (a learner asleep when the run ended comes back for it), and right after a
-        restart the learners known before it had their grace to say hello."""
+        """After the finish: has every island had its chance to get it (and the final adapter)? Each one left, or
+        has been silent for a while (an island asleep when the run ended comes back for it), and right after a
+        restart the islands known before it had their grace to say hello."""
         s = self.state
-        grace = FINISH_GRACE_TIMEOUTS * s.cfg.learner_timeout
+        grace = FINISH_GRACE_TIMEOUTS * s.cfg.island_timeout
         not_back = [lid for lid in s.seen if lid not in s.members]
         return (not not_back or now >= s.absent_until) and all(
             m.left or now - m.last_seen >= grace for m in s.members.values()) and all(
             now - t >= grace for t in s.knocking.values())
 
     def end_when_done(self, now: float) -> None:
-        """After the finish: exit once every learner had its chance to fetch the final adapter, or the linger is over
-        (longer while a learner that still answers fetches it, never past FINISH_MAX_LINGER_TIMEOUTS)."""
+        """After the finish: exit once every island had its chance to fetch the final adapter, or the linger is over
+        (longer while an island that still answers fetches it, never past FINISH_MAX_LINGER_TIMEOUTS)."""
         s = self.state
         lingered = now >= s.linger_until and not (s.linger_for_fetchers and self._fetching_final(now))
-        if self._all_gone(now) or lingered or now >= s.finished_at + FINISH_MAX_LINGER_TIMEOUTS * s.cfg.learner_timeout:
+        if self._all_gone(now) or lingered or now >= s.finished_at + FINISH_MAX_LINGER_TIMEOUTS * s.cfg.island_timeout:
             self.exit()
 
     def exit(self) -> None:

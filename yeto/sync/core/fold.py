@@ -33,7 +33,7 @@ from yeto.sync.merge.rules import (MAX_CLAIM_OVER_MEDIAN, MERGE_WEIGHTS, DeltaCo
 CLIP_SLACK = 1e-6  # float rounding allowed over the clip's bound
 RECOMPUTE_RTOL = 1e-9  # a recomputed number agrees with the record's to this (the same expression: the same bits)
 
-Key = tuple[int, int]  # (round, learner)
+Key = tuple[int, int]  # (round, island)
 
 
 class AuditViolation(Exception):
@@ -56,13 +56,13 @@ class TapeFold:
     merged_deltas: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     checkpointed: int = -1
     outstanding: dict[Key, dict[str, Any]] = field(default_factory=dict)
-    settled: set[tuple[int, int, str]] = field(default_factory=set)  # (round, learner, digest) merged or refused
+    settled: set[tuple[int, int, str]] = field(default_factory=set)  # (round, island, digest) merged or refused
     discarded: set[tuple[int, int, str]] = field(default_factory=set)
-    joined: set[int] = field(default_factory=set)  # every learner id that ever joined the run
+    joined: set[int] = field(default_factory=set)  # every island id that ever joined the run
     quorum: int = 1
     config_quorum: int = 1
-    learners: int = 1
-    given_up: set = field(default_factory=set)  # learner ids given up since the last start
+    islands: int = 1
+    given_up: set = field(default_factory=set)  # island ids given up since the last start
     outer_steps: int = 0
     max_base_lag: int = 0  # a delta may be accepted this many versions after its base
     robust_k: float = 0.0  # --robust-k under norm-clip (0: no clip bound to check)
@@ -70,8 +70,8 @@ class TapeFold:
     by_part: dict[Any, list[int]] = field(default_factory=dict)  # streamed part (None: whole) -> versions merged
     counts: dict[str, int] = field(default_factory=dict)
 
-    def resolved(self, rnd: int, learner: int, digest: str) -> bool:
-        key = (rnd, learner, digest)
+    def resolved(self, rnd: int, island: int, digest: str) -> bool:
+        key = (rnd, island, digest)
         return key in self.settled or key in self.discarded
 
     def _fail(self, e: dict[str, Any], what: str) -> None:
@@ -98,7 +98,7 @@ class TapeFold:
     def _on_start(self, e: dict[str, Any]) -> None:
         cfg = e.get("config") or {}
         self.quorum = self.config_quorum = int(cfg.get("quorum", self.quorum))
-        self.learners = int(cfg.get("learners", self.learners))
+        self.islands = int(cfg.get("islands", self.islands))
         self.given_up = set()  # a restarted syncer applies its given-up folder again
         self.outer_steps = int(cfg.get("outer_steps", self.outer_steps))
         self.max_base_lag = int(cfg.get("max_base_lag", 0))
@@ -106,18 +106,18 @@ class TapeFold:
         self.staleness_exponent = float(cfg.get("staleness_exponent", 0.0))
 
     def _on_given_up(self, e: dict[str, Any]) -> None:
-        """The fleet controller gave a learner up: the quorum shrinks, by the rule, not by the record's word."""
-        self.given_up.add(e.get("learner"))
-        expected = quorum_after_give_ups(self.config_quorum, self.learners, len(self.given_up))
+        """The fleet controller gave an island up: the quorum shrinks, by the rule, not by the record's word."""
+        self.given_up.add(e.get("island"))
+        expected = quorum_after_give_ups(self.config_quorum, self.islands, len(self.given_up))
         if e.get("quorum") != expected:
-            self._fail(e, f"given_up of learner {e.get('learner')} sets quorum {e.get('quorum')}, the rule gives "
-                          f"{expected} (--quorum {self.config_quorum}, --learners {self.learners}, "
+            self._fail(e, f"given_up of island {e.get('island')} sets quorum {e.get('quorum')}, the rule gives "
+                          f"{expected} (--quorum {self.config_quorum}, --islands {self.islands}, "
                           f"{len(self.given_up)} given up)")
         self.quorum = expected
 
     def _on_join(self, e: dict[str, Any]) -> None:
-        if isinstance(e.get("learner"), int):
-            self.joined.add(e["learner"])
+        if isinstance(e.get("island"), int):
+            self.joined.add(e["island"])
 
     def _on_init(self, e: dict[str, Any]) -> None:
         if self.version != -1:
@@ -126,33 +126,33 @@ class TapeFold:
         self.digests[0] = e["digest"]
 
     def _on_delta(self, e: dict[str, Any]) -> None:
-        key = (e["round"], e["learner"])
+        key = (e["round"], e["island"])
         lag = self.version - e["base_version"]
         if self.version < 0 or not 0 <= lag <= self.max_base_lag or e["round"] != self.version + 1 or e.get(
                 "lag", 0) != lag:
-            self._fail(e, f"delta of learner {e['learner']} accepted for round {e['round']} on version "
+            self._fail(e, f"delta of island {e['island']} accepted for round {e['round']} on version "
                           f"{e['base_version']} while version {self.version} was committed")
         if key in self.outstanding:
-            self._fail(e, f"delta of learner {e['learner']} for round {e['round']} accepted twice without being "
+            self._fail(e, f"delta of island {e['island']} for round {e['round']} accepted twice without being "
                           "merged or discarded in between")
         self.outstanding[key] = e
 
     def _settle(self, e: dict[str, Any], what: str) -> None:
-        key = (e["round"], e["learner"])
+        key = (e["round"], e["island"])
         have = self.outstanding.get(key)
         if have is None or have["digest"] != e["digest"]:
-            self._fail(e, f"{what} of learner {e['learner']}'s delta {e['digest']} for round {e['round']}, "
+            self._fail(e, f"{what} of island {e['island']}'s delta {e['digest']} for round {e['round']}, "
                           "which is not an outstanding accepted delta")
             return
         del self.outstanding[key]
-        self.settled.add((e["round"], e["learner"], e["digest"]))
+        self.settled.add((e["round"], e["island"], e["digest"]))
 
     def _on_refuse_delta(self, e: dict[str, Any]) -> None:
         self._settle(e, "refusal")
 
     def _on_discard(self, e: dict[str, Any]) -> None:
         self._settle(e, "discard")
-        key = (e["round"], e["learner"], e["digest"])
+        key = (e["round"], e["island"], e["digest"])
         if key in self.settled:
             self.settled.discard(key)
             self.discarded.add(key)
@@ -168,7 +168,7 @@ class TapeFold:
         for lid, dg in zip(responders, digests):
             have = self.outstanding.get((rnd, lid))
             if have is None or have["digest"] != dg:
-                self._fail(e, f"merge of round {rnd} uses learner {lid}'s delta {dg}, which is not an outstanding "
+                self._fail(e, f"merge of round {rnd} uses island {lid}'s delta {dg}, which is not an outstanding "
                               "accepted delta (lost, merged before, or never accepted)")
                 continue
             used.append(self.outstanding.pop((rnd, lid)))
@@ -186,7 +186,7 @@ class TapeFold:
         self.merged_deltas[v] = used
 
     def _check_bounds(self, e: dict[str, Any], used: list[dict[str, Any]]) -> None:
-        """No learner's claim bought more weight than the rule allows, and no merged delta was longer than the clip's
+        """No island's claim bought more weight than the rule allows, and no merged delta was longer than the clip's
         bound (yeto.sync.merge.rules, yeto.sync.merge.aggregate): checked from the tape's own numbers."""
         counted, how = e.get("counted"), e.get("merge_weight", "loss-tokens")
         if counted is not None and how in MERGE_WEIGHTS:
@@ -204,7 +204,7 @@ class TapeFold:
             bound = self.robust_k * ref * (1 + CLIP_SLACK)
             over = [i for i, n in zip(e["responders"], norms) if n > bound]
             if over:
-                self._fail(e, f"merge of round {e['round']} merged learner(s) {over} above the clip bound "
+                self._fail(e, f"merge of round {e['round']} merged island(s) {over} above the clip bound "
                               f"{self.robust_k:g} x {ref:.4g}")
             elif how in MERGE_WEIGHTS and all("norm" in d for d in used) and "lags" in e:
                 self._recompute_clip(e, used, how)
@@ -259,8 +259,8 @@ class TapeFold:
             self.by_part[_part_of(m)].remove(v)
         self.digests.pop(v, None)
         for d in self.merged_deltas.pop(v, []):
-            self.settled.discard((d["round"], d["learner"], d["digest"]))
-            self.outstanding[(d["round"], d["learner"])] = d
+            self.settled.discard((d["round"], d["island"], d["digest"]))
+            self.outstanding[(d["round"], d["island"])] = d
         self.version = v - 1
 
     def _on_rollback(self, e: dict[str, Any]) -> None:
@@ -289,7 +289,7 @@ class TapeFold:
             self._fail(e, f"finish marked complete at version {self.version} of {self.outer_steps} outer steps")
         if self.outstanding:
             self._fail(e, f"finish marked complete with accepted deltas never merged: "
-                          f"{sorted(self.outstanding)} (round, learner)")
+                          f"{sorted(self.outstanding)} (round, island)")
 
 
 def _part_of(merge: dict[str, Any]) -> Any:

@@ -1,7 +1,7 @@
 """The merge transaction: a round's pending deltas combined, the outer step taken, the next version committed.
 
 `close_round` merges on copies (`_merge`: the rule's average, `_average`, then the outer Nesterov step and the
-broadcast's quantization); a delta that makes the merge fail is refused (on the tape, to its learner: the one that
+broadcast's quantization); a delta that makes the merge fail is refused (on the tape, to its island: the one that
 moves the merge most, `_contributions`) and the merge is retried without it; the run's state changes only in
 `_commit`, once a merge completed. Each delta counts for its bounded claim (`_terms`: no claim buys more than the
 round's median weight allows) and its staleness scale. Durability order: the merge is recorded, the checkpoint saved,
@@ -27,7 +27,7 @@ from yeto.sync.wire.layout import fragment_pieces
 from yeto.sync.wire.protocol import Code, array_digest, encode, encode_fragments_ef, message_bytes, truncate
 from yeto.sync.wire.quant import ErrorFeedback, QuantError
 
-MERGED_HISTORY = 16  # per learner id, its latest merged deltas: one back from a long absence learns which counted
+MERGED_HISTORY = 16  # per island id, its latest merged deltas: one back from a long absence learns which counted
 
 
 class MergeError(Exception):
@@ -48,7 +48,7 @@ class Merged:
     """A merge computed on copies: the run's next state, and what the tape records of it (per delta, in the order
     the deltas were summed)."""
 
-    global_: np.ndarray  # the new global adapter, as learners will hold it (the update quantized for the broadcast)
+    global_: np.ndarray  # the new global adapter, as islands will hold it (the update quantized for the broadcast)
     momentum: np.ndarray
     residual: np.ndarray  # the broadcast's error feedback after this update
     sent: np.ndarray  # the update as broadcast
@@ -174,7 +174,7 @@ class Merging:
         return s
 
     def _order(self) -> list[int]:
-        """The pending deltas' learners in the order they were added to the running sum."""
+        """The pending deltas' islands in the order they were added to the running sum."""
         s = self.state
         return [i for i in s.sum.order if i in s.pending] if s.sum is not None else sorted(s.pending)
 
@@ -185,7 +185,7 @@ class Merging:
         return {i: w / total * sc * t.length * self.state.pending[i].peak for i, w, sc in zip(ids, t.counted, t.scales)}
 
     def _refuse_merged(self, lid: int, reason: str) -> None:
-        """A delta that broke the merge leaves the round (on the tape, to its learner, remembered: never accepted
+        """A delta that broke the merge leaves the round (on the tape, to its island, remembered: never accepted
         again); the running sum is rebuilt without it."""
         s = self.state
         d = s.pending.pop(lid)
@@ -196,8 +196,8 @@ class Merging:
             kept = s.pending[i]
             s.sum.add(i, self.deltas.decode(kept), self.deltas.weight(kept), self.deltas.scale(kept))
         reason = truncate(reason)
-        self.outbox.record("refuse_delta", learner=lid, round=d.round, digest=d.digest, reason=reason)
-        self.outbox.add(DropDeltas(round=d.round, learner=lid))
+        self.outbox.record("refuse_delta", island=lid, round=d.round, digest=d.digest, reason=reason)
+        self.outbox.add(DropDeltas(round=d.round, island=lid))
         m = s.members.get(lid)
         if m is not None and m.active:
             copy = {"copy": m.last_answer["copy"]} if m.last_answer and m.last_answer.get("digest") == d.digest else {}
@@ -206,7 +206,7 @@ class Merging:
                                                   "digest": d.digest,
                                                   "version": s.version})
         self.deltas.remember_refused(d.digest)
-        self.outbox.log("warning", f"refused learner {lid}'s delta: {reason}")
+        self.outbox.log("warning", f"refused island {lid}'s delta: {reason}")
 
     def _commit(self, r: OpenRound, ids: list[int], merged: Merged, stragglers: list[int], now: float) -> None:
         """The merge becomes the run's next version: on the tape, checkpointed, then broadcast (in that order)."""
@@ -217,10 +217,10 @@ class Merging:
         digest = array_digest(merged.global_)
         summed, ids = ids, sorted(ids)  # the tape lists responders sorted, and the order they were summed in
 
-        def by_learner(values: Any) -> list[float]:
+        def by_island(values: Any) -> list[float]:
             return [float(x) for _, x in sorted(zip(summed, values))]
 
-        weights = by_learner(merged.weights)
+        weights = by_island(merged.weights)
         deltas = [s.pending[i].digest for i in ids]
         lags = [s.pending[i].lag for i in ids]
         self.outbox.record("merge", round=r.number, version=version, responders=ids, weights=weights,
@@ -229,14 +229,14 @@ class Merging:
                            robust=s.cfg.robust, clip={str(i): c for i, c in merged.clip.items()},
                            merge=s.cfg.merge, merge_weight=s.cfg.merge_weight, lora_merge=s.cfg.lora_merge,
                            step_normalize=s.cfg.step_normalize, lags=lags, clip_ref=merged.clip_ref,
-                           counted=by_learner(merged.counted), merged_norms=by_learner(merged.merged_norms),
+                           counted=by_island(merged.counted), merged_norms=by_island(merged.merged_norms),
                            tiers=[s.pending[i].tier for i in ids],
                            grace_s=round(now - r.fresh_at, 6) if r.fresh_at is not None else None, **merged.rule,
                            **({"part": list(part)} if (part := s.part(r.number)) is not None else {}))
         if merged.clip:
-            self.outbox.log("warning", f"round {r.number}: robust merge clipped learner(s) "
+            self.outbox.log("warning", f"round {r.number}: robust merge clipped island(s) "
                                        f"{', '.join(f'{i} (x{c:.3g})' for i, c in merged.clip.items())}")
-        s.norm_history_of(s.part(r.number)).extend(zip(by_learner(merged.merged_norms),
+        s.norm_history_of(s.part(r.number)).extend(zip(by_island(merged.merged_norms),
                                                        (s.pending[i].tier for i in ids)))  # (as the tape says)
         self._note_merged(ids, now)
         s.run = Checkpoint(version, run.layout, run.adapter_config, run.provenance, merged.global_,
@@ -259,12 +259,12 @@ class Merging:
                                 f"version {version}")
 
     def _note_merged(self, ids: list[int], now: float) -> None:
-        """Each learner's merged deltas (its latest MERGED_HISTORY), and the fresh ones' members train from now."""
+        """Each island's merged deltas (its latest MERGED_HISTORY), and the fresh ones' members train from now."""
         s = self.state
         for i in ids:
             d = s.pending[i]
             history = s.merged.setdefault(i, [])
-            history.append(d.ref()[::2])  # [the round it trained, digest]: as its learner names it
+            history.append(d.ref()[::2])  # [the round it trained, digest]: as its island names it
             del history[:-MERGED_HISTORY]
             m = s.members.get(i)
             if m is not None and d.lag == 0:
@@ -277,6 +277,6 @@ class Merging:
         to = []
         for m in s.live():
             self.outbox.send(m.peer, "broadcast", b.header, b.frames)
-            to.append(m.learner)
+            to.append(m.island)
         self.outbox.record("broadcast", round=round_number, version=b.version, to=to, bits=s.cfg.broadcast_bits,
                            bytes=message_bytes(encode("broadcast", b.header, b.frames)))

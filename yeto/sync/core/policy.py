@@ -1,6 +1,6 @@
-"""The round policy (`RoundPolicy`): what the syncer's welcome tells every learner about the rounds, written by the
-syncer (`SyncerConfig.round_policy()` builds one) and read back by the learner, and the one answer to how many inner
-steps a round asks of an island (`RoundPolicy.steps_for`): the learner core's round start, its pipelined rounds, the
+"""The round policy (`RoundPolicy`): what the syncer's welcome tells every island about the rounds, written by the
+syncer (`SyncerConfig.round_policy()` builds one) and read back by the island, and the one answer to how many inner
+steps a round asks of an island (`RoundPolicy.steps_for`): the island core's round start, its pipelined rounds, the
 training loops' --overlap, steps ahead and carried windows, and the syncer's check of a delta's claim all ask it."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ _WIRE_TYPES = {"int": int, "float": float}  # how each field's wire value is rea
 class RoundPolicy:
     """What the syncer's welcome says every round asks (`SyncerConfig.policy()` writes it, in this field order). A key
     the syncer leaves out takes the field's one default (it sends every key: the defaults serve before its welcome,
-    and tests): what a learner assumed before, or the syncer's flag default where it assumed none or several. A key
+    and tests): what an island assumed before, or the syncer's flag default where it assumed none or several. A key
     this version does not know is left out."""
 
     inner_steps: int = 50  # --inner-steps: a fixed-step round's length
@@ -29,11 +29,11 @@ class RoundPolicy:
     sync_bits: int = 4  # the deltas' wire precision
     broadcast_bits: int = 4  # the broadcasts' (--broadcast-bits: --sync-bits unless set)
     quorum: int = 1
-    heartbeat_s: float = math.inf  # ping at least this often (inf: as the learner's own heartbeat says)
+    heartbeat_s: float = math.inf  # ping at least this often (inf: as the island's own heartbeat says)
     max_base_lag: int = 0  # how many versions back a delta's base may be (0: only fresh deltas)
     merge_alpha: float = 1.0  # a round starts from alpha x the global + (1 - alpha) x the island's last push
     fragments: int = 1  # the parts the run streams its adapter in (1: the whole adapter every round)
-    pipeline: int = 1  # deltas a learner may have in flight (1: it waits for each merge)
+    pipeline: int = 1  # deltas an island may have in flight (1: it waits for each merge)
 
     @classmethod
     def from_wire(cls, policy: dict[str, Any]) -> "RoundPolicy":

@@ -3,7 +3,7 @@
 The tape is folded with `TapeFold` (the audit's fold, so the recovery and the audit agree on what a tape means). A
 restart resumes at the checkpoint: merges recorded after it (their checkpoint was not durable) are rolled back on the
 tape, the saved deltas of the open round are restored (a delta whose tape line was lost is recorded now), and the
-accepted deltas that were not saved are discarded on the tape (their learners send them again). With no checkpoint at
+accepted deltas that were not saved are discarded on the tape (their islands send them again). With no checkpoint at
 all the run starts from scratch: whatever the tape accepted before is void.
 """
 
@@ -22,7 +22,7 @@ from yeto.sync.wire.layout import synced_fragments
 from yeto.sync.wire.protocol import ProtocolError, truncate
 from yeto.sync.wire.quant import ErrorFeedback
 
-Saved = dict[tuple[int, int], AcceptedDelta]  # (round, learner) -> a delta saved on disk
+Saved = dict[tuple[int, int], AcceptedDelta]  # (round, island) -> a delta saved on disk
 
 
 class Recovery:
@@ -51,15 +51,15 @@ class Recovery:
             self._start_from_scratch(fold, durable)
             return False
         self._resume_state(ck, fold)
-        saved = {(d.round, d.learner): d for d in durable.deltas}
+        saved = {(d.round, d.island): d for d in durable.deltas}
         self._discard_unsaved(ck, fold, saved)
         restored = self._restore_saved(ck, fold, saved)
         self.outbox.add(DropDeltas(through_round=ck.version))
         for (rnd, lid), d in saved.items():
             if rnd == ck.version + 1 and lid not in s.pending:
-                self.outbox.add(DropDeltas(round=rnd, learner=lid))
+                self.outbox.add(DropDeltas(round=rnd, island=lid))
         s.started = ck.version > 0 or bool(s.pending)
-        s.absent_until = now + s.cfg.learner_timeout
+        s.absent_until = now + s.cfg.island_timeout
         self.outbox.record("resume", version=ck.version, digest=ck.digest, restored=restored, rolled_back=rolled_back)
         self.outbox.log("info", f"resumed at version {ck.version} ({len(restored)} delta(s) of round {ck.version + 1} "
                                 "restored)")
@@ -77,7 +77,7 @@ class Recovery:
     def _start_from_scratch(self, fold: TapeFold, durable: Durable) -> None:
         """Nothing durable: a fresh run (anything the tape accepted before is void)."""
         for (rnd, lid), ev in sorted(fold.outstanding.items()):
-            self.outbox.record("discard", learner=lid, round=rnd, digest=ev["digest"],
+            self.outbox.record("discard", island=lid, round=rnd, digest=ev["digest"],
                                reason="the run restarted from scratch: no checkpoint was durable")
         if durable.deltas:
             self.outbox.add(DropDeltas(through_round=max(d.round for d in durable.deltas)))
@@ -108,11 +108,11 @@ class Recovery:
         for (rnd, lid), ev in sorted(fold.outstanding.items()):
             d = saved.get((rnd, lid))
             if rnd != ck.version + 1 or d is None or d.digest != ev["digest"]:
-                self.outbox.record("discard", learner=lid, round=rnd, digest=ev["digest"],
-                                   reason="not saved when the syncer stopped; its learner sends it again")
+                self.outbox.record("discard", island=lid, round=rnd, digest=ev["digest"],
+                                   reason="not saved when the syncer stopped; its island sends it again")
 
     def _restore_saved(self, ck: Checkpoint, fold: TapeFold, saved: Saved) -> list[int]:
-        """The saved deltas of the open round back in its sum, in learner order; returns whose were restored."""
+        """The saved deltas of the open round back in its sum, in island order; returns whose were restored."""
         s = self.state
         restored = []
         for (rnd, lid), d in sorted(saved.items()):
@@ -122,15 +122,15 @@ class Recovery:
             if ev is not None and not self._fits_its_part(d):  # the run's parts moved: sent again, it would not fit
                 reason = (f"round {rnd} no longer syncs the fragments this delta carries (the run restarted with "
                           "another --outer-steps, and its last round, which syncs the whole adapter, moved)")
-                self.outbox.record("refuse_delta", learner=lid, round=rnd, digest=d.digest, reason=reason)
-                self.outbox.add(DropDeltas(round=rnd, learner=lid))
+                self.outbox.record("refuse_delta", island=lid, round=rnd, digest=d.digest, reason=reason)
+                self.outbox.add(DropDeltas(round=rnd, island=lid))
                 self.deltas.remember_refused(d.digest)
                 continue
             try:
                 flat = self.deltas.decode(d)
-            except ProtocolError as e:  # a file that does not fit this run: its learner sends the delta again
+            except ProtocolError as e:  # a file that does not fit this run: its island sends the delta again
                 if ev is not None:
-                    self.outbox.record("discard", learner=lid, round=rnd, digest=d.digest, reason=truncate(str(e)))
+                    self.outbox.record("discard", island=lid, round=rnd, digest=d.digest, reason=truncate(str(e)))
                 continue
             self.deltas.measure(d, flat)
             if ev is None:  # saved, but its tape line was lost: account for it now
@@ -151,5 +151,5 @@ class Recovery:
         if d.round != ck.version + 1 or not 0 <= ck.version - d.base_version <= self.state.cfg.max_base_lag:
             return False
         if ev is None:
-            return not fold.resolved(d.round, d.learner, d.digest)
+            return not fold.resolved(d.round, d.island, d.digest)
         return ev["digest"] == d.digest

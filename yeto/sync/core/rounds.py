@@ -93,10 +93,10 @@ class Pace:
 class RoundMembers:
     """Who the round has and whom it expects."""
 
-    responders: tuple[int, ...]  # learner ids whose delta is in
+    responders: tuple[int, ...]  # island ids whose delta is in
     fresh: int  # how many of the counting deltas were trained from the round's base (not stale)
-    waiting: dict[int, Pace] = field(default_factory=dict)  # live members still training, by learner id (sorted)
-    absent: tuple[int, ...] = ()  # members known before a restart, not back yet (expected for a --learner-timeout)
+    waiting: dict[int, Pace] = field(default_factory=dict)  # live members still training, by island id (sorted)
+    absent: tuple[int, ...] = ()  # members known before a restart, not back yet (expected for a --island-timeout)
     counting: Optional[int] = None  # how many responders count toward quorum (None: all; an extra id never does)
 
     @property
@@ -109,9 +109,9 @@ class RoundMembers:
 
 
 def round_header(cfg: SyncerConfig, r: OpenRound, now: float) -> dict[str, Any]:
-    """What a learner trains the open round by. A time-window round's window is the round's, not the learner's:
+    """What an island trains the open round by. A time-window round's window is the round's, not the island's:
     `seconds_left` (relative, so no clocks need agree) ends every member's window together, however late it
-    started (a learner whose stale delta was just acked trains what is left), so deltas land fresh together
+    started (an island whose stale delta was just acked trains what is left), so deltas land fresh together
     instead of each island's window drifting with its own start."""
     header = {"round": r.number, "version": r.base_version, "inner_steps": cfg.inner_steps,
               "round_seconds": cfg.round_seconds}

@@ -29,16 +29,16 @@ from yeto.sync.wire.layout import Layout, round_part
 from yeto.sync.wire.protocol import Code, Message, ProtocolError, truncate
 from yeto.sync.wire.quant import ErrorFeedback
 
-STATE_REQUESTS_PER_WINDOW = 20  # full-state (or broadcast) resends per learner per RATE_WINDOW_S
+STATE_REQUESTS_PER_WINDOW = 20  # full-state (or broadcast) resends per island per RATE_WINDOW_S
 REPLIES_PER_WINDOW = 30  # refusals/errors answered and written to the tape per peer per RATE_WINDOW_S
 RATE_WINDOW_S = 60.0
-FRESH_IDS_PER_WINDOW = 32  # learner ids beyond --learners one key holder may bring in per RATE_WINDOW_S
-MAX_KNOCKING = 4096  # learner ids remembered as trying to rejoin
+FRESH_IDS_PER_WINDOW = 32  # island ids beyond --islands one key holder may bring in per RATE_WINDOW_S
+MAX_KNOCKING = 4096  # island ids remembered as trying to rejoin
 
 
 @dataclass
 class Member:
-    learner: int
+    island: int
     session: str
     peer: str
     backend: str
@@ -56,7 +56,7 @@ class Member:
     # every pong repeats it, so an answer lost on the control connection is learned without sending the delta again
     last_answer: Optional[dict[str, Any]] = None
     # [digest, copy] of the last delta message taken from it: a pong that says so and holds no delta of its (with no
-    # answer that explains why) tells the learner its copy arrived and was lost here, so it sends it again
+    # answer that explains why) tells the island its copy arrived and was lost here, so it sends it again
     heard: Optional[list[Any]] = None
     held_version: int = -1  # the version its last ping or sync said it holds
 
@@ -69,15 +69,15 @@ class Founding:
     adapter_config: dict[str, Any]
     provenance: dict[str, Any]
     contract: dict[str, Any]
-    asked: Optional[int] = None  # learner id asked for the adapter
-    # (learner, session) -> its uploads that came and could not count (from a member dropped meanwhile, or not the one
+    asked: Optional[int] = None  # island id asked for the adapter
+    # (island, session) -> its uploads that came and could not count (from a member dropped meanwhile, or not the one
     # asked any more): a request to that session says how many, or it takes its upload for still on its way and waits
     lost_uploads: dict[tuple[int, str], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a message is refused: the code, the reason its learner reads, and what the tape's record adds."""
+    """Why a message is refused: the code, the reason its island reads, and what the tape's record adds."""
 
     code: Code
     reason: str
@@ -95,7 +95,7 @@ class SyncerState:
     """The run's state: what the concerns read and change (events come in through `SyncerCore`)."""
 
     def __init__(self, cfg: SyncerConfig, incarnation: str, init: Optional[InitAdapter] = None):
-        """`init`: the adapter a new run starts from (--init-adapter), instead of the founding learner's."""
+        """`init`: the adapter a new run starts from (--init-adapter), instead of the founding island's."""
         cfg.check()
         self.cfg = cfg
         self.incarnation = incarnation
@@ -106,32 +106,32 @@ class SyncerState:
         self.run: Optional[Checkpoint] = None  # the committed run state (None until founded)
         self.ef: Optional[ErrorFeedback] = None
         self.members: dict[int, Member] = {}
-        self.retired: dict[int, list[str]] = {}  # learner id -> its sessions that a newer one took over
-        self.knocking: dict[int, float] = {}  # learner id of this run -> when it last got "not joined"
+        self.retired: dict[int, list[str]] = {}  # island id -> its sessions that a newer one took over
+        self.knocking: dict[int, float] = {}  # island id of this run -> when it last got "not joined"
         self.seen: set[int] = set()
-        self.owners: dict[int, str] = {}  # learner id -> proof of the identity that holds it (hash of its secret)
-        self.bound_ids: set[int] = set()  # learner ids only their own key may speak for (yeto keys add)
+        self.owners: dict[int, str] = {}  # island id -> proof of the identity that holds it (hash of its secret)
+        self.bound_ids: set[int] = set()  # island ids only their own key may speak for (yeto keys add)
         self.revoked: set[str] = set()  # principals whose keys were revoked
-        self.given_up: dict[int, str] = {}  # learner id -> why the fleet controller stopped bringing it back
+        self.given_up: dict[int, str] = {}  # island id -> why the fleet controller stopped bringing it back
         self.sum: Optional[RoundSum] = None  # the open round's running sum of accepted deltas
         # recent merged deltas' norms, per part of the adapter (a streamed run's parts differ in size and layers; the
         # whole adapter's key is None): the norm clip's reference
         self.norm_history: dict[Optional[tuple[int, ...]], deque[tuple[float, str]]] = {}  # (norm, tier) merged
-        self.merged: dict[int, list] = {}  # learner id -> its latest merged deltas, [[round, digest], ...]
+        self.merged: dict[int, list] = {}  # island id -> its latest merged deltas, [[round, digest], ...]
         self.round: Optional[OpenRound] = None
         self.pending: dict[int, AcceptedDelta] = {}
-        self.ahead: dict[int, dict[int, tuple[str, Message]]] = {}  # learner id -> round -> (session, its pipelined
+        self.ahead: dict[int, dict[int, tuple[str, Message]]] = {}  # island id -> round -> (session, its pipelined
         # delta): pushed before its round opened (--pipeline), taken when it opens (memory only: at most D - 1 each)
         self.digests: dict[int, str] = {}  # recent committed versions -> global digest: a stale delta's base is checked
         self.merge_s = 0.0  # how long merges take (the shell measures it): the grace leaves room for it
         self.refused_digests: dict[str, None] = {}  # deltas a merge refused (oldest first): never accepted again
         self.last_broadcast: Optional[Broadcast] = None
-        self.started = False  # round 1 has opened (the --learners gate is behind us)
+        self.started = False  # round 1 has opened (the --islands gate is behind us)
         self.gate_since: Optional[float] = None
         self.absent_until = -math.inf  # after a restart: members known before it are expected until then
         self.finished_at: Optional[float] = None
         self.linger_until = math.inf
-        self.linger_for_fetchers = True  # a finish lingers on while a live learner fetches the final adapter; a stop
+        self.linger_for_fetchers = True  # a finish lingers on while a live island fetches the final adapter; a stop
         # (a signal) does not: a person asked it to end
         self.finish_header: Optional[dict[str, Any]] = None
         self.exit_code: Optional[int] = None
@@ -146,10 +146,10 @@ class SyncerState:
         return self.exit_code is not None
 
     def given_up_count(self) -> int:
-        return sum(1 for lid in self.given_up if 0 <= lid < self.cfg.learners)
+        return sum(1 for lid in self.given_up if 0 <= lid < self.cfg.islands)
 
     def quorum(self) -> int:
-        return quorum_after_give_ups(self.cfg.quorum, self.cfg.learners, self.given_up_count())
+        return quorum_after_give_ups(self.cfg.quorum, self.cfg.islands, self.given_up_count())
 
     def counting(self) -> list[AcceptedDelta]:
         """The pending deltas that count toward the quorum (their tier's: `counts_toward_quorum`)."""
@@ -164,22 +164,22 @@ class SyncerState:
 
     def member(self, peer: str, msg: Message, now: float) -> Member:
         """The member a message comes from: its session current, on the connection that said hello (else an error
-        that tells the learner what to do: say hello, or stop, its session taken over)."""
-        lid, session = msg.header["learner"], msg.header["session"]
+        that tells the island what to do: say hello, or stop, its session taken over)."""
+        lid, session = msg.header["island"], msg.header["session"]
         m = self.members.get(lid)
         if session in self.retired.get(lid, ()):
-            raise ProtocolError(f"learner {lid} has a newer session; this one ({truncate(session, 20)}) is over",
+            raise ProtocolError(f"island {lid} has a newer session; this one ({truncate(session, 20)}) is over",
                                 Code.SUPERSEDED)
         said_goodbye = m is not None and m.session == session and m.left  # (its late messages are no knock)
         if m is not None and m.session == session and (peer != m.peer or self.principal != m.principal):
-            raise ProtocolError(f"this connection did not join as learner {lid}: a message is only accepted on the "
+            raise ProtocolError(f"this connection did not join as island {lid}: a message is only accepted on the "
                                 "connection that said hello", Code.IDENTITY)
         if m is not None and m.session != session:
             m = None  # a session we have not met: it must say hello (its hello may have been lost)
         if m is None or not m.active or (not m.welcomed and msg.type not in ("init", "leave", "ping")):
             if lid in self.seen and not said_goodbye and len(self.knocking) < MAX_KNOCKING:
-                self.knocking[lid] = now  # a learner of this run trying to get back in: a finished run waits for it
-            raise ProtocolError(f"learner {lid} has not joined: send hello first", Code.NOT_JOINED)
+                self.knocking[lid] = now  # an island of this run trying to get back in: a finished run waits for it
+            raise ProtocolError(f"island {lid} has not joined: send hello first", Code.NOT_JOINED)
         m.last_seen = now
         return m
 
@@ -236,7 +236,7 @@ class SyncerOutbox:
         self.actions.append(Send(peer, msg_type, header, frames))
 
     def reject(self, peer: str, reason: str, code: Code, now: float) -> None:
-        """An error answer to a message that is not a learner's (malformed, unauthenticated, or a core bug)."""
+        """An error answer to a message that is not an island's (malformed, unauthenticated, or a core bug)."""
         if not self.may_reply(peer, now):
             return
         reason = truncate(reason)
@@ -247,9 +247,9 @@ class SyncerOutbox:
         if not self.may_reply(peer, now):
             return
         reason = truncate(reason)
-        self.record("refuse", learner=lid, code=str(code), reason=reason, **fields)
+        self.record("refuse", island=lid, code=str(code), reason=reason, **fields)
         self.send(peer, "refuse", {"code": str(code), "reason": reason})
-        self.log("warning", f"refused learner {lid}: {reason}")
+        self.log("warning", f"refused island {lid}: {reason}")
 
     def may_reply(self, peer: str, now: float) -> bool:
         """One peer's refusals cost at most REPLIES_PER_WINDOW tape lines and answers per window; the excess is

@@ -1,7 +1,7 @@
 """The syncer's core: rounds, membership, quorum, merges and recovery as a deterministic state machine.
 
 This module is the event dispatcher, and the driver of the open round. Events in: `start(now, durable)` (a process
-start, with whatever survived on disk), `receive(peer, parts, now)` (a message from a learner's connection),
+start, with whatever survived on disk), `receive(peer, parts, now)` (a message from an island's connection),
 `tick(now)` (a timer), `stop(now, ...)` (a signal), `set_keys` and `give_up` (the run's keys and the fleet controller
 changed). Actions out: `Send`, `Record` (append to the tape), `SaveCheckpoint`, `SaveDelta`, `DropDeltas`, `Log` and
 `Exit`. The shell executes them in order; every durable action makes the tape durable first, so the tape is never
@@ -14,7 +14,7 @@ through one table (`SyncerCore._handlers`); `config` holds the flags and their c
 The round protocol, in the terms used below:
 - Round r trains from global version r-1 and, once merged, produces version r.
 - A round's expected members are the live members (plus, right after a
-  restart, members that were known before it for one `--learner-timeout`).
+  restart, members that were known before it for one `--island-timeout`).
   It closes when quorum responded and either nobody else is expected, or the
   grace after quorum passed: the time until the last expected member's predicted
   push (its last push plus its observed round time), counting only those
@@ -28,7 +28,7 @@ The round protocol, in the terms used below:
   `--straggler-timeout`, instead of the grace): a slow island's late delta
   joins the merge the others make instead of ending their round early.
 - A merge is a transaction: it is computed on copies; a delta that makes it
-  fail is refused (on the tape, to its learner) and the merge is retried
+  fail is refused (on the tape, to its island) and the merge is retried
   without it; state changes only once the merge completed.
 - Durability order: record the accepted delta, save it, then ack it; record the
   merge, save the checkpoint, then broadcast. A restart resumes at the
@@ -58,7 +58,7 @@ __all__ = ["SyncerConfig", "SyncerCore"]  # (the config is the core's: `SyncerCo
 
 MERGE_TIME_EMA = 0.5  # weight of the newest merge's time in the running estimate the grace leaves room for
 INTERNAL_ERROR_EXIT = 70  # sysexits' EX_SOFTWARE: the core reached a state it does not have (resumable)
-STOP_LINGER_S = 10.0  # after a signal, wait at most this long for learners to say goodbye
+STOP_LINGER_S = 10.0  # after a signal, wait at most this long for islands to say goodbye
 
 
 class SyncerCore:
@@ -67,7 +67,7 @@ class SyncerCore:
     what it was handed here."""
 
     def __init__(self, cfg: SyncerConfig, incarnation: str, init: Optional[InitAdapter] = None):
-        """`init`: the adapter a new run starts from (--init-adapter), instead of the founding learner's."""
+        """`init`: the adapter a new run starts from (--init-adapter), instead of the founding island's."""
         self.state = SyncerState(cfg, incarnation, init)
         self.outbox = SyncerOutbox()
         self.deltas = Deltas(self.state, self.outbox)
@@ -119,9 +119,9 @@ class SyncerCore:
         return self.outbox.flush()
 
     def receive(self, peer: str, parts: list[bytes], now: float, principal: Optional[str] = None) -> list[Action]:
-        """One message from a learner connection; nothing a peer sends can raise out of here (a `RoundPhaseError`, the
+        """One message from an island connection; nothing a peer sends can raise out of here (a `RoundPhaseError`, the
         core's own state gone wrong, halts the syncer: see `_halt`). `principal`: who the connection authenticated as
-        (the ZAP User-Id: "join" or "learner:<id>"); None without security."""
+        (the ZAP User-Id: "join" or "island:<id>"); None without security."""
         self.outbox.clear()
         try:
             if principal is not None and principal in self.state.revoked:
@@ -138,7 +138,7 @@ class SyncerCore:
         return self.outbox.flush()
 
     def _handlers(self) -> dict[str, Callable[[str, Message, float], None]]:
-        """Each message a learner sends (protocol.LEARNER_TYPES) and the handler it goes to."""
+        """Each message an island sends (protocol.ISLAND_TYPES) and the handler it goes to."""
         return {"hello": self.admission.on_hello, "init": self.admission.on_init,  # who joins, who founds the run
                 "delta": self._on_delta,  # a round's contribution (Deltas), then the round may close
                 "ping": self._on_ping, "sync": self._on_sync, "leave": self._on_leave}  # here: membership
@@ -159,7 +159,7 @@ class SyncerCore:
 
     def _halt(self, where: str, error: RoundPhaseError) -> None:
         """Stop at once on a state the design does not have: recorded, nothing checkpointed or sent, exit
-        INTERNAL_ERROR_EXIT; the same command resumes from the tape's last durable state, and learners reconnect."""
+        INTERNAL_ERROR_EXIT; the same command resumes from the tape's last durable state, and islands reconnect."""
         self.outbox.clear()
         self.outbox.record("internal_error", where=where, error=truncate(str(error)), fatal=True)
         self.outbox.log("error", f"{error}; stopping (restart the syncer with the same --out: it resumes from "
@@ -171,12 +171,12 @@ class SyncerCore:
         s = self.state
         gap = now - self.last_tick
         self.last_tick = now
-        if gap > CLOCK_JUMP_S:  # this process was not running (suspended): that is not its learners' silence
+        if gap > CLOCK_JUMP_S:  # this process was not running (suspended): that is not its islands' silence
             for m in s.members.values():
                 m.last_seen += gap
         for m in s.active():
-            if now - m.last_seen > s.cfg.learner_timeout:
-                self._drop(m, f"silent for {s.cfg.learner_timeout:g}s", now)
+            if now - m.last_seen > s.cfg.island_timeout:
+                self._drop(m, f"silent for {s.cfg.island_timeout:g}s", now)
         self.admission.expire_silent_ids(now)
         if s.finished_at is not None:
             self.driver.end_when_done(now)
@@ -186,7 +186,7 @@ class SyncerCore:
         self.driver.maybe_close(now)
 
     def stop(self, now: float, reason: str, code: int) -> list[Action]:
-        """A signal: checkpoint, tell every learner to finish (saving its adapter), then exit with `code`."""
+        """A signal: checkpoint, tell every island to finish (saving its adapter), then exit with `code`."""
         self.outbox.clear()
         s = self.state
         if s.finished_at is None:
@@ -194,13 +194,13 @@ class SyncerCore:
             if s.run is not None:
                 self.outbox.add(SaveCheckpoint(s.checkpoint()))
             self.driver.finish(reason, now, code=code, complete=False, linger_s=min(STOP_LINGER_S,
-                                                                                    s.cfg.learner_timeout))
+                                                                                    s.cfg.island_timeout))
         else:
             self.driver.exit()
         return self.outbox.flush()
 
     def set_keys(self, bound_ids: set[int], revoked: set[str], now: float) -> list[Action]:
-        """The run's learner keys changed (yeto keys add/revoke): members holding a revoked key are cut off."""
+        """The run's island keys changed (yeto keys add/revoke): members holding a revoked key are cut off."""
         self.outbox.clear()
         s = self.state
         s.bound_ids, s.revoked = set(bound_ids), set(revoked)
@@ -208,28 +208,28 @@ class SyncerCore:
             if m.principal is not None and m.principal in s.revoked:
                 self.outbox.send(m.peer, "refuse", {"code": str(Code.REVOKED),
                                                     "reason": f"the key of {m.principal} was revoked"})
-                self.outbox.record("revoked", learner=m.learner, principal=m.principal)
+                self.outbox.record("revoked", island=m.island, principal=m.principal)
                 self._drop(m, "its key was revoked", now)
         self.driver.maybe_close(now)
         return self.outbox.flush()
 
-    def give_up(self, learners: dict[int, str], now: float) -> list[Action]:
-        """The fleet controller stopped relaunching these learners (`yeto launch --recover-timeout`): the run goes on
-        without them, its quorum and round-1 gate lowered by as many (never below 1). A learner that comes back anyway
+    def give_up(self, islands: dict[int, str], now: float) -> list[Action]:
+        """The fleet controller stopped relaunching these islands (`yeto launch --recover-timeout`): the run goes on
+        without them, its quorum and round-1 gate lowered by as many (never below 1). An island that comes back anyway
         is welcome; it does not raise the quorum again."""
         self.outbox.clear()
         s = self.state
-        for lid, reason in sorted(learners.items()):
-            if not 0 <= lid < s.cfg.learners:  # only a learner the run counts on lowers the quorum
+        for lid, reason in sorted(islands.items()):
+            if not 0 <= lid < s.cfg.islands:  # only an island the run counts on lowers the quorum
                 if lid not in s.given_up:
                     s.given_up[lid] = reason  # (remembered, so this is said once)
-                    self.outbox.log("warning", f"given-up learner {lid} ignored: not one of --learners "
-                                               f"{s.cfg.learners}")
+                    self.outbox.log("warning", f"given-up island {lid} ignored: not one of --islands "
+                                               f"{s.cfg.islands}")
                 continue
             if lid not in s.given_up:
                 s.given_up[lid] = reason
-                self.outbox.record("given_up", learner=lid, reason=truncate(reason), quorum=s.quorum())
-                self.outbox.log("warning", f"learner {lid} given up ({reason}); quorum now {s.quorum()}")
+                self.outbox.record("given_up", island=lid, reason=truncate(reason), quorum=s.quorum())
+                self.outbox.log("warning", f"island {lid} given up ({reason}); quorum now {s.quorum()}")
         self.driver.maybe_open(now)
         self.driver.maybe_close(now)
         return self.outbox.flush()
@@ -250,7 +250,7 @@ class SyncerCore:
         m = s.member(peer, msg, now)
         m.held_version = msg.header["version"]
         pushed = msg.header["pushed"]
-        mine = s.pending.get(m.learner)
+        mine = s.pending.get(m.island)
         have = bool(pushed and mine is not None and mine.ref() == pushed[:3])
         r = s.round
         window = {"seconds_left": round_header(s.cfg, r, now)["seconds_left"]} if r and s.cfg.round_seconds else {}
@@ -266,7 +266,7 @@ class SyncerCore:
         s = self.state
         m = s.member(peer, msg, now)
         m.held_version = msg.header["version"]
-        if not self.state_requests.allow(m.learner, now):  # each answer is a whole adapter: bounded per learner
+        if not self.state_requests.allow(m.island, now):  # each answer is a whole adapter: bounded per island
             raise ProtocolError(f"more than {STATE_REQUESTS_PER_WINDOW} state requests in {RATE_WINDOW_S:g}s; "
                                 "retry later", Code.RATE_LIMITED)
         run = s.run
@@ -276,7 +276,7 @@ class SyncerCore:
             return
         descs, frames = encode_fragments(run.layout, run.global_, 32)
         self.outbox.send(m.peer, "state", {"version": run.version, "digest": run.digest,
-                                           "merged": s.merged.get(m.learner, []), "fragments": descs}, tuple(frames))
+                                           "merged": s.merged.get(m.island, []), "fragments": descs}, tuple(frames))
 
     def _on_leave(self, peer: str, msg: Message, now: float) -> None:
         m = self.state.member(peer, msg, now)
@@ -285,10 +285,10 @@ class SyncerCore:
         self.driver.maybe_close(now)
 
     def _on_unexpected(self, peer: str, msg: Message, now: float) -> None:
-        raise ProtocolError(f"{msg.type} is a syncer-to-learner message")
+        raise ProtocolError(f"{msg.type} is a syncer-to-island message")
 
     def _drop(self, m: Member, reason: str, now: float) -> None:
         m.active = False
-        self.state.ahead.pop(m.learner, None)
-        self.outbox.record("leave", learner=m.learner, reason=truncate(reason), version=self.state.version)
-        self.outbox.log("info", f"learner {m.learner} left ({reason}); {len(self.state.active())} active")
+        self.state.ahead.pop(m.island, None)
+        self.outbox.record("leave", island=m.island, reason=truncate(reason), version=self.state.version)
+        self.outbox.log("info", f"island {m.island} left ({reason}); {len(self.state.active())} active")

@@ -1,9 +1,9 @@
-"""How a round's deltas become one: a running token-weighted sum, and robust merges against one bad learner.
+"""How a round's deltas become one: a running token-weighted sum, and robust merges against one bad island.
 
 The mean (`--robust off`): mean = sum_i t_i * d_i / sum_i t_i, with t_i the
 delta's weight (`--merge-weight`, `yeto.sync.merge.rules`: its loss-bearing tokens by
 default). `RoundSum` adds each delta as it arrives, so the syncer holds one fp32
-vector per round, not one per learner; the deltas themselves stay in their wire
+vector per round, not one per island; the deltas themselves stay in their wire
 encoding (4 bits: 1/8 of fp32) for the durable copy and for the rare rebuild.
 
 Norm clipping (`--robust norm-clip`, the default): with n_i = |s_i d_i| (the
@@ -11,11 +11,11 @@ delta as it is merged: staleness and step normalization applied) and
 ref = median_low(this round's norms and the last `NORM_HISTORY` merged norms,
 after their clips), a delta with n_i > k * ref is scaled by c_i = k * ref / n_i
 before it is weighted. The low median (of a pair, the smaller) is what makes it
-hold for any fleet size: a two-learner round's plain median is the mean of an
+hold for any fleet size: a two-island round's plain median is the mean of an
 honest and a hostile norm, which never clips. With at most half the norms
-hostile, ref is at most an honest norm, so one learner moves the global by at
+hostile, ref is at most an honest norm, so one island moves the global by at
 most its weight x k x ref per round. The reference is taken over the trusted
-learners' norms where there are any (yeto.sync.merge.rules.Tier: a join-key
+islands' norms where there are any (yeto.sync.merge.rules.Tier: a join-key
 holder can then neither raise nor lower it), else over the bounded ones' (an
 extra id's only where there is nothing else), and never over a zero norm (a
 delta that moves nothing is no step's length: one would clip every other delta
@@ -50,7 +50,7 @@ from yeto.sync.merge.rules import MeanSums, RuleSums, Tier, low_median, merge_ru
 from yeto.sync.wire.spans import over_spans
 
 ROBUST_MODES = ("norm-clip", "trimmed-mean", "off")
-DEFAULT_CLIP_K = 4.0  # --robust-k: room for honest norms to differ; one learner moves the global by at most k x ref
+DEFAULT_CLIP_K = 4.0  # --robust-k: room for honest norms to differ; one island moves the global by at most k x ref
 NORM_HISTORY = 32  # past merged norms in the reference: a round of two or three deltas is not judged on them alone
 TRIM_FRACTION = 0.2  # dropped at each end per coordinate: a fifth of the deltas may be extreme and not count
 ACCUMULATE_CHUNK = 1 << 16  # values per step of the running sum (256 KiB: stays in cache)
@@ -98,7 +98,7 @@ class RoundSum:
     numel: int
     total: Optional[np.ndarray] = None
     weight: float = 0.0
-    order: list[int] = field(default_factory=list)  # learner ids, as added
+    order: list[int] = field(default_factory=list)  # island ids, as added
     rule_sums: RuleSums = field(default_factory=MeanSums)  # `--merge`'s own sums (RDA: the radial and direction sums)
 
     @classmethod
@@ -106,13 +106,13 @@ class RoundSum:
         """An empty sum for `--merge rule`."""
         return cls(layout.numel, rule_sums=merge_rule(rule).sums(layout))
 
-    def add(self, learner: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
+    def add(self, island: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
         """Add weight x scale x delta; the mean divides by the weights alone (a stale delta's scale < 1 shrinks
         the step)."""
         self.total = accumulate(self.total, delta, effective_weight(weight, scale))
         self.weight += weight
-        self.order.append(learner)
-        self.rule_sums.add(learner, delta, weight, scale)
+        self.order.append(island)
+        self.rule_sums.add(island, delta, weight, scale)
 
     def copy(self) -> "RoundSum":
         """A copy a merge may correct (clips) while the round's own sum stays as the deltas arrived."""
@@ -146,7 +146,7 @@ def clip_factors(norms: Sequence[float], ref: float, k: float) -> list[float]:
 def clipped_merge(s: RoundSum, factors: dict[int, float], weights: dict[int, float],
                   delta_of: Callable[[int], np.ndarray]) -> tuple[np.ndarray, dict[str, Any]]:
     """The running sum's merge by its rule, and the fields the rule adds to the merge record (RDA: its count of
-    tensors that fell back to the mean), after scaling the listed learners' deltas by their factors (< 1); `weights`
+    tensors that fell back to the mean), after scaling the listed islands' deltas by their factors (< 1); `weights`
     are the effective ones, t_i s_i."""
     shrink = {}
     for lid in s.order:

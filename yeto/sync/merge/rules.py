@@ -41,13 +41,13 @@ round (a tenth of the steps, so a tenth of the weight and a delta a tenth as lon
 instead. With equal steps it is the plain rule. The default in time-window rounds, with the mean (docs/benchmarks.md,
 heterogeneous fleet); not with rda, whose norm rule would take a short delta's scaled-up noise for length.
 
-Trust tiers (`Tier`): the counts behind the weights and the step counts behind step normalization are the learners'
-own claims. A learner on a key the operator issued for it (a learner key: every island `yeto launch` starts has one;
+Trust tiers (`Tier`): the counts behind the weights and the step counts behind step normalization are the islands'
+own claims. An island on a key the operator issued for it (an island key: every island `yeto launch` starts has one;
 or a loopback --insecure run) is TRUSTED: its claims count as claimed, so a fast island weighs by its tokens and a
-10x slower one by its tenth. A learner on the shared join key is BOUNDED: its claimed weight is cut to the round's low
+10x slower one by its tenth. An island on the shared join key is BOUNDED: its claimed weight is cut to the round's low
 median claim (C = MAX_CLAIM_OVER_MEDIAN = 1: t_i' = min(t_i, median_low(t))), so it weighs by its count but never
 more than the round's median delta (a short delta keeps its small weight, a long claim counts as the median: one
-learner among n weighs at most 1/n where the others' claims are alike). An id on the join key beyond --learners is
+island among n weighs at most 1/n where the others' claims are alike). An id on the join key beyond --islands is
 EXTRA: bounded, its claims left out of the median that bounds the others, and all extra ids of a merge together
 weigh at most one median claim. A round's length k_max is the longest window steps claimed, a trusted claim as
 claimed, any other cut to MAX_UNTRUSTED_STEP_GAIN (2) times the longest of the others' claims: the trusted ones and
@@ -85,15 +85,15 @@ ALS_TOLERANCE = 1e-9  # stop once the residual improves by less than this (relat
 RIDGE = 1e-12  # keeps the normal equations of a rank-deficient factor solvable
 MAX_CLAIM_OVER_MEDIAN = 1.0  # no delta's weight claim counts for more than this x the round's low median claim
 MAX_STEP_SCALE = 16.0  # step normalization scales no delta up by more than this
-MAX_UNTRUSTED_STEP_GAIN = 2.0  # a claim not on a learner key makes a round at most this x the others' longest claim
+MAX_UNTRUSTED_STEP_GAIN = 2.0  # a claim not on an island key makes a round at most this x the others' longest claim
 
 
 class Tier(StrEnum):
-    """How far a learner's claims are believed: fixed at its join by the key its connection proved."""
+    """How far an island's claims are believed: fixed at its join by the key its connection proved."""
 
-    TRUSTED = "trusted"  # a learner key the operator issued (or --insecure on loopback): claims count as claimed
+    TRUSTED = "trusted"  # an island key the operator issued (or --insecure on loopback): claims count as claimed
     BOUNDED = "bounded"  # the shared join key, an id the run expects: claims cut to the round's low median
-    EXTRA = "extra"  # the shared join key, an id beyond --learners: bounded, and together worth one median claim
+    EXTRA = "extra"  # the shared join key, an id beyond --islands: bounded, and together worth one median claim
 
 
 def counts_toward_quorum(tier: str) -> bool:
@@ -134,7 +134,7 @@ def _step_claims(window_steps: Sequence[int], inner_steps: Sequence[int]) -> lis
 
 
 def _step_cap(claims: Sequence[int], tiers: Sequence[Tier]) -> float:
-    """How long a claim not on a learner key may make the round: MAX_UNTRUSTED_STEP_GAIN x the longest of the other
+    """How long a claim not on an island key may make the round: MAX_UNTRUSTED_STEP_GAIN x the longest of the other
     claims that can bound it (the trusted ones, and the bounded ones but the longest: one key holder's claim is
     never judged by itself; an extra id's never bounds anyone)."""
     trusted = [s for s, t in zip(claims, tiers) if s > 0 and t is Tier.TRUSTED]
@@ -157,7 +157,7 @@ def _length_of(claims: Sequence[int], tiers: Sequence[Tier]) -> int:
 
 def capped_claims(claims: Sequence[float], tiers: Optional[Sequence[str]] = None) -> list[float]:
     """The weights a round's claims may buy: a trusted claim as claimed; any other t_i' = min(t_i, C median_low(t))
-    (C = MAX_CLAIM_OVER_MEDIAN, the median over the claims of trusted and bounded learners), and the extra ids'
+    (C = MAX_CLAIM_OVER_MEDIAN, the median over the claims of trusted and bounded islands), and the extra ids'
     together scaled down to one such cap at most."""
     tier = _tiers_of(tiers, len(claims))
     cap = MAX_CLAIM_OVER_MEDIAN * low_median(_judging(claims, tier))
@@ -226,13 +226,13 @@ class Directions:
     slices: list[slice]
     units: Optional[np.ndarray] = None  # float32, flat (one more adapter-sized vector per round)
     radial: Optional[np.ndarray] = None  # float64, one per tensor
-    norms: dict[int, np.ndarray] = field(default_factory=dict)  # per learner: its tensors' norms (unscaled)
+    norms: dict[int, np.ndarray] = field(default_factory=dict)  # per island: its tensors' norms (unscaled)
 
     @classmethod
     def of(cls, layout: Layout) -> "Directions":
         return cls(list(layout.tensor_slices().values()))
 
-    def add(self, learner: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
+    def add(self, island: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
         x = np.asarray(delta).reshape(-1)
         if self.units is None:
             self.units, self.radial = np.zeros(x.size, np.float32), np.zeros(len(self.slices))
@@ -243,7 +243,7 @@ class Directions:
             if n > 0:
                 self.units[k] += ((weight / n) * t).astype(np.float32)
         self.radial += (weight * scale) * norms
-        self.norms[learner] = norms
+        self.norms[island] = norms
 
     def merge(self, mean: np.ndarray, total_weight: float, shrink: dict[int, float]
               ) -> tuple[np.ndarray, dict[str, Any]]:
@@ -283,8 +283,8 @@ class RuleSums(Protocol):
     to as each delta arrives, and the merge it makes of them. `merge` leaves the sums as they are: a merge retried
     without a refused delta, or made again on a copy, reads them again."""
 
-    def add(self, learner: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
-        """Take in learner's delta, counted for `weight` (its claim, unnormalised) and scaled by `scale`."""
+    def add(self, island: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
+        """Take in island's delta, counted for `weight` (its claim, unnormalised) and scaled by `scale`."""
 
     def merge(self, mean: np.ndarray, total_weight: float, shrink: dict[int, float]
               ) -> tuple[np.ndarray, dict[str, Any]]:
@@ -299,7 +299,7 @@ class MeanSums:
     def of(cls, layout: Layout) -> "MeanSums":
         return cls()
 
-    def add(self, learner: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
+    def add(self, island: int, delta: np.ndarray, weight: float, scale: float = 1.0) -> None:
         pass
 
     def merge(self, mean: np.ndarray, total_weight: float, shrink: dict[int, float]

@@ -1,20 +1,20 @@
-"""A learner's link to the syncer: two DEALER connections served by an I/O thread, around `LearnerCore`.
+"""An island's link to the syncer: two DEALER connections served by an I/O thread, around `IslandCore`.
 
 The I/O thread owns the sockets: it receives and sends, feeds the core every
 message, every connection break (from ZeroMQ's socket monitor) and a timer tick,
 and carries out what the core decides (send, reconnect after a backoff). So
 heartbeats go out and the syncer's messages are handled whatever the training
 thread is doing: a ten-minute inner step, or a delta uploading over a slow link,
-never looks like a dead learner or a dead syncer.
+never looks like a dead island or a dead syncer.
 
 The training thread talks to the same core through `next_task`, `after_step`
 and `push`, under one lock; its sends are queued for the I/O thread.
 
-Connections: control (`learner-<id>-<session>-<nonce>`: hello, pings, acks,
+Connections: control (`island-<id>-<session>-<nonce>`: hello, pings, acks,
 round announcements) and bulk (the same id plus `/bulk`: deltas, broadcasts,
 states), so a heartbeat never waits behind an adapter on the same TCP stream.
 Both are CURVE clients with the run's join key (`yeto.sync.shell.keys`); a handshake
-the syncer refuses for the key ends the learner with a line that says what to fix,
+the syncer refuses for the key ends the island with a line that says what to fix,
 while a busy syncer's temporary refusal is retried (libzmq reconnects, with backoff).
 """
 
@@ -36,8 +36,8 @@ from yeto import YetoError
 from yeto.sync.core.checks import check_address
 from yeto.sync.shell.gate import HANDSHAKE_IVL_MS, ZAP_TEMPORARY, curve_client
 from yeto.sync.shell.keys import JOIN_KEY_ENV, JOIN_KEY_FILE, JoinKey
-from yeto.sync.core.actions import LearnerAction, Log, Out, Reconnect
-from yeto.sync.core.learner import Done, LearnerCore, RoundCounts, Task, StepVerdict, Wait
+from yeto.sync.core.actions import IslandAction, Log, Out, Reconnect
+from yeto.sync.core.island import Done, IslandCore, RoundCounts, Task, StepVerdict, Wait
 from yeto.sync.wire.protocol import BULK_SUFFIX, ProtocolError, decode, encode, is_bulk, message_bytes
 
 log = logging.getLogger("yeto.client")
@@ -70,7 +70,7 @@ def parse_address(address: str) -> str:
 
 
 class SyncerLink:
-    def __init__(self, address: str, core: LearnerCore, log_fn: Callable[[str], None] = log.info,
+    def __init__(self, address: str, core: IslandCore, log_fn: Callable[[str], None] = log.info,
                  join_key: Optional[JoinKey] = None):
         """`join_key`: the run's credentials (None: --insecure, a loopback syncer without security)."""
         self.endpoint = parse_address(address)
@@ -93,7 +93,7 @@ class SyncerLink:
         self.stopping = False
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.thread = threading.Thread(target=self._run, name=f"yeto-link-{core.learner_id}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"yeto-link-{core.island_id}", daemon=True)
 
     # ------------------------------------------------------------------ the training thread's side
 
@@ -169,7 +169,7 @@ class SyncerLink:
             self.stopping = True
         self.thread.join(timeout=CLOSE_LINGER_MS / 1000 + 5)
 
-    def _queue(self, actions: list[LearnerAction]) -> None:
+    def _queue(self, actions: list[IslandAction]) -> None:
         for a in actions:
             if isinstance(a, Out):
                 self.outbox.append(a)
@@ -254,7 +254,7 @@ class SyncerLink:
 
     def _handshake(self, event: int, value: int, after_s: float) -> None:
         """A CURVE handshake's outcome, `after_s` after its connection was made: a refusal of the key ends the
-        learner with what to fix (lock taken here); a busy syncer is waited for (libzmq reconnects with backoff)."""
+        island with what to fix (lock taken here); a busy syncer is waited for (libzmq reconnects with backoff)."""
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.handshake_failures = 0
             self.welcomed, self.busy_logged = True, False
@@ -270,10 +270,10 @@ class SyncerLink:
                             "restarting): retrying")
             return
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            reason = (f"{where} refused this learner's key (not this run's join key, or a revoked learner key): pass "
+            reason = (f"{where} refused this island's key (not this run's join key, or a revoked island key): pass "
                       f"the run's key with --join-key FILE or {JOIN_KEY_ENV} (the syncer writes <its --out>/"
                       f"{JOIN_KEY_FILE})")
-        else:  # a plain learner at a secure syncer sees a mechanism mismatch, or just its connection cut
+        else:  # a plain island at a secure syncer sees a mechanism mismatch, or just its connection cut
             mismatch = event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == ZMTP_MECHANISM_MISMATCH
             self.handshake_failures += 1
             if not mismatch and self.handshake_failures < HANDSHAKE_FAILURES_TO_GIVE_UP:
@@ -282,11 +282,11 @@ class SyncerLink:
                 reason = (f"{where} requires a join key: pass --join-key FILE or {JOIN_KEY_ENV} (the syncer writes "
                           f"<its --out>/{JOIN_KEY_FILE})")
             elif mismatch:
-                reason = (f"{where} runs without security (--insecure): start this learner with --insecure too, or "
+                reason = (f"{where} runs without security (--insecure): start this island with --insecure too, or "
                           "the syncer without it")
             else:  # cut with no answer: the network, a stranger's sockets from our address crowding the syncer's
                 # handshake cap (the shared-NAT case), or a key of another syncer. Nobody said which: retried, as
-                # long as --give-up-after allows, and said when the learner gives up (`next_task`)
+                # long as --give-up-after allows, and said when the island gives up (`next_task`)
                 n = self.handshake_failures
                 if _is_power_of(n, CUT_HANDSHAKES_WARN_EVERY):
                     self.log_fn(f"warning: {where} cut {n} handshake(s) before they finished, none finished yet "
@@ -303,7 +303,7 @@ class SyncerLink:
         return f"the syncer at {self.endpoint.removeprefix('tcp://')}"
 
     def _unreachable_note(self) -> str:
-        """What the learner saw of a syncer it never reached, for its last line (no blame the syncer did not give)."""
+        """What the island saw of a syncer it never reached, for its last line (no blame the syncer did not give)."""
         if self.welcomed or not self.handshake_failures or self.join_key is None:
             return ""
         where = self._where
@@ -311,7 +311,7 @@ class SyncerLink:
                 "is up and reachable, check that the join key is this run's (a join.key from another run names "
                 "another syncer key))")
 
-    def _do(self, actions: list[LearnerAction]) -> None:
+    def _do(self, actions: list[IslandAction]) -> None:
         """Carry out the core's actions (on the I/O thread, lock held)."""
         for a in actions:
             if isinstance(a, Out):
@@ -332,7 +332,7 @@ class SyncerLink:
             self.bytes_sent += message_bytes(parts)
 
     def _connect(self) -> None:
-        ident = f"learner-{self.core.learner_id}-{self.core.session}-{self.nonce}".encode()
+        ident = f"island-{self.core.island_id}-{self.core.session}-{self.nonce}".encode()
         socks = []
         for suffix in (b"", BULK_SUFFIX):
             s = self.ctx.socket(zmq.DEALER)

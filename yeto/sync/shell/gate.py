@@ -5,8 +5,8 @@ sockets and answers ZAP requests (ZeroMQ RFC 27) from the run's keys (`yeto.sync
 
 Why a ZAP handler of our own instead of pyzmq's `Authenticator`: the syncer
 must record each refusal with the peer's address and reason, map a key to the
-learner id it is bound to (ZAP's User-Id, which the syncer sees on every
-message), cap learner connections and the sockets still in their handshake,
+island id it is bound to (ZAP's User-Id, which the syncer sees on every
+message), cap island connections and the sockets still in their handshake,
 and run inside its own poll loop. pyzmq's credentials callback sees only the key. The handler is a few lines of frame
 parsing; nothing cryptographic happens here.
 """
@@ -34,7 +34,7 @@ PENDING_PER_ADDRESS = 16  # sockets waiting for their handshake from one source 
 PENDING_TOTAL = 256  # ... and from all addresses together (a stranger with many addresses)
 ZAP_OK = b"200"
 ZAP_TEMPORARY = b"300"  # RFC 27: a temporary failure; CURVE then drops the client silently and it reconnects
-ZAP_DENIED = b"400"  # RFC 27: an authentication failure; the client's monitor sees it (final for a learner)
+ZAP_DENIED = b"400"  # RFC 27: an authentication failure; the client's monitor sees it (final for an island)
 REFUSALS_RECORDED_PER_WINDOW = 20  # refusals of a kind written to the tape one by one per window; the rest counted
 REFUSAL_WINDOW_S = 60.0  # that budget's window: a flood of one kind costs the tape at most 20 lines a minute
 
@@ -105,11 +105,11 @@ class Gatekeeper:
 
     A stranger without a key cannot finish a handshake, so it must not take anyone's place: only connections that
     proved a key count toward `max_connections` (and beyond it a key holder gets a temporary refusal, ZAP 300, which
-    its learner retries), while the sockets still waiting for their handshake are bounded on their own, per source
+    its island retries), while the sockets still waiting for their handshake are bounded on their own, per source
     address and in total, by cutting the oldest. libzmq's server-side monitor does not say which socket finished a
     handshake (HANDSHAKE_SUCCEEDED carries no fd, and ZAP names only the peer's IP), so a key approved by ZAP for an
     address marks that address's oldest waiting socket as handshaked, and any socket that outlives the handshake
-    timeout has finished one (libzmq closes those that did not). A stranger sharing a learner's address may so be
+    timeout has finished one (libzmq closes those that did not). A stranger sharing an island's address may so be
     taken for it for up to the handshake timeout; from other addresses it can only evict its own sockets, or, past
     the total cap, sockets older than the honest handshakes in flight (which take a few round trips).
     """
@@ -124,7 +124,7 @@ class Gatekeeper:
         self.zap.bind(ZAP_ENDPOINT)
         self.monitor: Optional[zmq.Socket] = None
         self.pending: dict[int, Pending] = {}  # fd -> the socket waiting for its handshake, oldest first
-        self.handshaked: set[int] = set()  # fds of connections that proved a key (the learner connections)
+        self.handshaked: set[int] = set()  # fds of connections that proved a key (the island connections)
         self.refusals: list[ConnectionRefusal] = []  # for the tape, drained by the syncer
         self.recorded = RateLimit(REFUSALS_RECORDED_PER_WINDOW, REFUSAL_WINDOW_S)
         self.suppressed = 0
@@ -204,7 +204,7 @@ class Gatekeeper:
             principal = self.ring.principal(z85.encode(frames[6]))
             if principal is None:  # (the key first: a wrong key is refused for good even when the syncer is full)
                 revoked = z85.encode(frames[6]) in self.ring.revoked
-                reason = "revoked learner key" if revoked else "unknown key (not this run's join key)"
+                reason = "revoked island key" if revoked else "unknown key (not this run's join key)"
             elif len(self.handshaked) >= self.max_connections:
                 status = ZAP_TEMPORARY
                 reason = f"too many connections (--max-connections {self.max_connections} reached): retry later"

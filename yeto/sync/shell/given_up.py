@@ -1,6 +1,6 @@
-"""Learners the fleet controller stopped bringing back, handed to the syncer through its --out directory.
+"""Islands the fleet controller stopped bringing back, handed to the syncer through its --out directory.
 
-The controller (`yeto.launch.controller`) runs beside the syncer on the head; one file per learner,
+The controller (`yeto.launch.controller`) runs beside the syncer on the head; one file per island,
 `<out>/given-up/<id>`, holding the reason, is the whole channel: it survives a syncer restart, needs no
 port and no key, and `ls` shows it. The syncer rescans it as it rescans its keys and lowers its quorum.
 """
@@ -13,11 +13,11 @@ from pathlib import Path
 GIVEN_UP_DIR = "given-up"
 
 
-def give_up(out: str | Path, learner: int, reason: str) -> Path:
-    """Tell the syncer whose --out this is that `learner` is not coming back (atomic, idempotent)."""
+def give_up(out: str | Path, island: int, reason: str) -> Path:
+    """Tell the syncer whose --out this is that `island` is not coming back (atomic, idempotent)."""
     folder = Path(out) / GIVEN_UP_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / str(learner)
+    path = folder / str(island)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(reason)
     os.replace(tmp, path)
@@ -25,7 +25,7 @@ def give_up(out: str | Path, learner: int, reason: str) -> Path:
 
 
 def read_given_up(out: str | Path) -> dict[int, str]:
-    """Learner id -> reason, for every well-formed entry (anything else in the folder is ignored)."""
+    """Island id -> reason, for every well-formed entry (anything else in the folder is ignored)."""
     folder = Path(out) / GIVEN_UP_DIR
     if not folder.is_dir():
         return {}

@@ -1,11 +1,11 @@
-"""The run's credentials: the syncer's CURVE key pair, the join key, and per-learner keys that can be revoked.
+"""The run's credentials: the syncer's CURVE key pair, the join key, and per-island keys that can be revoked.
 
 - The syncer has one key pair (`<out>/keys/syncer.key_secret`, mode 0600).
-- A *join key* (`<out>/join.key`, 0600) is what a learner needs: the syncer's
-  public key plus a client key pair the syncer admits. Every learner may share
-  it; it can name any learner id not bound to a per-learner key.
-- A *learner key* (`yeto keys add`: `<out>/keys/learners/<id>.key`) admits one
-  learner id only, and can be revoked (`yeto keys revoke`) without touching the
+- A *join key* (`<out>/join.key`, 0600) is what an island needs: the syncer's
+  public key plus a client key pair the syncer admits. Every island may share
+  it; it can name any island id not bound to a per-island key.
+- A *island key* (`yeto keys add`: `<out>/keys/islands/<id>.key`) admits one
+  island id only, and can be revoked (`yeto keys revoke`) without touching the
   others; a revoked key is refused at the handshake and its connections are cut
   (`yeto.sync.shell.gate`).
 
@@ -28,37 +28,38 @@ from typing import Optional
 import zmq
 from zmq.auth.certs import load_certificate
 
-from yeto import YetoError
-from yeto.sync.wire.protocol import JOIN_PRINCIPAL, LEARNER_PRINCIPAL
+from yeto import OLD_WORD, YetoError, in_current_words
+from yeto.sync.wire.protocol import JOIN_PRINCIPAL, ISLAND_PRINCIPAL
 
 JOIN_KEY_FILE = "join.key"
 KEYS_DIR = "keys"
 SYNCER_SECRET_FILE = "syncer.key_secret"
-LEARNER_KEYS = "learners"
+ISLAND_KEYS = "islands"
+OLD_WORD_KEYS = OLD_WORD + "s"  # the folder of island keys in runs keyed before the rename
 REVOKED_KEYS = "revoked"
 JOIN_KEY_ENV = "YETO_JOIN_KEY"
 KEY_CHARS = 40  # a z85-encoded CURVE key
-KEYS_RESCAN_S = 2.0  # how often the syncer looks for added or revoked learner keys
+KEYS_RESCAN_S = 2.0  # how often the syncer looks for added or revoked island keys
 _LINE = re.compile(r'^\s*([a-z-]+)\s*=\s*"?([^"\s]*)"?\s*$')
 
 
 @dataclass(frozen=True)
 class JoinKey:
-    """What a learner needs to reach the run: the syncer's public key and an admitted client key pair."""
+    """What an island needs to reach the run: the syncer's public key and an admitted client key pair."""
 
     syncer_public: bytes
     public: bytes
     secret: bytes
-    learner: Optional[int] = None  # bound to this learner id (a per-learner key), or any id (the join key)
+    island: Optional[int] = None  # bound to this island id (a per-island key), or any id (the join key)
 
     def text(self) -> str:
-        lines = ["# yeto join key: admits a learner to one run. Keep it secret (it is a credential);",
+        lines = ["# yeto join key: admits an island to one run. Keep it secret (it is a credential);",
                  "# pass it with --join-key FILE or the YETO_JOIN_KEY environment variable.",
                  f'syncer-public-key = "{self.syncer_public.decode()}"',
                  f'public-key = "{self.public.decode()}"',
                  f'secret-key = "{self.secret.decode()}"']
-        if self.learner is not None:
-            lines.append(f"learner = {self.learner}")
+        if self.island is not None:
+            lines.append(f"island = {self.island}")
         return "\n".join(lines) + "\n"
 
     @staticmethod
@@ -85,11 +86,11 @@ class JoinKey:
             raise YetoError(f"{where}: secret-key is not a valid CURVE key ({e})") from e
         if derived != keys["public-key"]:
             raise YetoError(f"{where}: public-key does not belong to secret-key: the file is damaged")
-        learner = values.get("learner")
-        if learner is not None and not learner.isdigit():
-            raise YetoError(f"{where}: learner must be a learner id, got {learner!r}")
+        island = in_current_words(values).get("island")
+        if island is not None and not island.isdigit():
+            raise YetoError(f"{where}: island must be an island id, got {island!r}")
         return JoinKey(keys["syncer-public-key"], keys["public-key"], keys["secret-key"],
-                       int(learner) if learner is not None else None)
+                       int(island) if island is not None else None)
 
 
 def write_secret(path: Path, text: str) -> None:
@@ -112,11 +113,11 @@ def read_join_key(path: str | Path) -> JoinKey:
     return JoinKey.parse(text, str(p))
 
 
-def learner_join_key(path: Optional[str], insecure: bool, syncer: str) -> Optional[JoinKey]:
-    """The join key a learner uses: --join-key FILE, else $YETO_JOIN_KEY (the file's contents); None with
-    --insecure (loopback only). A learner without one gets a one-line error saying where to find it."""
+def island_join_key(path: Optional[str], insecure: bool, syncer: str) -> Optional[JoinKey]:
+    """The join key an island uses: --join-key FILE, else $YETO_JOIN_KEY (the file's contents); None with
+    --insecure (loopback only). An island without one gets a one-line error saying where to find it."""
     if insecure:
-        require_loopback(syncer.removeprefix("tcp://").rpartition(":")[0], "learner --syncer")
+        require_loopback(syncer.removeprefix("tcp://").rpartition(":")[0], "island --syncer")
         return None
     if path:
         return read_join_key(path)
@@ -153,10 +154,15 @@ class Keyring:
     syncer_public: bytes = b""
     syncer_secret: bytes = b""
     join: Optional[JoinKey] = None
-    learners: dict[bytes, int] = field(default_factory=dict)  # admitted learner-key public key -> its learner id
+    islands: dict[bytes, int] = field(default_factory=dict)  # admitted island-key public key -> its island id
     revoked: set[bytes] = field(default_factory=set)
     revoked_ids: set[int] = field(default_factory=set)
     scanned: tuple = ()
+
+    def __post_init__(self) -> None:
+        old = self.keys_dir / OLD_WORD_KEYS
+        if old.is_dir() and not (self.keys_dir / ISLAND_KEYS).exists():  # a run's keys from before the rename
+            old.rename(self.keys_dir / ISLAND_KEYS)
 
     @property
     def keys_dir(self) -> Path:
@@ -179,8 +185,8 @@ class Keyring:
         join_path = ring.out / JOIN_KEY_FILE
         if join_key is not None:
             ring.join = read_join_key(join_key)
-            if ring.join.learner is not None:
-                raise YetoError(f"{join_key} is the key of learner {ring.join.learner}, not a join key")
+            if ring.join.island is not None:
+                raise YetoError(f"{join_key} is the key of island {ring.join.island}, not a join key")
             if Path(join_key).resolve() != join_path.resolve():
                 write_secret(join_path, ring.join.text())
         elif join_path.exists():
@@ -197,8 +203,8 @@ class Keyring:
         return ring
 
     def rescan(self) -> bool:
-        """Re-read learner keys and revocations; True if anything changed."""
-        keys: dict[str, list[JoinKey]] = {LEARNER_KEYS: [], REVOKED_KEYS: []}
+        """Re-read island keys and revocations; True if anything changed."""
+        keys: dict[str, list[JoinKey]] = {ISLAND_KEYS: [], REVOKED_KEYS: []}
         stamp = []
         for sub, into in keys.items():
             d = self.keys_dir / sub
@@ -211,9 +217,9 @@ class Keyring:
         changed = tuple(stamp) != self.scanned
         self.scanned = tuple(stamp)
         self.revoked = {k.public for k in keys[REVOKED_KEYS]}
-        self.revoked_ids = {k.learner for k in keys[REVOKED_KEYS] if k.learner is not None}
-        self.learners = {k.public: k.learner for k in keys[LEARNER_KEYS]
-                         if k.learner is not None and k.public not in self.revoked}
+        self.revoked_ids = {k.island for k in keys[REVOKED_KEYS] if k.island is not None}
+        self.islands = {k.public: k.island for k in keys[ISLAND_KEYS]
+                         if k.island is not None and k.public not in self.revoked}
         return changed
 
     def principal(self, client_public: bytes) -> Optional[str]:
@@ -222,23 +228,23 @@ class Keyring:
             return None
         if self.join is not None and client_public == self.join.public:
             return JOIN_PRINCIPAL
-        lid = self.learners.get(client_public)
-        return None if lid is None else f"{LEARNER_PRINCIPAL}{lid}"
+        lid = self.islands.get(client_public)
+        return None if lid is None else f"{ISLAND_PRINCIPAL}{lid}"
 
     def bound_ids(self) -> set[int]:
-        """Learner ids that only their own key may speak for."""
-        return set(self.learners.values())
+        """Island ids that only their own key may speak for."""
+        return set(self.islands.values())
 
     def revoked_principals(self) -> set[str]:
-        """Principals whose connections must be cut (a learner id with a revoked key and no current one)."""
-        current = set(self.learners.values())
-        return {f"{LEARNER_PRINCIPAL}{lid}" for lid in self.revoked_ids - current}
+        """Principals whose connections must be cut (an island id with a revoked key and no current one)."""
+        current = set(self.islands.values())
+        return {f"{ISLAND_PRINCIPAL}{lid}" for lid in self.revoked_ids - current}
 
     def bundle(self) -> str:
         """Every credential file of the run as one JSON text (relative path -> contents), for moving the syncer
         to another machine (the launch's head VM) as a single secret."""
         files = [self.keys_dir / SYNCER_SECRET_FILE, self.out / JOIN_KEY_FILE,
-                 *sorted((self.keys_dir / LEARNER_KEYS).glob("*.key")),
+                 *sorted((self.keys_dir / ISLAND_KEYS).glob("*.key")),
                  *sorted((self.keys_dir / REVOKED_KEYS).glob("*.key"))]
         return json.dumps({str(p.relative_to(self.out)): p.read_text() for p in files if p.is_file()})
 
@@ -259,50 +265,50 @@ class Keyring:
 
     # ------------------------------------------------------------------ yeto keys
 
-    def add_learner(self, learner: int) -> Path:
-        path = self.keys_dir / LEARNER_KEYS / f"{learner}.key"
+    def add_island(self, island: int) -> Path:
+        path = self.keys_dir / ISLAND_KEYS / f"{island}.key"
         if path.exists():
-            raise YetoError(f"learner {learner} already has a key ({path}); revoke it first to issue a new one")
+            raise YetoError(f"island {island} already has a key ({path}); revoke it first to issue a new one")
         public, secret = zmq.curve_keypair()
-        write_secret(path, JoinKey(self.syncer_public, public, secret, learner).text())
+        write_secret(path, JoinKey(self.syncer_public, public, secret, island).text())
         return path
 
-    def own_key(self, learner: int) -> JoinKey:
-        """Learner `learner`'s own key, issued now if it has none: what `yeto launch` hands each learner it starts, so
+    def own_key(self, island: int) -> JoinKey:
+        """Island `island`'s own key, issued now if it has none: what `yeto launch` hands each island it starts, so
         its claims are trusted (yeto.sync.merge.rules.Tier) and it can be revoked alone."""
-        path = self.keys_dir / LEARNER_KEYS / f"{learner}.key"
+        path = self.keys_dir / ISLAND_KEYS / f"{island}.key"
         if not path.exists():
-            self.add_learner(learner)
+            self.add_island(island)
             self.rescan()
         return read_join_key(path)
 
-    def issue_expected(self, learners: int) -> list[int]:
-        """A learner key for every expected id (0 .. learners - 1) that has none and was never revoked (a revoked
+    def issue_expected(self, islands: int) -> list[int]:
+        """An island key for every expected id (0 .. islands - 1) that has none and was never revoked (a revoked
         one comes back only by `yeto keys add`): the shared join key can then take no expected id, so no holder of
-        it can take one before its learner starts. The ids issued."""
-        have = set(self.learners.values()) | self.revoked_ids
-        issued = [lid for lid in range(learners) if lid not in have]
+        it can take one before its island starts. The ids issued."""
+        have = set(self.islands.values()) | self.revoked_ids
+        issued = [lid for lid in range(islands) if lid not in have]
         for lid in issued:
-            self.add_learner(lid)
+            self.add_island(lid)
         if issued:
             self.rescan()
         return issued
 
-    def who_joins_with_what(self, learners: int) -> str:
-        """One line for the syncer's log: which key file each learner id joins with."""
-        own = sorted(self.learners.values())
-        mine = self.keys_dir / LEARNER_KEYS
+    def who_joins_with_what(self, islands: int) -> str:
+        """One line for the syncer's log: which key file each island id joins with."""
+        own = sorted(self.islands.values())
+        mine = self.keys_dir / ISLAND_KEYS
         if not own:
-            return f"learners join with {self.out / JOIN_KEY_FILE}"
-        who = "every expected id joins" if set(range(learners)) <= set(own) else f"learner ids {own} join"
-        return (f"{who} with its own key {mine}/<id>.key (copy key i to learner i: trusted), ids with no key of "
+            return f"islands join with {self.out / JOIN_KEY_FILE}"
+        who = "every expected id joins" if set(range(islands)) <= set(own) else f"island ids {own} join"
+        return (f"{who} with its own key {mine}/<id>.key (copy key i to island i: trusted), ids with no key of "
                 f"their own with {self.out / JOIN_KEY_FILE} (bounded)")
 
-    def revoke_learner(self, learner: int) -> Path:
-        path = self.keys_dir / LEARNER_KEYS / f"{learner}.key"
+    def revoke_island(self, island: int) -> Path:
+        path = self.keys_dir / ISLAND_KEYS / f"{island}.key"
         if not path.exists():
-            raise YetoError(f"learner {learner} has no key under {path.parent} (see `yeto keys list`)")
-        dest = self.keys_dir / REVOKED_KEYS / f"{learner}-{time.strftime('%Y%m%dT%H%M%S')}.key"
+            raise YetoError(f"island {island} has no key under {path.parent} (see `yeto keys list`)")
+        dest = self.keys_dir / REVOKED_KEYS / f"{island}-{time.strftime('%Y%m%dT%H%M%S')}.key"
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, dest)
         return dest

@@ -9,26 +9,26 @@ logic runs here and in the simulator (`yeto.sync.sim`).
 Security (docs/SECURITY.md): the socket is a CURVE server; every handshake is
 answered by the `Gatekeeper` (ZAP) with the run's keys, so a peer without a
 valid join key never gets a message to the core. Each message carries the
-identity its connection proved (ZAP User-Id), which the core binds to learner
+identity its connection proved (ZAP User-Id), which the core binds to island
 ids. `--insecure` (no encryption, no authentication) is refused off loopback.
 
-Delivery: the socket is `ROUTER_MANDATORY`, so a message to a learner whose
+Delivery: the socket is `ROUTER_MANDATORY`, so a message to an island whose
 pipe is full or not connected raises instead of vanishing; it is kept and
 retried for a while, then dropped with a `send_dropped` event on the tape (the
-learner notices from versions and asks again). Adapter-carrying messages (broadcast,
-state) are handed to ZeroMQ one at a time per learner: the next waits here until
+island notices from versions and asks again). Adapter-carrying messages (broadcast,
+state) are handed to ZeroMQ one at a time per island: the next waits here until
 ZeroMQ has released the previous one (written to the kernel, a `MessageTracker`), so a
 slow reader holds at most one adapter in ZeroMQ's queue and one waiting here, and a
 newer global replaces an older one still waiting (`send_superseded` on the tape): a
 slow reader catches up from the latest global, never from a queue of old versions.
 The loop never blocks on one peer (every send is NOBLOCK). SIGINT/SIGTERM: checkpoint, tell
-every learner to finish (each saves its adapter), exit 130/143 (128 + the signal,
+every island to finish (each saves its adapter), exit 130/143 (128 + the signal,
 whenever it comes, the final linger included).
 
 Disk failures are handled by what was being written, never by the exception's
 type: derived data (the peft adapter) is recorded and survived; a failed write of
 the run's state (tape, checkpoint, saved deltas) stops the syncer at once and
-cleanly: nothing more is written or acknowledged, every learner is told `finish`
+cleanly: nothing more is written or acknowledged, every island is told `finish`
 with the reason, one error line names the path and its free space, and the exit
 code is DISK_FAILED_EXIT. The checkpoint on disk stays whole: the same command
 resumes once space is freed.
@@ -64,7 +64,7 @@ from yeto.report.trackers import Trackers
 
 log = logging.getLogger("yeto.syncer")
 TICK_S = 0.05  # timer resolution of the core (poll timeout)
-SNDHWM = 64  # messages queued per learner connection before ZeroMQ says "full" (and we keep them ourselves)
+SNDHWM = 64  # messages queued per island connection before ZeroMQ says "full" (and we keep them ourselves)
 RCVHWM = 16  # inbound messages queued per connection: with the message size limit, what one peer can make us hold
 LINGER_MS = 5000  # on exit, give queued messages (the finish) this long to leave
 DISK_FAILED_EXIT = 74  # sysexits' EX_IOERR: the run's state could not be written (resumable once fixed)
@@ -86,8 +86,8 @@ class Syncer:
             self.keys = Keyring.ensure(cfg.out, cfg.join_key)
         self.store = DiskStore(cfg.out)
         durable = self.store.load()
-        if self.keys is not None and cfg.learner_keys and durable.checkpoint is None:  # (the run's first start)
-            self.keys.issue_expected(cfg.learners)
+        if self.keys is not None and cfg.island_keys and durable.checkpoint is None:  # (the run's first start)
+            self.keys.issue_expected(cfg.islands)
         init = None
         if cfg.init_adapter and durable.checkpoint is None:  # (a resumed run has its version 0 already)
             from yeto.sync.shell.store import load_init_adapter
@@ -129,9 +129,9 @@ class Syncer:
             return 0
         return self.kill_code if self.killed else 0
 
-    def queued_bytes(self, learner: int) -> int:
-        """Bytes this syncer holds for a learner's connections: parked here, or handed to ZeroMQ and not sent."""
-        prefix = f"learner-{learner}-".encode()
+    def queued_bytes(self, island: int) -> int:
+        """Bytes this syncer holds for an island's connections: parked here, or handed to ZeroMQ and not sent."""
+        prefix = f"island-{island}-".encode()
         return self.delivery.held_bytes(lambda dest: dest.startswith(prefix))
 
     @property
@@ -146,7 +146,7 @@ class Syncer:
         ctx = zmq.Context()  # its own: the ZAP endpoint is per context, and tests run several syncers in a process
         self.sock = sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # never drop silently: unroutable or full raises
-        # a learner reconnecting with its routing id takes over its old pipe; the id carries 64 random bits its
+        # an island reconnecting with its routing id takes over its old pipe; the id carries 64 random bits its
         # owner never sends in clear, and a message is only believed on the connection that said hello (the core)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.max_message = self._message_limit()
@@ -168,7 +168,7 @@ class Syncer:
             raise YetoError(f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e}") from e
         log.info("syncer listening on %s:%d (incarnation %s; %s)", self.cfg.host, self.cfg.port,
                  self.core.incarnation, "INSECURE: no encryption, no authentication" if self.gate is None else
-                 f"CURVE; {self.keys.who_joins_with_what(self.cfg.learners)}")
+                 f"CURVE; {self.keys.who_joins_with_what(self.cfg.islands)}")
         old = {}
         if threading.current_thread() is threading.main_thread():  # (kept until the last message has left)
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -201,7 +201,7 @@ class Syncer:
             ready = dict(poller.poll(int(TICK_S * 1000)))
             now = time.monotonic()
             if self.gate is not None:
-                self.gate.handle(now)  # (handshakes first: a learner's hello waits on its ZAP answer)
+                self.gate.handle(now)  # (handshakes first: an island's hello waits on its ZAP answer)
                 self._record_refusals()
             if now >= next_scan:
                 next_scan = now + KEYS_RESCAN_S
@@ -287,7 +287,7 @@ class Syncer:
         self.stopping = (signal.Signals(signum).name, 128 + signum)
 
     def stop(self) -> None:
-        """Stop as on SIGTERM (checkpoint, finish every learner); thread-safe."""
+        """Stop as on SIGTERM (checkpoint, finish every island); thread-safe."""
         self.stopping = ("stop", 143)
 
     def kill(self) -> None:
@@ -322,7 +322,7 @@ class Syncer:
     def _execute(self, actions: list[Action]) -> None:
         """The core's actions in order. Once the run's state could not be written, the rest of that batch is
         dropped (no ack for a delta that is not saved) and later batches only log and say `finish` (no version the
-        disk does not hold reaches a learner)."""
+        disk does not hold reaches an island)."""
         failed_before = self.disk_failure is not None
         for a in actions:
             if self.disk_failure is not None and not (failed_before and (
@@ -341,11 +341,11 @@ class Syncer:
                 if self._durable(self.store.out / STATE_FILE, lambda: self.store.save_checkpoint(a.checkpoint)):
                     self._write_adapter(a.checkpoint)
             elif isinstance(a, SaveDelta):
-                self._durable(self.store.delta_path(a.delta.round, a.delta.learner),
+                self._durable(self.store.delta_path(a.delta.round, a.delta.island),
                               lambda: self.store.save_delta(a.delta))
             elif isinstance(a, DropDeltas):
                 self._durable(self.store.out / PENDING_DIR,
-                              lambda: self.store.drop_deltas(a.through_round, a.round, a.learner))
+                              lambda: self.store.drop_deltas(a.through_round, a.round, a.island))
             elif isinstance(a, Log):
                 getattr(log, a.level)(a.text)
             elif isinstance(a, Exit):
@@ -378,10 +378,10 @@ class Syncer:
             raise
 
     def _noted(self, event: str, fields: dict) -> None:
-        """The send rules' news, on the tape (a dropped message is worth a warning: its learner catches up)."""
+        """The send rules' news, on the tape (a dropped message is worth a warning: its island catches up)."""
         if event != "send_dropped":
             self._append(event, fields)
             return
         self.store.append(event, fields)
-        log.warning("dropped a %s to %s (%s); the learner catches up from versions", fields["type"], fields["peer"],
+        log.warning("dropped a %s to %s (%s); the island catches up from versions", fields["type"], fields["peer"],
                     fields["reason"])

@@ -10,7 +10,7 @@ tape), the saved deltas, and the tape with a torn last line cut off.
 
     OUT/state.safetensors        global adapter, outer momentum, broadcast residual + run metadata
     OUT/state.prev.safetensors   the checkpoint before it (a fallback if the newest is damaged)
-    OUT/pending/r<round>-l<learner>.safetensors   a delta accepted for the open round (its wire payload)
+    OUT/pending/r<round>-l<island>.safetensors   a delta accepted for the open round (its wire payload)
     OUT/tape.jsonl               the event tape
     OUT/adapter/                 the global adapter as a peft directory (derived; rewritten after each merge)
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from yeto import YetoError
+from yeto import YetoError, in_current_words
 from yeto.models.adapter import ADAPTER_CONFIG, read_adapter, recorded_base_revision, resolve_adapter_dir, write_adapter
 from yeto.sync.core.actions import AcceptedDelta, Checkpoint, Durable, Record
 from yeto.sync.core.contract import InitAdapter
@@ -94,7 +94,7 @@ class DiskStore:
         for path in sorted((self.out / PENDING_DIR).glob("r*-l*.safetensors")):
             try:
                 deltas.append(read_delta(path))
-            except Exception as e:  # a damaged file: its learner sends the delta again
+            except Exception as e:  # a damaged file: its island sends the delta again
                 notes.append(Record("delta_damaged", {"path": str(path), "reason": str(e)[:300]}))
                 path.unlink(missing_ok=True)
         return Durable(checkpoint, deltas, self.tape.read_all(), notes)
@@ -134,14 +134,14 @@ class DiskStore:
 
         self.tape.sync()
         tensors = {f"frame{i}": np.frombuffer(f, dtype=np.uint8) for i, f in enumerate(d.frames)}
-        _write_durably(self.delta_path(d.round, d.learner),
+        _write_durably(self.delta_path(d.round, d.island),
                        lambda tmp: save_file(tensors, str(tmp), metadata={"delta": json.dumps(d.saved_fields())}))
 
-    def drop_deltas(self, through_round: int = -1, rnd: int = -1, learner: int = -1) -> None:
+    def drop_deltas(self, through_round: int = -1, rnd: int = -1, island: int = -1) -> None:
         self.tape.sync()
         for path in (self.out / PENDING_DIR).glob("r*-l*.safetensors"):
             r, lid = _delta_key(path)
-            if r <= through_round or (r, lid) == (rnd, learner):
+            if r <= through_round or (r, lid) == (rnd, island):
                 path.unlink(missing_ok=True)
         fsync_dir(self.out / PENDING_DIR)
 
@@ -149,8 +149,8 @@ class DiskStore:
         self.tape.sync()
         self.tape.close()
 
-    def delta_path(self, rnd: int, learner: int) -> Path:
-        return self.out / PENDING_DIR / f"r{rnd:08d}-l{learner}.safetensors"
+    def delta_path(self, rnd: int, island: int) -> Path:
+        return self.out / PENDING_DIR / f"r{rnd:08d}-l{island}.safetensors"
 
 
 def _delta_key(path: Path) -> tuple[int, int]:
@@ -171,11 +171,12 @@ def read_checkpoint(path: Path) -> Checkpoint:
     check = _state_check(arrays["global"], arrays["momentum"], arrays["residual"])
     if array_digest(arrays["global"]) != meta["digest"] or check != meta["check"]:
         raise ValueError(f"{path.name}: content does not match its digest (damaged on disk)")
+    config, contract = (in_current_words(json.loads(meta[k])) for k in ("config", "contract"))
     return Checkpoint(int(meta["version"]), layout_from_json(json.loads(meta["layout"])),
                       json.loads(meta["adapter_config"]), json.loads(meta["provenance"]), arrays["global"],
-                      arrays["momentum"], arrays["residual"], meta["digest"], json.loads(meta["config"]),
+                      arrays["momentum"], arrays["residual"], meta["digest"], config,
                       json.loads(meta["members"]), {int(k): v for k, v in json.loads(meta["merged"]).items()},
-                      {int(k): v for k, v in json.loads(meta["retired"]).items()}, json.loads(meta["contract"]),
+                      {int(k): v for k, v in json.loads(meta["retired"]).items()}, contract,
                       {int(k): v for k, v in json.loads(meta["owners"]).items()})
 
 
@@ -183,7 +184,7 @@ def read_delta(path: Path) -> AcceptedDelta:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="numpy") as f:
-        fields = json.loads((f.metadata() or {})["delta"])
+        fields = in_current_words(json.loads((f.metadata() or {})["delta"]))
         frames = tuple(f.get_tensor(f"frame{i}").tobytes() for i in range(len(fields["descs"])))
     d = AcceptedDelta(**fields, frames=frames)
     if digest_bytes(d.frames) != d.digest:

@@ -15,6 +15,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from yeto import in_current_words
+
 log = logging.getLogger(__name__)
 
 TAPE_FILE = "tape.jsonl"
@@ -88,7 +90,7 @@ def read_tape(path: str | Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            events.append(json.loads(line))
+            events.append(in_current_words(json.loads(line)))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             if any(rest.strip() for rest in lines[lineno:]):
                 raise YetoError(f"{p}:{lineno}: the tape is damaged ({type(e).__name__}) before its last line; "
@@ -107,7 +109,7 @@ def rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif e["event"] == "rollback":  # that merge never happened (its checkpoint was not durable)
             out = [r for r in out if r["version"] != e["version"]]
         elif e["event"] == "merge":
-            ds = {d["learner"]: d for d in deltas.get(e["round"], [])}
+            ds = {d["island"]: d for d in deltas.get(e["round"], [])}
             out.append({
                 "round": e["round"],
                 "version": e.get("version"),
@@ -160,16 +162,16 @@ def plot(path: str | Path, png: str | Path | None = None) -> Path:
         from yeto import YetoError
 
         raise YetoError(f"{path}: the tape has no merges to plot")
-    learners = sorted({r for x in rs for r in x["responders"]})
+    islands = sorted({r for x in rs for r in x["responders"]})
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    for lid in learners:
+    for lid in islands:
         pts = [(x["round"], x["loss"][lid]) for x in rs if lid in x["loss"]]
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"island {lid}")
     ax1.set_ylabel("mean inner loss in round")
     ax1.legend()
     ax1.grid(alpha=0.3)
     bottom = [0.0] * len(rs)
-    for lid in learners:
+    for lid in islands:
         w = [x["weights"][x["responders"].index(lid)] if lid in x["responders"] else 0.0 for x in rs]
         ax2.bar([x["round"] for x in rs], w, bottom=bottom, label=f"island {lid}")
         bottom = [b + v for b, v in zip(bottom, w)]

@@ -3,7 +3,7 @@ tape records (the core stays pure: this reads what the shell appends), at the me
 
 Per merge: responders, stragglers, update norm, grace, merge time (the merge's batch of actions: checkpoint and
 broadcast included), round time (from the round's opening), quorum waits and rejoins since the last merge, and per
-learner its weight, its delta's lag and its robust-merge clip factor.
+island its weight, its delta's lag and its robust-merge clip factor.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from yeto.report.trackers import Trackers, flat_metrics, per_learner
+from yeto.report.trackers import Trackers, flat_metrics, per_island
 
 
 class MergeTracking:
@@ -49,7 +49,7 @@ class MergeTracking:
             "grace_s": f.get("grace_s"), "merge_s": seconds, "round": f["round"],
             "round_s": self.clock() - opened if opened is not None else None,
             "quorum_waits": self.quorum_waits, "rejoins": self.rejoins, "clip": f.get("clip") or {}})
-        metrics.update(per_learner("merge", ids, weight=f.get("weights"), lag=f.get("lags")))
+        metrics.update(per_island("merge", ids, weight=f.get("weights"), lag=f.get("lags")))
         self.trackers.log(int(f["version"]), metrics)
         self.quorum_waits = self.rejoins = 0
 

@@ -1,6 +1,6 @@
-"""The seeded fault schedule: one seed draws a fleet (learners, quorum, round policy, wire bits) and the faults it
-meets (lost, duplicated and delayed messages, cut links, killed, frozen and given-up learners, killed and stopped
-syncers, a poisoned step, a hostile learner), and the simulation's constants."""
+"""The seeded fault schedule: one seed draws a fleet (islands, quorum, round policy, wire bits) and the faults it
+meets (lost, duplicated and delayed messages, cut links, killed, frozen and given-up islands, killed and stopped
+syncers, a poisoned step, a hostile island), and the simulation's constants."""
 
 from __future__ import annotations
 
@@ -9,34 +9,34 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from yeto.sync.core.learner import LinkTimeouts
+from yeto.sync.core.island import LinkTimeouts
 from yeto.sync.core.syncer import SyncerConfig
 from yeto.sync.merge.rules import merge_rules
-from yeto.sync.wire.protocol import JOIN_PRINCIPAL, LEARNER_PRINCIPAL
+from yeto.sync.wire.protocol import JOIN_PRINCIPAL, ISLAND_PRINCIPAL
 
 TICK_S = 0.25  # how often each node's timers run (the real shells tick faster)
-START_S = 2.0  # learners boot in [0, this)
+START_S = 2.0  # islands boot in [0, this)
 ROUND_OVERHEAD_S = 1.0  # messages and merge per round, roughly
 HORIZON_STRETCH = 1.5  # faults are drawn over this many times a fault-free run's length
 HEAL_BUDGET_S = 900.0  # once healed, the run must finish within this (simulated) time
 ADAPTER_SHAPES = {"m.layers.0.q.lora_A.default.weight": (2, 8), "m.layers.0.q.lora_B.default.weight": (8, 2),
                   "m.layers.1.q.lora_A.default.weight": (2, 8), "m.layers.1.q.lora_B.default.weight": (8, 2)}
 FRAGMENT_NUMEL = 24  # small fragments, so payloads span several frames
-POISON = -6e4  # fits the learners' fp16 block minimums, but not once the outer step scaled it: the merge fails
+POISON = -6e4  # fits the islands' fp16 block minimums, but not once the outer step scaled it: the merge fails
 SIM_OUTER_LR, SIM_OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's: the outer step scales the poison past fp16 (not the default)
-SLOW_LINK_P = 0.2  # the share of schedules with learners behind a slow bulk link
+SLOW_LINK_P = 0.2  # the share of schedules with islands behind a slow bulk link
 # a delta message of the simulator's adapter is ~1-2 kB (its JSON header, mostly): 10 to 90 s a message, against a
-# 6 s learner timeout (a 70B-class delta up a 2 Mbit/s line takes about an hour: the same, scaled)
+# 6 s island timeout (a 70B-class delta up a 2 Mbit/s line takes about an hour: the same, scaled)
 SLOW_LINK_BYTES_PER_S = (20.0, 50.0, 100.0)
 STREAMED_P = 0.25  # the share of schedules whose syncer streams the adapter in parts
-PIPELINED_P = 0.6  # ... and of those (fixed-step), whose learners push up to --pipeline parts ahead of the merges
-HOSTILE_P = 0.2  # the share of schedules (of 2 or more learners) with a hostile learner
-EXTRA_IDS_P = 0.15  # the share of schedules with ids beyond --learners on the join key (extra: no quorum of theirs)
+PIPELINED_P = 0.6  # ... and of those (fixed-step), whose islands push up to --pipeline parts ahead of the merges
+HOSTILE_P = 0.2  # the share of schedules (of 2 or more islands) with a hostile island
+EXTRA_IDS_P = 0.15  # the share of schedules with ids beyond --islands on the join key (extra: no quorum of theirs)
 # its stream: one under which every seed pinned before extra ids keeps the schedule it was found on (tests/test_sim.py)
 EXTRA_IDS_STREAM = 187
 EXTRA_STEP_S = (0.005, 0.03)  # an extra id answers faster than any honest island trains (which buys it nothing)
 EXTRA_OUTLIERS = (0.0, 1.0, 1000.0)  # its steps: nothing (zero deltas, deflating the clip), honest, outliers
-# a hostile learner in time-window rounds claims this many times its steps (step normalization: a longer round),
+# a hostile island in time-window rounds claims this many times its steps (step normalization: a longer round),
 # now and then; from a stream under which every pinned seed keeps its schedule (tests/test_sim.py)
 STEP_CLAIMS_P = 0.7
 STEP_CLAIMS = (10, 1000, 10**6)
@@ -51,10 +51,10 @@ PROGRESS_CHUNK = 50  # schedules per work unit (and per progress line)
 
 @dataclass(frozen=True)
 class Hostile:
-    """A learner that claims `claims` x the tokens it trained and `steps` x the steps it took (its window steps
+    """An island that claims `claims` x the tokens it trained and `steps` x the steps it took (its window steps
     too), and steps `outlier` x as far as an honest one."""
 
-    learner: int
+    island: int
     claims: int
     outlier: float
     steps: int = 1
@@ -63,7 +63,7 @@ class Hostile:
 @dataclass
 class Schedule:
     seed: int
-    learners: int
+    islands: int
     quorum: int
     outer_steps: int
     inner_steps: int
@@ -74,29 +74,29 @@ class Schedule:
     p_drop: float
     p_dup: float
     p_slow_step: float
-    # (at, learner, down for (None: for good), a zombie: the old process only sleeps and wakes up later)
-    learner_kills: list[tuple[float, int, Optional[float], bool]]
+    # (at, island, down for (None: for good), a zombie: the old process only sleeps and wakes up later)
+    island_kills: list[tuple[float, int, Optional[float], bool]]
     syncer_kills: list[tuple[float, float, bool]]  # (at, down for, during the next event's actions)
-    cuts: list[tuple[float, int, float]]  # (at, learner, for)
+    cuts: list[tuple[float, int, float]]  # (at, island, for)
     pauses: list[tuple[float, int, float]]  # (at, node (-1: syncer), for)
     stops: list[tuple[float, float]]  # (at, down for): SIGTERM the syncer, then relaunch the whole fleet
-    poison: Optional[tuple[float, int]]  # (at, learner): its next step jumps by POISON (a delta too big to merge)
-    max_inner_steps: list[int]  # per learner: 0, or a cap on its steps per round (a weaker island)
-    give_ups: list[tuple[float, int]] = field(default_factory=list)  # (at, learner): the fleet controller gave it up
+    poison: Optional[tuple[float, int]]  # (at, island): its next step jumps by POISON (a delta too big to merge)
+    max_inner_steps: list[int]  # per island: 0, or a cap on its steps per round (a weaker island)
+    give_ups: list[tuple[float, int]] = field(default_factory=list)  # (at, island): the fleet controller gave it up
     max_base_lag: int = 0  # the syncer's staleness policy and grace (drawn from a stream of their own)
     staleness_exponent: float = 0.0
     grace_ms: float = 3000.0
     merge: str = "rda"
     broadcast_bits: int = 0  # 0: sync_bits
     fragments: int = 1  # the syncer streams the adapter in this many parts (--fragments)
-    pipeline: int = 1  # deltas a streamed learner may have in flight (--pipeline)
-    # learner -> bytes per second of its bulk connection, both ways (a home uplink carrying a big adapter): each
-    # message that carries an adapter takes longer than the learner timeout, while its control connection is fast
+    pipeline: int = 1  # deltas a streamed island may have in flight (--pipeline)
+    # island -> bytes per second of its bulk connection, both ways (a home uplink carrying a big adapter): each
+    # message that carries an adapter takes longer than the island timeout, while its control connection is fast
     slow_links: dict[int, float] = field(default_factory=dict)
     hostile: Optional["Hostile"] = None  # a join-key holder steering the merge with its claims and outliers
-    # per learner, the key its connections prove: "own" (a learner key: trusted) or "join" (the shared key: bounded)
+    # per island, the key its connections prove: "own" (an island key: trusted) or "join" (the shared key: bounded)
     keys: list[str] = field(default_factory=list)
-    # ids beyond --learners (learners, learners + 1, ...) on the join key; their entries follow the fleet's in
+    # ids beyond --islands (islands, islands + 1, ...) on the join key; their entries follow the fleet's in
     # step_s, max_inner_steps and keys; `extra_outlier` scales their steps (0: every delta they send is zero)
     extra_ids: int = 0
     extra_outlier: float = 1.0
@@ -131,11 +131,11 @@ class Schedule:
         stops = [(rng.uniform(0, horizon), rng.uniform(0.5, 10.0))] if rng.random() < 0.1 else []
         poison = (rng.uniform(0, horizon), rng.randrange(n)) if rng.random() < 0.15 else None
         return Schedule(
-            seed=seed, learners=n, quorum=quorum, outer_steps=outer_steps, inner_steps=inner_steps,
+            seed=seed, islands=n, quorum=quorum, outer_steps=outer_steps, inner_steps=inner_steps,
             round_seconds=round_seconds, sync_bits=rng.choice([4, 4, 8, 32]), step_s=step_s,
             latency_s=(rng.uniform(0.001, 0.05), rng.uniform(0.05, 0.6)),
             p_drop=rng.uniform(0.0, 0.08) if lossy else 0.0, p_dup=rng.uniform(0.0, 0.05) if lossy else 0.0,
-            p_slow_step=rng.choice([0.0, 0.0, 0.02]), learner_kills=sorted(kills), syncer_kills=sorted(syncer_kills),
+            p_slow_step=rng.choice([0.0, 0.0, 0.02]), island_kills=sorted(kills), syncer_kills=sorted(syncer_kills),
             cuts=sorted(cuts), pauses=sorted(pauses), stops=stops, poison=poison,
             max_inner_steps=[rng.choice([0, 0, 0, 1]) for _ in range(n)], give_ups=Schedule.draw_give_ups(seed, kills),
             hostile=Schedule.draw_hostile(seed, n), **Schedule.draw_policy(seed)
@@ -162,21 +162,21 @@ class Schedule:
         return self
 
     def with_slow_links_drawn(self) -> "Schedule":
-        """Now and then one or two learners behind a slow bulk link (a stream of its own)."""
+        """Now and then one or two islands behind a slow bulk link (a stream of its own)."""
         rng = random.Random(self.seed * 31 + 59)
         if rng.random() < SLOW_LINK_P:
-            for lid in rng.sample(range(self.learners), min(self.learners, rng.choice([1, 1, 2]))):
+            for lid in rng.sample(range(self.islands), min(self.islands, rng.choice([1, 1, 2]))):
                 self.slow_links[lid] = rng.choice(SLOW_LINK_BYTES_PER_S)
         return self
 
     def with_keys_drawn(self) -> "Schedule":
-        """Whose claims the syncer believes: a fleet on learner keys (what `yeto launch` sets up), on the shared join
-        key, or a mix; a hostile learner always holds the join key (a stream of its own)."""
+        """Whose claims the syncer believes: a fleet on island keys (what `yeto launch` sets up), on the shared join
+        key, or a mix; a hostile island always holds the join key (a stream of its own)."""
         rng = random.Random(self.seed * 31 + 67)
         fleet = rng.choice(["own", "join", "mixed"])
-        self.keys = [rng.choice(["own", "join"]) if fleet == "mixed" else fleet for _ in range(self.learners)]
+        self.keys = [rng.choice(["own", "join"]) if fleet == "mixed" else fleet for _ in range(self.islands)]
         if self.hostile is not None:
-            self.keys[self.hostile.learner] = "join"
+            self.keys[self.hostile.island] = "join"
         return self
 
     def with_extra_ids_drawn(self) -> "Schedule":
@@ -193,19 +193,19 @@ class Schedule:
         return self
 
     def with_step_claims_drawn(self) -> "Schedule":
-        """Now and then a hostile learner in time-window rounds lies about its steps too (a stream of its own)."""
+        """Now and then a hostile island in time-window rounds lies about its steps too (a stream of its own)."""
         rng = random.Random(self.seed * 31 + STEP_CLAIMS_STREAM)
         if self.hostile is not None and self.round_seconds and rng.random() < STEP_CLAIMS_P:
             self.hostile = dataclasses.replace(self.hostile, steps=rng.choice(STEP_CLAIMS))
         return self
 
     def principal(self, lid: int) -> str:
-        """The ZAP User-Id learner `lid`'s connections authenticate as."""
-        return JOIN_PRINCIPAL if lid >= len(self.keys) or self.keys[lid] == "join" else f"{LEARNER_PRINCIPAL}{lid}"
+        """The ZAP User-Id island `lid`'s connections authenticate as."""
+        return JOIN_PRINCIPAL if lid >= len(self.keys) or self.keys[lid] == "join" else f"{ISLAND_PRINCIPAL}{lid}"
 
     @staticmethod
     def draw_hostile(seed: int, n: int) -> Optional["Hostile"]:
-        """Now and then one learner lies about its work and pushes outliers (a stream of its own, so older seeds
+        """Now and then one island lies about its work and pushes outliers (a stream of its own, so older seeds
         keep their faults)."""
         rng = random.Random(seed * 31 + 41)
         if n < 2 or rng.random() >= HOSTILE_P:
@@ -221,7 +221,7 @@ class Schedule:
 
     @staticmethod
     def draw_give_ups(seed: int, kills: list) -> list[tuple[float, int]]:
-        """The fleet controller (`yeto launch`) giving up a killed learner after a while: mostly one killed for
+        """The fleet controller (`yeto launch`) giving up a killed island after a while: mostly one killed for
         good, sometimes one that comes back anyway. Drawn from a stream of their own, so every older seed keeps its
         schedule."""
         rng = random.Random(seed * 31 + 17)
@@ -229,10 +229,10 @@ class Schedule:
                       if rng.random() < (0.6 if down is None else 0.15))
 
     def syncer_config(self) -> SyncerConfig:
-        return SyncerConfig(learners=self.learners, quorum=self.quorum, outer_steps=self.outer_steps,
+        return SyncerConfig(islands=self.islands, quorum=self.quorum, outer_steps=self.outer_steps,
                             inner_steps=self.inner_steps, round_seconds=self.round_seconds, sync_bits=self.sync_bits,
                             broadcast_bits=self.broadcast_bits or None,
-                            straggler_timeout=3.0, quorum_timeout=1e6, learner_timeout=6.0, out="(simulated)",
+                            straggler_timeout=3.0, quorum_timeout=1e6, island_timeout=6.0, out="(simulated)",
                             outer_lr=SIM_OUTER_LR, outer_momentum=SIM_OUTER_MOMENTUM,
                             max_base_lag=self.max_base_lag, staleness_exponent=self.staleness_exponent,
                             grace_s=self.grace_ms / 1000, merge=self.merge, fragments=self.fragments,

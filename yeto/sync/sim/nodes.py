@@ -1,5 +1,5 @@
 """The simulated nodes around the real cores: the syncer (`SyncerCore` over a simulated disk, killed, frozen and
-restarted, possibly in the middle of an action list) and the learners (each a `LearnerCore` driven by a simulated
+restarted, possibly in the middle of an action list) and the islands (each a `IslandCore` driven by a simulated
 training loop over a fake island whose steps add known vectors; one of them may be hostile: it claims more tokens
 than it trained and steps further than an honest island)."""
 
@@ -16,8 +16,8 @@ import numpy as np
 
 from yeto.sync.core.actions import (DropDeltas, Durable, Exit, Log, Out, Reconnect, Record, SaveCheckpoint, SaveDelta,
                                     Send)
-from yeto.sync.core.learner import Done, LearnerCore, RoundCounts, Train, StepVerdict, Wait
-from yeto.sync.core.learner.work import Carry, RoundSteps
+from yeto.sync.core.island import Done, IslandCore, RoundCounts, Train, StepVerdict, Wait
+from yeto.sync.core.island.work import Carry, RoundSteps
 from yeto.sync.core.deltas import MAX_INNER_STEPS_PER_DELTA
 from yeto.sync.core.delivery import GLOBAL_TYPES, Delivery, Outgoing, Undeliverable
 from yeto.sync.core.syncer import SyncerCore
@@ -151,7 +151,7 @@ class SimSyncer:
                 w.log(f"syncer {a.level}: {a.text}")
 
     def _send(self, a: Send) -> None:
-        """Through the syncer's own send rules (core.delivery): one adapter at a time per learner connection."""
+        """Through the syncer's own send rules (core.delivery): one adapter at a time per island connection."""
         w = self.w
         w.log(f"syncer -> {a.peer}: {a.type} {_brief(a.header)}")
         version = a.header.get("version", -1) if a.type in GLOBAL_TYPES else -1
@@ -193,10 +193,10 @@ class SimSyncer:
                     m["responders"], m["deltas"], m["lags"]))
         elif isinstance(a, SaveDelta):
             d = copy.copy(a.delta)
-            self.disk.deltas[(d.round, d.learner)] = d
+            self.disk.deltas[(d.round, d.island)] = d
         else:
             for key in list(self.disk.deltas):
-                if key[0] <= a.through_round or key == (a.round, a.learner):
+                if key[0] <= a.through_round or key == (a.round, a.island):
                     del self.disk.deltas[key]
 
     def kill(self, down: float, during: bool) -> None:
@@ -231,11 +231,12 @@ class SimSyncer:
         self.sleep.freeze(dur)
 
 
-# ---------------------------------------------------------------------------------------------- a learner
+# ---------------------------------------------------------------------------------------------- an island
 
 
-class SimIsland:
-    """A fake island: each step adds a known pseudo-random vector to the adapter (`hostile`: how it lies)."""
+class SimTrainer:
+    """A fake backend (what an island trains with): each step adds a known pseudo-random vector to the adapter
+    (`hostile`: how it lies)."""
 
     def __init__(self, lid: int, numel: int, seed: int, hostile: Optional[Hostile] = None):
         self.lid, self.seed, self.hostile = lid, seed, hostile or Hostile(lid, 1, 1.0)
@@ -258,14 +259,17 @@ class SimIsland:
             h.get("carried_steps", 0) * k, steps - 1)))
 
 
-class SimLearner:
+class SimIsland:
+    """An island process of the simulated world: the real island core driving a SimTrainer, over simulated links,
+    booted, killed and relaunched as the schedule says."""
+
     def __init__(self, world: Any, lid: int):
         self.w = world
         self.lid = lid
         world.net_ids += 1
         self.net_id = world.net_ids
-        self.core: Optional[LearnerCore] = None
-        self.trainer: Optional[SimIsland] = None
+        self.core: Optional[IslandCore] = None
+        self.trainer: Optional[SimTrainer] = None
         self.alive = False
         self.ended = False  # exited (or killed for good)
         self.life = 0
@@ -283,7 +287,7 @@ class SimLearner:
 
     @property
     def peer(self) -> str:
-        return f"learner-{self.lid}-{self.core.session}"
+        return f"island-{self.lid}-{self.core.session}"
 
     def status(self) -> dict[str, Any]:
         c = self.core
@@ -300,11 +304,11 @@ class SimLearner:
         self.alive = True
         self.booted_at = w.now
         self.stepping = False
-        hostile = w.s.hostile if w.s.hostile is not None and w.s.hostile.learner == self.lid else None
-        if self.lid >= w.s.learners:  # an extra id
+        hostile = w.s.hostile if w.s.hostile is not None and w.s.hostile.island == self.lid else None
+        if self.lid >= w.s.islands:  # an extra id
             hostile = Hostile(self.lid, 1, w.s.extra_outlier)
-        self.trainer = SimIsland(self.lid, w.layout.numel, w.s.seed, hostile)
-        self.core = LearnerCore(self.lid, "sim", w.layout, self.trainer.flat.copy(), ADAPTER_CONFIG, {"sim": w.s.seed},
+        self.trainer = SimTrainer(self.lid, w.layout.numel, w.s.seed, hostile)
+        self.core = IslandCore(self.lid, "sim", w.layout, self.trainer.flat.copy(), ADAPTER_CONFIG, {"sim": w.s.seed},
                                 random.Random(w.rng.getrandbits(64)), LINK, w.s.max_inner_steps[self.lid],
                                 started_at_us=int(w.now * 1e6), identity=f"sim-identity-{w.s.seed}-{self.lid}")
         w.oracle.watch_phases(self.lid, self.core)
@@ -312,13 +316,13 @@ class SimLearner:
         self.sent: set[tuple[int, int, str]] = set()  # (round, base version, digest) of every delta sent (oracle)
         self.raw = {}
         self.carry: Optional[Carry[RoundSteps]] = None  # a carried round's work: it goes on top of the next global
-        w.log(f"learner {self.lid}: boot (life {self.life}, session {self.core.session})")
+        w.log(f"island {self.lid}: boot (life {self.life}, session {self.core.session})")
         self.execute(self.core.connected_now(w.now))
         self.schedule_tick(self.life)
 
     def guarded(self, life: int, fn: Callable[[], None]) -> None:
-        """Run fn (every event of this learner's goes through here) unless this life is over, then check the moves
-        of its phase; a frozen learner runs it when it wakes up."""
+        """Run fn (every event of this island's goes through here) unless this life is over, then check the moves
+        of its phase; a frozen island runs it when it wakes up."""
         if life != self.life or not self.alive:
             return
         if self.sleep.hold(lambda: self.guarded(life, fn)):
@@ -340,7 +344,7 @@ class SimLearner:
 
         def handle() -> None:
             msg = decode(parts)
-            self.w.log(f"learner {self.lid} <- {msg.type} {_brief(msg.header)}")
+            self.w.log(f"island {self.lid} <- {msg.type} {_brief(msg.header)}")
             before = self.core.version
             self.execute(self.core.receive(msg, self.w.now))
             answer = msg.header.get("answer") if msg.type == "pong" else msg.header if msg.type == "ack" else None
@@ -361,7 +365,7 @@ class SimLearner:
         w = self.w
         for a in actions:
             if isinstance(a, Out):
-                w.log(f"learner {self.lid} -> {a.type} {_brief(a.header)}")
+                w.log(f"island {self.lid} -> {a.type} {_brief(a.header)}")
                 if a.type == "delta":
                     w.oracle.check_sent(self, a)
                     a = self.trainer.claimed(a)
@@ -374,7 +378,7 @@ class SimLearner:
                 w.at(w.now + a.delay_s, lambda: self.guarded(life, lambda: self.execute(
                     self.core.connected_now(self.w.now))))
             elif isinstance(a, Log):
-                w.log(f"learner {self.lid} {a.level}: {a.text}")
+                w.log(f"island {self.lid} {a.level}: {a.text}")
 
     # the training loop ----------------------------------------------------------------------
 
@@ -387,11 +391,11 @@ class SimLearner:
         if isinstance(task, Done):
             self.results.append((task, (self.core.version, None if self.core.global_ is None else
                                         self.core.global_.copy()), self.w.now, self.booted_at))
-            self.w.log(f"learner {self.lid}: done ({task.reason}; complete={task.complete}, error={task.error})")
+            self.w.log(f"island {self.lid}: done ({task.reason}; complete={task.complete}, error={task.error})")
             self.execute(self.core.leave("done"))
             self.alive = False
             self.ended = True
-            current = self.w.learners[self.lid] is self  # a zombie's slot belongs to its replacement
+            current = self.w.islands[self.lid] is self  # a zombie's slot belongs to its replacement
             if self.w.stopped and current and not task.complete and not task.error:  # told to stop: relaunched
                 self.ended = False
                 self.w.at(self.w.now + self.w.rng.uniform(1.0, 5.0), self.boot)
@@ -399,7 +403,7 @@ class SimLearner:
         assert isinstance(task, Train)
         self.train_started = self.w.now
         carry, self.carry = self.carry, None
-        if carry is not None:  # (the sim's learner does not step while it waits; the real loop does)
+        if carry is not None:  # (the sim's island does not step while it waits; the real loop does)
             self.trainer.flat = carry.onto(task.adapter, self.trainer.flat)
             if carry.into(task.round):
                 self.w.carries_back += 1
@@ -408,7 +412,7 @@ class SimLearner:
             self.trainer.flat = task.adapter.copy()
             self.count = RoundSteps(task.round)
             self.stats = {"tokens": 0, "loss_tokens": 0, "loss": 0.0}
-        self.w.log(f"learner {self.lid}: train round {task.round} from version {task.base_version}")
+        self.w.log(f"island {self.lid}: train round {task.round} from version {task.base_version}")
         self.start_step()
 
     def start_step(self) -> None:
@@ -416,7 +420,7 @@ class SimLearner:
         self.stepping = True
         dt = w.s.step_s[self.lid]
         if w.rng.random() < w.s.p_slow_step:
-            dt += w.rng.uniform(5.0, 15.0)  # longer than the syncer's --learner-timeout
+            dt += w.rng.uniform(5.0, 15.0)  # longer than the syncer's --island-timeout
         life = self.life
         w.at(w.now + dt, lambda: self.guarded(life, self.step_done))
 
@@ -427,7 +431,7 @@ class SimLearner:
             self.poison_next_step = False
             self.trainer.flat = self.trainer.flat + np.float32(POISON)
             s = {k: v * POISON_WEIGHT if k != "loss" else v for k, v in s.items()}  # and it claims most of the weight
-            w.log(f"learner {self.lid}: a poisoned step (+{POISON:g})")
+            w.log(f"island {self.lid}: a poisoned step (+{POISON:g})")
         self.count.steps += 1
         for k in ("tokens", "loss_tokens"):
             self.stats[k] += s[k]
@@ -442,7 +446,7 @@ class SimLearner:
             assert t is not None
             self.carry = Carry(self.count, t.base.copy(), place=t.round)
             w.carries += 1
-            w.log(f"learner {self.lid}: carrying round {t.round}'s {self.count.steps} steps onto the next global")
+            w.log(f"island {self.lid}: carrying round {t.round}'s {self.count.steps} steps onto the next global")
         if verdict is StepVerdict.PUSH:
             t = self.core.training
             bits = self.core.policy.sync_bits
@@ -460,12 +464,12 @@ class SimLearner:
                 expect.residual = residual
                 try:
                     encode_fragments_ef(w.layout, x, bits, expect, self.core.part(t.round))
-                    raise Violation(f"learner {self.lid} dropped its delta for round {t.round}, which can be sent")
+                    raise Violation(f"island {self.lid} dropped its delta for round {t.round}, which can be sent")
                 except QuantError:
                     pass
             self.execute(actions)
         elif verdict is StepVerdict.ABANDON:
-            w.log(f"learner {self.lid}: abandoned the round after {self.count.steps} steps")
+            w.log(f"island {self.lid}: abandoned the round after {self.count.steps} steps")
         self.wake()
 
 
@@ -474,7 +478,7 @@ class SimLearner:
     def kill(self, down: Optional[float]) -> None:
         if self.ended or not self.alive:  # nothing running to kill (it is down, or not started yet)
             return
-        self.w.log(f"learner {self.lid}: KILLED ({'for good' if down is None else f'back in {down:.1f}s'})")
+        self.w.log(f"island {self.lid}: KILLED ({'for good' if down is None else f'back in {down:.1f}s'})")
         self.alive = False
         self.life += 1
         for ch in ("control", "bulk"):
@@ -485,11 +489,11 @@ class SimLearner:
             self.w.at(self.w.now + down, self.boot)
 
     def pause(self, dur: float) -> None:
-        self.w.log(f"learner {self.lid}: frozen for {dur:.1f}s")
+        self.w.log(f"island {self.lid}: frozen for {dur:.1f}s")
         self.sleep.freeze(dur)
 
 
 def _brief(header: dict[str, Any]) -> str:
-    keep = ("round", "version", "base_version", "code", "learner", "responders", "complete", "reason", "have_delta",
+    keep = ("round", "version", "base_version", "code", "island", "responders", "complete", "reason", "have_delta",
             "contributed", "digest")
     return json.dumps({k: header[k] for k in keep if k in header})

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from yeto.sync.core.learner.phases import TRANSITIONS
+from yeto.sync.core.island.phases import TRANSITIONS
 from yeto.sync.sim.oracle import Violation
 from yeto.sync.sim.faults import PROGRESS_CHUNK, Schedule
 from yeto.sync.sim.world import World
@@ -27,7 +27,7 @@ class Outcome:
     merges: int = 0
     restarts: int = 0
     exercised: frozenset[str] = frozenset()  # the fault paths this schedule took (see EXERCISED)
-    moves: frozenset[tuple[str, str]] = frozenset()  # the learner phase moves it took (from, to)
+    moves: frozenset[tuple[str, str]] = frozenset()  # the island phase moves it took (from, to)
 
 
 FRESH_SEEDS_FROM, FRESH_SEEDS_TO = 10**5, 10**9  # where a fresh sweep's first seed is drawn from
@@ -119,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("schedules that took each recovery path: " + ", ".join(f"{p} {took[p]}" for p in paths))
     moved = Counter(m for o in outcomes for m in o.moves)
     table = [(old.value, new.value) for old, news in TRANSITIONS.items() for new in sorted(news, key=lambda p: p.value)]
-    print("schedules that took each learner phase move: " + ", ".join(f"{o}->{n} {moved[(o, n)]}" for o, n in table))
+    print("schedules that took each island phase move: " + ", ".join(f"{o}->{n} {moved[(o, n)]}" for o, n in table))
     for o in bad[:20]:
         print(f"seed {o.seed}: {o.error.splitlines()[0] if o.error else ''}")
     if bad:

@@ -1,9 +1,9 @@
 """The adapter's wire layout: tensors sorted by canonical (peft) name, packed into fragments.
 
-Fragments are built from names and sizes only, so two learners whose adapters
+Fragments are built from names and sizes only, so two islands whose adapters
 have the same names and shapes get identical fragments whatever their backend.
 The fingerprint (a hash of names, shapes and dtypes) is exchanged at join; a
-learner whose layout differs is refused with the first mismatching tensor named.
+island whose layout differs is refused with the first mismatching tensor named.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 DEFAULT_FRAGMENT_NUMEL = 1 << 22  # 4M values: 16 MiB fp32, 2 MiB at 4 bits (the most a fragment holds)
-# a learner's layout packs its adapter into about this many fragments (fewer where a fragment would hold less than
+# an island's layout packs its adapter into about this many fragments (fewer where a fragment would hold less than
 # MIN_FRAGMENT_NUMEL), so that a run may stream them in up to this many parts (`stream_part`)
 STREAM_GRANULES = 32
 MIN_FRAGMENT_NUMEL = 1 << 8
@@ -96,8 +96,8 @@ def build_layout(named: Mapping[str, Any], max_fragment_numel: int | None = None
 
 
 def fragment_bound(numel: int) -> int:
-    """The fragment size a learner packs an adapter of `numel` values with: about STREAM_GRANULES fragments, each
-    between MIN_FRAGMENT_NUMEL and DEFAULT_FRAGMENT_NUMEL values (names and sizes alone decide it, so every learner
+    """The fragment size an island packs an adapter of `numel` values with: about STREAM_GRANULES fragments, each
+    between MIN_FRAGMENT_NUMEL and DEFAULT_FRAGMENT_NUMEL values (names and sizes alone decide it, so every island
     of a run packs alike)."""
     return min(DEFAULT_FRAGMENT_NUMEL, max(MIN_FRAGMENT_NUMEL, -(-numel // STREAM_GRANULES)))
 
@@ -207,12 +207,12 @@ def layout_mismatch(expected: Layout, got: Layout) -> str | None:
     a, b = {s.name: s for s in expected.specs}, {s.name: s for s in got.specs}
     for name in sorted(set(a) | set(b)):
         if name not in b:
-            return f"tensor {name} {list(a[name].shape)} is missing from the learner's adapter"
+            return f"tensor {name} {list(a[name].shape)} is missing from the island's adapter"
         if name not in a:
             return f"tensor {name} {list(b[name].shape)} is not in the syncer's adapter"
         if a[name] != b[name]:
             return (f"tensor {name}: syncer has {list(a[name].shape)} {a[name].dtype}, "
-                    f"learner has {list(b[name].shape)} {b[name].dtype}")
+                    f"island has {list(b[name].shape)} {b[name].dtype}")
     return "fragment sizes differ (different --fragment-numel)"
 
 

@@ -1,4 +1,4 @@
-"""yeto's wire protocol over ZeroMQ (ROUTER syncer, two DEALER connections per learner).
+"""yeto's wire protocol over ZeroMQ (ROUTER syncer, two DEALER connections per island).
 
 A message is a multipart ZeroMQ message: frame 0 is a UTF-8 JSON header
 `{"v": PROTOCOL_VERSION, "type": ..., ...}`; frames 1..n are raw tensor
@@ -6,7 +6,7 @@ payloads, one per layout fragment, encoded by `yeto.sync.wire.quant` (never pick
 Every header field is checked against `SCHEMA` before a handler sees it, so a
 malformed message becomes a `ProtocolError`, never a crash.
 
-Each learner keeps two connections to the syncer: *control* (join, heartbeats,
+Each island keeps two connections to the syncer: *control* (join, heartbeats,
 round announcements, acks: small and never queued behind a tensor) and *bulk*
 (messages that carry an adapter). A multi-minute upload on the bulk connection
 therefore never delays a heartbeat. docs/PROTOCOL.md describes each message.
@@ -27,8 +27,8 @@ from yeto.sync.wire.layout import Layout, fragment_pieces
 from yeto.sync.wire.quant import BITS, ErrorFeedback, QuantError, dequantize, encoded_size, quantize
 
 JOIN_PRINCIPAL = "join"  # the ZAP User-Id of a connection authenticated by the shared join key
-LEARNER_PRINCIPAL = "learner:"  # ... and of one authenticated by the key of one learner id: "learner:<id>"
-PROTOCOL_VERSION = 6  # raised whenever SCHEMA changes: a peer of another version is refused, never misread
+ISLAND_PRINCIPAL = "island:"  # ... and of one authenticated by the key of one island id: "island:<id>"
+PROTOCOL_VERSION = 7  # raised whenever SCHEMA changes: a peer of another version is refused, never misread
 DEFAULT_MAX_MESSAGE_MB = 1024  # the syncer's default inbound limit (--max-message-mb)
 MAX_HEADER_BYTES = 4 << 20  # a JSON header (a hello's config and provenance) larger than this is refused
 HEADER_SLACK_BYTES = 64 << 10  # room for a delta's JSON header next to its payload when sizing a message
@@ -42,7 +42,7 @@ _number = (int, float)
 
 # type -> {field: python type}; every listed field is required (None allowed where the type says so).
 SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
-    # learner -> syncer (each also carries "learner": int and "session": str)
+    # island -> syncer (each also carries "island": int and "session": str)
     "hello": {"backend": str, "layout": dict, "adapter_config": dict, "version": int, "digest": str,
               "identity": str, "contract": dict},
     "init": {"fragments": list},
@@ -51,7 +51,7 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "ping": {"version": int, "pushed": _opt_list},
     "sync": {"version": int, "pushed": _opt_list},
     "leave": {"reason": str},
-    # syncer -> learner
+    # syncer -> island
     "welcome": {"incarnation": str, "version": int, "digest": str, "policy": dict, "open_round": (dict, type(None)),
                 "contributed": bool, "merged": list, "finished": bool, "shard": list},
     "init_request": {"bits": int},
@@ -66,30 +66,30 @@ SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
              "contributed": bool, "finished": bool},
     "finish": {"version": int, "reason": str, "complete": bool},
 }
-LEARNER_TYPES = frozenset({"hello", "init", "delta", "ping", "sync", "leave"})
-SYNCER_TYPES = frozenset(SCHEMA) - LEARNER_TYPES
+ISLAND_TYPES = frozenset({"hello", "init", "delta", "ping", "sync", "leave"})
+SYNCER_TYPES = frozenset(SCHEMA) - ISLAND_TYPES
 BULK_TYPES = frozenset({"init", "delta", "state", "broadcast"})  # the messages that carry an adapter
-BULK_SUFFIX = b"/bulk"  # a learner's bulk connection has its control connection's routing id plus this
+BULK_SUFFIX = b"/bulk"  # an island's bulk connection has its control connection's routing id plus this
 
 
 class Code(StrEnum):
-    """Why a message was refused or answered with an error; learners branch on these, never on the text."""
+    """Why a message was refused or answered with an error; islands branch on these, never on the text."""
 
     MALFORMED = "malformed"  # the message does not parse or fails its schema
-    NOT_JOINED = "not_joined"  # say hello first (e.g. the syncer restarted, or dropped a silent learner)
-    SUPERSEDED = "superseded"  # a newer session of this learner id joined; final for the old one
+    NOT_JOINED = "not_joined"  # say hello first (e.g. the syncer restarted, or dropped a silent island)
+    SUPERSEDED = "superseded"  # a newer session of this island id joined; final for the old one
     LAYOUT = "layout_mismatch"  # the adapter's tensors differ from the run's; final
-    TOO_LARGE = "too_large"  # this learner's messages cannot fit --max-message-mb; final
+    TOO_LARGE = "too_large"  # this island's messages cannot fit --max-message-mb; final
     BAD_CONFIG = "bad_config"  # hello's adapter config or provenance is unusable; final
     STALE = "stale"  # a delta for a round that is not open, or against another base version
     REFUSED = "refused"  # a delta whose content was refused (counts, values, or its merge failed)
-    DUPLICATE = "duplicate"  # this learner already contributed a different delta to the round
+    DUPLICATE = "duplicate"  # this island already contributed a different delta to the round
     WRONG_PHASE = "wrong_phase"  # e.g. an initial adapter nobody asked for
-    BUSY = "busy"  # this learner id is held by a live, newer session: say hello again later
-    ID_TAKEN = "id_taken"  # this learner id is held by a live learner with another identity: say hello again later
-    IDENTITY = "identity"  # this connection's key may not speak for that learner id; final
+    BUSY = "busy"  # this island id is held by a live, newer session: say hello again later
+    ID_TAKEN = "id_taken"  # this island id is held by a live island with another identity: say hello again later
+    IDENTITY = "identity"  # this connection's key may not speak for that island id; final
     CONTRACT = "contract_mismatch"  # base model, LoRA settings or layout differ from the run's; final
-    REVOKED = "revoked"  # this learner's key was revoked; final
+    REVOKED = "revoked"  # this island's key was revoked; final
     RATE_LIMITED = "rate_limited"  # too many requests of this kind: retry later
     INTERNAL = "internal"  # a syncer bug; recorded, the message had no effect
 
@@ -144,13 +144,13 @@ def decode(parts: Sequence[bytes | memoryview], max_bytes: int | None = None) ->
         raise ProtocolError("header is not a JSON object")
     if header.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {truncate(repr(header.get('v')), 20)} not supported (this side speaks "
-                            f"{PROTOCOL_VERSION}): run the same yeto version on the syncer and the learners")
+                            f"{PROTOCOL_VERSION}): run the same yeto version on the syncer and the islands")
     msg_type = header.get("type")
     if msg_type not in SCHEMA:
         raise ProtocolError(f"unknown message type {truncate(repr(msg_type), 80)}")
     fields = dict(SCHEMA[msg_type])
-    if msg_type in LEARNER_TYPES:
-        fields.update(learner=int, session=str)
+    if msg_type in ISLAND_TYPES:
+        fields.update(island=int, session=str)
     for name, typ in fields.items():
         if name not in header:
             raise ProtocolError(f"{msg_type}: missing field {name!r}")
@@ -169,7 +169,7 @@ def is_bulk(msg_type: str) -> bool:
 
 
 def session_id(started_at_us: int, rng: random.Random) -> str:
-    """16 hex digits of start time, then 8 random: sessions of one learner id compare by when they started."""
+    """16 hex digits of start time, then 8 random: sessions of one island id compare by when they started."""
     return f"{started_at_us & (1 << 64) - 1:016x}{rng.getrandbits(32):08x}"
 
 
@@ -182,7 +182,7 @@ def session_start(session: str) -> int:
 
 
 def identity_proof(identity: str) -> str:
-    """What the syncer keeps of a learner's identity secret (sent inside the encrypted channel): its hash."""
+    """What the syncer keeps of an island's identity secret (sent inside the encrypted channel): its hash."""
     if not 16 <= len(identity) <= MAX_IDENTITY_CHARS:
         raise ProtocolError(f"hello: identity must be 16-{MAX_IDENTITY_CHARS} characters")
     return hashlib.sha256(identity.encode()).hexdigest()[:32]

@@ -1,6 +1,6 @@
-"""A learner's side of the round protocol, as a deterministic state machine.
+"""An island's side of the round protocol, as a deterministic state machine.
 
-The core holds what the learner knows of the run (the global adapter and its
+The core holds what the island knows of the run (the global adapter and its
 version, the open round, the delta it pushed and whether it was acked) and
 decides, from messages, timer ticks and training progress, what to send and
 what to train. The training loop (`yeto.island.diloco.run_island`) and the I/O thread
@@ -29,7 +29,7 @@ Rules it keeps:
   pipeline): a round done while the previous delta is unsettled is held
   (raw, not yet quantized) until that one is merged or refused.
 - Notice every lost message. Messages are lost only where a connection breaks,
-  so: welcome, pong and round headers say where the syncer is, and a learner
+  so: welcome, pong and round headers say where the syncer is, and an island
   behind asks for the missing broadcast (or the whole state), with backoff; a
   delta not acked when a connection broke, or that a welcome says the syncer
   lacks, is sent again; a finish missed is repeated on the next ping.
@@ -45,17 +45,17 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from yeto.sync.core.actions import LearnerAction, Out, Reconnect
-from yeto.sync.core.contract import learner_contract, tokens_per_step
-from yeto.sync.core.learner.knowledge import LinkState, RunKnowledge
-from yeto.sync.core.learner.loop import Done, RoundCounts, StepVerdict, Task, Train, Wait
-from yeto.sync.core.learner.messages import SyncerMessages
-from yeto.sync.core.learner.outbox import LearnerOutbox
-from yeto.sync.core.learner.phases import Held, Phase, Phases, Place, Training
-from yeto.sync.core.learner.pipeline import DeltasInFlight
+from yeto.sync.core.actions import IslandAction, Out, Reconnect
+from yeto.sync.core.contract import island_contract, tokens_per_step
+from yeto.sync.core.island.knowledge import LinkState, RunKnowledge
+from yeto.sync.core.island.loop import Done, RoundCounts, StepVerdict, Task, Train, Wait
+from yeto.sync.core.island.messages import SyncerMessages
+from yeto.sync.core.island.outbox import IslandOutbox
+from yeto.sync.core.island.phases import Held, Phase, Phases, Place, Training
+from yeto.sync.core.island.pipeline import DeltasInFlight
 from yeto.sync.core.policy import RoundPolicy
-from yeto.sync.core.learner.pushed import Pushed
-from yeto.sync.core.learner.timing import FINISH_CATCHUP_DEAD_AFTERS, HELLO_RETRY_HEARTBEATS, LinkTimeouts, heartbeat_s
+from yeto.sync.core.island.pushed import Pushed
+from yeto.sync.core.island.timing import FINISH_CATCHUP_DEAD_AFTERS, HELLO_RETRY_HEARTBEATS, LinkTimeouts, heartbeat_s
 from yeto.sync.core.rounds import WINDOW_NEAREST_BOUNDARY
 from yeto.sync.wire.layout import Layout
 from yeto.sync.wire.protocol import (CLOCK_JUMP_S, Code, Message, ProtocolError, digest_bytes, encode_fragments_ef,
@@ -63,24 +63,24 @@ from yeto.sync.wire.protocol import (CLOCK_JUMP_S, Code, Message, ProtocolError,
 from yeto.sync.wire.quant import ErrorFeedback, QuantError
 
 
-class LearnerCore:
-    """A learner's side of the round protocol: events in (messages, ticks, training progress), actions out. Why one
-    class this size: it is the one owner of the learner's state and the one entry point its shells call; each concern
+class IslandCore:
+    """An island's side of the round protocol: events in (messages, ticks, training progress), actions out. Why one
+    class this size: it is the one owner of the island's state and the one entry point its shells call; each concern
     it hands on (messages, deltas in flight, phases, what it knows) lives in its own module."""
 
     # what it owns, and nothing else: a field set by mistake (one that moved to a part) fails instead of going unread
-    __slots__ = ("learner_id", "backend", "layout", "adapter_config", "provenance", "rng", "t", "max_inner_steps",
+    __slots__ = ("island_id", "backend", "layout", "adapter_config", "provenance", "rng", "t", "max_inner_steps",
                  "session", "identity", "contract", "run", "link", "phases", "outbox", "deltas", "messages")
 
-    def __init__(self, learner_id: int, backend: str, layout: Layout, init_flat: np.ndarray,
+    def __init__(self, island_id: int, backend: str, layout: Layout, init_flat: np.ndarray,
                  adapter_config: dict[str, Any], provenance: dict[str, Any], rng: random.Random,
                  timeouts: LinkTimeouts = LinkTimeouts(), max_inner_steps: int = 0, started_at_us: int = 0,
                  identity: str = "", contract: Optional[dict[str, Any]] = None):
-        """`started_at_us`: wall-clock start of this process (microseconds); it orders two sessions of one learner
+        """`started_at_us`: wall-clock start of this process (microseconds); it orders two sessions of one island
         id, so that a delayed hello from a process that died never takes the id from the one that replaced it.
-        `identity`: this learner's secret (kept across its restarts): while it holds its id, only a hello that
+        `identity`: this island's secret (kept across its restarts): while it holds its id, only a hello that
         carries the same secret may take the id over. `contract`: what it declares it trains (see core/contract)."""
-        self.learner_id = learner_id
+        self.island_id = island_id
         self.backend = backend
         self.layout = layout
         self.adapter_config = adapter_config
@@ -90,15 +90,15 @@ class LearnerCore:
         self.max_inner_steps = max_inner_steps
         self.session = session_id(started_at_us, rng)
         self.identity = identity or f"{rng.getrandbits(128):032x}"
-        self.contract = contract if contract is not None else learner_contract(adapter_config, provenance, layout,
+        self.contract = contract if contract is not None else island_contract(adapter_config, provenance, layout,
                                                                                 tokens_per_step(provenance))
         # what it owns, each part handed only what it works on
         self.run = RunKnowledge(layout)
         self.link = LinkState()
         self.phases = Phases()
-        self.outbox = LearnerOutbox(learner_id, self.session)
+        self.outbox = IslandOutbox(island_id, self.session)
         self.deltas = DeltasInFlight(layout, self.run, self.outbox)
-        self.messages = SyncerMessages(learner_id, layout, init_flat, timeouts, self.run, self.link, self.phases,
+        self.messages = SyncerMessages(island_id, layout, init_flat, timeouts, self.run, self.link, self.phases,
                                        self.deltas, self.outbox, self._hello)
 
     # ------------------------------------------------------------------ what the shells and the loop read
@@ -153,7 +153,7 @@ class LearnerCore:
 
     @property
     def refused(self) -> Optional[str]:
-        """Why the syncer refused this learner (final), if it did."""
+        """Why the syncer refused this island (final), if it did."""
         return self.link.refused
 
     @property
@@ -166,7 +166,7 @@ class LearnerCore:
 
     @property
     def ef(self) -> ErrorFeedback:
-        """The error feedback of this learner's pushes (its residual is what the quantization left out)."""
+        """The error feedback of this island's pushes (its residual is what the quantization left out)."""
         return self.deltas.ef
 
     @property
@@ -193,7 +193,7 @@ class LearnerCore:
 
     # ------------------------------------------------------------------ link events
 
-    def connected_now(self, now: float) -> list[LearnerAction]:
+    def connected_now(self, now: float) -> list[IslandAction]:
         """A fresh pair of connections is up: introduce ourselves."""
         self.outbox.clear()
         link = self.link
@@ -205,7 +205,7 @@ class LearnerCore:
         self._hello(now)
         return self.outbox.flush()
 
-    def link_lost(self, now: float, bulk: bool = True) -> list[LearnerAction]:
+    def link_lost(self, now: float, bulk: bool = True) -> list[IslandAction]:
         """A connection broke under us (ZeroMQ reconnects by itself, but what was in flight on it is gone). The bulk
         one: a delta not yet acked goes again once the syncer is heard from. The control one: only small messages
         were lost (a sync request, an ack or error, which pongs stand in for); a delta still flowing up the bulk
@@ -220,7 +220,7 @@ class LearnerCore:
         link.next_sync_at = -math.inf  # a sync request may be lost too
         return []
 
-    def receive(self, msg: Message, now: float) -> list[LearnerAction]:
+    def receive(self, msg: Message, now: float) -> list[IslandAction]:
         self.outbox.clear()
         link = self.link
         link.last_heard = link.silent_since = now
@@ -241,7 +241,7 @@ class LearnerCore:
         self._release_held()
         return self.outbox.flush()
 
-    def tick(self, now: float) -> list[LearnerAction]:
+    def tick(self, now: float) -> list[IslandAction]:
         self.outbox.clear()
         link = self.link
         gap, link.last_tick = now - link.last_tick, now
@@ -251,7 +251,7 @@ class LearnerCore:
             return self.outbox.flush()
         if link.silent_since is not None and now - link.silent_since > self.t.give_up_s:
             link.gave_up = f"the syncer has been unreachable for {now - link.silent_since:.0f}s; giving up" + (
-                f" (another process held learner id {self.learner_id})" if link.busy else "")
+                f" (another process held island id {self.island_id})" if link.busy else "")
             self.outbox.log("error", link.gave_up)
             return self.outbox.flush()
         if now - link.last_heard > self.t.dead_after_s:
@@ -277,7 +277,7 @@ class LearnerCore:
         """The connection itself was refused (the CURVE handshake failed): final, with what to do about it."""
         self.link.refused, self.link.refused_code = reason, str(Code.IDENTITY)
 
-    def leave(self, reason: str) -> list[LearnerAction]:
+    def leave(self, reason: str) -> list[IslandAction]:
         return [Out("leave", self.outbox.ids({"reason": reason}))]
 
     def _hello(self, now: float) -> None:
@@ -299,7 +299,7 @@ class LearnerCore:
         ending = self._ending(now)
         if ending is not None:
             if isinstance(ending, Done):
-                self.phases.enter(Phase.DONE, "the run is over for this learner", ending)
+                self.phases.enter(Phase.DONE, "the run is over for this island", ending)
             elif self.phase in (Phase.JOINING, Phase.WAITING, Phase.CARRYING):  # (a round in hand ends by itself)
                 self.phases.enter(Phase.FINISHING, "the syncer finished the run")
             return ending
@@ -337,7 +337,7 @@ class LearnerCore:
         # its control connection may drop meanwhile: a syncer silent that long is gone, not busy)
         answering = link.silent_since is not None and now - link.silent_since <= patience
         if waited >= patience and (not answering or waited >= self.t.give_up_s):
-            return Done(f"{finish['reason']}; this learner could not fetch the final adapter (version "
+            return Done(f"{finish['reason']}; this island could not fetch the final adapter (version "
                         f"{finish['version']}; it holds {self.run.version}): the syncer's adapter is the result")
         return Wait()
 
@@ -351,7 +351,7 @@ class LearnerCore:
             return Wait()  # the round closes on its quorum, which our held delta is part of: train the next one
         steps = run.policy.steps_for(self.max_inner_steps)
         seconds = max(0.0, r["ends_at"] - now) if windowed and "ends_at" in r else float(r["round_seconds"])
-        # (one delta per learner per round: this round's work could only go a version late, like every later one)
+        # (one delta per island per round: this round's work could only go a version late, like every later one)
         p = self.deltas.pushed
         place_taken = (p is not None and p.base_version < run.version) or held
         t = Training(r["round"], run.version, run.global_.copy(), now, steps, seconds, run.digest, windowed,
@@ -384,7 +384,7 @@ class LearnerCore:
         t = self.training
         if self.link.refused or self.link.gave_up or self.run.finish is not None:
             if t is not None:
-                self.phases.enter(Phase.WAITING, "stop: the run is over for this learner")
+                self.phases.enter(Phase.WAITING, "stop: the run is over for this island")
             return StepVerdict.STOP
         if t is None or not self._base_ok(t.base_version, t.base_digest, t.round):
             if t is not None:
@@ -408,7 +408,7 @@ class LearnerCore:
         return c is not None and (c.version, c.digest) == (run.version, run.digest) and run.finish is None and not (
             self.link.refused or self.link.gave_up)
 
-    def push(self, local: np.ndarray, counts: RoundCounts) -> list[LearnerAction]:
+    def push(self, local: np.ndarray, counts: RoundCounts) -> list[IslandAction]:
         """Send the round's delta (local - the adapter it trained from), quantized with error feedback."""
         self.outbox.clear()
         t = self.training

@@ -1,12 +1,12 @@
-"""The MLX learner island: `yeto train --backend mlx` (or `python -m yeto.backends.mlx`), the torch learner's
+"""The MLX island: `yeto train --backend mlx` (or `python -m yeto.backends.mlx`), the torch island's
 flags.
 
 Same adapter (yeto.backends.mlx.lora matches peft), same target rule (yeto.island.lora_targets), same
 blocks and masks (yeto.island.data with the Hugging Face tokenizer), same weighted
 per-token cross-entropy re-derived in MLX, and the same optimizer step as the
-torch learner's `torch.optim.AdamW` + `clip_grad_norm_` + `LambdaLR`. One process
+torch island's `torch.optim.AdamW` + `clip_grad_norm_` + `LambdaLR`. One process
 is one island; with `--syncer` the DiLoCo bridge (yeto.island.diloco) drives it exactly
-as it drives the torch learner, crossing mx -> numpy only at round boundaries.
+as it drives the torch island, crossing mx -> numpy only at round boundaries.
 A flag this backend cannot honour is refused (`check_flags`), never ignored.
 """
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
     import mlx.nn as nn
 
-# torch.optim.AdamW's defaults, which the torch learner uses
+# torch.optim.AdamW's defaults, which the torch island uses
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 DEVICES = ("auto", "cpu")  # auto: MLX's default device (the Apple GPU; the CPU on Linux)
@@ -44,22 +44,22 @@ def check_flags(cfg: TrainConfig) -> None:
     every backend makes)."""
     check_config(cfg)
     if cfg.loss_function != "cross_entropy":
-        raise YetoError(f"the MLX learner supports --loss-function cross_entropy only, got {cfg.loss_function!r} "
+        raise YetoError(f"the MLX island supports --loss-function cross_entropy only, got {cfg.loss_function!r} "
                         "(a torch callable cannot run on MLX)")
     if cfg.device not in DEVICES:
-        raise YetoError(f"--device {cfg.device} is the torch learner's; an MLX island runs on MLX's default device "
+        raise YetoError(f"--device {cfg.device} is the torch island's; an MLX island runs on MLX's default device "
                         "(the Apple GPU; the CPU on Linux): use --device auto or cpu")
     if cfg.gradient_checkpointing:
-        raise YetoError("--gradient-checkpointing is the torch learner's; an MLX island keeps every activation "
+        raise YetoError("--gradient-checkpointing is the torch island's; an MLX island keeps every activation "
                         "(lower --batch-size and raise --grad-accum to use less memory)")
     if cfg.base_quantization != "none":
-        raise YetoError("--base-quantization is the torch learner's (bitsandbytes); an MLX island quantizes "
+        raise YetoError("--base-quantization is the torch island's (bitsandbytes); an MLX island quantizes "
                         "through mlx-lm's converted models instead (drop it)")
     if cfg.shard != "ddp":
-        raise YetoError(f"--shard {cfg.shard} is for torchrun islands of the torch learner; an MLX island is one "
+        raise YetoError(f"--shard {cfg.shard} is for torchrun islands of the torch island; an MLX island is one "
                         "process (drop --shard)")
     if cfg.micro_batch_size != WHOLE_BATCH:
-        raise YetoError("--micro-batch-size is the torch learner's; an MLX island runs each --batch-size whole "
+        raise YetoError("--micro-batch-size is the torch island's; an MLX island runs each --batch-size whole "
                         "(lower --batch-size and raise --grad-accum to use less memory)")
 
 
@@ -94,7 +94,7 @@ def loss_rows_only(decoder: nn.Module, rows: mx.array) -> Iterator[None]:
     `__call__` then runs its head and logit transforms (soft-capping, scaling, ...) on those rows alone.
 
     The decoder's class is swapped for a subclass for the duration (its parameters stay where they are), so this
-    works for every mlx-lm architecture without re-implementing its head; the learner checks at start that it
+    works for every mlx-lm architecture without re-implementing its head; the island checks at start that it
     gives the model's own logits and otherwise runs the whole model."""
     base = type(decoder)
     sub = _ROWS_CLASSES.get(base)
@@ -120,7 +120,7 @@ def loss_rows_only(decoder: nn.Module, rows: mx.array) -> Iterator[None]:
 
 def loss_rows_decoder(model: nn.Module) -> Optional[nn.Module]:
     """The decoder to cut to the loss rows (`loss_rows_only`: the LM head then runs on those rows only, as in the
-    torch learner) if that gives the model's own logits on a probe; else None (the whole model runs)."""
+    torch island) if that gives the model's own logits on a probe; else None (the whole model runs)."""
     import mlx.core as mx
 
     decoder = find_decoder(model)
@@ -139,7 +139,7 @@ def loss_rows_decoder(model: nn.Module) -> Optional[nn.Module]:
     return decoder
 
 
-class MLXLearner(ShardedData):
+class MLXIsland(ShardedData):
     """Model + our LoRALinear + data + AdamW on MLX: a `yeto.island.diloco.Island`."""
 
     backend = "mlx"
@@ -206,7 +206,7 @@ class MLXLearner(ShardedData):
 
     def _logits(self, model, ids, rows):
         """(N, vocab) logits of the loss-bearing rows, as the model's own forward makes them (its head, logit
-        soft-capping and scaling included: yeto.backends.torch.learner.masked_loss's logits)."""
+        soft-capping and scaling included: yeto.backends.torch.island.masked_loss's logits)."""
         if self.decoder is None:
             logits = model(ids)
             return logits[:, :-1].reshape(-1, logits.shape[-1])[rows]
@@ -214,7 +214,7 @@ class MLXLearner(ShardedData):
             return model(ids)[0]
 
     def _loss(self, model, ids, rows, targets, weights):
-        """The torch learner's masked_loss: sft_loss over the loss-bearing rows."""
+        """The torch island's masked_loss: sft_loss over the loss-bearing rows."""
         return sft_loss_mx(self._logits(model, ids, rows), targets, weights)
 
     def _batch(self, blocks: Blocks, idx: np.ndarray):
@@ -314,7 +314,7 @@ class MLXLearner(ShardedData):
 
     def training_state(self) -> TrainState:
         """The adapter, AdamW moments, counters, schedule position, batch position and RNG key, under the torch
-        learner's canonical names."""
+        island's canonical names."""
         from mlx.utils import tree_flatten
 
         from yeto.backends.mlx.lora import renames_of, to_peft_name

@@ -1,4 +1,4 @@
-"""How a learner times its link and its rounds: how it judges the syncer's silence (`LinkTimeouts`), when it says
+"""How an island times its link and its rounds: how it judges the syncer's silence (`LinkTimeouts`), when it says
 hello again, how long a finished run's final adapter is waited for, and where a time window's last step falls."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ FINISH_CATCHUP_DEAD_AFTERS = 3  # after a finish, try at least this many dead-pe
 
 @dataclass(frozen=True)
 class LinkTimeouts:
-    """How a learner judges the syncer's silence (seconds)."""
+    """How an island judges the syncer's silence (seconds)."""
 
     heartbeat_s: float = 5.0  # ping at least this often (the syncer's policy may ask for more often)
     dead_after_s: float = 30.0  # silence after which the connection is presumed dead and remade
-    give_up_s: float = 1800.0  # silence after which the learner gives up (saving its adapter)
+    give_up_s: float = 1800.0  # silence after which the island gives up (saving its adapter)
     backoff_base_s: float = 0.5  # reconnect backoff: uniform in [0, min(max, base * 2**attempt)]
     backoff_max_s: float = 30.0
 
 
 def heartbeat_s(timeouts: LinkTimeouts, policy: RoundPolicy) -> float:
-    """How often a learner pings: its own heartbeat, or the syncer's policy's where that asks for more often."""
+    """How often an island pings: its own heartbeat, or the syncer's policy's where that asks for more often."""
     return min(timeouts.heartbeat_s, policy.heartbeat_s)

@@ -1,10 +1,10 @@
-"""yeto's torch learner vs a plain hand-written torch+peft loop, same model, data, batch and seq len.
+"""yeto's torch island vs a plain hand-written torch+peft loop, same model, data, batch and seq len.
 
 Each variant runs in its own process (so peak memory is its own), on the same
 packed chat blocks in the same order. Prints tokens/s, loss-bearing tokens/s,
 peak memory and the ratio yeto / plain.
 
-    python bench/learner_throughput.py [--steps 8] [--warmup 2] [--seq-len 256] [--batch-size 4]
+    python bench/island_throughput.py [--steps 8] [--warmup 2] [--seq-len 256] [--batch-size 4]
 """
 
 from __future__ import annotations
@@ -32,29 +32,29 @@ def peak_memory_mb() -> float:
 def run_variant(variant: str, args: dict, q) -> None:
     import torch
 
-    from yeto.backends.torch.learner import TorchLearner, TrainConfig
+    from yeto.backends.torch.island import TorchIsland, TrainConfig
 
     cfg = TrainConfig(model=args["model"], data=args["data"], seq_len=args["seq_len"], batch_size=args["batch_size"],
                       max_steps=args["steps"] + args["warmup"], lr=1e-4, lora_dropout=0.0)
-    learner = TorchLearner(cfg, log=lambda s: None)  # both variants: same model, LoRA, data, sampler
+    island = TorchIsland(cfg, log=lambda s: None)  # both variants: same model, LoRA, data, sampler
     if variant == "plain":
-        model, opt = learner.model, learner.optimizer
+        model, opt = island.model, island.optimizer
 
         def step():
-            idx = learner.sampler.next()
-            ids = torch.from_numpy(learner.data.train.input_ids[idx]).to(learner.device)
-            mask = torch.from_numpy(learner.data.train.loss_mask[idx]).to(learner.device)
+            idx = island.sampler.next()
+            ids = torch.from_numpy(island.data.train.input_ids[idx]).to(island.device)
+            mask = torch.from_numpy(island.data.train.loss_mask[idx]).to(island.device)
             labels = ids.masked_fill(mask == 0, -100)
             model.train()
             loss = model(input_ids=ids, labels=labels).loss
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(learner.trainable.values(), 1.0)
+            torch.nn.utils.clip_grad_norm_(island.trainable.values(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return ids.numel(), int(mask[:, 1:].sum())
     else:
         def step():
-            s = learner.step()
+            s = island.step()
             return s["tokens"], s["loss_tokens"]
 
     for _ in range(args["warmup"]):

@@ -1,4 +1,4 @@
-"""A learner's phases: what its training loop holds of a round, and the one table of the moves between them.
+"""An island's phases: what its training loop holds of a round, and the one table of the moves between them.
 
     JOINING ──▶ WAITING ──▶ TRAINING ──▶ HOLDING ──▶ WAITING   a round trained, sent once the previous delta settled
                               │ │
@@ -10,12 +10,12 @@
                                                                   syncer welcomes us into the run going on
     any phase but DONE ──▶ DONE                               refused, gave up, or finished
 
-Each phase owns the data only it needs (`Training`, `Held`, `Place`, `Done`), so a learner cannot train one round
-while holding another's work or carrying a third. What is not a phase is said beside it in `LearnerCore`: the link
+Each phase owns the data only it needs (`Training`, `Held`, `Place`, `Done`), so an island cannot train one round
+while holding another's work or carrying a third. What is not a phase is said beside it in `IslandCore`: the link
 (joined or not), the delta in the syncer's hands (`Pushed`, unsettled while the next round trains), and what the
-learner knows of the syncer (the open round, places held by an earlier process's delta). `Phases` holds the phase and
+island knows of the syncer (the open round, places held by an earlier process's delta). `Phases` holds the phase and
 its data; every move goes through `Phases.enter`, which checks it against `TRANSITIONS`; the simulator checks every
-learner's moves again.
+island's moves again.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-from yeto.sync.core.learner.loop import Done, RoundCounts
+from yeto.sync.core.island.loop import Done, RoundCounts
 
 
 class Phase(Enum):
@@ -36,10 +36,10 @@ class Phase(Enum):
     HOLDING = "holding"  # a round's work is done and waits for the previous delta to settle (data: Held)
     CARRYING = "carrying"  # a round's work goes on top of the next global (data: Place, the round it was trained for)
     FINISHING = "finishing"  # the syncer finished the run: fetching its final adapter before saying done
-    DONE = "done"  # the run is over for this learner (data: Done, what the training loop was told)
+    DONE = "done"  # the run is over for this island (data: Done, what the training loop was told)
 
 
-# the only moves a learner makes (Phases.enter raises on any other; the simulator checks every learner's)
+# the only moves an island makes (Phases.enter raises on any other; the simulator checks every island's)
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.JOINING: frozenset({Phase.WAITING, Phase.FINISHING, Phase.DONE}),
     Phase.WAITING: frozenset({Phase.TRAINING, Phase.FINISHING, Phase.DONE}),
@@ -52,19 +52,19 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 
 
 class IllegalTransition(AssertionError):
-    """An internal error: the learner core tried a move its phase table forbids (a bug in the core, never input)."""
+    """An internal error: the island core tried a move its phase table forbids (a bug in the core, never input)."""
 
 
 def check_transition(old: Phase, new: Phase, event: str) -> None:
     if new not in TRANSITIONS[old]:
         allowed = ", ".join(sorted(p.value for p in TRANSITIONS[old])) or "none: it is final"
-        raise IllegalTransition(f"learner core: illegal phase transition {old.value} -> {new.value} on {event} "
+        raise IllegalTransition(f"island core: illegal phase transition {old.value} -> {new.value} on {event} "
                                 f"(from {old.value} the table allows: {allowed})")
 
 
 @dataclass(frozen=True)
 class Place:
-    """A round's place in the syncer (one delta per learner per round): the round and the global it opened on."""
+    """A round's place in the syncer (one delta per island per round): the round and the global it opened on."""
 
     round: int
     version: int
@@ -103,7 +103,7 @@ DATA: dict[Phase, type] = {Phase.JOINING: type(None), Phase.WAITING: type(None),
 
 
 class Phases:
-    """A learner's phase and the data only it holds, changed by `enter` alone (the core hands this object to each part
+    """An island's phase and the data only it holds, changed by `enter` alone (the core hands this object to each part
     that moves the phase, so no part sets a phase the table does not allow)."""
 
     def __init__(self) -> None:
@@ -112,11 +112,11 @@ class Phases:
         self.on_move: Optional[Callable[[Phase, Phase, str], None]] = None  # told every move (the simulator's oracle)
 
     def enter(self, phase: Phase, event: str, data: PhaseData = None) -> None:
-        """The one way a learner changes phase: the move must be in the table (`TRANSITIONS`), and the new phase gets
+        """The one way an island changes phase: the move must be in the table (`TRANSITIONS`), and the new phase gets
         its own data, dropping the old phase's."""
         old = self._phase
         check_transition(old, phase, event)
-        assert isinstance(data, DATA[phase]), f"learner core: {phase.value} holds {DATA[phase].__name__}, not {data!r}"
+        assert isinstance(data, DATA[phase]), f"island core: {phase.value} holds {DATA[phase].__name__}, not {data!r}"
         self._phase, self._data = phase, data
         if self.on_move is not None:
             self.on_move(old, phase, event)
@@ -143,5 +143,5 @@ class Phases:
 
     @property
     def done(self) -> Optional[Done]:
-        """What the training loop was told when the run ended for this learner, once done."""
+        """What the training loop was told when the run ended for this island, once done."""
         return self._data if isinstance(self._data, Done) else None

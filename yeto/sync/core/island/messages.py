@@ -1,9 +1,9 @@
-"""What the syncer's messages mean to a learner: `SyncerMessages`, the message handlers of a `LearnerCore`.
+"""What the syncer's messages mean to an island: `SyncerMessages`, the message handlers of a `IslandCore`.
 
 Each `_on_<type>` (the table `_handlers` names them, written once; `handle` dispatches through it) takes one message
-from the syncer and updates what the learner knows: the run (welcome, state, broadcast, finish), the open round
+from the syncer and updates what the island knows: the run (welcome, state, broadcast, finish), the open round
 (round, pong), and where its own delta stands (ack, error, pong, welcome). They notice lost messages by what the
-syncer says it holds (see `yeto.sync.core.learner.core`'s rules) and ask, with backoff, for what a learner behind is
+syncer says it holds (see `yeto.sync.core.island.core`'s rules) and ask, with backoff, for what an island behind is
 missing (`maybe_sync`), and settle a delta that will never count by giving its error-feedback residual back. The state
 they read and change is handed to them by the core that owns it: what it knows of the run and of its link, its phase,
 its deltas in flight and its outbox, and the one thing they ask of the core itself, to say hello.
@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from yeto.sync.core.learner.knowledge import LinkState, RunKnowledge
-from yeto.sync.core.learner.outbox import LearnerOutbox
-from yeto.sync.core.learner.phases import Phase, Phases, Place
-from yeto.sync.core.learner.pipeline import DeltasInFlight
+from yeto.sync.core.island.knowledge import LinkState, RunKnowledge
+from yeto.sync.core.island.outbox import IslandOutbox
+from yeto.sync.core.island.phases import Phase, Phases, Place
+from yeto.sync.core.island.pipeline import DeltasInFlight
 from yeto.sync.core.policy import RoundPolicy
-from yeto.sync.core.learner.timing import LinkTimeouts, heartbeat_s
+from yeto.sync.core.island.timing import LinkTimeouts, heartbeat_s
 from yeto.sync.wire.layout import Layout
 from yeto.sync.wire.protocol import (FINAL_CODES, Code, Message, ProtocolError, array_digest, decode, decode_fragments,
                                      encode, encode_fragments)
@@ -31,14 +31,14 @@ Handler = Callable[[Message, float], None]
 
 
 class SyncerMessages:
-    """What each message from the syncer means to a learner, over the state its core hands it."""
+    """What each message from the syncer means to an island, over the state its core hands it."""
 
-    def __init__(self, learner_id: int, layout: Layout, init_flat: np.ndarray, timeouts: LinkTimeouts,
-                 run: RunKnowledge, link: LinkState, phases: Phases, deltas: DeltasInFlight, outbox: LearnerOutbox,
+    def __init__(self, island_id: int, layout: Layout, init_flat: np.ndarray, timeouts: LinkTimeouts,
+                 run: RunKnowledge, link: LinkState, phases: Phases, deltas: DeltasInFlight, outbox: IslandOutbox,
                  hello: Callable[[float], None]):
-        """`init_flat`: the adapter this learner founds the run with, if asked; `hello(now)`: introduce ourselves
+        """`init_flat`: the adapter this island founds the run with, if asked; `hello(now)`: introduce ourselves
         again (the core's, which knows what a hello says)."""
-        self.learner_id = learner_id
+        self.island_id = island_id
         self.layout = layout
         self.init_flat = init_flat
         self.timeouts = timeouts
@@ -56,7 +56,7 @@ class SyncerMessages:
 
     @property
     def heartbeat_s(self) -> float:
-        """How often the learner pings (the syncer's policy may ask for more often)."""
+        """How often the island pings (the syncer's policy may ask for more often)."""
         return heartbeat_s(self.timeouts, self.run.policy)
 
     def maybe_sync(self, now: float) -> None:
@@ -232,7 +232,7 @@ class SyncerMessages:
             return
         lags = h.get("lags") or [0] * len(h["responders"])
         mine = [[h["round"] - lag, d] for lid, d, lag in zip(h["responders"], h["deltas"], lags)
-                if lid == self.learner_id]
+                if lid == self.island_id]
         self._adopt(h["version"], flat, digest, mine)
 
     def _on_state(self, msg: Message, now: float) -> None:
@@ -248,7 +248,7 @@ class SyncerMessages:
 
     def _adopt(self, version: int, flat: np.ndarray, digest: str, merged: list[list]) -> None:
         """Hold a new global adapter; settle the pushed delta by whether it was among the merged ones
-        (`merged`: [round, digest] of this learner id's merged deltas the syncer told us about)."""
+        (`merged`: [round, digest] of this island id's merged deltas the syncer told us about)."""
         run = self.run
         run.global_, run.version, run.digest = flat, version, digest
         run.need_state = False
@@ -375,13 +375,13 @@ class SyncerMessages:
             self.outbox.log("warning", f"syncer error ({code}): {h['reason']}")
 
     def _on_refuse(self, msg: Message, now: float) -> None:
-        self.link.refused = f"the syncer refused this learner: {msg.header['reason']}"
+        self.link.refused = f"the syncer refused this island: {msg.header['reason']}"
         self.link.refused_code = msg.header["code"]
         self.outbox.log("error", self.link.refused)
 
     def _finish_superseded(self, h: dict[str, Any]) -> None:
         """A welcome from another syncer process whose run goes on: a finish we hold from an earlier one (a stop:
-        SIGTERM, a full disk) no longer stands, or the learner would end with the run still going (sim seed
+        SIGTERM, a full disk) no longer stands, or the island would end with the run still going (sim seed
         192934085: it joined a stopping syncer, then the relaunched one, and exited mid-run)."""
         f = self.run.finish
         if f is None or h["finished"] or f.get("incarnation") == h["incarnation"]:

@@ -1,4 +1,4 @@
-"""The delta a learner has pushed, as the learner tracks it until the syncer merges or refuses it.
+"""The delta an island has pushed, as the island tracks it until the syncer merges or refuses it.
 
 Its copies on the wire (`on_its_way`, counted by `copies`, which the syncer's answers name), whether a connection
 break lost it (`resend`), whether the syncer acked it (and into which round), and the error-feedback residual from

@@ -1,6 +1,6 @@
-"""The torch learner island: one process (or one torchrun group), one LoRA adapter, AdamW inner steps.
+"""The torch island: one process (or one torchrun group), one LoRA adapter, AdamW inner steps.
 
-`TorchLearner` holds the model, data and optimizer and exposes the pieces a
+`TorchIsland` holds the model, data and optimizer and exposes the pieces a
 training loop needs (the `yeto.island.interface.Island` members); `yeto.island.training`
 runs the loop around them (standalone, or as one island of a DiLoCo run).
 
@@ -30,7 +30,7 @@ from yeto.island.shard import ShardedData
 from yeto.models.materialize import default_device, load_model, load_tokenizer, resolve_model
 from yeto.backends.torch.torchrun import SHARDINGS, RankGroup, shard_base
 
-__all__ = ["TorchLearner", "TrainConfig", "masked_loss"]
+__all__ = ["TorchIsland", "TrainConfig", "masked_loss"]
 
 
 def check_device(device: str) -> None:
@@ -72,7 +72,7 @@ def masked_loss(model, input_ids: torch.Tensor, loss_mask: torch.Tensor, loss_fn
     return loss_fn(logits, targets, w)
 
 
-class TorchLearner(ShardedData):
+class TorchIsland(ShardedData):
     """Model + LoRA + data + AdamW: the state of one island's inner loop (a `yeto.island.diloco.Island`)."""
 
     backend = "torch"

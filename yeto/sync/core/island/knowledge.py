@@ -1,5 +1,5 @@
-"""What a learner's core shares with the parts it hands each concern to: what it knows of the run (`RunKnowledge`)
-and of its link to the syncer (`LinkState`). Plain data with the few questions asked of it; `LearnerCore` owns one of
+"""What an island's core shares with the parts it hands each concern to: what it knows of the run (`RunKnowledge`)
+and of its link to the syncer (`LinkState`). Plain data with the few questions asked of it; `IslandCore` owns one of
 each, and the message handlers (`messages`) and the deltas in flight (`pipeline`) read and change them through it."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from typing import Any, Optional
 
 import numpy as np
 
-from yeto.sync.core.learner.phases import Place
+from yeto.sync.core.island.phases import Place
 from yeto.sync.core.policy import RoundPolicy
-from yeto.sync.core.learner.pushed import Pushed
+from yeto.sync.core.island.pushed import Pushed
 from yeto.sync.wire.layout import Layout, round_part
 
 
 @dataclass
 class RunKnowledge:
-    """The run as this learner knows it: the global adapter it holds, where the syncer is, and the open round."""
+    """The run as this island knows it: the global adapter it holds, where the syncer is, and the open round."""
 
     layout: Layout
     policy: RoundPolicy = field(default_factory=RoundPolicy)  # the syncer's, from its welcome
@@ -48,7 +48,7 @@ class RunKnowledge:
 
 @dataclass
 class LinkState:
-    """The learner's link to the syncer: joined or not, when it last heard it, how it catches up, why it ended."""
+    """The island's link to the syncer: joined or not, when it last heard it, how it catches up, why it ended."""
 
     connected: bool = False
     joined: bool = False
@@ -66,6 +66,6 @@ class LinkState:
     resend_init: bool = False
     refused: Optional[str] = None
     refused_code: str = ""
-    busy: bool = False  # the syncer's last word: another, newer session holds our learner id
+    busy: bool = False  # the syncer's last word: another, newer session holds our island id
     gave_up: Optional[str] = None
     last_tick: float = math.inf  # (no jump before the first tick)

@@ -1,5 +1,5 @@
 """The arithmetic of the work an island's training loop keeps from one round to the next, shared by the loops that
-drive a `LearnerCore` (the real one, `yeto.island.diloco`, and the simulator's learner): the steps it holds toward a
+drive a `IslandCore` (the real one, `yeto.island.diloco`, and the simulator's island): the steps it holds toward a
 round (`RoundSteps`), steps trained that go on top of the next global (`Carry`: a time window's work the core said
 to carry, --overlap's steps while a merge is in flight, a pipelined island's steps ahead), and where each round's
 training starts (`RoundStart`: on a carry, a streamed run's kept parts, --merge-alpha's blend)."""

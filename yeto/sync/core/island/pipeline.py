@@ -1,15 +1,15 @@
-"""The deltas a learner has in the syncer's hands (`DeltasInFlight`), pipelined ones (--pipeline D > 1, streamed runs)
+"""The deltas an island has in the syncer's hands (`DeltasInFlight`), pipelined ones (--pipeline D > 1, streamed runs)
 included: the next rounds' parts pushed before this round's merge comes, so a slow link's upload overlaps with training
 instead of stalling it.
 
 Round R of a streamed run syncs one part; the merges of rounds b + 1 .. R - 1 sync other parts (`untouched_since`),
 so a delta of R's part trained from version b equals one trained from version R - 1, the version R opens on. The
-learner trains R from the global it holds while its earlier deltas are in flight (at most D at once), and pushes it
+island trains R from the global it holds while its earlier deltas are in flight (at most D at once), and pushes it
 naming R - 1 as its base and b as `trained_from`; the syncer keeps it until R opens. The deltas in flight are
-`pushed` (the oldest: every rule of the learner core applies to it) and `ahead` (the later ones, in round order); when
+`pushed` (the oldest: every rule of the island core applies to it) and `ahead` (the later ones, in round order); when
 `pushed` settles, the first of `ahead` takes its place. Their parts are disjoint, so each gives back only its own
 part of the error-feedback residual if it never counts. This object owns them and the residual; what it reads of the
-run is the core's `RunKnowledge`, and what it sends goes to the core's `LearnerOutbox`.
+run is the core's `RunKnowledge`, and what it sends goes to the core's `IslandOutbox`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from yeto.sync.core.learner.knowledge import RunKnowledge
-from yeto.sync.core.learner.outbox import LearnerOutbox
-from yeto.sync.core.learner.phases import Training
-from yeto.sync.core.learner.pushed import Pushed
+from yeto.sync.core.island.knowledge import RunKnowledge
+from yeto.sync.core.island.outbox import IslandOutbox
+from yeto.sync.core.island.phases import Training
+from yeto.sync.core.island.pushed import Pushed
 from yeto.sync.wire.layout import Layout, fragment_pieces, synced_fragments, untouched_since
 from yeto.sync.wire.quant import ErrorFeedback
 
@@ -29,7 +29,7 @@ from yeto.sync.wire.quant import ErrorFeedback
 class DeltasInFlight:
     """The deltas in the syncer's hands, oldest first, and the error-feedback residual they were quantized with."""
 
-    def __init__(self, layout: Layout, run: RunKnowledge, outbox: LearnerOutbox):
+    def __init__(self, layout: Layout, run: RunKnowledge, outbox: IslandOutbox):
         self.layout = layout
         self.run = run
         self.outbox = outbox
@@ -151,7 +151,7 @@ class DeltasInFlight:
 
     def settle(self, version: int, merged: list[list]) -> None:
         """A new global: our pushed delta counted if it is among the merged ones (`merged`: [round, digest] of this
-        learner id's merged deltas); if not, and it cannot land in a later round either, it never will, and its
+        island id's merged deltas); if not, and it cannot land in a later round either, it never will, and its
         residual is ours again."""
         run = self.run
         while True:  # (then the next delta in flight, which a state that jumps versions may settle too)

@@ -1,4 +1,4 @@
-"""What a learner core and its training loop say to each other: the task to do next (`Wait`, `Train`, `Done`), the
+"""What an island core and its training loop say to each other: the task to do next (`Wait`, `Train`, `Done`), the
 verdict after each inner step (`StepVerdict`), and what a finished round's training took (`RoundCounts`)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Train:
 class Done:
     reason: str
     complete: bool = False  # the syncer finished the run (not stopped early)
-    error: bool = False  # refused, or gave up: the learner exits non-zero
+    error: bool = False  # refused, or gave up: the island exits non-zero
     code: str = ""  # why it was refused (a protocol.Code), if it was
 
 
@@ -39,8 +39,8 @@ class StepVerdict(Enum):
     CONTINUE = "continue"
     PUSH = "push"  # the round's work is done: push it
     ABANDON = "abandon"  # the round closed without us (or our adapter is unusable): drop the work
-    STOP = "stop"  # the run is over for this learner
-    # a time window is over, but our previous (late) delta holds this round's place in the syncer (one per learner
+    STOP = "stop"  # the run is over for this island
+    # a time window is over, but our previous (late) delta holds this round's place in the syncer (one per island
     # per round): keep the work and carry it onto the next global, so the next push lands fresh
     CARRY = "carry"
 
