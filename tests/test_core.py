@@ -939,6 +939,57 @@ def test_a_founding_upload_that_came_too_late_to_count_is_asked_for_again():
     assert f.syncer.run is not None and f.syncer.state.founder == 0 and c.link.init_copies == 2
 
 
+def test_a_founding_upload_lost_with_its_connection_is_not_waited_for_when_asked_again():
+    """Sim seed 913001457: island 0's upload is lost with the connections of a killed syncer and goes again to the
+    restarted one, which asked island 1 meanwhile: that copy is refused. Island 1 goes silent and island 0 is
+    asked again, told one copy came. It counted the lost one too, waited for it and ignored every request after."""
+    f = Fleet(n=2, found=False, island_timeout=3.0)
+    f.lost = lambda direction, lid, msg_type: lid == 1  # island 1 is not in yet: island 0 is asked
+    f.run(until=lambda direction, msg: msg.type == "init")
+    f.queue = []  # the syncer is killed: island 0's upload, on its way, goes with the connections
+    for c in f.islands.values():
+        c.link_lost(f.now, bulk=True)
+        c.link_lost(f.now, bulk=False)
+    f.syncer = f._boot_syncer(Durable())
+    f.lost = lambda direction, lid, msg_type: lid == 1 and msg_type == "init"  # island 1's upload never comes
+    for lid in (1, 0):  # the restarted syncer hears island 1's hello first: island 1 is asked
+        c = f.islands[lid]
+        c.outbox.clear()
+        c._hello(f.now)
+        f.to_syncer(lid, c.outbox.flush())
+    f.run()
+    assert f.syncer.state.founding.asked == 1
+    f.tick()  # island 0 hears the syncer (a pong): its upload goes again, comes while island 1 is asked, is refused
+    assert f.syncer.state.founding.lost_uploads
+    f.islands.pop(1)  # island 1 goes silent: the syncer drops it and asks island 0 again
+    f.lost = lambda *a: False
+    f.tick(times=16)
+    assert f.syncer.run is not None and f.syncer.state.founder == 0, "island 0 waits for an upload that was lost"
+
+
+def test_a_founding_upload_lost_before_a_reconnect_is_not_waited_for_when_asked_again():
+    """The same, with connections the island remade itself (the syncer silent too long): the upload on the old ones
+    is gone, the one on the new ones comes after the syncer dropped the island and is refused, the error lost."""
+    f = Fleet(n=2, found=False, island_timeout=3.0)
+    f.lost = lambda direction, lid, msg_type: lid == 1  # island 1 never gets in: island 0 must found the run
+    f.run(until=lambda direction, msg: msg.type == "init")
+    c = f.islands[0]
+    f.queue = []  # its upload is lost and the island hears nothing more: it reconnects and says hello again
+    f.now += LINK.dead_after_s + 0.5
+    assert "Reconnect" in [type(a).__name__ for a in c.tick(f.now)]
+    f.to_syncer(0, c.connected_now(f.now))
+    f.run(until=lambda direction, msg: msg.type == "init")
+    held, f.queue = f.queue, []  # asked again, it uploads again; that copy is held up and island 0 is frozen ...
+    f.now += 4.0
+    f.apply(f.syncer.tick(f.now))  # ... long enough for the syncer to drop it
+    assert not f.syncer.state.members[0].active
+    f.lost = lambda direction, lid, msg_type: lid == 1 or msg_type == "error"  # the refusal of the late upload is lost
+    f.queue = held
+    f.run()
+    f.tick(times=8)  # island 0 says hello again and is asked again, told one copy came
+    assert f.syncer.run is not None and f.syncer.state.founder == 0, "island 0 waits for an upload that was lost"
+
+
 def test_a_finish_from_a_stopped_syncer_gives_way_to_a_restarted_one_that_goes_on():
     """Sim seed 192934085: a fleet stop (SIGTERM) finishes every island; an island that then joins the relaunched
     syncer, whose run goes on, must train on, not end the run for itself (its own relaunch found no syncer)."""

@@ -95,6 +95,8 @@ FOUND_SEEDS = {
                "(not joined) named no delta, and only the oldest was sent again: its round waited on the other",
     800680: "a delta that reached a restarted syncer just before its round reopened was refused stale, the refusal "
             "lost, and a late hello wiped the answer the pongs repeat: the round waited on it forever",
+    913001457: "a founding upload lost with a killed syncer's connections was still counted as on its way: asked "
+               "again (its copy to the restarted syncer refused), the island ignored every request; never founded",
 }
 
 
@@ -318,6 +320,16 @@ def _request_init_without_heard(orig):
     return request
 
 
+def _init_copies_kept_across_a_break(orig):
+    def link_lost(self, now, bulk=True):  # (before: the founding upload's copies a broken connection took still
+        # counted as on their way)
+        copies = self.link.init_copies
+        actions = orig(self, now, bulk)
+        self.link.init_copies = copies
+        return actions
+    return link_lost
+
+
 def _only_the_pushed_copy_lost(orig):
     def lost(self):  # (before: a reconnect forgot the copy of `pushed` only, not of the pipelined ones)
         if self.pushed is not None:
@@ -338,6 +350,8 @@ PLANTED_ON_SEEDS = {
         [(sdeltas.Deltas, "_heard_while_away", lambda orig: lambda self, msg: None)], [903596133, 903606582]),
     "a founding upload refused with its error lost, never asked for again": (
         [(sadmission.Admission, "_request_init", _request_init_without_heard)], [3141721]),
+    "a founding upload lost with its connection still counted as on its way, every request for it ignored": (
+        [(lcore.IslandCore, "link_lost", _init_copies_kept_across_a_break)], [913001457]),
 }
 
 

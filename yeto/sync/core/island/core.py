@@ -209,7 +209,8 @@ class IslandCore:
         """A connection broke under us (ZeroMQ reconnects by itself, but what was in flight on it is gone). The bulk
         one: a delta not yet acked goes again once the syncer is heard from. The control one: only small messages
         were lost (a sync request, an ack or error, which pongs stand in for); a delta still flowing up the bulk
-        connection is not sent again (over a slow link a second copy would queue behind the first)."""
+        connection is not sent again (over a slow link a second copy would queue behind the first). A founding upload
+        on its way went with the bulk one: it goes again, and its copies count afresh (sim seed 913001457)."""
         link = self.link
         for p in self.deltas.in_flight() if bulk else []:
             p.on_its_way = False
@@ -217,6 +218,7 @@ class IslandCore:
                 p.resend = True
         if bulk:
             link.resend_init = link.init_sent is not None and not link.joined
+            link.init_copies = 0
         link.next_sync_at = -math.inf  # a sync request may be lost too
         return []
 
@@ -258,7 +260,7 @@ class IslandCore:
             delay = self.rng.uniform(0.0, min(self.t.backoff_max_s, self.t.backoff_base_s * (2 ** link.attempt)))
             link.attempt += 1
             link.connected = link.joined = False
-            link.init_sent = None
+            link.init_sent, link.init_copies = None, 0
             self.deltas.copies_lost()
             self.outbox.log("warning", f"syncer silent for {now - link.last_heard:.0f}s; reconnecting in {delay:.1f}s "
                                        f"(attempt {link.attempt})")

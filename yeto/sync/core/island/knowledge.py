@@ -62,7 +62,7 @@ class LinkState:
     sync_attempt: int = 0
     next_sync_at: float = -math.inf
     init_sent: Optional[tuple[dict[str, Any], tuple[bytes, ...]]] = None  # our founding upload
-    init_copies: int = 0  # its copies sent (an init_request says how many came)
+    init_copies: int = 0  # its copies sent since the bulk connection was made (an init_request says how many came)
     resend_init: bool = False
     refused: Optional[str] = None
     refused_code: str = ""

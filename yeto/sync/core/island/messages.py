@@ -183,7 +183,8 @@ class SyncerMessages:
         """Found the run: upload our initial adapter at the run's wire precision. Asked again (our hello was
         repeated while the upload is on its way), we do not start another one: a lost upload is sent again when a
         broken connection is noticed (`link_lost`), and one refused when the request says every copy we sent came
-        (`heard`) without counting (the error that said so may have been lost: sim seed 3141721)."""
+        (`heard`) without counting (the error that said so may have been lost: sim seed 3141721). A copy a broken
+        connection took never comes, so only those sent since count (sim seed 913001457)."""
         link = self.link
         if link.joined or (link.init_sent is not None and msg.header.get("heard", 0) < link.init_copies):
             return
