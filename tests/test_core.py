@@ -1009,3 +1009,13 @@ def test_a_finish_from_a_stopped_syncer_gives_way_to_a_restarted_one_that_goes_o
     f.train(0)
     task, verdict = f.train(1)
     assert (task.round, verdict) == (2, StepVerdict.PUSH) and f.syncer.version == 2 and audit(f.tape).ok
+
+
+def test_the_stop_and_relaunch_scenario_catches_a_stale_finish_kept(monkeypatch):
+    """The planted-bug check of the test above (the simulator's seed 192934085 reached this bug only with protocol 6's
+    header sizes): with a stopped syncer's finish never superseded, the island ends the run for itself."""
+    from yeto.sync.core.island import messages
+
+    monkeypatch.setattr(messages.SyncerMessages, "_finish_superseded", lambda self, header: None)
+    with pytest.raises(AssertionError):
+        test_a_finish_from_a_stopped_syncer_gives_way_to_a_restarted_one_that_goes_on()

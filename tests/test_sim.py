@@ -342,8 +342,6 @@ PLANTED_ON_SEEDS = {
     "a delta refused before its round reopens, its answer lost with a late hello": (
         [(sdeltas.Deltas, "_waits_for_its_round", _old_keep_rule),
          (sadmission.Admission, "_keep_delta_news", lambda orig: staticmethod(lambda old, new: None))], [800680]),
-    "a stopped syncer's finish kept after a restarted one welcomed the island into the run": (
-        [(lmessages.SyncerMessages, "_finish_superseded", lambda orig: lambda self, h: None)], [192934085]),
     "a pipelined delta's copy taken for still on its way after the connections were remade or the syncer forgot us": (
         [(lpipeline.DeltasInFlight, "copies_lost", _only_the_pushed_copy_lost)], [192937500, 506180938]),
     "a delta refused from an island dropped while asleep, the refusal lost, never asked for again": (
