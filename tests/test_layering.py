@@ -141,6 +141,19 @@ def test_module_names_say_one_thing():
     assert sorted(p.name for p in (REPO / "yeto").glob("*.py")) == ["__init__.py", "__main__.py"]
 
 
+def test_no_two_types_share_a_name():
+    """A type's name says one thing: no two classes of yeto/ (enums, dataclasses, protocols) are called the same."""
+    import ast
+    from collections import defaultdict
+
+    where = defaultdict(list)
+    for path in (REPO / "yeto").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where[node.name].append(str(path.relative_to(REPO)))
+    assert {name: files for name, files in where.items() if len(files) > 1} == {}
+
+
 def _modules_computing_with(attr: str) -> set[str]:
     """The modules of yeto/ that compute with a config's or a policy's `attr` (arithmetic, min/max, a conditional
     value: not a copy into a message, not a range check): `cfg.X`, `config.X`, `policy.X`, or `self.X` inside a
