@@ -11,8 +11,8 @@ STAMP  := $(VENV)/.yeto-installed
 OPENBLAS = $(firstword $(wildcard /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3))
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 RUN    ?= runs/demo
-# make demo MLX_ISLANDS=1: one of the two islands runs on MLX
-MLX_ISLANDS ?= 0
+# make demo MLX_ISLANDS=1: one of the two islands runs on MLX (MLX_LEARNERS=1, its old spelling, too)
+MLX_ISLANDS ?= $(if $(MLX_LEARNERS),$(MLX_LEARNERS),0)
 # make demo REPORT_TO=tensorboard: the syncer and both islands log to TensorBoard (then: tensorboard --logdir runs/demo);
 # any of tensorboard, wandb, trackio, mlflow, comma-separated (docs/trackers.md)
 REPORT_TO ?= none
