@@ -14,6 +14,7 @@ import functools
 import inspect
 import sys
 import typing
+from types import ModuleType
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Iterable, Optional
 
@@ -42,39 +43,40 @@ def run_name_help(default: str) -> str:
     return f"The run's name, grouping the syncer's and the islands' tracker runs (default: {default})."
 
 
+def _typers_click() -> Optional[ModuleType]:
+    """The copy of click that typer bundles (it runs the commands), or None for a typer that uses click itself."""
+    try:
+        import typer._click.exceptions
+        import typer._click.globals
+    except ImportError:
+        return None
+    return typer._click
+
+
 def usage_errors() -> tuple[type[Exception], ...]:
     """click's exception classes: click's own and those of the click that typer bundles."""
     import click
 
-    errors: list[type[Exception]] = [click.ClickException]
-    try:
-        from typer._click.exceptions import ClickException
-    except ImportError:  # a typer that uses click itself
-        return tuple(errors)
-    return (*errors, ClickException)
+    bundled = _typers_click()
+    return (click.ClickException, *([bundled.exceptions.ClickException] if bundled else []))
 
 
 def _missing_option(flag: str) -> Exception:
     """The usage error click gives a missing required option (its usage line, exit 2), from the click that runs
-    the command: typer's bundled copy where it has one."""
-    try:
-        from typer._click.exceptions import MissingParameter
-        from typer._click.globals import get_current_context
-    except ImportError:  # a typer that uses click itself
-        from click import MissingParameter, get_current_context
-    return MissingParameter(ctx=get_current_context(), param_type="option", param_hint=f"'{flag}'")
+    the command."""
+    import click.globals
+
+    running = _typers_click() or click
+    return running.exceptions.MissingParameter(ctx=running.globals.get_current_context(), param_type="option",
+                                               param_hint=f"'{flag}'")
 
 
 def _aborts() -> tuple[type[BaseException], ...]:
     import click
 
-    aborts: list[type[BaseException]] = [click.exceptions.Abort, typer.Abort]
-    try:
-        from typer._click.exceptions import Abort
-        aborts.append(Abort)
-    except ImportError:
-        pass
-    return tuple(aborts)
+    bundled = _typers_click()
+    bundled_abort = getattr(bundled.exceptions, "Abort", None) if bundled else None  # (not in every typer)
+    return tuple(a for a in (click.exceptions.Abort, typer.Abort, bundled_abort) if a is not None)
 
 
 def run_guarded(typer_app: typer.Typer) -> None:
