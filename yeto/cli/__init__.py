@@ -16,15 +16,16 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 
 
 def _register() -> None:
-    from yeto.cli.launch_command import (LAUNCH_OLD_SPELLINGS, down_command, launch_command, logs_command,
-                                         status_command)
+    from yeto.cli.config_file import with_config_file
+    from yeto.cli.launch_command import (LAUNCH_OLD_SPELLINGS, down_command, launch_command, launch_passes_on,
+                                         logs_command, status_command)
     from yeto.cli.shape_command import shape_command
     from yeto.cli.syncer_command import syncer_command
     from yeto.cli.train_command import train_command
 
     app.command("train")(train_command())  # (--backend torch without torch, or mlx without MLX: one line, exit 2)
     app.command("syncer")(syncer_command)
-    launch = with_old_spellings(launch_command, LAUNCH_OLD_SPELLINGS)
+    launch = with_old_spellings(with_config_file(launch_command, launch_passes_on), LAUNCH_OLD_SPELLINGS)
     app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch)
     app.command("status")(status_command)
     app.command("logs")(with_old_spellings(logs_command, ISLAND_OLD_SPELLING))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from yeto.cli.usage import OldSpelling, with_help_panels
+from yeto.cli.config_file import passed_on_args
+from yeto.cli.usage import OldSpelling, click_command, with_help_panels
 
 from yeto import YetoError
 from yeto.cli.launch_flags import check_passed_flags
@@ -142,7 +143,7 @@ def launch_command(
     --help`) goes to the syncer; any other flag (--seq-len 128 --lr 1e-3) to every island (`yeto train --help`)."""
     from rich.console import Console
 
-    syncer_extra, island_extra = split_extra_args(list(ctx.args))
+    syncer_extra, island_extra = split_extra_args(passed_on_args(ctx) + list(ctx.args))
     console = Console()
     if budget is not None and not budget > 0:
         raise YetoError(f"--budget {budget:g}: give the fleet's price limit in USD per hour, above 0")
@@ -197,6 +198,15 @@ def launch_command(
 
 with_help_panels(launch_command, advanced=("model_revision", "data_revision", "name", "port", "public_host", "overlap",
                                            "retry_until_up", "recover_timeout", "head"))
+
+
+def launch_passes_on() -> list[tuple[str, Any]]:
+    """The commands `yeto launch` passes the flags it does not take itself to, as click commands (a --config file may
+    hold their flags): the syncer's first (it takes its own), then the islands' (the rest)."""
+    from yeto.cli.syncer_command import syncer_command as syncer_cli
+    from yeto.cli.train_command import train_command
+
+    return [("yeto syncer", click_command(syncer_cli)), ("yeto train", click_command(train_command()))]
 
 
 RunArg = Annotated[Optional[str], typer.Argument(help="The run's name (default: the latest launched).")]

@@ -19,7 +19,7 @@ from yeto.backends import MLX, TORCH, load_backend
 from yeto.cli.train_command import make_train_command
 from yeto.launch.plan import SYNCER_PORT, FleetPlan
 from yeto.launch.tasks import SYNCER_ENTRY, island_flags, syncer_argv
-from yeto.cli.usage import usage_errors
+from yeto.cli.usage import click_command, usage_errors
 
 HELP = {TORCH: "`yeto train --help`", MLX: "`yeto train --help` and docs/MLX.md"}
 WHO = {TORCH: "every island (yeto train --backend torch)", MLX: "the MLX islands (yeto train --backend mlx)"}
@@ -29,12 +29,7 @@ PLACEHOLDER_SYNCER = "127.0.0.1:1"  # the island's --syncer is launch's own (kno
 def run_parser(fn: Callable[..., Any], args: list[str], prog: str, invoke: bool) -> None:
     """Parse `args` with the click command typer makes of `fn` (and, with `invoke`, run `fn` on them). A usage
     error (unknown flag, bad value, missing value) becomes a YetoError with click's one-line message."""
-    import typer
-    import typer.main
-
-    app = typer.Typer(add_completion=False)
-    app.command()(fn)
-    command = typer.main.get_command(app)
+    command = click_command(fn)
     try:
         with command.make_context(prog, list(args)) as ctx:
             if invoke:

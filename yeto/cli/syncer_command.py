@@ -9,6 +9,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from yeto.cli.test_hooks import CHECKPOINT, crash_hook
+from yeto.cli.config_file import with_config_file
 from yeto.cli.usage import OldSpelling, run_name_help, with_help_panels, with_old_spellings
 from yeto.models.adapter import ADAPTER_WEIGHTS
 from yeto.sync.core.config import DEFAULT_MAX_BASE_LAG, OLD_FLAGS, field_flag
@@ -141,4 +142,4 @@ with_help_panels(syncer_command, advanced=(
     "max_message_mb", "robust", "robust_k", "merge", "merge_weight", "lora_merge", "grace_s", "max_base_lag",
     "staleness_exponent", "step_normalize", "merge_alpha", "fragments", "pipeline", "max_islands", "max_connections",
     "run_name"))
-syncer_command = with_old_spellings(syncer_command, OLD_SPELLINGS)
+syncer_command = with_old_spellings(with_config_file(syncer_command), OLD_SPELLINGS)

@@ -11,7 +11,9 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from yeto import YetoError
 from yeto.backends import AUTO, MLX, TORCH, choose_backend, load_backend
+from yeto.cli.config_file import current_context, with_config_file
 from yeto.cli.test_hooks import HIDDEN_TRAIN_FLAGS, TRAIN_STATE, crash_hook
 from yeto.cli.usage import OldSpelling, run_name_help, trust_remote_code_help, with_help_panels, with_old_spellings
 from yeto.island.train_config import TrainConfig
@@ -52,6 +54,7 @@ def make_train_command(train_fn: TrainFn, doc: str, backend: Optional[str] = Non
     def command(**kwargs: Any) -> None:
         progress = kwargs.pop("progress")
         asked = kwargs.pop("backend", backend)
+        kwargs["max_steps"] = D.max_steps if kwargs["max_steps"] is None else kwargs["max_steps"]
         train_fn(TrainConfig(**kwargs), progress, asked)
 
     wrapper = functools.wraps(_train_signature)(command)
@@ -61,7 +64,23 @@ def make_train_command(train_fn: TrainFn, doc: str, backend: Optional[str] = Non
     wrapper.__signature__ = signature
     with_help_panels(wrapper, advanced=TRAIN_ADVANCED, hidden=HIDDEN_TRAIN_FLAGS)
     wrapper.__doc__ = doc
-    return with_old_spellings(wrapper, OLD_SPELLINGS)
+    return with_old_spellings(with_config_file(wrapper, settle=settle_run_length), OLD_SPELLINGS)
+
+
+def settle_run_length(values: dict[str, Any]) -> dict[str, Any]:
+    """The train command's `values` with one of --max-steps and --epochs, which are one choice: where both are set,
+    the one given on the command line wins over a --config file's; both on the command line (or both in the file)
+    is a one-line error. Neither: --max-steps's default."""
+    max_steps, epochs = values["max_steps"], values["epochs"]
+    if max_steps is None or epochs is None:
+        return values
+    sources = current_context().get_parameter_source
+    on_line = {name: sources(name).name == "COMMANDLINE" for name in ("max_steps", "epochs")}
+    if on_line["max_steps"] == on_line["epochs"]:
+        raise YetoError(f"--max-steps {max_steps} and --epochs {epochs:g} both set the run's length: give one of "
+                        "them (--epochs N: N passes over this island's data shard, its steps computed at start)")
+    loser = "epochs" if on_line["max_steps"] else "max_steps"
+    return {**values, loser: None}
 
 
 def train_command(backend: Optional[str] = None) -> Callable[..., None]:
@@ -116,8 +135,11 @@ def _train_signature(
                                                        "or auto (the largest that fits the device, probed at start); "
                                                        "the gradient is the same whatever it is.")
                         ] = D.micro_batch_size,
-    max_steps: Annotated[int, typer.Option(help="Optimizer steps (with --syncer: the LR schedule's horizon).")
-                         ] = D.max_steps,
+    max_steps: Annotated[Optional[int], typer.Option(
+        help=f"Optimizer steps (default {D.max_steps}; with --syncer: the LR schedule's horizon).")] = None,
+    epochs: Annotated[Optional[float], typer.Option(
+        help="Instead of --max-steps: passes over this island's data shard (2, 0.5), the steps computed from its "
+             "blocks, --batch-size and --grad-accum and shown at start.")] = None,
     lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = D.lr,
     warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps before the cosine decay.")] = D.warmup_steps,
     min_lr_ratio: Annotated[float, typer.Option(help="Cosine decays to this fraction of --lr.")] = D.min_lr_ratio,

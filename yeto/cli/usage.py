@@ -61,12 +61,18 @@ def usage_errors() -> tuple[type[Exception], ...]:
     return (click.ClickException, *([bundled.exceptions.ClickException] if bundled else []))
 
 
+def running_click() -> ModuleType:
+    """The click that runs typer's commands: the copy typer bundles, else click itself."""
+    import click.exceptions
+    import click.globals
+
+    return _typers_click() or click
+
+
 def _missing_option(flag: str) -> Exception:
     """The usage error click gives a missing required option (its usage line, exit 2), from the click that runs
     the command."""
-    import click.globals
-
-    running = _typers_click() or click
+    running = running_click()
     return running.exceptions.MissingParameter(ctx=running.globals.get_current_context(), param_type="option",
                                                param_hint=f"'{flag}'")
 
@@ -96,6 +102,15 @@ def run_guarded(typer_app: typer.Typer) -> None:
         sys.exit(e.exit_code)
     except (typer.Exit, SystemExit) as e:
         sys.exit(getattr(e, "exit_code", getattr(e, "code", 0)))
+
+
+def click_command(fn: Callable) -> Any:
+    """The click command typer makes of the command function `fn` (to parse a command line without running it)."""
+    import typer.main
+
+    single = typer.Typer(add_completion=False)
+    single.command()(fn)
+    return typer.main.get_command(single)
 
 
 def run_typer(fn: Callable) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from yeto import YetoError
@@ -11,6 +12,15 @@ from yeto.island.schedule import BatchSampler
 
 if TYPE_CHECKING:
     from yeto.island.data import Blocks, DataSource, PreparedData
+
+
+EXACT_DIGITS = 9  # epochs x blocks / batch rounded to this many digits before its ceiling (1.1 x 10 is 11, not 12)
+
+
+def epoch_steps(epochs: float, blocks: int, blocks_per_step: int) -> int:
+    """The optimizer steps that pass `epochs` times over `blocks` training blocks, `blocks_per_step` a step (a
+    partial last batch is a step: at least one)."""
+    return max(1, math.ceil(round(epochs * blocks / blocks_per_step, EXACT_DIGITS)))
 
 
 class ShardedData:
@@ -45,6 +55,12 @@ class ShardedData:
         self._log_data(f"data: {json.dumps(self.data.stats)}")
         # every rank of a torchrun island draws the same global batch (ranks x --batch-size) and takes its slice
         self.sampler = BatchSampler(len(self.data.train), cfg.batch_size * self.ranks, cfg.seed + 1000 * cfg.island_id)
+        if cfg.epochs is not None:
+            per_step = cfg.batch_size * self.ranks * cfg.grad_accum
+            cfg.max_steps = epoch_steps(cfg.epochs, len(self.data.train), per_step)
+            self._log_data(f"--epochs {cfg.epochs:g}: {cfg.max_steps} steps ({len(self.data.train)} training blocks "
+                           f"in the shard, {per_step} a step: --batch-size {cfg.batch_size}"
+                           f"{f' x {self.ranks} ranks' if self.ranks > 1 else ''} x --grad-accum {cfg.grad_accum})")
 
     def resume_data(self, meta: dict[str, Any]) -> None:
         """Take the shard and batch position a saved training state had (a restarted island goes on with them)."""

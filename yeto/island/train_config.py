@@ -26,6 +26,7 @@ class TrainConfig:
     batch_size: int = 4
     grad_accum: int = 1
     max_steps: int = 100
+    epochs: Optional[float] = None  # passes over the shard instead: max_steps is then computed once it is known
     lr: float = 2e-4
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
@@ -74,6 +75,8 @@ def check_config(cfg: TrainConfig) -> None:
     for name in ("batch_size", "grad_accum", "max_steps", "seq_len", "lora_r"):
         check_range(getattr(cfg, name), f"--{name.replace('_', '-')}", low=1)
     check_range(cfg.seq_len, "--seq-len", low=2)
+    if cfg.epochs is not None:
+        check_range(cfg.epochs, "--epochs", low=0, low_open=True)
     check_range(cfg.lr, "--lr", low=0, low_open=True)
     check_range(cfg.lora_alpha, "--lora-alpha", low=0, low_open=True)
     check_range(cfg.lora_dropout, "--lora-dropout", low=0, high=1, high_open=True)

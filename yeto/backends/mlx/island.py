@@ -191,7 +191,7 @@ class MLXIsland(ShardedData):
         # ~3x torch's early on: m / sqrt(v) without the (1 - b^t) factors).
         self.optimizer = optim.AdamW(learning_rate=cfg.lr, betas=list(ADAM_BETAS), eps=ADAM_EPS,
                                      weight_decay=cfg.weight_decay, bias_correction=True)
-        self.total_steps = cfg.max_steps
+        self.total_steps: Optional[int] = None  # the syncer's run length; None: --max-steps (or --epochs')
         import mlx.nn as nn
 
         self.decoder = None if cfg.full_logits else loss_rows_decoder(self.model)
@@ -244,7 +244,8 @@ class MLXIsland(ShardedData):
             g = tree_map(lambda x: x * share, g)
             grads = g if grads is None else tree_map(lambda a, b: a + b, grads, g)
             loss_sum += float(loss) * wsum
-        lr = cfg.lr * lr_lambda(self.step_count, cfg.warmup_steps, self.total_steps, cfg.min_lr_ratio)
+        lr = cfg.lr * lr_lambda(self.step_count, cfg.warmup_steps, self.total_steps or cfg.max_steps,
+                                 cfg.min_lr_ratio)
         norm = 0.0
         if grads is not None:  # every micro-batch may lack targets only in degenerate data; then no update
             # torch's clip_grad_norm_: g * min(1, max_norm / (total_norm + 1e-6)) over the whole adapter
@@ -330,7 +331,7 @@ class MLXIsland(ShardedData):
         names = [k[len("exp_avg/"):] for k in tensors if k.startswith("exp_avg/")]
         tensors["rng/mlx"] = np.array(self.mx.random.state[0], dtype=np.uint32)
         meta = {"backend": self.backend, "step": self.step_count, "tokens": self.tokens_seen,
-                "loss_tokens": self.loss_tokens_seen, "total_steps": self.total_steps,
+                "loss_tokens": self.loss_tokens_seen, "total_steps": self.total_steps or self.cfg.max_steps,
                 "sampler": self.sampler.position() if self.sampler else None, "shard": self.shard,
                 "param_steps": {n: step for n in names}}
         return TrainState(meta, tensors)
