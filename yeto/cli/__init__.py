@@ -131,7 +131,8 @@ def keys_list(out: OutOption) -> None:
 
 @app.command()
 def tape(
-    run_dir: Annotated[str, typer.Argument(help="The syncer's --out directory (or its tape.jsonl).")],
+    run_dir: Annotated[str, typer.Argument(help="The run: a launch's --out, the syncer's --out (or its tape.jsonl), "
+                                                "or a launched run's name.")],
     plot: Annotated[bool, typer.Option(help="Also draw loss and per-island contribution over rounds to a PNG.")
                     ] = False,
     png: Annotated[Optional[str], typer.Option(help="Where to write the plot (default: RUN_DIR/tape.png).")] = None,
@@ -141,9 +142,11 @@ def tape(
                                              "violation.")] = False,
 ) -> None:
     """Summarize a syncer's event tape: a table per round (responders, weights, tokens, bytes, loss)."""
+    from yeto.launch.registry import run_tape
     from yeto.sync.shell.tape import plot as plot_tape
     from yeto.sync.shell.tape import summarize
 
+    run_dir = run_tape(run_dir)
     if audit:
         from yeto.sync.shell.audit import audit_run
 
@@ -159,8 +162,9 @@ def tape(
 
 @app.command()
 def dashboard(
-    run: Annotated[str, typer.Argument(help="A run directory (yeto launch --out, or a syncer's --out), or a launched "
-                                            "run's name (yeto status lists them).")],
+    run: Annotated[str, typer.Argument(help="A run directory (yeto launch --out, a syncer's --out, or a standalone "
+                                            "yeto train's --out), or a launched run's name (yeto status lists "
+                                            "them).")],
     port: Annotated[int, typer.Option(help="Loopback port for the page (0: a free one, printed).")] = 0,
     export: Annotated[Optional[str], typer.Option("--export", help="Write the page as one self-contained HTML file "
                                                                    "(opens with no network) and exit.")] = None,
@@ -198,7 +202,9 @@ def generate(
 
     require_torch("yeto generate")
     from yeto.backends.torch.generate import compare
+    from yeto.launch.registry import run_adapter
 
+    adapter = run_adapter(adapter)
     rows = compare(model, adapter, prompt, max_new_tokens, model_revision, device, trust_remote_code)
     table = Table(title=f"{model or 'its recorded base'}: base vs adapter {adapter}", show_lines=True)
     table.add_column("prompt", style="bold")
@@ -223,7 +229,9 @@ def export(
     tokenizer, chat template) for AutoModelForCausalLM, vLLM or llama.cpp's converter."""
     require_torch("yeto export")
     from yeto.backends.torch.export import export_merged
+    from yeto.launch.registry import run_adapter
 
+    adapter = run_adapter(adapter)
     export_merged(adapter, merged, model, model_revision, dtype, force, trust_remote_code, log=typer.echo)
 
 
