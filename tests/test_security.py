@@ -249,6 +249,20 @@ def test_keys_reach_the_running_syncer_through_its_launch_directory_and_a_wrong_
     one.close()
 
 
+def test_keys_refuse_a_cloud_launchs_copies_its_syncer_never_reads(tmp_path):
+    """A cloud launch's syncer took its keys to the head VM at launch: a key revoked in this machine's copy never
+    reached it. `yeto keys add/revoke` on that launch (its directory or its syncer/) is one line saying where to run
+    it, and nothing is changed."""
+    launch = tmp_path / "pirate"
+    Keyring.ensure(launch / "syncer").add_island(2)
+    (launch / "plan.json").write_text("{}")
+    for out in (launch, launch / "syncer"):
+        r = yeto_keys("revoke", "--out", out, "--island", 2)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "cloud launch" in lines[0] and "ssh" in lines[0], r.stderr
+    assert (launch / "syncer" / "keys" / "islands" / "2.key").is_file()
+
+
 def test_expected_ids_get_keys_of_their_own_so_no_join_key_holder_takes_one(start_syncer, tmp_path):
     """By default the run's first start issues an island key per expected id: a holder of the join key asking for
     island 1 before island 1 starts (issue 34: the real island then got id_taken) is refused, naming the key to

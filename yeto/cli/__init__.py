@@ -46,16 +46,16 @@ def keyring_out(out: str, create: bool = False, changes: bool = True) -> Path:
     """The syncer's --out that `yeto keys` works on: `out`, or a launch's syncer/. One holding no keyring is refused
     unless `create` (a typo or the wrong directory would get a second keyring that no running syncer reads), as is
     a change to a cloud launch's copies (its syncer reads those on its head VM)."""
-    from yeto.launch.registry import run_dirs
+    from yeto.launch.registry import SYNCER_DIR, run_dirs
     from yeto.launch.tasks import HEAD_RUN_DIR
     from yeto.sync.shell.keys import has_keyring
 
     path = Path(out).expanduser()
     found = run_dirs(path) if path.is_dir() else None
     if found is not None and found.cloud and changes:
-        raise YetoError(f"{path} is a cloud launch: its syncer reads the keys on its head VM, not these copies; run "
-                        f"the command there (ssh to the head cluster `yeto status` names: python3 -m yeto keys ... "
-                        f"--out {HEAD_RUN_DIR}/syncer)")
+        raise YetoError(f"{path} is a cloud launch's: its syncer reads the keys on its head VM, not these copies; run "
+                        f"the command there (ssh HEAD python3 -m yeto keys ... --out {HEAD_RUN_DIR}/{SYNCER_DIR}; "
+                        "`yeto status NAME` names the head cluster)")
     if found is not None and found.what == "launch" and found.syncer is not None:
         path = found.syncer
     if create or has_keyring(path):

@@ -135,8 +135,9 @@ class RunDirs:
     @property
     def cloud(self) -> bool:
         """A cloud launch: its syncer runs on the head VM (its tape and keys there are the live ones)."""
+        launch = self.given if self.what == "launch" else self.syncer.parent if self.syncer is not None else None
         return (self.record is not None and self.record.kind == "cloud") or (
-            self.what == "launch" and (self.given / PLAN_FILE).is_file())
+            launch is not None and (launch / PLAN_FILE).is_file())
 
     @property
     def standalone(self) -> bool:
