@@ -9,6 +9,8 @@ must leave the honest islands merging and the run's state untouched.
 import os
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -20,6 +22,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import REPO
 from tests.peers import (ADAPTER_CONFIG, FAST, SEND_TIMEOUT_MS, HeldIsland, QuadraticIsland, RawIsland, island_thread,
                          tape_with, wait_until)
 from yeto import YetoError
@@ -36,6 +39,7 @@ from yeto.sync.core.island import LinkTimeouts
 FUZZ_CASES = int(os.environ.get("YETO_FUZZ_CASES", "1000"))
 HELD_STEPS = 4  # a held honest fleet's steps before it waits (2 rounds merge under the fuzz, the rest after it)
 HOLD_S = 300  # the longest it waits (the fuzz takes well under a minute)
+KEYS_CLI_TIMEOUT_S = 60  # one `yeto keys` command (it waits a few seconds for the syncer's acknowledgement)
 
 
 def secure(start_syncer, **kw):
@@ -200,6 +204,63 @@ def test_per_island_keys_bind_an_id_and_can_be_revoked(start_syncer, tmp_path):
     with pytest.raises(AssertionError, match="sent no message"):
         again.recv(timeout=1.5)
     assert any(e["event"] == "auth_refused" and "revoked" in e["reason"] for e in read_tape(out))
+
+
+def yeto_keys(*args) -> subprocess.CompletedProcess:
+    """`yeto keys ARGS` as a person runs it."""
+    return subprocess.run([sys.executable, "-m", "yeto", "keys", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=KEYS_CLI_TIMEOUT_S)
+
+
+def test_keys_reach_the_running_syncer_through_its_launch_directory_and_a_wrong_directory_is_refused(start_syncer,
+                                                                                                     tmp_path):
+    """Issue 36: `yeto keys revoke --out` on a typo exited 0, made a second keyring no syncer reads, and island 1
+    stayed admitted. Now a directory holding no keyring is refused in one line (exit 2, nothing written), an island's
+    --out names its syncer's, the launch's --out means its syncer's, and add and revoke say that the running
+    syncer took the change in (its tape's `keys` record), or that it is not running."""
+    launch = tmp_path / "fleet"
+    out = launch / "syncer"
+    lk = read_join_key(Keyring.ensure(out).add_island(1))
+    (launch / "island-1").mkdir()
+    (launch / "island-1" / "run.json").write_text("{}")
+    syncer, port, key = secure(start_syncer, islands=1, quorum=1, outer_steps=50, inner_steps=1, sync_bits=32,
+                               out=out)
+    state = QuadraticIsland(0.0, 1).state
+    RawIsland(port, 0, key=key).found(state)
+    one = RawIsland(port, 1, key=lk)
+    assert one.ask(one.hello_parts(state)[0]).type == "welcome"
+    for wrong, says in [(tmp_path / "flete", "does not exist"), (launch / "island-1", f"its syncer's is {out}")]:
+        r = yeto_keys("revoke", "--out", wrong, "--island", 1)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr
+        assert not (wrong / "keys").exists() and not (wrong / "join.key").exists()
+    r = yeto_keys("add", "--out", launch, "--island", 7)
+    assert r.returncode == 0 and str(out / "keys" / "islands" / "7.key") in r.stdout, r.stderr
+    assert "the running syncer picked it up" in r.stdout, r.stdout
+    r = yeto_keys("revoke", "--out", launch, "--island", 1)
+    assert r.returncode == 0 and "the running syncer picked it up" in r.stdout, r.stdout + r.stderr
+    assert one.recv(timeout=8, want="refuse").header["code"] == "revoked"
+    assert [(e["islands"], e["revoked"]) for e in read_tape(out) if e["event"] == "keys"] == [([1, 7], []), ([7], [1])]
+    assert not (launch / "keys").exists()  # (no second keyring beside the syncer's)
+    syncer.stop()
+    assert wait_until(lambda: any(e["event"] in ("stop", "finish") for e in read_tape(out)))
+    r = yeto_keys("revoke", "--out", out, "--island", 7)
+    assert r.returncode == 0 and "the syncer is not running" in r.stdout, r.stdout + r.stderr
+    one.close()
+
+
+def test_keys_refuse_a_cloud_launchs_copies_its_syncer_never_reads(tmp_path):
+    """A cloud launch's syncer took its keys to the head VM at launch: a key revoked in this machine's copy never
+    reached it. `yeto keys add/revoke` on that launch (its directory or its syncer/) is one line saying where to run
+    it, and nothing is changed."""
+    launch = tmp_path / "pirate"
+    Keyring.ensure(launch / "syncer").add_island(2)
+    (launch / "plan.json").write_text("{}")
+    for out in (launch, launch / "syncer"):
+        r = yeto_keys("revoke", "--out", out, "--island", 2)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "cloud launch" in lines[0] and "ssh" in lines[0], r.stderr
+    assert (launch / "syncer" / "keys" / "islands" / "2.key").is_file()
 
 
 def test_expected_ids_get_keys_of_their_own_so_no_join_key_holder_takes_one(start_syncer, tmp_path):

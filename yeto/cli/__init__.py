@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from yeto import require_torch
+from yeto import YetoError, require_torch
 from yeto.cli.usage import (ADAPTER_HELP, BASE_MODEL_HELP, BASE_REVISION_HELP, JSON_HELP, OldSpelling, run_guarded,
                             trust_remote_code_help, with_old_spellings)
 
@@ -36,7 +37,37 @@ def _register() -> None:
 keys_app = typer.Typer(no_args_is_help=True, help="The run's credentials (docs/SECURITY.md): the syncer's key pair, "
                                                    "the shared join key, and per-island keys that can be revoked.")
 app.add_typer(keys_app, name="keys")
-OutOption = Annotated[str, typer.Option(help="The syncer's --out directory (its credentials live there).")]
+OutOption = Annotated[str, typer.Option(help="The syncer's --out directory (its credentials live there), or the "
+                                             "launch's --out (its syncer/ is used).")]
+CreateOption = Annotated[bool, typer.Option(help="Start a new run's credentials in --out if it holds none (without "
+                                                 "it such an --out is refused: the syncer would never read them).")]
+
+
+def keyring_out(out: str, create: bool = False, changes: bool = True) -> Path:
+    """The syncer's --out that `yeto keys` works on: `out`, or a launch's syncer/. One holding no keyring is refused
+    unless `create` (a typo or the wrong directory would get a second keyring that no running syncer reads), as is
+    a change to a cloud launch's copies (its syncer reads those on its head VM)."""
+    from yeto.launch.registry import SYNCER_DIR, run_dirs
+    from yeto.launch.tasks import HEAD_RUN_DIR
+    from yeto.sync.shell.keys import has_keyring
+
+    path = Path(out).expanduser()
+    found = run_dirs(path) if path.is_dir() else None
+    if found is not None and found.cloud and changes:
+        raise YetoError(f"{path} is a cloud launch's: its syncer reads the keys on its head VM, not these copies; run "
+                        f"the command there (ssh HEAD python3 -m yeto keys ... --out {HEAD_RUN_DIR}/{SYNCER_DIR}; "
+                        "`yeto status NAME` names the head cluster)")
+    if found is not None and found.what == "launch" and found.syncer is not None:
+        path = found.syncer
+    if create or has_keyring(path):
+        return path
+    if found is not None and found.what == "island":
+        beside = f"; its syncer's is {found.syncer}" if found.syncer is not None else ""
+        raise YetoError(f"--out {path} is an island's --out, not a syncer's (no keyring there{beside}): pass the "
+                        "syncer's --out or the launch's")
+    what = "does not exist" if not path.exists() else "holds no syncer keyring (no keys/syncer.key_secret)"
+    raise YetoError(f"--out {path} {what}: pass the syncer's --out or the launch's, or --create to start a new "
+                    "run's credentials there")
 
 
 @keys_app.command("init")
@@ -44,6 +75,7 @@ def keys_init(out: OutOption) -> None:
     """Create the run's credentials before the syncer's first start (the syncer does it itself otherwise)."""
     from yeto.sync.shell.keys import JOIN_KEY_FILE, Keyring
 
+    out = keyring_out(out, create=True)
     Keyring.ensure(out)
     typer.echo(f"join key: {out}/{JOIN_KEY_FILE} (mode 0600; give it to islands with --join-key or YETO_JOIN_KEY; "
                "the syncer's first start issues each expected island id a key of its own, keys/islands/<id>.key, "
@@ -53,22 +85,31 @@ def keys_init(out: OutOption) -> None:
 ISLAND_OLD_SPELLING = (OldSpelling("--learner", "island"),)  # old spelling: `yeto keys add/revoke`, `yeto logs`
 
 
-def keys_add(out: OutOption, island: Annotated[int, typer.Option(help="The island id this key admits.")]) -> None:
+def keys_add(out: OutOption, island: Annotated[int, typer.Option(help="The island id this key admits.")],
+             create: CreateOption = False) -> None:
     """Issue a key that admits one island id only (and that `revoke` can withdraw); the running syncer picks it
-    up within seconds. From then on island I must use it: the shared join key no longer speaks for I."""
-    from yeto.sync.shell.keys import Keyring
+    up within seconds (this waits to say so). From then on island I must use it: the shared join key no longer
+    speaks for I."""
+    from yeto.sync.shell.keys import Keyring, syncer_pickup, tape_size
 
-    path = Keyring.ensure(out).add_island(island)
+    syncer_out = keyring_out(out, create)
+    since = tape_size(syncer_out)
+    path = Keyring.ensure(syncer_out).add_island(island)
     typer.echo(f"island {island}'s key: {path} (start it with --join-key {path.name} or YETO_JOIN_KEY)")
+    typer.echo(syncer_pickup(syncer_out, since, lambda e: island in e.get("islands", [])))
 
 
 def keys_revoke(out: OutOption, island: Annotated[int, typer.Option(help="The island id whose key to revoke.")]
                 ) -> None:
-    """Withdraw an island's key: the running syncer refuses its handshakes and cuts its connections."""
-    from yeto.sync.shell.keys import Keyring
+    """Withdraw an island's key: the running syncer refuses its handshakes and cuts its connections (this waits
+    to say it did)."""
+    from yeto.sync.shell.keys import Keyring, syncer_pickup, tape_size
 
-    path = Keyring.ensure(out).revoke_island(island)
+    syncer_out = keyring_out(out)
+    since = tape_size(syncer_out)
+    path = Keyring.ensure(syncer_out).revoke_island(island)
     typer.echo(f"revoked island {island}'s key (kept as {path})")
+    typer.echo(syncer_pickup(syncer_out, since, lambda e: island in e.get("revoked", [])))
 
 
 keys_app.command("add")(with_old_spellings(keys_add, ISLAND_OLD_SPELLING))
@@ -78,10 +119,11 @@ keys_app.command("revoke")(with_old_spellings(keys_revoke, ISLAND_OLD_SPELLING))
 @keys_app.command("list")
 def keys_list(out: OutOption) -> None:
     """The island keys of the run, and the revoked ones."""
-    from yeto.sync.shell.keys import Keyring
+    from yeto.sync.shell.keys import JOIN_KEY_FILE, Keyring
 
-    ring = Keyring.ensure(out)
-    typer.echo(f"join key: {out}/join.key (any island id without its own key)")
+    syncer_out = keyring_out(out, changes=False)
+    ring = Keyring.ensure(syncer_out)
+    typer.echo(f"join key: {syncer_out}/{JOIN_KEY_FILE} (any island id without its own key)")
     for public, lid in sorted(ring.islands.items(), key=lambda kv: kv[1]):
         typer.echo(f"island {lid}: key {public.decode()[:8]}...")
     for lid in sorted(ring.revoked_ids):
@@ -90,7 +132,8 @@ def keys_list(out: OutOption) -> None:
 
 @app.command()
 def tape(
-    run_dir: Annotated[str, typer.Argument(help="The syncer's --out directory (or its tape.jsonl).")],
+    run_dir: Annotated[str, typer.Argument(help="The run: a launch's --out, the syncer's --out (or its tape.jsonl), "
+                                                "or a launched run's name.")],
     plot: Annotated[bool, typer.Option(help="Also draw loss and per-island contribution over rounds to a PNG.")
                     ] = False,
     png: Annotated[Optional[str], typer.Option(help="Where to write the plot (default: RUN_DIR/tape.png).")] = None,
@@ -100,9 +143,11 @@ def tape(
                                              "violation.")] = False,
 ) -> None:
     """Summarize a syncer's event tape: a table per round (responders, weights, tokens, bytes, loss)."""
+    from yeto.launch.registry import run_tape
     from yeto.sync.shell.tape import plot as plot_tape
     from yeto.sync.shell.tape import summarize
 
+    run_dir = run_tape(run_dir)
     if audit:
         from yeto.sync.shell.audit import audit_run
 
@@ -118,8 +163,9 @@ def tape(
 
 @app.command()
 def dashboard(
-    run: Annotated[str, typer.Argument(help="A run directory (yeto launch --out, or a syncer's --out), or a launched "
-                                            "run's name (yeto status lists them).")],
+    run: Annotated[str, typer.Argument(help="A run directory (yeto launch --out, a syncer's --out, or a standalone "
+                                            "yeto train's --out), or a launched run's name (yeto status lists "
+                                            "them).")],
     port: Annotated[int, typer.Option(help="Loopback port for the page (0: a free one, printed).")] = 0,
     export: Annotated[Optional[str], typer.Option("--export", help="Write the page as one self-contained HTML file "
                                                                    "(opens with no network) and exit.")] = None,
@@ -157,7 +203,9 @@ def generate(
 
     require_torch("yeto generate")
     from yeto.backends.torch.generate import compare
+    from yeto.launch.registry import run_adapter
 
+    adapter = run_adapter(adapter)
     rows = compare(model, adapter, prompt, max_new_tokens, model_revision, device, trust_remote_code)
     table = Table(title=f"{model or 'its recorded base'}: base vs adapter {adapter}", show_lines=True)
     table.add_column("prompt", style="bold")
@@ -182,7 +230,9 @@ def export(
     tokenizer, chat template) for AutoModelForCausalLM, vLLM or llama.cpp's converter."""
     require_torch("yeto export")
     from yeto.backends.torch.export import export_merged
+    from yeto.launch.registry import run_adapter
 
+    adapter = run_adapter(adapter)
     export_merged(adapter, merged, model, model_revision, dtype, force, trust_remote_code, log=typer.echo)
 
 

@@ -24,7 +24,8 @@ from yeto import YetoError
 
 ADVANCED_PANEL = "Advanced (defaults need no touching)"
 # help texts more than one command shows, written once (`--report-to`'s: yeto.report.trackers.report_to_help)
-ADAPTER_HELP = "The adapter directory (or a run directory holding adapter/)."
+ADAPTER_HELP = ("The adapter directory, or a run's: a launch's --out (the syncer's merged adapter), a syncer's or "
+                "a yeto train's --out, or a launched run's name.")
 BASE_MODEL_HELP = ("Base model alias, local directory or hub id (default: the base the adapter records; given, it "
                    "must be that base).")
 BASE_REVISION_HELP = "Hub revision of the base model."

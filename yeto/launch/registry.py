@@ -1,7 +1,12 @@
-"""The local registry of launched runs: what `yeto status`, `yeto logs` and `yeto down` find a run by.
+"""Finding a run: the local registry of launched runs (what `yeto status`, `yeto logs` and `yeto down` find a run
+by), and what a run's directory holds (`find_run`: what every command that takes a run reads it through).
 
 One JSON file per run under $YETO_RUNS (default ~/.yeto/runs). It holds where the run lives (its directory, its
 syncer address, its clusters or local processes), never a secret.
+
+A run's directory is a launch's --out (the syncer's --out in `syncer/`, each island's in `island-<id>[-mlx]/`), a
+syncer's --out (its tape, adapter and keys), or an island's or a standalone `yeto train`'s --out (run.json,
+metrics.jsonl, adapter/); `find_run` takes any of them, or a launched run's name, and says where each part is.
 """
 
 from __future__ import annotations
@@ -14,8 +19,15 @@ from pathlib import Path
 from typing import Optional
 
 from yeto import YetoError, in_current_words
+from yeto.models.adapter import ADAPTER_DIR
+from yeto.sync.shell.keys import has_keyring
+from yeto.sync.shell.tape import TAPE_FILE
 
 RUNS_ENV = "YETO_RUNS"
+SYNCER_DIR = "syncer"  # a launch's syncer --out, inside its run directory
+ISLAND_DIR = "island-"  # a launch's island --outs: island-<id>, island-<id>-mlx
+ISLAND_FILES = ("run.json", "metrics.jsonl")  # what an island's (or a standalone `yeto train`'s) --out holds
+PLAN_FILE = "plan.json"  # a cloud launch's plan, in its run directory (its syncer runs on the head VM)
 
 
 def runs_dir() -> Path:
@@ -108,3 +120,121 @@ def process_start(pid: int) -> Optional[float]:
             return float(f.read().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+@dataclass(frozen=True)
+class RunDirs:
+    """Where a run's parts are on this machine, whichever of its directories (or its launched name) was given."""
+
+    given: Path  # the directory named
+    what: str  # what it is: "launch" (a launch's --out), "syncer" (a syncer's --out) or "island"
+    syncer: Optional[Path]  # the syncer's --out (None: a standalone run, or an island whose syncer is elsewhere)
+    islands: dict[int, Path] = field(default_factory=dict)  # island id -> its --out
+    record: Optional[RunRecord] = None  # the launched run, when it was named
+
+    @property
+    def cloud(self) -> bool:
+        """A cloud launch: its syncer runs on the head VM (its tape and keys there are the live ones)."""
+        launch = self.given if self.what == "launch" else self.syncer.parent if self.syncer is not None else None
+        return (self.record is not None and self.record.kind == "cloud") or (
+            launch is not None and (launch / PLAN_FILE).is_file())
+
+    @property
+    def standalone(self) -> bool:
+        """A `yeto train` without --syncer: no tape, one island's files."""
+        return self.syncer is None and self.what == "island" and not _island_config(self.given).get("syncer")
+
+    @property
+    def adapter(self) -> Path:
+        """The run's adapter: the syncer's merged one, else (a standalone run or an island) the island's own."""
+        return (self.syncer if self.syncer is not None and self.what != "island" else self.given) / ADAPTER_DIR
+
+
+def _island_config(d: Path) -> dict:
+    try:
+        return in_current_words(json.loads((d / ISLAND_FILES[0]).read_text())).get("config") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def is_syncer_dir(d: Path) -> bool:
+    """A syncer's --out: its tape, or its keyring (written before its first event)."""
+    return (d / TAPE_FILE).is_file() or has_keyring(d)
+
+
+def is_island_dir(d: Path) -> bool:
+    return any((d / f).is_file() for f in ISLAND_FILES)
+
+
+def island_dirs(d: Path) -> dict[int, Path]:
+    """island-<id> directories in a launch's --out."""
+    found = {}
+    for sub in sorted(d.glob(f"{ISLAND_DIR}*")):
+        lid = sub.name.removeprefix(ISLAND_DIR).split("-")[0]
+        if sub.is_dir() and lid.isdigit():
+            found[int(lid)] = sub
+    return found
+
+
+def run_dirs(path: Path) -> Optional[RunDirs]:
+    """What the directory `path` holds as a run, or None if it holds none."""
+    if (path / SYNCER_DIR).is_dir() or (not is_syncer_dir(path) and not is_island_dir(path) and island_dirs(path)):
+        syncer = path / SYNCER_DIR
+        return RunDirs(path, "launch", syncer if syncer.is_dir() else None, island_dirs(path))
+    if is_syncer_dir(path):
+        beside = island_dirs(path.parent) if path.name == SYNCER_DIR else {}  # (in a launch's --out)
+        return RunDirs(path, "syncer", path, beside)
+    if is_island_dir(path):
+        launch = path.parent / SYNCER_DIR
+        lid = _island_config(path).get("island_id")
+        if path.parent != path and launch.is_dir() and path.name.startswith(ISLAND_DIR):
+            return RunDirs(path, "island", launch, island_dirs(path.parent))
+        return RunDirs(path, "island", None, {int(lid) if isinstance(lid, int) else 0: path})
+    return None
+
+
+def find_run(target: str) -> RunDirs:
+    """A run directory (a launch's, a syncer's or an island's --out), else a launched run's name."""
+    path = Path(target).expanduser()
+    if path.is_dir():
+        found = run_dirs(path)
+        if found is None:
+            raise YetoError(f"{path} holds no run: give a `yeto launch --out` directory (with {SYNCER_DIR}/ inside), "
+                            "a syncer's or a `yeto train`'s --out directory, or a launched run's name (yeto status "
+                            "lists them)")
+        return found
+    try:
+        record = load_run(target)
+    except YetoError as e:
+        raise YetoError(f"{target} is neither a run directory nor a launched run's name ({e})") from e
+    out = Path(record.out)
+    found = run_dirs(out) if out.is_dir() else None
+    return RunDirs(out, "launch", out / SYNCER_DIR, island_dirs(out) if out.is_dir() else {}, record) if (
+        found is None) else RunDirs(found.given, found.what, found.syncer, found.islands, record)
+
+
+def run_adapter(target: str) -> str:
+    """Where a command that reads an adapter (`generate`, `export`) finds it from `target`: a run's directory or
+    name gives its adapter's (a launch's: the syncer's merged one); anything else is taken as it is."""
+    try:
+        return str(find_run(target).adapter.parent)
+    except YetoError:
+        return target  # (an adapter directory itself; the adapter's reader names what is missing)
+
+
+def run_tape(target: str) -> str:
+    """Where `yeto tape` reads from `target`: a tape file as it is, else the run's syncer --out (a launch's
+    syncer/, the syncer beside a launch's island); a run with no syncer here is one line saying why."""
+    if Path(target).expanduser().is_file():
+        return target
+    found = find_run(target)
+    if found.syncer is not None and not found.cloud:
+        return str(found.syncer)
+    if found.cloud:
+        raise YetoError(f"{found.given} is a cloud launch: its tape is on the head VM (`yeto status "
+                        f"{found.record.name if found.record else found.given.name}` or `yeto dashboard` read it)")
+    if found.standalone:
+        raise YetoError(f"{found.given} is a standalone `yeto train` run: no syncer, no tape; its loss and eval are in "
+                        f"its metrics.jsonl (`yeto dashboard {found.given}` draws them)")
+    raise YetoError(f"{found.given} is an island's --out: its syncer's tape is on the syncer's machine, in the "
+                    "syncer's --out")

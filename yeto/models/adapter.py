@@ -22,15 +22,16 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 RUN_RECORD = "yeto_run.json"
 METADATA_KEY = "yeto.models.provenance"
+ADAPTER_DIR = "adapter"  # the saved adapter inside a run's --out (a syncer's, an island's, a standalone run's)
 
 
 def find_adapter_dir(path: str | Path) -> Path:
     """Accept the adapter directory itself or a run directory holding `adapter/`."""
     p = Path(path).expanduser()
-    for cand in (p, p / "adapter"):
+    for cand in (p, p / ADAPTER_DIR):
         if (cand / ADAPTER_CONFIG).is_file():
             return cand
-    raise YetoError(f"no peft adapter at {p} (expected {ADAPTER_CONFIG} in it or in {p / 'adapter'})")
+    raise YetoError(f"no peft adapter at {p} (expected {ADAPTER_CONFIG} in it or in {p / ADAPTER_DIR})")
 
 
 def peft_config_dict(cfg, record: dict[str, Any]) -> dict[str, Any]:

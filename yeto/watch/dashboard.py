@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 from urllib.parse import parse_qs
 
 from yeto import YetoError, in_current_words, one_line
+from yeto.launch.registry import find_run, run_dirs
 from yeto.sync.shell.tape import TAPE_FILE
 from yeto.watch.alerts import alerts
 from yeto.watch.page import export_page, live_page, plotly_js
@@ -80,24 +81,21 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 class LocalRun:
-    """A run directory on this machine: RUN/syncer/tape.jsonl and RUN/island-I/ (or a syncer's --out alone)."""
+    """A run's directory on this machine, as `yeto.launch.registry.find_run` reads it: a launch's --out, a syncer's
+    --out (the islands beside it, if any), or an island's or a standalone `yeto train`'s --out (no tape)."""
 
     def __init__(self, root: Path, name: str = ""):
         self.root = root
-        syncer = root / "syncer" if (root / "syncer").is_dir() else root
-        self.tape = JsonlFollower(syncer / TAPE_FILE)
+        found = run_dirs(root)
+        self.tape = JsonlFollower((found.syncer if found and found.syncer else root) / TAPE_FILE)
         self.islands: dict[Path, JsonlFollower] = {}
-        self.info = {"name": name or root.name, "dir": str(root), "kind": "local"}
+        self.info = {"name": name or root.name, "dir": str(root), "kind": "local",
+                     "standalone": bool(found and found.standalone)}
 
     def _island_dirs(self) -> dict[int, Path]:
-        """island-I directories beside the syncer's (`yeto launch` lays a run out so)."""
-        base = self.root.parent if not (self.root / "syncer").is_dir() and self.root.name == "syncer" else self.root
-        found = {}
-        for d in base.glob("island-*"):
-            lid = d.name.removeprefix("island-").split("-")[0]
-            if d.is_dir() and lid.isdigit():
-                found[int(lid)] = d
-        return found
+        """The run's island directories as they are now (a launch's appear as its islands start)."""
+        found = run_dirs(self.root)
+        return found.islands if found is not None else {}
 
     def stamp(self) -> str:
         """Changes whenever a file the snapshot comes from grew (the page redraws its charts only then)."""
@@ -162,20 +160,12 @@ class CloudRun:
 
 
 def open_run(target: str):
-    """A directory holding a run (or a syncer's --out), else a run launched under that name."""
-    path = Path(target).expanduser()
-    if path.is_dir():
-        if not ((path / "syncer").is_dir() or (path / TAPE_FILE).exists() or any(path.glob("island-*"))):
-            raise YetoError(f"{path} holds no run: give a `yeto launch --out` directory (with syncer/ inside), a "
-                            "syncer's --out directory, or a launched run's name (yeto status lists them)")
-        return LocalRun(path)
-    from yeto.launch.registry import load_run
-
-    try:
-        record = load_run(target)
-    except YetoError as e:
-        raise YetoError(f"{target} is neither a run directory nor a launched run's name ({e})") from e
-    return LocalRun(Path(record.out), record.name) if record.kind == "local" else CloudRun(record)
+    """A run's directory (`yeto.launch.registry.find_run`: a launch's, a syncer's, an island's or a standalone
+    run's), else a run launched under that name."""
+    found = find_run(target)
+    if found.record is not None and found.record.kind != "local":
+        return CloudRun(found.record)
+    return LocalRun(found.given, found.record.name if found.record is not None else "")
 
 
 class Dashboard:

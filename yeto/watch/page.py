@@ -2,7 +2,8 @@
 
 The charts are plotly.js, the copy bundled in the plotly wheel (`plotly.offline.get_plotlyjs`), so neither the live
 page nor an export reaches any network. The page's own script only turns a snapshot into the fleet table, the
-event list and four charts; the numbers come from `yeto.watch.snapshot`.
+event list and four charts (a standalone run: its loss and eval per step); the numbers come from
+`yeto.watch.snapshot`.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ function render(s) {
   text("name", (r.name || "") + (r.dir ? " (" + r.dir + ")" : ""));
   text("version", r.version); text("outer", r.outer_steps || "?"); text("rounds", r.rounds_merged);
   text("open", r.open_round == null ? "-" : r.open_round); text("seq", r.events);
-  text("state", r.finished ? "finished: " + r.finished : (r.events ? "running" : "no tape yet"));
+  text("state", r.standalone ? "standalone run (yeto train): " + (r.finished || "training") :
+    r.finished ? "finished: " + r.finished : (r.events ? "running" : "no tape yet"));
   text("cost", r.cost == null ? "" : "cost $" + fmt(r.cost, 2) + " ($" + fmt(r.cost_per_hour, 2) + "/h)");
   text("updated", "as of " + new Date(r.now * 1000).toLocaleTimeString()); text("note", r.note || "");
   if (r.stamp != null && r.stamp === drawn) return;  // nothing grew: the charts and tables stand
@@ -111,11 +113,14 @@ function render(s) {
   const c = s.curves, loss = [];
   for (const [lid, pts] of Object.entries(c.islands)) loss.push({name: "island " + lid + " inner",
     mode: "lines+markers", x: pts.map(p => p[0]), y: pts.map(p => p[1])});
-  loss.push({name: "merged", mode: "lines+markers", line: {width: 3, color: "#222"},
+  for (const [lid, pts] of Object.entries(c.steps || {})) if (pts.length) loss.push({name: "island " + lid +
+    " train", mode: "lines", x: pts.map(p => p[0]), y: pts.map(p => p[1])});
+  if (!r.standalone) loss.push({name: "merged", mode: "lines+markers", line: {width: 3, color: "#222"},
     x: c.merged.map(p => p[0]), y: c.merged.map(p => p[1])});
   for (const [lid, pts] of Object.entries(c.eval)) if (pts.length) loss.push({name: "island " + lid + " eval",
     mode: "markers", marker: {symbol: "diamond", size: 9}, x: pts.map(p => p[0]), y: pts.map(p => p[1])});
-  Plotly.react("loss-chart", loss, {...LAYOUT, title: {text: "loss per round"}, xaxis: ROUND_AXIS}, CONFIG);
+  Plotly.react("loss-chart", loss, {...LAYOUT, title: {text: r.standalone ? "loss per step" : "loss per round"},
+    xaxis: r.standalone ? {title: {text: "step"}} : ROUND_AXIS}, CONFIG);
   const rows = s.timeline.map(t => "r" + t.round + " island " + t.island);
   Plotly.react("timeline-chart", PHASES.map(([k, color]) => ({type: "bar", orientation: "h", name: k.replace("_", " "),
     marker: {color}, y: rows, x: s.timeline.map(t => t[k])})),

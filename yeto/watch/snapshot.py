@@ -8,6 +8,8 @@
   inner steps, utilization (compute over wall time since it joined);
 - `curves`: each island's mean inner loss per round (from its deltas), the merged loss per round (the merge
   weights over the responders' losses) and the islands' eval losses (their metrics, at round = step / inner steps);
+  for a standalone run (`yeto train` without --syncer: no tape, `run["standalone"]`) its loss per step and its eval
+  losses at their steps;
 - `timeline`: per round and island, where the time went: inner steps, push, waiting, merge, broadcast (seconds
   from the round's opening, from the tape's own timestamps);
 - `bytes`: delta bytes in per round; `events`: staleness (lag > 0), clips and the tape's notable events.
@@ -77,6 +79,13 @@ def _timeline(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _standalone_state(files: IslandFiles) -> str:
+    """A standalone run has no tape: its own files say whether it finished (summary.json) or stopped early."""
+    if files.summary:
+        return "done"
+    return "stopped" if any(m.get("event") == "aborted" for m in files.metrics) else "training"
+
+
 def _state(lid: int, row, open_round: Optional[dict[str, Any]], sent: set[int], typical: Optional[float],
            now: float, finished: bool) -> str:
     if row.given_up:
@@ -95,6 +104,7 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
              run: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The dashboard's whole state for one moment. `run`: name, directory, kind and costs, as the shell knows them."""
     view = fleet_view(events)
+    standalone = bool((run or {}).get("standalone")) and not events
     per_round = rounds(events)
     start = next((e for e in events if e.get("event") == "start"), {})
     inner_steps = (start.get("config") or {}).get("inner_steps") or 1
@@ -135,14 +145,18 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
         utilization = files.summary.get("utilization")
         if utilization is None and wall and lid in compute:
             utilization = min(1.0, compute[lid] / wall)
+        steps = [m for m in files.metrics if m.get("event") == "step"]
+        tokens_per_s = (round(d["tokens"] / d["compute_s"], 1) if d.get("compute_s") else
+                        round(steps[-1]["tok_s"], 1) if standalone and steps and "tok_s" in steps[-1] else None)
         fleet.append({
             "island": lid, "backend": row.backend if row.backend != "?" else files.run.get("backend", "?"),
             "tier": row.tier, "device": cfg.get("device", "?"),
-            "state": _state(lid, row, open_round, sent, typical, now, view.finished),
+            "state": _standalone_state(files) if standalone else _state(lid, row, open_round, sent, typical, now,
+                                                                        view.finished),
             "version": version_sent.get(lid), "merges": row.answered,
             "last_delta_round": d.get("round"), "last_delta_ago": round(now - d["time"], 1) if d else None,
             "lag": d.get("lag"),
-            "tokens_per_s": round(d["tokens"] / d["compute_s"], 1) if d.get("compute_s") else None,
+            "tokens_per_s": tokens_per_s,
             "utilization": round(utilization, 3) if utilization is not None else None,
             "given_up_reason": row.given_up_reason,
         })
@@ -157,6 +171,8 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
         "eval": {str(lid): [[m["step"] / inner_steps, m["eval_loss"]] for m in f.metrics
                             if m.get("event") == "eval" and m.get("eval_loss") is not None]
                  for lid, f in sorted(islands.items())},
+        "steps": {str(lid): [[m["step"], m["loss"]] for m in f.metrics if m.get("event") == "step" and "loss" in m]
+                  for lid, f in sorted(islands.items())} if standalone else {},
     }
     notable = []
     for e in events:
@@ -171,7 +187,9 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
         elif e.get("event") in NOTABLE or e.get("event") == "given_up":
             notable.append(_fields(e, "time", "event", "round", "island", "version", "reason", "code", "what"))
     return {
-        "run": {**(run or {}), "version": view.version, "outer_steps": view.outer_steps, "finished": view.finished,
+        "run": {**(run or {}), "standalone": standalone, "version": view.version, "outer_steps": view.outer_steps,
+                "finished": (next((r["state"] for r in fleet if r["state"] != "training"), None) if standalone
+                             else view.finished),
                 "rounds_merged": len(per_round), "events": len(events), "now": now,
                 "started": events[0]["time"] if events else None,
                 "open_round": open_round.get("round") if open_round else None},

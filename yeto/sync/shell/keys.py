@@ -23,12 +23,13 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 from zmq.auth.certs import load_certificate
 
 from yeto import OLD_WORD, YetoError, in_current_words
+from yeto.sync.shell.tape import TAPE_FILE, read_tape
 from yeto.sync.wire.protocol import JOIN_PRINCIPAL, ISLAND_PRINCIPAL
 
 JOIN_KEY_FILE = "join.key"
@@ -40,6 +41,10 @@ REVOKED_KEYS = "revoked"
 JOIN_KEY_ENV = "YETO_JOIN_KEY"
 KEY_CHARS = 40  # a z85-encoded CURVE key
 KEYS_RESCAN_S = 2.0  # how often the syncer looks for added or revoked island keys
+KEYS_EVENT = "keys"  # the tape's record that a running syncer read changed island keys (its summary)
+KEYS_ACK_WAIT_S = 2 * KEYS_RESCAN_S + 1.0  # `yeto keys add/revoke` waits this long for that record
+ACK_POLL_S = 0.2  # how often it looks
+RUN_BOUNDS = ("start", "finish", "stop")  # the tape's events that start or end a syncer's session
 _LINE = re.compile(r'^\s*([a-z-]+)\s*=\s*"?([^"\s]*)"?\s*$')
 
 
@@ -146,6 +151,11 @@ def require_loopback(host: str, what: str) -> None:
 # ---------------------------------------------------------------------------------------------- the run's keys
 
 
+def has_keyring(out: str | Path) -> bool:
+    """`out` holds a syncer's credentials (its key pair is the first file a keyring gets)."""
+    return (Path(out) / KEYS_DIR / SYNCER_SECRET_FILE).is_file()
+
+
 @dataclass
 class Keyring:
     """The run's credentials on disk, under the syncer's --out."""
@@ -240,6 +250,11 @@ class Keyring:
         current = set(self.islands.values())
         return {f"{ISLAND_PRINCIPAL}{lid}" for lid in self.revoked_ids - current}
 
+    def summary(self) -> dict[str, list[int]]:
+        """What the tape's KEYS_EVENT records: the island ids bound to a key of their own, and those revoked."""
+        bound = self.bound_ids()
+        return {"islands": sorted(bound), "revoked": sorted(self.revoked_ids - bound)}
+
     def bundle(self) -> str:
         """Every credential file of the run as one JSON text (relative path -> contents), for moving the syncer
         to another machine (the launch's head VM) as a single secret."""
@@ -312,3 +327,55 @@ class Keyring:
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, dest)
         return dest
+
+
+# ---------------------------------------------------------------------------------------------- did the syncer see it
+
+
+def tape_size(out: str | Path) -> int:
+    """Bytes in the syncer's tape now: what a key change's acknowledgement must come after."""
+    try:
+        return (Path(out) / TAPE_FILE).stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _events_from(tape: Path, offset: int) -> list[dict]:
+    """The complete tape lines after byte `offset`."""
+    try:
+        with open(tape, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    events = []
+    for line in data[:data.rfind(b"\n") + 1].splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue  # (a repaired tail; `yeto tape --audit` names damage)
+    return events
+
+
+def syncer_pickup(out: str | Path, since: int, acknowledges: Callable[[dict], bool],
+                  wait_s: float = KEYS_ACK_WAIT_S) -> str:
+    """Whether the syncer of `out` took a key change in, as one sentence: a running syncer records its keys
+    (KEYS_EVENT) at its next rescan, so a record after byte `since` of its tape that `acknowledges` says so; a syncer
+    not running reads the keys when it starts."""
+    tape = Path(out) / TAPE_FILE
+    if not tape.is_file():
+        return "the syncer has not started yet: it reads the keys when it starts"
+    bounds = [e for e in read_tape(tape) if e.get("event") in RUN_BOUNDS]
+    if not bounds or bounds[-1]["event"] != "start":
+        ended = f"its tape ends with `{bounds[-1]['event']}`" if bounds else "its tape has no start"
+        return f"the syncer is not running ({ended}): it reads the keys when it starts"
+    deadline = time.monotonic() + wait_s
+    while True:
+        ack = next((e for e in _events_from(tape, since) if e.get("event") == KEYS_EVENT and acknowledges(e)), None)
+        if ack is not None:
+            return f"the running syncer picked it up (tape seq {ack.get('seq')})"
+        if time.monotonic() >= deadline:
+            return (f"no running syncer acknowledged it within {wait_s:.0f} s (its tape's last start, seq "
+                    f"{bounds[-1].get('seq')}, has no end: it was killed or is stalled): it reads the keys when it "
+                    "starts")
+        time.sleep(ACK_POLL_S)

@@ -52,7 +52,7 @@ import zmq
 from yeto import YetoError
 from yeto.sync.core.checks import check_out_dir
 from yeto.sync.shell.gate import Gatekeeper, curve_server
-from yeto.sync.shell.keys import KEYS_RESCAN_S, Keyring, require_loopback
+from yeto.sync.shell.keys import KEYS_EVENT, KEYS_RESCAN_S, Keyring, require_loopback
 from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta, Send
 from yeto.sync.core.delivery import GLOBAL_TYPES, Delivery, Outgoing, Undeliverable
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
@@ -207,6 +207,7 @@ class Syncer:
                 next_scan = now + KEYS_RESCAN_S
                 if self.keys is not None and self.keys.rescan():
                     self._execute(self.core.set_keys(self.keys.bound_ids(), self.keys.revoked_principals(), now))
+                    self._append(KEYS_EVENT, self.keys.summary())  # (`yeto keys add/revoke` waits for it)
                 given_up = read_given_up(self.cfg.out)
                 if given_up.keys() - self.core.given_up.keys():
                     self._execute(self.core.give_up(given_up, now))

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 TAPE_FILE = "tape.jsonl"
 # events the summary prints one by one: what went wrong, and how the run recovered
 NOTABLE = ("refuse", "reject", "quorum_wait", "leave", "supersede", "refuse_delta", "resume", "rollback", "discard",
-           "send_dropped", "internal_error", "tape_repair", "checkpoint_damaged", "adapter_write_failed")
+           "send_dropped", "internal_error", "tape_repair", "checkpoint_damaged", "adapter_write_failed", "keys")
 
 
 class Tape:
