@@ -63,6 +63,10 @@ def train(cfg: TrainConfig, backend: Backend, show_progress: bool = True,
     `before_state_commit(step)` runs as each training state is written, before it replaces the last one (the
     entry point's fault hook)."""
     backend.check_flags(cfg)  # (one line before the key, the --out or a model is touched)
+    if not show_progress:
+        from yeto.models.materialize import quiet_progress_bars
+
+        quiet_progress_bars()
     followed = backend.follow(cfg)
     if followed is not None:
         return followed

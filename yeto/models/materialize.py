@@ -168,6 +168,16 @@ def default_dtype(device: str):
     return torch.float32 if device == "cpu" else torch.bfloat16
 
 
+def quiet_progress_bars() -> None:
+    """`--no-progress` silences the libraries' bars too (transformers' "Loading weights", the hub's downloads,
+    datasets' reads): an island's log, `yeto launch`'s included, is then lines, not carriage-return redraws."""
+    from datasets.utils import disable_progress_bars as quiet_datasets
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # (the hub's bars too: transformers turns them off with its own)
+    quiet_datasets()
+
+
 def load_tokenizer(model: Artifact, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
