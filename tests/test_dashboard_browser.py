@@ -19,7 +19,7 @@ from yeto.launch.local import free_port
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 pytestmark = pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()), reason="Debian's chromium "
-                                "and chromium-driver are not installed (make setup installs them)")
+                                "and chromium-driver are not installed (make setup-test installs them)")
 selenium = pytest.importorskip("selenium", reason="selenium is not installed (the dev extra)")
 pytest.importorskip("plotly", reason="plotly is not installed (the watch extra)")
 from selenium import webdriver  # noqa: E402

@@ -91,3 +91,37 @@ def test_init_adapter_starts_a_run_from_an_adapter_and_refuses_another_shape(tra
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 2 and len(lines) == 1 and "cannot start this run" in lines[0], r.stderr[-1500:]
     assert "Traceback" not in r.stderr
+
+
+def test_export_writes_the_models_own_dtype_unless_told_another(tiny_model, smollm2, tmp_path):
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from yeto.backends.torch.export import EXPORT_RECORD, export_merged
+    from yeto.backends.torch.island import TorchIsland, TrainConfig
+
+    half = tmp_path / "bf16-base"  # a base published in bfloat16, as most are
+    AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.bfloat16).save_pretrained(half)
+    AutoTokenizer.from_pretrained(tiny_model("llama")).save_pretrained(half)
+    cfg = TrainConfig(model=str(half), data=str(DEMO_DATA), seq_len=64, batch_size=2, max_steps=1, lora_r=4)
+    adapter = TorchIsland(cfg, log=lambda s: None).save(tmp_path / "adapter")
+
+    def written(out):
+        with safe_open(str(next(out.glob("*.safetensors"))), framework="pt") as f:
+            dtypes = {f.get_tensor(k).dtype for k in f.keys()}
+        return dtypes, json.loads((out / "config.json").read_text())["dtype"], \
+            json.loads((out / EXPORT_RECORD).read_text())["dtype"]
+
+    r = subprocess.run(YETO + ["export", str(adapter), "--merged", str(tmp_path / "own")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert written(tmp_path / "own") == ({torch.bfloat16}, "bfloat16", "bfloat16")
+    assert "bfloat16" in r.stdout  # the export says what it writes
+    export_merged(adapter, tmp_path / "wide", dtype="float32", log=lambda s: None)
+    assert written(tmp_path / "wide") == ({torch.float32}, "float32", "float32")
+    # the packaged SmolLM2 is materialized in float32 from its GGUF; its own dtype is its hub checkpoint's
+    from yeto.models.materialize import own_dtype
+
+    assert own_dtype(smollm2) == "bfloat16"

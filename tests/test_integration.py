@@ -1,6 +1,8 @@
 """Real processes: the CLI on a tiny model, clear errors, and the real SmolLM2 learning the demo data."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +18,17 @@ def run(args, **kw):
     return subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=600, **kw)
 
 
-def test_island_module_trains_and_saves(tiny_model, tmp_path):
+# a tqdm bar's counter ("20/20 [00:00<00:00, ...it/s]"): transformers' "Loading weights", the hub's downloads
+BAR = re.compile(r"\d+/\d+ \[")
+
+
+def test_island_module_trains_and_saves_with_no_library_noise(tiny_model, tmp_path):
     out = tmp_path / "run"
     r = run([sys.executable, "-m", "yeto.backends.torch", "--model", str(tiny_model("lfm2")), "--data", str(DEMO_DATA),
              "--out", str(out), "--max-steps", "4", "--seq-len", "64", "--batch-size", "2", "--grad-accum", "2",
              "--eval-every", "2", "--lora-r", "4", "--no-progress"])
     assert r.returncode == 0, r.stderr
+    assert not BAR.search(r.stderr), r.stderr  # --no-progress silences every bar, the libraries' too
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [e for e in events if e["event"] == "step"]
     assert [e["step"] for e in steps] == [1, 2, 3, 4]
@@ -32,6 +39,23 @@ def test_island_module_trains_and_saves(tiny_model, tmp_path):
                     "--max-new-tokens", "4"])
     assert g.returncode == 0, g.stderr
     assert "with adapter" in g.stdout
+    assert "clean_up_tokenization_spaces" not in g.stderr, g.stderr  # the decode says what it wants
+
+
+def test_an_island_that_never_reached_its_syncer_says_its_adapter_holds_no_global(tiny_model, tmp_path):
+    from yeto.launch.local import free_port
+
+    out = tmp_path / "island"
+    r = run(YETO + ["train", "--model", str(tiny_model("llama")), "--data", str(DEMO_DATA), "--out", str(out),
+                    "--syncer", f"127.0.0.1:{free_port()}", "--insecure", "--syncer-timeout", "1",
+                    "--give-up-after", "2", "--seq-len", "64", "--no-progress"], env={**os.environ, "COLUMNS": "300"})
+    assert r.returncode == 2 and "giving up" in r.stderr, r.stderr[-2000:]
+    stopped = [line for line in r.stderr.splitlines() if "stopped early" in line]
+    assert len(stopped) == 1 and "received no global" in stopped[0], r.stderr[-2000:]
+    assert "the last global it received" not in r.stderr
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e.get("global_version", "absent") for e in events if e["event"] == "aborted"] == [None]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -61,7 +85,6 @@ def help_lines(args):
 
 def test_every_command_documents_every_flag():
     import dataclasses
-    import re
 
     import inspect
 

@@ -222,7 +222,8 @@ def export(
     merged: Annotated[str, typer.Option(help="Where to write the base with the adapter merged in (a new directory).")],
     model: Annotated[Optional[str], typer.Option(help=BASE_MODEL_HELP)] = None,
     model_revision: Annotated[Optional[str], typer.Option(help=BASE_REVISION_HELP)] = None,
-    dtype: Annotated[str, typer.Option(help="Weights' dtype: float32, bfloat16 or float16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="Weights' dtype: auto (the base model's own, as its config says: "
+                                            "bfloat16 for most), float32, bfloat16 or float16.")] = "auto",
     force: Annotated[bool, typer.Option(help="Replace a non-empty --merged directory.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help=trust_remote_code_help())] = False,
 ) -> None:

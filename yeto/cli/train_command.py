@@ -200,6 +200,7 @@ def _train_signature(
     report_to: Annotated[str, typer.Option(help=report_to_help("the island's training"))] = D.report_to,
     run_name: Annotated[str, typer.Option(help=run_name_help("--out's directory name; with --syncer, its parent's"))
                         ] = D.run_name,
-    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar (--no-progress: no bar at all, the "
+                                                   "libraries' loading and download bars included).")] = True,
 ) -> None:
     """(the flags of `yeto train`; see make_train_command)"""

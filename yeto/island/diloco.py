@@ -120,7 +120,8 @@ def run_island(island: Island, syncer: str, island_id: int, overlap: bool = Fals
                fragment_numel: Optional[int] = None, join_key: Optional[JoinKey] = None,
                identity: str = "", residual: Optional[np.ndarray] = None,
                on_round_start: Optional[Callable[[np.ndarray], None]] = None,
-               on_step: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+               on_step: Optional[Callable[[dict[str, Any]], None]] = None,
+               on_leave: Optional[Callable[[Optional[int]], None]] = None) -> dict[str, Any]:
     """Train `island` as one DiLoCo island of the run at `syncer` until the syncer says finish.
 
     `join_key`: the run's credentials (None only for an --insecure loopback syncer). `identity`: this island's
@@ -132,6 +133,8 @@ def run_island(island: Island, syncer: str, island_id: int, overlap: bool = Fals
 
     On every way out (finish, refusal, giving up on the syncer, Ctrl-C) the island is left holding the
     last global adapter it received, so the caller saves that; a refusal or giving up then raises YetoError.
+    `on_leave(version)` is then told that global's version (None: it received none and holds its own start),
+    so what the caller saves can say what it is.
     """
     state = island.adapter_state()
     layout = build_layout(state, fragment_numel)
@@ -141,7 +144,7 @@ def run_island(island: Island, syncer: str, island_id: int, overlap: bool = Fals
     if residual is not None and residual.shape == core.ef.residual.shape:
         core.ef.residual = residual.astype(np.float32)
     loop = IslandLoop(island, layout, core, SyncerLink(syncer, core, log_fn, join_key).start(), log_fn, overlap,
-                      max_inner_steps, step_delay, progress, on_round_start, on_step)
+                      max_inner_steps, step_delay, progress, on_round_start, on_step, on_leave)
     return loop.run()
 
 
@@ -152,10 +155,11 @@ class IslandLoop:
                  log_fn: Callable[[str], None], overlap: bool, max_inner_steps: int, step_delay: float,
                  progress: Callable[[dict[str, Any]], None] | None,
                  on_round_start: Optional[Callable[[np.ndarray], None]],
-                 on_step: Optional[Callable[[dict[str, Any]], None]] = None):
+                 on_step: Optional[Callable[[dict[str, Any]], None]] = None,
+                 on_leave: Optional[Callable[[Optional[int]], None]] = None):
         self.island, self.layout, self.core, self.link, self.log = island, layout, core, link, log_fn
         self.overlap, self.max_inner_steps, self.step_delay = overlap, max_inner_steps, step_delay
-        self.progress, self.on_round_start, self.on_step = progress, on_round_start, on_step
+        self.progress, self.on_round_start, self.on_step, self.on_leave = progress, on_round_start, on_step, on_leave
         self.stats = IslandStats()
         self.t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
         self.stall_s = 0.0
@@ -179,6 +183,8 @@ class IslandLoop:
             if final is not None:
                 self.island.load_adapter_state(unflatten(self.layout, final))  # end on the last global adapter
             self.link.close(done.reason[:200] if done else "error")
+            if self.on_leave is not None:
+                self.on_leave(self.core.version if final is not None else None)
         if done.error:
             raise YetoError(done.reason)
         self.log(f"syncer finished the run: {done.reason}")

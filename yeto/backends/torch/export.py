@@ -3,7 +3,8 @@ transformers checkpoint (safetensors shards, config, tokenizer and chat template
 `AutoModelForCausalLM.from_pretrained(OUT)` loads, and vLLM or llama.cpp's converter take as they are.
 
 peft does the merge (`merge_and_unload`: W + scale x B A per adapted linear) and transformers the writing
-(`save_pretrained`); the base is the one the adapter records, unless --model names it (it must be that base).
+(`save_pretrained`); the base is the one the adapter records, unless --model names it (it must be that base). The
+weights are written in the base's own dtype (`--dtype auto`; its config says which), unless --dtype names another.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from yeto import YetoError, in_current_words
 from yeto.models.adapter import RUN_RECORD, adapter_base, find_adapter_dir
 
 EXPORT_RECORD = "yeto_export.json"
-DTYPES = ("float32", "bfloat16", "float16")
+AUTO_DTYPE = "auto"  # the model's own dtype (yeto.models.materialize.own_dtype)
+DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16")
 MAX_SHARD_SIZE = "5GB"  # transformers' default shard size, named: the hub and vLLM expect shards about this big
 
 
@@ -29,14 +31,15 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def export_merged(adapter: str | Path, out: str | Path, model: Optional[str] = None,
-                  model_revision: Optional[str] = None, dtype: str = "float32", force: bool = False,
+                  model_revision: Optional[str] = None, dtype: str = AUTO_DTYPE, force: bool = False,
                   trust_remote_code: bool = False, log: Callable[[str], None] = print) -> Path:
     """Write base + adapter merged to `out` (written beside it, then moved in place: a failed export leaves no half
-    checkpoint); returns `out`."""
+    checkpoint); returns `out`. `dtype` "auto": the base's own (a bfloat16 model stays bfloat16: half the bytes of
+    float32, and the precision it was published in)."""
     import torch
     from peft import PeftModel
 
-    from yeto.models.materialize import load_model, load_tokenizer
+    from yeto.models.materialize import load_model, load_tokenizer, own_dtype
 
     if dtype not in DTYPES:
         raise YetoError(f"unknown --dtype {dtype!r}: use {', '.join(DTYPES)}")
@@ -45,19 +48,24 @@ def export_merged(adapter: str | Path, out: str | Path, model: Optional[str] = N
     _check_out(out, force)
     base_artifact = adapter_base(adapter_dir, model, model_revision)
     log(f"base {base_artifact.name} @ {base_artifact.revision[:19]}; adapter {adapter_dir}")
-    base = load_model(base_artifact, "cpu", getattr(torch, dtype), trust_remote_code)
+    named = own_dtype(base_artifact) if dtype == AUTO_DTYPE else dtype
+    chosen = getattr(torch, named, None) if named else None
+    # (a config that names no dtype: transformers' "auto" takes the checkpoint's weights' own)
+    base = load_model(base_artifact, "cpu", chosen if isinstance(chosen, torch.dtype) else AUTO_DTYPE,
+                      trust_remote_code)
+    written = str(base.dtype).removeprefix("torch.")
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     tokenizer = load_tokenizer(base_artifact, trust_remote_code)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
     tokenizer.save_pretrained(tmp)  # the chat template rides in tokenizer_config.json / chat_template.jinja
-    record = {"base": base_artifact.to_dict(), "adapter": str(adapter_dir.resolve()), "dtype": dtype}
+    record = {"base": base_artifact.to_dict(), "adapter": str(adapter_dir.resolve()), "dtype": written}
     if (adapter_dir / RUN_RECORD).is_file():
         record["adapter_run"] = in_current_words(json.loads((adapter_dir / RUN_RECORD).read_text()))
     (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    log(f"merged model: {out} (AutoModelForCausalLM.from_pretrained loads it)")
+    log(f"merged model: {out}, {written} (AutoModelForCausalLM.from_pretrained loads it)")
     return out

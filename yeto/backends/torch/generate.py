@@ -25,7 +25,10 @@ def greedy(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat: bool =
         input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     )
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    # the answer as the model wrote it: the clean-up (a WordPiece post-process that strips spaces before punctuation)
+    # is off, said here, where a BPE tokenizer whose config asks for it would have transformers warn that it ignores it
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True,
+                            clean_up_tokenization_spaces=False).strip()
 
 
 def compare(model_name: str | None, adapter: str | Path, prompts: list[str], max_new_tokens: int = 64,
