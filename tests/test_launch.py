@@ -607,6 +607,19 @@ def test_a_missing_data_path_is_refused_as_yeto_train_says_it_not_as_a_hub_id(re
     assert f"no data files (.jsonl, .json, .parquet, .csv, .txt) in directory {empty}" in err
 
 
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_busy_port_is_refused_before_the_fleet_starts(refused, dry_run):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = refused("--gpu", "local:2", "--data", DEMO_DATA, "--port", port, *(["--dry-run"] if dry_run else []))
+    assert f"--port {port}" in err and "in use" in err and "leave --port out" in err, err
+    assert "is not a TCP port" in refused("--gpu", "aws:1xA10G", "--port", "70000", "--dry-run")
+
+
 def test_an_mlx_islands_flag_is_parsed_by_the_mlx_islands_parser(tmp_path):
     from yeto.cli.launch_flags import check_passed_flags
 

@@ -166,9 +166,13 @@ def launch_command(
                        "--quorum", str(quorum or n), *syncer_extra]
     plan.island_args = [*(["--overlap"] if overlap else []), *island_extra]
     # before anything is provisioned or started, one line each: a flag the syncer or an island would refuse, a model or
-    # data it would not find
+    # data it would not find, a busy port
     check_passed_flags(plan)
     plan.check_sources(flag_value(island_extra, "--data-config"))
+    if local:
+        from yeto.launch.local import check_port_free
+
+        check_port_free(port, public_host)
     if not local:
         plan.syncer_args += quorum_timeout_args(syncer_extra, recover_timeout)
     if budget is not None:

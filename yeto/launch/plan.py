@@ -102,6 +102,7 @@ class FleetPlan:
     def check(self) -> None:
         """Refuse a plan that cannot run, before anything is provisioned."""
         from yeto.report.trackers import parse_report_to
+        from yeto.sync.core.checks import check_port
 
         parse_report_to(self.report_to)
         if not RUN_NAME.match(self.name):
@@ -114,6 +115,8 @@ class FleetPlan:
                             "a cloud run through --external-islands and its printed join command")
         if self.mlx > len(self.islands):
             raise YetoError(f"--mlx-islands {self.mlx} exceeds the {len(self.islands)} local islands of --gpu")
+        if self.port:
+            check_port(self.port, "--port")
         if self.recover_timeout <= 0:
             raise YetoError("--recover-timeout must be positive (seconds a lost island is relaunched for)")
         if not self.local and self.output and not self.output.startswith(REMOTE_OUTPUTS):
