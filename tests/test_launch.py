@@ -620,6 +620,18 @@ def test_a_busy_port_is_refused_before_the_fleet_starts(refused, dry_run):
     assert "is not a TCP port" in refused("--gpu", "aws:1xA10G", "--port", "70000", "--dry-run")
 
 
+@pytest.mark.parametrize("typo, says", [
+    ("--outer-step", "--outer-steps (yeto launch)"),
+    ("--sync-bit", "--sync-bits (the syncer)"),
+    ("--seq-le", "--seq-len (the islands)"),
+])
+def test_an_unknown_flag_is_matched_against_every_command_launch_forwards_to(refused, typo, says):
+    for gpu in ("local:2", "aws:1xA10G"):
+        err = refused("--gpu", gpu, "--data", DEMO_DATA, typo, "4", "--dry-run")
+        assert f"No such option: {typo}" in err and says in err, err
+        assert "an island flag" not in err  # it is no command's flag: not blamed on the islands
+
+
 def test_an_mlx_islands_flag_is_parsed_by_the_mlx_islands_parser(tmp_path):
     from yeto.cli.launch_flags import check_passed_flags
 

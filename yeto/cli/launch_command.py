@@ -12,7 +12,7 @@ import typer
 from yeto.cli.usage import OldSpelling, with_help_panels
 
 from yeto import YetoError
-from yeto.cli.launch_flags import check_passed_flags
+from yeto.cli.launch_flags import check_passed_flags, command_flags
 from yeto.launch.costs import flag_value
 from yeto.launch.plan import SYNCER_PORT, FleetPlan, pin_revision, split_extra_args
 from yeto.launch.registry import live_run, runs_dir
@@ -167,7 +167,7 @@ def launch_command(
     plan.island_args = [*(["--overlap"] if overlap else []), *island_extra]
     # before anything is provisioned or started, one line each: a flag the syncer or an island would refuse, a model or
     # data it would not find, a busy port
-    check_passed_flags(plan)
+    check_passed_flags(plan, command_flags(ctx.command))
     plan.check_sources(flag_value(island_extra, "--data-config"))
     if local:
         from yeto.launch.local import check_port_free
