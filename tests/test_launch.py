@@ -560,6 +560,78 @@ def test_a_dry_run_refuses_a_flag_the_islands_or_the_syncer_would_refuse_in_one_
     assert not out.exists()  # refused before the run's credentials and plan are written
 
 
+@pytest.fixture
+def refused(monkeypatch, capsys, tmp_path):
+    """`yeto launch ARGS` as a person types it (in this process: the CLI's own entry), the hub unreachable: refused
+    in one `error:` line, exit 2, nothing written or recorded; returns the line."""
+    import yeto.cli
+
+    out = tmp_path / "run"
+    monkeypatch.setenv("YETO_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True, raising=False)
+
+    def launch(*args) -> str:
+        monkeypatch.setattr(sys, "argv", ["yeto", "launch", "--out", str(out), "--name", "checked", *map(str, args)])
+        with pytest.raises(SystemExit) as e:
+            yeto.cli.main()
+        printed = capsys.readouterr()
+        assert e.value.code == 2, (printed.out[-2000:], printed.err[-2000:])
+        assert printed.err.startswith("error: ") and printed.err.count("\n") == 1, printed.err
+        assert "Traceback" not in printed.out + printed.err and "tasks (SkyPilot YAML)" not in printed.out
+        assert not out.exists() and not (tmp_path / "runs").exists()  # nothing started, nothing to `yeto down`
+        return printed.err
+
+    return launch
+
+
+@pytest.mark.parametrize("gpu", ["local:2", "aws:1xA10G"])
+def test_a_model_yeto_train_would_refuse_is_refused_before_launch(refused, tmp_path, gpu):
+    err = refused("--gpu", gpu, "--data", DEMO_DATA, "--model", "smollm2-13m", "--dry-run")
+    assert "unknown model 'smollm2-13m'" in err and "`yeto models` lists all" in err
+    no_config = tmp_path / "my-model"
+    no_config.mkdir()
+    err = refused("--gpu", gpu, "--data", DEMO_DATA, "--model", no_config, "--dry-run")
+    assert f"model directory {no_config} has no config.json" in err
+
+
+@pytest.mark.parametrize("gpu", ["local:2", "aws:1xA10G"])
+def test_a_missing_data_path_is_refused_as_yeto_train_says_it_not_as_a_hub_id(refused, tmp_path, gpu):
+    err = refused("--gpu", gpu, "--data", tmp_path / "nothing.jsonl", "--dry-run")
+    assert f"data file not found: {tmp_path / 'nothing.jsonl'}" in err
+    err = refused("--gpu", gpu, "--data", "data/demoo", "--dry-run")  # a typo of data/demo (a hub id's shape too)
+    assert "data file not found: data/demoo" in err and "cannot pin" not in err
+    empty = tmp_path / "empty"
+    (empty / "notes").mkdir(parents=True)
+    err = refused("--gpu", gpu, "--data", empty, "--dry-run")  # what training would find in it
+    assert f"no data files (.jsonl, .json, .parquet, .csv, .txt) in directory {empty}" in err
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_busy_port_is_refused_before_the_fleet_starts(refused, dry_run):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = refused("--gpu", "local:2", "--data", DEMO_DATA, "--port", port, *(["--dry-run"] if dry_run else []))
+    assert f"--port {port}" in err and "in use" in err and "leave --port out" in err, err
+    assert "is not a TCP port" in refused("--gpu", "aws:1xA10G", "--port", "70000", "--dry-run")
+
+
+@pytest.mark.parametrize("typo, says", [
+    ("--outer-step", "--outer-steps (yeto launch)"),
+    ("--sync-bit", "--sync-bits (the syncer)"),
+    ("--seq-le", "--seq-len (the islands)"),
+])
+def test_an_unknown_flag_is_matched_against_every_command_launch_forwards_to(refused, typo, says):
+    for gpu in ("local:2", "aws:1xA10G"):
+        err = refused("--gpu", gpu, "--data", DEMO_DATA, typo, "4", "--dry-run")
+        assert f"No such option: {typo}" in err and says in err, err
+        assert "an island flag" not in err  # it is no command's flag: not blamed on the islands
+
+
 def test_an_mlx_islands_flag_is_parsed_by_the_mlx_islands_parser(tmp_path):
     from yeto.cli.launch_flags import check_passed_flags
 

@@ -13,7 +13,8 @@ from yeto.cli.config_file import passed_on_args
 from yeto.cli.usage import OldSpelling, click_command, with_help_panels
 
 from yeto import YetoError
-from yeto.cli.launch_flags import check_passed_flags
+from yeto.cli.launch_flags import check_passed_flags, command_flags
+from yeto.launch.costs import flag_value
 from yeto.launch.plan import SYNCER_PORT, FleetPlan, pin_revision, split_extra_args
 from yeto.launch.registry import live_run, runs_dir
 from yeto.report.trackers import report_to_help
@@ -58,7 +59,6 @@ def choose_fleet(model: str, budget: float, spot: bool, island_extra: list[str],
     """The fleet `yeto shape` ranks first (cost per token) within the budget, for the islands' --seq-len and
     --base-quantization; printed with why."""
     from yeto.cli.shape_command import make_plan
-    from yeto.launch.costs import flag_value
     from yeto.island.train_config import TrainConfig
 
     given = flag_value(island_extra, "--seq-len")
@@ -166,7 +166,14 @@ def launch_command(
     plan.syncer_args = ["--outer-steps", str(outer_steps), "--inner-steps", str(inner_steps),
                        "--quorum", str(quorum or n), *syncer_extra]
     plan.island_args = [*(["--overlap"] if overlap else []), *island_extra]
-    check_passed_flags(plan)  # before anything is provisioned: a flag an island would refuse is one line here
+    # before anything is provisioned or started, one line each: a flag the syncer or an island would refuse, a model or
+    # data it would not find, a busy port
+    check_passed_flags(plan, command_flags(ctx.command))
+    plan.check_sources(flag_value(island_extra, "--data-config"))
+    if local:
+        from yeto.launch.local import check_port_free
+
+        check_port_free(port, public_host)
     if not local:
         plan.syncer_args += quorum_timeout_args(syncer_extra, recover_timeout)
     if budget is not None:

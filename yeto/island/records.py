@@ -31,19 +31,29 @@ class DataRecord:
     origin: str  # "file:line", used in every error about this record
 
 
-def resolve_data(name: str, revision: str | None = None) -> Artifact:
+def data_source(name: str, revision: str | None = None) -> str:
+    """Where --data resolves from ("local" or "hub"), decided without reading or fetching it: `yeto launch`
+    refuses, in the training's own words, data its islands would not find."""
     local = Path(name).expanduser()
     if local.exists():
         if revision is not None:
             raise YetoError(f"--data-revision {revision!r} given for a local path {local}; "
                             "local data is pinned by content hash")
-        return Artifact(name, "dataset", "local", str(local.resolve()), content_hash(local), None, None)
+        return "local"
     parts = name.split("/")
     if (len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
             and Path(name).suffix.lower() not in SUPPORTED_EXTENSIONS):
-        path, sha = resolve_hub_snapshot(name, revision, "dataset")
-        return Artifact(name, "dataset", "hub", str(path), sha, revision, name)
+        return "hub"
     raise YetoError(f"data file not found: {name}")
+
+
+def resolve_data(name: str, revision: str | None = None) -> Artifact:
+    """The --data a run trains on, pinned: a local path by its content hash, a hub dataset by its commit."""
+    if data_source(name, revision) == "local":
+        local = Path(name).expanduser()
+        return Artifact(name, "dataset", "local", str(local.resolve()), content_hash(local), None, None)
+    path, sha = resolve_hub_snapshot(name, revision, "dataset")
+    return Artifact(name, "dataset", "hub", str(path), sha, revision, name)
 
 
 @dataclass

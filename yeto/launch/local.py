@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from yeto import require_torch
+from yeto import YetoError, require_torch
 from yeto.backends import MLX, TORCH
 from yeto.launch.controller import USAGE_EXIT
 from yeto.launch.join import join_instructions, write_join_files
@@ -40,6 +40,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def bind_host(public_host: str) -> str:
+    """Where the local syncer listens: loopback for a loopback --public-host, else everywhere (a name others
+    reach)."""
+    return LOOPBACK if public_host in LOOPBACK_NAMES else "0.0.0.0"
+
+
+def check_port_free(port: int, public_host: str = LOOPBACK) -> None:
+    """A --port another process holds, refused before the fleet starts (else the syncer exits 2 after the islands
+    started); port 0 picks a free one as the fleet starts."""
+    if not port:
+        return
+    host = bind_host(public_host)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: a port in TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise YetoError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}): another process holds "
+                            "it; pick another --port, or leave --port out for a free one") from e
 
 
 def _stream(proc: subprocess.Popen, prefix: str, color: str, console, lock: threading.Lock, log: Path) -> None:
@@ -67,7 +88,7 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
     out = Path(plan.out)
     port = plan.port or free_port()
     syncer_at = f"{public_host}:{port}"
-    bind = LOOPBACK if public_host in LOOPBACK_NAMES else "0.0.0.0"  # (a name: bind everywhere, it is reachable)
+    bind = bind_host(public_host)
     out.mkdir(parents=True, exist_ok=True)
     (out / LOGS_DIR).mkdir(exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // n_local)

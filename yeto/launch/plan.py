@@ -88,9 +88,21 @@ class FleetPlan:
                 setattr(self, attr, str(path.resolve()))
                 setattr(self, flag, True)
 
+    def check_sources(self, data_config: Optional[str] = None) -> None:
+        """The model and the data as `yeto train` resolves them, fetching and loading nothing (a local data path is
+        laid out as training reads it, with --data-config): refused here, not by every island after the fleet
+        starts. A hub id is checked by `pin_revision`, on the hub."""
+        from yeto.island.records import data_layout, data_source
+        from yeto.models.materialize import model_source
+
+        model_source(self.model, self.model_revision)
+        if not is_object_store(self.data) and data_source(self.data, self.data_revision) == "local":
+            data_layout(Path(self.data), data_config)
+
     def check(self) -> None:
         """Refuse a plan that cannot run, before anything is provisioned."""
         from yeto.report.trackers import parse_report_to
+        from yeto.sync.core.checks import check_port
 
         parse_report_to(self.report_to)
         if not RUN_NAME.match(self.name):
@@ -103,6 +115,8 @@ class FleetPlan:
                             "a cloud run through --external-islands and its printed join command")
         if self.mlx > len(self.islands):
             raise YetoError(f"--mlx-islands {self.mlx} exceeds the {len(self.islands)} local islands of --gpu")
+        if self.port:
+            check_port(self.port, "--port")
         if self.recover_timeout <= 0:
             raise YetoError("--recover-timeout must be positive (seconds a lost island is relaunched for)")
         if not self.local and self.output and not self.output.startswith(REMOTE_OUTPUTS):
@@ -119,18 +133,27 @@ def is_object_store(uri: str) -> bool:
 
 
 def _hub_id(name: str, kind: str) -> Optional[str]:
-    """The hub repository `name` resolves from, or None when it is pinned otherwise (package, local, bucket)."""
-    if Path(name).expanduser().exists() or is_object_store(name):
+    """The hub repository `name` resolves from (as `yeto train` resolves it), or None when it is pinned otherwise
+    (package, local, bucket)."""
+    if is_object_store(name):
         return None
     if kind == "model":
-        from yeto.models.materialize import ALIASES, _looks_like_hub_id
+        from yeto.models.materialize import ALIASES, model_source
 
-        alias = ALIASES.get(name)
-        if alias is not None:
-            return None if alias.package else alias.hub_id
-        return name if _looks_like_hub_id(name) else None
-    parts = name.split("/")
-    return name if len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~")) else None
+        source = model_source(name)
+        return ALIASES[name].hub_id if source == "alias" else name if source == "hub" else None
+    from yeto.island.records import data_source
+
+    return name if data_source(name) == "hub" else None
+
+
+def _not_a_local_path(name: str, kind: str) -> Optional[str]:
+    """What `yeto train` says of `name` as a missing local path, where it reads as one (its folder is here:
+    data/demoo); None where it reads as a hub id only."""
+    parent = Path(name).expanduser().parent
+    if parent == Path(".") or not parent.is_dir():
+        return None
+    return f"model path not found: {name}" if kind == "model" else f"data file not found: {name}"
 
 
 def pin_revision(name: str, revision: Optional[str], kind: str) -> Optional[str]:
@@ -153,6 +176,9 @@ def pin_revision(name: str, revision: Optional[str], kind: str) -> Optional[str]
             return Path(snapshot_download(repo, revision=revision, repo_type=kind, local_files_only=True)).name
         except Exception:
             pass
+        missing = _not_a_local_path(name, kind)
+        if missing is not None:
+            raise YetoError(f"{missing} (nor a hub {kind} this machine can reach: {type(e).__name__})") from e
         raise YetoError(f"cannot pin {kind} {repo!r} at {revision or 'main'} to a commit ({one_line(e, 200)}): "
                         f"pass {flag} with a 40-hex commit, or check the name and your network") from e
 

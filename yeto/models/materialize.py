@@ -63,20 +63,12 @@ def unknown_model_message(name: str) -> str:
             f"{', '.join(list(ALIASES)[:4])}, ...; `yeto models` lists all {len(ALIASES)})")
 
 
-def resolve_model(name: str, revision: str | None = None) -> Artifact:
-    """Resolve a model name to the directory every island loads, with its revision.
-
-    A packaged alias (smollm2-135m) is materialized offline unless a revision is
-    asked for, in which case its hub id is resolved at that revision instead.
-    """
+def model_source(name: str, revision: str | None = None) -> str:
+    """Where `name` resolves from ("package", "alias", "local" or "hub"), decided without fetching or loading
+    anything: `yeto launch` refuses, in the training's own words, a model its islands would refuse."""
     alias = ALIASES.get(name)
-    if alias is not None and alias.package and revision is None:
-        path, rev, pkg = materialize_packaged(name, alias)
-        return Artifact(name, "model", "package", str(path), rev, None, alias.hub_id)
     if alias is not None:
-        revision = revision or alias.revision
-        path, sha = resolve_hub_snapshot(alias.hub_id, revision, "model")
-        return Artifact(name, "model", "hub", str(path), sha, revision, alias.hub_id)
+        return "package" if alias.package and revision is None else "alias"
     local = Path(name).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
@@ -84,13 +76,34 @@ def resolve_model(name: str, revision: str | None = None) -> Artifact:
         if revision is not None:
             raise YetoError(f"--model-revision {revision!r} given for a local path {local}; "
                             "local paths are pinned by content hash")
-        return Artifact(name, "model", "local", str(local.resolve()), content_hash(local), None, None)
+        return "local"
     if name.startswith((".", "/", "~")) or os.sep in name.strip("/") and not _looks_like_hub_id(name):
         raise YetoError(f"model path not found: {name} (known aliases: `yeto models` lists them)")
     if _looks_like_hub_id(name):
-        path, sha = resolve_hub_snapshot(name, revision, "model")
-        return Artifact(name, "model", "hub", str(path), sha, revision, name)
+        return "hub"
     raise YetoError(unknown_model_message(name))
+
+
+def resolve_model(name: str, revision: str | None = None) -> Artifact:
+    """Resolve a model name to the directory every island loads, with its revision.
+
+    A packaged alias (smollm2-135m) is materialized offline unless a revision is
+    asked for, in which case its hub id is resolved at that revision instead.
+    """
+    source = model_source(name, revision)
+    alias = ALIASES.get(name)
+    if source == "package":
+        path, rev, pkg = materialize_packaged(name, alias)
+        return Artifact(name, "model", "package", str(path), rev, None, alias.hub_id)
+    if source == "alias":
+        revision = revision or alias.revision
+        path, sha = resolve_hub_snapshot(alias.hub_id, revision, "model")
+        return Artifact(name, "model", "hub", str(path), sha, revision, alias.hub_id)
+    if source == "local":
+        local = Path(name).expanduser()
+        return Artifact(name, "model", "local", str(local.resolve()), content_hash(local), None, None)
+    path, sha = resolve_hub_snapshot(name, revision, "model")
+    return Artifact(name, "model", "hub", str(path), sha, revision, name)
 
 
 def _package_dir(package: str) -> Path:
