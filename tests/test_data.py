@@ -13,6 +13,7 @@ from yeto import YetoError
 from yeto.island.data import (Unusable, encode_chat, encode_record, pack_examples, prepare_data, record_format,
                               split_and_shard)
 from yeto.island.records import DataRecord, read_records
+from tests.conftest import DEMO_DATA
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}]
 
@@ -468,3 +469,30 @@ def test_cli_bad_data_is_one_line_exit_2(case, tmp_path, tiny_model, tokenizer):
     import re
 
     assert lines[0].startswith("error: ") and re.search(message, lines[0]), lines[0]
+
+
+# ----------------------------------------------------------------------------- data a person actually has
+
+
+def run_yeto(*args, cwd=None, timeout=300):
+    from tests.conftest import REPO
+
+    return subprocess.run([sys.executable, "-m", "yeto", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or REPO, timeout=timeout)
+
+
+def one_error_line(r) -> str:
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def test_a_seq_len_beyond_the_models_context_is_refused_before_training(tmp_path, tiny_model):
+    model = tiny_model("llama")
+    context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    r = run_yeto("train", "--model", model, "--data", DEMO_DATA, "--out", tmp_path / "run", "--max-steps", 1,
+                 "--seq-len", context + 1, "--no-progress")
+    line = one_error_line(r)
+    assert f"--seq-len {context + 1} is longer than the context" in line and f"({context} tokens" in line
+    assert not (tmp_path / "run" / "adapter").exists()

@@ -94,3 +94,11 @@ def check_config(cfg: TrainConfig) -> None:
         check_address(cfg.syncer)
     check_out_dir(cfg.out)
     parse_report_to(cfg.report_to)  # (its libraries are checked where the island runs: `open_session`)
+
+
+def check_seq_len(seq_len: int, context: Optional[int], model: str) -> None:
+    """--seq-len within the model's context, checked before any data is tokenized: a longer block runs positions
+    the model never learned, and its attention grows with the square of the length (a run that seems to hang)."""
+    if context is not None and seq_len > context:
+        raise YetoError(f"--seq-len {seq_len} is longer than the context of {model} ({context} tokens, its "
+                        f"max_position_embeddings): use --seq-len {context} or less")
