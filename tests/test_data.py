@@ -496,3 +496,14 @@ def test_a_seq_len_beyond_the_models_context_is_refused_before_training(tmp_path
     line = one_error_line(r)
     assert f"--seq-len {context + 1} is longer than the context" in line and f"({context} tokens" in line
     assert not (tmp_path / "run" / "adapter").exists()
+
+
+def test_a_file_in_a_data_directory_that_is_not_read_is_listed(tmp_path, tokenizer):
+    write_jsonl(tmp_path / "d" / "train.jsonl", rows("x", 6))
+    (tmp_path / "d" / "notes.md").write_text("# what I meant to do\n")
+    (tmp_path / "d" / "prep.py").write_text("print('made the data')\n")
+    (tmp_path / "d" / "README.md").write_text("# the dataset's card\n")  # the card: not listed
+    d = prepare_data(str(tmp_path / "d"), tokenizer, 64, eval_fraction=0.0)
+    assert d.stats["records"] == 6
+    assert [f.split(" (")[0] for f in d.stats["skipped_files"]] == ["notes.md", "prep.py"]
+    assert all("not a data file" in f for f in d.stats["skipped_files"])

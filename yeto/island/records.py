@@ -22,7 +22,6 @@ from yeto.models.provenance import Artifact, content_hash, resolve_hub_snapshot
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv", ".txt")  # matched case-insensitively
 # written by `datasets` beside the data (save_to_disk, the hub's legacy infos): skipped, and said so
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
-IGNORED_EXTENSIONS = {".md", ".lock", ".gitattributes", ".py", ".arrow"}  # not data, not worth a word
 
 
 @dataclass(frozen=True)
@@ -117,8 +116,9 @@ def _hub_layout(root: Path, config: str | None) -> DataLayout:
 
 
 def _candidate_files(base: Path) -> dict[Path, str | None]:
-    """Every file below `base` (hidden parts below it skipped, not above: ~/.cache is fine), with why it is not
-    data (None: it is)."""
+    """Every file below `base` (hidden parts below it skipped, not above: ~/.cache is fine; the README, the dataset's
+    card, too), with why it is not data (None: it is): a file a person put there and is not read (notes.md) is
+    named in the data stats, never dropped unsaid."""
     out: dict[Path, str | None] = {}
     for p in sorted(base.rglob("*")):
         rel = p.relative_to(base).parts
@@ -128,7 +128,7 @@ def _candidate_files(base: Path) -> dict[Path, str | None]:
             out[p.resolve()] = "dataset metadata, not records"
         elif p.suffix.lower() in SUPPORTED_EXTENSIONS:
             out[p.resolve()] = None
-        elif p.suffix.lower() not in IGNORED_EXTENSIONS:
+        else:
             out[p.resolve()] = f"not a data file ({', '.join(SUPPORTED_EXTENSIONS)})"
     return out
 
