@@ -507,3 +507,56 @@ def test_a_file_in_a_data_directory_that_is_not_read_is_listed(tmp_path, tokeniz
     assert d.stats["records"] == 6
     assert [f.split(" (")[0] for f in d.stats["skipped_files"]] == ["notes.md", "prep.py"]
     assert all("not a data file" in f for f in d.stats["skipped_files"])
+
+
+QA = [{"question": f"What is {i} + {i}?", "answer": f"{2 * i}.", "source": "sums"} for i in range(8)]
+
+
+def write_csv(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, list(records[0]))
+        w.writeheader()
+        w.writerows(records)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "jsonl"])
+def test_columns_map_a_tables_columns_to_record_fields(fmt, tmp_path, tokenizer):
+    path = {"csv": write_csv, "parquet": write_parquet, "jsonl": write_jsonl}[fmt](tmp_path / f"qa.{fmt}", QA)
+    with pytest.raises(YetoError, match=r"got keys \['answer', 'question', 'source'\]\); map yours with --columns"):
+        prepare_data(str(path), tokenizer, 64)
+    d = prepare_data(str(path), tokenizer, 64, eval_fraction=0.0, columns="question=prompt, answer=completion")
+    assert d.stats["formats"] == {"prompt_completion": 8} and d.stats["columns"] == {"question": "prompt",
+                                                                                     "answer": "completion"}
+    ids, mask = d.train.input_ids.ravel(), d.train.loss_mask.ravel()
+    assert "What is 3 + 3?" in tokenizer.decode(ids)
+    learned = masked_text(tokenizer, ids, mask)
+    assert "6." in learned and "What is" not in learned  # the answer is the target, the question the prompt
+
+
+def test_a_bad_column_mapping_names_the_columns_the_file_has(tmp_path, tokenizer):
+    path = write_csv(tmp_path / "qa.csv", QA)
+    with pytest.raises(YetoError, match=r"qa\.csv:2: --columns names 'q', not a column here; its columns: "
+                                        r"question, answer, source$"):
+        prepare_data(str(path), tokenizer, 64, columns="q=prompt,answer=completion")
+    for spec, message in {"question": r"'question' is not COLUMN=FIELD", "question=query": r"'query' is not a "
+                          r"record field; map to one of messages, ", "question=prompt,answer=prompt":
+                          r"'prompt' is mapped twice"}.items():
+        with pytest.raises(YetoError, match=message):
+            prepare_data(str(path), tokenizer, 64, columns=spec)
+
+
+def test_train_maps_columns_and_names_the_files_it_skipped(tmp_path, tiny_model):
+    data = tmp_path / "mine"
+    write_csv(data / "qa.csv", QA * 4)
+    (data / "notes.md").write_text("where the data came from\n")
+    r = run_yeto("train", "--model", tiny_model("llama"), "--data", data, "--out", tmp_path / "run", "--max-steps", 1,
+                 "--seq-len", 64, "--columns", "question=prompt,answer=completion", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [f.split(" (")[0] for f in summary["skipped_files"]] == ["notes.md"]
+    said = " ".join(r.stderr.split())  # (rich wraps the console's lines)
+    assert "skipped 1 file(s) of --data: notes.md (not a data file" in said
+    stats = json.loads((tmp_path / "run" / "run.json").read_text())["data_stats"]
+    assert stats["columns"] == {"question": "prompt", "answer": "completion"} and stats["skipped_files"]

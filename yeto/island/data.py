@@ -77,6 +77,55 @@ NO_ASSISTANT, UNKNOWN_ROLE, EMPTY, OVER_LONG = "no_assistant_turn", "unknown_rol
 UNUSABLE_REASONS = (NO_ASSISTANT, UNKNOWN_ROLE, EMPTY, OVER_LONG)
 
 
+RECORD_FIELDS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "text")
+COLUMNS_HINT = "map yours with --columns COLUMN=FIELD,... (e.g. --columns question=prompt,answer=completion)"
+
+
+def parse_columns(spec: str | None) -> dict[str, str]:
+    """`--columns question=prompt,answer=completion`: which of a table's columns (CSV, parquet, JSON keys) is which
+    field of a record, so data a person has need not be rewritten to yeto's names. {} when not given."""
+    if not spec:
+        return {}
+    columns: dict[str, str] = {}
+    for pair in spec.split(","):
+        source, eq, target = (x.strip() for x in pair.partition("="))
+        if not eq or not source or not target:
+            raise YetoError(f"--columns {spec!r}: {pair.strip()!r} is not COLUMN=FIELD; write e.g. "
+                            "--columns question=prompt,answer=completion")
+        if target not in RECORD_FIELDS:
+            raise YetoError(f"--columns {spec!r}: {target!r} is not a record field; map to one of "
+                            f"{', '.join(RECORD_FIELDS)}")
+        if source in columns or target in columns.values():
+            raise YetoError(f"--columns {spec!r}: {source if source in columns else target!r} is mapped twice")
+        columns[source] = target
+    return columns
+
+
+def map_columns(records: list[DataRecord], columns: dict[str, str]) -> list[DataRecord]:
+    """Each record with its `columns` renamed to the fields they stand for (the other columns kept as they are); a
+    record without one of them is an error naming the columns it has."""
+    if not columns:
+        return records
+    out = []
+    for rec in records:
+        d = rec.data
+        if not isinstance(d, dict):
+            out.append(rec)  # (record_format names it)
+            continue
+        missing = [c for c in columns if c not in d]
+        if missing:
+            raise YetoError(f"{rec.origin}: --columns names {', '.join(map(repr, missing))}, not a column here; "
+                            f"its columns: {', '.join(map(str, d)) or 'none'}")
+        mapped = {k: v for k, v in d.items() if k not in columns}
+        clash = [t for t in columns.values() if t in mapped]
+        if clash:
+            raise YetoError(f"{rec.origin}: --columns maps a column to {clash[0]!r}, which the record already has; "
+                            f"map that column too, or another one (its columns: {', '.join(map(str, d))})")
+        mapped.update({target: d[source] for source, target in columns.items()})
+        out.append(DataRecord(mapped, rec.origin))
+    return out
+
+
 def record_format(rec: DataRecord) -> str:
     """'chat', 'prompt_completion', 'alpaca' or 'text'.
 
@@ -112,7 +161,7 @@ def record_format(rec: DataRecord) -> str:
         return "text"
     raise YetoError(
         f"{rec.origin}: record fits no format (expected 'messages', 'prompt'+'completion', "
-        f"'instruction'+'output' or 'text'; got keys {sorted(d)})"
+        f"'instruction'+'output' or 'text'; got keys {sorted(d)}); {COLUMNS_HINT}"
     )
 
 
@@ -348,13 +397,16 @@ def read_data(
     revision: str | None = None,
     split: str = "train",
     config: str | None = None,
+    columns: str | None = None,
 ) -> DataSource:
     """Split `split` of config `config` of `data`, read and checked, with its held-out blocks.
 
     The held-out set is the dataset's own validation (else test) split where it
     has one, else `eval_fraction` of `split`: rows of another split never reach
-    training. Unusable records are counted by reason in `stats["unusable"]`.
+    training. Unusable records are counted by reason in `stats["unusable"]`. `columns`: --columns, a table's
+    columns mapped to record fields (`parse_columns`).
     """
+    mapping = parse_columns(columns)
     artifact = resolve_data(data, revision)
     layout = data_layout(Path(artifact.path), config)
     if split not in layout.splits:
@@ -365,24 +417,27 @@ def read_data(
     unusable: Counter[str] = Counter()
     where: dict[str, str] = {}  # the first unusable record of each reason, for the user to look at
     formats: Counter[str] = Counter()
-    pool = _usable(layout.splits[split](), f"{data} (split {split!r})", formats, unusable, where)
-    held_out = _usable(layout.splits[eval_split](), data, formats, unusable, where) if eval_split else []
+    pool = _usable(map_columns(layout.splits[split](), mapping), f"{data} (split {split!r})", formats, unusable,
+                   where)
+    held_out = (_usable(map_columns(layout.splits[eval_split](), mapping), data, formats, unusable, where)
+                if eval_split else [])
     train_idx, eval_idx = split_and_shard(len(pool), 0, 1, 0.0 if eval_split else eval_fraction, seed)
     eval_records = held_out if eval_split else [pool[i] for i in eval_idx]
     evalb, _ = pack_examples(_encode_all(eval_records, tokenizer, seq_len, unusable, where), seq_len,
                              _pad_id(tokenizer))
     stats = {"split": split, "config": layout.config, "eval_split": eval_split, "records": len(pool),
-             "formats": dict(formats), "eval_records": int(len(eval_records)), "skipped_files": layout.skipped}
+             "formats": dict(formats), "eval_records": int(len(eval_records)), "skipped_files": layout.skipped,
+             **({"columns": mapping} if mapping else {})}
     return DataSource(data, tokenizer, seq_len, pool, train_idx, evalb, artifact, stats, unusable, where)
 
 
 def prepare_data(data: str, tokenizer, seq_len: int, island_id: int = 0, num_islands: int = 1,
                  eval_fraction: float = 0.05, seed: int = 0, revision: str | None = None, split: str = "train",
-                 config: str | None = None) -> PreparedData:
+                 config: str | None = None, columns: str | None = None) -> PreparedData:
     """This island's training blocks and the held-out blocks of `data`: `read_data`, then shard `island_id` of
     `num_islands`."""
     return read_data(data, tokenizer, seq_len, eval_fraction, seed, revision, split,
-                     config).shard(island_id, num_islands)
+                     config, columns).shard(island_id, num_islands)
 
 
 def _pad_id(tokenizer) -> int:

@@ -21,6 +21,7 @@ class TrainConfig:
     data_revision: Optional[str] = None
     data_split: str = "train"  # the dataset split trained on (a hub dataset or a directory with split files)
     data_config: Optional[str] = None  # the dataset config (subset) read, for datasets that have several
+    columns: Optional[str] = None  # a table's columns as record fields: "question=prompt,answer=completion"
     trust_remote_code: bool = False
     seq_len: int = 256
     batch_size: int = 4
@@ -70,6 +71,7 @@ def check_config(cfg: TrainConfig) -> None:
     """The flags every backend checks before it loads anything: one line naming the flag and the fix."""
     from yeto.sync.core.checks import check_address, check_out_dir, check_range
     from yeto.report.trackers import parse_report_to
+    from yeto.island.data import parse_columns
 
     for name in ("batch_size", "grad_accum", "max_steps", "seq_len", "lora_r"):
         check_range(getattr(cfg, name), f"--{name.replace('_', '-')}", low=1)
@@ -94,6 +96,7 @@ def check_config(cfg: TrainConfig) -> None:
         check_address(cfg.syncer)
     check_out_dir(cfg.out)
     parse_report_to(cfg.report_to)  # (its libraries are checked where the island runs: `open_session`)
+    parse_columns(cfg.columns)
 
 
 def check_seq_len(seq_len: int, context: Optional[int], model: str) -> None:
