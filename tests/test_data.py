@@ -560,3 +560,35 @@ def test_train_maps_columns_and_names_the_files_it_skipped(tmp_path, tiny_model)
     assert "skipped 1 file(s) of --data: notes.md (not a data file" in said
     stats = json.loads((tmp_path / "run" / "run.json").read_text())["data_stats"]
     assert stats["columns"] == {"question": "prompt", "answer": "completion"} and stats["skipped_files"]
+
+
+def test_the_default_data_is_the_packaged_demo_wherever_yeto_runs(tmp_path, tokenizer):
+    from yeto.island.train_config import TrainConfig
+
+    default = TrainConfig().data
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = subprocess.run([sys.executable, "-c", "from yeto.island.records import resolve_data, read_records\n"
+                        f"a = resolve_data({default!r}); print(len(read_records(a.path)))"],
+                       capture_output=True, text=True, cwd=elsewhere, timeout=120)
+    assert r.returncode == 0 and int(r.stdout) > 100, r.stderr
+    from tests.conftest import REPO
+
+    assert (REPO / "data" / "demo").resolve() == DEMO_DATA.parent.resolve()  # make demo's data/demo: one copy
+
+
+def test_the_wheel_ships_the_demo_data(tmp_path):
+    from tests.conftest import REPO
+
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "yeto", src / "yeto", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                        str(tmp_path / "wheel"), str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import zipfile
+
+    (wheel,) = (tmp_path / "wheel").glob("yeto-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "yeto/data/demo/pirate_chat.jsonl" in names and "yeto/data/demo/README.md" in names

@@ -92,7 +92,8 @@ def runs_as_yeto() -> bool:
 def _train_signature(
     model: Annotated[str, typer.Option(help="Model alias (`yeto models`), local HF directory or hub id.")
                      ] = D.model,
-    data: Annotated[str, typer.Option(help="A .jsonl/.json/.parquet/.csv/.txt file, a directory, a hub dataset.")
+    data: Annotated[str, typer.Option(help="A .jsonl/.json/.parquet/.csv/.txt file, a directory, a hub dataset "
+                                            "(default: the packaged demo data).")
                     ] = D.data,
     out: Annotated[str, typer.Option(help="Run directory: adapter/, metrics, state.")] = D.out,
     model_revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of the model; "

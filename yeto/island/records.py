@@ -19,6 +19,9 @@ from typing import Any, Callable, Iterable
 from yeto import YetoError
 from yeto.models.provenance import Artifact, content_hash, resolve_hub_snapshot
 
+# the demo data (pirate-speak chats) ships inside the package, so `--data`'s default works after a pip install;
+# the repository's data/demo is a link to it (make demo)
+DEMO_DATA = str(Path(__file__).resolve().parent.parent / "data" / "demo")
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv", ".txt")  # matched case-insensitively
 # written by `datasets` beside the data (save_to_disk, the hub's legacy infos): skipped, and said so
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}

@@ -8,6 +8,7 @@ from typing import Optional
 
 from yeto import YetoError
 from yeto.island.micro_batch import WHOLE_BATCH
+from yeto.island.records import DEMO_DATA
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype (auto: fp32 on CPU, bf16 on GPU for torch)
 
@@ -15,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype (auto: fp32 on CP
 @dataclass
 class TrainConfig:
     model: str = "smollm2-135m"
-    data: str = "data/demo"
+    data: str = DEMO_DATA
     out: str = "runs/train"
     model_revision: Optional[str] = None
     data_revision: Optional[str] = None
