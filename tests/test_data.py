@@ -592,3 +592,20 @@ def test_the_wheel_ships_the_demo_data(tmp_path):
     (wheel,) = (tmp_path / "wheel").glob("yeto-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "yeto/data/demo/pirate_chat.jsonl" in names and "yeto/data/demo/README.md" in names
+
+
+def test_a_txt_file_is_cut_into_blocks_with_a_held_out_share(tmp_path, tokenizer):
+    book = tmp_path / "book.txt"
+    text = "\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(200))
+    book.write_text(text + "\n")  # no blank line: one paragraph
+    d = prepare_data(str(book), tokenizer, 64, eval_fraction=0.1)
+    assert d.stats["records"] > 10 and d.stats["eval_records"] >= 1 and len(d.eval) >= 1
+    assert d.stats["split_examples"] == 0  # every piece fits a block: cut before the split, not after
+    from yeto.island.data import text_blocks
+
+    pieces = text_blocks(read_records(book), tokenizer, 64)
+    assert "".join(p.data["text"] for p in pieces) == text  # nothing lost, nothing repeated
+    assert all(len(tokenizer(p.data["text"])["input_ids"]) <= 64 - 1 for p in pieces)  # (+ EOS: one block)
+    short = tmp_path / "short.txt"
+    short.write_text("first paragraph\n\nsecond paragraph\n")  # paragraphs that fit a block stay whole
+    assert prepare_data(str(short), tokenizer, 64, eval_fraction=0.0).stats["records"] == 2

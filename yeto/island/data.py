@@ -278,6 +278,30 @@ def _encode_spans(tokenizer, text: str, spans: list[tuple[int, int]], add_eos: b
     return ids, mask
 
 
+TEXT_BLOCK_ROOM = 2  # a piece of a .txt leaves room for the BOS its tokenizer may add and the EOS a text ends with
+
+
+def text_blocks(records: list[DataRecord], tokenizer, seq_len: int) -> list[DataRecord]:
+    """A .txt file's paragraphs, each one longer than a block cut at token boundaries into block-sized pieces before
+    the held-out split: a text without blank lines (a book, a log) is many records with a held-out share, not one
+    record that packing would cut after the split. Other records are left as they are."""
+    budget = max(1, seq_len - TEXT_BLOCK_ROOM)
+    out = []
+    for rec in records:
+        text = rec.data.get("text") if rec.plain_text else None
+        if not isinstance(text, str):
+            out.append(rec)
+            continue
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        if len(offsets) <= budget:
+            out.append(rec)
+            continue
+        starts = [0] + [offsets[i][0] for i in range(budget, len(offsets), budget)]
+        for k, (a, b) in enumerate(zip(starts, starts[1:] + [len(text)])):
+            out.append(DataRecord({"text": text[a:b]}, f"{rec.origin} block {k + 1}"))
+    return out
+
+
 # ----------------------------------------------------------------------------- packing
 
 
@@ -417,10 +441,11 @@ def read_data(
     unusable: Counter[str] = Counter()
     where: dict[str, str] = {}  # the first unusable record of each reason, for the user to look at
     formats: Counter[str] = Counter()
-    pool = _usable(map_columns(layout.splits[split](), mapping), f"{data} (split {split!r})", formats, unusable,
-                   where)
-    held_out = (_usable(map_columns(layout.splits[eval_split](), mapping), data, formats, unusable, where)
-                if eval_split else [])
+    def records(name: str) -> list[DataRecord]:
+        return text_blocks(map_columns(layout.splits[name](), mapping), tokenizer, seq_len)
+
+    pool = _usable(records(split), f"{data} (split {split!r})", formats, unusable, where)
+    held_out = _usable(records(eval_split), data, formats, unusable, where) if eval_split else []
     train_idx, eval_idx = split_and_shard(len(pool), 0, 1, 0.0 if eval_split else eval_fraction, seed)
     eval_records = held_out if eval_split else [pool[i] for i in eval_idx]
     evalb, _ = pack_examples(_encode_all(eval_records, tokenizer, seq_len, unusable, where), seq_len,

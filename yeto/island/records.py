@@ -31,6 +31,7 @@ METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json"
 class DataRecord:
     data: dict[str, Any]
     origin: str  # "file:line", used in every error about this record
+    plain_text: bool = False  # a .txt paragraph: cut into block-sized pieces before the held-out split (data.py)
 
 
 def resolve_data(name: str, revision: str | None = None) -> Artifact:
@@ -286,7 +287,8 @@ def _read_csv(path: Path) -> Iterable[DataRecord]:
 
 
 def _read_txt(path: Path) -> Iterable[DataRecord]:
-    """A plain-text file is one document per blank-line-separated paragraph."""
+    """A plain-text file is one document per blank-line-separated paragraph (a paragraph longer than a block is cut
+    into blocks once the tokenizer is known: `yeto.island.data.text_blocks`)."""
     para: list[str] = []
     start = 0
     for lineno, line in enumerate(_read_text(path).split("\n"), 1):
@@ -295,7 +297,7 @@ def _read_txt(path: Path) -> Iterable[DataRecord]:
                 start = lineno
             para.append(line)
         elif para:
-            yield DataRecord({"text": "\n".join(para)}, f"{path}:{start}")
+            yield DataRecord({"text": "\n".join(para)}, f"{path}:{start}", plain_text=True)
             para = []
     if para:
-        yield DataRecord({"text": "\n".join(para)}, f"{path}:{start}")
+        yield DataRecord({"text": "\n".join(para)}, f"{path}:{start}", plain_text=True)
