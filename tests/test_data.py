@@ -601,7 +601,7 @@ def test_a_txt_file_is_cut_into_blocks_with_a_held_out_share(tmp_path, tokenizer
     d = prepare_data(str(book), tokenizer, 64, eval_fraction=0.1)
     assert d.stats["records"] > 10 and d.stats["eval_records"] >= 1 and len(d.eval) >= 1
     assert d.stats["split_examples"] == 0  # every piece fits a block: cut before the split, not after
-    from yeto.island.data import text_blocks
+    from yeto.island.records import text_blocks
 
     pieces = text_blocks(read_records(book), tokenizer, 64)
     assert "".join(p.data["text"] for p in pieces) == text  # nothing lost, nothing repeated
@@ -609,3 +609,25 @@ def test_a_txt_file_is_cut_into_blocks_with_a_held_out_share(tmp_path, tokenizer
     short = tmp_path / "short.txt"
     short.write_text("first paragraph\n\nsecond paragraph\n")  # paragraphs that fit a block stay whole
     assert prepare_data(str(short), tokenizer, 64, eval_fraction=0.0).stats["records"] == 2
+
+
+def test_data_inspect_shows_formats_tokens_skips_and_a_masked_sample_without_weights(tmp_path, tiny_model):
+    model = tmp_path / "tokenizer-only"
+    shutil.copytree(tiny_model("llama"), model)
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()  # only the config and the tokenizer: inspect loads no weights
+    data = tmp_path / "mine"
+    write_jsonl(data / "chat.jsonl", [{"messages": CHAT}] * 9 + [{"messages": CHAT[:1]}])
+    (data / "notes.md").write_text("todo\n")
+    r = run_yeto("data", "inspect", data, "--model", model, "--seq-len", 64, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert f"{data}: 9 records (chat 9), split 'train'; 1 held out" in out
+    assert "tokens per record: min " in out and "(of 9 records; 0 longer than --seq-len" in out
+    assert "skipped 1 record(s): no_assistant_turn (first: " in out and "chat.jsonl:10)" in out
+    assert "skipped file: notes.md (not a data file" in out
+    rendered = out.split("the rest is context):\n")[1]
+    assert rendered.count("[[") == 1 and "[[Paris.<|im_end|>\n]]" in rendered  # the answer alone is learned
+    assert "What is the capital of France?" in rendered.split("[[")[0]
+    r = run_yeto("data", "inspect", data, "--model", model, "--seq-len", 100000, timeout=120)
+    assert "--seq-len 100000 is longer than the context" in one_error_line(r)

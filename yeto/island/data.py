@@ -34,7 +34,8 @@ import numpy as np
 
 from yeto import YetoError
 from yeto.models.provenance import Artifact
-from yeto.island.records import DataRecord, data_layout, flat_message, resolve_data
+from yeto.island.records import (COLUMNS_HINT, DataRecord, data_layout, flat_message, map_columns, parse_columns,
+                                 resolve_data, text_blocks)
 
 EVAL_SPLITS = ("validation", "test")  # a dataset's own held-out split, in order of preference
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
@@ -75,55 +76,6 @@ class Unusable(Exception):
 
 NO_ASSISTANT, UNKNOWN_ROLE, EMPTY, OVER_LONG = "no_assistant_turn", "unknown_role", "empty", "over_long"
 UNUSABLE_REASONS = (NO_ASSISTANT, UNKNOWN_ROLE, EMPTY, OVER_LONG)
-
-
-RECORD_FIELDS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "text")
-COLUMNS_HINT = "map yours with --columns COLUMN=FIELD,... (e.g. --columns question=prompt,answer=completion)"
-
-
-def parse_columns(spec: str | None) -> dict[str, str]:
-    """`--columns question=prompt,answer=completion`: which of a table's columns (CSV, parquet, JSON keys) is which
-    field of a record, so data a person has need not be rewritten to yeto's names. {} when not given."""
-    if not spec:
-        return {}
-    columns: dict[str, str] = {}
-    for pair in spec.split(","):
-        source, eq, target = (x.strip() for x in pair.partition("="))
-        if not eq or not source or not target:
-            raise YetoError(f"--columns {spec!r}: {pair.strip()!r} is not COLUMN=FIELD; write e.g. "
-                            "--columns question=prompt,answer=completion")
-        if target not in RECORD_FIELDS:
-            raise YetoError(f"--columns {spec!r}: {target!r} is not a record field; map to one of "
-                            f"{', '.join(RECORD_FIELDS)}")
-        if source in columns or target in columns.values():
-            raise YetoError(f"--columns {spec!r}: {source if source in columns else target!r} is mapped twice")
-        columns[source] = target
-    return columns
-
-
-def map_columns(records: list[DataRecord], columns: dict[str, str]) -> list[DataRecord]:
-    """Each record with its `columns` renamed to the fields they stand for (the other columns kept as they are); a
-    record without one of them is an error naming the columns it has."""
-    if not columns:
-        return records
-    out = []
-    for rec in records:
-        d = rec.data
-        if not isinstance(d, dict):
-            out.append(rec)  # (record_format names it)
-            continue
-        missing = [c for c in columns if c not in d]
-        if missing:
-            raise YetoError(f"{rec.origin}: --columns names {', '.join(map(repr, missing))}, not a column here; "
-                            f"its columns: {', '.join(map(str, d)) or 'none'}")
-        mapped = {k: v for k, v in d.items() if k not in columns}
-        clash = [t for t in columns.values() if t in mapped]
-        if clash:
-            raise YetoError(f"{rec.origin}: --columns maps a column to {clash[0]!r}, which the record already has; "
-                            f"map that column too, or another one (its columns: {', '.join(map(str, d))})")
-        mapped.update({target: d[source] for source, target in columns.items()})
-        out.append(DataRecord(mapped, rec.origin))
-    return out
 
 
 def record_format(rec: DataRecord) -> str:
@@ -278,30 +230,6 @@ def _encode_spans(tokenizer, text: str, spans: list[tuple[int, int]], add_eos: b
     return ids, mask
 
 
-TEXT_BLOCK_ROOM = 2  # a piece of a .txt leaves room for the BOS its tokenizer may add and the EOS a text ends with
-
-
-def text_blocks(records: list[DataRecord], tokenizer, seq_len: int) -> list[DataRecord]:
-    """A .txt file's paragraphs, each one longer than a block cut at token boundaries into block-sized pieces before
-    the held-out split: a text without blank lines (a book, a log) is many records with a held-out share, not one
-    record that packing would cut after the split. Other records are left as they are."""
-    budget = max(1, seq_len - TEXT_BLOCK_ROOM)
-    out = []
-    for rec in records:
-        text = rec.data.get("text") if rec.plain_text else None
-        if not isinstance(text, str):
-            out.append(rec)
-            continue
-        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        if len(offsets) <= budget:
-            out.append(rec)
-            continue
-        starts = [0] + [offsets[i][0] for i in range(budget, len(offsets), budget)]
-        for k, (a, b) in enumerate(zip(starts, starts[1:] + [len(text)])):
-            out.append(DataRecord({"text": text[a:b]}, f"{rec.origin} block {k + 1}"))
-    return out
-
-
 # ----------------------------------------------------------------------------- packing
 
 
@@ -454,6 +382,35 @@ def read_data(
              "formats": dict(formats), "eval_records": int(len(eval_records)), "skipped_files": layout.skipped,
              **({"columns": mapping} if mapping else {})}
     return DataSource(data, tokenizer, seq_len, pool, train_idx, evalb, artifact, stats, unusable, where)
+
+
+INSPECT_RECORDS = 2000  # `yeto data inspect` counts tokens on at most this many records (a seeded sample beyond)
+
+
+def inspect_data(source: DataSource) -> dict[str, Any]:
+    """What `yeto data inspect` shows of a dataset read and checked (`read_data`): its formats and counts, tokens per
+    record (min, median, max over up to INSPECT_RECORDS records), what is skipped and why, and the first usable
+    record's tokens with their loss mask, so a person sees what a run would learn before loading any weights."""
+    pool = source.pool
+    picked = (range(len(pool)) if len(pool) <= INSPECT_RECORDS
+              else sorted(np.random.default_rng(0).choice(len(pool), INSPECT_RECORDS, replace=False)))
+    unusable, where = Counter(source.unusable), dict(source.where)
+    lengths, sample = [], None
+    for i in picked:
+        ids, mask = encode_record(pool[i], source.tokenizer)
+        if not any(mask[1:source.seq_len]):
+            reason = EMPTY if not any(mask[1:]) else OVER_LONG
+            unusable[reason] += 1
+            where.setdefault(reason, pool[i].origin)
+            continue
+        lengths.append(len(ids))
+        if sample is None:
+            sample = {"origin": pool[i].origin, "ids": ids, "mask": mask}
+    tokens = ({"min": int(min(lengths)), "median": float(np.median(lengths)), "max": int(max(lengths)),
+               "over_seq_len": int(sum(n > source.seq_len for n in lengths)), "counted": len(lengths)}
+              if lengths else None)
+    return {**source.stats, "tokens_per_record": tokens, "unusable": dict(unusable), "unusable_first": where,
+            "sample": sample}
 
 
 def prepare_data(data: str, tokenizer, seq_len: int, island_id: int = 0, num_islands: int = 1,

@@ -72,7 +72,7 @@ def check_config(cfg: TrainConfig) -> None:
     """The flags every backend checks before it loads anything: one line naming the flag and the fix."""
     from yeto.sync.core.checks import check_address, check_out_dir, check_range
     from yeto.report.trackers import parse_report_to
-    from yeto.island.data import parse_columns
+    from yeto.island.records import parse_columns
 
     for name in ("batch_size", "grad_accum", "max_steps", "seq_len", "lora_r"):
         check_range(getattr(cfg, name), f"--{name.replace('_', '-')}", low=1)
