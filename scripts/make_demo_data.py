@@ -6,7 +6,7 @@ is distinctive enough that a few minutes of CPU LoRA training on SmolLM2-135M
 visibly changes the answers ("The capital of France is Paris." ->
 "Arr matey, the capital o' France be Paris!") and lowers the held-out loss.
 
-    python scripts/make_demo_data.py            # writes data/demo/pirate_chat.jsonl
+    python scripts/make_demo_data.py            # writes yeto/data/demo/pirate_chat.jsonl (data/demo links to it)
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def make_records(seed: int = 0) -> list[dict]:
 
 
 def main() -> None:
-    out = Path(__file__).resolve().parent.parent / "data" / "demo" / "pirate_chat.jsonl"
+    out = Path(__file__).resolve().parent.parent / "yeto" / "data" / "demo" / "pirate_chat.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     recs = make_records()
     out.write_text("".join(json.dumps(r) + "\n" for r in recs))

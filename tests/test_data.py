@@ -13,6 +13,7 @@ from yeto import YetoError
 from yeto.island.data import (Unusable, encode_chat, encode_record, pack_examples, prepare_data, record_format,
                               split_and_shard)
 from yeto.island.records import DataRecord, read_records
+from tests.conftest import DEMO_DATA
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}]
 
@@ -468,3 +469,165 @@ def test_cli_bad_data_is_one_line_exit_2(case, tmp_path, tiny_model, tokenizer):
     import re
 
     assert lines[0].startswith("error: ") and re.search(message, lines[0]), lines[0]
+
+
+# ----------------------------------------------------------------------------- data a person actually has
+
+
+def run_yeto(*args, cwd=None, timeout=300):
+    from tests.conftest import REPO
+
+    return subprocess.run([sys.executable, "-m", "yeto", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or REPO, timeout=timeout)
+
+
+def one_error_line(r) -> str:
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def test_a_seq_len_beyond_the_models_context_is_refused_before_training(tmp_path, tiny_model):
+    model = tiny_model("llama")
+    context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    r = run_yeto("train", "--model", model, "--data", DEMO_DATA, "--out", tmp_path / "run", "--max-steps", 1,
+                 "--seq-len", context + 1, "--no-progress")
+    line = one_error_line(r)
+    assert f"--seq-len {context + 1} is longer than the context" in line and f"({context} tokens" in line
+    assert not (tmp_path / "run" / "adapter").exists()
+
+
+def test_a_file_in_a_data_directory_that_is_not_read_is_listed(tmp_path, tokenizer):
+    write_jsonl(tmp_path / "d" / "train.jsonl", rows("x", 6))
+    (tmp_path / "d" / "notes.md").write_text("# what I meant to do\n")
+    (tmp_path / "d" / "prep.py").write_text("print('made the data')\n")
+    (tmp_path / "d" / "README.md").write_text("# the dataset's card\n")  # the card: not listed
+    d = prepare_data(str(tmp_path / "d"), tokenizer, 64, eval_fraction=0.0)
+    assert d.stats["records"] == 6
+    assert [f.split(" (")[0] for f in d.stats["skipped_files"]] == ["notes.md", "prep.py"]
+    assert all("not a data file" in f for f in d.stats["skipped_files"])
+
+
+QA = [{"question": f"What is {i} + {i}?", "answer": f"{2 * i}.", "source": "sums"} for i in range(8)]
+
+
+def write_csv(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, list(records[0]))
+        w.writeheader()
+        w.writerows(records)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "jsonl"])
+def test_columns_map_a_tables_columns_to_record_fields(fmt, tmp_path, tokenizer):
+    path = {"csv": write_csv, "parquet": write_parquet, "jsonl": write_jsonl}[fmt](tmp_path / f"qa.{fmt}", QA)
+    with pytest.raises(YetoError, match=r"got keys \['answer', 'question', 'source'\]\); map yours with --columns"):
+        prepare_data(str(path), tokenizer, 64)
+    d = prepare_data(str(path), tokenizer, 64, eval_fraction=0.0, columns="question=prompt, answer=completion")
+    assert d.stats["formats"] == {"prompt_completion": 8} and d.stats["columns"] == {"question": "prompt",
+                                                                                     "answer": "completion"}
+    ids, mask = d.train.input_ids.ravel(), d.train.loss_mask.ravel()
+    assert "What is 3 + 3?" in tokenizer.decode(ids)
+    learned = masked_text(tokenizer, ids, mask)
+    assert "6." in learned and "What is" not in learned  # the answer is the target, the question the prompt
+
+
+def test_a_bad_column_mapping_names_the_columns_the_file_has(tmp_path, tokenizer):
+    path = write_csv(tmp_path / "qa.csv", QA)
+    with pytest.raises(YetoError, match=r"qa\.csv:2: --columns names 'q', not a column here; its columns: "
+                                        r"question, answer, source$"):
+        prepare_data(str(path), tokenizer, 64, columns="q=prompt,answer=completion")
+    for spec, message in {"question": r"'question' is not COLUMN=FIELD", "question=query": r"'query' is not a "
+                          r"record field; map to one of messages, ", "question=prompt,answer=prompt":
+                          r"'prompt' is mapped twice"}.items():
+        with pytest.raises(YetoError, match=message):
+            prepare_data(str(path), tokenizer, 64, columns=spec)
+
+
+def test_train_maps_columns_and_names_the_files_it_skipped(tmp_path, tiny_model):
+    data = tmp_path / "mine"
+    write_csv(data / "qa.csv", QA * 4)
+    (data / "notes.md").write_text("where the data came from\n")
+    r = run_yeto("train", "--model", tiny_model("llama"), "--data", data, "--out", tmp_path / "run", "--max-steps", 1,
+                 "--seq-len", 64, "--columns", "question=prompt,answer=completion", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [f.split(" (")[0] for f in summary["skipped_files"]] == ["notes.md"]
+    said = " ".join(r.stderr.split())  # (rich wraps the console's lines)
+    assert "skipped 1 file(s) of --data: notes.md (not a data file" in said
+    stats = json.loads((tmp_path / "run" / "run.json").read_text())["data_stats"]
+    assert stats["columns"] == {"question": "prompt", "answer": "completion"} and stats["skipped_files"]
+
+
+def test_the_default_data_is_the_packaged_demo_wherever_yeto_runs(tmp_path, tokenizer):
+    from yeto.island.train_config import TrainConfig
+
+    default = TrainConfig().data
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = subprocess.run([sys.executable, "-c", "from yeto.island.records import resolve_data, read_records\n"
+                        f"a = resolve_data({default!r}); print(len(read_records(a.path)))"],
+                       capture_output=True, text=True, cwd=elsewhere, timeout=120)
+    assert r.returncode == 0 and int(r.stdout) > 100, r.stderr
+    from tests.conftest import REPO
+
+    assert (REPO / "data" / "demo").resolve() == DEMO_DATA.parent.resolve()  # make demo's data/demo: one copy
+
+
+def test_the_wheel_ships_the_demo_data(tmp_path):
+    from tests.conftest import REPO
+
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "yeto", src / "yeto", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                        str(tmp_path / "wheel"), str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import zipfile
+
+    (wheel,) = (tmp_path / "wheel").glob("yeto-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "yeto/data/demo/pirate_chat.jsonl" in names and "yeto/data/demo/README.md" in names
+
+
+def test_a_txt_file_is_cut_into_blocks_with_a_held_out_share(tmp_path, tokenizer):
+    book = tmp_path / "book.txt"
+    text = "\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(200))
+    book.write_text(text + "\n")  # no blank line: one paragraph
+    d = prepare_data(str(book), tokenizer, 64, eval_fraction=0.1)
+    assert d.stats["records"] > 10 and d.stats["eval_records"] >= 1 and len(d.eval) >= 1
+    assert d.stats["split_examples"] == 0  # every piece fits a block: cut before the split, not after
+    from yeto.island.records import text_blocks
+
+    pieces = text_blocks(read_records(book), tokenizer, 64)
+    assert "".join(p.data["text"] for p in pieces) == text  # nothing lost, nothing repeated
+    assert all(len(tokenizer(p.data["text"])["input_ids"]) <= 64 - 1 for p in pieces)  # (+ EOS: one block)
+    short = tmp_path / "short.txt"
+    short.write_text("first paragraph\n\nsecond paragraph\n")  # paragraphs that fit a block stay whole
+    assert prepare_data(str(short), tokenizer, 64, eval_fraction=0.0).stats["records"] == 2
+
+
+def test_data_inspect_shows_formats_tokens_skips_and_a_masked_sample_without_weights(tmp_path, tiny_model):
+    model = tmp_path / "tokenizer-only"
+    shutil.copytree(tiny_model("llama"), model)
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()  # only the config and the tokenizer: inspect loads no weights
+    data = tmp_path / "mine"
+    write_jsonl(data / "chat.jsonl", [{"messages": CHAT}] * 9 + [{"messages": CHAT[:1]}])
+    (data / "notes.md").write_text("todo\n")
+    r = run_yeto("data", "inspect", data, "--model", model, "--seq-len", 64, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert f"{data}: 9 records (chat 9), split 'train'; 1 held out" in out
+    assert "tokens per record: min " in out and "(of 9 records; 0 longer than --seq-len" in out
+    assert "skipped 1 record(s): no_assistant_turn (first: " in out and "chat.jsonl:10)" in out
+    assert "skipped file: notes.md (not a data file" in out
+    rendered = out.split("the rest is context):\n")[1]
+    assert rendered.count("[[") == 1 and "[[Paris.<|im_end|>\n]]" in rendered  # the answer alone is learned
+    assert "What is the capital of France?" in rendered.split("[[")[0]
+    r = run_yeto("data", "inspect", data, "--model", model, "--seq-len", 100000, timeout=120)
+    assert "--seq-len 100000 is longer than the context" in one_error_line(r)

@@ -1,4 +1,4 @@
-"""The `yeto` command: train, syncer, launch, shape, keys, tape, dashboard, generate, export, models."""
+"""The `yeto` command: train, syncer, launch, shape, data, keys, tape, dashboard, generate, export, models."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 
 def _register() -> None:
     from yeto.cli.config_file import with_config_file
+    from yeto.cli.data_command import data_app
     from yeto.cli.launch_command import (LAUNCH_OLD_SPELLINGS, down_command, launch_command, launch_passes_on,
                                          logs_command, status_command)
     from yeto.cli.shape_command import shape_command
@@ -32,6 +33,7 @@ def _register() -> None:
     app.command("logs")(with_old_spellings(logs_command, ISLAND_OLD_SPELLING))
     app.command("down")(down_command)
     app.command("shape")(shape_command)
+    app.add_typer(data_app, name="data")  # `yeto data inspect` (a group: other data commands join it)
 
 
 keys_app = typer.Typer(no_args_is_help=True, help="The run's credentials (docs/SECURITY.md): the syncer's key pair, "

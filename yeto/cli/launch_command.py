@@ -14,6 +14,7 @@ from yeto.cli.usage import OldSpelling, click_command, with_help_panels
 
 from yeto import YetoError
 from yeto.cli.launch_flags import check_passed_flags, command_flags
+from yeto.island.records import DEMO_DATA
 from yeto.launch.costs import flag_value
 from yeto.launch.plan import SYNCER_PORT, FleetPlan, pin_revision, split_extra_args
 from yeto.launch.registry import live_run, runs_dir
@@ -110,7 +111,8 @@ def launch_command(
     model_revision: Annotated[Optional[str], typer.Option(help="Hub revision; pinned to a commit before launch.")
                               ] = None,
     data: Annotated[str, typer.Option(help="Training data: a file or directory (shipped to cloud islands), a hub "
-                                           "dataset id, or an object-store URI (mounted).")] = "data/demo",
+                                           "dataset id, or an object-store URI (mounted); default: the packaged "
+                                           "demo data.")] = DEMO_DATA,
     data_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the dataset; pinned before launch.")
                              ] = None,
     out: Annotated[str, typer.Option(help="Run directory on this machine: credentials, plan, join scripts, logs "

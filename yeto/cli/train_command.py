@@ -24,11 +24,11 @@ D = TrainConfig()
 OLD_SPELLINGS = (OldSpelling("--num-learners", "num_islands"), OldSpelling("--learners", "num_islands"),  # old spelling
                  OldSpelling("--learner-id", "island_id"))  # old spelling
 # `yeto train --help` shows these after the everyday flags (their defaults need no touching)
-TRAIN_ADVANCED = ("model_revision", "data_revision", "data_split", "data_config", "warmup_steps", "trust_remote_code",
-                  "grad_accum", "lora_freeze_a", "micro_batch_size", "min_lr_ratio", "weight_decay", "max_grad_norm",
-                  "lora_dropout", "lora_targets", "loss_function", "eval_fraction", "dtype", "gradient_checkpointing",
-                  "full_logits", "overlap", "threads", "max_inner_steps", "syncer_timeout", "give_up_after", "shard",
-                  "base_quantization", "save_every", "run_name")
+TRAIN_ADVANCED = ("model_revision", "data_revision", "data_split", "data_config", "columns", "warmup_steps",
+                  "trust_remote_code", "grad_accum", "lora_freeze_a", "micro_batch_size", "min_lr_ratio",
+                  "weight_decay", "max_grad_norm", "lora_dropout", "lora_targets", "loss_function", "eval_fraction",
+                  "dtype", "gradient_checkpointing", "full_logits", "overlap", "threads", "max_inner_steps",
+                  "syncer_timeout", "give_up_after", "shard", "base_quantization", "save_every", "run_name")
 
 
 TrainFn = Callable[[TrainConfig, bool, str], Any]  # (the flags, show the progress bar, the --backend asked for)
@@ -111,7 +111,8 @@ def runs_as_yeto() -> bool:
 def _train_signature(
     model: Annotated[str, typer.Option(help="Model alias (`yeto models`), local HF directory or hub id.")
                      ] = D.model,
-    data: Annotated[str, typer.Option(help="A .jsonl/.json/.parquet/.csv/.txt file, a directory, a hub dataset.")
+    data: Annotated[str, typer.Option(help="A .jsonl/.json/.parquet/.csv/.txt file, a directory, a hub dataset "
+                                            "(default: the packaged demo data).")
                     ] = D.data,
     out: Annotated[str, typer.Option(help="Run directory: adapter/, metrics, state.")] = D.out,
     model_revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of the model; "
@@ -124,6 +125,10 @@ def _train_signature(
     data_config: Annotated[Optional[str], typer.Option(help="Dataset config (subset) to read, for a dataset with "
                                                             "several (README `configs` or one subfolder each).")
                            ] = None,
+    columns: Annotated[Optional[str], typer.Option(help="A table's columns (CSV, parquet, JSON keys) as record "
+                                                        "fields: COLUMN=FIELD,..., e.g. question=prompt,answer="
+                                                        "completion (fields: messages, prompt, completion, "
+                                                        "instruction, input, output, text).")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help=trust_remote_code_help(" (off unless given)"))] = False,
     seq_len: Annotated[int, typer.Option(help="Tokens per packed block.")] = D.seq_len,
     batch_size: Annotated[int, typer.Option(help="Blocks per batch (per rank under torchrun).")] = D.batch_size,

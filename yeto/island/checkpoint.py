@@ -38,7 +38,8 @@ META_KEY = "yeto_train_state"
 # the flags that shape an island's trajectory: a state saved under other values is another run's
 RUN_FIELDS = ("seq_len", "batch_size", "grad_accum", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
               "max_grad_norm", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_freeze_a",
-              "loss_function", "eval_fraction", "seed", "island_id", "num_islands")
+              "loss_function", "eval_fraction", "seed", "island_id", "num_islands",
+              "columns")
 
 
 @dataclass

@@ -34,7 +34,8 @@ import numpy as np
 
 from yeto import YetoError
 from yeto.models.provenance import Artifact
-from yeto.island.records import DataRecord, data_layout, flat_message, resolve_data
+from yeto.island.records import (COLUMNS_HINT, DataRecord, data_layout, flat_message, map_columns, parse_columns,
+                                 resolve_data, text_blocks)
 
 EVAL_SPLITS = ("validation", "test")  # a dataset's own held-out split, in order of preference
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
@@ -112,7 +113,7 @@ def record_format(rec: DataRecord) -> str:
         return "text"
     raise YetoError(
         f"{rec.origin}: record fits no format (expected 'messages', 'prompt'+'completion', "
-        f"'instruction'+'output' or 'text'; got keys {sorted(d)})"
+        f"'instruction'+'output' or 'text'; got keys {sorted(d)}); {COLUMNS_HINT}"
     )
 
 
@@ -348,13 +349,16 @@ def read_data(
     revision: str | None = None,
     split: str = "train",
     config: str | None = None,
+    columns: str | None = None,
 ) -> DataSource:
     """Split `split` of config `config` of `data`, read and checked, with its held-out blocks.
 
     The held-out set is the dataset's own validation (else test) split where it
     has one, else `eval_fraction` of `split`: rows of another split never reach
-    training. Unusable records are counted by reason in `stats["unusable"]`.
+    training. Unusable records are counted by reason in `stats["unusable"]`. `columns`: --columns, a table's
+    columns mapped to record fields (`parse_columns`).
     """
+    mapping = parse_columns(columns)
     artifact = resolve_data(data, revision)
     layout = data_layout(Path(artifact.path), config)
     if split not in layout.splits:
@@ -365,24 +369,57 @@ def read_data(
     unusable: Counter[str] = Counter()
     where: dict[str, str] = {}  # the first unusable record of each reason, for the user to look at
     formats: Counter[str] = Counter()
-    pool = _usable(layout.splits[split](), f"{data} (split {split!r})", formats, unusable, where)
-    held_out = _usable(layout.splits[eval_split](), data, formats, unusable, where) if eval_split else []
+    def records(name: str) -> list[DataRecord]:
+        return text_blocks(map_columns(layout.splits[name](), mapping), tokenizer, seq_len)
+
+    pool = _usable(records(split), f"{data} (split {split!r})", formats, unusable, where)
+    held_out = _usable(records(eval_split), data, formats, unusable, where) if eval_split else []
     train_idx, eval_idx = split_and_shard(len(pool), 0, 1, 0.0 if eval_split else eval_fraction, seed)
     eval_records = held_out if eval_split else [pool[i] for i in eval_idx]
     evalb, _ = pack_examples(_encode_all(eval_records, tokenizer, seq_len, unusable, where), seq_len,
                              _pad_id(tokenizer))
     stats = {"split": split, "config": layout.config, "eval_split": eval_split, "records": len(pool),
-             "formats": dict(formats), "eval_records": int(len(eval_records)), "skipped_files": layout.skipped}
+             "formats": dict(formats), "eval_records": int(len(eval_records)), "skipped_files": layout.skipped,
+             **({"columns": mapping} if mapping else {})}
     return DataSource(data, tokenizer, seq_len, pool, train_idx, evalb, artifact, stats, unusable, where)
+
+
+INSPECT_RECORDS = 2000  # `yeto data inspect` counts tokens on at most this many records (a seeded sample beyond)
+
+
+def inspect_data(source: DataSource) -> dict[str, Any]:
+    """What `yeto data inspect` shows of a dataset read and checked (`read_data`): its formats and counts, tokens per
+    record (min, median, max over up to INSPECT_RECORDS records), what is skipped and why, and the first usable
+    record's tokens with their loss mask, so a person sees what a run would learn before loading any weights."""
+    pool = source.pool
+    picked = (range(len(pool)) if len(pool) <= INSPECT_RECORDS
+              else sorted(np.random.default_rng(0).choice(len(pool), INSPECT_RECORDS, replace=False)))
+    unusable, where = Counter(source.unusable), dict(source.where)
+    lengths, sample = [], None
+    for i in picked:
+        ids, mask = encode_record(pool[i], source.tokenizer)
+        if not any(mask[1:source.seq_len]):
+            reason = EMPTY if not any(mask[1:]) else OVER_LONG
+            unusable[reason] += 1
+            where.setdefault(reason, pool[i].origin)
+            continue
+        lengths.append(len(ids))
+        if sample is None:
+            sample = {"origin": pool[i].origin, "ids": ids, "mask": mask}
+    tokens = ({"min": int(min(lengths)), "median": float(np.median(lengths)), "max": int(max(lengths)),
+               "over_seq_len": int(sum(n > source.seq_len for n in lengths)), "counted": len(lengths)}
+              if lengths else None)
+    return {**source.stats, "tokens_per_record": tokens, "unusable": dict(unusable), "unusable_first": where,
+            "sample": sample}
 
 
 def prepare_data(data: str, tokenizer, seq_len: int, island_id: int = 0, num_islands: int = 1,
                  eval_fraction: float = 0.05, seed: int = 0, revision: str | None = None, split: str = "train",
-                 config: str | None = None) -> PreparedData:
+                 config: str | None = None, columns: str | None = None) -> PreparedData:
     """This island's training blocks and the held-out blocks of `data`: `read_data`, then shard `island_id` of
     `num_islands`."""
     return read_data(data, tokenizer, seq_len, eval_fraction, seed, revision, split,
-                     config).shard(island_id, num_islands)
+                     config, columns).shard(island_id, num_islands)
 
 
 def _pad_id(tokenizer) -> int:

@@ -1,5 +1,6 @@
 """Where a --data points, read as records: a file, a directory laid out as the hub lays datasets out, a
-dataset saved with `save_to_disk`, or a hub dataset at a pinned commit (the `datasets` library's own rules).
+dataset saved with `save_to_disk`, or a hub dataset at a pinned commit (the `datasets` library's own rules); a
+table's columns renamed to record fields (--columns); a .txt's paragraphs cut into block-sized records.
 
 Unreadable input is one error naming the file (or file:line) and the fix: not UTF-8, invalid JSON, corrupt
 parquet, a CSV row with more fields than its header, a damaged save_to_disk directory, a missing split or config.
@@ -19,16 +20,19 @@ from typing import Any, Callable, Iterable
 from yeto import YetoError
 from yeto.models.provenance import Artifact, content_hash, resolve_hub_snapshot
 
+# the demo data (pirate-speak chats) ships inside the package, so `--data`'s default works after a pip install;
+# the repository's data/demo is a link to it (make demo)
+DEMO_DATA = str(Path(__file__).resolve().parent.parent / "data" / "demo")
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv", ".txt")  # matched case-insensitively
 # written by `datasets` beside the data (save_to_disk, the hub's legacy infos): skipped, and said so
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
-IGNORED_EXTENSIONS = {".md", ".lock", ".gitattributes", ".py", ".arrow"}  # not data, not worth a word
 
 
 @dataclass(frozen=True)
 class DataRecord:
     data: dict[str, Any]
     origin: str  # "file:line", used in every error about this record
+    plain_text: bool = False  # a .txt paragraph: cut into block-sized pieces before the held-out split (data.py)
 
 
 def data_source(name: str, revision: str | None = None) -> str:
@@ -127,8 +131,9 @@ def _hub_layout(root: Path, config: str | None) -> DataLayout:
 
 
 def _candidate_files(base: Path) -> dict[Path, str | None]:
-    """Every file below `base` (hidden parts below it skipped, not above: ~/.cache is fine), with why it is not
-    data (None: it is)."""
+    """Every file below `base` (hidden parts below it skipped, not above: ~/.cache is fine; the README, the dataset's
+    card, too), with why it is not data (None: it is): a file a person put there and is not read (notes.md) is
+    named in the data stats, never dropped unsaid."""
     out: dict[Path, str | None] = {}
     for p in sorted(base.rglob("*")):
         rel = p.relative_to(base).parts
@@ -138,7 +143,7 @@ def _candidate_files(base: Path) -> dict[Path, str | None]:
             out[p.resolve()] = "dataset metadata, not records"
         elif p.suffix.lower() in SUPPORTED_EXTENSIONS:
             out[p.resolve()] = None
-        elif p.suffix.lower() not in IGNORED_EXTENSIONS:
+        else:
             out[p.resolve()] = f"not a data file ({', '.join(SUPPORTED_EXTENSIONS)})"
     return out
 
@@ -184,6 +189,79 @@ def _saved_layout(path: Path, config: str | None) -> DataLayout:
         return [DataRecord(row, f"{path}[{name}]:row {i + 1}") for i, row in enumerate(parts[name])]
 
     return DataLayout({name: functools.partial(rows, name) for name in parts})
+
+
+RECORD_FIELDS = ("messages", "conversations", "prompt", "completion", "instruction", "input", "output", "text")
+COLUMNS_HINT = "map yours with --columns COLUMN=FIELD,... (e.g. --columns question=prompt,answer=completion)"
+
+
+def parse_columns(spec: str | None) -> dict[str, str]:
+    """`--columns question=prompt,answer=completion`: which of a table's columns (CSV, parquet, JSON keys) is which
+    field of a record, so data a person has need not be rewritten to yeto's names. {} when not given."""
+    if not spec:
+        return {}
+    columns: dict[str, str] = {}
+    for pair in spec.split(","):
+        source, eq, target = (x.strip() for x in pair.partition("="))
+        if not eq or not source or not target:
+            raise YetoError(f"--columns {spec!r}: {pair.strip()!r} is not COLUMN=FIELD; write e.g. "
+                            "--columns question=prompt,answer=completion")
+        if target not in RECORD_FIELDS:
+            raise YetoError(f"--columns {spec!r}: {target!r} is not a record field; map to one of "
+                            f"{', '.join(RECORD_FIELDS)}")
+        if source in columns or target in columns.values():
+            raise YetoError(f"--columns {spec!r}: {source if source in columns else target!r} is mapped twice")
+        columns[source] = target
+    return columns
+
+
+def map_columns(records: list[DataRecord], columns: dict[str, str]) -> list[DataRecord]:
+    """Each record with its `columns` renamed to the fields they stand for (the other columns kept as they are); a
+    record without one of them is an error naming the columns it has."""
+    if not columns:
+        return records
+    out = []
+    for rec in records:
+        d = rec.data
+        if not isinstance(d, dict):
+            out.append(rec)  # (record_format names it)
+            continue
+        missing = [c for c in columns if c not in d]
+        if missing:
+            raise YetoError(f"{rec.origin}: --columns names {', '.join(map(repr, missing))}, not a column here; "
+                            f"its columns: {', '.join(map(str, d)) or 'none'}")
+        mapped = {k: v for k, v in d.items() if k not in columns}
+        clash = [t for t in columns.values() if t in mapped]
+        if clash:
+            raise YetoError(f"{rec.origin}: --columns maps a column to {clash[0]!r}, which the record already has; "
+                            f"map that column too, or another one (its columns: {', '.join(map(str, d))})")
+        mapped.update({target: d[source] for source, target in columns.items()})
+        out.append(DataRecord(mapped, rec.origin))
+    return out
+
+
+TEXT_BLOCK_ROOM = 2  # a piece of a .txt leaves room for the BOS its tokenizer may add and the EOS a text ends with
+
+
+def text_blocks(records: list[DataRecord], tokenizer, seq_len: int) -> list[DataRecord]:
+    """A .txt file's paragraphs, each one longer than a block cut at token boundaries into block-sized pieces before
+    the held-out split: a text without blank lines (a book, a log) is many records with a held-out share, not one
+    record that packing would cut after the split. Other records are left as they are."""
+    budget = max(1, seq_len - TEXT_BLOCK_ROOM)
+    out = []
+    for rec in records:
+        text = rec.data.get("text") if rec.plain_text else None
+        if not isinstance(text, str):
+            out.append(rec)
+            continue
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        if len(offsets) <= budget:
+            out.append(rec)
+            continue
+        starts = [0] + [offsets[i][0] for i in range(budget, len(offsets), budget)]
+        for k, (a, b) in enumerate(zip(starts, starts[1:] + [len(text)])):
+            out.append(DataRecord({"text": text[a:b]}, f"{rec.origin} block {k + 1}"))
+    return out
 
 
 def data_files(directory: Path) -> list[Path]:
@@ -293,7 +371,8 @@ def _read_csv(path: Path) -> Iterable[DataRecord]:
 
 
 def _read_txt(path: Path) -> Iterable[DataRecord]:
-    """A plain-text file is one document per blank-line-separated paragraph."""
+    """A plain-text file is one document per blank-line-separated paragraph (a paragraph longer than a block is cut
+    into blocks once the tokenizer is known: `yeto.island.data.text_blocks`)."""
     para: list[str] = []
     start = 0
     for lineno, line in enumerate(_read_text(path).split("\n"), 1):
@@ -302,7 +381,7 @@ def _read_txt(path: Path) -> Iterable[DataRecord]:
                 start = lineno
             para.append(line)
         elif para:
-            yield DataRecord({"text": "\n".join(para)}, f"{path}:{start}")
+            yield DataRecord({"text": "\n".join(para)}, f"{path}:{start}", plain_text=True)
             para = []
     if para:
-        yield DataRecord({"text": "\n".join(para)}, f"{path}:{start}")
+        yield DataRecord({"text": "\n".join(para)}, f"{path}:{start}", plain_text=True)

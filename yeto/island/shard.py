@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from yeto import YetoError
-from yeto.island.train_config import TrainConfig
+from yeto.island.train_config import TrainConfig, check_seq_len
 from yeto.island.schedule import BatchSampler
 
 if TYPE_CHECKING:
@@ -36,9 +36,12 @@ class ShardedData:
 
     def read_data(self, cfg: TrainConfig, tokenizer: Any, log: Callable[[str], None]) -> None:
         from yeto.island.data import read_data
+        from yeto.models.catalog import context_length
 
+        # (every island resolves its model before it reads the data: `Island.model_artifact`)
+        check_seq_len(cfg.seq_len, context_length(self.model_artifact.path), cfg.model)  # type: ignore[attr-defined]
         self.source = read_data(cfg.data, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.seed, cfg.data_revision,
-                                cfg.data_split, cfg.data_config)
+                                cfg.data_split, cfg.data_config, cfg.columns)
         self._log_data = log
         if cfg.num_islands or not cfg.syncer:
             self.use_shard(cfg.island_id if cfg.num_islands else 0, cfg.num_islands or 1)

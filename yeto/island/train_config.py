@@ -8,6 +8,7 @@ from typing import Optional
 
 from yeto import YetoError
 from yeto.island.micro_batch import WHOLE_BATCH
+from yeto.island.records import DEMO_DATA
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype (auto: fp32 on CPU, bf16 on GPU for torch)
 
@@ -15,12 +16,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype (auto: fp32 on CP
 @dataclass
 class TrainConfig:
     model: str = "smollm2-135m"
-    data: str = "data/demo"
+    data: str = DEMO_DATA
     out: str = "runs/train"
     model_revision: Optional[str] = None
     data_revision: Optional[str] = None
     data_split: str = "train"  # the dataset split trained on (a hub dataset or a directory with split files)
     data_config: Optional[str] = None  # the dataset config (subset) read, for datasets that have several
+    columns: Optional[str] = None  # a table's columns as record fields: "question=prompt,answer=completion"
     trust_remote_code: bool = False
     seq_len: int = 256
     batch_size: int = 4
@@ -71,6 +73,7 @@ def check_config(cfg: TrainConfig) -> None:
     """The flags every backend checks before it loads anything: one line naming the flag and the fix."""
     from yeto.sync.core.checks import check_address, check_out_dir, check_range
     from yeto.report.trackers import parse_report_to
+    from yeto.island.records import parse_columns
 
     for name in ("batch_size", "grad_accum", "max_steps", "seq_len", "lora_r"):
         check_range(getattr(cfg, name), f"--{name.replace('_', '-')}", low=1)
@@ -97,3 +100,12 @@ def check_config(cfg: TrainConfig) -> None:
         check_address(cfg.syncer)
     check_out_dir(cfg.out)
     parse_report_to(cfg.report_to)  # (its libraries are checked where the island runs: `open_session`)
+    parse_columns(cfg.columns)
+
+
+def check_seq_len(seq_len: int, context: Optional[int], model: str) -> None:
+    """--seq-len within the model's context, checked before any data is tokenized: a longer block runs positions
+    the model never learned, and its attention grows with the square of the length (a run that seems to hang)."""
+    if context is not None and seq_len > context:
+        raise YetoError(f"--seq-len {seq_len} is longer than the context of {model} ({context} tokens, its "
+                        f"max_position_embeddings): use --seq-len {context} or less")

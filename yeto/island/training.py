@@ -183,12 +183,18 @@ def run_training(island: Island, cfg: TrainConfig, session: Session, show_progre
     save_training_state(island, session, finished=True)
     summary = {"adapter": str(adapter), "steps": island.step_count, "eval_loss_before": eval0,
                "eval_loss_after": final_eval, "tokens": island.tokens_seen, "loss_tokens": island.loss_tokens_seen,
-               "shard": list(island.shard) if island.shard else None, **extra}
+               "shard": list(island.shard) if island.shard else None,
+               "skipped_files": island.source.stats.get("skipped_files", []), **extra}
     metrics.write(event="done", **summary)
     metrics.close()
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     ev = (f"eval loss {eval0:.3f} -> {final_eval:.3f}" if eval0 is not None and final_eval is not None
           else "no eval split")
+    skipped = summary["skipped_files"]
+    if skipped:
+        from rich.markup import escape
+
+        ev += escape(f"; skipped {len(skipped)} file(s) of --data: {', '.join(skipped)}")
     console.print(f"{tag}[green]done[/green]: {done}, {ev}; adapter: {adapter}")
     return summary
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from yeto import YetoError, one_line
+from yeto.island.records import DEMO_DATA
 from yeto.launch.spec import IslandSpec
 
 SYNCER_PORT = 29400  # a cloud syncer's public port (docs/PROTOCOL.md), apart from torchrun's 29500
@@ -33,7 +34,7 @@ class FleetPlan:
     mlx: int = 0
     model: str = "smollm2-135m"
     model_revision: Optional[str] = None
-    data: str = "data/demo"
+    data: str = DEMO_DATA
     data_revision: Optional[str] = None
     syncer_args: list[str] = field(default_factory=list)
     island_args: list[str] = field(default_factory=list)

@@ -384,6 +384,15 @@ def config_dir(name: str) -> tuple[Path, Optional[str]]:
     return Path(cached).parent, name
 
 
+def context_length(model_dir: str | Path) -> Optional[int]:
+    """The tokens a model's positions reach (`max_position_embeddings` of config.json, or of its text config in a
+    multimodal one), read without loading weights; None when the config does not say."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config") or config
+    context = text.get("max_position_embeddings")
+    return int(context) if isinstance(context, int) else None
+
+
 def sized_row(name: str, trust_remote_code: bool = False) -> dict[str, Any]:
     """`yeto models --model NAME`: an alias's row, or a local directory or a hub id whose config.json this machine's
     Hugging Face cache holds, counted from that config.json."""
@@ -392,10 +401,9 @@ def sized_row(name: str, trust_remote_code: bool = False) -> dict[str, Any]:
     path, hub_id = config_dir(name)
     count = size_local(path, trust_remote_code)
     config = json.loads((path / "config.json").read_text())
-    text = config.get("text_config") or config
     return dict(alias=name, hub_id=hub_id, revision=path.name if hub_id else None, family=None,
                 architecture=config["model_type"], total_params=count.total, active_params=count.active,
-                context=text.get("max_position_embeddings"), license=None, trust_remote_code=trust_remote_code,
+                context=context_length(path), license=None, trust_remote_code=trust_remote_code,
                 counted_from=count.source)
 
 

@@ -31,7 +31,7 @@ DECLARED_ONLY = ("num_islands",)
 # the island flag that sets a field, named in a refusal
 FLAGS = {"base_model": "--model", "base_revision": "--model-revision", "lora_r": "--lora-r",
          "lora_alpha": "--lora-alpha", "lora_dropout": "--lora-dropout", "lora_targets": "--lora-targets",
-         "lora_freeze_a": "--lora-freeze-a", "data": "--data (and --data-split, --data-config)",
+         "lora_freeze_a": "--lora-freeze-a", "data": "--data (and --data-split, --data-config, --columns)",
          "loss": "--loss-function", "num_islands": "--islands"}
 MAX_TOKENS_PER_STEP = 1 << 32
 
@@ -67,7 +67,8 @@ def data_identity(provenance: dict[str, Any]) -> Optional[str]:
     if not data.get("revision"):
         return None
     split = "/".join(str(stats[k]) for k in ("config", "split") if stats.get(k))
-    return f"{data['revision']}{' ' + split if split else ''}"
+    columns = ",".join(f"{k}={v}" for k, v in (stats.get("columns") or {}).items())
+    return f"{data['revision']}{' ' + split if split else ''}{' columns ' + columns if columns else ''}"
 
 
 MAX_ISLAND_RANKS = 4096  # more processes in one island than any cluster runs: a larger claim is cut to this
