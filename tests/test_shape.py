@@ -17,10 +17,10 @@ import pytest
 
 from tests.conftest import DEMO_DATA, REPO
 from yeto.launch.prices import PriceBook, book_from_rows
-from yeto.launch.shape import (MAX_INNER_STEPS, MIN_INNER_STEPS, TARGET_ROUND_S, Order, Rejection, ShapeRequest,
-                               candidates, plan_shapes, tokens_per_step)
+from yeto.launch.shape import (MAX_INNER_STEPS, MIN_INNER_STEPS, MIN_OUTER_STEPS, TARGET_ROUND_S, Order, Rejection,
+                               ShapeRequest, candidates, duration, plan_shapes, tokens_per_step)
 from yeto.launch.spec import parse_gpu
-from yeto.launch.sizing import model_size
+from yeto.launch.sizing import island_gib, model_size
 
 FIXTURE = REPO / "tests" / "data" / "sky_catalog"
 TIMEOUT_S = 180
@@ -177,7 +177,10 @@ def test_the_fleet_launch_line_parses_and_its_round_takes_minutes():
         assert argv[argv.index("--budget") + 1] == "3"  # (launch checks the price against it again)
         round_s = f.inner_steps * tokens_per_step(f.option.shape) / f.option.tokens_per_s
         assert MIN_INNER_STEPS <= f.inner_steps <= MAX_INNER_STEPS
-        assert f.inner_steps in (MIN_INNER_STEPS, MAX_INNER_STEPS) or TARGET_ROUND_S / 2 < round_s < 2 * TARGET_ROUND_S
+        by_tokens = f.tokens // (MIN_OUTER_STEPS * f.islands * tokens_per_step(f.option.shape))
+        assert f.inner_steps in (MIN_INNER_STEPS, MAX_INNER_STEPS, by_tokens) or (
+            TARGET_ROUND_S / 2 < round_s < 2 * TARGET_ROUND_S)
+        assert f.outer_steps >= MIN_OUTER_STEPS
 
 
 def test_machines_you_own_join_in_time_windows_or_say_why_they_stay_out():
@@ -203,14 +206,55 @@ def test_machines_you_own_join_in_time_windows_or_say_why_they_stay_out():
     assert not big.joining and not slow.joining and "longer than a round" in slow.own[0].out
 
 
-def test_without_prices_every_fit_is_listed_by_time_and_said():
+def test_without_prices_the_smallest_island_leads_and_the_missing_prices_are_said():
+    """It proposed 2 x 8xB200 for SmolLM2-135M ("0 min", --outer-steps 1) and for an 8B model: unpriced, cost falls
+    back to size (the smallest island that fits first), time ranks only when asked."""
+    unpriced = PriceBook(unavailable="prices unavailable: test")
+    for model, smallest in (("smollm2-135m", "T4"), ("llama3.1-8b", "L4")):
+        plan = plan_shapes(model_size(model), ShapeRequest(model), unpriced)
+        assert plan.prices == "prices unavailable: test" and plan.ranked_by is Order.SIZE
+        assert plan.fleets and all(f.cost is None and f.option.offer is None for f in plan.fleets)
+        assert not [r for r in plan.rejected if r.reason is Rejection.NO_PRICE]
+        sizes = [island_gib(f.option.shape) for f in plan.fleets]
+        assert sizes == sorted(sizes)
+        best = plan.best.option.shape
+        assert (best.count, best.gpu) == (1, smallest), best
+        assert plan.best.outer_steps >= MIN_OUTER_STEPS and plan.best.hours * 60 >= 1
+        assert any(n.startswith("prices missing: ranked by size") for n in plan.notes), plan.notes
+    by_time = plan_shapes(model_size("smollm2-135m"), ShapeRequest("smollm2-135m", order=Order.TIME), unpriced)
+    hours = [f.hours for f in by_time.fleets]
+    assert hours == sorted(hours) and by_time.ranked_by is Order.TIME
+
+
+def test_the_rounds_are_cut_so_the_tokens_make_a_few():
+    """A fast island's 5-minute round held all of --tokens: one merge (--outer-steps 1) is no DiLoCo run."""
     size = model_size("smollm2-135m")
-    plan = plan_shapes(size, ShapeRequest("smollm2-135m"), PriceBook(unavailable="prices unavailable: test"))
-    assert plan.prices == "prices unavailable: test"
-    assert plan.fleets and all(f.cost is None and f.option.offer is None for f in plan.fleets)
-    assert not [r for r in plan.rejected if r.reason is Rejection.NO_PRICE]
-    hours = [f.hours for f in plan.fleets]
-    assert hours == sorted(hours)
+    fast = plan_shapes(size, ShapeRequest("smollm2-135m", gpus=("H100",)), PRICES)
+    eight = next(f for f in fast.fleets if f.option.shape.count == 8)
+    assert eight.outer_steps >= MIN_OUTER_STEPS and MIN_INNER_STEPS <= eight.inner_steps < MAX_INNER_STEPS
+    assert f"make {MIN_OUTER_STEPS}+ rounds" in " ".join(eight.why)
+    argv = shlex.split(eight.launch)
+    assert int(argv[argv.index("--outer-steps") + 1]) == eight.outer_steps
+    slow = plan_shapes(size, ShapeRequest("smollm2-135m", gpus=("T4",), tokens=10 ** 9), PRICES).best
+    assert "rounds (--outer-steps) to merge" not in " ".join(slow.why)  # enough tokens: rounds of about 5 minutes
+
+
+def test_a_duration_under_a_minute_is_in_seconds():
+    assert (duration(10 / 3600), duration(0.5), duration(3.0), duration(72.0)) == ("10 s", "30 min", "3.0 h", "3.0 d")
+
+
+def test_any_mac_joins_by_its_chip_and_memory():
+    """An M2 MacBook Air and an M3 Pro were unknown GPUs; now each is sized and joins or says why not."""
+    size = model_size("smollm2-135m")
+    request = ShapeRequest("smollm2-135m", gpus=("T4",), budget=1.0, seq_len=512,
+                           own=("M2-24GB", "M3-Pro-36GB", "M2-16GB"))
+    fleet = plan_shapes(size, request, PRICES).best
+    air, pro, small_air = fleet.own
+    assert fleet.joining == [air, pro]
+    assert 0 < air.tokens_per_s < pro.tokens_per_s  # 10 GPU cores at 100 GB/s, 18 at 150
+    argv = shlex.split(fleet.launch)
+    assert argv[argv.index("--external-islands") + 1] == "2"
+    assert not small_air.fits and "it has 12" in small_air.out  # 16 GB, of which the GPU may wire 12 GiB
 
 
 def test_every_catalog_alias_gets_a_plan():
@@ -248,11 +292,15 @@ def test_yeto_shape_for_a_local_model_directory(catalog, tiny_model):
 
 
 def test_yeto_shape_without_a_catalog_lists_the_fits_and_says_so(tmp_path):
-    r = yeto("shape", "--model", "smollm2-135m", "--gpus", "L4", sky_dir=tmp_path)
+    r = yeto("shape", "--model", "smollm2-135m", sky_dir=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "prices unavailable: no SkyPilot catalog at" in r.stdout.replace("\n", "")
-    assert "1xL4" in r.stdout and "yeto launch --gpu aws:" in r.stdout
-    assert "--budget" not in r.stdout.split("yeto launch")[-1]  # (an unpriced line carries no budget)
+    text = r.stdout.replace("\n", "")
+    assert "prices unavailable: no SkyPilot catalog at" in text and "prices missing: ranked by size" in text
+    assert "by size" in text and " 0 min " not in text
+    assert "proposed fleet: 2 x 1xT4 on aws" in text and "unpriced" in text  # (it proposed 2 x 8xB200, 0 min)
+    line = shlex.split(r.stdout.split("\nyeto launch", 1)[1].splitlines()[0])
+    assert line[:2] == ["--gpu", "aws:1xT4,aws:1xT4"] and int(line[line.index("--outer-steps") + 1]) >= MIN_OUTER_STEPS
+    assert "--budget" not in line  # (an unpriced line carries no budget)
     # a budget with nothing to price it by: the shapes, and no fleet (it proposed 2 x 8xB200 for SmolLM2-135M)
     budget = yeto("shape", "--model", "smollm2-135m", "--budget", "5", sky_dir=tmp_path)
     text = budget.stdout.replace("\n", "")

@@ -8,8 +8,8 @@ import pytest
 
 from yeto import YetoError
 from yeto.models.catalog import CATALOG, Entry
-from yeto.launch.gpus import GPUS, cpu
-from yeto.launch.sizing import (IslandShape, memory, fits, largest_micro_batch, min_shape, model_size,
+from yeto.launch.gpus import APPLE_GPU_SHARE, GPUS, cpu, gpu
+from yeto.launch.sizing import (IslandShape, base_bytes, memory, fits, largest_micro_batch, min_shape, model_size,
                          tokens_per_second, flops_per_token, NF4_BYTES)
 
 SMOL = model_size("smollm2-135m")
@@ -58,7 +58,50 @@ def test_flops_count_is_stated_one():
     n, head = LLAMA8.matmul_params, LLAMA8.hidden * LLAMA8.vocab
     assert flops_per_token(LLAMA8, short) == pytest.approx(4 * n, rel=0.01)
     assert flops_per_token(LLAMA8, replace(short, checkpointing=True)) == pytest.approx(6 * n - 2 * head, rel=0.01)
-    assert tokens_per_second(LLAMA8, short) == pytest.approx(989e12 * GPUS["H100"].mfu / (4 * n), rel=0.01)
+    compute_only = replace(GPUS["H100"], bandwidth_gbs=0.0)  # (16-token blocks are bandwidth-bound: the next test)
+    assert tokens_per_second(LLAMA8, short, compute_only) == pytest.approx(989e12 * GPUS["H100"].mfu / (4 * n),
+                                                                           rel=0.01)
+
+
+def test_a_step_is_no_faster_than_the_memory_bandwidth_reads_the_base():
+    """Each pass of a micro-batch reads the frozen base once (2 passes, 3 with checkpointing): on short blocks that
+    read, not the FLOPs, sets the pace; on long ones the FLOPs do."""
+    h100, mac = GPUS["H100"], GPUS["M2-16GB"]
+    short = IslandShape("H100", seq_len=16, checkpointing=False)
+    base = sum(base_bytes(SMOL, "bf16"))
+    assert tokens_per_second(SMOL, short) == pytest.approx(16 / (2 * base / (h100.bandwidth_gbs * 1e9)), rel=1e-6)
+    assert tokens_per_second(SMOL, replace(short, checkpointing=True)) == pytest.approx(
+        16 / (3 * base / (h100.bandwidth_gbs * 1e9)), rel=1e-6)
+    long = IslandShape("M2-16GB", seq_len=2048, checkpointing=False)
+    assert tokens_per_second(SMOL, long) == pytest.approx(
+        mac.bf16_tflops * 1e12 * mac.mfu / flops_per_token(SMOL, long), rel=1e-6)
+
+
+def test_apple_silicon_covers_base_pro_max_and_ultra_of_m1_to_m4():
+    """Every Apple chip tier in every memory size sold (a MacBook Air's M2, an M3 Pro were unknown), with Apple's
+    bandwidth and the share of unified memory the GPU may wire."""
+    apple = {name: g for name, g in GPUS.items() if g.apple}
+    chips = {name.rsplit("-", 1)[0] for name in apple}
+    tiers = {f"M{n}{tier}" for n in range(1, 5) for tier in ("", "-Pro", "-Max", "-Ultra")}
+    assert chips == tiers - {"M4-Ultra"}  # (Apple made no M4 Ultra)
+    assert {"M2-16GB", "M3-Pro-36GB", "M1-8GB", "M4-Max-36GB", "M3-Ultra-512GB", "M2-Max-64GB"} <= set(apple)
+    for name, g in apple.items():
+        ram_gb = int(name.rsplit("-", 1)[1].removesuffix("GB"))
+        assert g.memory_gib == pytest.approx(ram_gb * APPLE_GPU_SHARE) and g.bandwidth_gbs > 0 and g.bf16_tflops > 0
+    assert (GPUS["M2-16GB"].bandwidth_gbs, GPUS["M3-Pro-36GB"].bandwidth_gbs, GPUS["M4-Max-36GB"].bandwidth_gbs,
+            GPUS["M4-Max-128GB"].bandwidth_gbs) == (100, 150, 410, 546)  # Apple's figures; a binned Max is slower
+    for n in range(1, 5):  # within a generation a bigger tier is faster
+        speeds = [max(g.bf16_tflops for name, g in apple.items() if name.rsplit("-", 1)[0] == f"M{n}{tier}")
+                  for tier in ("", "-Pro", "-Max", "-Ultra") if f"M{n}{tier}" in chips]
+        assert speeds == sorted(speeds) and len(set(speeds)) == len(speeds)
+    assert min_shape(SMOL, gpus=["M2-8GB"]).describe() == "1x M2-8GB bf16"
+
+
+def test_an_unknown_gpu_names_the_nearest_and_every_mac_in_one_line():
+    with pytest.raises(YetoError) as e:
+        gpu("m3-pro-36gb")
+    text = str(e.value)
+    assert "did you mean M3-Pro-36GB" in text and "M2-8/16/24GB" in text and "\n" not in text
 
 
 def test_nf4_lowers_the_base():

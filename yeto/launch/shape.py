@@ -6,13 +6,15 @@ Every candidate island (a GPU type x GPUs per VM x strategy, on the base precisi
     cost per million tokens = hourly price / (tokens per second x 3600) x 1e6     (the fleet size does not change it)
     time to N tokens        = N / (islands x tokens per second)                     (merges and transfers not counted)
 
-where `islands` is what the budget buys (`fleet_islands`). A shape that is not ranked says why (`Rejection`).
-For each option the fleet is sized so that a round of `inner_steps` takes about `TARGET_ROUND_S`: long enough that
-the delta's transfer and the merge (seconds) are a small share of it, short enough that a preempted spot island
-loses minutes of work, not hours. Machines the user owns (`--own`: a Mac, a box) join as `--external-islands` at
-the fleet's `--batch-size` (the MLX island takes the whole batch at once); with one among them the rounds become
-time windows of `TARGET_ROUND_S` (`--round-seconds`), so a slower machine adds the steps it managed, weighted by
-its tokens, instead of holding every round back.
+where `islands` is what the budget buys (`fleet_islands`). Without prices, `--by cost` ranks by size instead (the
+island's device memory together, the smallest first: what a price would most likely favour) and says so. A shape
+that is not ranked says why (`Rejection`). For each option the fleet is sized so that a round of `inner_steps`
+takes about `TARGET_ROUND_S`: long enough that the delta's transfer and the merge (seconds) are a small share of it,
+short enough that a preempted spot island loses minutes of work, not hours; and shorter where `--tokens` would
+otherwise make fewer than `MIN_OUTER_STEPS` rounds (a merge or two is no DiLoCo run). Machines the user owns
+(`--own`: a Mac, a box) join as `--external-islands` at the fleet's `--batch-size` (the MLX island takes the whole
+batch at once); with one among them the rounds become time windows of `TARGET_ROUND_S` (`--round-seconds`), so a
+slower machine adds the steps it managed, weighted by its tokens, instead of holding every round back.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Optional
 
 from yeto.launch.gpus import GPUS
 from yeto.launch.prices import Offer, PriceBook
-from yeto.launch.sizing import IslandShape, ModelSize, largest_micro_batch, memory, tokens_per_second
+from yeto.launch.sizing import IslandShape, ModelSize, island_gib, largest_micro_batch, memory, tokens_per_second
 
 COUNTS = (1, 2, 4, 8)  # GPUs per VM the clouds sell (one VM per island: multi-node islands are not proposed)
 STRATEGIES = ("ddp", "fsdp")  # the frozen base replicated on every device, or sharded across them
@@ -34,12 +36,14 @@ DEFAULT_SEQ_LEN = 2048
 TARGET_ROUND_S = 300.0  # a round (inner steps between merges) takes about five minutes
 MIN_INNER_STEPS = 10  # fewer steps make a round mostly transfer and merge, whatever the speed
 MAX_INNER_STEPS = 2000  # past this the islands drift apart between merges (DiLoCo runs use 500 or so)
+MIN_OUTER_STEPS = 4  # rounds --tokens is cut into at the least (fewer inner steps where needed): merges to average
 MIN_DILOCO_ISLANDS = 2  # merging needs two islands; what the fleet is without a budget
 MAX_FLEET_ISLANDS = 8  # DiLoCo's published runs use up to 8 replicas; past that each merge averages smaller steps
 SPOT_QUORUM_SLACK_FROM = 3  # spot fleets this large merge without their slowest island (one preemption)
 MAX_DEVICE_BATCH_TOKENS = 32_768  # a device's batch stops growing here: more is memory, not speed, and a big inner
 #                                  batch trains less per token
 GIB = 1024 ** 3
+MINUTE_S = 60.0
 
 
 class Rejection(Enum):
@@ -51,8 +55,9 @@ class Rejection(Enum):
 
 
 class Order(str, Enum):
-    COST = "cost"
+    COST = "cost"  # without prices: SIZE
     TIME = "time"
+    SIZE = "size"  # the island's device memory together, the smallest first
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,7 @@ class ShapePlan:
     prices: Optional[str] = None  # one line where prices are unavailable
     notes: list[str] = field(default_factory=list)
     unproposed: str = ""  # why no fleet is proposed although shapes fit (a budget nothing can be priced against)
+    ranked_by: Order = Order.COST  # the request's order, or SIZE where cost was asked and there are no prices
 
     @property
     def best(self) -> Optional[Fleet]:
@@ -156,7 +162,8 @@ class ShapePlan:
             return {"option": option(f.option), **{k: v for k, v in asdict(f).items() if k != "option"}}
 
         request = {**asdict(self.request), "order": self.request.order.value}
-        return {"request": request, "prices": self.prices, "options": [fleet(f) for f in self.fleets],
+        return {"request": request, "ranked_by": self.ranked_by.value, "prices": self.prices,
+                "options": [fleet(f) for f in self.fleets],
                 "rejected": [{"shape": asdict(r.shape), "reason": r.reason.name, "detail": r.detail}
                              for r in self.rejected], "notes": self.notes}
 
@@ -211,11 +218,25 @@ def tokens_per_step(shape: IslandShape) -> int:
     return shape.micro_batch * shape.seq_len * shape.count
 
 
-def inner_steps(option: Option) -> tuple[int, str]:
-    """Inner steps that make a round take about TARGET_ROUND_S at this island's speed."""
+def inner_steps(option: Option, islands: int, tokens: int) -> tuple[int, str]:
+    """Inner steps that make a round take about TARGET_ROUND_S at this island's speed, fewer where `tokens` would
+    otherwise make fewer than MIN_OUTER_STEPS rounds."""
     step_s = tokens_per_step(option.shape) / option.tokens_per_s
-    n = max(MIN_INNER_STEPS, min(MAX_INNER_STEPS, round(TARGET_ROUND_S / step_s)))
-    return n, f"{n} inner steps of {step_s:.2f}s: a round of about {n * step_s / 60:.1f} min"
+    by_time = round(TARGET_ROUND_S / step_s)
+    by_tokens = tokens // (MIN_OUTER_STEPS * islands * tokens_per_step(option.shape))
+    n = max(MIN_INNER_STEPS, min(MAX_INNER_STEPS, by_time, by_tokens))
+    round_s = n * step_s
+    why = f"{n} inner steps of {step_s:.2f}s: a round of about " + (
+        f"{round_s:.0f} s" if round_s < MINUTE_S else f"{round_s / MINUTE_S:.1f} min")
+    if by_tokens < min(MAX_INNER_STEPS, by_time):
+        why += f", so that {tokens:,} tokens make {MIN_OUTER_STEPS}+ rounds (--outer-steps) to merge"
+    return n, why
+
+
+def duration(hours: float) -> str:
+    """A time for people: seconds under a minute (a fast island's round is not '0 min'), then min, h, days."""
+    return (f"{hours * 3600:.0f} s" if hours < 1 / 60 else f"{hours * 60:.0f} min" if hours < 1
+            else f"{hours:,.1f} h" if hours < 48 else f"{hours / 24:,.1f} d")
 
 
 def gpu_arg(shape: IslandShape, cloud: str, islands: int) -> str:
@@ -294,7 +315,7 @@ def propose(request: ShapeRequest, option: Option, default_cloud: str, model: Mo
                      "managed instead of holding the round back; the quorum counts the cloud islands only")
         per_round = fleet_tps * TARGET_ROUND_S
     else:
-        inner, why_round = inner_steps(option)
+        inner, why_round = inner_steps(option, islands, request.tokens)
         round_policy = ["--inner-steps", str(inner)]
         per_round = islands * inner * tokens_per_step(option.shape)
     outer = max(1, math.ceil(request.tokens / per_round))
@@ -358,18 +379,24 @@ def plan_shapes(model: ModelSize, request: ShapeRequest, prices: PriceBook) -> S
     default_cloud = request.clouds[0] if request.clouds else "aws"
     fleets = [propose(request, o, default_cloud, model) for o in options]
 
-    def rank(f: Fleet) -> tuple[bool, float, float]:
-        """A fleet that can merge (2+ islands) first; then cost per token and time, or time and cost."""
+    order = Order.SIZE if request.order is Order.COST and not priced else request.order
+
+    def rank(f: Fleet) -> tuple[bool, float, float, float]:
+        """A fleet that can merge (2+ islands) first; then by the order asked, the others breaking ties."""
         cost = f.option.usd_per_mtok if f.option.usd_per_mtok is not None else math.inf
         solo = f.islands < MIN_DILOCO_ISLANDS
-        return (solo, cost, f.hours) if request.order is Order.COST and priced else (solo, f.hours, cost)
+        size = island_gib(f.option.shape)
+        return {Order.COST: (solo, cost, f.hours, size), Order.TIME: (solo, f.hours, cost, size),
+                Order.SIZE: (solo, size, f.hours, cost)}[order]
 
     fleets.sort(key=rank)
-    notes = [] if priced else [f"unpriced: the launch lines name {default_cloud} (--clouds names yours)"]
+    by_size = "size (the island's device memory together), the smallest first; --by time ranks the fastest first"
+    notes = [] if priced else [f"prices missing: ranked by {by_size if order is Order.SIZE else order.value}; the "
+                               f"launch lines name {default_cloud} (--clouds names yours)"]
     unproposed = "" if priced or request.budget is None else (
         f"no fleet proposed: --budget ${request.budget:g}/h needs prices to size a fleet by, and none could be read "
         "(see above); refresh SkyPilot's catalog (`sky check`, then `sky show-gpus`), or leave --budget out to "
         "see the shapes unpriced")
     return ShapePlan(request, [f.option for f in fleets], fleets,
                      sorted(rejected.values(), key=lambda r: (r.reason.name, r.shape.gpu, r.shape.count)),
-                     prices.unavailable, notes, unproposed)
+                     prices.unavailable, notes, unproposed, order)

@@ -30,7 +30,9 @@ causal: half of the 4 * seq one would count), P_lora = the adapter:
     total                   4N + 3A + 6 P_lora, or 6N + 4A + 8 P_lora with checkpointing (the issue's "6N" is full
                             fine-tuning's count; for LoRA it holds only with checkpointing)
     tokens/s = count * peak * mfu / FLOPs-per-token (peak: the device's bf16, or fp32 for an fp32 base; nf4 at
-               NF4_SPEED of bf16 for dequantizing), FSDP: no faster than its all-gathers over the link allow.
+               NF4_SPEED of bf16 for dequantizing), FSDP: no faster than its all-gathers over the link allow, and no
+               faster than the device's memory bandwidth reads the frozen base once per pass of a micro-batch (2
+               passes, 3 with checkpointing: a floor that binds only on short blocks).
 """
 
 from __future__ import annotations
@@ -397,14 +399,20 @@ def tokens_per_second(model: ModelSize, shape: IslandShape, device: Optional[Gpu
     device = _check(shape, device)
     peak = device.fp32_tflops if shape.base == "fp32" and device.fp32_tflops else device.bf16_tflops
     rate = peak * 1e12 * device.mfu * (NF4_SPEED if shape.base == "nf4" else 1.0)
-    per_device = rate / flops_per_token(model, shape)
+    tokens = shape.micro_batch * shape.seq_len
+    compute_s = tokens / (rate / flops_per_token(model, shape))
+    blocks, outside = base_bytes(model, shape.base)
+    passes = 3 if shape.checkpointing else 2
+    read_s = passes * (blocks + outside) / (device.bandwidth_gbs * 1e9) if device.bandwidth_gbs else 0.0
+    gather_s = 0.0
     if shape.strategy == "fsdp" and shape.count > 1:  # every micro-batch all-gathers the blocks per pass
-        blocks, _ = base_bytes(model, shape.base)
-        passes = 3 if shape.checkpointing else 2
         gather_s = passes * blocks * (shape.count - 1) / shape.count / (device.link_gbs * 1e9)
-        compute_s = shape.micro_batch * shape.seq_len / per_device
-        per_device = shape.micro_batch * shape.seq_len / max(compute_s, gather_s)
-    return shape.count * per_device
+    return shape.count * tokens / max(compute_s, read_s, gather_s)
+
+
+def island_gib(shape: IslandShape) -> float:
+    """An island's size: its devices' memory together (what "the smallest island" means, without prices)."""
+    return shape.count * gpu(shape.gpu).memory_gib
 
 
 # --- the smallest island -----------------------------------------------------------------------------------------
@@ -419,7 +427,7 @@ def candidates(gpus: Iterable[str], seq_len: int, **shape: Any) -> list[IslandSh
             strategy = "fsdp" if count > 1 else "ddp"
             for base in ("bf16", "nf4") if g.cuda and count == 1 else ("bf16",):
                 out.append(IslandShape(name, count, strategy, base, seq_len, **shape))
-    return sorted(out, key=lambda s: (s.count * gpu(s.gpu).memory_gib, s.base != "bf16", s.count))
+    return sorted(out, key=lambda s: (island_gib(s), s.base != "bf16", s.count))
 
 
 DEFAULT_GPUS = tuple(name for name, g in GPUS.items() if not g.apple)

@@ -1,0 +1,102 @@
+"""Greedy answers from the base model and from base + adapter on MLX, side by side: `yeto generate` on a Mac with
+`yeto[mlx]` alone (no torch). mlx-lm's own `generate` runs over mlx-lm's own LoRA layers, which hold the peft
+adapter's factors (peft's A is (r, in), B (out, r): mlx-lm's `lora_a` and `lora_b` are their transposes)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from yeto import YetoError
+from yeto.models.adapter import ADAPTER_CONFIG, adapter_base, find_adapter_dir, read_adapter
+from yeto.models.provenance import Artifact
+
+DEVICES = ("auto", "cpu")  # MLX's default device (the Apple GPU; the CPU on Linux), or the CPU
+
+
+def set_device(device: str) -> None:
+    """MLX runs on its default device or the CPU; a torch device name is one line."""
+    import mlx.core as mx
+
+    if device not in DEVICES:
+        raise YetoError(f"--device {device!r}: MLX runs on the Apple GPU or the CPU, use auto or cpu (or --backend "
+                        "torch for a torch device)")
+    if device == "cpu":
+        mx.set_default_device(mx.cpu)
+
+
+def lora_scale(config: dict[str, Any], r: int) -> float:
+    """peft's scale of a LoRA layer: alpha / r (rsLoRA: alpha / sqrt(r))."""
+    alpha = float(config.get("lora_alpha", r))
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def add_adapter(model: Any, adapter_dir: Path) -> int:
+    """Wrap every linear the peft adapter in `adapter_dir` adapts in mlx-lm's LoRALinear holding its factors;
+    returns how many. A tensor the model has no linear for is one line."""
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+    from mlx_lm.tuner.lora import LoRALinear
+
+    from yeto.backends.mlx.lora import renames_of, to_mlx_path
+
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    tensors, renames = read_adapter(adapter_dir), renames_of(model)
+    modules = dict(model.named_modules())
+    layers = []
+    for name, a in sorted(tensors.items()):
+        if ".lora_A." not in name:
+            continue
+        path = to_mlx_path(name, renames).removesuffix(".lora_A")
+        b = tensors.get(name.replace(".lora_A.", ".lora_B."))
+        if path not in modules or b is None:
+            raise YetoError(f"{adapter_dir}: the adapter's {name} has no linear {path} in this model (or no lora_B): "
+                            "is it this base's adapter?")
+        r = a.shape[0]
+        layer = LoRALinear.from_base(modules[path], r=r, dropout=0.0, scale=lora_scale(config, r))
+        layer.lora_a, layer.lora_b = mx.array(a.T), mx.array(b.T)
+        layers.append((path, layer))
+    model.update_modules(tree_unflatten(layers))
+    return len(layers)
+
+
+def load_base(model_name: Optional[str], adapter: str | Path, model_revision: Optional[str] = None,
+              trust_remote_code: bool = False) -> tuple[Any, Any, Artifact, Path]:
+    """(mlx-lm's model of the adapter's base, its tokenizer, the base's artifact, the adapter's directory)."""
+    from yeto.backends.mlx.compat import import_mlx_lm, load_mlx_model
+
+    mlx_lm = import_mlx_lm()
+    adapter_dir = find_adapter_dir(adapter)
+    artifact = adapter_base(adapter_dir, model_name, model_revision)
+    tokenizer = mlx_lm.utils.load_tokenizer(Path(artifact.path),
+                                            {"trust_remote_code": True} if trust_remote_code else None)
+    return load_mlx_model(artifact.path), tokenizer, artifact, adapter_dir
+
+
+def prompt_text(tokenizer: Any, prompt: str) -> str:
+    """The prompt as a user turn of the model's chat template (the plain prompt where it has none)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return prompt
+
+
+def greedy(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> str:
+    """mlx-lm's generate, greedy (its default sampler is argmax)."""
+    from mlx_lm import generate
+
+    return generate(model, tokenizer, prompt_text(tokenizer, prompt), max_tokens=max_new_tokens).strip()
+
+
+def compare(model_name: Optional[str], adapter: str | Path, prompts: list[str], max_new_tokens: int = 64,
+            model_revision: Optional[str] = None, device: str = "auto",
+            trust_remote_code: bool = False) -> list[tuple[str, str, str]]:
+    """[(prompt, base answer, adapted answer)], as yeto.backends.torch.generate.compare gives them."""
+    set_device(device)
+    model, tokenizer, _, adapter_dir = load_base(model_name, adapter, model_revision, trust_remote_code)
+    before = [greedy(model, tokenizer, p, max_new_tokens) for p in prompts]
+    add_adapter(model, adapter_dir)
+    after = [greedy(model, tokenizer, p, max_new_tokens) for p in prompts]
+    return list(zip(prompts, before, after))
