@@ -167,3 +167,37 @@ def recorded_base_revision(adapter_dir: Path) -> str | None:
         return (read_provenance(adapter_dir).get("model") or {}).get("revision")
     except YetoError:
         return None
+
+
+EXPORT_RECORD = "yeto_export.json"  # beside an exported checkpoint: its base, adapter, dtype and the adapter's run
+AUTO_DTYPE = "auto"  # an export's weights in the base's own dtype
+EXPORT_DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16")
+
+
+def check_export(out: Path, dtype: str, force: bool) -> None:
+    """Refuse, before any model loads, a dtype no backend writes, a file where the checkpoint goes, or a non-empty
+    directory (unless --force): an export never overwrites what the user did not ask it to."""
+    if dtype not in EXPORT_DTYPES:
+        raise YetoError(f"unknown --dtype {dtype!r}: use {', '.join(EXPORT_DTYPES)}")
+    if out.exists() and not out.is_dir():
+        raise YetoError(f"--merged {out} is a file: pass a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise YetoError(f"--merged {out} exists and is not empty: pick a new directory, or pass --force to replace it")
+
+
+def export_dir_for(out: Path) -> Path:
+    """An empty directory beside `out` to write the checkpoint into, so a failed export leaves no half checkpoint."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def finish_export(tmp: Path, out: Path, record: dict[str, Any], adapter_dir: Path) -> None:
+    """Write the export's record (with the adapter's own run record, in current words) into `tmp`, then move the
+    whole checkpoint to `out` in one rename."""
+    if (adapter_dir / RUN_RECORD).is_file():
+        record["adapter_run"] = in_current_words(json.loads((adapter_dir / RUN_RECORD).read_text()))
+    (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)

@@ -7,24 +7,10 @@ mlx-lm loads and transformers does not."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
-from yeto import YetoError, in_current_words
-from yeto.models.adapter import RUN_RECORD
-
-EXPORT_RECORD = "yeto_export.json"  # (the torch export's record, the same fields)
-AUTO_DTYPE = "auto"  # the weights' own dtype, as the base's checkpoint holds them
-DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16")
-
-
-def check_out(out: Path, force: bool) -> None:
-    """A file, or a directory with something in it (unless --force), is not overwritten."""
-    if out.exists() and not out.is_dir():
-        raise YetoError(f"--merged {out} is a file: pass a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise YetoError(f"--merged {out} exists and is not empty: pick a new directory, or pass --force to replace it")
+from yeto.models.adapter import AUTO_DTYPE, check_export, export_dir_for, finish_export
 
 
 def export_merged(adapter: str | Path, out: str | Path, model: Optional[str] = None,
@@ -32,10 +18,8 @@ def export_merged(adapter: str | Path, out: str | Path, model: Optional[str] = N
                   trust_remote_code: bool = False, log: Callable[[str], None] = print) -> Path:
     """Write base + adapter fused to `out` (written beside it, then moved in place: a failed export leaves no half
     checkpoint); returns `out`."""
-    if dtype not in DTYPES:
-        raise YetoError(f"unknown --dtype {dtype!r}: use {', '.join(DTYPES)}")
     out = Path(out).expanduser()
-    check_out(out, force)
+    check_export(out, dtype, force)
     import mlx.core as mx
     from mlx.utils import tree_unflatten
     from mlx_lm.utils import save
@@ -52,16 +36,10 @@ def export_merged(adapter: str | Path, out: str | Path, model: Optional[str] = N
         base.set_dtype(getattr(mx, dtype))
         config["torch_dtype"] = dtype
     written = str(next(v.dtype for _, v in _weights(base))).removeprefix("mlx.core.")
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = export_dir_for(out)
     save(tmp, artifact.path, base, tokenizer, config, donate_model=False)
-    record = {"base": artifact.to_dict(), "adapter": str(adapter_dir.resolve()), "dtype": written, "backend": "mlx"}
-    if (adapter_dir / RUN_RECORD).is_file():
-        record["adapter_run"] = in_current_words(json.loads((adapter_dir / RUN_RECORD).read_text()))
-    (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    finish_export(tmp, out, {"base": artifact.to_dict(), "adapter": str(adapter_dir.resolve()), "dtype": written,
+                             "backend": "mlx"}, adapter_dir)
     log(f"merged model: {out}, {written} ({len(fused)} LoRA layers fused by mlx-lm; mlx_lm.load and, for most "
         "architectures, AutoModelForCausalLM.from_pretrained load it)")
     return out

@@ -9,25 +9,14 @@ weights are written in the base's own dtype (`--dtype auto`; its config says whi
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
-from yeto import YetoError, in_current_words
-from yeto.models.adapter import RUN_RECORD, adapter_base, find_adapter_dir
+from yeto.models.adapter import (AUTO_DTYPE, EXPORT_RECORD, adapter_base, check_export, export_dir_for,
+                                 find_adapter_dir, finish_export)
 
-EXPORT_RECORD = "yeto_export.json"
-AUTO_DTYPE = "auto"  # the model's own dtype (yeto.models.materialize.own_dtype)
-DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16")
+__all__ = ["EXPORT_RECORD", "export_merged"]
 MAX_SHARD_SIZE = "5GB"  # transformers' default shard size, named: the hub and vLLM expect shards about this big
-
-
-def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise YetoError(f"--merged {out} is a file: pass a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise YetoError(f"--merged {out} exists and is not empty: pick a new directory, or pass --force to replace it")
 
 
 def export_merged(adapter: str | Path, out: str | Path, model: Optional[str] = None,
@@ -41,11 +30,9 @@ def export_merged(adapter: str | Path, out: str | Path, model: Optional[str] = N
 
     from yeto.models.materialize import load_model, load_tokenizer, own_dtype
 
-    if dtype not in DTYPES:
-        raise YetoError(f"unknown --dtype {dtype!r}: use {', '.join(DTYPES)}")
     adapter_dir = find_adapter_dir(adapter)
     out = Path(out).expanduser()
-    _check_out(out, force)
+    check_export(out, dtype, force)
     base_artifact = adapter_base(adapter_dir, model, model_revision)
     log(f"base {base_artifact.name} @ {base_artifact.revision[:19]}; adapter {adapter_dir}")
     named = own_dtype(base_artifact) if dtype == AUTO_DTYPE else dtype
@@ -56,16 +43,10 @@ def export_merged(adapter: str | Path, out: str | Path, model: Optional[str] = N
     written = str(base.dtype).removeprefix("torch.")
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     tokenizer = load_tokenizer(base_artifact, trust_remote_code)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = export_dir_for(out)
     merged.save_pretrained(tmp, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
     tokenizer.save_pretrained(tmp)  # the chat template rides in tokenizer_config.json / chat_template.jinja
-    record = {"base": base_artifact.to_dict(), "adapter": str(adapter_dir.resolve()), "dtype": written}
-    if (adapter_dir / RUN_RECORD).is_file():
-        record["adapter_run"] = in_current_words(json.loads((adapter_dir / RUN_RECORD).read_text()))
-    (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    finish_export(tmp, out, {"base": base_artifact.to_dict(), "adapter": str(adapter_dir.resolve()),
+                             "dtype": written}, adapter_dir)
     log(f"merged model: {out}, {written} (AutoModelForCausalLM.from_pretrained loads it)")
     return out
