@@ -501,6 +501,34 @@ def test_fleet_view_reads_islands_and_merges_from_a_tape():
     assert (v.islands[0].tier, v.islands[1].tier) == ("trusted", "bounded")  # (`yeto status` and the dashboard)
 
 
+def test_status_and_the_dashboard_say_one_word_for_an_island_and_show_the_latest_session(tmp_path):
+    """A finished run's islands are 'done' in `yeto status` as on the dashboard; an island given up and then back
+    (the run extended, or it rejoined) is no longer 'given up' in either."""
+    from rich.console import Console
+
+    from yeto.launch.manage import status
+    from yeto.launch.registry import RunRecord
+    from yeto.watch.snapshot import snapshot
+
+    events = [{"event": "start", "config": {"outer_steps": 2}},
+              *({"event": "join", "island": i, "backend": "torch", "tier": "trusted"} for i in (0, 1)),
+              {"event": "given_up", "island": 1, "quorum": 1, "reason": "exited 2"},
+              {"event": "merge", "round": 1, "version": 1, "responders": [0], "weights": [1.0]},
+              {"event": "start", "config": {"outer_steps": 4}},  # launched again: island 1 started too
+              *({"event": "join", "island": i, "backend": "torch", "tier": "trusted", "rejoin": True} for i in (0, 1)),
+              {"event": "merge", "round": 2, "version": 2, "responders": [0, 1], "weights": [0.5, 0.5]},
+              *({"event": "leave", "island": i} for i in (0, 1)), {"event": "finish", "reason": "outer steps done"}]
+    events = [{"seq": k, "time": float(k), **e} for k, e in enumerate(events)]
+    assert not fleet_view(events).islands[1].given_up
+    assert [row["state"] for row in snapshot(events, {}, now=len(events))["fleet"]] == ["done", "done"]
+    (tmp_path / "syncer").mkdir()
+    (tmp_path / "syncer" / "tape.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    console = Console(record=True, width=200)
+    status(RunRecord("words", "local", str(tmp_path), "127.0.0.1:1"), console)
+    table = console.export_text()
+    assert table.count(" done ") == 2 and "gone" not in table and "given up" not in table, table
+
+
 # ---------------------------------------------------------------------------------------------- the CLI
 
 
