@@ -472,6 +472,27 @@ def test_a_island_given_up_lets_a_real_syncer_go_on_without_it(start_syncer, tmp
     assert audit(tape).ok, audit(tape).summary()
 
 
+def test_a_given_up_island_that_comes_back_to_a_real_syncer_takes_its_give_up_back(start_syncer, tmp_path):
+    """Island 1, given up, joins after all: its given-up/ mark is removed (a restarted syncer counts on it too), the
+    tape says so, and the rounds after it merge both islands again (quorum 2)."""
+    from yeto.sync.shell.given_up import read_given_up
+
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32,
+                                straggler_timeout=1e4)
+    results = {}
+    give_up(tmp_path / "syncer", 1, "preempted; not back within --recover-timeout 600s")
+    island_thread(QuadraticIsland(1.0, 100), port, 0, results, step_delay=0.2)
+    assert wait_until(lambda: syncer.version >= 1, 30), "the run did not go on without island 1"
+    island_thread(QuadraticIsland(1.0, 100), port, 1, results)
+    assert wait_until(lambda: syncer.finished, 60), "the run did not finish"
+    tape = tape_with(tmp_path / "syncer", "finish")
+    back = [e for e in tape if e["event"] == "given_up_cleared"]
+    assert len(back) == 1 and back[0]["island"] == 1 and back[0]["quorum"] == 2
+    assert read_given_up(tmp_path / "syncer") == {}
+    assert [e["responders"] for e in tape if e["event"] == "merge"][-1] == [0, 1]
+    assert audit(tape).ok, audit(tape).summary()
+
+
 def test_output_is_delivered_and_confirmed_or_refused_with_the_reason(tmp_path):
     s = tmp_path / "syncer"
     with pytest.raises(YetoError, match="holds no merged adapter"):

@@ -65,7 +65,7 @@ class FleetView:
 
 def fleet_view(events: list[dict[str, Any]]) -> FleetView:
     """The run as its tape tells it, as of the syncer's latest session: a restart applies its give-ups again, and an
-    island that joins after its give-up is back."""
+    island back after its give-up (`given_up_cleared`) is counted on again."""
     view = FleetView()
 
     def row(lid: int) -> IslandRow:
@@ -80,6 +80,7 @@ def fleet_view(events: list[dict[str, Any]]) -> FleetView:
                 r.given_up, r.given_up_reason = False, ""
         elif kind == "join" and isinstance(lid, int):
             row(lid).alive, row(lid).backend, row(lid).tier = True, e.get("backend") or "?", e.get("tier") or "?"
+        elif kind == "given_up_cleared" and isinstance(lid, int):
             row(lid).given_up, row(lid).given_up_reason = False, ""
         elif kind == "leave" and isinstance(lid, int):
             row(lid).alive = False
