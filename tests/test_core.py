@@ -387,6 +387,48 @@ def test_a_island_given_up_by_the_fleet_controller_lowers_the_quorum_and_the_run
     assert f.syncer.state.quorum() == 2 and len([e for e in f.tape if e["event"] == "given_up"]) == 1
 
 
+def test_a_given_up_island_that_rejoins_is_counted_on_again_from_the_next_round():
+    """Island 2, given up, comes back mid-round (its fleet extended, or restarted by hand): the open round closes on
+    the quorum it had (one in its grace has met it); as the next round opens its give-up is taken back (the shell
+    told to remove its given-up/ mark first, then the tape says so) and the quorum is 3 again. The audit holds, and a
+    record that says another quorum than the rule's is a breach."""
+    from yeto.sync.core.actions import ClearGivenUp
+
+    f = Fleet(n=3, outer_steps=5)
+    for lid in (0, 1, 2):
+        f.train(lid)
+    f.islands.pop(2)
+    f.apply(f.syncer.give_up({2: "preempted; not back within --recover-timeout 600s"}, f.now))
+    f.train(0)
+    f.train(1)
+    f.tick(dt=1.0, times=5)
+    assert f.syncer.version == 2 and f.syncer.state.quorum() == 2
+    seen, apply = [], f.apply
+    f.apply = lambda actions: (seen.extend(actions), apply(actions))
+    f.islands[2] = f.new_island(2, seed=1)
+    f.to_syncer(2, f.islands[2].connected_now(f.now))
+    f.run()
+    assert f.syncer.state.quorum() == 2 and ClearGivenUp(2) not in seen  # round 3 keeps its quorum
+    f.train(0)
+    f.train(1)
+    f.tick(dt=1.0, times=5)  # past the grace (--straggler-timeout 3): round 3 merges without island 2
+    assert f.syncer.version == 3 and ClearGivenUp(2) in seen
+    assert f.syncer.state.quorum() == 3 and 2 not in f.syncer.given_up
+    back = [e for e in f.tape if e["event"] == "given_up_cleared"]
+    assert len(back) == 1 and back[0]["island"] == 2 and back[0]["quorum"] == 3
+    assert f.tape.index(back[0]) < next(i for i, e in enumerate(f.tape) if e["event"] == "round_open" and
+                                        e["round"] == 4)
+    f.train(0)
+    f.train(1)
+    f.tick(dt=1.0, times=5)
+    assert f.syncer.version == 3  # quorum 3: round 4 waits for island 2, past the grace
+    f.train(2)
+    assert f.syncer.version == 4 and [e["responders"] for e in f.tape if e["event"] == "merge"][-1] == [0, 1, 2]
+    assert audit(f.tape).ok, audit(f.tape).summary()
+    lying = [dict(e, quorum=2) if e["event"] == "given_up_cleared" else e for e in f.tape]
+    assert "the rule gives 3" in audit(lying).summary()
+
+
 def _late_island_mid_round(max_base_lag, **cfg):
     """Island 2 joins after round 1 and starts round 2 from version 1; round 2 closes without it."""
     f = Fleet(n=2, quorum=2, islands=2, max_base_lag=max_base_lag, outer_steps=4, **cfg)

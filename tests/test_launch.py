@@ -472,6 +472,27 @@ def test_a_island_given_up_lets_a_real_syncer_go_on_without_it(start_syncer, tmp
     assert audit(tape).ok, audit(tape).summary()
 
 
+def test_a_given_up_island_that_comes_back_to_a_real_syncer_takes_its_give_up_back(start_syncer, tmp_path):
+    """Island 1, given up, joins after all: its given-up/ mark is removed (a restarted syncer counts on it too), the
+    tape says so, and the rounds after it merge both islands again (quorum 2)."""
+    from yeto.sync.shell.given_up import read_given_up
+
+    syncer, port = start_syncer(islands=2, quorum=2, outer_steps=3, inner_steps=2, sync_bits=32,
+                                straggler_timeout=1e4)
+    results = {}
+    give_up(tmp_path / "syncer", 1, "preempted; not back within --recover-timeout 600s")
+    island_thread(QuadraticIsland(1.0, 100), port, 0, results, step_delay=0.2)
+    assert wait_until(lambda: syncer.version >= 1, 30), "the run did not go on without island 1"
+    island_thread(QuadraticIsland(1.0, 100), port, 1, results)
+    assert wait_until(lambda: syncer.finished, 60), "the run did not finish"
+    tape = tape_with(tmp_path / "syncer", "finish")
+    back = [e for e in tape if e["event"] == "given_up_cleared"]
+    assert len(back) == 1 and back[0]["island"] == 1 and back[0]["quorum"] == 2
+    assert read_given_up(tmp_path / "syncer") == {}
+    assert [e["responders"] for e in tape if e["event"] == "merge"][-1] == [0, 1]
+    assert audit(tape).ok, audit(tape).summary()
+
+
 def test_output_is_delivered_and_confirmed_or_refused_with_the_reason(tmp_path):
     s = tmp_path / "syncer"
     with pytest.raises(YetoError, match="holds no merged adapter"):
@@ -499,6 +520,34 @@ def test_fleet_view_reads_islands_and_merges_from_a_tape():
     assert not v.islands[1].alive and v.islands[1].given_up and v.islands[1].backend == "mlx"
     assert v.islands[1].given_up_reason.endswith("No such option: --x") and not v.islands[0].given_up_reason
     assert (v.islands[0].tier, v.islands[1].tier) == ("trusted", "bounded")  # (`yeto status` and the dashboard)
+
+
+def test_status_and_the_dashboard_say_one_word_for_an_island_and_show_the_latest_session(tmp_path):
+    """A finished run's islands are 'done' in `yeto status` as on the dashboard; an island given up and then back
+    (the run extended, or it rejoined) is no longer 'given up' in either."""
+    from rich.console import Console
+
+    from yeto.launch.manage import status
+    from yeto.launch.registry import RunRecord
+    from yeto.watch.snapshot import snapshot
+
+    events = [{"event": "start", "config": {"outer_steps": 2}},
+              *({"event": "join", "island": i, "backend": "torch", "tier": "trusted"} for i in (0, 1)),
+              {"event": "given_up", "island": 1, "quorum": 1, "reason": "exited 2"},
+              {"event": "merge", "round": 1, "version": 1, "responders": [0], "weights": [1.0]},
+              {"event": "start", "config": {"outer_steps": 4}},  # launched again: island 1 started too
+              *({"event": "join", "island": i, "backend": "torch", "tier": "trusted", "rejoin": True} for i in (0, 1)),
+              {"event": "merge", "round": 2, "version": 2, "responders": [0, 1], "weights": [0.5, 0.5]},
+              *({"event": "leave", "island": i} for i in (0, 1)), {"event": "finish", "reason": "outer steps done"}]
+    events = [{"seq": k, "time": float(k), **e} for k, e in enumerate(events)]
+    assert not fleet_view(events).islands[1].given_up
+    assert [row["state"] for row in snapshot(events, {}, now=len(events))["fleet"]] == ["done", "done"]
+    (tmp_path / "syncer").mkdir()
+    (tmp_path / "syncer" / "tape.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    console = Console(record=True, width=200)
+    status(RunRecord("words", "local", str(tmp_path), "127.0.0.1:1"), console)
+    table = console.export_text()
+    assert table.count(" done ") == 2 and "gone" not in table and "given up" not in table, table
 
 
 # ---------------------------------------------------------------------------------------------- the CLI

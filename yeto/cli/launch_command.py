@@ -18,6 +18,7 @@ from yeto.island.records import DEMO_DATA
 from yeto.launch.costs import flag_value
 from yeto.launch.plan import SYNCER_PORT, FleetPlan, pin_revision, split_extra_args
 from yeto.launch.registry import live_run, runs_dir
+from yeto.launch.rundir import check_run_dir
 from yeto.report.trackers import report_to_help
 from yeto.launch.spec import GRAMMAR, parse_gpu
 
@@ -137,6 +138,9 @@ def launch_command(
     head: Annotated[Optional[str], typer.Option(help="Infra of the head VM (default: the first island's cloud).")
                     ] = None,
     dry_run: Annotated[bool, typer.Option(help="Print what would run (cloud: the SkyPilot tasks) and stop.")] = False,
+    fresh: Annotated[bool, typer.Option(help="Start the run in --out over: the syncer's and every local island's "
+                                             "saved state replaced (its keys kept). Without it, a launch on a run's "
+                                             "--out continues that run to --outer-steps.")] = False,
     report_to: Annotated[str, typer.Option(help=report_to_help(
         "the syncer and every island", " Cloud tasks get their credentials (WANDB_API_KEY, ...) as SkyPilot "
                                         "secrets."))] = "none",
@@ -170,12 +174,13 @@ def launch_command(
     plan.island_args = [*(["--overlap"] if overlap else []), *island_extra]
     # before anything is provisioned or started, one line each: a flag the syncer or an island would refuse, a model or
     # data it would not find, a busy port
-    check_passed_flags(plan, command_flags(ctx.command))
+    passed = check_passed_flags(plan, command_flags(ctx.command))
     plan.check_sources(flag_value(island_extra, "--data-config"))
     if local:
         from yeto.launch.local import check_port_free
 
         check_port_free(port, public_host)
+    run_dir = check_run_dir(out, passed.syncer, passed.island, list(range(len(islands))), fresh) if local else ""
     if not local:
         plan.syncer_args += quorum_timeout_args(syncer_extra, recover_timeout)
     if budget is not None:
@@ -197,7 +202,9 @@ def launch_command(
         if dry_run:
             console.print(plan.to_json(), markup=False, highlight=False)
             raise typer.Exit(0)
-        raise typer.Exit(launch_local(plan, public_host))
+        if run_dir:
+            console.print(run_dir, markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(launch_local(plan, public_host, fresh=fresh))
     plan.ship_local_paths()
     Path(out).mkdir(parents=True, exist_ok=True)
     from yeto.launch.submit import launch_cloud

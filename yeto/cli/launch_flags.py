@@ -12,15 +12,20 @@ imports what `yeto.sync.shell.server` imports).
 from __future__ import annotations
 
 import difflib
+import inspect
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from yeto import YetoError
 from yeto.backends import MLX, TORCH, load_backend
 from yeto.cli.train_command import make_train_command
+from yeto.island.train_config import TrainConfig
 from yeto.launch.plan import SYNCER_PORT, FleetPlan
+from yeto.launch.rundir import SYNCER_DIR
+from yeto.sync.core.config import SyncerConfig
 from yeto.launch.tasks import SYNCER_ENTRY, island_flags, syncer_argv
-from yeto.cli.usage import click_command, usage_errors
+from yeto.cli.usage import click_command, usage_errors, with_old_spellings
 
 HELP = {TORCH: "`yeto train --help`", MLX: "`yeto train --help` and docs/MLX.md"}
 WHO = {TORCH: "every island (yeto train --backend torch)", MLX: "the MLX islands (yeto train --backend mlx)"}
@@ -78,14 +83,21 @@ def fleet_flags(launch_flags: Iterable[str]) -> dict[str, str]:
     return owners
 
 
-def check_island_flags(plan: FleetPlan, backend: str, launch_flags: Iterable[str] = ()) -> None:
+def check_island_flags(plan: FleetPlan, backend: str, launch_flags: Iterable[str] = ()) -> TrainConfig:
     """The island's flags as launch builds them, through `yeto train --backend BACKEND`'s parser and the backend's
     checks (the MLX island's: the flags it cannot honour; neither imports a tensor library). A flag it does not take
-    is no command's (launch gives the syncer its own): named with the nearest of them all (`launch_flags` too)."""
+    is no command's (launch gives the syncer its own): named with the nearest of them all (`launch_flags` too).
+    Returns the config they make."""
     checks = load_backend(backend).check_flags
     args = island_flags(plan, 0, PLACEHOLDER_SYNCER, plan.data, plan.model) + ["--no-progress"]
+    made: list[TrainConfig] = []
+
+    def check(cfg: TrainConfig, progress: bool, asked: Any) -> None:
+        checks(cfg)
+        made.append(cfg)
+
     try:
-        run_parser(make_train_command(lambda cfg, progress, asked: checks(cfg), doc="", backend=backend), args,
+        run_parser(make_train_command(check, doc="", backend=backend), args,
                    f"yeto train --backend {backend}", invoke=True,
                    unknown=lambda flag: unknown_flag_message(flag, fleet_flags(launch_flags)))
     except UnknownFlag:
@@ -93,26 +105,45 @@ def check_island_flags(plan: FleetPlan, backend: str, launch_flags: Iterable[str
     except YetoError as e:
         raise YetoError(f"{e} (an island flag: yeto launch passes the flags it does not take itself to "
                         f"{WHO[backend]}; see {HELP[backend]})") from e
+    return made[0]
 
 
-def check_syncer_flags(plan: FleetPlan) -> None:
-    """The syncer's command line as launch builds it, through `yeto syncer`'s parser (not run)."""
-    from yeto.cli.syncer_command import syncer_command as syncer_cli
+def check_syncer_flags(plan: FleetPlan) -> SyncerConfig:
+    """The syncer's command line as launch builds it, through `yeto syncer`'s parser (its old spellings included),
+    not run: the config it makes."""
+    from yeto.cli.syncer_command import OLD_SPELLINGS, syncer_command as syncer_cli
 
-    argv = syncer_argv(plan, "127.0.0.1", plan.port or SYNCER_PORT, Path(plan.out) / "syncer", "python3")
+    made: dict[str, Any] = {}
+
+    def capture(**flags: Any) -> None:
+        made.update(flags)
+
+    capture.__signature__ = inspect.signature(syncer_cli.__wrapped__, eval_str=True)  # type: ignore[attr-defined]
+    argv = syncer_argv(plan, "127.0.0.1", plan.port or SYNCER_PORT, Path(plan.out) / SYNCER_DIR, "python3")
     args = argv[1 + len(SYNCER_ENTRY):]
     try:
-        run_parser(syncer_cli, args, "yeto syncer", invoke=False)
+        run_parser(with_old_spellings(capture, OLD_SPELLINGS), args, "yeto syncer", invoke=True)
     except YetoError as e:
         raise YetoError(f"{e} (a syncer flag: see `yeto syncer --help`)") from e
+    return SyncerConfig(**{k: v for k, v in made.items() if k in SyncerConfig.__dataclass_fields__})
 
 
-def check_passed_flags(plan: FleetPlan, launch_flags: Iterable[str] = ()) -> None:
+@dataclass(frozen=True)
+class PassedFlags:
+    """What the flags launch passes on make: the syncer's config and an island's (the torch one's where any)."""
+
+    syncer: SyncerConfig
+    island: TrainConfig
+
+
+def check_passed_flags(plan: FleetPlan, launch_flags: Iterable[str] = ()) -> PassedFlags:
     """Every flag the fleet's processes will get, parsed by their own parsers: the syncer's, the torch islands'
     (cloud islands, local ones, and reserved slots), and the MLX islands' (--mlx-islands). `launch_flags`: launch's
     own, among those an unknown flag is matched against."""
-    check_syncer_flags(plan)
+    syncer = check_syncer_flags(plan)
+    made = []
     if len(plan.islands) > plan.mlx or plan.external:
-        check_island_flags(plan, TORCH, launch_flags)
+        made.append(check_island_flags(plan, TORCH, launch_flags))
     if plan.mlx:
-        check_island_flags(plan, MLX, launch_flags)
+        made.append(check_island_flags(plan, MLX, launch_flags))
+    return PassedFlags(syncer, made[0])

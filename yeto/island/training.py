@@ -94,7 +94,9 @@ def start_from_adapter(island: Island, name: str, log: Callable[[str], None]) ->
 
 def resume_state(island: Island, cfg: TrainConfig, out: Path, log: Callable[[str], None]) -> Optional[TrainState]:
     """Load the training state saved in --out into `island`, if there is one and it is this run's: a state of
-    another run, or of a finished one, is refused with what differs (--fresh starts over); None: a fresh start."""
+    another run, or a finished standalone one, is refused with what differs (--fresh starts over); an island's
+    finished state resumes, for the syncer decides whether its run goes on (`yeto launch` extends a finished fleet).
+    None: a fresh start."""
     from yeto.island.checkpoint import STATE_FILE, differences, load_state, run_identity
 
     if cfg.fresh:
@@ -107,10 +109,9 @@ def resume_state(island: Island, cfg: TrainConfig, out: Path, log: Callable[[str
     if diff:
         raise YetoError(f"{path} is the training state of another run ({'; '.join(diff)}): resume with the same flags, "
                         "pass --fresh to start over (replacing it), or use another --out")
-    if state.meta.get("finished") and (cfg.syncer or step >= cfg.max_steps):
-        more = "" if cfg.syncer else " raise --max-steps to train further,"
-        raise YetoError(f"{out} holds a finished run ({step} steps):{more} pass --fresh to start over, or use "
-                        "another --out")
+    if state.meta.get("finished") and not cfg.syncer and step >= cfg.max_steps:  # (in a fleet, the syncer says)
+        raise YetoError(f"{out} holds a finished run ({step} steps): raise --max-steps to train further, pass "
+                        "--fresh to start over, or use another --out")
     if not cfg.syncer and step > cfg.max_steps:
         raise YetoError(f"{path} is at step {step}, past --max-steps {cfg.max_steps}: raise --max-steps, or pass "
                         "--fresh to start over")
@@ -118,6 +119,20 @@ def resume_state(island: Island, cfg: TrainConfig, out: Path, log: Callable[[str
     log(f"resuming from {path} at step {step}" + (" (the syncer brings the current global adapter)"
                                                    if cfg.syncer else ""))
     return state
+
+
+def evaluate_start(island: Island, resumed: Optional[TrainState]) -> Optional[float]:
+    """The eval loss a run starts from. A resumed island's is that of the adapter it saved (the global it resumed
+    from), not its fresh LoRA's (the base model's): its own adapter stays until the syncer's global replaces it, so
+    a syncer with no run yet is founded as before."""
+    if resumed is None or not resumed.group("adapter"):
+        return island.evaluate()
+    own = island.adapter_state()
+    island.load_adapter_state(resumed.group("adapter"))
+    try:
+        return island.evaluate()
+    finally:
+        island.load_adapter_state(own)
 
 
 def save_training_state(island: Island, session: Session, residual: Optional[np.ndarray] = None,
@@ -145,7 +160,7 @@ def run_training(island: Island, cfg: TrainConfig, session: Session, show_progre
     (out / "run.json").write_text(json.dumps(record, indent=2))
     if resumed is not None:
         metrics.write(event="resumed", step=island.step_count, tokens=island.tokens_seen)
-    eval0 = island.evaluate()
+    eval0 = evaluate_start(island, resumed if cfg.syncer else None)
     metrics.write(event="eval", step=island.step_count, eval_loss=eval0)
     if cfg.syncer:
         tag = f"[bold]island {cfg.island_id}[/bold] "

@@ -23,13 +23,13 @@ from yeto.launch.join import join_instructions, write_join_files
 from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan
 from yeto.launch.registry import RunRecord, process_start
+from yeto.launch.rundir import LOGS_DIR, SYNCER_DIR, island_dir, prepare_run_dir
 from yeto.launch.tasks import island_argv, island_exit, syncer_argv
 from yeto.sync.shell.keys import JOIN_KEY_ENV, Keyring
 from yeto.sync.shell.given_up import give_up
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_NAMES = (LOOPBACK, "localhost", "::1")
-LOGS_DIR = "logs"  # <out>/logs/<process>.log: what `yeto logs` follows
 STOP_GRACE_S = 15.0  # per signal (SIGINT, SIGTERM, SIGKILL) when stopping the fleet
 SYNCER_HEAD_START_S = 0.5  # islands retry anyway; this only keeps their first lines quiet
 WATCH_POLL_S = 0.2  # how often the launcher checks its children: a dead syncer stops the fleet within it
@@ -73,10 +73,11 @@ def _stream(proc: subprocess.Popen, prefix: str, color: str, console, lock: thre
                               soft_wrap=True)
 
 
-def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = STOP_GRACE_S) -> int:
+def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = STOP_GRACE_S,
+                 fresh: bool = False) -> int:
     """Run the fleet with this machine as the head; the last `plan.mlx` local islands run `yeto train --backend mlx`
     (the others `--backend torch`), and `plan.external` reserved slots wait for machines that run their printed join
-    command."""
+    command. A run already in `plan.out` goes on (`fresh`: starts over; `yeto.launch.rundir`)."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -86,6 +87,7 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
                       f"{n_local} runs them all on MLX)")
     console = Console(force_terminal=None)
     out = Path(plan.out)
+    prepare_run_dir(out, list(range(n_local)), fresh)
     port = plan.port or free_port()
     syncer_at = f"{public_host}:{port}"
     bind = bind_host(public_host)
@@ -110,7 +112,7 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
                                         daemon=True))
         streams[-1].start()
 
-    syncer_out = out / "syncer"
+    syncer_out = out / SYNCER_DIR
     keys = Keyring.ensure(syncer_out)  # the run's credentials, before anyone starts (the syncer reuses them)
     # each island on a key of its own (trusted: it weighs by its tokens), in the environment, never on a command line
     own_keys = {i: keys.own_key(i).text() for i in range(n_local)}
@@ -121,7 +123,7 @@ def launch_local(plan: FleetPlan, public_host: str = LOOPBACK, grace_s: float = 
         cmd = island_argv(plan, i, f"127.0.0.1:{port}", plan.data, plan.model, MLX if mlx else TORCH, sys.executable)
         # (an MLX island's BLAS takes OMP_NUM_THREADS from the environment; its --threads needs OpenBLAS preloaded)
         start(f"island-{i}{'-mlx' if mlx else ''}",
-              [*cmd, *([] if mlx else ["--threads", str(threads)]), "--out", str(out / f"island-{i}"), "--no-progress"],
+              [*cmd, *([] if mlx else ["--threads", str(threads)]), "--out", str(island_dir(out, i)), "--no-progress"],
               COLORS[i % len(COLORS)], {JOIN_KEY_ENV: own_keys[i]})
     record.save()
     console.print(f"[bold]fleet {plan.name}[/bold]: syncer on {syncer_at}, {n_local} local islands x {threads} "

@@ -26,6 +26,10 @@ FOLLOW_POLL_S = 0.5  # how often `yeto logs` looks for new lines (a person readi
 CLOCK_SLACK_S = 60.0  # a cluster launched this long before the run's record was written is still the run's
 
 
+# an island's state, in the one vocabulary `yeto status` and the dashboard share (the dashboard adds "late")
+ALIVE, DONE, GONE, GIVEN_UP, NOT_JOINED = "alive", "done", "gone", "given up", "not joined"
+
+
 @dataclass
 class IslandRow:
     island: int
@@ -34,8 +38,18 @@ class IslandRow:
     alive: bool = False
     answered: int = 0  # merges its delta went into
     last_delta_round: Optional[int] = None
-    given_up: bool = False
+    given_up: bool = False  # in the syncer's latest session, and not back since
     given_up_reason: str = ""  # the fleet controller's, as the syncer's tape records it
+
+    def state(self, finished: bool) -> str:
+        """Its state in words: an island that left a finished run is done; one that left a run going on is gone."""
+        if self.given_up:
+            return GIVEN_UP
+        if self.alive:
+            return ALIVE
+        if self.backend == "?":
+            return NOT_JOINED
+        return DONE if finished else GONE
 
 
 @dataclass
@@ -50,6 +64,8 @@ class FleetView:
 
 
 def fleet_view(events: list[dict[str, Any]]) -> FleetView:
+    """The run as its tape tells it, as of the syncer's latest session: a restart applies its give-ups again, and an
+    island back after its give-up (`given_up_cleared`) is counted on again."""
     view = FleetView()
 
     def row(lid: int) -> IslandRow:
@@ -59,8 +75,13 @@ def fleet_view(events: list[dict[str, Any]]) -> FleetView:
         kind, lid = e.get("event"), e.get("island")
         if kind == "start":
             view.outer_steps = (e.get("config") or {}).get("outer_steps", view.outer_steps)
+            view.finished = None
+            for r in view.islands.values():
+                r.given_up, r.given_up_reason = False, ""
         elif kind == "join" and isinstance(lid, int):
             row(lid).alive, row(lid).backend, row(lid).tier = True, e.get("backend") or "?", e.get("tier") or "?"
+        elif kind == "given_up_cleared" and isinstance(lid, int):
+            row(lid).given_up, row(lid).given_up_reason = False, ""
         elif kind == "leave" and isinstance(lid, int):
             row(lid).alive = False
         elif kind == "given_up" and isinstance(lid, int):
@@ -122,8 +143,8 @@ def status(run: RunRecord, console) -> None:
         table.add_column(col)
     for lid in sorted(set(view.islands) | set(run.external)):
         r = view.islands.get(lid, IslandRow(lid))
-        state = "given up" if r.given_up else "alive" if r.alive else "gone" if r.backend != "?" else "not joined"
-        table.add_row(str(lid), "external" if lid in run.external else run.kind, r.backend, r.tier, state,
+        table.add_row(str(lid), "external" if lid in run.external else run.kind, r.backend, r.tier,
+                      r.state(view.finished is not None),
                       str(r.answered),
                       "-" if r.last_delta_round is None else str(r.last_delta_round))
     console.print(table)

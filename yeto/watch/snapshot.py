@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Optional
 
-from yeto.launch.manage import IslandRow, fleet_view
+from yeto.launch.manage import ALIVE, IslandRow, fleet_view
 from yeto.sync.shell.tape import NOTABLE, rounds
 
+LATE = "late"  # the dashboard's one state beyond `yeto status`'s (yeto.launch.manage's words)
 LATE_FACTOR = 2.0  # an island is late once the open round has run this many median rounds without its delta
 MAX_EVENTS = 200  # the page lists the newest events only
 
@@ -86,18 +87,13 @@ def _standalone_state(files: IslandFiles) -> str:
     return "stopped" if any(m.get("event") == "aborted" for m in files.metrics) else "training"
 
 
-def _state(lid: int, row, open_round: Optional[dict[str, Any]], sent: set[int], typical: Optional[float],
+def _state(lid: int, row: IslandRow, open_round: Optional[dict[str, Any]], sent: set[int], typical: Optional[float],
            now: float, finished: bool) -> str:
-    if row.given_up:
-        return "given up"
-    if not row.alive:
-        if row.backend == "?":
-            return "not joined"
-        return "done" if finished else "gone"
-    if open_round is not None and typical and lid not in sent and lid in open_round.get("members", [lid]):
-        if now - open_round["time"] > LATE_FACTOR * typical:
-            return "late"
-    return "alive"
+    """`yeto status`'s word for the island (`IslandRow.state`), or late: alive, its delta overdue."""
+    state = row.state(finished)
+    overdue = (open_round is not None and bool(typical) and lid not in sent and lid in open_round.get("members", [lid])
+               and now - open_round["time"] > LATE_FACTOR * typical)
+    return LATE if state == ALIVE and overdue else state
 
 
 def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now: float,
@@ -152,7 +148,7 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
             "island": lid, "backend": row.backend if row.backend != "?" else files.run.get("backend", "?"),
             "tier": row.tier, "device": cfg.get("device", "?"),
             "state": _standalone_state(files) if standalone else _state(lid, row, open_round, sent, typical, now,
-                                                                        view.finished),
+                                                                        view.finished is not None),
             "version": version_sent.get(lid), "merges": row.answered,
             "last_delta_round": d.get("round"), "last_delta_ago": round(now - d["time"], 1) if d else None,
             "lag": d.get("lag"),

@@ -53,6 +53,14 @@ class DropDeltas:
 
 
 @dataclass(frozen=True)
+class ClearGivenUp:
+    """Remove the fleet controller's given-up mark of an island that is back (`given-up/<island>` in the --out), so a
+    restarted syncer counts on it too."""
+
+    island: int
+
+
+@dataclass(frozen=True)
 class Log:
     level: str  # "info" | "warning" | "error"
     text: str
@@ -79,7 +87,7 @@ class Reconnect:
     delay_s: float
 
 
-Action = Union[Send, Record, SaveCheckpoint, SaveDelta, DropDeltas, Log, Exit]  # from the syncer core
+Action = Union[Send, Record, SaveCheckpoint, SaveDelta, DropDeltas, ClearGivenUp, Log, Exit]  # the syncer core's
 IslandAction = Union[Out, Reconnect, Log]  # from an island core
 
 

@@ -267,6 +267,8 @@ class Admission:
                            round=r.number if r is not None else None, contributed=contributed)
         self.outbox.log("info", f"island {m.island} {'re' if rejoin else ''}joined ({m.backend}) at version "
                                 f"{s.run.version}; {len(s.live())} live")
+        if m.island in s.given_up and 0 <= m.island < s.cfg.islands:  # (another id never lowered the quorum)
+            s.returning.add(m.island)  # (counted on again from the next round: RoundDriver.take_back_give_ups)
         if s.finish_header is not None:
             self.outbox.send(m.peer, "finish", s.finish_header_for_wire())
 

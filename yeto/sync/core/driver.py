@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from yeto.sync.core.actions import Exit
+from yeto.sync.core.actions import ClearGivenUp, Exit
 from yeto.sync.core.deltas import Deltas
 from yeto.sync.core.merging import Merging
 from yeto.sync.core.rounds import (ClosePolicy, OpenRound, Pace, RoundMembers, RoundPhase, Verdict, close_decision,
@@ -50,6 +50,7 @@ class RoundDriver:
         if not s.started and not self._gate_passed(now):
             return
         s.started = True
+        self.take_back_give_ups()
         s.round = OpenRound(run.version + 1, run.version, now,
                             ends_at=now + s.cfg.round_seconds if s.cfg.round_seconds else math.inf)
         header = round_header(s.cfg, s.round, now)
@@ -63,6 +64,19 @@ class RoundDriver:
         self.outbox.log("info", f"round {s.round.number} open with islands {sorted(members)}")
         self.deltas.take_ahead(now)
         self.maybe_close(now)
+
+    def take_back_give_ups(self) -> None:
+        """Given-up islands that are back (its fleet extended, or started by hand) and still live are counted on
+        again from the round about to open, the quorum raised by the same rule. The mark goes first, so that a
+        restart never reads the record with the mark still there."""
+        s = self.state
+        live = {m.island for m in s.live()}
+        for lid in sorted(s.returning & live & s.given_up.keys()):
+            del s.given_up[lid]
+            self.outbox.add(ClearGivenUp(lid))
+            self.outbox.record("given_up_cleared", island=lid, quorum=s.quorum())
+            self.outbox.log("info", f"island {lid}, given up, is back; quorum now {s.quorum()}")
+        s.returning.clear()
 
     def _gate_passed(self, now: float) -> bool:
         """Round 1 waits for --islands (less those given up), or for quorum plus --straggler-timeout."""

@@ -90,7 +90,8 @@ class TapeFold:
 
     def _handlers(self) -> dict[str, Callable[[dict[str, Any]], None]]:
         """Each tape event the fold reads, and the handler it goes to."""
-        return {"start": self._on_start, "given_up": self._on_given_up, "join": self._on_join, "init": self._on_init,
+        return {"start": self._on_start, "given_up": self._on_given_up, "given_up_cleared": self._on_given_up_cleared,
+                "join": self._on_join, "init": self._on_init,
                 "delta": self._on_delta, "refuse_delta": self._on_refuse_delta, "discard": self._on_discard,
                 "merge": self._on_merge, "checkpoint": self._on_checkpoint, "rollback": self._on_rollback,
                 "resume": self._on_resume, "finish": self._on_finish}
@@ -108,10 +109,18 @@ class TapeFold:
     def _on_given_up(self, e: dict[str, Any]) -> None:
         """The fleet controller gave an island up: the quorum shrinks, by the rule, not by the record's word."""
         self.given_up.add(e.get("island"))
+        self._requorum(e)
+
+    def _on_given_up_cleared(self, e: dict[str, Any]) -> None:
+        """A given-up island is back: the quorum grows again, by the same rule."""
+        self.given_up.discard(e.get("island"))
+        self._requorum(e)
+
+    def _requorum(self, e: dict[str, Any]) -> None:
         expected = quorum_after_give_ups(self.config_quorum, self.islands, len(self.given_up))
         if e.get("quorum") != expected:
-            self._fail(e, f"given_up of island {e.get('island')} sets quorum {e.get('quorum')}, the rule gives "
-                          f"{expected} (--quorum {self.config_quorum}, --islands {self.islands}, "
+            self._fail(e, f"{e.get('event')} of island {e.get('island')} sets quorum {e.get('quorum')}, the rule "
+                          f"gives {expected} (--quorum {self.config_quorum}, --islands {self.islands}, "
                           f"{len(self.given_up)} given up)")
         self.quorum = expected
 

@@ -113,6 +113,9 @@ class SyncerState:
         self.bound_ids: set[int] = set()  # island ids only their own key may speak for (yeto keys add)
         self.revoked: set[str] = set()  # principals whose keys were revoked
         self.given_up: dict[int, str] = {}  # island id -> why the fleet controller stopped bringing it back
+        # given-up islands welcomed back: their give-up is taken back as the next round opens (the quorum of a round
+        # never rises while it is open: one in its grace has met it)
+        self.returning: set[int] = set()
         self.sum: Optional[RoundSum] = None  # the open round's running sum of accepted deltas
         # recent merged deltas' norms, per part of the adapter (a streamed run's parts differ in size and layers; the
         # whole adapter's key is None): the norm clip's reference

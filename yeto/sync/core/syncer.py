@@ -216,7 +216,7 @@ class SyncerCore:
     def give_up(self, islands: dict[int, str], now: float) -> list[Action]:
         """The fleet controller stopped relaunching these islands (`yeto launch --recover-timeout`): the run goes on
         without them, its quorum and round-1 gate lowered by as many (never below 1). An island that comes back anyway
-        is welcome; it does not raise the quorum again."""
+        takes its give-up back (`yeto.sync.core.admission`: the quorum rises again by the same rule)."""
         self.outbox.clear()
         s = self.state
         for lid, reason in sorted(islands.items()):

@@ -34,3 +34,14 @@ def read_given_up(out: str | Path) -> dict[int, str]:
         if path.name.isdigit() and path.is_file():
             found[int(path.name)] = path.read_text(errors="replace").strip() or "given up"
     return found
+
+
+def clear_given_up(out: str | Path, island: int) -> bool:
+    """Take back the give-up of `island` (it is started again, or it rejoined): a syncer (re)started on this --out
+    counts on it again. True when there was one."""
+    path = Path(out) / GIVEN_UP_DIR / str(island)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True

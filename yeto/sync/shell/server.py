@@ -53,10 +53,11 @@ from yeto import YetoError
 from yeto.sync.core.checks import check_out_dir
 from yeto.sync.shell.gate import Gatekeeper, curve_server
 from yeto.sync.shell.keys import KEYS_EVENT, KEYS_RESCAN_S, Keyring, require_loopback
-from yeto.sync.core.actions import Action, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta, Send
+from yeto.sync.core.actions import (Action, ClearGivenUp, DropDeltas, Exit, Log, Record, SaveCheckpoint, SaveDelta,
+                                    Send)
 from yeto.sync.core.delivery import GLOBAL_TYPES, Delivery, Outgoing, Undeliverable
 from yeto.sync.core.syncer import SyncerConfig, SyncerCore
-from yeto.sync.shell.given_up import read_given_up
+from yeto.sync.shell.given_up import clear_given_up, read_given_up
 from yeto.sync.wire.protocol import BULK_SUFFIX, MAX_HEADER_BYTES, encode, is_bulk, message_size
 from yeto.sync.shell.store import PENDING_DIR, STATE_FILE, DiskStore
 from yeto.sync.shell.tracking import MergeTracking
@@ -347,6 +348,8 @@ class Syncer:
             elif isinstance(a, DropDeltas):
                 self._durable(self.store.out / PENDING_DIR,
                               lambda: self.store.drop_deltas(a.through_round, a.round, a.island))
+            elif isinstance(a, ClearGivenUp):
+                clear_given_up(self.cfg.out, a.island)
             elif isinstance(a, Log):
                 getattr(log, a.level)(a.text)
             elif isinstance(a, Exit):

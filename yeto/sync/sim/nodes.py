@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
-from yeto.sync.core.actions import (DropDeltas, Durable, Exit, Log, Out, Reconnect, Record, SaveCheckpoint, SaveDelta,
-                                    Send)
+from yeto.sync.core.actions import (ClearGivenUp, DropDeltas, Durable, Exit, Log, Out, Reconnect, Record,
+                                    SaveCheckpoint, SaveDelta, Send)
 from yeto.sync.core.island import Done, IslandCore, RoundCounts, Train, StepVerdict, Wait
 from yeto.sync.core.island.work import Carry, RoundSteps
 from yeto.sync.core.deltas import MAX_INNER_STEPS_PER_DELTA
@@ -140,11 +140,11 @@ class SimSyncer:
                 self._record(a)
             elif isinstance(a, (SaveCheckpoint, SaveDelta, DropDeltas)):
                 self._save(a)
+            elif isinstance(a, ClearGivenUp):
+                self.disk.given_up.pop(a.island, None)  # (the controller's folder: removed at once, as the shell does)
             elif isinstance(a, Exit):
                 self.disk.sync()
-                self.exited = True
-                self.exited_at = w.now
-                self.exit_code = a.code
+                self.exited, self.exited_at, self.exit_code = True, w.now, a.code
                 w.log(f"syncer: exit {a.code}")
                 return
             elif isinstance(a, Log):

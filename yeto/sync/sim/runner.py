@@ -34,7 +34,7 @@ FRESH_SEEDS_FROM, FRESH_SEEDS_TO = 10**5, 10**9  # where a fresh sweep's first s
 
 # tape events that mark a recovery path, counted per schedule so a sweep shows what it really exercised
 EXERCISED = ("resume", "rollback", "discard", "recovered", "refuse_delta", "supersede", "tape_repair", "quorum_wait",
-             "stop", "reject", "given_up", "stale")
+             "stop", "reject", "given_up", "given_up_cleared", "stale")
 
 
 def run_seed(seed: int, trace: Optional[Callable[[str], None]] = None) -> Outcome:
