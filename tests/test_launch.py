@@ -681,6 +681,17 @@ def test_an_unknown_flag_is_matched_against_every_command_launch_forwards_to(ref
         assert "an island flag" not in err  # it is no command's flag: not blamed on the islands
 
 
+def test_a_local_dry_run_prints_its_plan_as_json_however_long_its_paths(tmp_path):
+    """The plan is JSON a program reads back: a path longer than the terminal is not wrapped inside it."""
+    data = tmp_path / ("long-folder-name-" * 6) / "chat.jsonl"
+    data.parent.mkdir()
+    data.write_bytes(DEMO_DATA.read_bytes())
+    r = yeto("launch", "--gpu", "local:2", "--data", data, "--out", tmp_path / "run", "--name", "long", "--dry-run",
+             env=dict(os.environ, YETO_RUNS=str(tmp_path / "runs")))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout[r.stdout.index("{"):])["data"] == str(data)
+
+
 def test_an_mlx_islands_flag_is_parsed_by_the_mlx_islands_parser(tmp_path):
     from yeto.cli.launch_flags import check_passed_flags
 

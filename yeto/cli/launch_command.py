@@ -200,7 +200,7 @@ def launch_command(
         from yeto.launch.local import launch_local
 
         if dry_run:
-            console.print(plan.to_json(), markup=False, highlight=False)
+            console.print(plan.to_json(), markup=False, highlight=False, soft_wrap=True)  # (JSON: no wrapping)
             raise typer.Exit(0)
         if run_dir:
             console.print(run_dir, markup=False, highlight=False, soft_wrap=True)
