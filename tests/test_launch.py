@@ -550,6 +550,53 @@ def test_status_and_the_dashboard_say_one_word_for_an_island_and_show_the_latest
     assert table.count(" done ") == 2 and "gone" not in table and "given up" not in table, table
 
 
+def test_status_logs_and_down_take_a_launchs_directory_its_syncers_or_an_islands(tmp_path, monkeypatch):
+    """`yeto status/logs/down` find a launched run by any of its directories, as by its name: the record whose --out
+    it is (the latest, where a name was launched there again); a directory no launch recorded is one line."""
+    from yeto.launch.registry import RunRecord, process_start
+
+    monkeypatch.setenv("YETO_RUNS", str(tmp_path / "runs"))
+    env = dict(os.environ)
+    fleet, other = tmp_path / "fleet", tmp_path / "other"
+    for out in (fleet, other):
+        (out / "syncer").mkdir(parents=True)
+        (out / "syncer" / "tape.jsonl").write_text(json.dumps({"seq": 0, "time": 0.0, "event": "start",
+                                                               "config": {"outer_steps": 4}}) + "\n")
+    (fleet / "island-0").mkdir()
+    (fleet / "island-0" / "run.json").write_text(json.dumps({"config": {"island_id": 0, "syncer": "127.0.0.1:1"}}))
+    (fleet / "logs").mkdir()
+    (fleet / "logs" / "syncer.log").write_text("the fleet's syncer says hello\n")
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        RunRecord("older", "local", str(fleet), "127.0.0.1:1", created=1.0, state="ended").save()
+        RunRecord("decoy", "local", str(other), "127.0.0.1:2", created=3.0, state="ended").save()
+        RunRecord("pirates", "local", str(fleet), "127.0.0.1:1", created=2.0, launcher_pid=launcher.pid,
+                  started={str(launcher.pid): process_start(launcher.pid)},
+                  logs={"syncer": str(fleet / "logs" / "syncer.log")}).save()
+        for where in (fleet, fleet / "syncer", fleet / "island-0"):
+            r = yeto("status", where, env=env)
+            assert r.returncode == 0 and "run pirates (local)" in r.stdout, (where, r.stdout, r.stderr[-2000:])
+        r = yeto("logs", fleet, "--no-follow", env=env)
+        assert r.returncode == 0 and r.stdout == "the fleet's syncer says hello\n", r.stderr[-2000:]
+        r = yeto("down", fleet / "island-0", env=env)
+        assert r.returncode == 0 and "run pirates stopped" in r.stdout, (r.stdout, r.stderr[-2000:])
+        assert launcher.wait(timeout=30) != 0  # (its SIGINT)
+    finally:
+        launcher.kill()
+    (tmp_path / "runs" / "older.json").unlink()
+    (tmp_path / "runs" / "pirates.json").unlink()
+    r = yeto("status", fleet, env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"no run launched from {fleet} is recorded" in r.stderr and "decoy" in r.stderr, r.stderr
+    standalone = tmp_path / "mine"
+    standalone.mkdir()
+    (standalone / "run.json").write_text(json.dumps({"config": {"island_id": 0}}))
+    r = yeto("down", standalone, env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "is a standalone `yeto train` run's --out, not a launched run's" in r.stderr, r.stderr
+
+
+
 # ---------------------------------------------------------------------------------------------- the CLI
 
 

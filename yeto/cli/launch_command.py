@@ -269,7 +269,8 @@ def launch_passes_on() -> list[tuple[str, Any]]:
     return [("yeto syncer", click_command(syncer_cli)), ("yeto train", click_command(train_command()))]
 
 
-RunArg = Annotated[Optional[str], typer.Argument(help="The run's name (default: the latest launched).")]
+RUN_HELP = "The run's name or its --out (or the syncer/ or an island-I/ in it)"
+RunArg = Annotated[Optional[str], typer.Argument(help=f"{RUN_HELP} (default: the latest launched).")]
 
 
 def status_command(run: RunArg = None) -> None:
@@ -277,9 +278,9 @@ def status_command(run: RunArg = None) -> None:
     from rich.console import Console
 
     from yeto.launch.manage import status
-    from yeto.launch.registry import load_run
+    from yeto.launch.registry import launched_run
 
-    status(load_run(run), Console())
+    status(launched_run(run), Console())
 
 
 def logs_command(run: RunArg = None,
@@ -288,16 +289,16 @@ def logs_command(run: RunArg = None,
                  follow: Annotated[bool, typer.Option(help="Keep following while the run lives.")] = True) -> None:
     """Follow a run's logs."""
     from yeto.launch.manage import logs
-    from yeto.launch.registry import load_run
+    from yeto.launch.registry import launched_run
 
-    logs(load_run(run), island, follow)
+    logs(launched_run(run), island, follow)
 
 
-def down_command(run: Annotated[str, typer.Argument(help="The run's name.")]) -> None:
+def down_command(run: Annotated[str, typer.Argument(help=f"{RUN_HELP}.")]) -> None:
     """Stop a run and tear down every cluster it launched."""
     from rich.console import Console
 
     from yeto.launch.manage import down
-    from yeto.launch.registry import load_run
+    from yeto.launch.registry import launched_run
 
-    raise typer.Exit(down(load_run(run), Console()))
+    raise typer.Exit(down(launched_run(run), Console()))
