@@ -550,6 +550,53 @@ def test_status_and_the_dashboard_say_one_word_for_an_island_and_show_the_latest
     assert table.count(" done ") == 2 and "gone" not in table and "given up" not in table, table
 
 
+def test_status_logs_and_down_take_a_launchs_directory_its_syncers_or_an_islands(tmp_path, monkeypatch):
+    """`yeto status/logs/down` find a launched run by any of its directories, as by its name: the record whose --out
+    it is (the latest, where a name was launched there again); a directory no launch recorded is one line."""
+    from yeto.launch.registry import RunRecord, process_start
+
+    monkeypatch.setenv("YETO_RUNS", str(tmp_path / "runs"))
+    env = dict(os.environ)
+    fleet, other = tmp_path / "fleet", tmp_path / "other"
+    for out in (fleet, other):
+        (out / "syncer").mkdir(parents=True)
+        (out / "syncer" / "tape.jsonl").write_text(json.dumps({"seq": 0, "time": 0.0, "event": "start",
+                                                               "config": {"outer_steps": 4}}) + "\n")
+    (fleet / "island-0").mkdir()
+    (fleet / "island-0" / "run.json").write_text(json.dumps({"config": {"island_id": 0, "syncer": "127.0.0.1:1"}}))
+    (fleet / "logs").mkdir()
+    (fleet / "logs" / "syncer.log").write_text("the fleet's syncer says hello\n")
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        RunRecord("older", "local", str(fleet), "127.0.0.1:1", created=1.0, state="ended").save()
+        RunRecord("decoy", "local", str(other), "127.0.0.1:2", created=3.0, state="ended").save()
+        RunRecord("pirates", "local", str(fleet), "127.0.0.1:1", created=2.0, launcher_pid=launcher.pid,
+                  started={str(launcher.pid): process_start(launcher.pid)},
+                  logs={"syncer": str(fleet / "logs" / "syncer.log")}).save()
+        for where in (fleet, fleet / "syncer", fleet / "island-0"):
+            r = yeto("status", where, env=env)
+            assert r.returncode == 0 and "run pirates (local)" in r.stdout, (where, r.stdout, r.stderr[-2000:])
+        r = yeto("logs", fleet, "--no-follow", env=env)
+        assert r.returncode == 0 and r.stdout == "the fleet's syncer says hello\n", r.stderr[-2000:]
+        r = yeto("down", fleet / "island-0", env=env)
+        assert r.returncode == 0 and "run pirates stopped" in r.stdout, (r.stdout, r.stderr[-2000:])
+        assert launcher.wait(timeout=30) != 0  # (its SIGINT)
+    finally:
+        launcher.kill()
+    (tmp_path / "runs" / "older.json").unlink()
+    (tmp_path / "runs" / "pirates.json").unlink()
+    r = yeto("status", fleet, env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"no run launched from {fleet} is recorded" in r.stderr and "decoy" in r.stderr, r.stderr
+    standalone = tmp_path / "mine"
+    standalone.mkdir()
+    (standalone / "run.json").write_text(json.dumps({"config": {"island_id": 0}}))
+    r = yeto("down", standalone, env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "is a standalone `yeto train` run's --out, not a launched run's" in r.stderr, r.stderr
+
+
+
 # ---------------------------------------------------------------------------------------------- the CLI
 
 
@@ -679,6 +726,67 @@ def test_an_unknown_flag_is_matched_against_every_command_launch_forwards_to(ref
         err = refused("--gpu", gpu, "--data", DEMO_DATA, typo, "4", "--dry-run")
         assert f"No such option: {typo}" in err and says in err, err
         assert "an island flag" not in err  # it is no command's flag: not blamed on the islands
+
+
+def test_a_local_dry_run_prints_its_plan_as_json_however_long_its_paths(tmp_path):
+    """The plan is JSON a program reads back: a path longer than the terminal is not wrapped inside it."""
+    data = tmp_path / ("long-folder-name-" * 6) / "chat.jsonl"
+    data.parent.mkdir()
+    data.write_bytes(DEMO_DATA.read_bytes())
+    r = yeto("launch", "--gpu", "local:2", "--data", data, "--out", tmp_path / "run", "--name", "long", "--dry-run",
+             env=dict(os.environ, YETO_RUNS=str(tmp_path / "runs")))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout[r.stdout.index("{"):])["data"] == str(data)
+
+
+EPOCH_RECORDS = [{"messages": [{"role": "user", "content": f"question {i} " * (i % 7 + 1)},
+                               {"role": "assistant", "content": f"answer {i} " * (i % 5 + 2)}]} for i in range(60)]
+
+
+@pytest.mark.parametrize("gpu, ranks, config", [
+    ("local:2", [1, 1], ""),
+    ("aws:2xA10G,gcp:1xL4", [2, 1], ""),  # a two-GPU island takes two ranks' batches a step
+    ("local:2", [1, 1], "outer-steps: 5\n"),  # the file's --outer-steps gives way to --epochs on the command line
+])
+def test_launch_epochs_sizes_the_fleet_from_the_islands_data_shards(tiny_model, tokenizer, chat_file, tmp_path, gpu,
+                                                                    ranks, config):
+    """`yeto launch --epochs N` is N passes over every island's shard: --outer-steps from the largest shard's steps
+    (as `yeto train --epochs` counts them), computed before anything starts and shown; the islands get no --epochs."""
+    import math
+
+    from yeto.island.data import prepare_data
+    from yeto.island.shard import epoch_steps
+    from yeto.island.train_config import TrainConfig
+
+    data, out, d = chat_file(EPOCH_RECORDS), tmp_path / "run", TrainConfig()
+    file = tmp_path / "run.yaml"
+    file.write_text(config)
+    r = yeto("launch", "--gpu", gpu, "--model", tiny_model("llama"), "--data", data, "--out", out, "--name", "epochs",
+             "--config", file, "--dry-run", "--epochs", "2.5", "--inner-steps", "2", "--seq-len", "64",
+             "--batch-size", "2", "--grad-accum", "2", env=dict(os.environ, YETO_RUNS=str(tmp_path / "runs")))
+    assert r.returncode == 0, r.stderr[-2000:]
+    blocks = [len(prepare_data(str(data), tokenizer, 64, i, 2, d.eval_fraction, d.seed).train) for i in range(2)]
+    steps = [epoch_steps(2.5, b, 2 * 2 * k) for b, k in zip(blocks, ranks)]
+    outer = math.ceil(max(steps) / 2)
+    assert outer not in (3, 5)  # (neither launch's default nor the file's)
+    plan = (FleetPlan.from_json((out / "plan.json").read_text()) if (out / "plan.json").is_file()
+            else FleetPlan(**json.loads(r.stdout[r.stdout.index("{"):]) | {"islands": []}))
+    assert plan.syncer_args[:4] == ["--outer-steps", str(outer), "--inner-steps", "2"], plan.syncer_args
+    assert "--epochs" not in plan.island_args  # (the fleet's length is the syncer's)
+    assert f"--epochs 2.5: --outer-steps {outer} x --inner-steps 2 ({max(steps)} steps" in r.stdout, r.stdout[:2000]
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--outer-steps", "5"], "--epochs 2 and --outer-steps 5 both set the fleet's length"),
+    (["--max-steps", "5"], "--epochs 2 and --max-steps 5 both set the run's length"),
+    (["--round-seconds", "60"], "--epochs 2 needs a fixed number of steps a round, and --round-seconds 60"),
+])
+def test_launch_epochs_with_another_length_is_refused_in_one_line(refused, extra, says):
+    for gpu in ("local:2", "aws:1xA10G"):
+        err = refused("--gpu", gpu, "--data", DEMO_DATA, "--epochs", "2", *extra, "--dry-run")
+        assert says in err and "an island flag" not in err, err
+    err = refused("--gpu", "aws:1xA10G", "--data", "s3://bucket/chats", "--epochs", "2", "--dry-run")
+    assert "--epochs 2 counts the islands' steps in the data on this machine" in err, err
 
 
 def test_an_mlx_islands_flag_is_parsed_by_the_mlx_islands_parser(tmp_path):

@@ -33,15 +33,11 @@ def inspect_command(
     """Show what a run would read from DATA: formats, records, tokens per record, files and records skipped and
     why, and one record rendered with the tokens it learns [[bracketed]]."""
     from yeto.island.data import inspect_data, read_data
-    from yeto.island.train_config import check_seq_len
-    from yeto.models.catalog import context_length
-    from yeto.models.materialize import load_tokenizer, resolve_model
+    from yeto.island.shard import counting_tokenizer
     from yeto.sync.core.checks import check_range
 
     check_range(seq_len, "--seq-len", low=2)
-    artifact = resolve_model(model)
-    check_seq_len(seq_len, context_length(artifact.path), model)
-    tokenizer = load_tokenizer(artifact)
+    tokenizer = counting_tokenizer(model, None, seq_len)
     report = inspect_data(read_data(data, tokenizer, seq_len, eval_fraction, revision=data_revision,
                                     split=data_split, config=data_config, columns=columns))
     if as_json:

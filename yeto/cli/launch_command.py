@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -13,9 +13,9 @@ from yeto.cli.config_file import passed_on_args
 from yeto.cli.usage import OldSpelling, click_command, with_help_panels
 
 from yeto import YetoError
-from yeto.cli.launch_flags import check_passed_flags, command_flags
+from yeto.cli.launch_flags import PassedFlags, check_passed_flags, command_flags
 from yeto.island.records import DEMO_DATA
-from yeto.launch.costs import flag_value
+from yeto.launch.costs import flag_value, without_flag
 from yeto.launch.plan import SYNCER_PORT, FleetPlan, pin_revision, split_extra_args
 from yeto.launch.registry import live_run, runs_dir
 from yeto.launch.rundir import check_run_dir
@@ -85,6 +85,47 @@ def choose_fleet(model: str, budget: float, spot: bool, island_extra: list[str],
     for why in best.why:
         console.print(f"  {why}", highlight=False, markup=False, soft_wrap=True)
     return ChosenFleet(gpu, best.inner_steps, best.quorum, island_args)
+
+
+def epochs_or_outer_steps(ctx: typer.Context, island_extra: list[str]) -> list[str]:
+    """--epochs (an island flag launch turns into the fleet's --outer-steps) and --outer-steps are one choice: where
+    both are set, the one on the command line wins over a --config file's (the file's --epochs is dropped); both on
+    the command line, or both in the file, is one line. --epochs with --max-steps is one line too."""
+    epochs = flag_value(island_extra, "--epochs")
+    if epochs is None:
+        return island_extra
+    max_steps = flag_value(island_extra, "--max-steps")
+    if max_steps is not None:
+        raise YetoError(f"--epochs {epochs} and --max-steps {max_steps} both set the run's length: give one of them "
+                        "(a fleet runs --outer-steps x --inner-steps steps; --epochs N computes --outer-steps from "
+                        "the islands' data before launch)")
+    source = ctx.get_parameter_source("outer_steps").name
+    if source == "DEFAULT":
+        return island_extra
+    epochs_on_line = "--epochs" in {a.split("=", 1)[0] for a in ctx.args}
+    if (source == "COMMANDLINE") == epochs_on_line:
+        raise YetoError(f"--epochs {epochs} and --outer-steps {ctx.params['outer_steps']} both set the fleet's "
+                        "length: give one of them (--epochs N: --outer-steps computed from the islands' data shards "
+                        "before launch)")
+    return island_extra if epochs_on_line else without_flag(island_extra, "--epochs")
+
+
+def length_from_epochs(plan: FleetPlan, passed: PassedFlags, inner_steps: int, console: Any) -> PassedFlags:
+    """The fleet's --outer-steps from --epochs, counted on the data here (`yeto.launch.epochs`) and printed; the
+    islands get no --epochs (their run's length is the syncer's). Refused with --round-seconds, whose rounds have no
+    fixed steps."""
+    from yeto.launch.epochs import epoch_length
+
+    epochs = passed.island.epochs
+    if passed.syncer.round_seconds > 0:
+        raise YetoError(f"--epochs {epochs:g} needs a fixed number of steps a round, and --round-seconds "
+                        f"{passed.syncer.round_seconds:g} has none (its rounds are time windows): give --outer-steps "
+                        "with --round-seconds, or leave --round-seconds out")
+    length = epoch_length(plan, passed.island, inner_steps)
+    plan.syncer_args[plan.syncer_args.index("--outer-steps") + 1] = str(length.outer_steps)
+    plan.island_args = without_flag(plan.island_args, "--epochs")
+    console.print(length.line(), highlight=False, markup=False, soft_wrap=True)
+    return PassedFlags(replace(passed.syncer, outer_steps=length.outer_steps), passed.island)
 
 
 def _default_name(out: str) -> str:
@@ -159,6 +200,7 @@ def launch_command(
         inner_steps = fleet.inner_steps if inner_steps is None else inner_steps
         quorum = quorum or fleet.quorum
         island_extra += fleet.island_args
+    island_extra = epochs_or_outer_steps(ctx, island_extra)
     gpu = DEFAULT_GPU if gpu is None else gpu
     inner_steps = DEFAULT_INNER_STEPS if inner_steps is None else inner_steps
     islands = parse_gpu(gpu)
@@ -176,6 +218,8 @@ def launch_command(
     # data it would not find, a busy port
     passed = check_passed_flags(plan, command_flags(ctx.command))
     plan.check_sources(flag_value(island_extra, "--data-config"))
+    if passed.island.epochs is not None:
+        passed = length_from_epochs(plan, passed, inner_steps, console)
     if local:
         from yeto.launch.local import check_port_free
 
@@ -200,7 +244,7 @@ def launch_command(
         from yeto.launch.local import launch_local
 
         if dry_run:
-            console.print(plan.to_json(), markup=False, highlight=False)
+            console.print(plan.to_json(), markup=False, highlight=False, soft_wrap=True)  # (JSON: no wrapping)
             raise typer.Exit(0)
         if run_dir:
             console.print(run_dir, markup=False, highlight=False, soft_wrap=True)
@@ -225,7 +269,8 @@ def launch_passes_on() -> list[tuple[str, Any]]:
     return [("yeto syncer", click_command(syncer_cli)), ("yeto train", click_command(train_command()))]
 
 
-RunArg = Annotated[Optional[str], typer.Argument(help="The run's name (default: the latest launched).")]
+RUN_HELP = "The run's name or its --out (or the syncer/ or an island-I/ in it)"
+RunArg = Annotated[Optional[str], typer.Argument(help=f"{RUN_HELP} (default: the latest launched).")]
 
 
 def status_command(run: RunArg = None) -> None:
@@ -233,9 +278,9 @@ def status_command(run: RunArg = None) -> None:
     from rich.console import Console
 
     from yeto.launch.manage import status
-    from yeto.launch.registry import load_run
+    from yeto.launch.registry import launched_run
 
-    status(load_run(run), Console())
+    status(launched_run(run), Console())
 
 
 def logs_command(run: RunArg = None,
@@ -244,16 +289,16 @@ def logs_command(run: RunArg = None,
                  follow: Annotated[bool, typer.Option(help="Keep following while the run lives.")] = True) -> None:
     """Follow a run's logs."""
     from yeto.launch.manage import logs
-    from yeto.launch.registry import load_run
+    from yeto.launch.registry import launched_run
 
-    logs(load_run(run), island, follow)
+    logs(launched_run(run), island, follow)
 
 
-def down_command(run: Annotated[str, typer.Argument(help="The run's name.")]) -> None:
+def down_command(run: Annotated[str, typer.Argument(help=f"{RUN_HELP}.")]) -> None:
     """Stop a run and tear down every cluster it launched."""
     from rich.console import Console
 
     from yeto.launch.manage import down
-    from yeto.launch.registry import load_run
+    from yeto.launch.registry import launched_run
 
-    raise typer.Exit(down(load_run(run), Console()))
+    raise typer.Exit(down(launched_run(run), Console()))

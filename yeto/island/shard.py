@@ -23,6 +23,24 @@ def epoch_steps(epochs: float, blocks: int, blocks_per_step: int) -> int:
     return max(1, math.ceil(round(epochs * blocks / blocks_per_step, EXACT_DIGITS)))
 
 
+def blocks_per_step(cfg: TrainConfig, ranks: int = 1) -> int:
+    """The training blocks one optimizer step of an island takes: --batch-size on each of its `ranks` (a torchrun
+    island's ranks draw one global batch), --grad-accum batches a step."""
+    return cfg.batch_size * ranks * cfg.grad_accum
+
+
+def counting_tokenizer(model: str, revision: Optional[str], seq_len: int, trust_remote_code: bool = False) -> Any:
+    """The tokenizer a run on `model` tokenizes and packs its data with, `seq_len` checked against the model's
+    context as an island checks it: what reads a dataset before any island does (`yeto data inspect`, `yeto launch
+    --epochs`) loads no weights."""
+    from yeto.models.catalog import context_length
+    from yeto.models.materialize import load_tokenizer, resolve_model
+
+    artifact = resolve_model(model, revision)
+    check_seq_len(seq_len, context_length(artifact.path), model)
+    return load_tokenizer(artifact, trust_remote_code)
+
+
 class ShardedData:
     """An island's data (every backend): the dataset read and checked before the island joins a run, and its
     shard of it taken once known: at start from --island-id of --islands (or the whole of it standalone),
@@ -59,7 +77,7 @@ class ShardedData:
         # every rank of a torchrun island draws the same global batch (ranks x --batch-size) and takes its slice
         self.sampler = BatchSampler(len(self.data.train), cfg.batch_size * self.ranks, cfg.seed + 1000 * cfg.island_id)
         if cfg.epochs is not None:
-            per_step = cfg.batch_size * self.ranks * cfg.grad_accum
+            per_step = blocks_per_step(cfg, self.ranks)
             cfg.max_steps = epoch_steps(cfg.epochs, len(self.data.train), per_step)
             self._log_data(f"--epochs {cfg.epochs:g}: {cfg.max_steps} steps ({len(self.data.train)} training blocks "
                            f"in the shard, {per_step} a step: --batch-size {cfg.batch_size}"

@@ -35,6 +35,19 @@ def flag_value(args: list[str], flag: str) -> Optional[str]:
     return value
 
 
+def without_flag(args: list[str], flag: str) -> list[str]:
+    """A command line less every `flag` and its value (`--flag V` or `--flag=V`)."""
+    kept, i = [], 0
+    while i < len(args):
+        if args[i] == flag:
+            i += 2
+            continue
+        if not args[i].startswith(flag + "="):
+            kept.append(args[i])
+        i += 1
+    return kept
+
+
 @dataclass(frozen=True)
 class IslandPrice:
     island: IslandSpec

@@ -1,4 +1,5 @@
-"""`yeto status`, `yeto logs`, `yeto down`: a launched run, found by name in the registry.
+"""`yeto status`, `yeto logs`, `yeto down`: a launched run, found in the registry by its name or its directory
+(`yeto.launch.registry.launched_run`).
 
 A local run (this machine is the head) is read from its directory: processes, logs, the syncer's tape. A cloud
 run is asked of SkyPilot (clusters, cost) and of its head (the tape, over SkyPilot's ssh alias for the cluster).

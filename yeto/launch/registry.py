@@ -213,6 +213,42 @@ def find_run(target: str) -> RunDirs:
         found is None) else RunDirs(found.given, found.what, found.syncer, found.islands, record)
 
 
+def recorded_runs() -> list[RunRecord]:
+    """Every run the registry holds that yeto can read (a damaged record is left to `load_run` to name)."""
+    folder = runs_dir()
+    found = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            found.append(RunRecord(**in_current_words(json.loads(path.read_text()))))
+        except (OSError, ValueError, TypeError):
+            continue
+    return found
+
+
+def launched_run(target: Optional[str]) -> RunRecord:
+    """The launched run `yeto status`, `logs` and `down` act on: by name (none: the latest launched), or by any of its
+    directories (`find_run`: a launch's --out, its syncer/ or an island-I/ in it), the latest run launched there."""
+    path = Path(target).expanduser() if target is not None else None
+    if path is None or not path.is_dir() or ((runs_dir() / f"{target}.json").is_file() and run_dirs(path) is None):
+        return load_run(target)  # (a name; also one that names a folder here holding no run)
+    found = find_run(str(path))
+    if found.what == "launch":
+        launch = found.given
+    elif found.syncer is not None and found.syncer.name == SYNCER_DIR and found.syncer.parent != found.given:
+        launch = found.syncer.parent  # (a launch's syncer/, or an island-I/ beside it)
+    else:
+        what = "a standalone `yeto train` run's" if found.standalone else f"a{'n' if found.what == 'island' else ''} "\
+               f"{found.what}'s"
+        raise YetoError(f"{path} is {what} --out, not a launched run's: `yeto status`, `logs` and `down` act on runs "
+                        f"`yeto launch` started, by name or --out (`yeto dashboard {path}` shows this one)")
+    here = [r for r in recorded_runs() if Path(r.out).resolve() == launch.resolve()]
+    if not here:
+        known = ", ".join(f"{r.name} ({r.out})" for r in recorded_runs()) or "none"
+        raise YetoError(f"no run launched from {launch} is recorded in {runs_dir()} (known: {known}): give a "
+                        f"launched run's name or --out (`yeto dashboard {launch}` reads its files)")
+    return max(here, key=lambda r: r.created)
+
+
 def run_adapter(target: str) -> str:
     """Where a command that reads an adapter (`generate`, `export`) finds it from `target`: a run's directory or
     name gives its adapter's (a launch's: the syncer's merged one); anything else is taken as it is."""
