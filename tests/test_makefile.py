@@ -1,4 +1,5 @@
-"""The Makefile installs what each target runs: `make demo` no browser and no test tools, `make test` all of them."""
+"""The Makefile: `make demo` installs no browser and asks for no sudo; `make test` adds the browser; both get one set of
+Python packages (resolved in one pip call, so the demo runs on the versions the tests ran)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,19 @@ def installs(tmp_path, target: str, *variables: str) -> tuple[set[str], str]:
     return extras, r.stdout
 
 
-def test_make_demo_installs_no_browser_and_no_test_tools(tmp_path):
+EVERY_EXTRA = {"torch", "dev", "mlx", "launch", "watch", "track"}
+
+
+def test_make_demo_installs_no_browser_and_asks_no_sudo(tmp_path):
     extras, commands = installs(tmp_path, "demo")
-    assert {"torch", "watch"} <= extras and not extras & {"dev", "launch", "track"}, extras
+    assert extras == EVERY_EXTRA, extras
     assert "chromium" not in commands and "apt-get" not in commands  # (no sudo on a laptop for the default demo)
-    extras, commands = installs(tmp_path, "demo", "REPORT_TO=tensorboard", "MLX_ISLANDS=1")
-    assert "track" in extras and "libopenblas0-pthread" in commands and "chromium" not in commands
+    extras, commands = installs(tmp_path, "demo", "MLX_ISLANDS=1")
+    assert "libopenblas0-pthread" in commands and "chromium" not in commands
 
 
-def test_make_test_installs_the_browser_and_every_extra(tmp_path):
+def test_make_test_installs_the_browser_and_the_demos_packages_in_one_pip_call(tmp_path):
     extras, commands = installs(tmp_path, "test")
-    assert {"torch", "dev", "mlx", "launch", "watch", "track"} <= extras, extras
+    assert extras == EVERY_EXTRA, extras
+    assert len(re.findall(r'pip install -q -e "', commands)) == 1, commands
     assert "chromium chromium-driver" in commands and "libopenblas0-pthread" in commands

@@ -193,8 +193,19 @@ def run_dirs(path: Path) -> Optional[RunDirs]:
     return None
 
 
+def refuse_missing_dir(target: str) -> None:
+    """A target written as a path (a separator, `.` or `~` in front: no run's name looks so) that is no directory is
+    a typo or a run on another machine: said so, not looked up as a name."""
+    path = Path(target).expanduser()
+    if not path.is_dir() and (os.sep in target or target.startswith((".", "~"))):
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise YetoError(f"{target} {what}: give a run's directory (a `yeto launch`, syncer's or island's --out) or a "
+                        "launched run's name (yeto status lists them)")
+
+
 def find_run(target: str) -> RunDirs:
     """A run directory (a launch's, a syncer's or an island's --out), else a launched run's name."""
+    refuse_missing_dir(target)
     path = Path(target).expanduser()
     if path.is_dir():
         found = run_dirs(path)
@@ -228,6 +239,8 @@ def recorded_runs() -> list[RunRecord]:
 def launched_run(target: Optional[str]) -> RunRecord:
     """The launched run `yeto status`, `logs` and `down` act on: by name (none: the latest launched), or by any of its
     directories (`find_run`: a launch's --out, its syncer/ or an island-I/ in it), the latest run launched there."""
+    if target is not None:
+        refuse_missing_dir(target)
     path = Path(target).expanduser() if target is not None else None
     if path is None or not path.is_dir() or ((runs_dir() / f"{target}.json").is_file() and run_dirs(path) is None):
         return load_run(target)  # (a name; also one that names a folder here holding no run)
