@@ -26,8 +26,7 @@ def trained(tiny_model, tmp_path_factory):
 
 
 def test_the_merged_checkpoint_loads_with_transformers_and_matches_base_plus_adapter(trained, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     island, adapter = trained
     out = tmp_path / "merged"
@@ -35,15 +34,7 @@ def test_the_merged_checkpoint_loads_with_transformers_and_matches_base_plus_ada
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert list(out.glob("*.safetensors")) and (out / "config.json").is_file()
-    ids = torch.from_numpy(island.data.train.input_ids[:2])
-    merged = AutoModelForCausalLM.from_pretrained(out).eval()
-    base = AutoModelForCausalLM.from_pretrained(island.cfg.model)
-    with torch.no_grad():
-        plain = base(input_ids=ids).logits.clone()
-        want = PeftModel.from_pretrained(base, str(adapter)).eval()(input_ids=ids).logits
-        got = merged(input_ids=ids).logits
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert (want - plain).abs().max() > 1e-3  # the adapter changes the logits: the comparison has teeth
+    merged = merged_computes_base_plus_adapter(out, island, adapter)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.chat_template
     prompt = tokenizer("Hello", return_tensors="pt")
@@ -125,3 +116,21 @@ def test_export_writes_the_models_own_dtype_unless_told_another(tiny_model, smol
     from yeto.models.materialize import own_dtype
 
     assert own_dtype(smollm2) == "bfloat16"
+
+
+def merged_computes_base_plus_adapter(out, island, adapter):
+    """The exported checkpoint at `out`, loaded by transformers, computes what peft's base + `adapter` computes (and
+    the adapter changes the logits, so the comparison has teeth); returns the loaded model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.from_numpy(island.data.train.input_ids[:2])
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    base = AutoModelForCausalLM.from_pretrained(island.cfg.model)
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits.clone()
+        want = PeftModel.from_pretrained(base, str(adapter)).eval()(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (want - plain).abs().max() > 1e-3
+    return merged

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from tests.conftest import DEMO_DATA, REPO
+from tests.test_export import merged_computes_base_plus_adapter
 from tests.test_lean import BLOCKED, torchless_env
 from yeto.backends import MLX_MODULES
 
@@ -57,23 +57,14 @@ def test_generate_runs_on_mlx_without_torch_and_answers_as_torch_does(trained, t
 
 def test_export_runs_on_mlx_without_torch_and_fuses_what_peft_merges(trained, tmp_path):
     """mlx-lm's fuse and save: a checkpoint transformers loads, computing what base + adapter computes in peft."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     island, adapter = trained
     out = tmp_path / "merged"
     r = yeto_without_torch(tmp_path, "export", str(adapter), "--merged", str(out), "--dtype", "float32")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "LoRA layers fused by mlx-lm" in r.stdout and (out / "yeto_export.json").is_file(), r.stdout
-    ids = torch.from_numpy(island.data.train.input_ids[:2])
-    merged = AutoModelForCausalLM.from_pretrained(out).eval()
-    base = AutoModelForCausalLM.from_pretrained(island.cfg.model)
-    with torch.no_grad():
-        plain = base(input_ids=ids).logits.clone()
-        want = PeftModel.from_pretrained(base, str(adapter)).eval()(input_ids=ids).logits
-        got = merged(input_ids=ids).logits
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert (want - plain).abs().max() > 1e-3
+    merged_computes_base_plus_adapter(out, island, adapter)
     assert AutoTokenizer.from_pretrained(out).chat_template
     again = yeto_without_torch(tmp_path, "export", str(adapter), "--merged", str(out))
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
