@@ -32,6 +32,8 @@ def island_record(island) -> dict[str, Any]:
 
 # the events trackers get (`--report-to`), each under its prefix: train/loss, eval/eval_loss, round/delta_norm, ...
 TRACKED = {"step": "train", "eval": "eval", "round": "round"}
+RUN_FILE = "run.json"  # in an island's --out: its config, data and provenance (the run record)
+METRICS_FILE = "metrics.jsonl"  # in an island's --out: one event a line (steps, evals, rounds)
 
 
 class MetricsLog:

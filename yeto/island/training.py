@@ -21,7 +21,7 @@ import numpy as np
 
 from yeto import YetoError
 from yeto.island.train_config import TrainConfig
-from yeto.island.metrics import MetricsLog
+from yeto.island.metrics import METRICS_FILE, RUN_FILE, MetricsLog
 from yeto.report.trackers import Trackers, check_installed, open_trackers, parse_report_to, run_group
 
 if TYPE_CHECKING:
@@ -156,8 +156,8 @@ def run_training(island: Island, cfg: TrainConfig, session: Session, show_progre
     if resumed is None and cfg.init_adapter:
         start_from_adapter(island, cfg.init_adapter, session.log)
     record = island.record()
-    metrics = MetricsLog(out / "metrics.jsonl", open_island_trackers(cfg, record, session.log))
-    (out / "run.json").write_text(json.dumps(record, indent=2))
+    metrics = MetricsLog(out / METRICS_FILE, open_island_trackers(cfg, record, session.log))
+    (out / RUN_FILE).write_text(json.dumps(record, indent=2))
     if resumed is not None:
         metrics.write(event="resumed", step=island.step_count, tokens=island.tokens_seen)
     eval0 = evaluate_start(island, resumed if cfg.syncer else None)

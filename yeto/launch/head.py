@@ -25,6 +25,7 @@ from yeto.launch.cloud import POLL_S, SkyClient, watch_fleet
 from yeto.launch.controller import FleetController
 from yeto.launch.output import deliver
 from yeto.launch.plan import FleetPlan
+from yeto.launch.registry import SYNCER_DIR
 from yeto.launch.tasks import HEAD_KEYS_ENV, HEAD_RUN_DIR, island_task, syncer_argv
 from yeto.sync.shell.keys import Keyring
 from yeto.sync.shell.given_up import GIVEN_UP_DIR, give_up
@@ -61,7 +62,7 @@ def run_head(plan: FleetPlan, out: Path, client: Optional[SkyClient] = None, pol
     end the output is delivered and, confirmed, the head tears itself down. Returns the syncer's exit code, or 1
     when the output could not be delivered (the head then stays up: the adapter is on its disk)."""
     out.mkdir(parents=True, exist_ok=True)
-    syncer_out = out / "syncer"
+    syncer_out = out / SYNCER_DIR
     note = fleet_note(out)
     keys = Keyring.restore(syncer_out, os.environ.pop(HEAD_KEYS_ENV)) if HEAD_KEYS_ENV in os.environ \
         else Keyring.ensure(syncer_out)
@@ -108,7 +109,8 @@ def run_remote_controller(plan: FleetPlan, out: Path, client: SkyClient, syncer_
                f"mv {folder}/{island}.tmp {folder}/{island}")
         sky.get(sky.exec(sky.Task(run=run), cluster_name=plan.head_cluster))
 
-    keep_fleet(plan, client, syncer_address, Keyring.ensure(out / "syncer"), head_over, relay_give_up, note, poll_s)
+    keep_fleet(plan, client, syncer_address, Keyring.ensure(out / SYNCER_DIR), head_over, relay_give_up, note,
+               poll_s)
     if head_job[0] == "SUCCEEDED" and plan.output:  # the head exits 0 only with its output delivered and confirmed
         note("head_down", {"cluster": plan.head_cluster})
         client.down(plan.head_cluster)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from yeto import YetoError, one_line
-from yeto.launch.registry import RunRecord
+from yeto.launch.registry import SYNCER_DIR, RunRecord
 from yeto.launch.registry import process_alive as _alive
 from yeto.launch.tasks import HEAD_RUN_DIR
 from yeto.sync.shell.tape import TAPE_FILE, read_tape
@@ -130,7 +130,7 @@ def status(run: RunRecord, console) -> None:
         for name, pid in run.processes.items():
             procs.add_row(name, str(pid), "running" if _alive(pid, run.started.get(str(pid))) else "exited")
         console.print(procs)
-        tape = Path(run.out) / "syncer" / TAPE_FILE
+        tape = Path(run.out) / SYNCER_DIR / TAPE_FILE
         events, why = (read_tape(tape), "") if tape.exists() else ([], "no tape yet")
     else:
         _cloud_status(run, console)

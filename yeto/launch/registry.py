@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from yeto import YetoError, in_current_words
+from yeto.island.metrics import METRICS_FILE, RUN_FILE
 from yeto.models.adapter import ADAPTER_DIR
 from yeto.sync.shell.keys import has_keyring
 from yeto.sync.shell.tape import TAPE_FILE
@@ -26,7 +27,7 @@ from yeto.sync.shell.tape import TAPE_FILE
 RUNS_ENV = "YETO_RUNS"
 SYNCER_DIR = "syncer"  # a launch's syncer --out, inside its run directory
 ISLAND_DIR = "island-"  # a launch's island --outs: island-<id>, island-<id>-mlx
-ISLAND_FILES = ("run.json", "metrics.jsonl")  # what an island's (or a standalone `yeto train`'s) --out holds
+ISLAND_FILES = (RUN_FILE, METRICS_FILE)  # what an island's (or a standalone `yeto train`'s) --out holds
 PLAN_FILE = "plan.json"  # a cloud launch's plan, in its run directory (its syncer runs on the head VM)
 
 

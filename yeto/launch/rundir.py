@@ -17,13 +17,13 @@ from typing import Optional
 from yeto import YetoError
 from yeto.island.checkpoint import RUN_FIELDS, differences, load_state
 from yeto.island.train_config import TrainConfig
+from yeto.launch.registry import ISLAND_DIR, SYNCER_DIR
 from yeto.sync.core.actions import Checkpoint
 from yeto.sync.core.config import SyncerConfig
 from yeto.sync.shell.given_up import clear_given_up
 from yeto.sync.shell.keys import JOIN_KEY_FILE, KEYS_DIR
 from yeto.sync.shell.store import PREV_STATE_FILE, STATE_FILE, read_checkpoint
 
-SYNCER_DIR = "syncer"  # <out>/syncer: the local syncer's --out
 LOGS_DIR = "logs"  # <out>/logs/<process>.log: what `yeto logs` follows
 CREDENTIALS = (JOIN_KEY_FILE, KEYS_DIR)  # what --fresh keeps of the syncer's directory: join scripts still work
 # the island flags a saved state must agree with to go on (its id and shard count are each island's own)
@@ -32,7 +32,7 @@ ISLAND_FLAGS = tuple(f for f in RUN_FIELDS if f not in ("island_id", "num_island
 
 def island_dir(out: str | Path, island: int) -> Path:
     """A local island's --out inside the run directory."""
-    return Path(out) / f"island-{island}"
+    return Path(out) / f"{ISLAND_DIR}{island}"
 
 
 def saved_checkpoint(syncer_out: Path) -> Optional[Checkpoint]:

@@ -18,7 +18,7 @@ import yaml
 
 from yeto.launch.join import join_instructions, join_script, write_join_files
 from yeto.launch.plan import FleetPlan
-from yeto.launch.registry import RunRecord, process_start
+from yeto.launch.registry import SYNCER_DIR, RunRecord, process_start
 from yeto import YetoError, one_line
 from yeto.launch.tasks import API_TOKEN_ENV, checkout_root, head_task, island_task, printable
 from yeto.sync.shell.keys import Keyring
@@ -57,7 +57,7 @@ def prepare(plan: FleetPlan) -> tuple[Keyring, Path]:
     """The run's credentials (with a revocable key per reserved slot) and its plan file, under --out."""
     out = Path(plan.out)
     check_out_stays_home(out)
-    keys = Keyring.ensure(out / "syncer")
+    keys = Keyring.ensure(out / SYNCER_DIR)
     for lid in [*range(len(plan.islands)), *plan.external_ids]:  # every island on its own key: trusted, revocable
         keys.own_key(lid)
     plan_file = out / PLAN_FILE

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 from urllib.parse import parse_qs
 
 from yeto import YetoError, in_current_words, one_line
+from yeto.island.metrics import METRICS_FILE, RUN_FILE
 from yeto.launch.registry import find_run, run_dirs
 from yeto.sync.shell.tape import TAPE_FILE
 from yeto.watch.alerts import alerts
@@ -105,9 +106,9 @@ class LocalRun:
         self.tape.read()
         islands = {}
         for lid, d in sorted(self._island_dirs().items()):
-            follower = self.islands.setdefault(d, JsonlFollower(d / "metrics.jsonl"))
+            follower = self.islands.setdefault(d, JsonlFollower(d / METRICS_FILE))
             follower.read()
-            islands[lid] = IslandFiles(lid, _read_json(d / "run.json"), follower.records,
+            islands[lid] = IslandFiles(lid, _read_json(d / RUN_FILE), follower.records,
                                        _read_json(d / "summary.json"))
         return self.tape.records, islands, self.info
 
