@@ -35,7 +35,8 @@ TENSOR_LIBRARIES = ("torch", "mlx", "peft", "bitsandbytes")  # a backend's own: 
 # `__main__`, may import anything: it runs the CLI). A module belongs to the longest prefix that names it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("yeto",)),  # YetoError and the install checks
-    ("leaves", ("yeto.models", "yeto.report", "yeto.testbed")),  # models and adapters, trackers, the link emulator
+    ("leaves", ("yeto.models", "yeto.report", "yeto.testbed", "yeto.eval")),  # models and adapters, trackers, the link
+    # emulator, task evaluation (scoring; the generation is a backend's)
     ("wire", ("yeto.sync.wire",)),
     ("merge", ("yeto.sync.merge",)),
     ("core", ("yeto.sync.core",)),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from yeto.eval.task import Prompt, prompt_text
 from yeto.models.adapter import adapter_base, find_adapter_dir
 from yeto.models.materialize import default_device, load_model, load_tokenizer
 
@@ -29,6 +30,23 @@ def greedy(model, tokenizer, prompt: str, max_new_tokens: int = 64, chat: bool =
     # is off, said here, where a BPE tokenizer whose config asks for it would have transformers warn that it ignores it
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True,
                             clean_up_tokenization_spaces=False).strip()
+
+
+@torch.no_grad()
+def greedy_batch(model, tokenizer, prompts: list[Prompt], max_new_tokens: int) -> list[str]:
+    """Greedy answers to `prompts` in one batch: left-padded, so every row's answer starts where its prompt ends."""
+    texts = [prompt_text(p, tokenizer) for p in prompts]
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:  # a chat rendering carries its own special tokens; raw text gets the tokenizer's (as in training)
+        batch = tokenizer(texts, add_special_tokens=not isinstance(prompts[0], list), padding=True,
+                          return_tensors="pt").to(model.device)
+    finally:
+        tokenizer.padding_side = side
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    return [t.strip() for t in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True,
+                                                      clean_up_tokenization_spaces=False)]
 
 
 def compare(model_name: str | None, adapter: str | Path, prompts: list[str], max_new_tokens: int = 64,

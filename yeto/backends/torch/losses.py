@@ -12,13 +12,13 @@ so a step's loss is token-weighted over the whole accumulated batch.
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from yeto import YetoError
+from yeto.models.user_code import load_user_function
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -32,20 +32,6 @@ def sft_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor)
 BUILTIN: dict[str, LossFn] = {"cross_entropy": sft_loss}
 
 
-def _import_file(path: str):
-    """A loss module given as a file: imported under its own name, from where it is (no sys.path change)."""
-    import importlib.util
-    from pathlib import Path
-
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ImportError(f"no file {file}")
-    spec = importlib.util.spec_from_file_location(f"yeto_loss_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_loss_function(spec: str) -> LossFn:
     """'cross_entropy', 'package.module:function' or 'path/to/loss.py:function'."""
     if spec in BUILTIN:
@@ -53,12 +39,4 @@ def load_loss_function(spec: str) -> LossFn:
     if ":" not in spec:
         raise YetoError(f"unknown --loss-function {spec!r}: use one of {sorted(BUILTIN)}, 'module:function' or "
                         "'path/to/loss.py:function'")
-    mod_name, fn_name = spec.rsplit(":", 1)
-    try:
-        mod = _import_file(mod_name) if mod_name.endswith(".py") else importlib.import_module(mod_name)
-    except (ImportError, OSError, SyntaxError) as e:
-        raise YetoError(f"--loss-function {spec!r}: cannot import module {mod_name!r} ({type(e).__name__}: {e})") from e
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise YetoError(f"--loss-function {spec!r}: module {mod_name!r} has no callable {fn_name!r}")
-    return fn
+    return load_user_function(spec, "--loss-function")

@@ -1,0 +1,95 @@
+"""Tasks generated offline by reasoning-gym (the `yeto[tasks]` extra): its procedural datasets and their own scorers.
+
+reasoning-gym builds item i of a dataset from seed + i, so two datasets whose seed ranges overlap share items: the
+held-out set is built from `HELD_OUT_SEED` on, far past any training range, and a training file leaves out any
+question the held-out set asks (small generators repeat questions across seeds).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from yeto import YetoError
+
+HELD_OUT_SEED = 1_000_000_000  # every held-out set starts here: the same records serve every arm of a comparison
+DEFAULT_HELD_OUT = 200  # held-out examples (a Wilson interval of about +-7 points at 50%)
+INSTALL_HINT = "pip install 'yeto[tasks]' (reasoning-gym)"
+
+
+def _gym() -> Any:
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise YetoError(f"generated tasks need reasoning-gym: {INSTALL_HINT}") from e
+    return reasoning_gym
+
+
+def task_names() -> list[str]:
+    """The generators reasoning-gym offers (empty when it is not installed)."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        return []
+    return sorted(reasoning_gym.factory.DATASETS)
+
+
+def is_task_name(name: str) -> bool:
+    return "/" not in name and not name.endswith((".jsonl", ".json")) and name in task_names()
+
+
+def check_task_name(name: str) -> None:
+    names = task_names() if _gym() else []
+    if name not in names:
+        import difflib
+
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise YetoError(f"unknown task {name!r}{hint}: yeto data task --list names the {len(names)} there are")
+
+
+def task_records(name: str, n: int, seed: int, config: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+    """`n` chat records of generator `name` from `seed`: the question as the user's turn, the answer as the
+    assistant's, and what the generator's scorer needs (the task's name, the reference, its metadata)."""
+    check_task_name(name)
+    dataset = _gym().create_dataset(name, size=n, seed=seed, **(config or {}))
+    out = []
+    for item in dataset:
+        out.append({"messages": [{"role": "user", "content": item["question"]},
+                                 {"role": "assistant", "content": str(item["answer"])}],
+                    "answer": str(item["answer"]), "task": name,
+                    "metadata": json.loads(json.dumps(item.get("metadata", {}), default=str))})
+    return out
+
+
+def scorer(name: str):
+    """The generator's own scorer as a yeto scorer: (answer, reference, record) -> score in [0, 1]."""
+    check_task_name(name)
+    score_answer = _gym().get_score_answer_fn(name)
+
+    def score(answer: str, reference: str, record: dict) -> float:
+        entry = {"question": record.get("messages", [{}])[0].get("content", ""), "answer": reference,
+                 "metadata": record.get("metadata", {})}
+        return float(score_answer(answer, entry))
+
+    score.__name__ = f"{name}.score_answer"
+    return score
+
+
+def write_task(name: str, n: int, seed: int, out: Path, held_out: int = DEFAULT_HELD_OUT,
+               config: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """`out` (training, `n` records from `seed`, minus any question the held-out set asks) and its held-out twin
+    `<out stem>.heldout.jsonl` (`held_out` records from HELD_OUT_SEED); returns what was written."""
+    if seed + n > HELD_OUT_SEED:
+        raise YetoError(f"--seed {seed} with --n {n} reaches the held-out seeds ({HELD_OUT_SEED} on): use a smaller "
+                        "--seed")
+    test = task_records(name, held_out, HELD_OUT_SEED, config)
+    asked = {r["messages"][0]["content"] for r in test}
+    train = [r for r in task_records(name, n, seed, config) if r["messages"][0]["content"] not in asked]
+    held_out_path = out.with_name(out.name.removesuffix(".jsonl") + ".heldout.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for path, records in ((out, train), (held_out_path, test)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return {"train": str(out), "train_records": len(train), "dropped": n - len(train),
+            "held_out": str(held_out_path), "held_out_records": len(test)}
