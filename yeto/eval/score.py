@@ -20,7 +20,7 @@ Scorer = Callable[[str, str, dict], float]  # (extracted answer, reference, the 
 Z95 = 1.959963984540054  # the standard normal's 97.5th percentile: two-sided 95% intervals
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.IGNORECASE | re.DOTALL)
-ANSWER_IS = re.compile(r"\banswer\b[^\n:]{0,40}?(?:\bis\b|:)\s*(.+)", re.IGNORECASE)  # "the answer (to X) is"
+ANSWER_IS = re.compile(r"\banswer\b[^\n:]{0,40}?(?:\bis\b:?|:)\s*(.+)", re.IGNORECASE)  # "the answer (to X) is"
 GSM_MARK = "####"  # GSM8K's marker before a final answer
 NUMBER = re.compile(r"^[-+]?\$?\d[\d,]*(\.\d+)?%?$")
 EDGE_PUNCTUATION = " \t\n.,;:!?\"'`*"
