@@ -145,9 +145,14 @@ def streamed_arms(h: int, steps: int) -> list[Arm]:
     return out
 
 
+def arm_dir(arm: Arm) -> str:
+    """The folder of an arm's processes (under the run's temporary directory)."""
+    return arm.name.replace(" ", "_").replace(",", "").replace("/", "-").replace("=", "").replace("+", "and")
+
+
 def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict:
     """Run one arm to the end; returns its eval loss, per-island summaries and its loss curve."""
-    out = tmp / arm.name.replace(" ", "_").replace(",", "").replace("/", "-").replace("=", "")
+    out = tmp / arm_dir(arm)
     common = ["--model", a.model, "--data", a.data, "--seq-len", str(a.seq_len), "--lr", str(a.lr),
               "--seed", str(a.seed), "--warmup-steps", "3", "--eval-every", "0", "--lora-dropout", "0", "--no-progress",
               *arm.island]
