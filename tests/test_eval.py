@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,9 @@ QUESTIONS = ("What is 2 + 3?", "Name a colour.", "Capital of Peru?", "Say hello.
     ("<answer> 42 </answer> and more", "42"),
     ("<ANSWER>Lima", "Lima"),  # an unclosed tag: the answer runs to the end
     ("working...\n#### 1,234", "1,234"),
-    ("Let me think. The answer is 7.", "7."),
+    ("Let me think. The answer is 7.", "7"),  # (a sentence's full stop is not the answer's)
+    ("The answer to 3 + 4 is: 7", "7"),
+    ("3.5", "3.5"),
     ("so the final answer: blue", "blue"),
     ("\n\n  Paris  \nbecause it is", "Paris"),
     ("", ""),
@@ -95,13 +98,14 @@ def test_task_files_take_prompts_or_conversations_and_training_records(chat_file
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model, tmp_path_factory):
-    """Two adapters of the tiny llama whose greedy answers differ from the base's and from each other's."""
+    """Two adapters of the tiny llama whose greedy answers differ from the base's and from each other's; the second
+    adapts fewer linears (a first one's layers left on the others would change its answers)."""
     from yeto.backends.torch.island import TorchIsland, TrainConfig
 
     made = []
-    for name, steps, lr in (("first", 5, 0.1), ("second", 10, 0.02)):
+    for name, steps, lr, targets in (("first", 5, 0.1, "all-linear"), ("second", 5, 0.1, "attention")):
         cfg = TrainConfig(model=str(tiny_model("llama")), data=str(DEMO_DATA), seq_len=64, batch_size=2,
-                          max_steps=steps, lora_r=4, lora_targets="all-linear", lora_dropout=0.0, lr=lr)
+                          max_steps=steps, lora_r=4, lora_targets=targets, lora_dropout=0.0, lr=lr)
         island = TorchIsland(cfg, log=lambda s: None)
         for _ in range(steps):
             island.step()
@@ -113,17 +117,15 @@ def _prompts() -> list[list[dict]]:
     return [[{"role": "user", "content": q}] for q in QUESTIONS]
 
 
-def test_the_base_is_clean_between_adapters(tiny_model, adapters):
-    """Each adapter in one session answers as it does on a freshly loaded base: peft's layers of the one before are
-    gone when the next loads (answers of base, first and second differ, so a leftover would show)."""
+@pytest.fixture(scope="module")
+def fresh_answers(tiny_model, adapters):
+    """The base's, then each adapter's greedy answers, each on a freshly loaded base (peft's own loading)."""
     from peft import PeftModel
 
-    from yeto.backends.torch.generate import greedy_batch, task_generators
+    from yeto.backends.torch.generate import greedy_batch
     from yeto.models.materialize import load_model, load_tokenizer, resolve_model
 
     artifact = resolve_model(str(tiny_model("llama")))
-    session = [generate(_prompts(), NEW_TOKENS)
-               for generate in task_generators(artifact, [adapters[0], adapters[1], adapters[0]], "cpu")]
     tokenizer = load_tokenizer(artifact)
     fresh = []
     for adapter in (None, *adapters):
@@ -131,11 +133,44 @@ def test_the_base_is_clean_between_adapters(tiny_model, adapters):
         model = PeftModel.from_pretrained(model, str(adapter)).eval() if adapter else model
         fresh.append(greedy_batch(model, tokenizer, _prompts(), NEW_TOKENS))
     assert len({tuple(answers) for answers in fresh}) == 3, fresh  # base, first and second answer differently
-    assert session == [fresh[0], fresh[1], fresh[2], fresh[1]]
+    return fresh
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_the_base_is_clean_between_adapters(backend, tiny_model, adapters, fresh_answers):
+    """Each adapter in one session answers as it does on a freshly loaded base: the layers of the adapter before
+    are gone when the next loads (base, first and second answer differently, so a leftover would show). MLX's
+    session answers what torch's peft does."""
+    from yeto.models.materialize import resolve_model
+
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+        from yeto.backends.mlx.generate import task_generators
+    else:
+        from yeto.backends.torch.generate import task_generators
+    artifact = resolve_model(str(tiny_model("llama")))
+    session = [generate(_prompts(), NEW_TOKENS)
+               for generate in task_generators(artifact, [adapters[0], adapters[1], adapters[0]], "cpu")]
+    assert session == [*fresh_answers, fresh_answers[1]]
 
 
 def _yeto(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*YETO, *args], cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def _yeto_eval_here(*args: str) -> Any:
+    """`yeto eval ARGS` in this process, which has torch loaded already (a subprocess would import it again: the
+    subprocess cases are the refusals, where exit 2 and the one line are what counts)."""
+    import typer
+    from typer.testing import CliRunner
+
+    from yeto.cli.eval_command import eval_command
+
+    single = typer.Typer(add_completion=False)
+    single.command()(eval_command)
+    result = CliRunner().invoke(single, list(args))
+    assert result.exit_code == 0, (result.output[-3000:], result.exception)
+    return result
 
 
 def test_yeto_eval_scores_base_and_adapters_side_by_side(tiny_model, adapters, chat_file, tmp_path):
@@ -151,9 +186,8 @@ def test_yeto_eval_scores_base_and_adapters_side_by_side(tiny_model, adapters, c
                for i, (q, s) in enumerate(zip(QUESTIONS, said))]
     task = chat_file(records, "task.jsonl")
     out = tmp_path / "answers"
-    r = _yeto("eval", str(adapters[0]), str(adapters[1]), "--task", str(task), "--max-new-tokens", str(NEW_TOKENS),
-              "--batch-size", "4", "--device", "cpu", "--out", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = _yeto_eval_here(str(adapters[0]), str(adapters[1]), "--task", str(task), "--max-new-tokens", str(NEW_TOKENS),
+                        "--batch-size", "4", "--device", "cpu", "--out", str(out))
     summary = json.loads((out / "summary.json").read_text())
     labels = [m["label"] for m in summary["models"]]
     named = [f"{a.parent.name}/{a.name}" for a in adapters]  # (both adapters are in a directory named adapter)
@@ -183,9 +217,8 @@ def test_yeto_eval_takes_a_scorer_from_a_file_and_a_base_model_alone(tiny_model,
     scorer = tmp_path / "my_scorer.py"
     scorer.write_text("def credit(answer, reference, record):\n    return record['credit']\n")
     records = [{**r, "credit": c} for r, c in zip(_records(4), (1.0, 0.5, 0.0, 1.0))]
-    r = _yeto("eval", "--model", str(tiny_model("llama")), "--task", str(chat_file(records)), "--scorer",
-              f"{scorer}:credit", "--json", "--max-new-tokens", "1", "--limit", "3", "--device", "cpu")
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = _yeto_eval_here("--model", str(tiny_model("llama")), "--task", str(chat_file(records)), "--scorer",
+                        f"{scorer}:credit", "--json", "--max-new-tokens", "1", "--limit", "3", "--device", "cpu")
     (model,) = json.loads(r.stdout)["models"]
     assert (model["label"], model["n"], model["accuracy"]) == ("base", 3, 0.5)
     assert json.loads(r.stdout)["scorer"] == f"{scorer}:credit" and not r.stderr.strip()  # --json: no progress
