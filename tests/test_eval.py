@@ -255,3 +255,15 @@ def test_yeto_eval_refuses_bad_input_in_one_line(tiny_model, adapters, chat_file
     for (args, says), r in zip(cases, results):
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(lines) == 1 and says in lines[0], (args, r.stderr[-2000:])
+
+
+def test_adapter_labels_are_run_names_or_the_fewest_path_parts_that_tell_them_apart(tmp_path):
+    from yeto.cli.eval_command import adapter_labels, file_name
+
+    for d in ("a/island-0", "b/island-0", "fleet", "x/base"):
+        (tmp_path / d).mkdir(parents=True)
+    targets = [str(tmp_path / "a/island-0"), str(tmp_path / "b/island-0"), str(tmp_path / "fleet") + "/", "pirate",
+               str(tmp_path / "x/base"), str(tmp_path / "fleet")]
+    labels = adapter_labels(targets, [tmp_path] * len(targets))
+    assert labels == ["a/island-0", "b/island-0", "fleet", "pirate", "x/base", "fleet (2)"]
+    assert [file_name(label) for label in labels[:2]] == ["a_island-0", "b_island-0"]

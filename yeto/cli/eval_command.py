@@ -13,7 +13,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from yeto import YetoError
-from yeto.cli.usage import BASE_REVISION_HELP, JSON_HELP, RUNTIME_HELP, runtime, trust_remote_code_help
+from yeto.cli.usage import BASE_REVISION_HELP, RUNTIME_HELP, runtime, trust_remote_code_help
 from yeto.eval.score import Interval, paired_difference
 from yeto.eval.task import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS, Task, TaskResult
 
@@ -29,6 +29,8 @@ TASK_HELP = ("The task: a JSONL of {messages | prompt, answer} records (a traini
              "generated task's name (reasoning-gym, yeto[tasks]: its held-out set and its own scorer).")
 MODEL_HELP = ("The base model (alias, local directory or hub id): evaluated alone when no ADAPTER is given; with "
               "adapters, the base they record is used and a --model given must be that base.")
+JSON_OUT_HELP = ("Print one JSON object instead of the tables (per model its summary and its paired difference "
+                 "against the first column, as fractions); no progress bars.")
 SCORER_HELP = ("exact_match (normalized: case, punctuation, number formatting do not count), or your function as "
                "module:function or path/to/file.py:function, taking (answer, reference, record) and returning a "
                "score in [0, 1] (default: a generated task's own scorer, else exact_match).")
@@ -58,16 +60,15 @@ def adapter_labels(targets: list[str], adapter_dirs: list[Path]) -> list[str]:
     depth = [1] * len(tails)
     while True:
         labels = ["/".join(t[-d:]) for t, d in zip(tails, depth)]
-        clashes = [i for i, label in enumerate(labels)
-                   if label == BASE_LABEL or labels.count(label) > 1]
-        growable = [i for i in clashes if depth[i] < len(tails[i])]
+        growable = [i for i, label in enumerate(labels) if depth[i] < len(tails[i]) and (label == BASE_LABEL or any(
+            other == label and tails[j] != tails[i] for j, other in enumerate(labels)))]  # (not the same one twice)
         if not growable:
             break
         for i in growable:
             depth[i] += 1
     seen: dict[str, int] = {BASE_LABEL: 1}
     unique = []
-    for label in labels:  # the same directory twice, or paths alike to the root: numbered
+    for label in labels:  # the same adapter twice (or paths alike to the root): numbered
         seen[label] = seen.get(label, 0) + 1
         unique.append(label if seen[label] == 1 else f"{label} ({seen[label]})")
     return unique
@@ -219,7 +220,7 @@ def eval_command(
                                                      "needs more.")] = DEFAULT_MAX_NEW_TOKENS,
     batch_size: Annotated[int, typer.Option(help="Prompts generated at once.")] = DEFAULT_BATCH_SIZE,
     examples: Annotated[int, typer.Option(help="Rows of the examples table (0: none).")] = EXAMPLES_SHOWN,
-    json_out: Annotated[bool, typer.Option("--json", help=JSON_HELP + " (no progress bars)")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help=JSON_OUT_HELP)] = False,
     out: Annotated[Optional[str], typer.Option(help="Write DIR/<model>.jsonl (each example's question, reference, "
                                                     "output, extracted answer and score) and DIR/summary.json.")
                    ] = None,
