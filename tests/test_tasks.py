@@ -46,6 +46,16 @@ def test_the_training_file_and_the_held_out_set_share_no_question(tmp_path):
     assert wrote["dropped"] == 0 and train == gym.task_records(LARGE, 300, 7)
 
 
+def test_the_default_held_out_file_is_the_task_eval_generates_by_name(tmp_path):
+    """`yeto eval --task gcd` and `--task gcd.heldout.jsonl` written with the defaults score the same examples."""
+    from yeto.eval.task import generated_task
+
+    gym.write_task(LARGE, 10, 0, tmp_path / "gcd.jsonl")
+    by_file, by_name = load_task(str(tmp_path / "gcd.heldout.jsonl")), generated_task(LARGE)
+    assert [e.record for e in by_file.examples] == [e.record for e in by_name.examples]
+    assert len(by_name.examples) == gym.DEFAULT_HELD_OUT
+
+
 def test_a_small_generator_repeats_questions_and_the_training_file_drops_those_held_out(tmp_path):
     raw = gym.task_records("basic_arithmetic", 400, 0, SMALL)
     held_raw = gym.task_records("basic_arithmetic", 50, gym.HELD_OUT_SEED, SMALL)
