@@ -81,6 +81,10 @@ def test_the_records_are_chats_the_training_reader_learns_the_answer_of(tmp_path
     learned = [t for t, m in zip(sample["ids"], sample["mask"]) if m]
     assert tokenizer.decode(learned).startswith(first["answer"])  # the assistant's turn: the answer alone
     assert first["messages"][0]["content"] in tokenizer.decode(sample["ids"])
+    # the held-out twin beside it: a directory of both trains on the training file alone, and says so
+    both = inspect_data(read_data(str(out.parent), tokenizer, 256, eval_fraction=0.1))
+    assert both["formats"] == {"chat": 40}
+    assert any("spell.heldout.jsonl" in s and "held-out" in s for s in both["skipped_files"]), both["skipped_files"]
 
 
 @pytest.mark.parametrize("name,config", [("gcd", {}), ("spell_backward", {}), ("basic_arithmetic", SMALL)])
@@ -116,7 +120,7 @@ def test_the_settings_reach_the_generator():
 def test_data_task_writes_both_files_and_says_what_it_wrote(tmp_path):
     out = tmp_path / "sums.jsonl"
     r = run_yeto("data", "task", "basic_arithmetic", "--n", 400, "--seed", 0, "--out", out, "--held-out", 50,
-                 *[a for k, v in SMALL.items() for a in ("--config", f"{k}={v}")], timeout=120)
+                 *[a for k, v in SMALL.items() for a in ("--setting", f"{k}={v}")], timeout=120)
     assert r.returncode == 0, r.stderr
     train, held = read_jsonl(out), read_jsonl(tmp_path / "sums.heldout.jsonl")
     dropped = 400 - len(train)
@@ -134,10 +138,10 @@ def test_data_task_writes_both_files_and_says_what_it_wrote(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["basic_arithmetc"], r"unknown task 'basic_arithmetc' \(did you mean basic_arithmetic, .*yeto data task --list"),
-    (["gcd", "--config", "max_valu=9"], r"task gcd has no setting 'max_valu' \(did you mean max_value, .*\); it takes "
+    (["gcd", "--setting", "max_valu=9"], r"task gcd has no setting 'max_valu' \(did you mean max_value, .*\); it takes "
                                         r"min_numbers=2, "),
-    (["gcd", "--config", "min_value=-5"], r"task gcd refuses its settings \{\"min_value\": -5\}: min_value must be "),
-    (["gcd", "--config", "min_value"], r"--config 'min_value' is not KEY=VALUE"),
+    (["gcd", "--setting", "min_value=-5"], r"task gcd refuses its settings \{\"min_value\": -5\}: min_value must be "),
+    (["gcd", "--setting", "min_value"], r"--setting 'min_value' is not KEY=VALUE"),
     (["gcd", "--seed", "999999999"], r"--seed 999999999 with --n 2000 reaches the held-out seeds \(1000000000 on\)"),
     (["gcd", "--n", "0"], r"--n must be at least 1, got 0"),
     ([], r"name a task: yeto data task NAME --out FILE"),

@@ -100,8 +100,8 @@ def task_command(
     held_out: Annotated[int, typer.Option(help=f"Held-out records, from seed {HELD_OUT_SEED} on (past any "
                                                "training range): the same ones for every run of a comparison.")
                     ] = DEFAULT_HELD_OUT,
-    config: Annotated[Optional[list[str]], typer.Option(
-        "--config", help="A generator setting KEY=VALUE, the value read as JSON where it is (max_digits=2, "
+    setting: Annotated[Optional[list[str]], typer.Option(
+        "--setting", help="A generator setting KEY=VALUE, the value read as JSON where it is (max_digits=2, "
                          "allow_negation=false); repeat it for more. An unknown key names those the task takes.",
         show_default=False)] = None,
     list_tasks: Annotated[bool, typer.Option("--list", help="Print the generators and what each makes.")] = False,
@@ -127,7 +127,7 @@ def task_command(
     check_range(held_out, "--held-out", low=1)
     check_range(seed, "--seed", low=0)
     gym.check_task_name(name)
-    wrote = gym.write_task(name, n, seed, out, held_out, gym.parse_config(config or []))
+    wrote = gym.write_task(name, n, seed, out, held_out, gym.parse_config(setting or []))
     if as_json:
         typer.echo(json.dumps(wrote, indent=2))
         return

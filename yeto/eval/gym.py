@@ -15,10 +15,11 @@ from typing import Any, Optional, Sequence
 
 from yeto import YetoError
 
+HELD_OUT_SUFFIX = ".heldout.jsonl"  # a task file's held-out twin: a data directory never trains on it
 HELD_OUT_SEED = 1_000_000_000  # every held-out set starts here: the same records serve every arm of a comparison
 DEFAULT_HELD_OUT = 200  # held-out examples (a Wilson interval of about +-7 points at 50%)
 INSTALL_HINT = "pip install 'yeto[tasks]' (reasoning-gym)"
-RUN_KEYS = ("seed", "size")  # a generator's config fields that --seed and --n set, not --config
+RUN_KEYS = ("seed", "size")  # a generator's config fields that --seed and --n set, not --setting
 CLOSE_MATCHES = 3  # names suggested for a misspelt task or setting
 
 
@@ -64,7 +65,7 @@ def parse_config(pairs: Sequence[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
-            raise YetoError(f"--config {pair!r} is not KEY=VALUE (e.g. --config max_digits=2)")
+            raise YetoError(f"--setting {pair!r} is not KEY=VALUE (e.g. --setting max_digits=2)")
         try:
             config[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
@@ -73,7 +74,7 @@ def parse_config(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def task_settings(name: str) -> dict[str, Any]:
-    """The settings generator `name` takes through --config, with their defaults (seed and size are --seed, --n)."""
+    """The settings generator `name` takes through --setting, with their defaults (seed and size are --seed, --n)."""
     check_task_name(name)
     out = {}
     for f in dataclasses.fields(_gym().factory.DATASETS[name][1]):
@@ -136,7 +137,7 @@ def write_task(name: str, n: int, seed: int, out: Path, held_out: int = DEFAULT_
     test = task_records(name, held_out, HELD_OUT_SEED, config)
     asked = {r["messages"][0]["content"] for r in test}
     train = [r for r in task_records(name, n, seed, config) if r["messages"][0]["content"] not in asked]
-    held_out_path = out.with_name(out.name.removesuffix(".jsonl") + ".heldout.jsonl")
+    held_out_path = out.with_name(out.name.removesuffix(".jsonl") + HELD_OUT_SUFFIX)
     out.parent.mkdir(parents=True, exist_ok=True)
     for path, records in ((out, train), (held_out_path, test)):
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
