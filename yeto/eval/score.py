@@ -20,7 +20,7 @@ Scorer = Callable[[str, str, dict], float]  # (extracted answer, reference, the 
 Z95 = 1.959963984540054  # the standard normal's 97.5th percentile: two-sided 95% intervals
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.IGNORECASE | re.DOTALL)
-ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*(.+)", re.IGNORECASE)
+ANSWER_IS = re.compile(r"\banswer\b[^\n:]{0,40}?(?:\bis\b:?|:)\s*(.+)", re.IGNORECASE)  # "the answer (to X) is"
 GSM_MARK = "####"  # GSM8K's marker before a final answer
 NUMBER = re.compile(r"^[-+]?\$?\d[\d,]*(\.\d+)?%?$")
 EDGE_PUNCTUATION = " \t\n.,;:!?\"'`*"
@@ -36,11 +36,17 @@ def extract_answer(output: str) -> str:
         return output.rsplit(GSM_MARK, 1)[1].strip()
     said = ANSWER_IS.findall(output)
     if said:
-        return said[-1].strip()
+        return _sentence_end(said[-1])
     for line in output.splitlines():
         if line.strip():
-            return line.strip()
+            return _sentence_end(line)
     return ""
+
+
+def _sentence_end(text: str) -> str:
+    """A sentence's answer without the full stop that ends it ("is 5." says 5; "3.5" stays)."""
+    text = text.strip()
+    return text[:-1].rstrip() if text.endswith(".") and not text.endswith("..") else text
 
 
 def normalize(text: str) -> str:

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from yeto import YetoError
+from yeto.eval.task import Prompt
+from yeto.eval.task import prompt_text as prompt_text_of
 from yeto.models.adapter import ADAPTER_CONFIG, adapter_base, find_adapter_dir, read_adapter
 from yeto.models.provenance import Artifact
 
@@ -65,14 +67,22 @@ def add_adapter(model: Any, adapter_dir: Path) -> int:
 def load_base(model_name: Optional[str], adapter: str | Path, model_revision: Optional[str] = None,
               trust_remote_code: bool = False) -> tuple[Any, Any, Artifact, Path]:
     """(mlx-lm's model of the adapter's base, its tokenizer, the base's artifact, the adapter's directory)."""
-    from yeto.backends.mlx.compat import import_mlx_lm, load_mlx_model
+    from yeto.backends.mlx.compat import load_mlx_model
 
-    mlx_lm = import_mlx_lm()
     adapter_dir = find_adapter_dir(adapter)
     artifact = adapter_base(adapter_dir, model_name, model_revision)
-    tokenizer = mlx_lm.utils.load_tokenizer(Path(artifact.path),
-                                            {"trust_remote_code": True} if trust_remote_code else None)
-    return load_mlx_model(artifact.path), tokenizer, artifact, adapter_dir
+    return load_mlx_model(artifact.path), load_tokenizer(artifact, trust_remote_code), artifact, adapter_dir
+
+
+def load_tokenizer(artifact: Artifact, trust_remote_code: bool = False) -> Any:
+    """mlx-lm's tokenizer of `artifact`, decoding as the model wrote it: transformers' clean-up (a WordPiece
+    post-process that strips spaces before punctuation) is off, as in the torch twin, where a BPE tokenizer whose
+    config asks for it would have transformers warn."""
+    from yeto.backends.mlx.compat import import_mlx_lm
+
+    extra = {"clean_up_tokenization_spaces": False, **({"trust_remote_code": True} if trust_remote_code else {})}
+    tokenizer = import_mlx_lm().utils.load_tokenizer(Path(artifact.path), extra)
+    return tokenizer
 
 
 def prompt_text(tokenizer: Any, prompt: str) -> str:
@@ -88,6 +98,16 @@ def greedy(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> str:
     from mlx_lm import generate
 
     return generate(model, tokenizer, prompt_text(tokenizer, prompt), max_tokens=max_new_tokens).strip()
+
+
+def greedy_batch(model: Any, tokenizer: Any, prompts: list[Prompt], max_new_tokens: int) -> list[str]:
+    """Greedy answers to `prompts` in one batch (mlx-lm's batch_generate; its default sampler is argmax), each
+    prompt rendered as training renders it (yeto.eval.task.prompt_text), as the torch twin does."""
+    from mlx_lm.generate import batch_generate
+
+    ids = [tokenizer.encode(prompt_text_of(p, tokenizer), add_special_tokens=not isinstance(p, list)) for p in prompts]
+    texts = batch_generate(model, tokenizer, ids, max_tokens=max_new_tokens).texts
+    return [t.strip() for t in texts]
 
 
 def compare(model_name: Optional[str], adapter: str | Path, prompts: list[str], max_new_tokens: int = 64,
