@@ -120,3 +120,38 @@ def test_a_torchrun_island_relays_generate_so_every_rank_takes_the_same_forward_
     other = Island()
     follow(other, Group([*group.sent, {"op": "exit"}]))
     assert other.calls == leader.calls == [(["a", "b"], 4)]
+
+
+def test_an_evaluation_in_a_fleet_holds_the_round_only_past_the_wait_for_the_merge(tmp_path):
+    """held_s: what the evaluation kept the island from its next round, counted from the last batch boundary at which
+    it still waited for the merge (all of it when the merge had come, none when it still has not)."""
+    import time
+
+    from yeto.eval.task import DEFAULT_BATCH_SIZE, load_task
+    from yeto.island.task_eval import TaskEvals
+
+    batch_s = 0.2  # each batch's generation (a sleep): room for a loaded machine's slack
+
+    class Island:
+        step_count = 7
+
+        def generate(self, prompts, max_new_tokens):
+            time.sleep(batch_s)
+            return ["0"] * len(prompts)
+
+    task = load_task(str(write_task(tmp_path / "sums.jsonl", n=2 * DEFAULT_BATCH_SIZE)))
+    evals = TaskEvals(task, every=1, max_new_tokens=4, report=lambda e: None)
+    polls = []
+
+    def merge_comes_in_the_second_batch():
+        polls.append(None)
+        return len(polls) < 3  # waiting at the start and after batch 1, not after batch 2
+
+    cases = ((lambda: True, 0.0), (lambda: False, 2 * batch_s), (merge_comes_in_the_second_batch, batch_s))
+    for waiting, held in cases:
+        e = evals.evaluate(Island(), 3, 2, waiting)
+        assert e["accuracy"] == 1 / len(task.examples) and (e["round"], e["version"], e["step"]) == (3, 2, 7)
+        assert held <= e["held_s"] < held + batch_s, (held, e)
+    standalone = evals.evaluate(Island())
+    assert standalone["held_s"] == standalone["seconds"] and evals.header() == {"version": 2, "accuracy": e["accuracy"],
+                                                                               "n": 2 * DEFAULT_BATCH_SIZE}

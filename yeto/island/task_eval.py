@@ -7,9 +7,16 @@ What it costs. Standalone, training stops for each evaluation: its seconds are i
 evaluates a round's global (the merged adapter it just took) after pushing that round's delta, while it waits for the
 merge, where it would otherwise sit idle (with --overlap: instead of some of the steps it trains on meanwhile, which
 the next round would have had). An evaluation that outlasts the wait holds the island's next round back: `held_s` is
-that part, from the merge's arrival (seen between batches, so to one batch) to the evaluation's end, per event and in
-all (summary.json's task_eval_held_s); a fleet whose other islands wait for this one loses that much round time, and
-no more. The end's evaluation comes after the run's last merge and holds nothing.
+that part, counted from the last batch boundary at which the island was still waiting (so at most one batch more than
+it held) to the evaluation's end, per event and in all (summary.json's task_eval_held_s). A fleet whose other islands
+wait for this one loses up to that much round time; past the round's --grace its delta goes late instead (merged a
+version later). The end's evaluation comes after the run's last merge and holds nothing.
+
+Measured (2 torch islands of SmolLM2-135M on 2 shared CPU cores, `yeto launch --gpu local:2`, 4 rounds of 4 steps,
+a 32-example reasoning-gym task, 8 new tokens, every round): each evaluation took about 28 s and the merge wait it
+hid in was about a second, so nearly all of it held the round (rounds 34-40 s without, 55-62 s with it). Where an
+island waits longer (a slower peer, a WAN link, a larger merge) it hides that much more: score fewer examples, or
+less often, where the wait is short.
 """
 
 from __future__ import annotations
@@ -86,19 +93,21 @@ class TaskEvals:
         still waiting for a merge (the part of the evaluation after the wait ends is `held_s`); without it, the whole
         evaluation holds the run (`holds`; False: it holds nothing, as after the run's last merge)."""
         t0 = time.perf_counter()
-        arrived: list[float] = []
+        still_waiting = [t0] if waiting is not None and waiting() else []  # when it was last seen waiting
+        over = [not still_waiting]  # the wait is over (seen between batches)
 
         def progress(done: int, total: int) -> None:
-            if waiting is not None and not arrived and not waiting():
-                arrived.append(time.perf_counter())
+            if waiting is not None and not over[0]:
+                if waiting():
+                    still_waiting[0] = time.perf_counter()
+                else:
+                    over[0] = True
 
-        if waiting is not None and not waiting():
-            arrived.append(t0)
         result = evaluate_task(island.generate, self.task, self.max_new_tokens, progress=progress)
         end = time.perf_counter()
         seconds = end - t0
-        if waiting is not None:
-            held = end - arrived[0] if arrived else 0.0
+        if waiting is not None:  # from the last time it was seen waiting: at most one batch more than it held
+            held = 0.0 if not over[0] else end - (still_waiting[0] if still_waiting else t0)
         else:
             held = seconds if holds else 0.0
         self.seconds += seconds
