@@ -30,8 +30,8 @@ def island_record(island) -> dict[str, Any]:
     }
 
 
-# the events trackers get (`--report-to`), each under its prefix: train/loss, eval/eval_loss, round/delta_norm, ...,
-# task/accuracy (an island's accuracy on --eval-task, with its interval task/low and task/high)
+# the events trackers get (`--report-to`), each under its prefix: train/loss, eval/eval_loss, round/delta_norm,
+# task/accuracy (--eval-task: yeto.island.task_eval), ...
 TRACKED = {"step": "train", "eval": "eval", "round": "round", "task_eval": "task"}
 RUN_FILE = "run.json"  # in an island's --out: its config, data and provenance (the run record)
 METRICS_FILE = "metrics.jsonl"  # in an island's --out: one event a line (steps, evals, rounds)
