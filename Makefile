@@ -12,7 +12,7 @@ TORCH  ?= torch==2.13.0
 # What the tests add is outside pip: Chromium and its driver (apt, sudo), in their own stamp.
 STAMP      := $(VENV)/.yeto-installed
 TEST_STAMP := $(VENV)/.yeto-test-installed
-EXTRAS     := torch,dev,mlx,launch,watch,track
+EXTRAS     := torch,dev,mlx,launch,watch,track,tasks
 # MLX's Linux wheel bundles a reference BLAS; Debian's OpenBLAS is ~50x faster when preloaded.
 OPENBLAS = $(firstword $(wildcard /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3))
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

@@ -45,8 +45,8 @@ def test_the_island_protocol_is_whole():
     """The loops' and records' every use of an island is written in the protocol (the members below, typed)."""
     assert protocol_members(Island) == {
         "backend", "cfg", "model_artifact", "source", "shard", "ranks", "step_count", "tokens_seen",
-        "loss_tokens_seen", "step", "evaluate", "adapter_state", "load_adapter_state", "adapter_config", "record",
-        "data_record", "set_total_steps", "use_shard", "save", "training_state", "load_training_state"}
+        "loss_tokens_seen", "step", "evaluate", "generate", "adapter_state", "load_adapter_state", "adapter_config",
+        "record", "data_record", "set_total_steps", "use_shard", "save", "training_state", "load_training_state"}
     for name in protocol_members(Island) - set(Island.__annotations__):
         assert "return" in getattr(Island, name).__annotations__, name  # typed
 

@@ -46,6 +46,7 @@ USAGE = {  # name: argv; each must be a usage error
     "models unknown flag": YETO + ["models", "--bogus"],
     "shape missing model": YETO + ["shape"],
     "shape bad float": YETO + ["shape", "--model", "x", "--budget", "cheap"],
+    "data task bad int": YETO + ["data", "task", "gcd", "--out", "x.jsonl", "--n", "many"],
     "python -m yeto.backends.torch": [sys.executable, "-m", "yeto.backends.torch", "--bogus"],
     "python -m yeto.backends.mlx": [sys.executable, "-m", "yeto.backends.mlx", "--lr", "abc"],
     "python -m yeto syncer": [sys.executable, "-m", "yeto", "syncer", "--bogus"],
@@ -106,6 +107,7 @@ def _input_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "launch budget zero": (YETO + ["launch", "--model", NO_MODEL, "--budget", "0"], "--budget 0"),
         "generate no adapter": (YETO + ["generate", "--adapter", str(tmp / "nowhere"), "--prompt", "p"],
                                 "no peft adapter"),
+        "data task unknown": (YETO + ["data", "task", "gcdd", "--out", str(tmp / "t.jsonl")], "unknown task 'gcdd'"),
     }
 
 

@@ -1,10 +1,13 @@
 """`yeto dashboard` in a real browser: headless Chromium (Debian's chromium and chromium-driver, driven by selenium)
 opens the page of a live 2-island local fleet and sees the island rows, the round count advance and the loss chart
-drawn; then the finished run's export opens from file:// with the network off and draws the same charts.
+drawn, no task chart until the islands' metrics hold task evaluations (task_eval lines, as --eval-task writes them),
+then that chart with each island's accuracy and interval; then the finished run's export opens from file:// with the
+network off and draws the same charts.
 
 YETO_SCREENSHOT=docs/dashboard.png saves the finished run's page there (docs/watching.md shows it).
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -29,7 +32,20 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", COLUMNS="200")
 WAIT_S = 180  # the fleet's rounds on two shared CPU cores: each wait is bounded by this
-CHARTS = ("#loss-chart .scatterlayer .trace", "#timeline-chart .barlayer .trace", "#bytes-chart .barlayer .trace")
+CHARTS = ("#loss-chart .scatterlayer .trace", "#timeline-chart .barlayer .trace", "#bytes-chart .barlayer .trace",
+          "#task-chart .scatterlayer .trace", "#task-chart .errorbar")
+TASK_EVALS = {0: [(0, 0.0, 0.0, 0.25), (5, 0.6, 0.31, 0.83)], 1: [(0, 0.0, 0.0, 0.25), (5, 0.5, 0.24, 0.76)]}
+
+
+def add_task_evals(out: Path) -> None:
+    """Each island's task_eval lines (version, accuracy, interval) appended to its metrics.jsonl, as an island run
+    with --eval-task writes them."""
+    for lid, points in TASK_EVALS.items():
+        with open(out / f"island-{lid}" / "metrics.jsonl", "a") as f:
+            for version, accuracy, low, high in points:
+                f.write(json.dumps({"time": time.time(), "event": "task_eval", "step": 2 * version,
+                                    "round": version + 1, "version": version, "task": "gcd", "accuracy": accuracy,
+                                    "low": low, "high": high, "n": 12, "seconds": 0.5}) + "\n")
 
 
 def chromium(offline: bool = False):
@@ -90,6 +106,11 @@ def finished_run(tiny_model, tmp_path_factory):
         fleet_out, _ = fleet.communicate(timeout=WAIT_S)
         assert fleet.returncode == 0, fleet_out[-3000:]
         wait.until(lambda d: rounds_shown(d) == 5 and "finished" in d.find_element(By.ID, "state").text)
+        assert not driver.find_element(By.ID, "task-chart").is_displayed()  # no task evaluated: no task chart
+        add_task_evals(out)
+        wait.until(lambda d: count(d, CHARTS[3]) == len(TASK_EVALS))  # one accuracy line per island, live
+        assert driver.find_element(By.ID, "task-chart").is_displayed()
+        assert "task accuracy, 95% interval (gcd)" in driver.find_element(By.ID, "task-chart").text
         live = {css: count(driver, css) for css in CHARTS}
         assert all(live.values()), live
         shot = os.environ.get("YETO_SCREENSHOT")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from yeto.sync.shell.tape import read_tape
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", COLUMNS="200")
 LATE_CUT_S = 180.0  # the longest a late island may take to load its model on a loaded machine
+TASK_EXAMPLES = 3  # an --eval-task this small scores in a fraction of a second on the tiny model
 
 
 def syncer(port, out, *args, env=None):
@@ -166,12 +168,16 @@ def test_quorum_two_of_three_with_a_straggler(tiny_model, tmp_path):
 
 
 def test_launch_local_fleet_and_ctrl_c(tiny_model, tmp_path):
+    """A launched fleet runs, scores its --eval-task on each global, and stops on Ctrl-C."""
     model = tiny_model("llama")
     base = [sys.executable, "-m", "yeto", "launch", "--gpu", "local:2", "--model", str(model), "--data", str(DEMO_DATA),
             "--seq-len", "64", "--batch-size", "2", "--lora-r", "4"]
-    r = subprocess.run(base + ["--out", str(tmp_path / "ok"), "--outer-steps", "2", "--inner-steps", "3"],
+    task = write_task(tmp_path / "sums.jsonl")
+    r = subprocess.run(base + ["--out", str(tmp_path / "ok"), "--outer-steps", "2", "--inner-steps", "3",
+                               "--eval-task", str(task), "--eval-task-every", "1", "--eval-task-max-new-tokens", "4"],
                        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    check_task_evals(tmp_path / "ok")
     assert "merged adapter:" in r.stdout and (tmp_path / "ok" / "syncer" / "adapter" / "adapter_config.json").is_file()
     assert "[island-1]" in r.stdout and "[syncer]" in r.stdout
     tape = read_tape(tmp_path / "ok" / "syncer")  # each island on a key of its own: trusted, weighs by its tokens
@@ -190,6 +196,34 @@ def test_launch_local_fleet_and_ctrl_c(tiny_model, tmp_path):
     time.sleep(0.5)
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "int")], capture_output=True, text=True).stdout.split()
     assert not leftover, f"processes left running: {leftover}"
+
+
+def write_task(path, n=TASK_EXAMPLES):
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + {i}?"}],
+                                        "answer": str(2 * i)}) + "\n" for i in range(n)))
+    return path
+
+
+def check_task_evals(out):
+    """--eval-task --eval-task-every 1 over 2 rounds: each island scored its first global (v0, at step 0) and the
+    next (v1, at step 3), each while it waited for that round's merge, then the run's last (v2); its round-2 delta
+    carried v0's score (round 1's went before its global was scored), which the tape records and `yeto tape`
+    shows."""
+    for island in (0, 1):
+        lines = (out / f"island-{island}" / "metrics.jsonl").read_text().splitlines()
+        scored = [e for e in map(json.loads, lines) if e["event"] == "task_eval"]
+        assert [(e["round"], e["version"], e["step"]) for e in scored] == [(1, 0, 0), (2, 1, 3), (None, 2, 6)]
+        assert all(e["n"] == TASK_EXAMPLES and e["task"] == "sums" and 0 <= e["held_s"] <= e["seconds"]
+                   for e in scored) and scored[-1]["held_s"] == 0
+        summary = json.loads((out / f"island-{island}" / "summary.json").read_text())
+        assert summary["task_evals"] == 3 and summary["task_accuracy_after"] == scored[-1]["accuracy"]
+    deltas = [e for e in read_tape(out / "syncer") if e["event"] == "delta"]
+    assert sorted((d["round"], d["island"], d.get("task_eval", {}).get("version")) for d in deltas) == [
+        (1, 0, None), (1, 1, None), (2, 0, 0), (2, 1, 0)]
+    shown = subprocess.run([sys.executable, "-m", "yeto", "tape", str(out)], cwd=REPO, env=ENV, capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 0 and "task acc" in shown.stdout and re.search(r"1: \d+\.\d% of v0", shown.stdout), \
+        shown.stdout
 
 
 def test_the_syncer_starts_a_run_from_an_existing_adapter(tiny_model, tmp_path):

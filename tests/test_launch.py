@@ -861,9 +861,12 @@ def launch_in_process(monkeypatch, capsys, tmp_path, *extra):
 def test_a_launch_with_a_bad_island_flag_provisions_nothing(monkeypatch, capsys, tmp_path):
     code, err, cloud = launch_in_process(monkeypatch, capsys, tmp_path, "--seq-len", "64")
     assert cloud.launches == ["checked-head"] and "did not come up" in err  # good flags: the launch goes ahead
-    for bad in (["--lr", "abc"], ["--no-such-flag", "3"], ["--outer-lr", "fast"]):
+    task = tmp_path / "task.jsonl"
+    task.write_text('{"prompt": "2+2=", "answer": "4"}\n{"prompt": "3+3="}\n')  # line 2: no answer
+    for bad in (["--lr", "abc"], ["--no-such-flag", "3"], ["--outer-lr", "fast"], ["--eval-task", str(task)]):
         code, err, cloud = launch_in_process(monkeypatch, capsys, tmp_path / "bad", *bad)
-        assert code == 2 and err.count("\n") == 1 and bad[0] in err and "Traceback" not in err, err
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert (bad[0] in err if bad[0] != "--eval-task" else f"{task}:2: no 'answer'" in err), err
         assert cloud.launches == []  # nothing provisioned
         assert not (tmp_path / "bad" / "runs").exists()  # nothing recorded for `yeto down` either
 
@@ -911,6 +914,33 @@ def test_a_loss_file_ships_with_the_run_to_cloud_islands_the_head_and_reserved_s
     echoed = subprocess.run(["bash", "-c", f'HERE=/j/k; set -- {line.removeprefix("exec ")}; echo "$@"'],
                             capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}).stdout
     assert "--loss-function /j/k/my loss.py:fn" in echoed, echoed
+
+
+def test_an_eval_task_file_ships_with_the_run_to_cloud_islands_the_head_and_reserved_slots(tmp_path):
+    from yeto.launch.join import write_join_files
+
+    task = tmp_path / "my task.jsonl"
+    task.write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    plan = plan_for(tmp_path, external=1, model_revision=None)
+    plan.island_args = ["--seq-len", "256", "--eval-task", str(task), "--eval-task-every", "2"]
+    keys = Keyring.ensure(tmp_path / "run" / "syncer")
+    island = island_task(plan, 0, "203.0.113.7:29400", keys.join.text()).to_yaml_config()
+    assert island["file_mounts"]["/yeto/task/my task.jsonl"] == str(task)
+    assert "--eval-task '/yeto/task/my task.jsonl' --eval-task-every 2" in island["run"]
+    assert str(task) not in island["run"]
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.to_json())
+    head = head_task(plan, plan_file, keys.bundle(), "https://sky.example.com").to_yaml_config()
+    assert head["file_mounts"]["/yeto/task/my task.jsonl"] == str(task)  # the head relaunches islands with it
+    script = write_join_files(plan, keys, "203.0.113.7:29400", tmp_path / "out")[0]
+    assert (script.parent / "my task.jsonl").read_text() == task.read_text()
+    line = [x for x in script.read_text().splitlines() if x.startswith("exec ")][0]
+    echoed = subprocess.run(["bash", "-c", f'HERE=/j/k; set -- {line.removeprefix("exec ")}; echo "$@"'],
+                            capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}).stdout
+    assert "--eval-task /j/k/my task.jsonl --eval-task-every 2" in echoed, echoed
+    plan.island_args = ["--eval-task=countdown"]  # a generated task's name: nothing to ship, passed as it is
+    island = island_task(plan, 0, "203.0.113.7:29400", keys.join.text()).to_yaml_config()
+    assert "--eval-task=countdown" in island["run"] and not any("/yeto/task" in k for k in island["file_mounts"])
 
 
 def test_a_local_run_with_a_reserved_slot_joined_by_its_script_then_status_logs_and_down(tiny_model, tmp_path):

@@ -330,3 +330,33 @@ def test_a_merge_record_counts_the_quorum_waits_and_rejoins_since_the_last_merge
                   "merge/clip/2": 0.5, "merge/weight/0": 0.25, "merge/weight/2": 0.75, "merge/lag/0": 0.0,
                   "merge/lag/2": 1.0}
     assert m2["merge/quorum_waits"] == 0 and m2["merge/rejoins"] == 0 and m2["merge/round_s"] == 0.0
+
+
+def test_an_islands_task_accuracy_reaches_the_trackers_under_task(tmp_path):
+    """The `task_eval` event of metrics.jsonl (an island's accuracy on --eval-task) as task/accuracy and its interval,
+    at the island's step; the task's name and a standalone run's null round and version are left out."""
+    from yeto.island.metrics import MetricsLog
+
+    class Fanout:
+        def __init__(self):
+            self.logged, self.finished = [], False
+
+        def log(self, step, metrics):
+            self.logged.append((step, metrics))
+
+        def finish(self):
+            self.finished = True
+
+    fan = Fanout()
+    log = MetricsLog(tmp_path / "metrics.jsonl", trackers=fan)
+    log.write(event="task_eval", step=16, round=2, version=2, task="gcd", accuracy=0.25, low=0.2, high=0.31, n=200,
+              seconds=3.5)
+    log.write(event="task_eval", step=0, round=None, version=None, task="gcd", accuracy=0.0, low=0.0, high=0.02,
+              n=200, seconds=3.0)
+    log.close()
+    assert fan.logged == [
+        (16, {"task/round": 2.0, "task/version": 2.0, "task/accuracy": 0.25, "task/low": 0.2, "task/high": 0.31,
+              "task/n": 200.0, "task/seconds": 3.5}),
+        (0, {"task/accuracy": 0.0, "task/low": 0.0, "task/high": 0.02, "task/n": 200.0, "task/seconds": 3.0})]
+    assert [json.loads(line)["event"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        "task_eval", "task_eval"]

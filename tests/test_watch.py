@@ -13,7 +13,7 @@ from tests.conftest import REPO
 from yeto.sync.shell.tape import read_tape
 from yeto.watch.alerts import CRASH_SESSIONS, LATE_ROUNDS, alerts
 from yeto.watch.dashboard import JsonlFollower, LocalRun, open_run
-from yeto.watch.snapshot import snapshot
+from yeto.watch.snapshot import IslandFiles, snapshot
 
 RUN = REPO / "tests" / "data" / "watch-run"
 
@@ -55,6 +55,29 @@ def test_the_snapshot_of_a_finished_run_says_what_its_tape_and_islands_say():
         assert all(t[k] >= 0 for k in ("push", "waiting", "merge", "broadcast"))
     # each round's last delta in waits for nobody
     assert {t["round"] for t in snap["timeline"] if t["waiting"] == 0} == {1, 2, 3, 4, 5}
+
+
+def task_eval(step, version, accuracy, low, high, n=200):
+    """An island's metrics line for one task evaluation (--eval-task), as the island writes it."""
+    return {"time": 0.0, "event": "task_eval", "step": step, "round": None if version is None else version + 1,
+            "version": version, "task": "gcd", "accuracy": accuracy, "low": low, "high": high, "n": n, "seconds": 2.0}
+
+
+def test_task_accuracy_per_island_is_drawn_at_the_version_it_scored_with_its_interval():
+    source = LocalRun(RUN)
+    events, islands, info = source.read()
+    assert snapshot(events, islands, events[-1]["time"], info)["curves"]["task"] == {}  # no task: no chart
+    islands[0].metrics += [task_eval(0, 0, 0.05, 0.03, 0.09), task_eval(16, 2, 0.4, 0.33, 0.47),
+                           task_eval(40, None, 0.6, 0.53, 0.66)]  # at the end: its own adapter, no global
+    islands[1].metrics += [task_eval(16, 2, 0.35, 0.29, 0.42), {"event": "task_eval", "step": 20, "accuracy": None}]
+    task = snapshot(events, islands, events[-1]["time"], info)["curves"]["task"]
+    assert [(p["x"], p["accuracy"], p["low"], p["high"]) for p in task["0"]] == [
+        (0, 0.05, 0.03, 0.09), (2, 0.4, 0.33, 0.47), (40 / 8, 0.6, 0.53, 0.66)]  # the demo: 8 inner steps a round
+    assert task["1"] == [{"x": 2, "accuracy": 0.35, "low": 0.29, "high": 0.42, "n": 200, "task": "gcd", "round": 3,
+                          "version": 2, "step": 16}]
+    alone = {0: IslandFiles(0, metrics=[{"event": "step", "step": 5, "loss": 1.0}, task_eval(5, None, 0.5, 0.4, 0.6)])}
+    standalone = snapshot([], alone, 10.0, {"standalone": True})
+    assert [(p["x"], p["accuracy"]) for p in standalone["curves"]["task"]["0"]] == [(5, 0.5)]  # at its step
 
 
 def test_the_snapshot_shows_nothing_secret():

@@ -1,18 +1,22 @@
-"""`yeto data`: a dataset as a run would read it, without a model's weights (`inspect`); a group other data commands
-join."""
+"""`yeto data`: a dataset as a run would read it, without a model's weights (`inspect`), and generated task data with
+its disjoint held-out set (`task`); a group other data commands join."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 from yeto.cli.usage import JSON_HELP
+from yeto.eval.gym import DEFAULT_HELD_OUT, HELD_OUT_SEED
 from yeto.island.train_config import TrainConfig
 
 D = TrainConfig()
-data_app = typer.Typer(no_args_is_help=True, help="Datasets as a run reads them: formats, tokens, loss masks.")
+data_app = typer.Typer(no_args_is_help=True, help="Datasets as a run reads them (formats, tokens, loss masks) and "
+                                                  "generated tasks to train and evaluate on.")
+DEFAULT_TASK_RECORDS = 2000  # a generated task's training records (a few passes of a short run's batches)
 SHOWN_TOKENS = 400  # the sample's tokens printed (a long record is cut, and says so)
 LEARNED = ("[[", "]]")  # around the sample's tokens that carry loss (the ones the model is trained to produce)
 
@@ -81,3 +85,62 @@ def render_masked(ids: list[int], mask: list[int], tokenizer: Any) -> str:
             out.append(f"{LEARNED[0]}{text}{LEARNED[1]}" if mask[start] else text)
             start = i
     return "".join(out)
+
+
+@data_app.command("task")
+def task_command(
+    name: Annotated[Optional[str], typer.Argument(help="A reasoning-gym generator (--list names them).",
+                                                  show_default=False)] = None,
+    n: Annotated[int, typer.Option("--n", help="Training records to generate (fewer are written when the held-out "
+                                               "set asks some of their questions: they are dropped).")
+             ] = DEFAULT_TASK_RECORDS,
+    seed: Annotated[int, typer.Option(help="The training records' first seed (record i is made from seed + i).")] = 0,
+    out: Annotated[Optional[Path], typer.Option(help="The training file (JSONL); its held-out set is written beside "
+                                                     "it as <stem>.heldout.jsonl.", show_default=False)] = None,
+    held_out: Annotated[int, typer.Option(help=f"Held-out records, from seed {HELD_OUT_SEED} on (past any "
+                                               "training range): the same ones for every run of a comparison.")
+                    ] = DEFAULT_HELD_OUT,
+    setting: Annotated[Optional[list[str]], typer.Option(
+        "--setting", help="A generator setting KEY=VALUE, the value read as JSON where it is (max_digits=2, "
+                         "allow_negation=false); repeat it for more. An unknown key names those the task takes.",
+        show_default=False)] = None,
+    list_tasks: Annotated[bool, typer.Option("--list", help="Print the generators and what each makes.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+) -> None:
+    """Write a generated task (a reasoning-gym generator, installed by the tasks extra) as chat records to train on,
+    and a held-out set no training question appears in, for `yeto eval --task` and `--eval-task`."""
+    from yeto import YetoError
+    from yeto.eval import gym
+    from yeto.sync.core.checks import check_range
+
+    if list_tasks:
+        described = gym.task_descriptions()
+        width = max(map(len, described))
+        typer.echo(json.dumps(described, indent=2) if as_json else
+                   "\n".join(f"{k:<{width}}  {v}" for k, v in described.items()))
+        return
+    if name is None:
+        raise YetoError("name a task: yeto data task NAME --out FILE (yeto data task --list names them)")
+    if out is None:
+        raise YetoError(f"--out is needed: the training file to write (e.g. --out tasks/{name}.jsonl)")
+    check_range(n, "--n", low=1)
+    check_range(held_out, "--held-out", low=1)
+    check_range(seed, "--seed", low=0)
+    gym.check_task_name(name)
+    wrote = gym.write_task(name, n, seed, out, held_out, gym.parse_config(setting or []))
+    if as_json:
+        typer.echo(json.dumps(wrote, indent=2))
+        return
+    typer.echo(render_task(wrote))
+
+
+def render_task(wrote: dict[str, Any]) -> str:
+    """What `yeto data task` wrote, and the commands that use it."""
+    last = wrote["seed"] + wrote["train_records"] + wrote["dropped"] - 1
+    settings = f" with {json.dumps(wrote['config'])}" if wrote["config"] else ""
+    return "\n".join([
+        f"{wrote['task']}{settings}: {wrote['train_records']} training records to {wrote['train']} (seeds "
+        f"{wrote['seed']}..{last}; {wrote['dropped']} dropped: the held-out set asks them)",
+        f"held out: {wrote['held_out_records']} records to {wrote['held_out']} (seeds {wrote['held_out_seed']} on)",
+        f"train on the file (--data {wrote['train']}: its directory holds the held-out set too), evaluate on "
+        f"--task {wrote['held_out']}"])

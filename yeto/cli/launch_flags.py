@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Optional
 from yeto import YetoError
 from yeto.backends import MLX, TORCH, load_backend
 from yeto.cli.train_command import make_train_command
+from yeto.island.task_eval import load_eval_task
 from yeto.island.train_config import TrainConfig
 from yeto.launch.plan import SYNCER_PORT, FleetPlan
 from yeto.launch.rundir import SYNCER_DIR
@@ -94,6 +95,7 @@ def check_island_flags(plan: FleetPlan, backend: str, launch_flags: Iterable[str
 
     def check(cfg: TrainConfig, progress: bool, asked: Any) -> None:
         checks(cfg)
+        load_eval_task(cfg)  # (an --eval-task file is read here: a bad one is one line before anything launches)
         made.append(cfg)
 
     try:

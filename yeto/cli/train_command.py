@@ -28,7 +28,8 @@ TRAIN_ADVANCED = ("model_revision", "data_revision", "data_split", "data_config"
                   "trust_remote_code", "grad_accum", "lora_freeze_a", "micro_batch_size", "min_lr_ratio",
                   "weight_decay", "max_grad_norm", "lora_dropout", "lora_targets", "loss_function", "eval_fraction",
                   "dtype", "gradient_checkpointing", "full_logits", "overlap", "threads", "max_inner_steps",
-                  "syncer_timeout", "give_up_after", "shard", "base_quantization", "save_every", "run_name")
+                  "syncer_timeout", "give_up_after", "shard", "base_quantization", "save_every", "run_name",
+                  "eval_task_limit", "eval_task_max_new_tokens")
 
 
 TrainFn = Callable[[TrainConfig, bool, str], Any]  # (the flags, show the progress bar, the --backend asked for)
@@ -162,6 +163,18 @@ def _train_signature(
                           ] = D.eval_every,
     eval_fraction: Annotated[float, typer.Option(help="Fraction of records held out "
                                                       "for the eval loss.")] = D.eval_fraction,
+    eval_task: Annotated[Optional[str], typer.Option(
+        help="Score the adapter on a task during the run: a JSONL of {messages | prompt, answer} records, or a "
+             "generated task's name (its held-out set; `yeto data task --list`). At the start, every "
+             "--eval-task-every rounds (standalone: steps) and at the end; accuracy to metrics.jsonl, the trackers "
+             "and, in a fleet, the tape. A fleet's island scores while it waits for a merge.")] = None,
+    eval_task_every: Annotated[int, typer.Option(help="Score --eval-task every N rounds (standalone: steps); 0: at "
+                                                      "the start and the end only.")] = D.eval_task_every,
+    eval_task_limit: Annotated[Optional[int], typer.Option(help="Score the first N examples of --eval-task (default: "
+                                                                "the whole file, or a task name's held-out set).")
+                               ] = None,
+    eval_task_max_new_tokens: Annotated[int, typer.Option(help="Tokens each --eval-task answer may take (greedy).")
+                                        ] = D.eval_task_max_new_tokens,
     seed: Annotated[int, typer.Option(help="Seed of the split, batch order and LoRA init.")] = D.seed,
     island_id: Annotated[int, typer.Option(help="This island's index, for data sharding.")] = D.island_id,
     num_islands: Annotated[int, typer.Option("--islands", help="Islands sharing the data (0: all; with --syncer, "

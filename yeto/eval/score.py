@@ -116,7 +116,7 @@ def wilson_interval(successes: float, n: int, z: float = Z95) -> Interval:
     denominator = 1 + z * z / n
     center = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return Interval(p, max(0.0, center - half), min(1.0, center + half))
+    return Interval(p, max(0.0, min(p, center - half)), min(1.0, max(p, center + half)))  # (rounding at 0, 1)
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], z: float = Z95) -> Interval:

@@ -39,6 +39,7 @@ import numpy as np
 
 from yeto import YetoError
 from yeto.island.interface import Island
+from yeto.island.task_eval import TaskEvals
 from yeto.sync.shell.keys import JoinKey, write_secret
 from yeto.sync.shell.client import SyncerLink
 from yeto.sync.core.island import Done, IslandCore, LinkTimeouts, RoundCounts, Train, StepVerdict, Wait
@@ -72,8 +73,9 @@ class RoundStats(RoundSteps):
     def loss(self) -> float:
         return self.loss_sum / max(1, self.loss_tokens)
 
-    def counts(self) -> RoundCounts:
-        return RoundCounts(self.tokens, self.loss_tokens, self.steps, self.loss, self.compute_s, self.carried)
+    def counts(self, task_eval: Optional[dict[str, Any]] = None) -> RoundCounts:
+        return RoundCounts(self.tokens, self.loss_tokens, self.steps, self.loss, self.compute_s, self.carried,
+                           task_eval)
 
 
 @dataclass
@@ -121,7 +123,8 @@ def run_island(island: Island, syncer: str, island_id: int, overlap: bool = Fals
                identity: str = "", residual: Optional[np.ndarray] = None,
                on_round_start: Optional[Callable[[np.ndarray], None]] = None,
                on_step: Optional[Callable[[dict[str, Any]], None]] = None,
-               on_leave: Optional[Callable[[Optional[int]], None]] = None) -> dict[str, Any]:
+               on_leave: Optional[Callable[[Optional[int]], None]] = None,
+               task_evals: Optional[TaskEvals] = None) -> dict[str, Any]:
     """Train `island` as one DiLoCo island of the run at `syncer` until the syncer says finish.
 
     `join_key`: the run's credentials (None only for an --insecure loopback syncer). `identity`: this island's
@@ -135,6 +138,9 @@ def run_island(island: Island, syncer: str, island_id: int, overlap: bool = Fals
     last global adapter it received, so the caller saves that; a refusal or giving up then raises YetoError.
     `on_leave(version)` is then told that global's version (None: it received none and holds its own start),
     so what the caller saves can say what it is.
+    `task_evals` (--eval-task): the global of the island's first round, then of every --eval-task-every-th, is
+    scored while the island waits for that round's merge (`yeto.island.task_eval`), and each delta reports the
+    latest score.
     """
     state = island.adapter_state()
     layout = build_layout(state, fragment_numel)
@@ -144,7 +150,7 @@ def run_island(island: Island, syncer: str, island_id: int, overlap: bool = Fals
     if residual is not None and residual.shape == core.ef.residual.shape:
         core.ef.residual = residual.astype(np.float32)
     loop = IslandLoop(island, layout, core, SyncerLink(syncer, core, log_fn, join_key).start(), log_fn, overlap,
-                      max_inner_steps, step_delay, progress, on_round_start, on_step, on_leave)
+                      max_inner_steps, step_delay, progress, on_round_start, on_step, on_leave, task_evals)
     return loop.run()
 
 
@@ -156,10 +162,12 @@ class IslandLoop:
                  progress: Callable[[dict[str, Any]], None] | None,
                  on_round_start: Optional[Callable[[np.ndarray], None]],
                  on_step: Optional[Callable[[dict[str, Any]], None]] = None,
-                 on_leave: Optional[Callable[[Optional[int]], None]] = None):
+                 on_leave: Optional[Callable[[Optional[int]], None]] = None,
+                 task_evals: Optional[TaskEvals] = None):
         self.island, self.layout, self.core, self.link, self.log = island, layout, core, link, log_fn
         self.overlap, self.max_inner_steps, self.step_delay = overlap, max_inner_steps, step_delay
         self.progress, self.on_round_start, self.on_step, self.on_leave = progress, on_round_start, on_step, on_leave
+        self.task_evals = task_evals
         self.stats = IslandStats()
         self.t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
         self.stall_s = 0.0
@@ -226,6 +234,8 @@ class IslandLoop:
             if total is not None:
                 self.island.set_total_steps(total)
         rnd = self._start(task)
+        if self.task_evals is not None and self.task_evals.due_round(task.round):
+            self.task_evals.keep(task.round, task.base_version, task.adapter, self.island.step_count)
         if self.on_round_start is not None:
             self.on_round_start(self.link.counted_residual())
         verdict = self.link.after_step(rnd.steps, rnd.window_steps) if rnd.steps else StepVerdict.CONTINUE
@@ -276,7 +286,8 @@ class IslandLoop:
         local = flatten(self.layout, self.island.adapter_state())
         pushed_part = synced_fragments(self.layout, self.core.part(task.round))
         self.starts.pushed(local, pushed_part, self.core.policy.fragments > 1)
-        self.stats.delta_bytes.append(self.link.push(local, rnd.counts()))
+        header = self.task_evals.header() if self.task_evals is not None else None
+        self.stats.delta_bytes.append(self.link.push(local, rnd.counts(header)))
         self.stats.rounds += 1
         if self.progress:
             wall = time.perf_counter() - self.t_start if self.t_start is not None else 0.0
@@ -286,6 +297,9 @@ class IslandLoop:
                            "delta_bytes": self.stats.delta_bytes[-1], "stall_s": round(self.stall_s, 4),
                            "utilization": self.stats.compute_s / wall if wall else 0.0,
                            "lag": max(0, self.core.version - max(task.base_version, task.round - 1))})
+        if self.task_evals is not None:  # score the round's global while its merge is awaited (or trained through)
+            self.task_evals.evaluate_pending(self.island, lambda flat: self.island.load_adapter_state(
+                unflatten(self.layout, flat)), local, self.link.awaiting_merge)
         if self.overlap and self.core.policy.pipeline <= 1:  # train on while the merge is in flight; those steps go
             # on top of the merged adapter (a pipeline trains the next rounds' parts, then on while full: `_next_task`)
             nxt = RoundStats(task.round + 1)

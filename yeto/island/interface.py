@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from yeto.island.checkpoint import TrainState
     from yeto.island.train_config import TrainConfig
     from yeto.island.data import Blocks, DataSource
+    from yeto.eval.task import Prompt
     from yeto.models.provenance import Artifact
 
 
@@ -41,6 +42,11 @@ class Island(Protocol):
 
     def evaluate(self, blocks: Optional[Blocks] = None) -> Optional[float]:
         """The token-weighted mean loss over `blocks` (default: the held-out split); None when there are none."""
+        ...
+
+    def generate(self, prompts: list[Prompt], max_new_tokens: int) -> list[str]:
+        """Greedy answers to `prompts` (chat turns or raw text) in one batch, from the base with the adapter it holds
+        (`--eval-task`: `yeto.island.task_eval`); training mode is restored after."""
         ...
 
     def adapter_state(self) -> dict[str, np.ndarray]:

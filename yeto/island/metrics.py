@@ -30,15 +30,16 @@ def island_record(island) -> dict[str, Any]:
     }
 
 
-# the events trackers get (`--report-to`), each under its prefix: train/loss, eval/eval_loss, round/delta_norm, ...
-TRACKED = {"step": "train", "eval": "eval", "round": "round"}
+# the events trackers get (`--report-to`), each under its prefix: train/loss, eval/eval_loss, round/delta_norm,
+# task/accuracy (--eval-task: yeto.island.task_eval), ...
+TRACKED = {"step": "train", "eval": "eval", "round": "round", "task_eval": "task"}
 RUN_FILE = "run.json"  # in an island's --out: its config, data and provenance (the run record)
 METRICS_FILE = "metrics.jsonl"  # in an island's --out: one event a line (steps, evals, rounds)
 
 
 class MetricsLog:
     """Append-only JSONL: one object per event, each with wall time; `trackers` (yeto.report.trackers) get the numbers
-    of its step, eval and round events too, at the island's step."""
+    of its step, eval, round and task_eval events too, at the island's step."""
 
     def __init__(self, path: str | Path, trackers: Optional[Trackers] = None):
         self.path = Path(path)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from yeto import YetoError
+from yeto.eval.gym import HELD_OUT_SUFFIX
 from yeto.models.provenance import Artifact, content_hash, resolve_hub_snapshot
 
 # the demo data (pirate-speak chats) ships inside the package, so `--data`'s default works after a pip install;
@@ -141,6 +142,8 @@ def _candidate_files(base: Path) -> dict[Path, str | None]:
             continue
         if p.name in METADATA_FILES:
             out[p.resolve()] = "dataset metadata, not records"
+        elif p.name.endswith(HELD_OUT_SUFFIX):
+            out[p.resolve()] = "a task's held-out set (yeto data task), never trained on"
         elif p.suffix.lower() in SUPPORTED_EXTENSIONS:
             out[p.resolve()] = None
         else:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from yeto import YetoError
+from yeto.eval.task import DEFAULT_MAX_NEW_TOKENS
 from yeto.island.micro_batch import WHOLE_BATCH
 from yeto.island.records import DEMO_DATA
 
@@ -67,6 +68,10 @@ class TrainConfig:
     report_to: str = "none"  # experiment trackers (yeto.report.trackers): tensorboard, wandb, trackio, mlflow, comma-
     # separated
     run_name: str = ""  # the run's name that groups its trackers' runs (default: --out's directory name)
+    eval_task: Optional[str] = None  # a task file or generator name (yeto.eval.task.load_task): accuracy during the run
+    eval_task_every: int = 0  # evaluate it every N rounds (standalone: steps); 0: at the start and the end only
+    eval_task_limit: Optional[int] = None  # its first N examples (default: all of the file, a generator's held-out set)
+    eval_task_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -87,7 +92,7 @@ def check_config(cfg: TrainConfig) -> None:
     check_range(cfg.max_grad_norm, "--max-grad-norm", low=0, low_open=True)
     check_range(cfg.eval_fraction, "--eval-fraction", low=0, high=1, high_open=True)
     for name in ("warmup_steps", "weight_decay", "eval_every", "save_every", "threads", "max_inner_steps",
-                 "step_delay", "island_id", "num_islands"):
+                 "step_delay", "island_id", "num_islands", "eval_task_every"):
         check_range(getattr(cfg, name), f"--{name.replace('_', '-')}", low=0)
     if cfg.num_islands and cfg.island_id >= cfg.num_islands:
         raise YetoError(f"--island-id must be in [0, {cfg.num_islands}) with --islands {cfg.num_islands}, "
@@ -98,6 +103,9 @@ def check_config(cfg: TrainConfig) -> None:
         raise YetoError(f"unknown --dtype {cfg.dtype!r}: use {', '.join(DTYPES)}")
     if cfg.syncer:
         check_address(cfg.syncer)
+    check_range(cfg.eval_task_max_new_tokens, "--eval-task-max-new-tokens", low=1)
+    if cfg.eval_task_limit is not None:
+        check_range(cfg.eval_task_limit, "--eval-task-limit", low=1)
     check_out_dir(cfg.out)
     parse_report_to(cfg.report_to)  # (its libraries are checked where the island runs: `open_session`)
     parse_columns(cfg.columns)

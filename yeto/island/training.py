@@ -22,9 +22,11 @@ import numpy as np
 from yeto import YetoError
 from yeto.island.train_config import TrainConfig
 from yeto.island.metrics import METRICS_FILE, RUN_FILE, MetricsLog
+from yeto.island.task_eval import TaskEvals, console_line, load_eval_task
 from yeto.report.trackers import Trackers, check_installed, open_trackers, parse_report_to, run_group
 
 if TYPE_CHECKING:
+    from yeto.eval.task import Task
     from yeto.island.checkpoint import TrainState
     from yeto.island.interface import Backend, Island
 
@@ -63,6 +65,7 @@ def train(cfg: TrainConfig, backend: Backend, show_progress: bool = True,
     `before_state_commit(step)` runs as each training state is written, before it replaces the last one (the
     entry point's fault hook)."""
     backend.check_flags(cfg)  # (one line before the key, the --out or a model is touched)
+    task = load_eval_task(cfg)  # (every process of an island: a bad task file stops them all alike)
     if not show_progress:
         from yeto.models.materialize import quiet_progress_bars
 
@@ -72,7 +75,7 @@ def train(cfg: TrainConfig, backend: Backend, show_progress: bool = True,
         return followed
     session = open_session(cfg, before_state_commit)
     with backend.island(cfg, session.log) as island:
-        return run_training(island, cfg, session, show_progress)
+        return run_training(island, cfg, session, show_progress, task)
 
 
 def start_from_adapter(island: Island, name: str, log: Callable[[str], None]) -> None:
@@ -147,10 +150,14 @@ def save_training_state(island: Island, session: Session, residual: Optional[np.
     save_state(session.out, state, session.before_state_commit)
 
 
-def run_training(island: Island, cfg: TrainConfig, session: Session, show_progress: bool = True) -> dict[str, Any]:
-    """Evaluate, train (standalone or as an island of --syncer's run), evaluate again, save the adapter.
+def run_training(island: Island, cfg: TrainConfig, session: Session, show_progress: bool = True,
+                 task: Optional[Task] = None) -> dict[str, Any]:
+    """Evaluate, train (standalone or as an island of --syncer's run), evaluate again, save the adapter. With
+    `task` (--eval-task), its accuracy too: at the start, every --eval-task-every rounds or steps, at the end.
 
     The training state is saved in --out as it goes (yeto.island.checkpoint), and the same command resumes from it."""
+    from rich.markup import escape
+
     out, console = session.out, session.console
     resumed = resume_state(island, cfg, out, session.log)
     if resumed is None and cfg.init_adapter:
@@ -162,8 +169,17 @@ def run_training(island: Island, cfg: TrainConfig, session: Session, show_progre
         metrics.write(event="resumed", step=island.step_count, tokens=island.tokens_seen)
     eval0 = evaluate_start(island, resumed if cfg.syncer else None)
     metrics.write(event="eval", step=island.step_count, eval_loss=eval0)
+    tag = f"[bold]island {cfg.island_id}[/bold] " if cfg.syncer else ""
+    evals = None
+    if task is not None:
+        def report(event: dict[str, Any]) -> None:
+            metrics.write(**event)
+            console.print(f"{tag}{escape(console_line(event))}")
+
+        evals = TaskEvals.of(cfg, task, report)
+        if not cfg.syncer:  # (a fleet's island scores its first global, in its first wait: `IslandLoop`)
+            evals.evaluate(island)
     if cfg.syncer:
-        tag = f"[bold]island {cfg.island_id}[/bold] "
         residual = resumed.tensors.get("residual") if resumed is not None else None
         held: dict[str, Optional[int]] = {"version": None}  # the global the island is left holding (None: none)
 
@@ -172,7 +188,7 @@ def run_training(island: Island, cfg: TrainConfig, session: Session, show_progre
 
         try:
             extra = _island_loop(island, cfg, metrics, console, tag, session.join_key, residual,
-                                 lambda r: save_training_state(island, session, r), on_leave)
+                                 lambda r: save_training_state(island, session, r), on_leave, evals)
         except BaseException as e:  # refused, gave up on the syncer, Ctrl-C, SIGTERM, a crash: keep the adapter
             try:
                 adapter = island.save(out / "adapter")
@@ -189,11 +205,13 @@ def run_training(island: Island, cfg: TrainConfig, session: Session, show_progre
             extra["relay_s"] = round(island.relay_s, 3)
         done = f"{extra['rounds']} rounds, {island.step_count} steps, utilization {extra['utilization']:.1%}"
     else:
-        tag = ""
-        extra = _standalone_loop(island, cfg, metrics, console, eval0, show_progress, session)
+        extra = _standalone_loop(island, cfg, metrics, console, eval0, show_progress, session, evals)
         done = f"{island.step_count} steps, {extra['tok_s']:.0f} tok/s"
     final_eval = island.evaluate()
     metrics.write(event="eval", step=island.step_count, eval_loss=final_eval)
+    if evals is not None:  # (a fleet's: the run's last global, after its last merge)
+        evals.evaluate(island, version=extra.get("version"), holds=not cfg.syncer)
+        extra.update(evals.summary())
     adapter = island.save(out / "adapter")
     save_training_state(island, session, finished=True)
     summary = {"adapter": str(adapter), "steps": island.step_count, "eval_loss_before": eval0,
@@ -206,12 +224,17 @@ def run_training(island: Island, cfg: TrainConfig, session: Session, show_progre
     ev = (f"eval loss {eval0:.3f} -> {final_eval:.3f}" if eval0 is not None and final_eval is not None
           else "no eval split")
     skipped = summary["skipped_files"]
+    if evals is not None:
+        ev += escape(f"; task {task.name} {_percent(extra['task_accuracy_before'])} -> "
+                     f"{_percent(extra['task_accuracy_after'])}")
     if skipped:
-        from rich.markup import escape
-
         ev += escape(f"; skipped {len(skipped)} file(s) of --data: {', '.join(skipped)}")
     console.print(f"{tag}[green]done[/green]: {done}, {ev}; adapter: {adapter}")
     return summary
+
+
+def _percent(accuracy: Optional[float]) -> str:
+    return "-" if accuracy is None else f"{100 * accuracy:.1f}%"
 
 
 def open_island_trackers(cfg: TrainConfig, record: dict[str, Any], log: Callable[[str], None]) -> Optional[Trackers]:
@@ -223,8 +246,9 @@ def open_island_trackers(cfg: TrainConfig, record: dict[str, Any], log: Callable
 
 
 def _standalone_loop(island: Island, cfg: TrainConfig, metrics: MetricsLog, console, eval0: float | None,
-                     show_progress: bool, session: Session) -> dict[str, Any]:
-    """Up to `--max-steps` steps (from where a resumed run was) with a progress bar, periodic eval and saves."""
+                     show_progress: bool, session: Session, evals: Optional[TaskEvals] = None) -> dict[str, Any]:
+    """Up to `--max-steps` steps (from where a resumed run was) with a progress bar, periodic eval (the task's too)
+    and saves."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
@@ -251,6 +275,8 @@ def _standalone_loop(island: Island, cfg: TrainConfig, metrics: MetricsLog, cons
                 last_eval = island.evaluate()
                 metrics.write(event="eval", step=s["step"], eval_loss=last_eval)
             metrics.write(event="step", **s)
+            if evals is not None and evals.due_step(s["step"], cfg.max_steps):
+                evals.evaluate(island)
             history.append(s)
             if cfg.save_every and s["step"] % cfg.save_every == 0 and s["step"] < cfg.max_steps:
                 save_training_state(island, session)
@@ -264,7 +290,7 @@ def _standalone_loop(island: Island, cfg: TrainConfig, metrics: MetricsLog, cons
 
 def _island_loop(island: Island, cfg: TrainConfig, metrics: MetricsLog, console, tag: str, join_key,
                  residual: Optional[np.ndarray], save_state: Callable[[np.ndarray], None],
-                 on_leave: Callable[[Optional[int]], None]) -> dict[str, Any]:
+                 on_leave: Callable[[Optional[int]], None], evals: Optional[TaskEvals] = None) -> dict[str, Any]:
     """One island of a DiLoCo run: the syncer decides rounds, merges and the end; `save_state(residual)` runs at
     the start of every round, and `residual` (a resumed island's) seeds the delta quantizer's error feedback;
     `on_leave(version)`: the global the island is left holding, however it ends (None: it received none)."""
@@ -287,7 +313,7 @@ def _island_loop(island: Island, cfg: TrainConfig, metrics: MetricsLog, console,
                           max_inner_steps=cfg.max_inner_steps, step_delay=cfg.step_delay,
                           join_key=join_key, identity=island_identity(cfg.out), residual=residual,
                           on_round_start=save_state, on_step=lambda s: metrics.track(event="step", **s),
-                          on_leave=on_leave,
+                          on_leave=on_leave, task_evals=evals,
                           timeouts=LinkTimeouts(dead_after_s=cfg.syncer_timeout, give_up_s=cfg.give_up_after),
                           log_fn=lambda s: console.print(f"{tag}[dim]{escape(s)}[/dim]"))
     finally:

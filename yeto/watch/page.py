@@ -2,8 +2,8 @@
 
 The charts are plotly.js, the copy bundled in the plotly wheel (`plotly.offline.get_plotlyjs`), so neither the live
 page nor an export reaches any network. The page's own script only turns a snapshot into the fleet table, the
-event list and four charts (a standalone run: its loss and eval per step); the numbers come from
-`yeto.watch.snapshot`.
+event list and four charts (a standalone run: its loss and eval per step), and a fifth, each island's task accuracy
+with its interval, where the run evaluates a task (--eval-task); the numbers come from `yeto.watch.snapshot`.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ th { background: #f4f4f4; } td.l, th.l { text-align: left; }
 <div class="charts">
 <div id="loss-chart" class="chart"></div><div id="timeline-chart" class="chart"></div>
 <div id="bytes-chart" class="chart"></div><div id="staleness-chart" class="chart"></div>
+<div id="task-chart" class="chart" hidden></div>
 </div>
 <h2>Events (staleness, clips, what went wrong)</h2>
 <table id="events"><thead><tr><th class="l">time</th><th class="l">event</th><th>round</th><th>island</th>
@@ -121,6 +122,18 @@ function render(s) {
     mode: "markers", marker: {symbol: "diamond", size: 9}, x: pts.map(p => p[0]), y: pts.map(p => p[1])});
   Plotly.react("loss-chart", loss, {...LAYOUT, title: {text: r.standalone ? "loss per step" : "loss per round"},
     xaxis: r.standalone ? {title: {text: "step"}} : ROUND_AXIS}, CONFIG);
+  const task = Object.entries(c.task || {}), chart = document.getElementById("task-chart");
+  chart.hidden = !task.length;  // a run that evaluates no task draws no task chart
+  if (task.length) Plotly.react("task-chart", task.map(([lid, pts]) => ({name: "island " + lid,
+    mode: "lines+markers", x: pts.map(p => p.x), y: pts.map(p => 100 * p.accuracy),
+    error_y: {type: "data", symmetric: false, array: pts.map(p => 100 * ((p.high ?? p.accuracy) - p.accuracy)),
+              arrayminus: pts.map(p => 100 * (p.accuracy - (p.low ?? p.accuracy)))},
+    text: pts.map(p => (p.version == null ? "its own adapter" : "version " + p.version) + ", step " + p.step +
+                       ", n " + p.n)})),
+    {...LAYOUT, title: {text: "task accuracy, 95% interval (" + [...new Set(task.flatMap(([, pts]) =>
+      pts.map(p => p.task)))].join(", ") + ")"}, yaxis: {title: {text: "accuracy (%)"}, range: [-2, 102]},
+     xaxis: r.standalone ? {title: {text: "step"}} : {...ROUND_AXIS, title: {text: "rounds merged (version scored)"}}},
+    CONFIG);
   const rows = s.timeline.map(t => "r" + t.round + " island " + t.island);
   Plotly.react("timeline-chart", PHASES.map(([k, color]) => ({type: "bar", orientation: "h", name: k.replace("_", " "),
     marker: {color}, y: rows, x: s.timeline.map(t => t[k])})),

@@ -9,7 +9,9 @@
 - `curves`: each island's mean inner loss per round (from its deltas), the merged loss per round (the merge
   weights over the responders' losses) and the islands' eval losses (their metrics, at round = step / inner steps);
   for a standalone run (`yeto train` without --syncer: no tape, `run["standalone"]`) its loss per step and its eval
-  losses at their steps;
+  losses at their steps; `curves["task"]`: each island's accuracy on its --eval-task (its metrics' `task_eval`
+  events) with its 95% interval, at the version it scored (the rounds merged into it; without one, at step / inner
+  steps as eval losses are; a standalone run: at its step), empty for a run that evaluates no task;
 - `timeline`: per round and island, where the time went: inner steps, push, waiting, merge, broadcast (seconds
   from the round's opening, from the tape's own timestamps);
 - `bytes`: delta bytes in per round; `events`: staleness (lag > 0), clips and the tape's notable events.
@@ -77,6 +79,19 @@ def _timeline(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append({"round": rnd, "island": d["island"], "inner_steps": compute,
                             "push": max(0.0, d["time"] - t0 - compute), "waiting": last_in - d["time"],
                             "merge": max(0.0, m["time"] - last_in), "broadcast": max(0.0, e["time"] - m["time"])})
+    return out
+
+
+def _task_points(files: IslandFiles, inner_steps: int, standalone: bool) -> list[dict[str, Any]]:
+    """An island's `task_eval` events as chart points: x (see `snapshot`), accuracy, its interval, what it scored."""
+    out = []
+    for m in files.metrics:
+        if m.get("event") != "task_eval" or m.get("accuracy") is None:
+            continue
+        x = m.get("step") if standalone else m["version"] if m.get("version") is not None else (
+            m["step"] / inner_steps if m.get("step") is not None else None)
+        if x is not None:
+            out.append({"x": x, **_fields(m, "accuracy", "low", "high", "n", "task", "round", "version", "step")})
     return out
 
 
@@ -169,6 +184,8 @@ def snapshot(events: list[dict[str, Any]], islands: dict[int, IslandFiles], now:
                  for lid, f in sorted(islands.items())},
         "steps": {str(lid): [[m["step"], m["loss"]] for m in f.metrics if m.get("event") == "step" and "loss" in m]
                   for lid, f in sorted(islands.items())} if standalone else {},
+        "task": {str(lid): points for lid, f in sorted(islands.items())
+                 if (points := _task_points(f, inner_steps, standalone))},
     }
     notable = []
     for e in events:

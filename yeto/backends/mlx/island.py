@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import numpy as np
 
 from yeto import YetoError
+from yeto.eval.task import Prompt
 from yeto.island.checkpoint import TrainState
 from yeto.island.data import Blocks
 from yeto.island.train_config import TrainConfig, check_config
@@ -201,6 +202,7 @@ class MLXIsland(ShardedData):
         self.step_count = 0
         self.tokens_seen = 0
         self.loss_tokens_seen = 0
+        self._generate_tokenizer: Any = None  # mlx-lm's wrapper, for `generate` (--eval-task): loaded when first used
 
     # ------------------------------------------------------------------ the math
 
@@ -274,6 +276,19 @@ class MLXIsland(ShardedData):
                 total += float(self._loss(self.model, ids, rows, targets, w)) * wsum
                 weight += wsum
         return total / weight if weight else None
+
+    def generate(self, prompts: list[Prompt], max_new_tokens: int) -> list[str]:
+        """Greedy answers from the model as it is (base + the adapter held; mlx-lm's batch generation over its
+        own tokenizer, loaded once), dropout off; training mode after."""
+        from yeto.backends.mlx.generate import greedy_batch, load_tokenizer as load_mlx_tokenizer
+
+        if self._generate_tokenizer is None:
+            self._generate_tokenizer = load_mlx_tokenizer(self.model_artifact, self.cfg.trust_remote_code)
+        self.model.eval()
+        try:
+            return greedy_batch(self.model, self._generate_tokenizer, prompts, max_new_tokens)
+        finally:
+            self.model.train()
 
     # ------------------------------------------------------------------ the Island view
 

@@ -18,7 +18,9 @@ import torch
 from yeto import YetoError
 from yeto.models.adapter import save_adapter
 from yeto.island.checkpoint import TrainState
+from yeto.eval.task import Prompt
 from yeto.island.data import Blocks
+from yeto.backends.torch.generate import greedy_batch
 from yeto.backends.torch.losses import LossFn, load_loss_function
 from yeto.backends.torch.lora import lora_config
 from yeto.island.lora_targets import is_lora_a
@@ -226,6 +228,14 @@ class TorchIsland(ShardedData):
                 total += float(masked_loss(self.model, ids, mask, self.loss_fn, self.cfg.full_logits)) * w
                 weight += w
         return total / weight if weight else None
+
+    def generate(self, prompts: list[Prompt], max_new_tokens: int) -> list[str]:
+        """Greedy answers from the model as it is (base + the adapter held), dropout off; training mode after."""
+        self.model.eval()
+        try:
+            return greedy_batch(self.model, self.tokenizer, prompts, max_new_tokens)
+        finally:
+            self.model.train()
 
     def adapter_state(self) -> dict[str, np.ndarray]:
         """The canonical `{peft parameter name: fp32 array}` view the syncer exchanges

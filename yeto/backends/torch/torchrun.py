@@ -189,6 +189,12 @@ class RelayedIsland:
         self._relay({"op": "eval"})  # (a sharded base's forward needs every rank)
         return self.island.evaluate()
 
+    def generate(self, prompts: list[Any], max_new_tokens: int) -> list[str]:
+        """Every rank generates the same answers (greedy: the same prompts give the same tokens, so the ranks take
+        the same forward passes: a sharded base's need every rank); rank 0's are the island's."""
+        self._relay({"op": "generate", "prompts": prompts, "max_new_tokens": max_new_tokens})
+        return self.island.generate(prompts, max_new_tokens)
+
     def finish(self) -> None:
         """Release the other ranks (the run is over, or rank 0 is leaving it)."""
         self._relay({"op": "exit"})
@@ -215,6 +221,8 @@ def follow(island: Any, group: RankGroup) -> None:
             island.use_shard(*command["shard"])
         elif op == "eval":
             island.evaluate()
+        elif op == "generate":
+            island.generate(command["prompts"], command["max_new_tokens"])
         elif op == "exit":
             return
         else:

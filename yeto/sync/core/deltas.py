@@ -33,6 +33,22 @@ MAX_TOKENS_PER_DELTA = 1 << 40  # beyond any real round: a larger claim is refus
 MAX_INNER_STEPS_PER_DELTA = 10**7
 MAX_LOSS = 1e4  # a reported mean loss above this is no loss of a language model
 MAX_REFUSED_REMEMBERED = 4096  # digests of deltas a merge refused
+MAX_TASK_EXAMPLES = 10**7  # a task_eval header's example count beyond this is no evaluation an island ran
+
+
+def task_eval_of(value: Any, version: int) -> Optional[dict[str, Any]]:
+    """A delta's `task_eval` header ({version, accuracy, n}: the island's latest score of a global on its task) as
+    the tape records it, or None where it is malformed (dropped, the delta kept: it is informational) or names a
+    version the run has not reached."""
+    if not isinstance(value, dict):
+        return None
+    v, accuracy, n = value.get("version"), value.get("accuracy"), value.get("n")
+    if type(v) is not int or not 0 <= v <= version or type(n) is not int or not 1 <= n <= MAX_TASK_EXAMPLES:
+        return None
+    if isinstance(accuracy, bool) or not isinstance(accuracy, (int, float)) or not math.isfinite(accuracy) or \
+            not 0.0 <= accuracy <= 1.0:
+        return None
+    return {"version": v, "accuracy": float(accuracy), "n": n}
 
 
 class Deltas:
@@ -196,7 +212,8 @@ class Deltas:
 
     def _accept(self, m: Member, msg: Message, digest: str, flat: np.ndarray, now: float) -> None:
         """The delta joins the open round: recorded, saved, added to the running sum, then acked; its compute time
-        (when plausible) updates its member's pace, which the grace predicts the next push from."""
+        (when plausible) updates its member's pace, which the grace predicts the next push from. Its island's score
+        of a global on a task (`task_eval`), when well formed, is recorded with it; no merge reads it."""
         s = self.state
         h, r = msg.header, s.round
         d = AcceptedDelta(m.island, m.session, r.number, h["base_version"], h["tokens"], h["loss_tokens"],
@@ -207,8 +224,9 @@ class Deltas:
         compute_s = float(compute_s) if isinstance(compute_s, (int, float)) and math.isfinite(compute_s) and \
             0 <= compute_s <= s.cfg.quorum_timeout else None
         pipelined = {"trained_from": h["trained_from"]} if "trained_from" in h else {}
+        scored = task_eval_of(h.get("task_eval"), s.version)
         self.outbox.record("delta", **self.delta_fields(d), bytes=msg.nbytes, norm=d.norm, compute_s=compute_s,
-                           **pipelined)
+                           **pipelined, **({"task_eval": scored} if scored is not None else {}))
         self.outbox.add(SaveDelta(d))
         s.pending[m.island] = d
         s.sum.add(m.island, flat, self.weight(d), self.scale(d))  # the decoded copy is dropped

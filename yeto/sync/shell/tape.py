@@ -100,7 +100,8 @@ def read_tape(path: str | Path) -> list[dict[str, Any]]:
 
 
 def rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per merged round: responders, weights, tokens, bytes, mean loss."""
+    """Per merged round: responders, weights, tokens, bytes, mean loss, and the task scores its deltas reported
+    (`task_eval`: each responder's latest score of a global, --eval-task)."""
     deltas: dict[int, list[dict]] = defaultdict(list)
     out = []
     for e in events:
@@ -118,10 +119,17 @@ def rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "tokens": [ds[r]["loss_tokens"] for r in e["responders"] if r in ds],
                 "bytes": sum(ds[r]["bytes"] for r in e["responders"] if r in ds),
                 "loss": {r: ds[r]["loss"] for r in e["responders"] if r in ds},
+                "task_eval": {r: ds[r]["task_eval"] for r in e["responders"] if r in ds and ds[r].get("task_eval")},
                 "update_norm": e.get("update_norm"),
                 "seconds": e.get("seconds"),
             })
     return out
+
+
+def task_scores(scores: dict[int, dict[str, Any]]) -> str:
+    """A round's task scores as `yeto tape` shows them: each responder's accuracy of the global it scored
+    ("0: 42.5% of v3, 1: 41.0% of v3"), "-" when none reported one."""
+    return ", ".join(f"{island}: {100 * t['accuracy']:.1f}% of v{t['version']}" for island, t in scores.items()) or "-"
 
 
 def summarize(path: str | Path) -> None:
@@ -133,14 +141,21 @@ def summarize(path: str | Path) -> None:
     for e in events:
         counts[e["event"]] += 1
     table = Table(title=f"event tape {path}: {len(events)} events")
-    for col in ("round", "responders", "weights", "loss-bearing tokens", "bytes in", "mean loss", "|update|"):
-        table.add_column(col, justify="right" if col != "responders" else "left")
-    for r in rounds(events):
+    merged = rounds(events)
+    scored = any(r["task_eval"] for r in merged)
+    columns = ("round", "responders", "weights", "loss-bearing tokens", "bytes in", "mean loss", "|update|") + (
+        ("task acc",) if scored else ())
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("responders", "task acc") else "right")
+    for r in merged:
         losses = list(r["loss"].values())
-        table.add_row(str(r["round"]), ", ".join(map(str, r["responders"])),
-                      ", ".join(f"{w:.3f}" for w in r["weights"]), ", ".join(map(str, r["tokens"])), f"{r['bytes']:,}",
-                      f"{sum(losses) / len(losses):.4f}" if losses else "-",
-                      f"{r['update_norm']:.4g}" if r["update_norm"] is not None else "-")
+        row = [str(r["round"]), ", ".join(map(str, r["responders"])),
+               ", ".join(f"{w:.3f}" for w in r["weights"]), ", ".join(map(str, r["tokens"])), f"{r['bytes']:,}",
+               f"{sum(losses) / len(losses):.4f}" if losses else "-",
+               f"{r['update_norm']:.4g}" if r["update_norm"] is not None else "-"]
+        if scored:
+            row.append(task_scores(r["task_eval"]))
+        table.add_row(*row)
     console = Console()
     console.print(table)
     console.print("events: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))

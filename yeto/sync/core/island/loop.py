@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -57,10 +57,15 @@ class RoundCounts:
     # of `steps`, those trained in an earlier round's window and carried onto this one (StepVerdict.CARRY): step
     # normalization leaves them out of the round's length
     carried_steps: int = 0
+    # the island's latest score of a global on its --eval-task ({version, accuracy, n}), informational: the syncer
+    # records it on the tape, never weighs by it
+    task_eval: Optional[dict[str, Any]] = None
 
     def header(self) -> dict[str, Any]:
         h = {"tokens": self.tokens, "loss_tokens": self.loss_tokens, "inner_steps": self.steps, "loss": self.loss,
              "compute_s": round(self.compute_s, 4)}
         if self.carried_steps:
             h["carried_steps"] = self.carried_steps
+        if self.task_eval is not None:
+            h["task_eval"] = dict(self.task_eval)
         return h
