@@ -1,4 +1,4 @@
-"""The `yeto` command: train, syncer, launch, shape, data, keys, tape, dashboard, generate, export, models."""
+"""The `yeto` command: train, syncer, launch, shape, data, eval, keys, tape, dashboard, generate, export, models."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from yeto import YetoError
-from yeto.cli.usage import (ADAPTER_HELP, BASE_MODEL_HELP, BASE_REVISION_HELP, JSON_HELP, OldSpelling, run_guarded,
-                            trust_remote_code_help, with_old_spellings)
+from yeto.cli.usage import (ADAPTER_HELP, BASE_MODEL_HELP, BASE_REVISION_HELP, JSON_HELP, RUNTIME_HELP, OldSpelling,
+                            run_guarded, runtime, trust_remote_code_help, with_old_spellings)
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="LoRA fine-tuning across independent islands, DiLoCo-style.")
@@ -19,6 +19,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 def _register() -> None:
     from yeto.cli.config_file import with_config_file
     from yeto.cli.data_command import data_app
+    from yeto.cli.eval_command import eval_command
     from yeto.cli.launch_command import (LAUNCH_OLD_SPELLINGS, down_command, launch_command, launch_passes_on,
                                          logs_command, status_command)
     from yeto.cli.shape_command import shape_command
@@ -33,6 +34,7 @@ def _register() -> None:
     app.command("logs")(with_old_spellings(logs_command, ISLAND_OLD_SPELLING))
     app.command("down")(down_command)
     app.command("shape")(shape_command)
+    app.command("eval")(eval_command)
     app.add_typer(data_app, name="data")  # `yeto data inspect` (a group: other data commands join it)
 
 
@@ -187,22 +189,6 @@ def dashboard(
         serve(source, port, ready=lambda url: typer.echo(f"dashboard: {url}  (Ctrl-C stops it)"))
     except KeyboardInterrupt:
         pass
-
-
-RUNTIME_HELP = ("auto (torch where it is installed, MLX on Apple silicon or where only the mlx extra is), torch or "
-                "mlx.")
-
-
-def runtime(backend: str, what: str) -> str:
-    """The backend `what` runs on (yeto.backends.choose_runtime); MLX on Linux gets OpenBLAS preloaded first."""
-    from yeto.backends import MLX, choose_runtime
-
-    name = choose_runtime(backend, what)
-    if name == MLX:
-        from yeto.backends.mlx.compat import reexec_with_fast_blas
-
-        reexec_with_fast_blas()  # (on Linux, once, before MLX loads)
-    return name
 
 
 @app.command()

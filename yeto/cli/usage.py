@@ -30,6 +30,8 @@ BASE_MODEL_HELP = ("Base model alias, local directory or hub id (default: the ba
                    "must be that base).")
 BASE_REVISION_HELP = "Hub revision of the base model."
 JSON_HELP = "Print JSON instead of a table."
+RUNTIME_HELP = ("auto (torch where it is installed, MLX on Apple silicon or where only the mlx extra is), torch or "
+                "mlx.")  # --backend of the commands that run a model without training it (generate, export, eval)
 USAGE_EXIT = 2  # click's and yeto's exit code for a usage or input error
 INTERRUPTED_EXIT = 130  # 128 + SIGINT
 
@@ -37,6 +39,18 @@ INTERRUPTED_EXIT = 130  # 128 + SIGINT
 def trust_remote_code_help(when: str = "") -> str:
     """`--trust-remote-code`'s help; `when` says where it applies (" (with --model)")."""
     return f"Allow the model repo's own code to run{when}."
+
+
+def runtime(backend: str, what: str) -> str:
+    """The backend `what` runs on (yeto.backends.choose_runtime); MLX on Linux gets OpenBLAS preloaded first."""
+    from yeto.backends import MLX, choose_runtime
+
+    name = choose_runtime(backend, what)
+    if name == MLX:
+        from yeto.backends.mlx.compat import reexec_with_fast_blas
+
+        reexec_with_fast_blas()  # (on Linux, once, before MLX loads)
+    return name
 
 
 def run_name_help(default: str) -> str:

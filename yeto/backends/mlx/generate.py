@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from yeto import YetoError
-from yeto.eval.task import Prompt
+from yeto.eval.task import Generate, Prompt
 from yeto.eval.task import prompt_text as prompt_text_of
 from yeto.models.adapter import ADAPTER_CONFIG, adapter_base, find_adapter_dir, read_adapter
 from yeto.models.provenance import Artifact
@@ -62,6 +63,34 @@ def add_adapter(model: Any, adapter_dir: Path) -> int:
         layers.append((path, layer))
     model.update_modules(tree_unflatten(layers))
     return len(layers)
+
+
+def remove_adapter(model: Any) -> int:
+    """Put back the linear each of mlx-lm's LoRA layers wraps (what `add_adapter` put on comes off: the base as it
+    loaded, for the next adapter); returns how many."""
+    from mlx.utils import tree_unflatten
+    from mlx_lm.tuner.lora import LoRALinear
+
+    layers = [(name, m.linear) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    model.update_modules(tree_unflatten(layers))
+    return len(layers)
+
+
+def task_generators(artifact: Artifact, adapter_dirs: Sequence[Path], device: str = "auto",
+                    trust_remote_code: bool = False) -> Iterator[Generate]:
+    """The base's greedy batched generate, then each adapter's, on one base loaded once (each adapter's LoRA layers
+    put on, then taken off before the next), as yeto.backends.torch.generate.task_generators gives them."""
+    from yeto.backends.mlx.compat import load_mlx_model
+
+    set_device(device)
+    model, tokenizer = load_mlx_model(artifact.path), load_tokenizer(artifact, trust_remote_code)
+    yield partial(greedy_batch, model, tokenizer)
+    for adapter_dir in adapter_dirs:
+        add_adapter(model, adapter_dir)
+        try:
+            yield partial(greedy_batch, model, tokenizer)
+        finally:
+            remove_adapter(model)
 
 
 def load_base(model_name: Optional[str], adapter: str | Path, model_revision: Optional[str] = None,

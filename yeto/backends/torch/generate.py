@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import torch
 
-from yeto.eval.task import Prompt, prompt_text
+from yeto.eval.task import Generate, Prompt, prompt_text
 from yeto.models.adapter import adapter_base, find_adapter_dir
 from yeto.models.materialize import default_device, load_model, load_tokenizer
+from yeto.models.provenance import Artifact
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
@@ -47,6 +50,25 @@ def greedy_batch(model, tokenizer, prompts: list[Prompt], max_new_tokens: int) -
                          eos_token_id=tokenizer.eos_token_id)
     return [t.strip() for t in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True,
                                                       clean_up_tokenization_spaces=False)]
+
+
+def task_generators(artifact: Artifact, adapter_dirs: Sequence[Path], device: str = "auto",
+                    trust_remote_code: bool = False) -> Iterator[Generate]:
+    """The base's greedy batched generate, then each adapter's: the base loads once, peft wraps it for an adapter
+    and unloads it before the next (its LoRA layers taken out, the base's own weights never changed), so every
+    model answers the same prompts on one base without a reload per adapter."""
+    from peft import PeftModel
+
+    device = default_device() if device == "auto" else device
+    tokenizer = load_tokenizer(artifact, trust_remote_code)
+    base = load_model(artifact, device, trust_remote_code=trust_remote_code).eval()
+    yield partial(greedy_batch, base, tokenizer)
+    for adapter_dir in adapter_dirs:
+        tuned = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+        try:
+            yield partial(greedy_batch, tuned, tokenizer)
+        finally:
+            base = tuned.unload()
 
 
 def compare(model_name: str | None, adapter: str | Path, prompts: list[str], max_new_tokens: int = 64,
