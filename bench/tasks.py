@@ -118,7 +118,7 @@ def run_task(name: str, seed: int, a: argparse.Namespace, tmp: Path, env: dict[s
         todo = [x for x in todo if x.name in SMOKE_ARMS]
     elif a.arms:
         keep = [k.strip() for k in a.arms.split(";")]
-        wanted = [x for x in todo if any(k in x.name for k in keep)]
+        wanted = [x for x in todo if any(x.name == k[1:] if k.startswith("=") else k in x.name for k in keep)]
         todo = [x for x in todo if x in wanted or any(x.name == w.baseline for w in wanted)]
     for i, arm in enumerate(todo):
         print(f"[{i + 1}/{len(todo)}] {arm.name} ...", flush=True)
@@ -218,7 +218,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6, help="rounds of the heterogeneous arms")
     p.add_argument("--round-seconds", type=float, default=30.0, help="window of the heterogeneous arms (0: none)")
     p.add_argument("--step-s", type=float, default=1.0, help="the fast island's step time here (sizes the slow delay)")
-    p.add_argument("--arms", default="", help="only the arms whose names contain one of these (;-separated)")
+    p.add_argument("--arms", default="", help="only the arms whose names contain one of these "
+                                            "(;-separated; =NAME: that arm alone)")
     p.add_argument("--smoke", action="store_true", help="a few steps and examples (tests run it on a tiny model)")
     p.add_argument("--json")
     p.add_argument("--png", default=str(REPO / "docs" / "tasks.png"))

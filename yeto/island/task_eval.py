@@ -11,12 +11,7 @@ that part, counted from the last batch boundary at which the island was still wa
 it held) to the evaluation's end, per event and in all (summary.json's task_eval_held_s). A fleet whose other islands
 wait for this one loses up to that much round time; past the round's --grace its delta goes late instead (merged a
 version later). The end's evaluation comes after the run's last merge and holds nothing.
-
-Measured (2 torch islands of SmolLM2-135M on 2 shared CPU cores, `yeto launch --gpu local:2`, 4 rounds of 4 steps,
-a 32-example reasoning-gym task, 8 new tokens, every round): each evaluation took about 28 s and the merge wait it
-hid in was about a second, so nearly all of it held the round (rounds 34-40 s without, 55-62 s with it). Where an
-island waits longer (a slower peer, a WAN link, a larger merge) it hides that much more: score fewer examples, or
-less often, where the wait is short.
+(What that came to on a local fleet: docs/benchmarks.md, "Accuracy during a run".)
 """
 
 from __future__ import annotations
