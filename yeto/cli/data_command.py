@@ -142,5 +142,5 @@ def render_task(wrote: dict[str, Any]) -> str:
         f"{wrote['task']}{settings}: {wrote['train_records']} training records to {wrote['train']} (seeds "
         f"{wrote['seed']}..{last}; {wrote['dropped']} dropped: the held-out set asks them)",
         f"held out: {wrote['held_out_records']} records to {wrote['held_out']} (seeds {wrote['held_out_seed']} on)",
-        f"train on the file (--data {wrote['train']}: its directory holds the held-out set too), evaluate on "
+        f"train with --data {wrote['train']} (a directory of both skips *.heldout.jsonl), evaluate on "
         f"--task {wrote['held_out']}"])
