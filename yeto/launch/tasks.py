@@ -100,14 +100,23 @@ def model_mounts(plan: FleetPlan) -> Mounted:
 LOSS_FLAG = "--loss-function"
 
 
+def flag_values(args: list[str], flag: str) -> list[str]:
+    """Every value `flag` is given among command-line `args` (`--flag VALUE` and `--flag=VALUE`), in order."""
+    values = []
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            values.append(args[i + 1])
+        elif a.startswith(f"{flag}="):
+            values.append(a.removeprefix(f"{flag}="))
+    return values
+
+
 def loss_file(args: list[str]) -> Optional[str]:
     """The local file of a `--loss-function path/to/loss.py:fn` among island flags (None: a built-in or a module)."""
-    for i, a in enumerate(args):
-        value = args[i + 1] if a == LOSS_FLAG and i + 1 < len(args) else a.removeprefix(f"{LOSS_FLAG}=")
-        if (a == LOSS_FLAG or a.startswith(f"{LOSS_FLAG}=")) and ":" in value:
-            path = value.rsplit(":", 1)[0]
-            if path.endswith(".py"):
-                return path
+    for value in flag_values(args, LOSS_FLAG):
+        path = value.rsplit(":", 1)[0]
+        if ":" in value and path.endswith(".py"):
+            return path
     return None
 
 
@@ -123,42 +132,38 @@ def loss_mounts(plan: FleetPlan) -> Mounted:
     return _shipped(source, "loss") if source else Mounted("")
 
 
-TASK_FLAG = "--eval-task"
-TASK_FILE_SUFFIXES = (".jsonl", ".json")
+EVAL_TASK_FLAG = "--eval-task"
+EVAL_TASK_FILE_SUFFIXES = (".jsonl", ".json")
 
 
-def task_file(args: list[str]) -> Optional[str]:
+def eval_task_file(args: list[str]) -> Optional[str]:
     """The local file of an `--eval-task FILE` among island flags (None: none, or a generated task's name). A path
     that is not here (the head rebuilding an island's task) is still one where it looks like a path."""
-    value = None
-    for i, a in enumerate(args):
-        if a == TASK_FLAG and i + 1 < len(args):
-            value = args[i + 1]
-        elif a.startswith(f"{TASK_FLAG}="):
-            value = a.removeprefix(f"{TASK_FLAG}=")
-    if value is None:
+    given = flag_values(args, EVAL_TASK_FLAG)
+    if not given:
         return None
-    looks_like_a_path = "/" in value or value.endswith(TASK_FILE_SUFFIXES)
+    value = given[-1]  # (the last one given counts, as on the command line)
+    looks_like_a_path = "/" in value or value.endswith(EVAL_TASK_FILE_SUFFIXES)
     return value if Path(value).expanduser().is_file() or looks_like_a_path else None
 
 
-def with_task_file(args: list[str], path: str) -> list[str]:
+def with_eval_task_file(args: list[str], path: str) -> list[str]:
     """The island flags with the --eval-task file's path replaced by `path` (where the island's machine has it)."""
-    source = task_file(args)
+    source = eval_task_file(args)
     if source is None:
         return args
     out = []
     for i, a in enumerate(args):
-        if a == source and i > 0 and args[i - 1] == TASK_FLAG:
+        if a == source and i > 0 and args[i - 1] == EVAL_TASK_FLAG:
             out.append(path)
         else:
-            out.append(f"{TASK_FLAG}={path}" if a == f"{TASK_FLAG}={source}" else a)
+            out.append(f"{EVAL_TASK_FLAG}={path}" if a == f"{EVAL_TASK_FLAG}={source}" else a)
     return out
 
 
-def task_mounts(plan: FleetPlan) -> Mounted:
+def eval_task_mounts(plan: FleetPlan) -> Mounted:
     """An --eval-task file ships with the run like local data, so every island scores the same examples."""
-    source = task_file(list(plan.island_args))
+    source = eval_task_file(list(plan.island_args))
     return _shipped(source, "task") if source else Mounted("")
 
 
@@ -190,9 +195,9 @@ ISLAND_ENTRY = ("-m", "yeto", "train")  # how an island starts: `python -m yeto 
 
 
 def island_flags(plan: FleetPlan, island: int, syncer: str, data: str, model: str, loss: str = "",
-                 task: str = "") -> list[str]:
+                 eval_task: str = "") -> list[str]:
     """The island's flags (no secret among them: the join key comes from the environment or --join-key); `loss`,
-    `task`: where the island's machine has a --loss-function file, an --eval-task file (default: the path given).
+    `eval_task`: where the island's machine has a --loss-function file, an --eval-task file (default: the path given).
     The syncer (its --islands is the fleet's count) says each island's data shard."""
     flags = ["--syncer", syncer, "--island-id", str(island), "--model", model, "--data", data]
     if plan.model_revision:
@@ -201,15 +206,16 @@ def island_flags(plan: FleetPlan, island: int, syncer: str, data: str, model: st
         flags += ["--data-revision", plan.data_revision]
     args = list(plan.island_args)
     args = with_loss_file(args, loss) if loss else args
-    args = with_task_file(args, task) if task else args
+    args = with_eval_task_file(args, eval_task) if eval_task else args
     return flags + args + plan.tracking_args
 
 
 def island_argv(plan: FleetPlan, island: int, syncer: str, data: str, model: str, backend: str = "torch",
-                 python: str = "python3", loss: str = "", task: str = "") -> list[str]:
+                 python: str = "python3", loss: str = "", eval_task: str = "") -> list[str]:
     """The island's command line, `yeto train --backend BACKEND` (torch, mlx or auto) with `island_flags`, as
     `python -m yeto` so that it runs with `python`'s yeto (and under torchrun's -m)."""
-    return [python, *ISLAND_ENTRY, "--backend", backend, *island_flags(plan, island, syncer, data, model, loss, task)]
+    return [python, *ISLAND_ENTRY, "--backend", backend,
+            *island_flags(plan, island, syncer, data, model, loss, eval_task)]
 
 
 @dataclass(frozen=True)
@@ -234,8 +240,9 @@ def island_task(plan: FleetPlan, island: int, syncer: str, key: str) -> "sky.Tas
     restart of the job (a relaunch on a new VM is let back in once the old one is gone)."""
     sky = _sky()
     spec = plan.islands[island]
-    data, model, loss, task = data_mounts(plan), model_mounts(plan), loss_mounts(plan), task_mounts(plan)
-    cmd = island_argv(plan, island, syncer, data.path, model.path, loss=loss.path, task=task.path) + ["--no-progress"]
+    data, model, loss, scored = data_mounts(plan), model_mounts(plan), loss_mounts(plan), eval_task_mounts(plan)
+    cmd = island_argv(plan, island, syncer, data.path, model.path, loss=loss.path, eval_task=scored.path) + [
+        "--no-progress"]
     root = checkout_root()
     run = f"{shlex.join(cmd)} --out ~/yeto-island-{island}"  # (~ unquoted: the VM's home)
     if spec.gpus > 1:  # one torchrun group is one island (shell variables unquoted: each node expands its own)
@@ -244,7 +251,7 @@ def island_task(plan: FleetPlan, island: int, syncer: str, key: str) -> "sky.Tas
     task = sky.Task(name=plan.cluster(island), setup=install_commands(with_track("torch", plan), model=plan.model),
                     run=run, envs={"PYTHONUNBUFFERED": "1"}, secrets={JOIN_KEY_ENV: key, **tracker_secrets(plan)},
                     workdir=str(root) if root else None, num_nodes=spec.nodes,
-                    file_mounts={**data.files, **model.files, **loss.files, **task.files} or None)
+                    file_mounts={**data.files, **model.files, **loss.files, **scored.files} or None)
     if data.storage:
         task.set_storage_mounts(data.storage)
     task.set_resources(sky.Resources(infra=spec.infra, accelerators=spec.accelerators, use_spot=plan.spot))
@@ -268,7 +275,7 @@ def head_task(plan: FleetPlan, plan_file: Path, run_keys: str, api_endpoint: Opt
         secrets[HF_TOKEN_ENV] = os.environ[HF_TOKEN_ENV]
     # the head relaunches islands: it holds them
     shipped = {**data_mounts(plan).files, **model_mounts(plan).files, **loss_mounts(plan).files,
-               **task_mounts(plan).files}
+               **eval_task_mounts(plan).files}
     run = f"python3 -m yeto.launch --plan {REMOTE_PLAN} --out {HEAD_RUN_DIR}"
     setup = install_commands(with_track("launch", plan))
     driver = next((d for scheme, d in OUTPUT_DRIVERS.items() if (plan.output or "").startswith(scheme)), None)
