@@ -82,22 +82,21 @@ def adapter_of(arm: Arm, out: Path) -> Path:
 
 
 def score(model: str, adapter: Path | None, task, a: argparse.Namespace) -> dict:
-    """The held-out accuracy of base `model` (+ `adapter`), greedy, in this process."""
+    """The held-out accuracy of base `model` (+ `adapter`), greedy, in this process, as `yeto eval` scores it."""
+    from contextlib import closing
+    from itertools import islice
+
     import torch
 
-    from yeto.backends.torch.generate import greedy_batch
+    from yeto.backends.torch.generate import task_generators
     from yeto.eval.task import evaluate_task
-    from yeto.models.materialize import load_model, load_tokenizer, resolve_model
+    from yeto.models.materialize import resolve_model
 
     torch.set_num_threads(os.cpu_count() or 1)
-    artifact = resolve_model(model)
-    tokenizer, net = load_tokenizer(artifact), load_model(artifact, "cpu").eval()
-    if adapter is not None:
-        from peft import PeftModel
-
-        net = PeftModel.from_pretrained(net, str(adapter)).eval()
-    r = evaluate_task(lambda prompts, k: greedy_batch(net, tokenizer, prompts, k), task, a.max_new_tokens,
-                      a.eval_batch)
+    adapters = [adapter] if adapter is not None else []
+    with closing(task_generators(resolve_model(model), adapters, "cpu")) as models:
+        generate = list(islice(models, 1 + len(adapters)))[-1]  # (the base's first, then the adapter's)
+        r = evaluate_task(generate, task, a.max_new_tokens, a.eval_batch)
     return {**r.summary(), "scores": r.scores}
 
 

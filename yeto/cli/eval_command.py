@@ -167,8 +167,6 @@ def print_tables(columns: list[Column], task: Task, summary: dict[str, Any], exa
     from rich.markup import escape
     from rich.table import Table
 
-    from yeto.eval.score import wilson_interval
-
     console = Console()
     first = columns[0]
     table = Table(title=f"{task.name}: {len(task.examples)} examples, scored by {task.scorer_name} "
@@ -176,7 +174,7 @@ def print_tables(columns: list[Column], task: Task, summary: dict[str, Any], exa
     for name in ("model", "accuracy [95% CI]", "n", "seconds", f"vs {first.label} [95% CI], points"):
         table.add_column(escape(name), justify="left" if name == "model" else "right")
     for c, row in zip(columns, summary["models"]):
-        accuracy = wilson_interval(sum(c.scores), len(c.scores)).text()
+        accuracy = Interval(row["accuracy"], row["low"], row["high"]).text()
         difference = row["difference_vs_first"]
         vs = Interval(**difference).text(signed=True).removesuffix("%") if difference else "-"
         table.add_row(escape(c.label), accuracy, str(row["n"]), f"{row['seconds']:.1f}", vs)

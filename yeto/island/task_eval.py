@@ -49,6 +49,36 @@ class PendingEval:
 
 
 @dataclass
+class WaitWatch:
+    """Whether an evaluation that runs in a merge wait is still inside it, seen between batches: the part after the
+    wait ended (from the last time it was seen waiting, so at most one batch more than it held) holds the round."""
+
+    waiting: Callable[[], bool]
+    last_seen: Optional[float]  # when it was last seen waiting (None: not waiting when the evaluation began)
+    over: bool  # the wait is over
+
+    @classmethod
+    def begin(cls, waiting: Callable[[], bool], now: float) -> WaitWatch:
+        inside = waiting()
+        return cls(waiting, now if inside else None, not inside)
+
+    def check(self, done: int, total: int) -> None:
+        """evaluate_task's progress callback, between batches."""
+        if self.over:
+            return
+        if self.waiting():
+            self.last_seen = time.perf_counter()
+        else:
+            self.over = True
+
+    def held(self, start: float, end: float) -> float:
+        """The seconds of the evaluation [start, end] that held the island's next round."""
+        if not self.over:
+            return 0.0
+        return end - (self.last_seen if self.last_seen is not None else start)
+
+
+@dataclass
 class TaskEvals:
     """One run's evaluations on its task: when they are due, the events they write, what they cost."""
 
@@ -84,27 +114,16 @@ class TaskEvals:
                  waiting: Optional[Callable[[], bool]] = None, holds: bool = True,
                  step: Optional[int] = None) -> dict[str, Any]:
         """Score the adapter `island` holds (taken at `step`, default its step count now); the event is reported and
-        returned. `waiting()`: whether the island is
-        still waiting for a merge (the part of the evaluation after the wait ends is `held_s`); without it, the whole
-        evaluation holds the run (`holds`; False: it holds nothing, as after the run's last merge)."""
+        returned. `waiting()`: whether the island is still waiting for a merge (the part of the evaluation after the
+        wait ends is `held_s`); without it, the whole evaluation holds the run (`holds`; False: it holds nothing, as
+        after the run's last merge)."""
         t0 = time.perf_counter()
-        still_waiting = [t0] if waiting is not None and waiting() else []  # when it was last seen waiting
-        over = [not still_waiting]  # the wait is over (seen between batches)
-
-        def progress(done: int, total: int) -> None:
-            if waiting is not None and not over[0]:
-                if waiting():
-                    still_waiting[0] = time.perf_counter()
-                else:
-                    over[0] = True
-
-        result = evaluate_task(island.generate, self.task, self.max_new_tokens, progress=progress)
+        watch = WaitWatch.begin(waiting, t0) if waiting is not None else None
+        result = evaluate_task(island.generate, self.task, self.max_new_tokens,
+                               progress=watch.check if watch is not None else None)
         end = time.perf_counter()
         seconds = end - t0
-        if waiting is not None:  # from the last time it was seen waiting: at most one batch more than it held
-            held = 0.0 if not over[0] else end - (still_waiting[0] if still_waiting else t0)
-        else:
-            held = seconds if holds else 0.0
+        held = watch.held(t0, end) if watch is not None else seconds if holds else 0.0
         self.seconds += seconds
         self.held_s += held
         s = result.summary()

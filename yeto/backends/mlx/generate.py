@@ -110,8 +110,7 @@ def load_tokenizer(artifact: Artifact, trust_remote_code: bool = False) -> Any:
     from yeto.backends.mlx.compat import import_mlx_lm
 
     extra = {"clean_up_tokenization_spaces": False, **({"trust_remote_code": True} if trust_remote_code else {})}
-    tokenizer = import_mlx_lm().utils.load_tokenizer(Path(artifact.path), extra)
-    return tokenizer
+    return import_mlx_lm().utils.load_tokenizer(Path(artifact.path), extra)
 
 
 def prompt_text(tokenizer: Any, prompt: str) -> str:
