@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -261,6 +262,10 @@ def main() -> None:
             results = run_task(name, seed, a, tmp, env)
             all_results.setdefault(name, {})[seed] = results
             print("\n".join(["", *table(name, seed, results), "", *verdicts(results)]), flush=True)
+    if a.smoke:
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        print(f"the arms' runs and adapters: {tmp}")
     if a.json:
         Path(a.json).write_text(json.dumps(all_results, indent=1))
     if not a.smoke:
