@@ -106,8 +106,9 @@ def test_the_grace_waits_for_an_island_predicted_within_the_cap_and_not_for_one_
 def test_a_time_window_round_waits_for_its_window_and_predicts_each_member_at_its_end():
     """Every member's window ends with the round's: quorum in early does not close the round before the window ends
     (the others are training until then); after it, a member is predicted at the window's end, padded by the half
-    step its push may trail it by, and waited for up to the cap (5% of the round); one that started so late that its
-    single step ends past the cap is not waited for; with everyone in, the round closes at once."""
+    step its push may trail it by, and waited for until then where that half step fits the share (5% of the round),
+    else up to the share less the merge time; one that started so late that its single step ends past the cap is not
+    waited for; with everyone in, the round closes at once."""
     core = SyncerCore(SyncerConfig(islands=2, quorum=1, grace_s=5.0, round_seconds=20.0,
                                    straggler_timeout=100.0), "inc")
     r = OpenRound(number=1, base_version=0, opened_at=0.0, quorum_at=12.0, ends_at=20.0)  # cap: 5% of 20 s = 1 s
@@ -115,8 +116,13 @@ def test_a_time_window_round_waits_for_its_window_and_predicts_each_member_at_it
     assert _grace(core, r, [1]) == 21.0  # its pace unknown: the window's end, then up to the cap
     members[1].step_s = 1.0  # 1 s steps: at most half a step past the end (+ slack)
     assert np.isclose(_grace(core, r, [1]), 20.0 + WINDOW_NEAREST_BOUNDARY * 1.0 + GRACE_SLACK_S)
-    members[1].step_s = 10.0  # 10 s steps: its push may trail the end by 5 s; waited for up to the cap
-    assert _grace(core, r, [1]) == 21.0
+    core.observe_merge(0.4)  # merges take time: the share's cut (1 s, less the merge) comes before a 1.8 s step's
+    members[1].step_s = 1.8  # half-step trail, but that half step fits the share: waited for until its padded push
+    assert np.isclose(_grace(core, r, [1]), 20.0 + WINDOW_NEAREST_BOUNDARY * 1.8 + GRACE_SLACK_S)
+    assert _grace(core, r, [1]) > 21.0 - core.state.merge_s
+    members[1].step_s = 10.0  # 10 s steps: its push may trail the end by 5 s; waited for up to the share's cut
+    assert _grace(core, r, [1]) == 21.0 - core.state.merge_s
+    core.state.merge_s = 0.0
     members[1].since = 15.0  # it started at 15 s (its stale delta was just acked): one step ends at 25 s
     assert _grace(core, r, [1]) == 20.0  # beyond the cap: the round closes at the window's end
     assert _grace(core, r, []) == 12.0  # everyone in: no waiting for the window
