@@ -15,7 +15,8 @@ loopback and islands, or one process alone):
   heterogeneous        2 islands in time-window rounds, one 10x slower, the mode's defaults, island keys (trusted),
                        against the fast island alone for the same wall-clock (beside a shadow slow island, so both
                        see the same CPU load)
-`--levers` adds the few-sequential-steps arms: the 2-island fleet with H/2 and with outer lr 1.5.
+`--levers` adds the few-sequential-steps arms (the 2-island fleet with H/2 and with outer lr 1.5) and the
+heterogeneous pair without step normalization.
 Each fleet arm's accuracy minus one machine's is the paired difference over the same examples, with its 95% interval.
 
     python bench/tasks.py [--tasks chain_sum,word_sequence_reversal] [--seeds 0,1] [--steps 150] [--levers]
@@ -39,7 +40,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import convergence  # noqa: E402
-from convergence import PLAIN, SLOWDOWN, Arm  # noqa: E402
+from convergence import MEAN, PLAIN, SLOWDOWN, Arm  # noqa: E402
 
 from yeto.cli.launch_command import DEFAULT_INNER_STEPS  # noqa: E402
 
@@ -74,6 +75,9 @@ def fleet_arms(h: int, levers: bool, round_seconds: float, slow_s: float, batch:
         out += [Arm(alone, 1, syncer=PLAIN, shards=2, shadow_slow_s=slow_s, **{**pair, "slow_delay_s": 0.0}),
                 Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, defaults, own keys", 2, syncer=PLAIN, keys="own",
                     **pair)]
+        if levers:  # the time-window default scales a short delta up to the round's length: without it
+            out.append(Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, mean, not step-normalized, own keys", 2,
+                           syncer=MEAN + PLAIN + ["--no-step-normalize"], keys="own", **pair))
     return out
 
 
@@ -230,7 +234,8 @@ def main() -> None:
     p.add_argument("--held-out", type=int, default=200)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--eval-batch", type=int, default=32)
-    p.add_argument("--levers", action="store_true", help="also the H/2 and outer-lr 1.5 fleets")
+    p.add_argument("--levers", action="store_true",
+                   help="also the H/2 and outer-lr 1.5 fleets, and the heterogeneous pair not step-normalized")
     p.add_argument("--rounds", type=int, default=6, help="rounds of the heterogeneous arms")
     p.add_argument("--round-seconds", type=float, default=30.0, help="window of the heterogeneous arms (0: none)")
     p.add_argument("--step-s", type=float, default=1.0, help="the fast island's step time here (sizes the slow delay)")
