@@ -203,7 +203,8 @@ def plot(all_results: dict[str, dict[int, dict[str, dict]]], png: Path) -> None:
 
     fig, axes = plt.subplots(1, len(all_results), figsize=(7 * len(all_results), 5.5), squeeze=False)
     for ax, (name, by_seed) in zip(axes[0], all_results.items()):
-        arms = list(dict.fromkeys(arm for results in by_seed.values() for arm in results))
+        fullest_first = sorted(by_seed.values(), key=len, reverse=True)  # (its order: fleet_arms')
+        arms = list(dict.fromkeys(arm for results in fullest_first for arm in results))
         width = 0.8 / len(by_seed)
         for k, (seed, results) in enumerate(sorted(by_seed.items())):
             rows = [(i, results[x]) for i, x in enumerate(arms) if x in results]  # (an arm this seed did not run)
