@@ -24,15 +24,21 @@ from yeto.launch.spec import IslandSpec
 NF4 = "nf4"
 
 
-def flag_value(args: list[str], flag: str) -> Optional[str]:
-    """The value of `flag` in a command line (`--flag V` or `--flag=V`; the last one given wins)."""
-    value = None
+def flag_values(args: list[str], flag: str) -> list[str]:
+    """Every value `flag` is given in a command line (`--flag V` and `--flag=V`), in order."""
+    values = []
     for i, a in enumerate(args):
         if a == flag and i + 1 < len(args):
-            value = args[i + 1]
+            values.append(args[i + 1])
         elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-    return value
+            values.append(a.split("=", 1)[1])
+    return values
+
+
+def flag_value(args: list[str], flag: str) -> Optional[str]:
+    """The value of `flag` in a command line (`--flag V` or `--flag=V`; the last one given wins)."""
+    values = flag_values(args, flag)
+    return values[-1] if values else None
 
 
 def without_flag(args: list[str], flag: str) -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import yeto
+from yeto.launch.costs import flag_value, flag_values
 from yeto.launch.plan import FleetPlan, is_object_store
 from yeto.sync.shell.keys import JOIN_KEY_ENV
 
@@ -100,17 +101,6 @@ def model_mounts(plan: FleetPlan) -> Mounted:
 LOSS_FLAG = "--loss-function"
 
 
-def flag_values(args: list[str], flag: str) -> list[str]:
-    """Every value `flag` is given among command-line `args` (`--flag VALUE` and `--flag=VALUE`), in order."""
-    values = []
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            values.append(args[i + 1])
-        elif a.startswith(f"{flag}="):
-            values.append(a.removeprefix(f"{flag}="))
-    return values
-
-
 def loss_file(args: list[str]) -> Optional[str]:
     """The local file of a `--loss-function path/to/loss.py:fn` among island flags (None: a built-in or a module)."""
     for value in flag_values(args, LOSS_FLAG):
@@ -139,10 +129,9 @@ EVAL_TASK_FILE_SUFFIXES = (".jsonl", ".json")
 def eval_task_file(args: list[str]) -> Optional[str]:
     """The local file of an `--eval-task FILE` among island flags (None: none, or a generated task's name). A path
     that is not here (the head rebuilding an island's task) is still one where it looks like a path."""
-    given = flag_values(args, EVAL_TASK_FLAG)
-    if not given:
+    value = flag_value(args, EVAL_TASK_FLAG)
+    if value is None:
         return None
-    value = given[-1]  # (the last one given counts, as on the command line)
     looks_like_a_path = "/" in value or value.endswith(EVAL_TASK_FILE_SUFFIXES)
     return value if Path(value).expanduser().is_file() or looks_like_a_path else None
 
