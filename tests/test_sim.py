@@ -95,6 +95,8 @@ FOUND_SEEDS = {
                "(not joined) named no delta, and only the oldest was sent again: its round waited on the other",
     800680: "a delta that reached a restarted syncer just before its round reopened was refused stale, the refusal "
             "lost, and a late hello wiped the answer the pongs repeat: the round waited on it forever",
+    733602164: "a kept delta taken when its round opened overwrote what the pongs said of a later copy (refused "
+               "stale, the error lost): its island waited on that copy forever",
     913001457: "a founding upload lost with a killed syncer's connections was still counted as on its way: asked "
                "again (its copy to the restarted syncer refused), the island ignored every request; never founded",
 }
@@ -348,6 +350,9 @@ PLANTED_ON_SEEDS = {
         [(sdeltas.Deltas, "_heard_while_away", lambda orig: lambda self, msg: None)], [903596133, 903606582]),
     "a founding upload refused with its error lost, never asked for again": (
         [(sadmission.Admission, "_request_init", _request_init_without_heard)], [3141721]),
+    "a kept delta taken at its round's opening, the pongs then silent on a later copy refused with its error lost": (
+        [(sdeltas.Deltas, "_take_kept", lambda orig: lambda self, m, msg, now: self._take_delta(m, msg, now))],
+        [733602164]),
     "a founding upload lost with its connection still counted as on its way, every request for it ignored": (
         [(lcore.IslandCore, "link_lost", _init_copies_kept_across_a_break)], [913001457]),
 }

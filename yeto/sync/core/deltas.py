@@ -206,9 +206,18 @@ class Deltas:
             session_msg = kept.pop(r.number, None)
             m = s.members.get(lid)
             if session_msg is not None and m is not None and m.active and m.welcomed and m.session == session_msg[0]:
-                self._take_delta(m, session_msg[1], now)
+                self._take_kept(m, session_msg[1], now)
             if not kept:
                 del s.ahead[lid]
+
+    def _take_kept(self, m: Member, msg: Message, now: float) -> None:
+        """A kept delta taken as if it came now. Where a later copy of its island was heard after it (refused, say,
+        the error lost), the pongs go on speaking of that copy: told of the kept one instead, its island waited
+        forever on the later one (sim seed 733602164)."""
+        heard, answered = m.heard, m.last_answer
+        self._take_delta(m, msg, now)
+        if heard is not None and heard[0] != digest_bytes(msg.frames):
+            m.heard, m.last_answer = heard, answered
 
     def _accept(self, m: Member, msg: Message, digest: str, flat: np.ndarray, now: float) -> None:
         """The delta joins the open round: recorded, saved, added to the running sum, then acked; its compute time
