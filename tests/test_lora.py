@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from yeto import YetoError
 from yeto.backends.torch.lora import lora_config, torch_linears
-from yeto.island.lora_targets import ATTENTION_REGEX, select_targets
+from yeto.island.lora_targets import ATTENTION_REGEX, peft_target_modules, select_targets
 
 
 def adapted_modules(model_dir, mode):
@@ -43,6 +43,13 @@ def test_moe_auto_never_adapts_routers(tiny_model):
     assert not [n for n in chosen if n.endswith(("gate", "shared_expert_gate"))]
     every = adapted_modules(tiny_model("qwen2_moe"), "all-linear")
     assert "model.layers.0.mlp.shared_expert_gate" not in every
+
+
+def test_an_moe_models_targets_are_exact_names():
+    """peft reads a bare `down_proj` on an MoE model as the fused routed experts too (test above, through peft)."""
+    chosen = ["model.layers.0.mlp.shared_expert.down_proj", "model.layers.0.self_attn.q_proj"]
+    assert peft_target_modules(chosen, chosen) == ["down_proj", "q_proj"]
+    assert peft_target_modules(chosen, chosen, moe=True) == chosen
 
 
 def test_moe_rule_on_per_expert_linears():

@@ -71,15 +71,20 @@ def select_targets(linears: Iterable[Linear], config, mode: str, exclude: Iterab
     return sorted(chosen)
 
 
-def peft_target_modules(chosen: list[str], all_names: Iterable[str]) -> str | list[str]:
+def peft_target_modules(chosen: list[str], all_names: Iterable[str], moe: bool = False) -> str | list[str]:
     """The shortest peft `target_modules` that selects exactly `chosen`.
 
     peft matches a list entry when a module name equals it or ends with
     '.' + it, and a string as a full regex. Prefer the short suffix list (what a
-    person writes), then the attention regex, then the exact names.
+    person writes), then the attention regex, then the exact names. An MoE model
+    (`moe`) gets the exact names: peft reads a bare leaf name there (`down_proj`)
+    or the leaves a regex matches as the transformers-4 name of the fused routed
+    experts too, and would adapt the experts the rules leave alone.
     """
     all_names = list(all_names)
     chosen_set = set(chosen)
+    if moe:
+        return sorted(chosen_set)
     suffixes = sorted({n.rsplit(".", 1)[-1] for n in chosen})
     by_suffix = {n for n in all_names if n.rsplit(".", 1)[-1] in suffixes}
     if by_suffix == chosen_set:
@@ -118,8 +123,8 @@ class LoraSpec:
 
 
 def lora_spec_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha: float = 32.0,
-                  dropout: float = 0.05) -> LoraSpec:
+                  dropout: float = 0.05, moe: bool = False) -> LoraSpec:
     """As the torch island's `lora_config_for` (yeto.backends.torch.lora), as a LoraSpec (no peft, no torch):
     the MLX island's."""
     check_lora(r, dropout)
-    return LoraSpec(r, alpha, dropout, peft_target_modules(chosen, [n for n, _, _ in linears]))
+    return LoraSpec(r, alpha, dropout, peft_target_modules(chosen, [n for n, _, _ in linears], moe))

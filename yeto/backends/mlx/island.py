@@ -162,6 +162,7 @@ class MLXIsland(ShardedData):
         from transformers import AutoConfig
 
         from yeto.island.lora_targets import lora_spec_for, select_targets
+        from yeto.models.catalog import num_experts
         from yeto.backends.mlx.lora import apply_lora, freeze_lora_a, mlx_linears
 
         self.cfg = cfg
@@ -176,7 +177,8 @@ class MLXIsland(ShardedData):
         hf_config = AutoConfig.from_pretrained(self.model_artifact.path, trust_remote_code=cfg.trust_remote_code)
         linears = mlx_linears(self.model)
         self.targets = select_targets(linears, hf_config, cfg.lora_targets, ["lm_head"])
-        self.lora = lora_spec_for(self.targets, linears, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+        self.lora = lora_spec_for(self.targets, linears, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                                  num_experts(hf_config) > 0)
         apply_lora(self.model, self.targets, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
         if cfg.lora_freeze_a:
             freeze_lora_a(self.model)

@@ -5,6 +5,7 @@ instead)."""
 from __future__ import annotations
 
 from yeto.island.lora_targets import Linear, check_lora, peft_target_modules, select_targets
+from yeto.models.catalog import num_experts
 
 
 def torch_linears(model) -> tuple[list[Linear], list[str]]:
@@ -21,13 +22,14 @@ def torch_linears(model) -> tuple[list[Linear], list[str]]:
     return linears, exclude
 
 
-def lora_config_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha: float = 32.0, dropout: float = 0.05):
+def lora_config_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha: float = 32.0, dropout: float = 0.05,
+                    moe: bool = False):
     """The peft LoraConfig the torch island builds its adapter from: the linears `select_targets`
-    chose, among all of the model's `linears`."""
+    chose, among all of the model's `linears` (`moe`: an MoE model's, see `peft_target_modules`)."""
     from peft import LoraConfig
 
     check_lora(r, dropout)
-    targets = peft_target_modules(chosen, [n for n, _, _ in linears])
+    targets = peft_target_modules(chosen, [n for n, _, _ in linears], moe)
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM",
                       bias="none")
 
@@ -35,4 +37,5 @@ def lora_config_for(chosen: list[str], linears: list[Linear], r: int = 16, alpha
 def lora_config(model, mode: str = "auto", r: int = 16, alpha: float = 32.0, dropout: float = 0.05):
     """A peft LoraConfig for a torch `model` under the rule `mode`."""
     linears, exclude = torch_linears(model)
-    return lora_config_for(select_targets(linears, model.config, mode, exclude), linears, r, alpha, dropout)
+    return lora_config_for(select_targets(linears, model.config, mode, exclude), linears, r, alpha, dropout,
+                           num_experts(model.config) > 0)
