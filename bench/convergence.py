@@ -57,6 +57,7 @@ def scaled(n: int) -> list[str]:
     return ["--outer-lr", f"{n ** 0.5:.3g}", "--outer-momentum", "0.0"]
 STREAM_PARTS = (2, 4)  # --fragments of the streamed arms
 SLOWDOWN = 10  # the heterogeneous arm's slow island is this many times slower per step
+LOCKSTEP_H = 12  # the lockstep arms' round: about the fast island's steps in a time window of the slow one's one
 PROCESS_TIMEOUT_S = 3600
 
 
@@ -80,6 +81,7 @@ class Arm:
     # `yeto launch` sets up), "join" the shared join key (bounded: claims capped at the round's low median)
     keys: str = ""
     slow_backend: str = "torch"  # the slow island's backend: "mlx" (a Mac beside a GPU; MLX's CPU backend here)
+    slow_max_steps: int = 0  # the last island's --max-inner-steps (lockstep arms: a slow island's share of a round)
 
 
 def arms(h_values: list[int], global_batch: int, long_steps: int) -> list[Arm]:
@@ -145,6 +147,21 @@ def streamed_arms(h: int, steps: int) -> list[Arm]:
     return out
 
 
+def lockstep_arms(a: argparse.Namespace) -> list[Arm]:
+    """The heterogeneous pair without the clock: fixed-step rounds of LOCKSTEP_H steps, the slow island doing one
+    step of each (what a 10x slower island does in a window of ~12 fast steps) and every delta merged in its round.
+    Nothing depends on timing, so a run repeats and two merge rules compare on the same steps (the time-window arms
+    move by a few percent run to run with which steps fall in which window)."""
+    steps, half = a.rounds * LOCKSTEP_H, max(1, a.batch_size // 2)
+    alone = "lockstep: fast island alone"
+    pair = dict(inner_steps=LOCKSTEP_H, steps=steps, batch=half, slow_max_steps=1, baseline=alone)
+    return [Arm(alone, 1, LOCKSTEP_H, PLAIN, steps=steps, batch=half, shards=2, baseline=alone),
+            Arm("lockstep: fast + 1-step slow, mean, step-normalized (the time-window defaults)", 2,
+                syncer=PLAIN + MEAN + ["--step-normalize"], **pair),
+            Arm("lockstep: fast + 1-step slow, mean, not step-normalized", 2,
+                syncer=PLAIN + MEAN + ["--no-step-normalize"], **pair)]
+
+
 def arm_dir(arm: Arm) -> str:
     """The folder of an arm's processes (under the run's temporary directory)."""
     return arm.name.replace(" ", "_").replace(",", "").replace("/", "-").replace("=", "").replace("+", "and")
@@ -190,6 +207,8 @@ def run_arm(arm: Arm, a: argparse.Namespace, tmp: Path, env: dict[str, str]) -> 
 
     def start_island(port: int, i: int, delay_s: float, where: Path, key: str = "") -> subprocess.Popen:
         delay = ["--step-delay", str(delay_s)] if delay_s else []
+        if i == n - 1 and arm.slow_max_steps:
+            delay += ["--max-inner-steps", str(arm.slow_max_steps)]
         mlx = i == n - 1 and arm.slow_backend == "mlx"
         return subprocess.Popen(([sys.executable, "-m", "yeto.backends.mlx"] if mlx else island) + common + [
             "--batch-size", str(batch), "--syncer", f"127.0.0.1:{port}", *([] if key else ["--insecure"]),
@@ -322,6 +341,8 @@ def main() -> None:
                      syncer=PLAIN + ["--staleness-exponent", "0"], **pair),
                  Arm(f"heterogeneous: fast + {SLOWDOWN}x slow, stale dropped", 2,
                      syncer=PLAIN + ["--max-base-lag", "0"], **pair)]
+    if not a.no_heterogeneous:
+        todo += lockstep_arms(a)
     if a.arms:
         keep = [k.strip() for k in a.arms.split(";")]
         wanted = [x for x in todo if any(k in x.name for k in keep)]
