@@ -14,6 +14,9 @@ slow island):
                      no keys (--insecure: trusted), each island on its own key (trusted) or both on the shared
                      join key (bounded: claims capped at the round's low median); and a torch island beside
                      a 10x slower MLX one (a Mac beside a GPU; MLX's CPU backend on Linux)
+  lockstep           the heterogeneous pair without the clock: fixed rounds of 12 steps, the slow island one step
+                     of each (--max-inner-steps 1), against the fast island alone on the same steps, and a ceiling
+                     (the fast island alone taking the slow island's step itself, 13-step rounds)
   streamed parts     the default 2-island fleet over the longer run with --fragments P (rounds of H/P steps, each
                      part synced every H), with and without --overlap, and with --pipeline 2, against the whole
                      adapter every H steps
@@ -155,11 +158,19 @@ def lockstep_arms(a: argparse.Namespace) -> list[Arm]:
     steps, half = a.rounds * LOCKSTEP_H, max(1, a.batch_size // 2)
     alone = "lockstep: fast island alone"
     pair = dict(inner_steps=LOCKSTEP_H, steps=steps, batch=half, slow_max_steps=1, baseline=alone)
+    # what no merge can beat: the slow island's step of each round taken by the fast island itself, in sequence
+    ceiling = a.rounds * (LOCKSTEP_H + 1)
     return [Arm(alone, 1, LOCKSTEP_H, PLAIN, steps=steps, batch=half, shards=2, baseline=alone),
+            Arm("lockstep: fast island alone, one step more a round (the pair's tokens: a ceiling)", 1,
+                LOCKSTEP_H + 1, PLAIN, steps=ceiling, batch=half, shards=2, baseline=alone),
             Arm("lockstep: fast + 1-step slow, mean, step-normalized (the time-window defaults)", 2,
                 syncer=PLAIN + MEAN + ["--step-normalize"], **pair),
             Arm("lockstep: fast + 1-step slow, mean, not step-normalized", 2,
-                syncer=PLAIN + MEAN + ["--no-step-normalize"], **pair)]
+                syncer=PLAIN + MEAN + ["--no-step-normalize"], **pair),
+            # step-normalized, the token-weighted mean is 12/13 (fast + slow): the pair's steps added, not averaged
+            Arm(f"lockstep: fast + 1-step slow, step-normalized, outer lr {LOCKSTEP_H + 1}/{LOCKSTEP_H}", 2,
+                syncer=MEAN + ["--step-normalize", "--outer-lr", f"{(LOCKSTEP_H + 1) / LOCKSTEP_H:.6g}",
+                              "--outer-momentum", "0.0"], **pair)]
 
 
 def arm_dir(arm: Arm) -> str:
