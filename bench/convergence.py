@@ -161,6 +161,9 @@ def lockstep_arms(a: argparse.Namespace) -> list[Arm]:
     # what no merge can beat: the slow island's step of each round taken by the fast island itself, in sequence
     ceiling = a.rounds * (LOCKSTEP_H + 1)
     return [Arm(alone, 1, LOCKSTEP_H, PLAIN, steps=steps, batch=half, shards=2, baseline=alone),
+            Arm(f"lockstep: fast island alone, outer lr {LOCKSTEP_H + 1}/{LOCKSTEP_H}", 1, LOCKSTEP_H,
+                ["--outer-lr", f"{(LOCKSTEP_H + 1) / LOCKSTEP_H:.6g}", "--outer-momentum", "0.0"], steps=steps,
+                batch=half, shards=2, baseline=alone),
             Arm("lockstep: fast island alone, one step more a round (the pair's tokens: a ceiling)", 1,
                 LOCKSTEP_H + 1, PLAIN, steps=ceiling, batch=half, shards=2, baseline=alone),
             Arm("lockstep: fast + 1-step slow, mean, step-normalized (the time-window defaults)", 2,
