@@ -100,8 +100,9 @@ bench: setup-test openblas
 # bench/gpu_check.sh on a GPU machine with no network: wheels that travel in build/wheels (ignored, carried with the
 # code) and run ahead of the machine's own copies, without their deps (torch, transformers and the rest stay the
 # machine's). The check needs nothing beyond torch, transformers, peft and accelerate; peft is carried at the version
-# the CPU mode (tests/test_gpu_check.py) runs with here. Add what a machine lacks: make gpu-wheels GPU_WHEELS="..."
-GPU_WHEELS ?= peft==0.22.0
+# the CPU mode (tests/test_gpu_check.py) runs with here (constraints.txt's). Add what a machine lacks:
+# make gpu-wheels GPU_WHEELS="..."
+GPU_WHEELS ?= $(shell grep '^peft==' constraints.txt)
 
 gpu-wheels:
 	rm -rf build/wheels

@@ -157,23 +157,22 @@ def lockstep_arms(a: argparse.Namespace) -> list[Arm]:
     move by a few percent run to run with which steps fall in which window)."""
     steps, half = a.rounds * LOCKSTEP_H, max(1, a.batch_size // 2)
     alone = "lockstep: fast island alone"
+    solo = dict(steps=steps, batch=half, shards=2, baseline=alone)  # the fast island's shard, as in the pair
     pair = dict(inner_steps=LOCKSTEP_H, steps=steps, batch=half, slow_max_steps=1, baseline=alone)
+    # step-normalized, the token-weighted mean is 12/13 (fast + slow): this outer lr adds the pair's steps instead
+    longer = ["--outer-lr", f"{(LOCKSTEP_H + 1) / LOCKSTEP_H:.6g}", "--outer-momentum", "0.0"]
     # what no merge can beat: the slow island's step of each round taken by the fast island itself, in sequence
-    ceiling = a.rounds * (LOCKSTEP_H + 1)
-    return [Arm(alone, 1, LOCKSTEP_H, PLAIN, steps=steps, batch=half, shards=2, baseline=alone),
-            Arm(f"lockstep: fast island alone, outer lr {LOCKSTEP_H + 1}/{LOCKSTEP_H}", 1, LOCKSTEP_H,
-                ["--outer-lr", f"{(LOCKSTEP_H + 1) / LOCKSTEP_H:.6g}", "--outer-momentum", "0.0"], steps=steps,
-                batch=half, shards=2, baseline=alone),
+    ceiling = {**solo, "steps": a.rounds * (LOCKSTEP_H + 1)}
+    return [Arm(alone, 1, LOCKSTEP_H, PLAIN, **solo),
+            Arm(f"lockstep: fast island alone, outer lr {LOCKSTEP_H + 1}/{LOCKSTEP_H}", 1, LOCKSTEP_H, longer, **solo),
             Arm("lockstep: fast island alone, one step more a round (the pair's tokens: a ceiling)", 1,
-                LOCKSTEP_H + 1, PLAIN, steps=ceiling, batch=half, shards=2, baseline=alone),
+                LOCKSTEP_H + 1, PLAIN, **ceiling),
             Arm("lockstep: fast + 1-step slow, mean, step-normalized (the time-window defaults)", 2,
                 syncer=PLAIN + MEAN + ["--step-normalize"], **pair),
             Arm("lockstep: fast + 1-step slow, mean, not step-normalized", 2,
                 syncer=PLAIN + MEAN + ["--no-step-normalize"], **pair),
-            # step-normalized, the token-weighted mean is 12/13 (fast + slow): the pair's steps added, not averaged
             Arm(f"lockstep: fast + 1-step slow, step-normalized, outer lr {LOCKSTEP_H + 1}/{LOCKSTEP_H}", 2,
-                syncer=MEAN + ["--step-normalize", "--outer-lr", f"{(LOCKSTEP_H + 1) / LOCKSTEP_H:.6g}",
-                              "--outer-momentum", "0.0"], **pair)]
+                syncer=MEAN + ["--step-normalize"] + longer, **pair)]
 
 
 def arm_dir(arm: Arm) -> str:
