@@ -262,7 +262,7 @@ def _step_claims_believed(orig):
         # claim, a join-key holder's too (the red team's 10^6x; the weights stay capped)
         real = orig(counts, how, lags, exponent, normalize, window_steps, tiers)
         believed = orig(counts, how, lags, exponent, normalize, window_steps, ["trusted"] * len(counts))
-        return dataclasses.replace(real, scales=believed.scales, length=believed.length)
+        return dataclasses.replace(real, scales=believed.scales, length=believed.length, judged=believed.judged)
     return terms
 
 

@@ -408,3 +408,22 @@ def test_claims_buy_no_more_than_the_median_delta_and_step_claims_are_bounded():
     holder = merge_terms([DeltaCounts(1000, 2000, 10)] * 2 + [DeltaCounts(1000, 2000, 10 ** 7)], "loss-tokens",
                          [0, 0, 0], 0.5, True, [10, 10, 10 ** 7])
     assert [s * holder.length for s in holder.scales] == [gain, gain, 1.0]  # honest deltas gain x, no further
+
+
+def test_the_clip_judges_a_short_delta_at_its_step_gain_whether_or_not_the_merge_normalizes():
+    from yeto.sync.merge.aggregate import clip_factors, clip_reference
+    from yeto.sync.merge.rules import merge_terms
+
+    counts = [DeltaCounts(1200, 2400, 12), DeltaCounts(100, 200, 1)]
+    plain = merge_terms(counts, "loss-tokens", [0, 1], 0.5, False, [12, 1], ["trusted"] * 2)
+    assert plain.scales == [1.0, 2 ** -0.5] and plain.length == 1.0  # merged as it came (stale discounted)
+    assert plain.judged == [1.0, 12 * 2 ** -0.5]  # judged as the 12-step move it stands for
+    normalized = merge_terms(counts, "loss-tokens", [0, 1], 0.5, True, [12, 1], ["trusted"] * 2)
+    assert normalized.judged == normalized.scales
+    alike = merge_terms(counts[:1] * 2, "loss-tokens", [0, 0], 0.5, False, [12, 12])
+    assert alike.judged == alike.scales == [1.0, 1.0]  # equal steps: judged as merged
+    # the pair's clip: a 12-step delta of norm 5 beside a 1-step one of 0.5 is not cut to 4 x 0.5
+    norms = [n * j * plain.length for n, j in zip([5.0, 0.5], plain.judged)]
+    assert clip_factors(norms, clip_reference(norms, [], ["trusted"] * 2), 4.0)[0] == 1.0
+    unjudged = [5.0, 0.5 * 2 ** -0.5]
+    assert clip_factors(unjudged, clip_reference(unjudged, [], ["trusted"] * 2), 4.0)[0] < 0.3  # (what it was)

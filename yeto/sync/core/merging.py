@@ -56,7 +56,7 @@ class Merged:
     frames: tuple[bytes, ...]
     weights: np.ndarray  # what each delta counted for
     counted: list[float]  # each delta's bounded claim
-    merged_norms: list[float]  # each delta's norm as merged (scaled, clipped)
+    merged_norms: list[float]  # each delta's norm as the clip judged it (`MergeTerms.judged`), clipped
     clip_ref: Optional[float]  # norm-clip: the reference norm the clip is relative to
     clip: dict[int, float]
     rule: dict[str, Any]
@@ -100,7 +100,8 @@ class Merging:
         terms = self._terms(ids)
         scales = dict(zip(ids, terms.scales))
         most = np.float32(terms.length)
-        norms = [s.pending[i].norm * scales[i] * terms.length for i in ids]  # (the deltas as they are merged)
+        judged = dict(zip(ids, terms.judged))  # (the deltas as they are merged, a short one at least at its gain)
+        norms = [s.pending[i].norm * judged[i] * terms.length for i in ids]
         tiers = [s.pending[i].tier for i in ids]
         ref = clip_reference(norms, list(s.norm_history_of(s.part(s.round.number))), tiers)
         try:

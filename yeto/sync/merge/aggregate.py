@@ -7,7 +7,9 @@ vector per round, not one per island; the deltas themselves stay in their wire
 encoding (4 bits: 1/8 of fp32) for the durable copy and for the rare rebuild.
 
 Norm clipping (`--robust norm-clip`, the default): with n_i = |s_i d_i| (the
-delta as it is merged: staleness and step normalization applied) and
+delta as it is merged: staleness and step normalization applied; where the
+merge does not normalize, a shorter delta at no less than its step gain,
+`yeto.sync.merge.rules.MergeTerms.judged`) and
 ref = median_low(this round's norms and the last `NORM_HISTORY` merged norms,
 after their clips), a delta with n_i > k * ref is scaled by c_i = k * ref / n_i
 before it is weighted. The low median (of a pair, the smaller) is what makes it

@@ -176,6 +176,10 @@ class MergeTerms:
     counted: list[float]  # unnormalised weights: the claims, capped (`capped_claims`)
     scales: list[float]  # staleness discount x step normalization's share (1/k_i of the round's length)
     length: float  # the round's length (1 without step normalization)
+    # each delta's scale as the norm clip judges it (its judged norm: norm x judged x length): its own scale, but a
+    # short delta at no less than its linear step gain where the merge does not normalize, so that a 1-step delta's
+    # norm never becomes the reference that clips a 12-step one (docs/benchmarks.md, the pair in lockstep)
+    judged: list[float]
 
 
 def merge_terms(counts: Sequence[DeltaCounts], how: str, lags: Sequence[int], staleness_exponent: float,
@@ -183,15 +187,16 @@ def merge_terms(counts: Sequence[DeltaCounts], how: str, lags: Sequence[int], st
     """The bounded weights and scales of one merge (the syncer's and every replay's: one expression, same bits)."""
     counted = capped_claims([weight_of(c, how) for c in counts], tiers)
     stale = [staleness_factor(lag, staleness_exponent) for lag in lags]
-    if not normalize:
-        return MergeTerms(counted, stale, 1.0)
     inner = [c.inner_steps for c in counts]
     claims = _step_claims(window_steps, inner)
     length = _length_of(claims, _tiers_of(tiers, len(inner)))
     # a delta is an estimate of a `length`-step move, scaled up by at most MAX_STEP_SCALE; one whose own claim is
     # longer than the round (a capped claim) is taken at its own length, never scaled down to the round's
-    scales = [s * min(max(length, c) / max(1, k), MAX_STEP_SCALE) / length for s, c, k in zip(stale, claims, inner)]
-    return MergeTerms(counted, scales, float(length))
+    gains = [min(max(length, c) / max(1, k), MAX_STEP_SCALE) for c, k in zip(claims, inner)]
+    if not normalize:
+        return MergeTerms(counted, stale, 1.0, [s * g if g > 1 else s for s, g in zip(stale, gains)])
+    scales = [s * g / length for s, g in zip(stale, gains)]
+    return MergeTerms(counted, scales, float(length), scales)
 
 
 def staleness_factor(lag: int, exponent: float) -> float:
