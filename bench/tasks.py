@@ -15,8 +15,9 @@ loopback and islands, or one process alone):
   heterogeneous        2 islands in time-window rounds, one 10x slower, the mode's defaults, island keys (trusted),
                        against the fast island alone for the same wall-clock (beside a shadow slow island, so both
                        see the same CPU load)
-`--levers` adds the few-sequential-steps arms (the 2-island fleet with H/2 and with outer lr 1.5) and the
-heterogeneous pair without step normalization.
+`--levers` adds the few-sequential-steps arms (the 2-island fleet with H/2 and with outer lr 1.5), the
+heterogeneous pair without step normalization, and bench/convergence.py's lockstep
+arms (the pair in fixed-step rounds, the slow island one step of each: no clock, so a seed repeats).
 Each fleet arm's accuracy minus one machine's is the paired difference over the same examples, with its 95% interval.
 
     python bench/tasks.py [--tasks chain_sum,word_sequence_reversal] [--seeds 0,1] [--steps 150] [--levers]
@@ -119,6 +120,8 @@ def run_task(name: str, seed: int, a: argparse.Namespace, tmp: Path, env: dict[s
     print(f"    {BASE}: accuracy {results[BASE]['accuracy']:.1%}", flush=True)
     slow_s = (SLOWDOWN - 1) * a.step_s
     todo = fleet_arms(a.inner_steps, a.levers, a.round_seconds, slow_s, a.batch_size, a.steps)
+    if a.levers:  # the heterogeneous pair without the clock: merge rules compared on the same steps
+        todo += convergence.lockstep_arms(a)
     if a.smoke:
         todo = [x for x in todo if x.name in SMOKE_ARMS]
     elif a.arms:
@@ -184,7 +187,8 @@ def verdicts(results: dict[str, dict]) -> list[str]:
 def merged(files: list[str], a: argparse.Namespace) -> dict[str, dict[int, dict[str, dict]]]:
     """The results of earlier runs' --json files as one: a later file's arm replaces an earlier file's (same task and
     seed), and each table lists its arms in fleet_arms' order."""
-    order = [BASE] + [x.name for x in fleet_arms(a.inner_steps, True, 1.0, 1.0, a.batch_size, a.steps)]
+    order = [BASE] + [x.name for x in fleet_arms(a.inner_steps, True, 1.0, 1.0, a.batch_size, a.steps)
+                      + convergence.lockstep_arms(a)]
     out: dict[str, dict[int, dict[str, dict]]] = {}
     for f in files:
         for name, by_seed in json.loads(Path(f).read_text()).items():
