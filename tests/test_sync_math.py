@@ -423,7 +423,7 @@ def test_the_clip_judges_a_short_delta_at_its_step_gain_whether_or_not_the_merge
     alike = merge_terms(counts[:1] * 2, "loss-tokens", [0, 0], 0.5, False, [12, 12])
     assert alike.judged == alike.scales == [1.0, 1.0]  # equal steps: judged as merged
     # the pair's clip: a 12-step delta of norm 5 beside a 1-step one of 0.5 is not cut to 4 x 0.5
-    norms = [n * j * plain.length for n, j in zip([5.0, 0.5], plain.judged)]
+    norms = plain.judged_norms([5.0, 0.5])
     assert clip_factors(norms, clip_reference(norms, [], ["trusted"] * 2), 4.0)[0] == 1.0
     unjudged = [5.0, 0.5 * 2 ** -0.5]
     assert clip_factors(unjudged, clip_reference(unjudged, [], ["trusted"] * 2), 4.0)[0] < 0.3  # (what it was)

@@ -226,7 +226,7 @@ class TapeFold:
         terms = merge_terms([DeltaCounts(d["loss_tokens"], d["tokens"], d["inner_steps"]) for d in used], how,
                             e["lags"], self.staleness_exponent, bool(e.get("step_normalize")),
                             [d.get("round_steps", 0) for d in used], tiers)
-        norms = [d["norm"] * j * terms.length for d, j in zip(used, terms.judged)]
+        norms = terms.judged_norms([d["norm"] for d in used])
         ref = clip_reference(norms, self._norm_history(_part_of(e)), tiers)
         merged = [n * c for n, c in zip(norms, clip_factors(norms, ref, self.robust_k))]
         weights = [w / sum(terms.counted) * s * terms.length for w, s in zip(terms.counted, terms.scales)]

@@ -100,8 +100,7 @@ class Merging:
         terms = self._terms(ids)
         scales = dict(zip(ids, terms.scales))
         most = np.float32(terms.length)
-        judged = dict(zip(ids, terms.judged))  # (the deltas as they are merged, a short one at least at its gain)
-        norms = [s.pending[i].norm * judged[i] * terms.length for i in ids]
+        norms = terms.judged_norms([s.pending[i].norm for i in ids])
         tiers = [s.pending[i].tier for i in ids]
         ref = clip_reference(norms, list(s.norm_history_of(s.part(s.round.number))), tiers)
         try:

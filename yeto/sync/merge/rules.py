@@ -181,6 +181,11 @@ class MergeTerms:
     # norm never becomes the reference that clips a 12-step one (docs/benchmarks.md, the pair in lockstep)
     judged: list[float]
 
+    def judged_norms(self, norms: Sequence[float]) -> list[float]:
+        """The deltas' norms (as received) as the clip judges them: the syncer's merge and the audit's recomputation
+        take them from here, so the two cannot judge differently."""
+        return [n * j * self.length for n, j in zip(norms, self.judged)]
+
 
 def merge_terms(counts: Sequence[DeltaCounts], how: str, lags: Sequence[int], staleness_exponent: float,
                 normalize: bool, window_steps: Sequence[int], tiers: Optional[Sequence[str]] = None) -> MergeTerms:
