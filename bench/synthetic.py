@@ -45,6 +45,7 @@ class NumpyIsland:
                        for n, s in shapes.items()}
         self.step_s, self.r, self.crash_at = step_s, r, crash_at
         self.step_ends: list[float] = []  # time.time() at the end of each step
+        self.step_count = 0
         self.loads: list[float] = []  # time.time() at each adapter handed in (a round's start, the end)
 
     def adapter_state(self):
@@ -62,6 +63,7 @@ class NumpyIsland:
             flat = v.reshape(-1)[:self.target[k].size]
             flat += 0.1 * (self.target[k] - flat)
         self.step_ends.append(time.time())
+        self.step_count += 1
         return {"loss": 1.0, "tokens": 64, "loss_tokens": 32}
 
     def adapter_config(self):

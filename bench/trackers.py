@@ -40,6 +40,7 @@ class NumpyIsland:
 
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
+        self.step_count = 0
         self.state = {}
         for i in range(LAYERS):
             for mod, (fin, fout) in SHAPES.items():
@@ -56,6 +57,7 @@ class NumpyIsland:
     def step(self):
         for v in self.state.values():
             v += 1e-3 * self.rng.standard_normal(v.shape, dtype=np.float32)
+        self.step_count += 1
         return {"loss": 1.0, "tokens": 2 * LOSS_TOKENS, "loss_tokens": LOSS_TOKENS}
 
     def adapter_config(self):

@@ -35,7 +35,8 @@ class QuadraticIsland:
     def __init__(self, target: float, loss_tokens: int, lr: float = 0.5, shape_b=(4, 2)):
         self.state = {NAMES[0]: np.zeros((2, 4), np.float32), NAMES[1]: np.zeros(shape_b, np.float32)}
         self.target, self.loss_tokens, self.lr = target, loss_tokens, lr
-        self.steps = 0
+        self.step_count = 0
+        self.horizons: list[int] = []  # the LR schedule's horizons the loop set, in order
 
     def adapter_state(self):
         return {k: v.copy() for k, v in self.state.items()}
@@ -46,7 +47,7 @@ class QuadraticIsland:
     def step(self):
         for k in self.state:
             self.state[k] -= self.lr * (self.state[k] - self.target)
-        self.steps += 1
+        self.step_count += 1
         loss = float(sum(((v - self.target) ** 2).mean() for v in self.state.values()))
         return {"loss": loss, "tokens": 2 * self.loss_tokens, "loss_tokens": self.loss_tokens}
 
@@ -57,7 +58,7 @@ class QuadraticIsland:
         return {"backend": "numpy", "config": {"batch_size": 1, "seq_len": 2 * self.loss_tokens}}
 
     def set_total_steps(self, total):
-        pass
+        self.horizons.append(total)
 
     def use_shard(self, index, count):  # (no data to cut: every shard is the same target)
         pass
@@ -86,7 +87,7 @@ class HeldIsland(QuadraticIsland):
         self.steps_before, self.hold, self.hold_s = steps_before, hold, hold_s
 
     def step(self):
-        if self.steps >= self.steps_before:
+        if self.step_count >= self.steps_before:
             self.hold.wait(self.hold_s)
         return super().step()
 

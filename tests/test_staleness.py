@@ -24,8 +24,9 @@ def test_a_slow_island_contributes_every_delta_and_the_fast_one_never_waits_past
     s, port = start_syncer(out=out, islands=2, quorum=1, outer_steps=10, round_seconds=ROUND_S, grace_s=GRACE_S,
                            max_base_lag=4, straggler_timeout=30.0)
     results: dict = {}
-    fast = island_thread(QuadraticIsland(1.0, 100), port, 0, results, step_delay=FAST_STEP_S)
-    slow = island_thread(QuadraticIsland(-1.0, 100), port, 1, results, step_delay=SLOW_STEP_S)
+    islands = [QuadraticIsland(1.0, 100), QuadraticIsland(-1.0, 100)]
+    fast = island_thread(islands[0], port, 0, results, step_delay=FAST_STEP_S)
+    slow = island_thread(islands[1], port, 1, results, step_delay=SLOW_STEP_S)
     fast.join(120)
     slow.join(120)
     assert not isinstance(results.get(0), Exception) and not isinstance(results.get(1), Exception), results
@@ -52,6 +53,12 @@ def test_a_slow_island_contributes_every_delta_and_the_fast_one_never_waits_past
         # the fast island (quorum) never waited past the cap for the slow one
         assert m["grace_s"] is None or m["grace_s"] <= GRACE_S + 0.1, m
     assert results[0]["abandoned_rounds"] == 0
+    # each island's LR schedule ends about where its own steps did (its pace over the rounds left), the slow island's
+    # too: not at --max-steps of its own steps, which a 10x slower island never reaches
+    for isl in islands:
+        assert isl.horizons and abs(isl.horizons[-1] - isl.step_count) <= max(2, isl.step_count // 2), \
+            (isl.horizons, isl.step_count)
+    assert islands[1].horizons[-1] < islands[0].horizons[-1] / 4
 
 
 def test_overlap_steps_are_the_rounds_own_not_carried_in(start_syncer, tmp_path):

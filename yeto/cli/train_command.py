@@ -142,7 +142,8 @@ def _train_signature(
                                                        "the gradient is the same whatever it is.")
                         ] = D.micro_batch_size,
     max_steps: Annotated[Optional[int], typer.Option(
-        help=f"Optimizer steps (default {D.max_steps}; with --syncer: the LR schedule's horizon).")] = None,
+        help=f"Optimizer steps (default {D.max_steps}; with --syncer the schedule spans the run: this is its "
+             "horizon only in time-window rounds, until the island's pace is known).")] = None,
     epochs: Annotated[Optional[float], typer.Option(
         help="Instead of --max-steps: passes over this island's data shard (2, 0.5), the steps computed from its "
              "blocks, --batch-size and --grad-accum and shown at start.")] = None,

@@ -171,6 +171,8 @@ class IslandLoop:
         self.stats = IslandStats()
         self.t_start: Optional[float] = None  # utilization is measured from the first round on (not the wait to join)
         self.stall_s = 0.0
+        self.first_round = (0, 0)  # the round this island first trained in, and its step count then (its pace's start)
+        self.horizon: Optional[int] = None  # the LR schedule's last step, as last set
         self.carry: Optional[Carry[RoundStats]] = None  # steps that go on top of the next global
         self.starts = RoundStart(layout)  # where each round starts, and what that keeps from earlier rounds
 
@@ -230,9 +232,8 @@ class IslandLoop:
             self.island.use_shard(*self.core.shard)  # the data shard the syncer says (a no-op once held)
         if self.t_start is None:
             self.t_start = time.perf_counter()
-            total = self.core.policy.run_steps()
-            if total is not None:
-                self.island.set_total_steps(total)
+            self.first_round = (task.round, self.island.step_count)
+        self._set_horizon(task.round)
         rnd = self._start(task)
         if self.task_evals is not None and self.task_evals.due_round(task.round):
             self.task_evals.keep(task.round, task.base_version, task.adapter, self.island.step_count)
@@ -250,6 +251,17 @@ class IslandLoop:
             self.log(f"round {task.round} closed without us after {rnd.steps} steps: starting from the new global")
         elif verdict is not StepVerdict.STOP:  # (STOP: next_task says why)
             self._push(task, rnd)
+
+    def _set_horizon(self, round_number: int) -> None:
+        """Stretch the LR schedule over the run (`RoundPolicy.schedule_horizon`): in time windows the island's pace,
+        its steps a round since its first, says where the run ends in its own steps."""
+        first_round, first_step = self.first_round
+        rounds = round_number - first_round
+        pace = (self.island.step_count - first_step) / rounds if rounds > 0 else None
+        total = self.core.policy.schedule_horizon(self.island.step_count, pace, round_number)
+        if total is not None and total != self.horizon:
+            self.horizon = total
+            self.island.set_total_steps(total)
 
     def _start(self, task: Train) -> RoundStats:
         """Load the round's start (`RoundStart.start`: the carried steps on top of its global, a streamed run's kept

@@ -260,6 +260,16 @@ class TorchIsland(ShardedData):
         cfg = self.cfg
         self.total_steps = total
         self.scheduler.lr_lambdas[0] = lambda s: lr_lambda(s, cfg.warmup_steps, total, cfg.min_lr_ratio)
+        self._apply_lr()
+
+    def _apply_lr(self) -> None:
+        """The schedule's LR at the current step, now (LambdaLR sets it only when it steps: the next step would still
+        take the LR the old schedule gave it)."""
+        self.scheduler.last_epoch = self.step_count
+        lr = self.cfg.lr * self.scheduler.lr_lambdas[0](self.step_count)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.scheduler._last_lr = [lr]
 
     def record(self) -> dict[str, Any]:
         return island_record(self)
@@ -304,12 +314,7 @@ class TorchIsland(ShardedData):
         self.resume_data(state.meta)
         if state.meta.get("total_steps") and self.cfg.syncer:  # (standalone: --max-steps, which may have grown)
             self.set_total_steps(int(state.meta["total_steps"]))
-        cfg = self.cfg
-        self.scheduler.last_epoch = self.step_count  # the schedule continues at the saved step (no second warm-up)
-        lr = cfg.lr * self.scheduler.lr_lambdas[0](self.step_count)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        self.scheduler._last_lr = [lr]
+        self._apply_lr()  # the schedule continues at the saved step (no second warm-up)
         rng = state.group("rng")
         if "torch" in rng:
             torch.set_rng_state(torch.from_numpy(rng["torch"].copy()))

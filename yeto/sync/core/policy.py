@@ -70,7 +70,13 @@ class RoundPolicy:
         syncer refuses a delta claiming more than the round allows), else NO_STEP_LIMIT (a window: until it comes)."""
         return self.steps_for(max_inner_steps) or NO_STEP_LIMIT
 
-    def run_steps(self) -> Optional[int]:
-        """The run's inner steps in all, which an island's LR schedule spans (None: time windows, whose steps are
-        not known ahead)."""
-        return None if self.windowed else self.outer_steps * self.inner_steps
+    def schedule_horizon(self, step: int, pace: Optional[float], round_number: int) -> Optional[int]:
+        """The step at which an island's LR schedule ends, asked at the start of round `round_number` with the island
+        at `step`: the run's inner steps in all in fixed-step rounds; in time windows, the island's own pace (`pace`:
+        its steps a round so far; None before a round is done) over the rounds left, so that every island anneals
+        with the run, however fast it is (None: not known yet, or a run of no set length; --max-steps holds)."""
+        if not self.windowed:
+            return self.outer_steps * self.inner_steps
+        if pace is None or self.outer_steps < round_number:
+            return None
+        return step + max(1, math.ceil(pace * (self.outer_steps - round_number + 1)))
