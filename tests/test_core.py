@@ -262,16 +262,18 @@ def test_the_round_policy_says_how_many_steps_a_round_asks_of_an_island(round_se
 def test_in_time_windows_every_island_anneals_with_the_run_at_its_own_pace():
     """Fixed-step rounds: the schedule spans the run's inner steps. Time windows: an island's steps are not known
     ahead, so its horizon is its pace (steps a round so far) over the rounds left; a 10x slower island (a Mac beside a
-    GPU) anneals with the run instead of keeping its peak LR (its --max-steps horizon) while the fast one decays; no
-    pace yet, or a run of no set length: None (--max-steps holds)."""
+    GPU) anneals with the run instead of keeping its peak LR while the fast one decays, and a GPU island does not sit
+    at the floor past --max-steps. Before the pace is known a fresh island holds the peak (no decay yet), a resumed
+    one the horizon it saved (None)."""
     assert RoundPolicy(inner_steps=4, outer_steps=6).schedule_horizon(7, 1.0, 3) == 24
     windows = RoundPolicy(round_seconds=20.0, outer_steps=6)
-    assert windows.schedule_horizon(0, None, 1) is None
+    assert windows.schedule_horizon(0, None, 1) == NO_STEP_LIMIT
+    assert windows.schedule_horizon(40, None, 4) is None  # (resumed: its saved horizon holds)
     assert windows.schedule_horizon(11, 11.0, 2) == 11 + 55  # fast: 11 steps a round, rounds 2-6 left
     assert windows.schedule_horizon(1, 1.0, 2) == 6  # 10x slower: 1 step a round, the same run
     assert windows.schedule_horizon(3, 1.5, 3) == 3 + 6  # (a pace that is not whole rounds up)
     assert windows.schedule_horizon(9, 0.0, 6) == 10  # no steps yet: the next one is the last
-    assert RoundPolicy(round_seconds=20.0, outer_steps=0).schedule_horizon(4, 2.0, 3) is None
+    assert windows.schedule_horizon(9, 2.0, 8) == 11  # (a round past the run's end: one round's steps)
 
 
 def test_the_round_policy_is_what_the_syncer_sends():

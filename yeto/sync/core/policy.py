@@ -73,10 +73,12 @@ class RoundPolicy:
     def schedule_horizon(self, step: int, pace: Optional[float], round_number: int) -> Optional[int]:
         """The step at which an island's LR schedule ends, asked at the start of round `round_number` with the island
         at `step`: the run's inner steps in all in fixed-step rounds; in time windows, the island's own pace (`pace`:
-        its steps a round so far; None before a round is done) over the rounds left, so that every island anneals
-        with the run, however fast it is (None: not known yet, or a run of no set length; --max-steps holds)."""
+        its steps a round so far) over the rounds left, so that every island anneals with the run, however fast it is.
+        Before its pace is known (its first round) a fresh island holds the peak LR (NO_STEP_LIMIT: no decay yet;
+        --max-steps would put a GPU island at the floor within its first window) and a resumed one the horizon it
+        saved (None: keep it)."""
         if not self.windowed:
             return self.outer_steps * self.inner_steps
-        if pace is None or self.outer_steps < round_number:
-            return None
-        return step + max(1, math.ceil(pace * (self.outer_steps - round_number + 1)))
+        if pace is None:
+            return NO_STEP_LIMIT if step == 0 else None
+        return step + max(1, math.ceil(pace * max(1, self.outer_steps - round_number + 1)))
